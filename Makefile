@@ -1,0 +1,44 @@
+# Every target bootstraps what it needs: a virtualenv in .venv and CRIU >= 4.0.
+VENV    ?= .venv
+PYTHON  ?= python3
+BIN      = $(VENV)/bin
+STAMP    = $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
+PYTEST_ARGS ?=
+
+.PHONY: demo test lint typecheck unit gpu-test bench criu venv clean
+
+venv: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*; touch $@
+
+criu:
+	@scripts/install-criu >/dev/null
+
+## The main job on the embedded default: no cloud account needed.
+demo: venv criu
+	$(BIN)/spotguard demo
+
+## The whole test suite (lint, types, tests). This is what CI runs.
+test: venv criu lint typecheck
+	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
+
+lint: venv
+	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff format --check src tests bench
+
+typecheck: venv
+	$(BIN)/mypy
+
+## GPU tests: run on a machine with an NVIDIA GPU (driver >= 570).
+gpu-test: venv criu
+	scripts/gpu-tests
+
+bench: venv criu
+	$(BIN)/python -m bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

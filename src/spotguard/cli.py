@@ -1,0 +1,141 @@
+"""The ``spotguard`` command line.
+
+Each command lives in a module of :mod:`spotguard.commands` and is imported only when run,
+so ``spotguard --help`` stays fast and cloud SDKs load only for the commands that need them.
+Any :class:`~spotguard.errors.SpotguardError` ends the command with one clear line on stderr
+and the error's exit code — never a traceback.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import sys
+from typing import Any
+
+import click
+
+from spotguard import log
+from spotguard.errors import SpotguardError
+
+#: command name → "module:attribute" under spotguard.commands
+COMMANDS: dict[str, tuple[str, str]] = {
+    "run": (
+        "checkpoint",
+        "run",
+    ),
+    "checkpoint": ("checkpoint", "checkpoint"),
+    "restore": ("checkpoint", "restore"),
+    "doctor": ("doctor", "doctor"),
+    "images": ("images", "images"),
+    "notices": ("notices", "notices"),
+    "notice": ("notices", "notice"),
+    "metadata-sim": ("notices", "metadata_sim"),
+    "agent": ("agent", "agent"),
+    "drain": ("agent", "drain"),
+    "status": ("agent", "status"),
+    "controller": ("controller", "controller"),
+    "jobs": ("controller", "jobs"),
+    "migrate": ("controller", "migrate"),
+    "demo": ("demo", "demo"),
+}
+
+HELP = {
+    "run": "Start a job so that it can be checkpointed and restored elsewhere.",
+    "checkpoint": "Freeze a job (CPU + GPU) and write its image to a directory or store URL.",
+    "restore": "Restore a job from an image directory or store URL.",
+    "doctor": "Check CRIU, kernel, GPU driver and checkpoint API; hint at fixes.",
+    "images": "List, verify and garbage-collect checkpoint images in a store.",
+    "notices": "Watch interruption notices from the cloud's metadata service.",
+    "notice": "Send, change or cancel notices on a running metadata-sim.",
+    "metadata-sim": "Serve AWS/GCP/Azure metadata endpoints with injectable notices.",
+    "agent": "Protect jobs on this VM: watch notices, checkpoint, stream, report.",
+    "drain": "Ask the local agent to checkpoint its jobs and exit (operator drain).",
+    "status": "Show the local agent's jobs, last images and current activity.",
+    "controller": "Run the controller: relaunch matching instances and restore jobs.",
+    "jobs": "List and show jobs known to the controller.",
+    "migrate": "Move a job to another region or instance type on demand.",
+    "demo": "Save a job from a spot interruption end to end, on this machine alone.",
+}
+
+
+class LazyGroup(click.Group):
+    """A group whose subcommands are imported on first use."""
+
+    def list_commands(self, ctx: click.Context) -> list[str]:
+        return sorted(COMMANDS)
+
+    def get_command(self, ctx: click.Context, cmd_name: str) -> click.Command | None:
+        target = COMMANDS.get(cmd_name)
+        if target is None:
+            return None
+        module_name, attr = target
+        try:
+            module = importlib.import_module(f"spotguard.commands.{module_name}")
+        except ModuleNotFoundError as exc:
+            if exc.name and exc.name.startswith("spotguard"):
+                return _unavailable(cmd_name, str(exc))
+            raise
+        cmd = getattr(module, attr)
+        assert isinstance(cmd, click.Command)
+        return cmd
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [(name, HELP.get(name, "")) for name in self.list_commands(ctx)]
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except SpotguardError as exc:
+            logging.getLogger("spotguard").debug("command failed", exc_info=True)
+            click.echo(f"spotguard: error: {exc}", err=True)
+            sys.exit(exc.exit_code)
+
+
+def _unavailable(name: str, why: str) -> click.Command:
+    @click.command(name, help=HELP.get(name))
+    def cmd() -> None:
+        raise click.ClickException(f"'{name}' is not available in this build ({why})")
+
+    return cmd
+
+
+@click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="spotguard")
+@click.option(
+    "--config",
+    "config",
+    envvar="SPOTGUARD_CONFIG",
+    type=click.Path(dir_okay=False),
+    help="TOML config file. [env: SPOTGUARD_CONFIG] [default: /etc/spotguard/spotguard.toml]",
+)
+@click.option(
+    "--log-format",
+    type=click.Choice(["text", "json"]),
+    envvar="SPOTGUARD_LOG_FORMAT",
+    default="text",
+    show_default=True,
+    help="Log line format on stderr. [env: SPOTGUARD_LOG_FORMAT]",
+)
+@click.option(
+    "--log-level",
+    envvar="SPOTGUARD_LOG_LEVEL",
+    default="INFO",
+    show_default=True,
+    help="Log level. [env: SPOTGUARD_LOG_LEVEL]",
+)
+@click.pass_context
+def main(ctx: click.Context, config: str | None, log_format: str, log_level: str) -> None:
+    """spotguard — keep GPU jobs alive through spot interruptions and node drains."""
+    log.setup("json" if log_format == "json" else "text", log_level)
+    ctx.obj = {"config": config}
+
+
+def config_file(ctx: click.Context) -> str | None:
+    """The ``--config`` given to the top-level command (for subcommands)."""
+    root = ctx.find_root()
+    obj = root.obj or {}
+    value = obj.get("config")
+    return str(value) if value else None

@@ -1,0 +1,1 @@
+"""One module per command group of the ``spotguard`` CLI (see :data:`spotguard.cli.COMMANDS`)."""

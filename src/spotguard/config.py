@@ -1,0 +1,179 @@
+"""Settings: each one defined once — key, type, default, help — and read from a TOML file,
+the environment and command-line flags, in that order of increasing precedence.
+
+A settings group is a :class:`Settings` subclass with a ``section`` (its table in the config
+file) and fields with ``description``. From that one definition come:
+
+* the config-file key  ``[section] field_name = ...``
+* the environment var  ``SPOTGUARD_FIELD_NAME`` (``env_prefix`` may override)
+* the CLI flag         ``--field-name`` (added to a click command by :func:`options`)
+
+Example::
+
+    class AgentSettings(Settings):
+        section: ClassVar[str] = "agent"
+        store: str = Field("file:///var/lib/spotguard/images", description="Image store URL.")
+
+    @click.command()
+    @options(AgentSettings)
+    def agent(**flags): settings = load(AgentSettings, flags)
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import tomllib
+import types
+import typing
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, ClassVar, TypeVar
+
+import click
+from pydantic import ValidationError
+from pydantic.fields import FieldInfo
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
+
+from spotguard.errors import ConfigError
+
+CONFIG_ENV = "SPOTGUARD_CONFIG"
+DEFAULT_CONFIG_PATHS = (Path("/etc/spotguard/spotguard.toml"),)
+
+S = TypeVar("S", bound="Settings")
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+class Settings(BaseSettings):
+    """Base of every settings group. Subclasses set ``section`` and describe each field."""
+
+    section: ClassVar[str] = ""
+    model_config = SettingsConfigDict(
+        env_prefix="SPOTGUARD_", extra="forbid", frozen=True, validate_default=True
+    )
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # flags (passed as init kwargs) > environment > config file (merged in by load()).
+        return (init_settings, env_settings)
+
+    @classmethod
+    def env_name(cls, field: str) -> str:
+        prefix = cls.model_config.get("env_prefix", "")
+        return f"{prefix}{field}".upper()
+
+
+def config_path(explicit: str | Path | None = None) -> Path | None:
+    """The config file to read: ``--config``, else ``$SPOTGUARD_CONFIG``, else the default
+    path if it exists, else none."""
+    if explicit:
+        return Path(explicit)
+    if os.environ.get(CONFIG_ENV):
+        return Path(os.environ[CONFIG_ENV])
+    for p in DEFAULT_CONFIG_PATHS:
+        if p.exists():
+            return p
+    return None
+
+
+def read_file(path: Path | None) -> dict[str, Any]:
+    """Parse the TOML config file (empty when there is none)."""
+    if path is None:
+        return {}
+    try:
+        with path.open("rb") as f:
+            return tomllib.load(f)
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} does not exist") from exc
+    except (tomllib.TOMLDecodeError, OSError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+
+
+def load(
+    cls: type[S],
+    flags: Mapping[str, Any] | None = None,
+    *,
+    config_file: str | Path | None = None,
+) -> S:
+    """Build ``cls`` from defaults < config file section < environment < flags.
+
+    ``flags`` may hold extra keys (other click parameters) and ``None`` for flags that were
+    not given; both are ignored. Validation errors become :class:`ConfigError` naming the
+    setting and where it can be set.
+    """
+    file_values = read_file(config_path(config_file)).get(cls.section, {}) if cls.section else {}
+    if not isinstance(file_values, dict):
+        raise ConfigError(f"config section [{cls.section}] must be a table")
+    given = {
+        k: v
+        for k, v in (flags or {}).items()
+        if k in cls.model_fields and v is not None and v != ()
+    }
+    env_set = {k for k in cls.model_fields if cls.env_name(k) in os.environ}
+    values = {k: v for k, v in file_values.items() if k not in env_set}
+    values.update(given)
+    try:
+        return cls(**values)
+    except ValidationError as exc:
+        problems = []
+        for err in exc.errors():
+            key = str(err["loc"][0]) if err["loc"] else "?"
+            where = f"--{key.replace('_', '-')} / {cls.env_name(key)} / [{cls.section}] {key}"
+            problems.append(f"{key}: {err['msg']} (set with {where})")
+        raise ConfigError("invalid settings: " + "; ".join(problems)) from exc
+
+
+def _click_type(annotation: Any) -> tuple[Any, bool, bool]:
+    """(click type, is_flag, multiple) for a field annotation."""
+    origin = typing.get_origin(annotation)
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if origin in (typing.Union, types.UnionType) and len(args) == 1:
+        return _click_type(args[0])
+    if origin in (list, tuple, set, frozenset):
+        inner, _, _ = _click_type(args[0] if args else str)
+        return inner, False, True
+    if origin is typing.Literal:
+        return click.Choice([str(a) for a in typing.get_args(annotation)]), False, False
+    if isinstance(annotation, type) and issubclass(annotation, enum.Enum):
+        return click.Choice([str(m.value) for m in annotation]), False, False
+    if annotation is bool:
+        return None, True, False
+    if annotation in (int, float, str):
+        return annotation, False, False
+    if annotation is Path:
+        return click.Path(path_type=Path), False, False
+    return str, False, False
+
+
+def options(cls: type[Settings], *, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """Decorator adding one click option per field of ``cls`` (default ``None`` = not given,
+    so the file and environment still apply)."""
+
+    def decorate(fn: F) -> F:
+        for name, info in reversed(list(cls.model_fields.items())):
+            if name in exclude:
+                continue
+            fn = _option(cls, name, info)(fn)
+        return fn
+
+    return decorate
+
+
+def _option(cls: type[Settings], name: str, info: FieldInfo) -> Callable[[F], F]:
+    ctype, is_flag, multiple = _click_type(info.annotation)
+    flag = "--" + name.replace("_", "-")
+    default = info.get_default(call_default_factory=True)
+    help_text = (info.description or "").rstrip(".")
+    shown = "" if default in (None, "", [], ()) else f" [default: {default}]"
+    help_text = f"{help_text}.{shown} [env: {cls.env_name(name)}]"
+    if is_flag:
+        decls = [f"{flag}/--no-{flag[2:]}"]
+        return click.option(*decls, name, default=None, help=help_text)
+    return click.option(flag, name, type=ctype, default=None, multiple=multiple, help=help_text)
