@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -48,3 +49,32 @@ def criu_bin() -> str:
 @pytest.fixture
 def workdir(tmp_path: Path) -> Path:
     return tmp_path
+
+
+@pytest.fixture(scope="session")
+def moto_server() -> Iterator[str]:
+    """A real moto server (S3, EC2, SQS, EventBridge, DynamoDB) on a free loopback port.
+
+    Yields its endpoint URL. Tests point boto3 at it with ``endpoint_url`` or the standard
+    ``AWS_ENDPOINT_URL`` variable; credentials are dummies set by :func:`aws_env`.
+    """
+    from moto.server import ThreadedMotoServer
+
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+    server.start()
+    host, port = server.get_host_and_port()
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        server.stop()
+
+
+@pytest.fixture
+def aws_env(moto_server: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Environment that sends every boto3 client to the moto server."""
+    monkeypatch.setenv("AWS_ENDPOINT_URL", moto_server)
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    return moto_server
