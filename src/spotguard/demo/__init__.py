@@ -1,0 +1,1 @@
+"""The embedded-default demonstration: a sample job and the end-to-end scenario."""
