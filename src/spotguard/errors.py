@@ -19,6 +19,7 @@ The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, ne
     │   ├── CriuError               CRIU failed; carries the command, exit code and log tail
     │   ├── GpuError                the driver checkpoint API or NVML failed
     │   ├── StepTimeout             a step ran past its time limit
+    │   ├── StreamError             streaming image files between CRIU and spotguard failed
     │   └── PreflightError          restore refused before touching anything
     │       └── MismatchError       image and host differ (names both sides)
     ├── ImageError                  checkpoint image format and content
@@ -110,6 +111,10 @@ class GpuError(CheckpointError):
 
 class StepTimeout(CheckpointError):
     """A checkpoint or restore step ran past its time limit."""
+
+
+class StreamError(CheckpointError):
+    """Streaming image files between CRIU and spotguard (``--stream``) failed."""
 
 
 class PreflightError(CheckpointError):
