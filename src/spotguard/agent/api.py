@@ -1,0 +1,164 @@
+"""The agent's local API (aiohttp), on loopback ``HOST:PORT`` or a unix socket.
+
+=============== ======= ===================================================================
+route           token   answer
+=============== ======= ===================================================================
+``GET /healthz``  no    ``{"ok": true}`` while the agent's loop runs
+``GET /metrics``  no    Prometheus text (see :mod:`spotguard.agent.metrics`)
+``GET /status``   yes   jobs, last images, current activity, pending notices
+``POST /drain``   yes   body ``{"reason": str, "job": str|null, "wait": bool}``: checkpoint
+                        the jobs and stop them (operator drain); with ``wait`` the answer
+                        comes once the images are durable
+=============== ======= ===================================================================
+
+The token is sent as ``Authorization: Bearer <token>``; a missing or wrong one gets 401.
+Read-only health and metrics carry no secrets and stay open for probes and scrapers.
+"""
+
+from __future__ import annotations
+
+import hmac
+import json
+import logging
+import os
+import secrets
+from pathlib import Path
+from typing import Any, Protocol
+
+from aiohttp import web
+
+from .metrics import CONTENT_TYPE, AgentMetrics
+from .settings import parse_listen
+
+log = logging.getLogger(__name__)
+
+TOKEN_FILE = "api.token"
+
+
+class Controls(Protocol):
+    """What the API asks of the daemon."""
+
+    def status(self) -> dict[str, Any]: ...
+
+    async def drain(
+        self, reason: str, *, job: str | None, wait: bool, deadline_s: float | None
+    ) -> dict[str, Any]: ...
+
+
+def ensure_token(agent_dir: Path, token: str | None) -> str:
+    """The API token: the configured one, else the one in ``agent_dir/api.token`` (created
+    0600 on first use, so local root tools can read it and nobody else can)."""
+    if token:
+        return token
+    path = agent_dir / TOKEN_FILE
+    try:
+        existing = path.read_text().strip()
+    except FileNotFoundError:
+        existing = ""
+    if existing:
+        return existing
+    agent_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    value = secrets.token_urlsafe(32)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(value + "\n")
+    return value
+
+
+class AgentApi:
+    """Serves :class:`Controls` and :class:`AgentMetrics` on ``listen``."""
+
+    def __init__(self, controls: Controls, metrics: AgentMetrics, listen: str, token: str) -> None:
+        self.controls = controls
+        self.metrics = metrics
+        self.listen = listen
+        self.token = token
+        self._runner: web.AppRunner | None = None
+        self.address: str = listen
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._auth])
+        app.router.add_get("/healthz", self._healthz)
+        app.router.add_get("/metrics", self._metrics)
+        app.router.add_get("/status", self._status)
+        app.router.add_post("/drain", self._drain)
+        return app
+
+    async def start(self) -> None:
+        """Bind and serve. Port 0 picks a free port; :attr:`address` tells which."""
+        self._runner = web.AppRunner(self.app(), access_log=None)
+        await self._runner.setup()
+        where = parse_listen(self.listen)
+        site: web.BaseSite
+        if isinstance(where, Path):
+            where.parent.mkdir(parents=True, exist_ok=True)
+            where.unlink(missing_ok=True)
+            site = web.UnixSite(self._runner, str(where))
+            await site.start()
+            os.chmod(where, 0o600)
+            self.address = f"unix:{where}"
+        else:
+            host, port = where
+            site = web.TCPSite(self._runner, host, port)
+            await site.start()
+            server = site._server
+            sockets = getattr(server, "sockets", None) or []
+            if sockets:
+                port = int(sockets[0].getsockname()[1])
+            self.address = f"{host}:{port}"
+        log.info("local API listening", extra={"step": "api", "listen": self.address})
+
+    async def aclose(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
+        if request.path in ("/healthz", "/metrics"):
+            result: web.StreamResponse = await handler(request)
+            return result
+        given = request.headers.get("Authorization", "")
+        expected = f"Bearer {self.token}"
+        if not hmac.compare_digest(given.encode(), expected.encode()):
+            return web.json_response({"error": "missing or wrong token"}, status=401)
+        result = await handler(request)
+        return result
+
+    async def _healthz(self, request: web.Request) -> web.Response:
+        return web.json_response({"ok": True})
+
+    async def _metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE})
+
+    async def _status(self, request: web.Request) -> web.Response:
+        return web.json_response(self.controls.status(), dumps=_dumps)
+
+    async def _drain(self, request: web.Request) -> web.Response:
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except json.JSONDecodeError:
+            return web.json_response({"error": "body must be JSON"}, status=400)
+        if not isinstance(body, dict):
+            return web.json_response({"error": "body must be a JSON object"}, status=400)
+        reason = str(body.get("reason") or "operator drain")
+        job = body.get("job")
+        deadline = body.get("deadline_s")
+        if job is not None and not isinstance(job, str):
+            return web.json_response({"error": "job must be a string"}, status=400)
+        if deadline is not None and not isinstance(deadline, int | float):
+            return web.json_response({"error": "deadline_s must be a number"}, status=400)
+        try:
+            result = await self.controls.drain(
+                reason,
+                job=job,
+                wait=bool(body.get("wait", False)),
+                deadline_s=float(deadline) if deadline is not None else None,
+            )
+        except LookupError as exc:
+            return web.json_response({"error": str(exc)}, status=404)
+        return web.json_response(result, status=200 if body.get("wait") else 202, dumps=_dumps)
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, default=str)

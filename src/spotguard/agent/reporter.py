@@ -1,0 +1,208 @@
+"""Reports to the controller: ``AgentEvent`` → ``POST {controller}/v1/events`` (Bearer token).
+
+:meth:`Reporter.emit` is synchronous and cheap: it writes the event to a spool directory in
+the state dir and wakes a background sender. The freeze path calls ``emit`` and never waits
+for delivery. The sender delivers spooled events oldest first, retrying transient failures
+(connection refused, timeouts, 5xx, 429, a wrong token) with exponential backoff; an event is
+deleted from the spool only once the controller accepted it, so an agent restarted mid-way
+sends it again — which is safe, because the controller deduplicates by ``event_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import time
+from pathlib import Path
+
+import aiohttp
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_never,
+    wait_exponential,
+)
+
+from spotguard.contracts import AgentEvent
+from spotguard.errors import AuthError, ControllerError
+
+from .metrics import AgentMetrics
+
+log = logging.getLogger(__name__)
+
+EVENTS_PATH = "/v1/events"
+
+
+class _Transient(ControllerError):
+    """The controller could not take the event now; try again later."""
+
+
+class Reporter:
+    """Durable, ordered, idempotent delivery of agent events (or just logging, alone)."""
+
+    def __init__(
+        self,
+        controller_url: str | None,
+        token: str | None,
+        spool_dir: Path,
+        *,
+        metrics: AgentMetrics | None = None,
+        max_backoff_s: float = 30.0,
+        timeout_s: float = 10.0,
+    ) -> None:
+        self.url = controller_url.rstrip("/") + EVENTS_PATH if controller_url else None
+        self.token = token
+        self.spool = spool_dir
+        self.metrics = metrics
+        self.max_backoff_s = max_backoff_s
+        self.timeout_s = timeout_s
+        self.sent = 0
+        self._wake = asyncio.Event()
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._task: asyncio.Task[None] | None = None
+        self._session: aiohttp.ClientSession | None = None
+        if self.url:
+            self.spool.mkdir(parents=True, exist_ok=True, mode=0o700)
+
+    @property
+    def enabled(self) -> bool:
+        return self.url is not None
+
+    def emit(self, event: AgentEvent) -> None:
+        """Queue ``event`` for delivery and return at once (a small file write at most)."""
+        log.info(
+            "report %s",
+            event.kind.value,
+            extra={
+                "step": "report",
+                "event": event.kind.value,
+                "job": event.job,
+                "event_id": event.event_id,
+                "image_url": event.image_url,
+                "error": event.error,
+            },
+        )
+        if not self.url:
+            return
+        name = f"{time.time_ns():020d}-{event.event_id}.json"
+        tmp = self.spool / f".{name}.tmp"
+        try:
+            tmp.write_text(event.model_dump_json())
+            os.replace(tmp, self.spool / name)
+        except OSError as exc:
+            log.warning(
+                "report could not be spooled",
+                extra={"step": "report", "event_id": event.event_id, "error": str(exc)},
+            )
+            if self.metrics:
+                self.metrics.failures.labels("report").inc()
+            return
+        self._idle.clear()
+        self._wake.set()
+
+    def pending(self) -> list[Path]:
+        """Spooled events not yet accepted by the controller, oldest first."""
+        if not self.url or not self.spool.is_dir():
+            return []
+        return sorted(p for p in self.spool.glob("*.json") if not p.name.startswith("."))
+
+    async def start(self) -> None:
+        """Start the background sender (resends whatever a previous run left spooled)."""
+        if self.url and self._task is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
+            )
+            self._wake.set()
+            self._task = asyncio.create_task(self._run(), name="spotguard-reporter")
+
+    async def flush(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the spool to drain; True when it did."""
+        if not self.url:
+            return True
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def aclose(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _run(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            for path in self.pending():
+                await self._deliver(path)
+            if self.metrics:
+                self.metrics.report_queue.set(len(self.pending()))
+            if not self.pending():
+                self._idle.set()
+
+    async def _deliver(self, path: Path) -> None:
+        try:
+            body = await asyncio.to_thread(path.read_bytes)
+        except FileNotFoundError:
+            return
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(_Transient),
+            wait=wait_exponential(multiplier=0.25, max=self.max_backoff_s),
+            stop=stop_never,
+            before_sleep=self._log_retry,
+            reraise=True,
+        )
+        try:
+            async for attempt in retrying:
+                with attempt:
+                    await self._post(body)
+        except ControllerError as exc:
+            # The controller refused this event for good (malformed): never resend it.
+            log.error(
+                "report rejected by the controller; dropped",
+                extra={"step": "report", "file": path.name, "error": str(exc)},
+            )
+            if self.metrics:
+                self.metrics.failures.labels("report").inc()
+        await asyncio.to_thread(path.unlink, missing_ok=True)
+        self.sent += 1
+
+    async def _post(self, body: bytes) -> None:
+        assert self.url is not None and self._session is not None
+        headers = {"Content-Type": "application/json"}
+        if self.token:
+            headers["Authorization"] = f"Bearer {self.token}"
+        try:
+            async with self._session.post(self.url, data=body, headers=headers) as resp:
+                text = (await resp.text())[:200]
+                status = resp.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+            raise _Transient(f"controller unreachable: {exc!r}") from exc
+        if status < 300 or status == 409:  # 409: already have it (idempotent)
+            return
+        if status in (401, 403):
+            # A token may be rotated or the controller restarting: keep it, retry slowly.
+            raise _Transient(str(AuthError(f"controller refused the token ({status})")))
+        if status == 429 or status >= 500:
+            raise _Transient(f"controller answered {status}: {text}")
+        raise ControllerError(f"controller answered {status}: {text}")
+
+    def _log_retry(self, state: RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome else None
+        if self.metrics:
+            self.metrics.failures.labels("report").inc()
+        if state.attempt_number in (1, 5) or state.attempt_number % 20 == 0:
+            log.warning(
+                "report not delivered; retrying",
+                extra={"step": "report", "attempt": state.attempt_number, "error": str(exc)},
+            )

@@ -1,0 +1,151 @@
+"""The agent's settings: one definition each → ``[agent]`` key, ``SPOTGUARD_*`` env, ``--flag``.
+
+Settings shared with other parts are defined by those parts and combined by ``spotguard agent``:
+the state directory and engine limits (:class:`~spotguard.checkpoint.settings.CheckpointSettings`),
+the cloud and polling (:class:`~spotguard.notices.settings.NoticeSettings`). This class holds only
+what is the agent's own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, ClassVar
+
+from pydantic import Field, field_validator
+from pydantic_settings import NoDecode
+
+from spotguard.config import Settings
+from spotguard.contracts import ASSIGNMENT_PATH
+from spotguard.errors import ConfigError
+from spotguard.notices.base import NoticeKind
+
+from .policy import Action, Policy
+
+DEFAULT_LISTEN = "127.0.0.1:9901"
+
+
+class AgentSettings(Settings):
+    """``[agent]``: which jobs to protect, where images go, whom to tell, how to react."""
+
+    section: ClassVar[str] = "agent"
+
+    job: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Job(s) to protect: a pid, a job name from 'spotguard run', or a cgroup path "
+            "(repeat the flag; comma-separated in the environment)"
+        ),
+    )
+    store: str = Field(
+        "file:///var/lib/spotguard/images",
+        description="Image store URL (s3://bucket/prefix, gs://bucket/prefix, file:///dir)",
+    )
+    controller_url: str | None = Field(
+        None, description="Controller to report to (optional: the agent works alone)"
+    )
+    controller_token: str | None = Field(None, description="Bearer token for the controller")
+    controller_token_file: Path | None = Field(
+        None, description="File holding the controller token (instead of controller_token)"
+    )
+    api_listen: str = Field(
+        DEFAULT_LISTEN, description="Local API address: HOST:PORT (loopback) or unix:/path"
+    )
+    api_token: str | None = Field(
+        None,
+        description="Token for the local API (default: generated into the state dir)",
+    )
+    api_token_file: Path | None = Field(None, description="File holding the local API token")
+    periodic_interval: float = Field(
+        0.0, ge=0, description="Seconds between periodic checkpoints (0 = off)"
+    )
+    policy_preempt: Action = Field(
+        Action.EXIT, description="Action on spot terminate / GCP preempt / Azure Preempt"
+    )
+    policy_rebalance: Action = Field(
+        Action.RESUME, description="Action on a rebalance recommendation"
+    )
+    policy_maintenance: Action = Field(
+        Action.EXIT, description="Action on scheduled maintenance (exit or resume to stay)"
+    )
+    policy_drain: Action = Field(Action.EXIT, description="Action on an operator drain")
+    maintenance_live: Action = Field(
+        Action.NONE,
+        description="Action on live maintenance (GCP MIGRATE_ON_HOST_MAINTENANCE, Azure Freeze)",
+    )
+    maintenance_lead: float = Field(
+        300.0, ge=0, description="Seconds before a maintenance deadline to start the checkpoint"
+    )
+    drain_deadline: float = Field(
+        120.0, gt=0, description="Deadline in seconds given to an operator drain"
+    )
+    assignment: Path = Field(
+        Path(ASSIGNMENT_PATH), description="Assignment file read at start (restore this image)"
+    )
+    exit_when_done: bool = Field(
+        False, description="Stop the agent once every protected job has exited"
+    )
+    stream: bool = Field(
+        False, description="Stream the dump straight to the store when streaming is available"
+    )
+
+    @field_validator("job", mode="before")
+    @classmethod
+    def _split_jobs(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return [p.strip() for p in v.split(",") if p.strip()]
+        if isinstance(v, tuple):
+            return list(v)
+        return v
+
+    @field_validator("api_listen")
+    @classmethod
+    def _listen(cls, v: str) -> str:
+        parse_listen(v)
+        return v
+
+    def policy(self) -> Policy:
+        """The :class:`Policy` these settings describe."""
+        return Policy(
+            {
+                NoticeKind.PREEMPT: self.policy_preempt,
+                NoticeKind.REBALANCE: self.policy_rebalance,
+                NoticeKind.MAINTENANCE: self.policy_maintenance,
+                NoticeKind.DRAIN: self.policy_drain,
+            },
+            maintenance_live=self.maintenance_live,
+            maintenance_lead_s=self.maintenance_lead,
+        )
+
+    def controller_bearer(self) -> str | None:
+        """The controller token, from the setting or its file."""
+        return read_secret(self.controller_token, self.controller_token_file, "controller_token")
+
+
+def read_secret(value: str | None, path: Path | None, name: str) -> str | None:
+    """A secret given inline or as a file (file wins only when no inline value is set)."""
+    if value:
+        return value
+    if path is None:
+        return None
+    try:
+        text = path.read_text().strip()
+    except OSError as exc:
+        raise ConfigError(f"{name}_file {path} cannot be read: {exc.strerror}") from exc
+    return text or None
+
+
+def parse_listen(listen: str) -> tuple[str, int] | Path:
+    """``HOST:PORT`` → (host, port); ``unix:/path`` → Path. Only loopback hosts are allowed:
+    the API can freeze jobs."""
+    if listen.startswith("unix:"):
+        path = listen[5:]
+        if not path.startswith("/"):
+            raise ValueError(f"unix socket path must be absolute: {listen!r}")
+        return Path(path)
+    host, sep, port = listen.rpartition(":")
+    if not sep or not port.isdigit():
+        raise ValueError(f"api_listen must be HOST:PORT or unix:/path, got {listen!r}")
+    host = host.strip("[]")
+    if host not in ("127.0.0.1", "localhost", "::1"):
+        raise ValueError(f"api_listen must be a loopback address, got {host!r}")
+    return host, int(port)
