@@ -1,0 +1,182 @@
+"""Serve side of the image-streamer protocol: CRIU restores, spotguard feeds it.
+
+:class:`Serve` listens on ``streamer-serve.sock``. CRIU asks for files one by one; a file the
+image has is answered "exists", CRIU hands over a pipe and the file's bytes are fed into it
+straight from the source (the image reader: download, verify, decompress, pipelined) — no
+staging directory. A file the image lacks is answered "does not exist", as CRIU expects for
+optional images (``memfd.img``, ``tty-info.img`` ...). A file asked for twice is served twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Protocol, runtime_checkable
+
+from spotguard.errors import SpotguardError, StreamError
+from spotguard.stream import pipes, protocol
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+
+
+@runtime_checkable
+class ServeSource(Protocol):
+    """Where served files come from."""
+
+    def exists(self, name: str) -> bool: ...
+
+    def iter_file(self, name: str) -> AsyncIterator[bytes]: ...
+
+
+@dataclass
+class ServeStats:
+    """What one serve sent: bytes per file, names asked for that the image lacks."""
+
+    files: dict[str, int] = field(default_factory=dict)
+    missing: list[str] = field(default_factory=list)
+    started: float = field(default_factory=time.time)
+    finished: float | None = None
+
+    @property
+    def bytes(self) -> int:
+        return sum(self.files.values())
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "files": len(self.files),
+            "bytes": self.bytes,
+            "missing": len(self.missing),
+            "seconds": None if self.finished is None else self.finished - self.started,
+        }
+
+
+class Serve:
+    """Feed one ``criu restore --stream`` from ``source``.
+
+    ``async with Serve(dir, source) as srv:`` listens; run CRIU in the body, then
+    ``await srv.wait()``. Leaving early closes every pipe so CRIU fails instead of hanging.
+    """
+
+    def __init__(self, images_dir: Path, source: ServeSource, *, pipe_bytes: int = MiB) -> None:
+        self.images_dir = Path(images_dir)
+        self.source = source
+        self.pipe_bytes = pipe_bytes
+        self.stats = ServeStats()
+        self._task: asyncio.Task[None] | None = None
+        self._feeds: set[asyncio.Task[None]] = set()
+        self._failure: BaseException | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.images_dir / protocol.SERVE_SOCKET
+
+    async def start(self) -> None:
+        self.images_dir.mkdir(parents=True, exist_ok=True)
+        listener = protocol.listen(self.images_dir, protocol.SERVE_SOCKET)
+        self.stats = ServeStats()
+        self._task = asyncio.create_task(self._serve(listener), name="stream-serve")
+
+    async def __aenter__(self) -> Serve:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._task is not None and not self._task.done():
+            await self.abort()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
+
+    async def wait(self) -> ServeStats:
+        """Wait until CRIU closed the socket and every file was fed; a failed feed (a
+        corrupt chunk, an unreachable store) is raised here with its own type."""
+        assert self._task is not None, "Serve.start() first"
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            if self._failure is None:
+                raise
+        if self._failure is not None:
+            if isinstance(self._failure, SpotguardError):
+                raise self._failure
+            raise StreamError(f"serve: {self._failure}") from self._failure
+        return self.stats
+
+    async def abort(self) -> None:
+        tasks = [t for t in (self._task, *self._feeds) if t is not None and not t.done()]
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    async def _serve(self, listener: socket.socket) -> None:
+        conn = await protocol.accept(listener)
+        try:
+            while True:
+                try:
+                    name = await conn.read_request()
+                    if name is None:
+                        break
+                    exists = self.source.exists(name)
+                    await conn.send_reply(exists)
+                    if not exists:
+                        self.stats.missing.append(name)
+                        continue
+                    fd = await conn.recv_pipe()
+                except protocol.ProtocolError as exc:
+                    raise StreamError(f"serve: {exc}") from exc
+                except OSError as exc:  # CRIU went away mid-conversation
+                    raise StreamError(f"serve: connection to criu failed: {exc}") from exc
+                # Feed concurrently and read the next request at once: CRIU reads files one
+                # after another today, but a CRIU that opens the next file early must not
+                # deadlock against a full pipe.
+                task = asyncio.create_task(self._feed(name, fd), name=f"serve:{name}")
+                self._feeds.add(task)
+                task.add_done_callback(self._feeds.discard)
+            while self._feeds:
+                await asyncio.wait(set(self._feeds))
+        except BaseException:
+            for t in self._feeds:
+                t.cancel()
+            raise
+        finally:
+            conn.close()
+            self.stats.finished = time.time()
+
+    async def _feed(self, name: str, fd: int) -> None:
+        import os
+
+        os.set_blocking(fd, False)
+        protocol.set_pipe_size(fd, self.pipe_bytes)
+        sent = 0
+        try:
+            async for data in self.source.iter_file(name):
+                await pipes.write_all(fd, data)
+                sent += len(data)
+        except BrokenPipeError:
+            log.info("criu closed %s after %d bytes", name, sent, extra={"file": name})
+        except Exception as exc:  # noqa: BLE001 - any source failure must stop CRIU; kept typed
+            # Stop everything: closing CRIU's pipes makes CRIU fail instead of waiting.
+            log.error("serving %s failed: %s", name, exc, extra={"file": name})
+            self._failure = exc
+            if self._task is not None:
+                self._task.cancel()
+        finally:
+            with contextlib.suppress(ValueError):
+                asyncio.get_running_loop().remove_writer(fd)
+            os.close(fd)
+            self.stats.files[name] = sent
