@@ -1,0 +1,53 @@
+"""The time formats the metadata services use, parsed into timezone-aware UTC datetimes.
+
+* RFC 3339 — AWS ``spot/instance-action`` ``time``, rebalance ``noticeTime``.
+* ``21 Jan 2019 09:00:43 GMT`` — AWS scheduled events ``NotBefore``.
+* RFC 1123 — Azure ``NotBefore`` (``Mon, 19 Sep 2016 18:29:47 GMT``).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from email.utils import format_datetime, parsedate_to_datetime
+
+from spotguard.errors import MetadataMalformed
+
+_AWS_EVENT_FORMAT = "%d %b %Y %H:%M:%S GMT"
+
+
+def parse_time(value: object, what: str) -> datetime:
+    """Parse any of the formats above; a value that is none of them is malformed metadata."""
+    if not isinstance(value, str) or not value.strip():
+        raise MetadataMalformed(f"{what}: expected a time, got {value!r}")
+    text = value.strip()
+    parsed: datetime | None = None
+    try:
+        parsed = datetime.fromisoformat(text)
+    except ValueError:
+        try:
+            parsed = datetime.strptime(text, _AWS_EVENT_FORMAT).replace(tzinfo=UTC)
+        except ValueError:
+            try:
+                parsed = parsedate_to_datetime(text)
+            except (TypeError, ValueError, IndexError):
+                parsed = None
+    if parsed is None:
+        raise MetadataMalformed(f"{what}: not a time: {value!r}")
+    if parsed.tzinfo is None:
+        parsed = parsed.replace(tzinfo=UTC)
+    return parsed.astimezone(UTC)
+
+
+def rfc3339(t: datetime) -> str:
+    """``2026-11-22T10:00:00Z`` (the AWS spot and rebalance format)."""
+    return t.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def aws_event_time(t: datetime) -> str:
+    """``22 Nov 2026 10:00:00 GMT`` (the AWS scheduled-events format)."""
+    return t.astimezone(UTC).strftime(_AWS_EVENT_FORMAT)
+
+
+def rfc1123(t: datetime) -> str:
+    """``Sun, 22 Nov 2026 10:00:00 GMT`` (the Azure format)."""
+    return format_datetime(t.astimezone(UTC), usegmt=True)
