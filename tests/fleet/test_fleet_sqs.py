@@ -12,13 +12,9 @@ from typing import Any
 
 import pytest
 
+from spotguard.notices import aws
 from spotguard.notices.base import Cloud, Notice, NoticeKind, NoticeSource
-from spotguard.notices.fleet import (
-    EVENT_PATTERNS,
-    FleetSettings,
-    SqsFleetSource,
-    interruption_id,
-)
+from spotguard.notices.fleet import EVENT_PATTERNS, FleetSettings, SqsFleetSource
 
 ACCOUNT = "123456789012"
 
@@ -107,7 +103,9 @@ async def test_spot_warning_through_eventbridge_becomes_preempt_notice(
     assert notice.raw["instance-id"] == "i-0123456789abcdef0"
     assert notice.raw["region"] == "us-east-1"
     assert notice.raw["account"] == ACCOUNT
-    assert notice.id == interruption_id(NoticeKind.PREEMPT, "i-0123456789abcdef0", notice.deadline)
+    # The agent on that VM would read this from IMDS; both must carry the same id.
+    on_vm = aws.instance_action({"action": "stop", "time": "2026-11-22T10:02:00Z"})
+    assert (notice.id, notice.deadline, notice.action) == (on_vm.id, on_vm.deadline, on_vm.action)
     assert not notice.cancelled
     assert queue_depth(url) == 0
 
@@ -124,7 +122,7 @@ async def test_rebalance_and_unrelated_events(fleet_queue: tuple[str, Any]) -> N
         {"instance-id": "i-00000000000000abc"},
         Time=when,
     )
-    source = SqsFleetSource(url, wait_time=1, rebalance_window=300)
+    source = SqsFleetSource(url, wait_time=1)
     try:
         it = source.watch()
         (notice,) = await take(it, 1)
@@ -133,8 +131,8 @@ async def test_rebalance_and_unrelated_events(fleet_queue: tuple[str, Any]) -> N
         await source.aclose()
     assert notice.kind is NoticeKind.REBALANCE
     assert notice.raw["instance-id"] == "i-00000000000000abc"
-    assert notice.deadline == when + timedelta(seconds=300)
-    assert notice.id == interruption_id(NoticeKind.REBALANCE, "i-00000000000000abc", when)
+    on_vm = aws.rebalance({"noticeTime": "2026-11-22T11:30:00Z"})
+    assert (notice.id, notice.deadline) == (on_vm.id, on_vm.deadline)
 
 
 async def test_health_scheduled_change_yields_one_notice_per_instance(

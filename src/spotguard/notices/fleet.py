@@ -23,7 +23,8 @@ redrive policy moves it to the dead-letter queue. A message that can never becom
 id) is logged and deleted at once: redelivering it would only repeat the same log line.
 
 Notice ids follow one rule shared with the on-VM AWS source so that an agent's report and the
-fleet's copy of the same interruption dedup: :func:`interruption_id`.
+fleet's copy of the same interruption dedup: :func:`spot_notice_id` and
+:func:`rebalance_notice_id` hash the very payload the instance metadata service shows the agent.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from pydantic_settings import SettingsConfigDict
 
 from spotguard.config import Settings
 from spotguard.errors import MetadataMalformed, MetadataUnavailable, NoticeError
+from spotguard.notices.aws import REBALANCE_GRACE
 from spotguard.notices.base import Cloud, Notice, NoticeKind, stable_id
 
 log = logging.getLogger(__name__)
@@ -61,6 +63,8 @@ EVENT_PATTERNS: dict[str, dict[str, Any]] = {
     },
 }
 SPOT_WARNING_LEAD = timedelta(seconds=120)
+#: Deadline given to a rebalance recommendation (AWS gives none): the on-VM source's grace.
+_REBALANCE_WINDOW = REBALANCE_GRACE.total_seconds()
 _INSTANCE_RE = re.compile(r"\bi-[0-9a-f]{8,17}\b")
 _QUEUE_URL_RE = re.compile(r"^https://sqs[.-]([a-z0-9-]+)\.amazonaws\.com")
 _THROTTLE_CODES = {"ThrottlingException", "RequestThrottled", "OverLimit", "ServiceUnavailable"}
@@ -80,7 +84,9 @@ class FleetSettings(Settings):
     """Where the controller reads fleet notices (``[fleet]`` / ``SPOTGUARD_FLEET_*``)."""
 
     section: ClassVar[str] = "fleet"
-    model_config = SettingsConfigDict(env_prefix="SPOTGUARD_FLEET_")
+    model_config = SettingsConfigDict(
+        env_prefix="SPOTGUARD_FLEET_", extra="forbid", frozen=True, validate_default=True
+    )
 
     queue_url: str | None = Field(
         None, description="SQS queue fed by the EventBridge rules (terraform output queue_url)"
@@ -88,20 +94,35 @@ class FleetSettings(Settings):
     region: str | None = Field(None, description="AWS region of the queue (default: from URL)")
     wait_time: int = Field(20, ge=0, le=20, description="SQS long-poll time in seconds")
     rebalance_window: float = Field(
-        600.0, gt=0, description="Planning horizon in seconds given to rebalance notices"
+        _REBALANCE_WINDOW,
+        gt=0,
+        description="Planning horizon in seconds given to rebalance notices",
     )
 
 
-def interruption_id(kind: NoticeKind, instance_id: str, at: datetime | str) -> str:
-    """The id of an AWS interruption notice, the same whoever saw it (agent or fleet).
+def spot_notice_id(action: str, deadline: datetime) -> str:
+    """The id the on-VM AWS source gives the same spot warning.
 
-    ``at`` is the action time the cloud announces: for a spot warning the termination time
-    (IMDS ``spot/instance-action`` ``time``; EventBridge event time + 120 s), for a rebalance
-    recommendation its notice time (IMDS ``noticeTime``; the event time), for a scheduled
-    event the Health event ARN (IMDS has no ARN: the agent uses the event's ``NotBefore``).
+    The agent hashes the IMDS ``spot/instance-action`` answer ``{"action", "time"}``; the time
+    there is the termination time, which the EventBridge event announces as event time + 120 s,
+    written as RFC 3339 seconds with ``Z``. The id holds no instance id (the agent's answer has
+    none), so a consumer dedups per instance: ``(raw["instance-id"], id)``.
     """
-    stamp = at if isinstance(at, str) else _iso(at)
-    return stable_id(Cloud.AWS, kind, {"instance-id": instance_id, "at": stamp})
+    return stable_id(Cloud.AWS, NoticeKind.PREEMPT, {"action": action, "time": _iso(deadline)})
+
+
+def rebalance_notice_id(notice_time: datetime) -> str:
+    """The id the on-VM AWS source gives the same rebalance recommendation (IMDS answer
+    ``{"noticeTime"}`` = the event time)."""
+    return stable_id(Cloud.AWS, NoticeKind.REBALANCE, {"noticeTime": _iso(notice_time)})
+
+
+def health_notice_id(instance_id: str, event_arn: str) -> str:
+    """The id of a Health scheduled change for one instance. IMDS shows the same change under
+    an ``EventId`` that the Health event does not carry, so these two cannot share an id."""
+    return stable_id(
+        Cloud.FLEET, NoticeKind.MAINTENANCE, {"instance-id": instance_id, "eventArn": event_arn}
+    )
 
 
 def _iso(t: datetime) -> str:
@@ -148,7 +169,7 @@ def _envelope_facts(event: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def parse_event(event: Any, *, rebalance_window: float = 600.0) -> list[Notice]:
+def parse_event(event: Any, *, rebalance_window: float = _REBALANCE_WINDOW) -> list[Notice]:
     """Turn one EventBridge envelope into notices. Raises :class:`MetadataMalformed` for
     anything that is not one of the three events of :data:`EVENT_PATTERNS`."""
     if not isinstance(event, dict) or not isinstance(event.get("detail"), dict):
@@ -165,19 +186,21 @@ def parse_event(event: Any, *, rebalance_window: float = 600.0) -> list[Notice]:
         if dtype == SPOT_WARNING:
             deadline = at + SPOT_WARNING_LEAD
             action = detail.get("instance-action")
+            if not isinstance(action, str) or not action:
+                action = "terminate"
             return [
                 Notice(
-                    id=interruption_id(NoticeKind.PREEMPT, iid, deadline),
+                    id=spot_notice_id(action, deadline),
                     cloud=Cloud.FLEET,
                     kind=NoticeKind.PREEMPT,
                     deadline=deadline,
-                    action=action if isinstance(action, str) else "terminate",
+                    action=action,
                     raw=raw,
                 )
             ]
         return [
             Notice(
-                id=interruption_id(NoticeKind.REBALANCE, iid, at),
+                id=rebalance_notice_id(at),
                 cloud=Cloud.FLEET,
                 kind=NoticeKind.REBALANCE,
                 deadline=at + timedelta(seconds=rebalance_window),
@@ -208,7 +231,7 @@ def parse_event(event: Any, *, rebalance_window: float = 600.0) -> list[Notice]:
         action = detail.get("eventTypeCode")
         return [
             Notice(
-                id=interruption_id(NoticeKind.MAINTENANCE, iid, arn),
+                id=health_notice_id(iid, arn),
                 cloud=Cloud.FLEET,
                 kind=NoticeKind.MAINTENANCE,
                 deadline=deadline,
@@ -221,7 +244,7 @@ def parse_event(event: Any, *, rebalance_window: float = 600.0) -> list[Notice]:
     raise MetadataMalformed(f"unhandled event {event.get('source')!r} / {dtype!r}")
 
 
-def parse_message(body: str, *, rebalance_window: float = 600.0) -> list[Notice]:
+def parse_message(body: str, *, rebalance_window: float = _REBALANCE_WINDOW) -> list[Notice]:
     """Parse an SQS message body holding an EventBridge envelope (raw JSON, or wrapped in an
     SNS notification's ``Message`` when the queue is fed through a topic)."""
     try:
@@ -258,7 +281,7 @@ class SqsFleetSource:
         endpoint_url: str | None = None,
         max_messages: int = 10,
         visibility_timeout: int | None = None,
-        rebalance_window: float = 600.0,
+        rebalance_window: float = _REBALANCE_WINDOW,
         idle_sleep: float = 1.0,
     ) -> None:
         if not 0 <= wait_time <= 20:
@@ -379,7 +402,9 @@ __all__ = [
     "EVENT_PATTERNS",
     "FleetSettings",
     "SqsFleetSource",
-    "interruption_id",
+    "health_notice_id",
     "parse_event",
     "parse_message",
+    "rebalance_notice_id",
+    "spot_notice_id",
 ]
