@@ -116,6 +116,8 @@ class Reporter:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             )
+            if self.pending():
+                self._idle.clear()
             self._wake.set()
             self._task = asyncio.create_task(self._run(), name="spotguard-reporter")
 

@@ -1,0 +1,91 @@
+"""Agent test helpers: a real HTTP controller endpoint that records agent events."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from aiohttp import web
+
+TOKEN = "controller-token"
+
+
+class EventSink:
+    """``POST /v1/events`` on a loopback port, in its own thread (usable from subprocesses).
+
+    Answers 401 without the right bearer token, 503 for the first ``fail_first`` requests,
+    else 200, and keeps each accepted event once (by ``event_id``)."""
+
+    def __init__(self) -> None:
+        self.events: list[dict[str, Any]] = []
+        self.requests = 0
+        self.fail_first = 0
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._runner: web.AppRunner | None = None
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._loop.run_until_complete(self._start())
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _start(self) -> None:
+        app = web.Application()
+        app.router.add_post("/v1/events", self._post)
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, "127.0.0.1", 0)
+        await site.start()
+        port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        self.url = f"http://127.0.0.1:{port}"
+
+    async def _post(self, request: web.Request) -> web.Response:
+        self.requests += 1
+        if request.headers.get("Authorization") != f"Bearer {TOKEN}":
+            return web.json_response({"error": "token"}, status=401)
+        if self.fail_first > 0:
+            self.fail_first -= 1
+            return web.json_response({"error": "busy"}, status=503)
+        body = await request.json()
+        if all(e["event_id"] != body["event_id"] for e in self.events):
+            self.events.append(body)
+        return web.json_response({"ok": True})
+
+    def kinds(self, job: str | None = None) -> list[str]:
+        return [e["kind"] for e in list(self.events) if job is None or e["job"] == job]
+
+    def start(self) -> EventSink:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            if self._runner is not None:
+                await self._runner.cleanup()
+
+        asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+        self._loop.close()
+
+
+async def wait_until(cond: Callable[[], object], limit_s: float = 30.0) -> None:
+    """Poll ``cond`` until it is true (fails the test after ``limit_s``)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    while not cond():
+        assert loop.time() < end, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
