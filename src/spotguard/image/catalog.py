@@ -1,0 +1,291 @@
+"""What is in a store: list images, find the newest complete one, verify, garbage-collect.
+
+gc's safety rules (docs/image-format.md has the reasoning):
+
+* it never deletes the newest complete image (``keep`` is at least 1), and deletes an old image
+  by removing its manifest first — an image is either whole or absent;
+* it deletes a chunk only if no remaining manifest references it, it is older than the grace
+  period, and no writer is active on the job (a ``writing.json`` marker younger than the grace
+  period) — a writer that skipped a chunk because it was already stored must not lose it.
+  Writers also re-check their skipped chunks right before committing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+from spotguard.config import load
+from spotguard.contracts import check_job_name, chunk_key, image_prefix
+from spotguard.errors import ConfigError, ImageCorrupt, ImageError, SpotguardError
+from spotguard.image.codec import Cipher
+from spotguard.image.manifest import WRITING_MARKER, ImageRef, Manifest
+from spotguard.image.reader import ImageReader, VerifyReport, complete_image_ids
+from spotguard.image.settings import ImageSettings
+from spotguard.image.stats import ProgressFn
+from spotguard.image.writer import store_for
+from spotguard.store import ImageStore, ObjectInfo
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ImageInfo:
+    """One image (complete or still being written) as listed by :func:`list_images`."""
+
+    url: str
+    job: str
+    image_id: str
+    complete: bool
+    created: datetime | None = None
+    bytes: int = 0
+    stored_bytes: int = 0
+    files: int = 0
+    encrypted: bool = False
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "url": self.url,
+            "job": self.job,
+            "image_id": self.image_id,
+            "complete": self.complete,
+            "created": self.created.isoformat() if self.created else None,
+            "bytes": self.bytes,
+            "stored_bytes": self.stored_bytes,
+            "files": self.files,
+            "encrypted": self.encrypted,
+        }
+
+
+@dataclass
+class GcResult:
+    """What :func:`gc` removed (or would remove, with ``dry_run``)."""
+
+    store: str
+    jobs: list[str] = field(default_factory=list)
+    images_kept: list[str] = field(default_factory=list)
+    images_deleted: list[str] = field(default_factory=list)
+    stale_markers_deleted: int = 0
+    chunks_deleted: int = 0
+    bytes_freed: int = 0
+    chunks_kept_young: int = 0
+    skipped_chunks_writer_active: list[str] = field(default_factory=list)
+    dry_run: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "store": self.store,
+            "jobs": self.jobs,
+            "images_kept": self.images_kept,
+            "images_deleted": self.images_deleted,
+            "stale_markers_deleted": self.stale_markers_deleted,
+            "chunks_deleted": self.chunks_deleted,
+            "bytes_freed": self.bytes_freed,
+            "chunks_kept_young": self.chunks_kept_young,
+            "chunk_gc_skipped_writer_active": self.skipped_chunks_writer_active,
+            "dry_run": self.dry_run,
+        }
+
+
+async def _jobs(store: ImageStore, job: str | None) -> list[str]:
+    if job is not None:
+        try:
+            return [check_job_name(job)]
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+    out = []
+    for name in await store.list_dirs(""):
+        try:
+            out.append(check_job_name(name))
+        except ValueError:
+            continue
+    return out
+
+
+async def _manifest(store: ImageStore, ref: ImageRef) -> Manifest:
+    return Manifest.from_bytes(await store.get(ref.manifest_key), ref.url)
+
+
+async def latest_image(
+    store_url: str, job: str, *, settings: ImageSettings | None = None
+) -> str | None:
+    """URL of the newest complete image of ``job`` in the store, or None."""
+    s = settings or load(ImageSettings)
+    store = store_for(store_url, s)
+    try:
+        ids = await complete_image_ids(store, check_job_name(job))
+        return ImageRef(store.url, job, ids[-1]).url if ids else None
+    finally:
+        await store.aclose()
+
+
+async def list_images(
+    store_url: str, job: str | None = None, *, settings: ImageSettings | None = None
+) -> list[ImageInfo]:
+    """Every image of ``job`` (or of every job) in the store, oldest first per job; images
+    still being written (or abandoned) appear with ``complete=False``."""
+    s = settings or load(ImageSettings)
+    store = store_for(store_url, s)
+    try:
+        out: list[ImageInfo] = []
+        sem = asyncio.Semaphore(s.io_workers)
+        for j in await _jobs(store, job):
+            prefix = image_prefix(j, "")
+            ids: dict[str, bool] = {}
+            for info in await store.list(prefix):
+                rest = info.key[len(prefix) :]
+                image_id = rest.split("/", 1)[0]
+                ids[image_id] = ids.get(image_id, False) or rest.endswith("/manifest.json")
+            refs = [ImageRef(store.url, j, i) for i in sorted(ids)]
+
+            async def info_of(ref: ImageRef, complete: bool) -> ImageInfo:
+                if not complete:
+                    return ImageInfo(ref.url, ref.job, ref.image_id, complete=False)
+                async with sem:
+                    try:
+                        m = await _manifest(store, ref)
+                    except ImageError as exc:
+                        log.warning(
+                            "unreadable manifest", extra={"image": ref.url, "error": str(exc)}
+                        )
+                        return ImageInfo(ref.url, ref.job, ref.image_id, complete=False)
+                return ImageInfo(
+                    ref.url,
+                    ref.job,
+                    ref.image_id,
+                    complete=True,
+                    created=m.created,
+                    bytes=m.totals.bytes,
+                    stored_bytes=m.totals.stored_bytes,
+                    files=m.totals.files,
+                    encrypted=m.encryption is not None,
+                    meta=m.meta,
+                )
+
+            out += await asyncio.gather(*(info_of(r, ids[r.image_id]) for r in refs))
+        return out
+    finally:
+        await store.aclose()
+
+
+async def verify_image(
+    image_url: str,
+    *,
+    settings: ImageSettings | None = None,
+    cipher: Cipher | None = None,
+    progress: ProgressFn | None = None,
+    raise_on_error: bool = True,
+) -> VerifyReport:
+    """Fetch and check every chunk of the image (hash, size, decryption).
+
+    Raises :class:`~spotguard.errors.ImageCorrupt` naming the bad chunk(s) unless
+    ``raise_on_error`` is false (then the report lists them).
+    """
+    async with ImageReader(image_url, settings=settings, cipher=cipher) as reader:
+        report = await reader.verify(progress)
+    if report.bad and raise_on_error:
+        names = ", ".join(f"{b['chunk']} (in {b['files']})" for b in report.bad[:5])
+        raise ImageCorrupt(
+            f"image {report.image_url} has {len(report.bad)} corrupt chunk(s): {names}",
+            chunk=report.bad[0]["chunk"],
+        )
+    return report
+
+
+async def gc(
+    store_url: str,
+    job: str | None,
+    keep: int,
+    *,
+    grace_s: float | None = None,
+    dry_run: bool = False,
+    settings: ImageSettings | None = None,
+) -> GcResult:
+    """Delete all but the newest ``keep`` complete images of ``job`` (every job when None),
+    stale writing markers, and chunks no remaining image references (see the module doc)."""
+    if keep < 1:
+        raise ConfigError(
+            "gc --keep must be at least 1: the newest complete image is never deleted"
+        )
+    s = settings or load(ImageSettings)
+    grace = timedelta(seconds=s.gc_grace_s if grace_s is None else grace_s)
+    store = store_for(store_url, s)
+    result = GcResult(store.url, dry_run=dry_run)
+    try:
+        for j in await _jobs(store, job):
+            result.jobs.append(j)
+            await _gc_job(store, j, keep, grace, dry_run, result)
+    finally:
+        await store.aclose()
+    log.info("gc done", extra=result.to_json())
+    return result
+
+
+async def _gc_job(
+    store: ImageStore, job: str, keep: int, grace: timedelta, dry_run: bool, result: GcResult
+) -> None:
+    now = datetime.now(UTC)
+    prefix = image_prefix(job, "")
+    listing = await store.list(prefix)
+    by_image: dict[str, list[ObjectInfo]] = {}
+    for info in listing:
+        by_image.setdefault(info.key[len(prefix) :].split("/", 1)[0], []).append(info)
+    complete = await complete_image_ids(store, job)
+    kept, dropped = complete[-keep:], complete[:-keep]
+    active = False
+    for image_id, objs in by_image.items():
+        if image_id in complete:
+            continue
+        markers = [o for o in objs if o.key.endswith("/" + WRITING_MARKER)]
+        if any(now - m.modified < grace for m in markers):
+            active = True
+            continue
+        for o in objs:  # an abandoned write: only its marker remains
+            if not dry_run:
+                await store.delete(o.key)
+            result.stale_markers_deleted += 1
+    for image_id in dropped:
+        ref = ImageRef(store.url, job, image_id)
+        if not dry_run:
+            await store.delete(ref.manifest_key)  # first: the image is gone as a whole
+            for o in by_image.get(image_id, []):
+                if o.key != ref.manifest_key:
+                    await store.delete(o.key)
+        result.images_deleted.append(ref.url)
+    referenced: set[str] = set()
+    for image_id in kept:
+        ref = ImageRef(store.url, job, image_id)
+        result.images_kept.append(ref.url)
+        referenced |= set((await _manifest(store, ref)).chunk_refs())
+    if active:
+        result.skipped_chunks_writer_active.append(job)
+        log.info("a writer is active: chunks of this job are not collected", extra={"job": job})
+        return
+    chunk_prefix = chunk_key(job, "00")[: -len("00/00")]
+    sem = asyncio.Semaphore(16)
+
+    async def drop(o: ObjectInfo) -> None:
+        async with sem:
+            if not dry_run:
+                try:
+                    await store.delete(o.key)
+                except SpotguardError as exc:
+                    log.warning("could not delete chunk", extra={"key": o.key, "error": str(exc)})
+                    return
+            result.chunks_deleted += 1
+            result.bytes_freed += o.size
+
+    doomed = []
+    for o in await store.list(chunk_prefix):
+        addr = o.key.rsplit("/", 1)[-1]
+        if addr in referenced:
+            continue
+        if now - o.modified < grace:
+            result.chunks_kept_young += 1
+            continue
+        doomed.append(o)
+    await asyncio.gather(*(drop(o) for o in doomed))

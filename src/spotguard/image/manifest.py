@@ -1,0 +1,169 @@
+"""The manifest (the typed model of ``manifest.json``) and image URLs.
+
+An image is ``{store}/{job}/images/{image_id}``; it exists once its ``manifest.json`` exists.
+See docs/image-format.md for the format this model writes.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from spotguard.contracts import check_job_name, image_prefix, manifest_key
+from spotguard.errors import ConfigError, ImageError
+
+FORMAT = "spotguard-image/1"
+WRITING_MARKER = "writing.json"  # under the image prefix while a writer is active
+
+
+class ChunkRef(BaseModel):
+    """One chunk of a file: its address, plaintext size and stored (compressed) size."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    size: int = Field(gt=0)
+    stored_size: int = Field(ge=0)
+
+
+class FileEntry(BaseModel):
+    """One file of the image directory, by its ``/``-separated relative name."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str
+    size: int = Field(ge=0)
+    mode: int = 0o644
+    chunks: list[ChunkRef] = Field(default_factory=list)
+
+    @field_validator("name")
+    @classmethod
+    def _relative(cls, v: str) -> str:
+        parts = v.split("/")
+        if not v or v.startswith("/") or any(p in ("", ".", "..") for p in parts):
+            raise ValueError(f"file name {v!r} must be a relative path without . or ..")
+        return v
+
+
+class Codec(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: Literal["zstd"] = "zstd"
+    level: int = 1
+    chunk_size: int
+
+
+class Encryption(BaseModel):
+    """How chunks are encrypted; ``key_id`` identifies (never reveals) the key."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    alg: Literal["AES-256-GCM"] = "AES-256-GCM"
+    key_id: str
+    address: Literal["HMAC-SHA256"] = "HMAC-SHA256"
+
+
+class Totals(BaseModel):
+    """Sizes over the whole image (``stored_bytes`` counts every chunk reference once)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    files: int = 0
+    chunks: int = 0
+    unique_chunks: int = 0
+    bytes: int = 0
+    stored_bytes: int = 0
+
+
+class Manifest(BaseModel):
+    """``manifest.json``: the complete description of one image."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    format: Literal["spotguard-image/1"] = "spotguard-image/1"
+    job: str
+    image_id: str
+    created: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    codec: Codec
+    encryption: Encryption | None = None
+    files: list[FileEntry] = Field(default_factory=list)
+    totals: Totals = Field(default_factory=Totals)
+    meta: dict[str, Any] = Field(default_factory=dict)
+
+    @field_validator("job")
+    @classmethod
+    def _job(cls, v: str) -> str:
+        return check_job_name(v)
+
+    def file(self, name: str) -> FileEntry:
+        for f in self.files:
+            if f.name == name:
+                return f
+        raise ImageError(f"image {self.job}/{self.image_id} has no file {name!r}")
+
+    def chunk_refs(self) -> dict[str, ChunkRef]:
+        """Every distinct chunk, by address."""
+        return {c.sha256: c for f in self.files for c in f.chunks}
+
+    def to_bytes(self) -> bytes:
+        return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Manifest:
+        """Parse a manifest; a foreign or damaged one is an :class:`ImageError`."""
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as exc:
+            raise ImageError(f"manifest of {where} is not JSON: {exc}") from exc
+        fmt = raw.get("format") if isinstance(raw, dict) else None
+        if fmt != FORMAT:
+            raise ImageError(f"manifest of {where} has format {fmt!r}; this build reads {FORMAT}")
+        try:
+            return cls.model_validate(raw)
+        except ValidationError as exc:
+            raise ImageError(f"manifest of {where} is malformed: {exc}") from exc
+
+
+@dataclass(frozen=True)
+class ImageRef:
+    """Where an image lives: store URL, job and image id."""
+
+    store: str
+    job: str
+    image_id: str
+
+    @property
+    def url(self) -> str:
+        return f"{self.store.rstrip('/')}/{image_prefix(self.job, self.image_id)}"
+
+    @property
+    def manifest_key(self) -> str:
+        return manifest_key(self.job, self.image_id)
+
+    @property
+    def prefix(self) -> str:
+        return image_prefix(self.job, self.image_id)
+
+    @classmethod
+    def parse(cls, url: str) -> ImageRef:
+        """Split ``{store}/{job}/images/{image_id}`` (a trailing ``/manifest.json`` is fine).
+        ``image_id`` may be ``latest``, resolved later by :func:`spotguard.image.resolve`."""
+        u = url.rstrip("/")
+        if u.endswith("/manifest.json"):
+            u = u[: -len("/manifest.json")]
+        parts = u.rsplit("/", 3)
+        if len(parts) != 4 or parts[2] != "images" or not parts[3]:
+            raise ConfigError(
+                f"{url!r} is not an image URL: expected STORE/JOB/images/IMAGE_ID "
+                "(or STORE/JOB/images/latest)"
+            )
+        store, job, _, image_id = parts
+        try:
+            check_job_name(job)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from exc
+        return cls(store or "/", job, image_id)

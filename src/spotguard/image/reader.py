@@ -1,0 +1,260 @@
+"""Read an image: fetch → verify → decompress, pipelined, never handing out unverified bytes.
+
+Each chunk is fetched from the store (retried on transient errors by the store), decoded in a
+thread pool (decrypt, decompress, re-hash) and compared with its address. A chunk that fails
+is fetched once more (a flipped bit in transit or a torn cache); if it fails again the read
+stops with :class:`~spotguard.errors.ImageCorrupt` naming the chunk and the files using it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from types import TracebackType
+from typing import Any
+
+from spotguard.config import load
+from spotguard.contracts import chunk_key, image_prefix
+from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
+from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
+from spotguard.image.manifest import ChunkRef, ImageRef, Manifest
+from spotguard.image.settings import ImageSettings
+from spotguard.image.stats import ProgressFn, TransferStats
+from spotguard.image.writer import settings_cipher, store_for
+from spotguard.store import ImageStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifyReport:
+    """Result of checking every chunk of an image."""
+
+    image_url: str
+    chunks: int = 0
+    bytes: int = 0
+    stored_bytes: int = 0
+    bad: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "image": self.image_url,
+            "ok": self.ok,
+            "chunks": self.chunks,
+            "bytes": self.bytes,
+            "stored_bytes": self.stored_bytes,
+            "bad": self.bad,
+        }
+
+
+async def resolve(store: ImageStore, ref: ImageRef) -> ImageRef:
+    """``…/images/latest`` → the newest complete image of the job (else unchanged)."""
+    if ref.image_id != "latest":
+        return ref
+    ids = await complete_image_ids(store, ref.job)
+    if not ids:
+        raise ImageNotFound(f"no complete image of job {ref.job!r} in {store.url}")
+    return ImageRef(ref.store, ref.job, ids[-1])
+
+
+async def complete_image_ids(store: ImageStore, job: str) -> list[str]:
+    """Ids of the job's images that have a manifest, oldest first."""
+    prefix = image_prefix(job, "")
+    ids = []
+    for info in await store.list(prefix):
+        rest = info.key[len(prefix) :]
+        if rest.count("/") == 1 and rest.endswith("/manifest.json"):
+            ids.append(rest.split("/", 1)[0])
+    return sorted(ids)
+
+
+class ImageReader:
+    """Reads one complete image. Use as ``async with ImageReader(url) as r:``.
+
+    ``image`` is an image URL (``…/images/ID`` or ``…/images/latest``) or an :class:`ImageRef`
+    (then ``store`` may pass an open store to share).
+    """
+
+    def __init__(
+        self,
+        image: str | ImageRef,
+        *,
+        store: ImageStore | None = None,
+        cipher: Cipher | None = None,
+        settings: ImageSettings | None = None,
+        workers: int | None = None,
+        readahead: int | None = None,
+    ) -> None:
+        s = settings or load(ImageSettings)
+        self.settings = s
+        self.ref = image if isinstance(image, ImageRef) else ImageRef.parse(image)
+        self._own_store = store is None
+        self.store: ImageStore = store or store_for(self.ref.store, s)
+        self._cipher = cipher if cipher is not None else settings_cipher(s)
+        self.workers = workers or s.cpu_workers()
+        self.readahead = readahead or s.max_inflight_chunks()
+        self._manifest: Manifest | None = None
+        self._pool: ThreadPoolExecutor | None = None
+        self.codec = ChunkCodec()
+        self.stats = TransferStats(phase="download")
+        self.refetches = 0
+
+    @property
+    def url(self) -> str:
+        return self.ref.url
+
+    @property
+    def manifest(self) -> Manifest:
+        if self._manifest is None:
+            raise ImageError("ImageReader is not open (use 'async with' or 'await open()')")
+        return self._manifest
+
+    async def open(self) -> ImageReader:
+        """Find the manifest and check the key; no chunk is read yet."""
+        self.ref = await resolve(self.store, self.ref)
+        try:
+            data = await self.store.get(self.ref.manifest_key)
+        except ObjectNotFound as exc:
+            raise ImageNotFound(
+                f"no complete image at {self.ref.url} (no manifest: never committed or deleted)"
+            ) from exc
+        m = Manifest.from_bytes(data, self.ref.url)
+        if m.job != self.ref.job or m.image_id != self.ref.image_id:
+            raise ImageError(
+                f"manifest at {self.ref.url} describes {m.job}/{m.image_id}, not this image"
+            )
+        check_cipher(m.encryption.key_id if m.encryption else None, self._cipher, self.url)
+        self.codec = ChunkCodec(m.codec.level, self._cipher if m.encryption else None)
+        self._manifest = m
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="image-cpu")
+        self.stats.total = m.totals.bytes
+        return self
+
+    async def aclose(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = None
+        if self._own_store:
+            await self.store.aclose()
+
+    async def __aenter__(self) -> ImageReader:
+        try:
+            return await self.open()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    # --- chunks -----------------------------------------------------------------------------
+    def _where(self, addr: str) -> str:
+        names = [f.name for f in self.manifest.files if any(c.sha256 == addr for c in f.chunks)]
+        return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
+
+    async def _fetch_decode(self, ref: ChunkRef) -> bytes:
+        key = chunk_key(self.ref.job, ref.sha256)
+        try:
+            stored = await self.store.get(key)
+        except ObjectNotFound as exc:
+            raise ImageCorrupt(
+                f"chunk {ref.sha256} is missing from the store", chunk=ref.sha256
+            ) from exc
+        loop = asyncio.get_running_loop()
+        plain: bytes = await loop.run_in_executor(
+            self._pool, self.codec.decode, stored, ref.sha256, ref.size
+        )
+        self.stats.stored_bytes += len(stored)
+        return plain
+
+    async def read_chunk(self, ref: ChunkRef) -> bytes:
+        """The verified plaintext of one chunk (one refetch on a failed check)."""
+        try:
+            plain = await self._fetch_decode(ref)
+        except ImageCorrupt as first:
+            self.refetches += 1
+            log.warning(
+                "chunk failed verification, fetching it again",
+                extra={"image": self.url, "chunk": ref.sha256, "error": str(first)},
+            )
+            try:
+                plain = await self._fetch_decode(ref)
+            except ImageCorrupt as exc:
+                raise ImageCorrupt(
+                    f"image {self.url}: chunk {ref.sha256} (in {self._where(ref.sha256)}) "
+                    f"is corrupt: {exc}",
+                    chunk=ref.sha256,
+                ) from exc
+        self.stats.bytes += ref.size
+        self.stats.chunks += 1
+        return plain
+
+    async def iter_file(self, name: str) -> AsyncIterator[bytes]:
+        """The file's verified bytes, chunk by chunk, in order; ``readahead`` chunks are
+        fetched and decoded in parallel ahead of the consumer."""
+        entry = self.manifest.file(name)
+        refs = iter(entry.chunks)
+        window: deque[asyncio.Task[bytes]] = deque()
+        try:
+            for ref in refs:
+                window.append(asyncio.create_task(self.read_chunk(ref)))
+                if len(window) >= self.readahead:
+                    break
+            while window:
+                data = await window.popleft()
+                nxt = next(refs, None)
+                if nxt is not None:
+                    window.append(asyncio.create_task(self.read_chunk(nxt)))
+                yield data
+        finally:
+            for t in window:
+                t.cancel()
+            await asyncio.gather(*window, return_exceptions=True)
+
+    async def verify(self, progress: ProgressFn | None = None) -> VerifyReport:
+        """Fetch and check every distinct chunk; collects every failure (does not stop)."""
+        refs = list(self.manifest.chunk_refs().values())
+        report = VerifyReport(self.url)
+        sem = asyncio.Semaphore(self.readahead)
+
+        async def one(ref: ChunkRef) -> None:
+            async with sem:
+                try:
+                    await self.read_chunk(ref)
+                except ImageCorrupt as exc:
+                    report.bad.append(
+                        {"chunk": ref.sha256, "files": self._where(ref.sha256), "error": str(exc)}
+                    )
+                    return
+            report.chunks += 1
+            report.bytes += ref.size
+            report.stored_bytes += ref.stored_size
+            if progress is not None:
+                progress(self.stats)
+
+        await asyncio.gather(*(one(r) for r in refs))
+        return report
+
+
+def chunk_plan(manifest: Manifest) -> dict[str, list[tuple[str, int, ChunkRef]]]:
+    """address → every (file name, offset, ref) where that chunk's bytes go."""
+    plan: dict[str, list[tuple[str, int, ChunkRef]]] = {}
+    for f in manifest.files:
+        off = 0
+        for c in f.chunks:
+            plan.setdefault(c.sha256, []).append((f.name, off, c))
+            off += c.size
+    return plan

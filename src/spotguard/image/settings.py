@@ -1,0 +1,61 @@
+"""Settings of the image format and transfers (config section ``[image]``)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import ClassVar, Literal
+
+from pydantic import Field, SecretStr
+
+from spotguard.config import Settings
+
+DEFAULT_CHUNK_SIZE = 64 << 20
+
+
+class ImageSettings(Settings):
+    """How images are cut, compressed, encrypted and moved.
+
+    ``encryption_key`` is read from ``SPOTGUARD_ENCRYPTION_KEY`` (or the config file) and is
+    deliberately not a command-line flag: flags show up in ``ps``. Use ``encryption_key_file``
+    on the command line.
+    """
+
+    section: ClassVar[str] = "image"
+
+    chunk_size: int = Field(
+        DEFAULT_CHUNK_SIZE,
+        ge=64 << 10,
+        le=1 << 30,
+        description="Bytes per chunk before compression (each chunk is one zstd frame)",
+    )
+    level: int = Field(1, ge=-7, le=22, description="zstd compression level")
+    workers: int = Field(
+        0, ge=0, description="Threads that hash/compress/decompress chunks (0 = one per CPU)"
+    )
+    io_workers: int = Field(16, ge=1, le=256, description="Parallel store requests")
+    max_inflight_mb: int = Field(
+        1024, ge=16, description="Memory bound for chunks in flight (MiB); writers wait beyond it"
+    )
+    retries: int = Field(5, ge=1, le=50, description="Attempts per store request on 5xx/drops")
+    dedup: bool = Field(True, description="Skip chunks already in the store")
+    encryption_key_file: Path | None = Field(
+        None, description="File with a 32-byte key (raw, hex or base64) for AES-256-GCM"
+    )
+    encryption_key: SecretStr | None = Field(
+        None, description="AES-256-GCM key as hex or base64 (prefer the file or env var)"
+    )
+    sse: Literal["", "AES256", "aws:kms"] = Field(
+        "", description="S3 server-side encryption (AES256 or aws:kms)"
+    )
+    sse_kms_key_id: str = Field("", description="KMS key id for sse=aws:kms")
+    gc_grace_s: float = Field(
+        3600.0, ge=0, description="gc keeps unreferenced chunks younger than this (seconds)"
+    )
+
+    def cpu_workers(self) -> int:
+        return self.workers or (os.cpu_count() or 2)
+
+    def max_inflight_chunks(self) -> int:
+        """Chunks that may be in flight at once: by the memory bound, at least 2."""
+        return max(2, (self.max_inflight_mb << 20) // self.chunk_size)

@@ -1,0 +1,68 @@
+"""Transfer counters shared by writers, readers and the CLI's progress bars."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+MIB = 1 << 20
+
+
+@dataclass
+class TransferStats:
+    """Bytes and chunks moved so far by one transfer.
+
+    ``bytes`` counts plaintext bytes handled (uploaded *or* skipped); ``stored_bytes`` what
+    actually crossed the wire (compressed, encrypted); ``bytes_skipped`` plaintext bytes whose
+    chunks were already in the store (dedup) or repeated within the image.
+    """
+
+    phase: str = "upload"
+    total: int | None = None
+    bytes: int = 0
+    stored_bytes: int = 0
+    bytes_skipped: int = 0
+    stored_bytes_skipped: int = 0
+    chunks: int = 0
+    chunks_skipped: int = 0
+    retries: int = 0
+    started: float = field(default_factory=time.monotonic)
+    finished: float | None = None
+
+    @property
+    def seconds(self) -> float:
+        return (self.finished or time.monotonic()) - self.started
+
+    @property
+    def rate(self) -> float:
+        """Plaintext bytes per second (what the job's image size moves at)."""
+        s = self.seconds
+        return self.bytes / s if s > 0 else 0.0
+
+    @property
+    def wire_rate(self) -> float:
+        """Stored bytes per second (what the network carries)."""
+        s = self.seconds
+        return self.stored_bytes / s if s > 0 else 0.0
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "phase": self.phase,
+            "bytes": self.bytes,
+            "total": self.total,
+            "stored_bytes": self.stored_bytes,
+            "bytes_skipped": self.bytes_skipped,
+            "stored_bytes_skipped": self.stored_bytes_skipped,
+            "chunks": self.chunks,
+            "chunks_skipped": self.chunks_skipped,
+            "retries": self.retries,
+            "seconds": round(self.seconds, 3),
+            "mb_s": round(self.rate / MIB, 1),
+            "wire_mb_s": round(self.wire_rate / MIB, 1),
+        }
+
+
+#: Called after every chunk with the running counters (on the event loop; keep it cheap).
+ProgressFn = Callable[[TransferStats], None]

@@ -1,0 +1,420 @@
+"""Write an image: files in, chunks out (hash → dedup check → compress → upload), manifest last.
+
+Pipeline, per chunk, with bounded memory::
+
+    write() cuts chunk ─► [wait for an in-flight slot]  ◄── back-pressure on the producer
+                          address (thread pool) ─► in store? ─ yes ─► skip (dedup)
+                                                             └ no ──► compress+encrypt
+                                                                      (thread pool) ─► put
+
+``max_inflight`` chunks may be between "cut" and "stored"; the producer's ``write`` waits for a
+slot beyond that, so a fast source (CRIU's pipe, a tmpfs directory) cannot outrun the store.
+Nothing is visible until :meth:`ImageWriter.commit` writes the manifest, with if-absent
+semantics, after every chunk is durable. Leaving the ``async with`` block with an exception,
+or without committing, writes no manifest.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import socket
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import UTC, datetime
+from pathlib import Path
+from types import TracebackType
+from typing import Any, TypeVar
+
+from spotguard.config import load
+from spotguard.contracts import check_job_name, chunk_key, new_image_id
+from spotguard.errors import ImageError, PreconditionFailed, SpotguardError
+from spotguard.image.codec import ChunkCodec, Cipher, load_key
+from spotguard.image.manifest import (
+    WRITING_MARKER,
+    ChunkRef,
+    Codec,
+    Encryption,
+    FileEntry,
+    ImageRef,
+    Manifest,
+    Totals,
+)
+from spotguard.image.settings import ImageSettings
+from spotguard.image.stats import ProgressFn, TransferStats
+from spotguard.store import ImageStore, RetryPolicy, open_store
+from spotguard.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+MARKER_REFRESH_S = 300.0
+
+
+def store_for(url: str, settings: ImageSettings) -> ImageStore:
+    """Open the store at ``url`` with the transfer settings applied."""
+    return open_store(
+        url,
+        io_workers=settings.io_workers,
+        retry=RetryPolicy(attempts=settings.retries),
+        sse=settings.sse or None,
+        sse_kms_key_id=settings.sse_kms_key_id or None,
+    )
+
+
+def settings_cipher(settings: ImageSettings) -> Cipher | None:
+    secret = settings.encryption_key.get_secret_value() if settings.encryption_key else None
+    return load_key(settings.encryption_key_file, secret)
+
+
+class FileSink:
+    """One file being written into an image: ``await write(data)`` then ``await close()``."""
+
+    def __init__(self, writer: ImageWriter, name: str, mode: int) -> None:
+        FileEntry(name=name, size=0)  # validates the name early
+        self.name = name
+        self.mode = mode
+        self.size = 0
+        self.closed = False
+        self._w = writer
+        self._buf = bytearray()
+        self._refs: list[asyncio.Task[ChunkRef]] = []
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data``; full chunks go to the pipeline (this waits when it is full)."""
+        if self.closed:
+            raise ImageError(f"file {self.name!r} of the image is already closed")
+        self._w._raise_if_failed()
+        n = len(data)
+        if n == 0:
+            return
+        self.size += n
+        cs = self._w.chunk_size
+        if not self._buf and isinstance(data, bytes) and n >= cs:
+            # Fast path (whole chunks from a reader): no copy, memoryviews keep `data` alive.
+            view = memoryview(data)
+            whole = n - n % cs
+            for off in range(0, whole, cs):
+                await self._w._submit(self, view[off : off + cs])
+            if whole < n:
+                self._buf += view[whole:]
+            return
+        self._buf += data
+        while len(self._buf) >= cs:
+            chunk = bytes(self._buf[:cs])
+            del self._buf[:cs]
+            await self._w._submit(self, chunk)
+
+    async def close(self) -> None:
+        """Send the last partial chunk. The file's chunks finish in the background."""
+        if self.closed:
+            return
+        if self._buf:
+            chunk = bytes(self._buf)
+            self._buf = bytearray()
+            await self._w._submit(self, chunk)
+        self.closed = True
+
+    def entry(self) -> FileEntry:
+        return FileEntry(
+            name=self.name, size=self.size, mode=self.mode, chunks=[t.result() for t in self._refs]
+        )
+
+
+class ImageWriter:
+    """Writes one image of ``job`` into ``store``; use as ``async with``.
+
+    >>> async with ImageWriter("s3://bucket/images", "train-1") as w:   # doctest: +SKIP
+    ...     await w.add_file("/staging/pages-1.img", "pages-1.img")
+    ...     f = w.file("stream/core.img"); await f.write(b"..."); await f.close()
+    ...     manifest = await w.commit({"timeline": [...]})
+    """
+
+    def __init__(
+        self,
+        store: ImageStore | str,
+        job: str,
+        image_id: str | None = None,
+        *,
+        chunk_size: int | None = None,
+        level: int | None = None,
+        workers: int | None = None,
+        max_inflight: int | None = None,
+        cipher: Cipher | None = None,
+        dedup: bool | None = None,
+        settings: ImageSettings | None = None,
+        progress: ProgressFn | None = None,
+        timeline: Timeline | None = None,
+    ) -> None:
+        s = settings or load(ImageSettings)
+        try:
+            self.job = check_job_name(job)
+        except ValueError as exc:
+            raise ImageError(str(exc)) from exc
+        self.settings = s
+        self.image_id = image_id or new_image_id()
+        self.chunk_size = chunk_size or s.chunk_size
+        self.level = s.level if level is None else level
+        self.workers = workers or s.cpu_workers()
+        self.max_inflight = max_inflight or max(2, (s.max_inflight_mb << 20) // self.chunk_size)
+        self.cipher = cipher if cipher is not None else settings_cipher(s)
+        self.dedup = s.dedup if dedup is None else dedup
+        self.codec = ChunkCodec(self.level, self.cipher)
+        self.progress = progress
+        self.timeline = timeline if timeline is not None else Timeline()
+        self.stats = TransferStats()
+        self._store_arg = store
+        self._own_store = isinstance(store, str)
+        self.store: ImageStore = store_for(store, s) if isinstance(store, str) else store
+        self.ref = ImageRef(self.store.url, self.job, self.image_id)
+        self._files: list[FileSink] = []
+        self._names: set[str] = set()
+        self._tasks: set[asyncio.Task[ChunkRef]] = set()
+        self._by_addr: dict[str, asyncio.Task[ChunkRef]] = {}
+        self._preexisting: set[str] = set()
+        self._sem = asyncio.Semaphore(self.max_inflight)
+        self._pool: ThreadPoolExecutor | None = None
+        self._error: BaseException | None = None
+        self._heartbeat: asyncio.Task[None] | None = None
+        self._manifest: Manifest | None = None
+        self._entered = False
+
+    @property
+    def url(self) -> str:
+        """The image URL this writer commits to."""
+        return self.ref.url
+
+    # --- lifecycle ------------------------------------------------------------------------
+    async def __aenter__(self) -> ImageWriter:
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="image-cpu")
+        self._entered = True
+        self._t0 = time.time()
+        try:
+            await self._put_marker()
+        except BaseException:
+            await self._shutdown()
+            raise
+        self._heartbeat = asyncio.create_task(self._refresh_marker())
+        log.info(
+            "image write started",
+            extra={"image": self.url, "chunk_size": self.chunk_size, "level": self.level},
+        )
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._manifest is None:
+            await self._abort(exc)
+        await self._shutdown()
+
+    async def _abort(self, exc: BaseException | None) -> None:
+        for t in self._tasks:
+            t.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        log.warning(
+            "image write abandoned: no manifest written",
+            extra={"image": self.url, "error": str(exc) if exc else "not committed"},
+        )
+        # If this fails, gc removes the stale marker after the grace period.
+        with contextlib.suppress(SpotguardError):
+            await asyncio.shield(self.store.delete(f"{self.ref.prefix}/{WRITING_MARKER}"))
+
+    async def _shutdown(self) -> None:
+        if self._heartbeat is not None:
+            self._heartbeat.cancel()
+            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+        if self._own_store:
+            await self.store.aclose()
+
+    async def _put_marker(self) -> None:
+        body = {"job": self.job, "image_id": self.image_id, "host": socket.gethostname()}
+        body["started"] = datetime.fromtimestamp(self._t0, UTC).isoformat()
+        await self.store.put(f"{self.ref.prefix}/{WRITING_MARKER}", json.dumps(body).encode())
+
+    async def _refresh_marker(self) -> None:
+        """Keep the writing marker young so a concurrent gc keeps our dedup'd chunks."""
+        while True:
+            await asyncio.sleep(MARKER_REFRESH_S)
+            try:
+                await self._put_marker()
+            except SpotguardError as exc:
+                log.warning("could not refresh writing marker", extra={"error": str(exc)})
+
+    # --- adding data --------------------------------------------------------------------
+    def file(self, name: str, mode: int = 0o644) -> FileSink:
+        """A new file of the image (``name`` is a relative ``/``-separated path)."""
+        if not self._entered:
+            raise ImageError("ImageWriter must be used as 'async with'")
+        if self._manifest is not None:
+            raise ImageError(f"image {self.url} is already committed")
+        if name in self._names:
+            raise ImageError(f"file {name!r} is already in image {self.url}")
+        sink = FileSink(self, name, mode)
+        self._names.add(name)
+        self._files.append(sink)
+        return sink
+
+    async def add_file(self, path: str | Path, name: str | None = None) -> FileEntry:
+        """Stream the file at ``path`` into the image as ``name`` (default: its base name)."""
+        p = Path(path)
+        st = await asyncio.to_thread(p.stat)
+        sink = self.file(name or p.name, mode=st.st_mode & 0o7777)
+        f = await asyncio.to_thread(p.open, "rb", buffering=0)
+        try:
+            while True:
+                data = await asyncio.to_thread(f.read, self.chunk_size)
+                if not data:
+                    break
+                await sink.write(data)
+        finally:
+            await asyncio.to_thread(f.close)
+        await sink.close()
+        return FileEntry(name=sink.name, size=sink.size, mode=sink.mode)
+
+    # --- the pipeline -------------------------------------------------------------------
+    def _raise_if_failed(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    async def _cpu(self, fn: Any, *args: Any) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
+
+    async def _submit(self, sink: FileSink, plain: bytes | memoryview) -> None:
+        await self._sem.acquire()
+        if self._error is not None:
+            self._sem.release()
+            raise self._error
+        task = asyncio.create_task(self._process(plain))
+        self._tasks.add(task)
+        sink._refs.append(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[ChunkRef]) -> None:
+        self._sem.release()
+        if not task.cancelled() and task.exception() is not None and self._error is None:
+            self._error = task.exception()
+
+    async def _process(self, plain: bytes | memoryview) -> ChunkRef:
+        size = len(plain)
+        addr: str = await self._cpu(self.codec.address, plain)
+        earlier = self._by_addr.get(addr)
+        if earlier is not None:  # the same chunk twice in this image (zero pages, ...)
+            ref = await asyncio.shield(earlier)
+            self._count(size, 0, skipped=ref.stored_size)
+            return ref
+        me = asyncio.current_task()
+        assert me is not None
+        self._by_addr[addr] = me
+        key = chunk_key(self.job, addr)
+        if self.dedup:
+            info = await self.store.stat(key)
+            if info is not None:
+                self._preexisting.add(addr)
+                self._count(size, 0, skipped=info.size)
+                return ChunkRef(sha256=addr, size=size, stored_size=info.size)
+        blob: bytes = await self._cpu(self.codec.encode, plain, addr)
+        await self.store.put(key, blob)
+        self._count(size, len(blob))
+        return ChunkRef(sha256=addr, size=size, stored_size=len(blob))
+
+    def _count(self, size: int, stored: int, *, skipped: int | None = None) -> None:
+        st = self.stats
+        st.bytes += size
+        st.chunks += 1
+        st.stored_bytes += stored
+        if skipped is not None:
+            st.bytes_skipped += size
+            st.stored_bytes_skipped += skipped
+            st.chunks_skipped += 1
+        st.retries = getattr(self.store, "retries", 0)
+        if self.progress is not None:
+            self.progress(st)
+
+    # --- commit -------------------------------------------------------------------------
+    async def commit(self, meta: dict[str, Any] | None = None) -> Manifest:
+        """Wait for every chunk, then write the manifest (last, if-absent). Returns it."""
+        if self._manifest is not None:
+            return self._manifest
+        open_files = [f.name for f in self._files if not f.closed]
+        if open_files:
+            raise ImageError(f"close these files before commit: {', '.join(open_files)}")
+        with self.timeline.step("chunks durable", chunks=len(self._tasks)):
+            results = await asyncio.gather(*self._tasks, return_exceptions=True)
+            for r in results:
+                if isinstance(r, BaseException):
+                    raise r
+        with self.timeline.step("manifest"):
+            await self._recheck_preexisting()
+            manifest = self._build(meta or {})
+            await self._write_manifest(manifest)
+        self._manifest = manifest
+        self.stats.finished = time.monotonic()
+        try:
+            await self.store.delete(f"{self.ref.prefix}/{WRITING_MARKER}")
+        except SpotguardError as exc:
+            log.warning("could not remove writing marker", extra={"error": str(exc)})
+        log.info("image committed", extra={"image": self.url, **self.stats.to_json()})
+        return manifest
+
+    async def _recheck_preexisting(self) -> None:
+        """A chunk we skipped because it was in the store must still be there (a gc racing
+        this writer must not leave the manifest pointing at nothing)."""
+        addrs: Sequence[str] = sorted(self._preexisting)
+        sem = asyncio.Semaphore(self.settings.io_workers)
+
+        async def check(a: str) -> str | None:
+            async with sem:
+                return None if await self.store.exists(chunk_key(self.job, a)) else a
+
+        missing = [a for a in await asyncio.gather(*(check(a) for a in addrs)) if a]
+        if missing:
+            raise ImageError(
+                f"{len(missing)} deduplicated chunk(s) vanished during the write "
+                f"(concurrent gc?), e.g. {missing[0]}; no manifest written"
+            )
+
+    def _build(self, meta: dict[str, Any]) -> Manifest:
+        files = [f.entry() for f in self._files]
+        unique: dict[str, int] = {}
+        for f in files:
+            for c in f.chunks:
+                unique[c.sha256] = c.stored_size
+        totals = Totals(
+            files=len(files),
+            chunks=sum(len(f.chunks) for f in files),
+            unique_chunks=len(unique),
+            bytes=sum(f.size for f in files),
+            stored_bytes=sum(unique.values()),
+        )
+        enc = Encryption(key_id=self.cipher.key_id) if self.cipher else None
+        return Manifest(
+            job=self.job,
+            image_id=self.image_id,
+            codec=Codec(level=self.level, chunk_size=self.chunk_size),
+            encryption=enc,
+            files=files,
+            totals=totals,
+            meta=meta,
+        )
+
+    async def _write_manifest(self, manifest: Manifest) -> None:
+        data = manifest.to_bytes()
+        try:
+            await self.store.put(self.ref.manifest_key, data, if_absent=True)
+        except PreconditionFailed as exc:
+            # A retried put whose first attempt landed looks like this: same bytes = success.
+            existing = await self.store.get(self.ref.manifest_key)
+            if existing != data:
+                raise ImageError(
+                    f"image {self.url} already exists; refusing to overwrite its manifest"
+                ) from exc

@@ -1,0 +1,201 @@
+"""The one protocol every object-store backend implements, and the shared machinery.
+
+A store is a flat key → bytes namespace under a URL (``file:///srv/images``, ``s3://bucket/pfx``,
+``gs://bucket/pfx``). Keys are ``/``-separated and relative to that URL; the image layer
+(:mod:`spotguard.image`) decides what the keys are (see :mod:`spotguard.contracts`).
+
+Backends talk to blocking SDKs, so :class:`BlockingStore` runs each call in a thread pool, maps
+the SDK's errors to :mod:`spotguard.errors` in ONE method per backend (``_map_error``), and
+retries :class:`~spotguard.errors.StoreUnavailable` with exponential backoff and jitter
+(tenacity). Everything above the store sees only ``StoreUnavailable`` (after the retries ran
+out), ``ObjectNotFound`` and ``PreconditionFailed``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import builtins
+import logging
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Protocol, TypeVar, runtime_checkable
+
+from tenacity import (
+    AsyncRetrying,
+    RetryCallState,
+    retry_if_exception_type,
+    stop_after_attempt,
+    wait_exponential_jitter,
+)
+
+from spotguard.errors import StoreError, StoreUnavailable
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class ObjectInfo:
+    """One stored object: its key (relative to the store URL), size and last change."""
+
+    key: str
+    size: int
+    modified: datetime
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How transient store errors are retried: ``attempts`` tries in all, waiting
+    ``initial`` seconds doubling up to ``maximum`` with up to ``jitter`` seconds of jitter."""
+
+    attempts: int = 5
+    initial: float = 0.2
+    maximum: float = 5.0
+    jitter: float = 0.5
+
+
+@runtime_checkable
+class ImageStore(Protocol):
+    """Object storage for images. All methods are coroutines; keys never start with ``/``.
+
+    ``put(..., if_absent=True)`` is the atomic commit primitive: it raises
+    :class:`~spotguard.errors.PreconditionFailed` when the key already exists, and no reader
+    ever sees a partially written object.
+    """
+
+    url: str
+
+    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None: ...
+
+    async def get(self, key: str) -> bytes: ...
+
+    async def stat(self, key: str) -> ObjectInfo | None: ...
+
+    async def exists(self, key: str) -> bool: ...
+
+    async def list(self, prefix: str) -> builtins.list[ObjectInfo]: ...
+
+    async def list_dirs(self, prefix: str) -> builtins.list[str]: ...
+
+    async def delete(self, key: str) -> None: ...
+
+    async def aclose(self) -> None: ...
+
+
+class BlockingStore:
+    """Base for backends built on blocking SDK calls.
+
+    Subclasses implement the ``_put/_get/_stat/_list/_list_dirs/_delete`` methods (blocking,
+    run in this store's thread pool) and ``_map_error`` (SDK exception → spotguard error).
+    """
+
+    url: str
+
+    def __init__(self, url: str, *, io_workers: int = 16, retry: RetryPolicy | None = None) -> None:
+        self.url = url.rstrip("/")
+        self.io_workers = io_workers
+        self.retry = retry or RetryPolicy()
+        self._pool = ThreadPoolExecutor(max_workers=io_workers, thread_name_prefix="store-io")
+        self.retries = 0  # transient failures retried so far (reported by transfers)
+
+    # --- to implement -------------------------------------------------------------------
+    def _put(self, key: str, data: bytes, if_absent: bool) -> None:
+        raise NotImplementedError
+
+    def _get(self, key: str) -> bytes:
+        raise NotImplementedError
+
+    def _stat(self, key: str) -> ObjectInfo | None:
+        raise NotImplementedError
+
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        raise NotImplementedError
+
+    def _list_dirs(self, prefix: str) -> list[str]:
+        raise NotImplementedError
+
+    def _delete(self, key: str) -> None:
+        raise NotImplementedError
+
+    def _map_error(self, exc: Exception, key: str) -> StoreError | None:
+        """The spotguard error for an SDK exception, or None to let it propagate."""
+        raise NotImplementedError
+
+    # --- machinery ----------------------------------------------------------------------
+    async def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in the pool; map its errors; retry transient ones with backoff."""
+        loop = asyncio.get_running_loop()
+
+        async def once() -> T:
+            try:
+                return await loop.run_in_executor(self._pool, fn)
+            except StoreError:
+                raise
+            except Exception as exc:
+                mapped = self._map_error(exc, key)
+                if mapped is None:
+                    raise
+                raise mapped from exc
+
+        def before_sleep(state: RetryCallState) -> None:
+            self.retries += 1
+            err = state.outcome.exception() if state.outcome else None
+            log.warning(
+                "store call failed, retrying",
+                extra={"op": what, "key": key, "attempt": state.attempt_number, "error": str(err)},
+            )
+
+        retrying = AsyncRetrying(
+            retry=retry_if_exception_type(StoreUnavailable),
+            stop=stop_after_attempt(max(1, self.retry.attempts)),
+            wait=wait_exponential_jitter(
+                initial=self.retry.initial, max=self.retry.maximum, jitter=self.retry.jitter
+            ),
+            before_sleep=before_sleep,
+            reraise=True,
+        )
+        return await retrying(once)
+
+    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        """Write ``data`` at ``key`` atomically (``if_absent``: only if nothing is there)."""
+        await self._call("put", key, lambda: self._put(key, data, if_absent))
+
+    async def get(self, key: str) -> bytes:
+        """The object's bytes; :class:`ObjectNotFound` when absent."""
+        return await self._call("get", key, lambda: self._get(key))
+
+    async def stat(self, key: str) -> ObjectInfo | None:
+        """Size and change time of ``key``, or None when absent."""
+        return await self._call("stat", key, lambda: self._stat(key))
+
+    async def exists(self, key: str) -> bool:
+        return await self.stat(key) is not None
+
+    async def list(self, prefix: str) -> builtins.list[ObjectInfo]:
+        """Every object whose key starts with ``prefix`` (recursively), sorted by key."""
+        items = await self._call("list", prefix, lambda: self._list(prefix))
+        return sorted(items, key=lambda i: i.key)
+
+    async def list_dirs(self, prefix: str) -> builtins.list[str]:
+        """Names of the "directories" directly below ``prefix`` (which ends with ``/`` or is
+        empty), sorted."""
+        return sorted(await self._call("list_dirs", prefix, lambda: self._list_dirs(prefix)))
+
+    async def delete(self, key: str) -> None:
+        """Remove ``key``; removing an absent key is not an error."""
+        await self._call("delete", key, lambda: self._delete(key))
+
+    async def aclose(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    async def __aenter__(self) -> BlockingStore:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({self.url!r})"

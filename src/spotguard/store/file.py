@@ -1,0 +1,127 @@
+"""Local-directory store (``file:///path`` or a plain path).
+
+Every write goes to a temporary file in the target directory, is fsynced, then renamed into
+place (atomic on POSIX), and the directory is fsynced — so a reader (or a restore after a
+crash) sees either the whole object or none. ``if_absent`` writes use ``link(2)``, which fails
+when the name exists: the commit of a manifest cannot overwrite another one.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import uuid
+from datetime import UTC, datetime
+from pathlib import Path
+
+from spotguard.errors import ObjectNotFound, PreconditionFailed, StoreError, StoreUnavailable
+from spotguard.store.base import BlockingStore, ObjectInfo, RetryPolicy
+
+_TMP_PREFIX = ".tmp-"
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class FileStore(BlockingStore):
+    """Objects are files under ``root``; keys are relative paths."""
+
+    def __init__(
+        self,
+        root: str | Path,
+        *,
+        io_workers: int = 16,
+        retry: RetryPolicy | None = None,
+        fsync: bool = True,
+    ) -> None:
+        self.root = Path(root).absolute()
+        super().__init__(self.root.as_uri(), io_workers=io_workers, retry=retry)
+        self.fsync = fsync
+
+    def _path(self, key: str) -> Path:
+        p = (self.root / key).resolve()
+        if p != self.root and self.root.resolve() not in p.parents:
+            raise StoreError(f"key {key!r} escapes the store root {self.root}")
+        return p
+
+    def _put(self, key: str, data: bytes, if_absent: bool) -> None:
+        dest = self._path(key)
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        tmp = dest.parent / f"{_TMP_PREFIX}{dest.name}.{uuid.uuid4().hex[:8]}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        try:
+            with os.fdopen(fd, "wb", closefd=True) as f:
+                f.write(data)
+                f.flush()
+                if self.fsync:
+                    os.fsync(f.fileno())
+            if if_absent:
+                try:
+                    os.link(tmp, dest)
+                except FileExistsError as exc:
+                    raise PreconditionFailed(f"{self.url}/{key} already exists") from exc
+            else:
+                os.replace(tmp, dest)
+        finally:
+            tmp.unlink(missing_ok=True)
+        if self.fsync:
+            _fsync_dir(dest.parent)
+
+    def _get(self, key: str) -> bytes:
+        return self._path(key).read_bytes()
+
+    def _stat(self, key: str) -> ObjectInfo | None:
+        try:
+            st = self._path(key).stat()
+        except FileNotFoundError:
+            return None
+        return ObjectInfo(key, st.st_size, datetime.fromtimestamp(st.st_mtime, UTC))
+
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        # Walk the deepest directory the prefix names, then filter by the full prefix.
+        base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
+        start = self._path(base) if base else self.root
+        out: list[ObjectInfo] = []
+        if not start.is_dir():
+            return out
+        for dirpath, _dirs, files in os.walk(start):
+            for name in files:
+                if name.startswith(_TMP_PREFIX):
+                    continue
+                full = Path(dirpath) / name
+                key = full.relative_to(self.root).as_posix()
+                if not key.startswith(prefix):
+                    continue
+                try:
+                    st = full.stat()
+                except FileNotFoundError:
+                    continue
+                out.append(ObjectInfo(key, st.st_size, datetime.fromtimestamp(st.st_mtime, UTC)))
+        return out
+
+    def _list_dirs(self, prefix: str) -> list[str]:
+        start = self._path(prefix) if prefix else self.root
+        if not start.is_dir():
+            return []
+        return [e.name for e in os.scandir(start) if e.is_dir()]
+
+    def _delete(self, key: str) -> None:
+        # Empty directories are left alone: removing them could race a concurrent writer's
+        # mkdir + create in the same directory.
+        self._path(key).unlink(missing_ok=True)
+
+    def _map_error(self, exc: Exception, key: str) -> StoreError | None:
+        if isinstance(exc, FileNotFoundError):
+            return ObjectNotFound(f"{self.url}/{key} does not exist")
+        if isinstance(exc, PermissionError):
+            return StoreError(f"{self.url}/{key}: permission denied")
+        if isinstance(exc, OSError):
+            if exc.errno in (errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ESTALE):
+                return StoreUnavailable(f"{self.url}/{key}: {exc.strerror}")
+            return StoreError(f"{self.url}/{key}: {exc.strerror or exc}")
+        return None

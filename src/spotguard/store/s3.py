@@ -1,0 +1,268 @@
+"""Amazon S3 (and S3-compatible) store: ``s3://bucket[/prefix]``.
+
+boto3 directly: objects above ``multipart_threshold`` go up as a multipart upload whose parts
+are sent in parallel, each with its own SHA-256 checksum checked by the server; a failed part is
+retried on its own and a failed upload is aborted. The endpoint comes from the standard
+``AWS_ENDPOINT_URL`` / ``AWS_ENDPOINT_URL_S3`` variables (botocore reads them), so the same code
+runs against AWS, MinIO or a moto server. ``if_absent`` writes use ``If-None-Match: *``.
+Optional server-side encryption: ``sse="AES256"`` or ``sse="aws:kms"`` with ``sse_kms_key_id``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from datetime import UTC, datetime
+from typing import TYPE_CHECKING, Any, Literal
+
+from spotguard.errors import ObjectNotFound, PreconditionFailed, StoreError, StoreUnavailable
+from spotguard.store.base import BlockingStore, ObjectInfo, RetryPolicy
+
+if TYPE_CHECKING:
+    from mypy_boto3_s3 import S3Client
+
+_TRANSIENT_CODES = {
+    "SlowDown",
+    "RequestTimeout",
+    "InternalError",
+    "ServiceUnavailable",
+    "Throttling",
+    "ThrottlingException",
+    "RequestTimeTooSkewed",
+    "OperationAborted",
+    "ConditionalRequestConflict",
+}
+_MIN_PART = 5 << 20
+
+
+class S3Store(BlockingStore):
+    """Objects under ``s3://bucket/prefix``."""
+
+    def __init__(
+        self,
+        bucket: str,
+        prefix: str = "",
+        *,
+        io_workers: int = 16,
+        retry: RetryPolicy | None = None,
+        sse: str | None = None,
+        sse_kms_key_id: str | None = None,
+        multipart_threshold: int = 16 << 20,
+        part_size: int = 8 << 20,
+        checksum: Literal["SHA256", "CRC32", "CRC32C"] = "SHA256",
+    ) -> None:
+        self.bucket = bucket
+        self.prefix = prefix.strip("/")
+        url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
+        super().__init__(url, io_workers=io_workers, retry=retry)
+        self.sse = sse or None
+        self.sse_kms_key_id = sse_kms_key_id or None
+        self.multipart_threshold = max(multipart_threshold, _MIN_PART)
+        self.part_size = max(part_size, _MIN_PART)
+        self.checksum = checksum
+        self._client: S3Client | None = None
+
+    @property
+    def client(self) -> S3Client:
+        """The boto3 client, made on first use (boto3 is imported only here)."""
+        if self._client is None:
+            import boto3
+            from botocore.config import Config
+
+            cfg = Config(
+                max_pool_connections=self.io_workers + 4,
+                retries={"max_attempts": 1, "mode": "standard"},  # tenacity retries instead
+                connect_timeout=10,
+                read_timeout=60,
+                request_checksum_calculation="when_required",
+            )
+            self._client = boto3.session.Session().client("s3", config=cfg)
+        return self._client
+
+    def _k(self, key: str) -> str:
+        return f"{self.prefix}/{key}" if self.prefix else key
+
+    def _unk(self, full: str) -> str:
+        return full[len(self.prefix) + 1 :] if self.prefix else full
+
+    def _extra(self) -> dict[str, Any]:
+        extra: dict[str, Any] = {}
+        if self.sse:
+            extra["ServerSideEncryption"] = self.sse
+        if self.sse_kms_key_id:
+            extra["SSEKMSKeyId"] = self.sse_kms_key_id
+        return extra
+
+    # --- large objects: parallel multipart --------------------------------------------------
+    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if if_absent or len(data) <= self.multipart_threshold:
+            await super().put(key, data, if_absent=if_absent)
+            return
+        await self._multipart(key, data)
+
+    async def _multipart(self, key: str, data: bytes) -> None:
+        full = self._k(key)
+        created = await self._call(
+            "create_multipart",
+            key,
+            lambda: self.client.create_multipart_upload(
+                Bucket=self.bucket, Key=full, ChecksumAlgorithm=self.checksum, **self._extra()
+            ),
+        )
+        upload_id = created["UploadId"]
+        view = memoryview(data)
+        offsets = list(range(0, len(data), self.part_size))
+        # A last part below the minimum joins the one before it.
+        if len(offsets) > 1 and len(data) - offsets[-1] < _MIN_PART:
+            offsets.pop()
+
+        async def part(no: int, start: int) -> dict[str, Any]:
+            end = offsets[no] if no < len(offsets) else len(data)
+            body = view[start:end]
+            r = await self._call(
+                "upload_part",
+                key,
+                lambda: self.client.upload_part(
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    PartNumber=no,
+                    Body=bytes(body),
+                    ChecksumAlgorithm=self.checksum,
+                ),
+            )
+            out: dict[str, Any] = {"PartNumber": no, "ETag": r["ETag"]}
+            checksum = dict(r).get(f"Checksum{self.checksum}")
+            if checksum:
+                out[f"Checksum{self.checksum}"] = checksum
+            return out
+
+        try:
+            parts = await asyncio.gather(*(part(i + 1, off) for i, off in enumerate(offsets)))
+            await self._call(
+                "complete_multipart",
+                key,
+                lambda: self.client.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=full,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": list(parts)},  # type: ignore[arg-type]
+                ),
+            )
+        except BaseException:
+            await asyncio.shield(self._abort(full, upload_id))
+            raise
+
+    async def _abort(self, full: str, upload_id: str) -> None:
+        # On failure the bucket's lifecycle rule for incomplete uploads cleans up.
+        with contextlib.suppress(StoreError):
+            await self._call(
+                "abort_multipart",
+                full,
+                lambda: self.client.abort_multipart_upload(
+                    Bucket=self.bucket, Key=full, UploadId=upload_id
+                ),
+            )
+
+    # --- blocking primitives ----------------------------------------------------------------
+    def _put(self, key: str, data: bytes, if_absent: bool) -> None:
+        kwargs: dict[str, Any] = dict(self._extra())
+        if if_absent:
+            kwargs["IfNoneMatch"] = "*"
+        self.client.put_object(
+            Bucket=self.bucket,
+            Key=self._k(key),
+            Body=data,
+            ChecksumAlgorithm=self.checksum,
+            **kwargs,
+        )
+
+    def _get(self, key: str) -> bytes:
+        r = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
+        body = r["Body"]
+        try:
+            return body.read()
+        finally:
+            body.close()
+
+    def _stat(self, key: str) -> ObjectInfo | None:
+        from botocore.exceptions import ClientError
+
+        try:
+            r = self.client.head_object(Bucket=self.bucket, Key=self._k(key))
+        except ClientError as exc:
+            if _status(exc) == 404:
+                return None
+            raise
+        return ObjectInfo(key, int(r["ContentLength"]), r["LastModified"].astimezone(UTC))
+
+    def _list(self, prefix: str) -> list[ObjectInfo]:
+        out: list[ObjectInfo] = []
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=self._k(prefix)
+        )
+        for page in pages:
+            for obj in page.get("Contents", []):
+                modified: datetime = obj["LastModified"]
+                out.append(ObjectInfo(self._unk(obj["Key"]), obj["Size"], modified.astimezone(UTC)))
+        return out
+
+    def _list_dirs(self, prefix: str) -> list[str]:
+        full = self._k(prefix)
+        if full and not full.endswith("/"):
+            full += "/"
+        out: list[str] = []
+        pages = self.client.get_paginator("list_objects_v2").paginate(
+            Bucket=self.bucket, Prefix=full, Delimiter="/"
+        )
+        for page in pages:
+            for cp in page.get("CommonPrefixes", []):
+                out.append(cp["Prefix"][len(full) :].rstrip("/"))
+        return out
+
+    def _delete(self, key: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=self._k(key))
+
+    def _map_error(self, exc: Exception, key: str) -> StoreError | None:
+        from botocore.exceptions import (
+            BotoCoreError,
+            ClientError,
+            ConnectionError,
+            HTTPClientError,
+            NoCredentialsError,
+            ResponseStreamingError,
+        )
+        from urllib3.exceptions import HTTPError as Urllib3Error  # type: ignore[import-untyped]
+
+        where = f"{self.url}/{key}"
+        if isinstance(exc, ClientError):
+            err = exc.response.get("Error", {})
+            code = str(err.get("Code", ""))
+            status = _status(exc)
+            msg = str(err.get("Message", "")) or code
+            if code in ("NoSuchKey", "NotFound") or (status == 404 and code != "NoSuchBucket"):
+                return ObjectNotFound(f"{where} does not exist")
+            if code == "NoSuchBucket":
+                return StoreError(f"bucket {self.bucket!r} does not exist ({self.url})")
+            if status == 412 or code == "PreconditionFailed":
+                return PreconditionFailed(f"{where} already exists")
+            if code in _TRANSIENT_CODES or status in (429, 500, 502, 503, 504) or status >= 500:
+                return StoreUnavailable(f"{where}: {code or status} {msg}".rstrip())
+            return StoreError(f"{where}: {code} {msg}".rstrip())
+        if isinstance(exc, NoCredentialsError):
+            return StoreError(f"{self.url}: no AWS credentials found")
+        if isinstance(
+            exc, ConnectionError | HTTPClientError | ResponseStreamingError | Urllib3Error
+        ):
+            return StoreUnavailable(f"{where}: {exc}")
+        if isinstance(exc, BotoCoreError):
+            return StoreError(f"{where}: {exc}")
+        return None
+
+
+def _status(exc: Any) -> int:
+    meta = exc.response.get("ResponseMetadata", {})
+    try:
+        return int(meta.get("HTTPStatusCode", 0))
+    except (TypeError, ValueError):
+        return 0
