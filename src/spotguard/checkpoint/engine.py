@@ -1,0 +1,485 @@
+"""The freeze engine: the ONLY place that orders the steps of a checkpoint and a restore.
+
+Freeze (dump)::
+
+    scan ─► gpu_lock ─► gpu_checkpoint ─► criu_dump ──────────────────► resume | exit ─► finish
+            (all GPU processes in parallel)  └ capture_files (tree frozen)  gpu_restore + gpu_unlock
+
+* ``scan``: the tree's pids, which of them hold GPU state, memory → staging plan (tmpfs or
+  disk, decided up front, logged, in the result).
+* GPU lock and checkpoint run for every GPU process at once; the driver must release the GPU
+  before CRIU freezes the tree (it does its work through a thread of the job itself).
+* ``criu_dump`` freezes and dumps the tree; while it is still frozen, ``capture_files``
+  snapshots the job's output files into the image (see :mod:`.files`).
+* ``resume`` (leave-running) brings the GPU state back and unlocks; ``exit`` lets CRIU kill
+  the tree once the image is complete.
+
+On ANY failure — an error, a timeout, cancellation — the job is brought back: every GPU
+process found checkpointed is restored, every locked one unlocked, every process sent
+SIGCONT; CRIU itself resumes a tree when a dump fails, and dies with us if we die
+(PR_SET_PDEATHSIG). An ``operation.json`` marker in the job directory lives exactly as long
+as a freeze; :meth:`Engine.recover` uses it to bring a job back after the process running
+the freeze was killed.
+
+Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore``
+─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock`` ─► ``finish``.
+
+Every step is timed in a :class:`~spotguard.timeline.Timeline`, which goes into the result
+and the image's metadata. Tests inject failures through :class:`Faults` (consulted before
+each step).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+import logging
+import os
+import signal
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
+from spotguard.facts import GpuInventory, HostFacts
+from spotguard.timeline import Timeline
+
+from . import files, proctree
+from .criu import Criu
+from .cuda import GpuHook, GpuState, NoGpu
+from .jobs import JobInfo
+from .meta import ImageMeta
+from .preflight import preflight
+from .settings import CheckpointSettings
+from .targets import DumpTarget, RestoreSource, StagingPlan
+
+log = logging.getLogger(__name__)
+
+MARKER = "operation.json"
+FREEZE_STEPS = (
+    "scan",
+    "gpu_lock",
+    "gpu_checkpoint",
+    "criu_dump",
+    "capture_files",
+    "gpu_restore",
+    "gpu_unlock",
+    "finish",
+)
+RESTORE_STEPS = (
+    "source",
+    "preflight",
+    "put_files",
+    "criu_restore",
+    "gpu_restore",
+    "gpu_unlock",
+    "finish",
+)
+
+
+class Mode(enum.StrEnum):
+    """What happens to the job after its image is complete."""
+
+    RESUME = "resume"  # leave running (periodic checkpoint, drain-and-stay)
+    EXIT = "exit"  # stop it (the machine is going away)
+
+
+class Faults(Protocol):
+    """Test seam: consulted before each step; raising there fails that step."""
+
+    async def before(self, step: str) -> None: ...
+
+
+@dataclass
+class FreezeResult:
+    """A completed freeze: where the image is and how long each step took."""
+
+    job: JobInfo
+    images_dir: Path
+    mode: Mode
+    timeline: Timeline
+    gpu: GpuInventory
+    host: HostFacts
+    staging: StagingPlan
+    meta: ImageMeta
+    gpu_pids: list[int] = field(default_factory=list)
+
+    @property
+    def pause_seconds(self) -> float:
+        """How long the job could not run: first GPU/CRIU step start → last resume step end."""
+        names = {"gpu_lock", "gpu_checkpoint", "criu_dump", "gpu_restore", "gpu_unlock"}
+        steps = [s for s in self.timeline.steps if s.name in names and s.end is not None]
+        if not steps:
+            return 0.0
+        return max(s.end or 0.0 for s in steps) - min(s.start for s in steps)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job.name,
+            "pid": self.job.pid,
+            "images_dir": str(self.images_dir),
+            "mode": str(self.mode),
+            "staging": self.staging.to_json(),
+            "gpu_pids": self.gpu_pids,
+            "pause_seconds": round(self.pause_seconds, 6),
+            "timeline": self.timeline.to_list(),
+        }
+
+
+@dataclass
+class RestoreResult:
+    """A restored job: its new host pid and the restore's timeline."""
+
+    job: JobInfo
+    pid: int
+    timeline: Timeline
+    meta: ImageMeta
+    gpu_pids: list[int] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "job": self.job.name,
+            "pid": self.pid,
+            "dir": str(self.job.dir),
+            "gpu_pids": self.gpu_pids,
+            "timeline": self.timeline.to_list(),
+        }
+
+
+class _NoFaults:
+    async def before(self, step: str) -> None:
+        return None
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, names in os.walk(path):
+        for n in names:
+            try:
+                total += (Path(root) / n).lstat().st_size
+            except OSError:
+                continue
+    return total
+
+
+class Engine:
+    """Orders CRIU and the GPU hook into freeze, restore and recover."""
+
+    def __init__(
+        self,
+        criu: Criu,
+        gpu: GpuHook | None = None,
+        *,
+        settings: CheckpointSettings | None = None,
+        faults: Faults | None = None,
+    ) -> None:
+        self.criu = criu
+        self.gpu: GpuHook = gpu if gpu is not None else NoGpu()
+        self.settings = settings or CheckpointSettings()
+        self.faults: Faults = faults or _NoFaults()
+
+    # --- freeze ----------------------------------------------------------------------------
+
+    async def freeze(
+        self,
+        job: JobInfo,
+        target: DumpTarget,
+        mode: Mode,
+        *,
+        tcp_established: bool | None = None,
+    ) -> FreezeResult:
+        """Checkpoint ``job`` into ``target``; the job keeps running (RESUME) or ends (EXIT).
+
+        On failure the job is running and unlocked again and the error is re-raised.
+        """
+        tl = Timeline()
+        s = self.settings
+        tcp = s.tcp_established if tcp_established is None else tcp_established
+        if not proctree.alive(job.pid):
+            raise JobError(f"job {job.name!r}: process {job.pid} is not running")
+        job.dir.mkdir(parents=True, exist_ok=True)
+        self._take_marker(job, mode)
+        tree: list[int] = [job.pid]
+        gpu_pids: list[int] = []
+        started = False
+        try:
+            with tl.step("scan") as st:
+                await self.faults.before("scan")
+                tree = proctree.tree(job.pid)
+                gpu_pids = await self.gpu.gpu_pids(tree)
+                tree_ns = [proctree.ns_pid(p) for p in tree]
+                gpu_ns = [proctree.ns_pid(p) for p in gpu_pids]
+                self._update_marker(job, gpu_pids=gpu_pids, tree=tree)
+                gpu_bytes = self.gpu.memory_used(gpu_pids) if gpu_pids else 0
+                cpu_bytes = proctree.rss_bytes(tree)
+                need = 2 * gpu_bytes + cpu_bytes
+                sid = os.getsid(job.pid)
+                shell_job = sid != job.pid and sid not in tree
+                inventory = self.gpu.inventory() if gpu_pids else GpuInventory()
+                st.detail.update(
+                    pids=len(tree), gpu_pids=len(gpu_pids), gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes
+                )
+            started = True
+            plan = await target.start(job.name, need)
+            tl.mark("staging", mode=plan.mode, path=plan.path, reason=plan.reason)
+            images_dir = target.images_dir
+            criu_version = await self.criu.version()
+            if gpu_pids:
+                with tl.step("gpu_lock", pids=gpu_pids):
+                    await self.faults.before("gpu_lock")
+                    await self.gpu.lock(gpu_pids, s.gpu_lock_timeout)
+                with tl.step("gpu_checkpoint", pids=gpu_pids):
+                    await self.faults.before("gpu_checkpoint")
+                    await self.gpu.checkpoint(gpu_pids)
+            captured: list[files.CapturedFile] = []
+
+            async def on_frozen() -> None:
+                with tl.step("capture_files") as cs:
+                    await self.faults.before("capture_files")
+                    paths = files.candidates(job.dir, proctree.writable_files(tree))
+                    captured[:] = await asyncio.to_thread(
+                        files.capture, paths, target.extras_dir, s.max_file_bytes
+                    )
+                    cs.detail.update(files=len(captured), bytes=sum(c.size for c in captured))
+
+            with tl.step("criu_dump", leave_running=mode is Mode.RESUME) as ds:
+                await self.faults.before("criu_dump")
+                await self.criu.dump(
+                    job.pid,
+                    images_dir,
+                    leave_running=mode is Mode.RESUME,
+                    stream=target.stream,
+                    tcp_established=tcp,
+                    manage_cgroups=s.manage_cgroups,
+                    shell_job=shell_job,
+                    on_frozen=on_frozen,
+                    time_limit=s.criu_timeout,
+                )
+                if not target.stream:
+                    ds.detail["bytes"] = _dir_bytes(images_dir)
+            if mode is Mode.RESUME and gpu_pids:
+                with tl.step("gpu_restore", pids=gpu_pids):
+                    await self.faults.before("gpu_restore")
+                    await self.gpu.restore(gpu_pids)
+                with tl.step("gpu_unlock", pids=gpu_pids):
+                    await self.faults.before("gpu_unlock")
+                    await self.gpu.unlock(gpu_pids)
+            host = HostFacts.probe(criu_version)
+            meta = ImageMeta(
+                job=job.to_json(),
+                mode=str(mode),
+                criu_version=criu_version,
+                host=host,
+                gpu=inventory,
+                gpu_processes=gpu_ns,
+                root_ns_pid=tree_ns[0],
+                pids=tree_ns,
+                staging=plan.to_json(),
+                timeline=[],
+                files=captured,
+            )
+            with tl.step("finish"):
+                await self.faults.before("finish")
+                meta.timeline = tl.to_list()
+                await target.finish(meta)
+        except BaseException as exc:
+            await asyncio.shield(self._bring_back(job, tree, gpu_pids, mode))
+            if started:
+                await asyncio.shield(target.abort())
+            self._clear_marker(job)
+            log.warning(
+                "freeze failed; job resumed",
+                extra={"job": job.name, "error": str(exc), "step": _failed_step(tl)},
+            )
+            if isinstance(exc, SpotguardError | asyncio.CancelledError | KeyboardInterrupt):
+                raise
+            raise CheckpointError(f"freeze of {job.name!r} failed: {exc}") from exc
+        self._clear_marker(job)
+        result = FreezeResult(job, images_dir, mode, tl, inventory, host, plan, meta, gpu_pids)
+        log.info(
+            "job frozen",
+            extra={
+                "job": job.name,
+                "mode": str(mode),
+                "images_dir": str(images_dir),
+                "pause_s": round(result.pause_seconds, 3),
+                "staging": plan.mode,
+            },
+        )
+        return result
+
+    async def _bring_back(
+        self, job: JobInfo, tree: Sequence[int], gpu_pids: Sequence[int], mode: Mode
+    ) -> None:
+        """Make every GPU process running and unlocked again and every process runnable."""
+        for pid in gpu_pids:
+            if not proctree.alive(pid):
+                continue
+            try:
+                st = await self.gpu.state(pid)
+                if st is GpuState.CHECKPOINTED:
+                    await self.gpu.restore([pid])
+                    st = GpuState.LOCKED
+                if st is GpuState.LOCKED:
+                    await self.gpu.unlock([pid])
+            except (SpotguardError, OSError) as exc:
+                log.error("could not bring GPU state back", extra={"pid": pid, "error": str(exc)})
+        live = [p for p in tree if proctree.alive(p)]
+        proctree.signal_all(live, signal.SIGCONT)
+
+    # --- marker ----------------------------------------------------------------------------
+
+    def _marker(self, job: JobInfo) -> Path:
+        return job.dir / MARKER
+
+    def _take_marker(self, job: JobInfo, mode: Mode) -> None:
+        path = self._marker(job)
+        if path.exists():
+            try:
+                other = json.loads(path.read_text()).get("agent_pid")
+            except (OSError, ValueError):
+                other = None
+            if isinstance(other, int) and other != os.getpid() and proctree.alive(other):
+                raise JobError(f"job {job.name!r}: another freeze is in progress (pid {other})")
+        self._write_marker(
+            job,
+            {
+                "op": "freeze",
+                "mode": str(mode),
+                "agent_pid": os.getpid(),
+                "job_pid": job.pid,
+                "started": datetime.now(UTC).isoformat(),
+                "gpu_pids": [],
+                "tree": [job.pid],
+            },
+        )
+
+    def _write_marker(self, job: JobInfo, data: dict[str, Any]) -> None:
+        tmp = job.dir / f".{MARKER}.tmp"
+        tmp.write_text(json.dumps(data))
+        os.replace(tmp, self._marker(job))
+
+    def _read_marker(self, job: JobInfo) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self._marker(job).read_text())
+        except (OSError, ValueError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def _update_marker(self, job: JobInfo, *, gpu_pids: list[int], tree: list[int]) -> None:
+        data = self._read_marker(job) or {}
+        data.update(gpu_pids=gpu_pids, tree=tree)
+        self._write_marker(job, data)
+
+    def _clear_marker(self, job: JobInfo) -> None:
+        self._marker(job).unlink(missing_ok=True)
+
+    async def recover(self, job: JobInfo) -> bool:
+        """Bring back a job left mid-freeze by a killed process (e.g. a restarted agent).
+
+        Reads the job's marker; if the freeze that wrote it is no longer running, restores
+        and unlocks every GPU process, sends SIGCONT to the tree and removes the marker.
+        Returns True if there was something to recover.
+        """
+        data = self._read_marker(job)
+        if data is None:
+            return False
+        other = data.get("agent_pid")
+        if isinstance(other, int) and other != os.getpid() and proctree.alive(other):
+            raise JobError(f"job {job.name!r}: a freeze is still running (pid {other})")
+        tree = [int(p) for p in data.get("tree", [job.pid])]
+        if proctree.alive(job.pid):
+            tree = sorted(set(tree) | set(proctree.tree(job.pid)))
+        gpu_pids = [int(p) for p in data.get("gpu_pids", [])]
+        await self._bring_back(job, tree, gpu_pids, Mode(data.get("mode", "resume")))
+        self._clear_marker(job)
+        log.info(
+            "recovered job after an interrupted freeze",
+            extra={"job": job.name, "gpu_pids": gpu_pids},
+        )
+        return True
+
+    # --- restore ---------------------------------------------------------------------------
+
+    async def restore(
+        self, source: RestoreSource, *, state_dir: Path | None = None
+    ) -> RestoreResult:
+        """Restore the image from ``source``; the job runs again when this returns."""
+        tl = Timeline()
+        s = self.settings
+        state = state_dir or s.state_dir
+        pid: int | None = None
+        started = False
+        try:
+            with tl.step("source"):
+                await self.faults.before("source")
+                started = True
+                meta = await source.start()
+            job = JobInfo.from_json(meta.job)
+            with tl.step("preflight"):
+                await self.faults.before("preflight")
+                remap = await preflight(meta, self.criu, self.gpu, state)
+            with tl.step("put_files", files=len(meta.files)):
+                await self.faults.before("put_files")
+                await asyncio.to_thread(files.put_back, meta.files, source.extras_dir)
+            with tl.step("criu_restore"):
+                await self.faults.before("criu_restore")
+                pid = await self.criu.restore(
+                    source.images_dir,
+                    stream=source.stream,
+                    tcp_established=s.tcp_established,
+                    manage_cgroups=s.manage_cgroups,
+                    time_limit=s.criu_timeout,
+                )
+            by_ns = proctree.host_pids_by_ns_pid(pid)
+            gpu_pids = [by_ns[n] for n in meta.gpu_processes if n in by_ns]
+            if len(gpu_pids) != len(meta.gpu_processes):
+                raise GpuError(
+                    f"restored tree lacks GPU processes {meta.gpu_processes} (found {by_ns})"
+                )
+            if gpu_pids:
+                with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}):
+                    await self.faults.before("gpu_restore")
+                    await self.gpu.restore(gpu_pids, remap or None)
+                with tl.step("gpu_unlock", pids=gpu_pids):
+                    await self.faults.before("gpu_unlock")
+                    await self.gpu.unlock(gpu_pids)
+            with tl.step("finish"):
+                await self.faults.before("finish")
+                job = job.with_pid(pid)
+                job.save()
+                _link_job_dir(job, state)
+                await source.finish()
+        except BaseException as exc:
+            if pid is not None and proctree.alive(pid):
+                # a tree restored without its GPU state cannot run: do not leave it locked
+                os.kill(pid, signal.SIGKILL)
+            if started:
+                await asyncio.shield(source.abort())
+            log.warning("restore failed", extra={"error": str(exc), "step": _failed_step(tl)})
+            if isinstance(exc, SpotguardError | asyncio.CancelledError | KeyboardInterrupt):
+                raise
+            raise CheckpointError(f"restore failed: {exc}") from exc
+        log.info("job restored", extra={"job": job.name, "pid": pid, "gpu_pids": gpu_pids})
+        return RestoreResult(job, pid, tl, meta, gpu_pids)
+
+
+def _failed_step(tl: Timeline) -> str | None:
+    for st in reversed(tl.steps):
+        if not st.ok:
+            return st.name
+    return None
+
+
+def _link_job_dir(job: JobInfo, state_dir: Path) -> None:
+    """Make the job findable by name under this host's state dir when it lives elsewhere."""
+    local = state_dir / "jobs" / job.name
+    if local.absolute() == job.dir.absolute():
+        return
+    if local.is_symlink() or not local.exists():
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.unlink(missing_ok=True)
+        local.symlink_to(job.dir, target_is_directory=True)

@@ -1,0 +1,111 @@
+"""The init process of a ``spotguard run`` job (stdlib only; run as a script, not imported).
+
+Why a tiny init: a job must live in its own PID namespace so that CRIU can restore it on any
+machine without colliding with PIDs in use there, and PID 1 of a namespace must reap orphans
+and pass signals on (a plain program as PID 1 ignores SIGTERM). This file is executed by path
+(``python -I jobinit.py DIR -- CMD ...``) so the init holds only the interpreter, not
+spotguard and its libraries: that keeps every image a few MB smaller.
+
+Steps: unshare(CLONE_NEWPID) → fork (the child is PID 1 of the new namespace and prints its
+host pid on stdout for the caller) → the launcher exits → the init starts a new session,
+points stdin at /dev/null and stdout/stderr at ``DIR/stdout`` / ``DIR/stderr`` (append-only),
+forks the command, forwards signals to it, reaps every child and, when the command ends,
+writes its exit code to ``DIR/exit_status`` and exits with it (the namespace ends with it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import signal
+import sys
+
+CLONE_NEWPID = 0x20000000
+FORWARDED = (
+    signal.SIGTERM,
+    signal.SIGINT,
+    signal.SIGHUP,
+    signal.SIGQUIT,
+    signal.SIGUSR1,
+    signal.SIGUSR2,
+)
+
+
+def _unshare_pid() -> None:
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.unshare(CLONE_NEWPID) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"unshare(CLONE_NEWPID): {os.strerror(err)} (needs root)")
+
+
+def _redirect(job_dir: str) -> None:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+    null = os.open(os.devnull, os.O_RDONLY)
+    out = os.open(os.path.join(job_dir, "stdout"), flags, 0o644)
+    err = os.open(os.path.join(job_dir, "stderr"), flags, 0o644)
+    for fd, target in ((null, 0), (out, 1), (err, 2)):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.closerange(3, 1024)
+
+
+def _init(job_dir: str, argv: list[str]) -> int:
+    os.setsid()
+    _redirect(job_dir)
+    child = os.fork()
+    if child == 0:
+        for sig in FORWARDED:
+            signal.signal(sig, signal.SIG_DFL)
+        try:
+            os.execvp(argv[0], argv)
+        except OSError as exc:
+            os.write(2, f"spotguard: cannot run {argv[0]!r}: {exc}\n".encode())
+        os._exit(127)
+
+    def forward(signum: int, _frame: object) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(child, signum)
+
+    for sig in FORWARDED:
+        signal.signal(sig, forward)
+    code = 0
+    while True:
+        try:
+            pid, status = os.wait()
+        except ChildProcessError:
+            break
+        if pid == child:
+            code = os.waitstatus_to_exitcode(status)
+            code = 128 - code if code < 0 else code
+            tmp = os.path.join(job_dir, ".exit_status.tmp")
+            with open(tmp, "w") as f:
+                f.write(f"{code}\n")
+            os.replace(tmp, os.path.join(job_dir, "exit_status"))
+            break
+    return code
+
+
+def main() -> int:
+    if len(sys.argv) < 4 or sys.argv[2] != "--":
+        sys.stderr.write("usage: jobinit.py JOB_DIR -- CMD [ARG...]\n")
+        return 2
+    job_dir, argv = sys.argv[1], sys.argv[3:]
+    _unshare_pid()
+    pid = os.fork()
+    if pid != 0:
+        sys.stdout.write(f"{pid}\n")
+        sys.stdout.flush()
+        return 0
+    try:
+        code = _init(job_dir, argv)
+    except BaseException as exc:  # noqa: BLE001 - the init must never print a traceback
+        try:
+            os.write(2, f"spotguard init: {exc}\n".encode())
+        finally:
+            os._exit(126)
+    os._exit(code)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

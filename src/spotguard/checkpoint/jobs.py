@@ -1,0 +1,194 @@
+"""Jobs: processes started by ``spotguard run`` so that they can be checkpointed and restored.
+
+A job lives in ``<state_dir>/jobs/<name>/``::
+
+    job.json      name, argv, cwd, pid (host pid of the job's init), created
+    stdout        the job's standard output (append-only)
+    stderr        the job's standard error (append-only)
+    exit_status   written by the job's init when the command ends
+
+The job runs in its own session and its own PID namespace, under a tiny init
+(:mod:`spotguard.checkpoint.jobinit`); the dumped tree's root is that init. See
+docs/limits.md for what that implies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import sys
+import uuid
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from spotguard.contracts import check_job_name
+from spotguard.errors import ConfigError, JobError, JobNotFound
+
+from . import jobinit, proctree
+
+JOB_FILE = "job.json"
+
+
+@dataclass(frozen=True)
+class JobInfo:
+    """A job spotguard protects: its name, the host pid of its root and its directory."""
+
+    name: str
+    pid: int
+    dir: Path
+    argv: tuple[str, ...] = ()
+    cwd: str | None = None
+    created: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "pid": self.pid,
+            "dir": str(self.dir),
+            "argv": list(self.argv),
+            "cwd": self.cwd,
+            "created": self.created,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> JobInfo:
+        return cls(
+            name=str(data["name"]),
+            pid=int(data["pid"]),
+            dir=Path(data["dir"]),
+            argv=tuple(data.get("argv", ())),
+            cwd=data.get("cwd"),
+            created=str(data.get("created", "")),
+        )
+
+    def with_pid(self, pid: int) -> JobInfo:
+        return JobInfo(self.name, pid, self.dir, self.argv, self.cwd, self.created)
+
+    def save(self) -> None:
+        """Write ``job.json`` atomically."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        tmp = self.dir / f".{JOB_FILE}.tmp"
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        os.replace(tmp, self.dir / JOB_FILE)
+
+
+def jobs_dir(state_dir: Path) -> Path:
+    return state_dir / "jobs"
+
+
+def _default_name(argv: list[str]) -> str:
+    base = re.sub(r"[^a-z0-9._-]+", "-", Path(argv[0]).name.lower()).strip("-._") or "job"
+    return f"{base[:48]}-{uuid.uuid4().hex[:6]}"
+
+
+async def start_job(
+    argv: list[str],
+    name: str | None = None,
+    *,
+    state_dir: Path,
+    cwd: str | Path | None = None,
+    env: dict[str, str] | None = None,
+) -> JobInfo:
+    """Start ``argv`` as a checkpointable job and return its :class:`JobInfo`.
+
+    Own session, own PID namespace, stdin from /dev/null, stdout/stderr appended to files in
+    the job directory. A name already used by a live job is refused.
+    """
+    if not argv:
+        raise ConfigError("no command given (usage: spotguard run [--name N] -- CMD ...)")
+    try:
+        name = check_job_name(name) if name else _default_name(argv)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+    jdir = jobs_dir(state_dir) / name
+    if (jdir / JOB_FILE).exists():
+        old = _read(jdir)
+        if proctree.alive(old.pid):
+            raise JobError(f"job {name!r} is already running (pid {old.pid})")
+        shutil.rmtree(jdir)
+    jdir.mkdir(parents=True, exist_ok=True)
+    workdir = str(Path(cwd) if cwd else Path.cwd())
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-I",
+        jobinit.__file__,
+        str(jdir),
+        "--",
+        *argv,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        cwd=workdir,
+        env=env,
+        start_new_session=True,
+    )
+    out, err = await proc.communicate()
+    if proc.returncode != 0 or not out.strip().isdigit():
+        raise JobError(f"could not start job {name!r}: {err.decode(errors='replace').strip()}")
+    info = JobInfo(name=name, pid=int(out), dir=jdir, argv=tuple(argv), cwd=workdir)
+    info.save()
+    return info
+
+
+def _read(jdir: Path) -> JobInfo:
+    try:
+        return JobInfo.from_json(json.loads((jdir / JOB_FILE).read_text()))
+    except FileNotFoundError as exc:
+        raise JobNotFound(f"no job at {jdir}") from exc
+    except (OSError, ValueError, KeyError) as exc:
+        raise JobError(f"{jdir / JOB_FILE} is unreadable: {exc}") from exc
+
+
+def list_jobs(state_dir: Path) -> list[JobInfo]:
+    """Every job recorded under the state directory (live or not)."""
+    root = jobs_dir(state_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for jdir in sorted(root.iterdir()):
+        if (jdir / JOB_FILE).exists():
+            try:
+                out.append(_read(jdir))
+            except JobError:
+                continue
+    return out
+
+
+def resolve_job(pid_or_name: str | int, *, state_dir: Path) -> JobInfo:
+    """Find a job by name or pid. A pid of a process not started by ``spotguard run`` gives
+    an ad-hoc job named ``pid-<pid>`` whose directory is created on first use."""
+    text = str(pid_or_name)
+    if text.isdigit():
+        pid = int(text)
+        for job in list_jobs(state_dir):
+            if job.pid == pid:
+                return job
+        if not proctree.alive(pid):
+            raise JobNotFound(f"no process {pid}")
+        cwd = None
+        try:
+            cwd = os.readlink(f"/proc/{pid}/cwd")
+            argv = tuple(Path(f"/proc/{pid}/cmdline").read_text().split("\0")[:-1])
+        except OSError:
+            argv = ()
+        return JobInfo(
+            name=f"pid-{pid}", pid=pid, dir=jobs_dir(state_dir) / f"pid-{pid}", argv=argv, cwd=cwd
+        )
+    try:
+        check_job_name(text)
+    except ValueError as exc:
+        raise JobNotFound(f"no job {text!r}: {exc}") from exc
+    return _read(jobs_dir(state_dir) / text)
+
+
+def exit_status(job: JobInfo) -> int | None:
+    """The job command's exit code once it has ended, else None."""
+    try:
+        return int((job.dir / "exit_status").read_text().strip())
+    except (OSError, ValueError):
+        return None

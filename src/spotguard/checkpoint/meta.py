@@ -1,0 +1,91 @@
+"""``spotguard-image.json``: what an image holds besides CRIU's files.
+
+Written into the images directory at the end of a dump (the image engineer's manifest carries
+it along); read by restore's preflight. Holds the job, the mode, the timeline, the GPUs the
+job used and the host's facts, the CRIU version, the staging choice and the carried files.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spotguard.errors import ImageError, ImageNotFound
+from spotguard.facts import GpuInventory, HostFacts
+
+from .files import CapturedFile
+
+META_NAME = "spotguard-image.json"
+META_SCHEMA = 1
+
+
+@dataclass
+class ImageMeta:
+    """Everything restore needs to know about an image that CRIU's own files do not say."""
+
+    job: dict[str, Any]
+    mode: str
+    criu_version: str
+    host: HostFacts
+    gpu: GpuInventory
+    gpu_processes: list[int]  # namespace pids of the processes that held GPU state
+    root_ns_pid: int
+    pids: list[int]  # namespace pids of every process of the tree (root first)
+    staging: dict[str, Any]
+    timeline: list[dict[str, Any]]
+    files: list[CapturedFile] = field(default_factory=list)
+    schema: int = META_SCHEMA
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": self.schema,
+            "job": self.job,
+            "mode": self.mode,
+            "criu_version": self.criu_version,
+            "host": self.host.to_json(),
+            "gpu": self.gpu.to_json(),
+            "gpu_processes": self.gpu_processes,
+            "root_ns_pid": self.root_ns_pid,
+            "pids": self.pids,
+            "staging": self.staging,
+            "timeline": self.timeline,
+            "files": [f.to_json() for f in self.files],
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> ImageMeta:
+        return cls(
+            job=d["job"],
+            mode=d["mode"],
+            criu_version=d["criu_version"],
+            host=HostFacts.from_json(d["host"]),
+            gpu=GpuInventory.from_json(d.get("gpu")),
+            gpu_processes=[int(p) for p in d.get("gpu_processes", [])],
+            root_ns_pid=int(d.get("root_ns_pid", 1)),
+            pids=[int(p) for p in d.get("pids", [])],
+            staging=d.get("staging", {}),
+            timeline=d.get("timeline", []),
+            files=[CapturedFile(**f) for f in d.get("files", [])],
+            schema=int(d.get("schema", META_SCHEMA)),
+        )
+
+    def write(self, images_dir: Path) -> Path:
+        path = images_dir / META_NAME
+        tmp = images_dir / f".{META_NAME}.tmp"
+        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        os.replace(tmp, path)
+        return path
+
+    @classmethod
+    def read(cls, images_dir: Path) -> ImageMeta:
+        path = images_dir / META_NAME
+        try:
+            return cls.from_json(json.loads(path.read_text()))
+        except FileNotFoundError as exc:
+            msg = f"{images_dir} holds no {META_NAME}: not a spotguard image"
+            raise ImageNotFound(msg) from exc
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise ImageError(f"{path} is unreadable: {exc}") from exc

@@ -1,0 +1,128 @@
+"""Facts about a job's process tree read from /proc: members, namespace pids, open files,
+memory. Small synchronous reads (microseconds each); callers on the event loop may call them
+directly or push large trees to a thread."""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterable
+from pathlib import Path
+
+import psutil
+
+from spotguard.errors import JobNotFound
+
+#: paths never carried inside an image (devices, kernel files)
+_SPECIAL = ("/dev/", "/proc/", "/sys/", "/run/")
+
+
+def alive(pid: int) -> bool:
+    """True if ``pid`` exists and is not a zombie."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def tree(root: int) -> list[int]:
+    """``root`` and all its descendants (root first)."""
+    try:
+        proc = psutil.Process(root)
+        kids = proc.children(recursive=True)
+    except psutil.NoSuchProcess as exc:
+        raise JobNotFound(f"no process {root}") from exc
+    return [root, *(k.pid for k in kids)]
+
+
+def ns_pid(pid: int) -> int:
+    """The pid of ``pid`` inside its own (innermost) PID namespace."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("NSpid:"):
+                return int(line.split()[-1])
+    except OSError as exc:
+        raise JobNotFound(f"no process {pid}") from exc
+    return pid
+
+
+def host_pids_by_ns_pid(root: int) -> dict[int, int]:
+    """Map namespace pid → host pid for every process of the tree under ``root``."""
+    return {ns_pid(p): p for p in tree(root)}
+
+
+def rss_bytes(pids: Iterable[int]) -> int:
+    """Resident memory of the processes (bytes; vanished processes count 0)."""
+    total = 0
+    for pid in pids:
+        try:
+            total += psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            continue
+    return total
+
+
+def _fd_flags(pid: int, fd: str) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/fdinfo/{fd}").read_text().splitlines():
+            if line.startswith("flags:"):
+                return int(line.split()[1], 8)
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+def writable_files(pids: Iterable[int]) -> set[Path]:
+    """Regular files the processes hold open for writing (not deleted, not special files).
+
+    CRIU records each open file's size and refuses to restore when the file on disk differs
+    (``File ... has bad size``), so these are the files an image must carry along.
+    """
+    found: set[Path] = set()
+    for pid in pids:
+        fd_dir = Path(f"/proc/{pid}/fd")
+        try:
+            fds = os.listdir(fd_dir)
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(fd_dir / fd)
+            except OSError:
+                continue
+            if not target.startswith("/") or target.endswith(" (deleted)"):
+                continue
+            if target.startswith(_SPECIAL):
+                continue
+            flags = _fd_flags(pid, fd)
+            if flags is None or flags & os.O_ACCMODE == os.O_RDONLY:
+                continue
+            path = Path(target)
+            if path.is_file():
+                found.add(path)
+    return found
+
+
+def uses_device(pid: int, prefix: str) -> bool:
+    """True if the process has a file descriptor open on a device path starting ``prefix``."""
+    fd_dir = Path(f"/proc/{pid}/fd")
+    try:
+        fds = os.listdir(fd_dir)
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            if os.readlink(fd_dir / fd).startswith(prefix):
+                return True
+        except OSError:
+            continue
+    return False
+
+
+def signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
+    """Send ``sig`` to each process that still exists."""
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except (ProcessLookupError, PermissionError):
+            continue

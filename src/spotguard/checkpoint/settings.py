@@ -1,0 +1,70 @@
+"""Checkpoint settings: one definition each → ``[checkpoint]`` key, ``SPOTGUARD_*`` env, ``--flag``.
+
+``state_dir`` is shared by every part that keeps local state (jobs, staging, the agent's
+files); it is defined here, once, because jobs live under it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field
+
+from spotguard.config import Settings
+
+DEFAULT_STATE_DIR = Path("/var/lib/spotguard")
+
+
+class CheckpointSettings(Settings):
+    """``[checkpoint]``: where jobs live, which CRIU to run and how long each step may take."""
+
+    section: ClassVar[str] = "checkpoint"
+
+    state_dir: Path = Field(
+        default=DEFAULT_STATE_DIR, description="Directory for jobs, staging images and agent state"
+    )
+    criu: str | None = Field(
+        default=None,
+        description=(
+            "CRIU executable (default: criu on PATH if >= 4.0, else /opt/spotguard/criu/bin/criu)"
+        ),
+    )
+    criu_timeout: float = Field(
+        default=600.0, gt=0, description="Seconds one criu dump/restore may take"
+    )
+    gpu_timeout: float = Field(
+        default=300.0, gt=0, description="Seconds one GPU checkpoint/restore call may take"
+    )
+    gpu_lock_timeout: float = Field(
+        default=10.0, gt=0, description="Seconds to wait for submitted GPU work when locking"
+    )
+    tcp_established: bool = Field(
+        default=False,
+        description="Dump and restore established TCP connections (criu --tcp-established)",
+    )
+    manage_cgroups: str | None = Field(
+        default=None,
+        description="criu --manage-cgroups mode (soft, full, strict, ignore; default: off)",
+    )
+    shm_dir: Path = Field(
+        default=Path("/dev/shm/spotguard"), description="Staging directory in memory (tmpfs)"
+    )
+    memory_margin: int = Field(
+        default=512 * 1024 * 1024,
+        ge=0,
+        description="Bytes of RAM to leave free when staging an image in memory",
+    )
+    max_file_bytes: int = Field(
+        default=1024 * 1024 * 1024,
+        ge=0,
+        description="Most bytes of the job's open output files to carry inside an image",
+    )
+
+    @property
+    def jobs_dir(self) -> Path:
+        return self.state_dir / "jobs"
+
+    @property
+    def disk_staging_dir(self) -> Path:
+        return self.state_dir / "staging"

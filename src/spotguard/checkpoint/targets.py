@@ -1,0 +1,215 @@
+"""Where a dump goes and where a restore comes from: the engine's seams to storage.
+
+A :class:`DumpTarget` gives CRIU an images directory (``stream`` says whether an image
+streamer serves CRIU's sockets in it instead of plain files) and a place for the files that
+travel with the image; it is started with the expected image size, finished with the image's
+metadata, or aborted. :class:`DirectoryTarget` stages in a local directory — in memory
+(tmpfs) when RAM allows, else on disk, decided up front — and :class:`DirectorySource` reads
+one back. The streaming targets of :mod:`spotguard.stream` implement the same protocols.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+import psutil
+
+from spotguard.errors import CheckpointError
+
+from .meta import META_NAME, ImageMeta
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StagingPlan:
+    """Where the image is staged and why: ``tmpfs``, ``disk``, ``dir`` (given) or ``stream``."""
+
+    mode: str
+    path: str
+    need_bytes: int
+    free_bytes: int
+    reason: str
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class DumpTarget(Protocol):
+    """Receives one image from the engine."""
+
+    stream: bool
+
+    @property
+    def images_dir(self) -> Path:
+        """The directory CRIU is pointed at (``-D``); valid after :meth:`start`."""
+        ...
+
+    @property
+    def extras_dir(self) -> Path:
+        """Where the engine puts files that travel with the image (``files/``, metadata)."""
+        ...
+
+    async def start(self, job: str, need_bytes: int) -> StagingPlan:
+        """Prepare for an image of about ``need_bytes`` of host memory; say where it goes."""
+        ...
+
+    async def finish(self, meta: ImageMeta) -> None:
+        """The dump succeeded: record ``meta`` and make the image complete."""
+        ...
+
+    async def abort(self) -> None:
+        """The dump failed: drop what was written (never leave a complete-looking image)."""
+        ...
+
+
+class RestoreSource(Protocol):
+    """Provides one image to the engine's restore."""
+
+    stream: bool
+
+    @property
+    def images_dir(self) -> Path: ...
+
+    @property
+    def extras_dir(self) -> Path: ...
+
+    async def start(self) -> ImageMeta:
+        """Make the image available (download, verify, serve) and return its metadata."""
+        ...
+
+    async def finish(self) -> None: ...
+
+    async def abort(self) -> None: ...
+
+
+def _free_bytes(path: Path) -> int:
+    probe = path
+    while not probe.exists():
+        probe = probe.parent
+    st = os.statvfs(probe)
+    return st.f_bavail * st.f_frsize
+
+
+def plan_staging(need_bytes: int, shm_root: Path, disk_root: Path, margin: int) -> StagingPlan:
+    """tmpfs when available RAM and the tmpfs both hold ``need_bytes`` + ``margin``, else disk.
+
+    ``need_bytes`` is the host memory the freeze adds: for a GPU job about 2 x GPU state (the
+    copy in the process, then the image) + the CPU memory image.
+    """
+    ram = int(psutil.virtual_memory().available)
+    shm = _free_bytes(shm_root)
+    free = min(ram, shm)
+    if need_bytes + margin <= free:
+        reason = f"fits in memory: need {need_bytes} + margin {margin} <= free {free}"
+        return StagingPlan("tmpfs", str(shm_root), need_bytes, free, reason)
+    disk_free = _free_bytes(disk_root)
+    reason = f"memory too small: need {need_bytes} + margin {margin} > free {free}"
+    if need_bytes > disk_free:
+        raise CheckpointError(
+            f"no room to stage the image: need {need_bytes} bytes, memory has {free}, "
+            f"{disk_root} has {disk_free}"
+        )
+    return StagingPlan("disk", str(disk_root), need_bytes, disk_free, reason)
+
+
+class DirectoryTarget:
+    """Stage an image in a directory: the given one, or one chosen by :func:`plan_staging`."""
+
+    stream = False
+
+    def __init__(
+        self,
+        path: Path | None = None,
+        *,
+        shm_root: Path = Path("/dev/shm/spotguard"),
+        disk_root: Path = Path("/var/lib/spotguard/staging"),
+        margin: int = 512 * 1024 * 1024,
+    ) -> None:
+        self._given = path
+        self._dir: Path | None = path
+        self._created = False
+        self.shm_root = shm_root
+        self.disk_root = disk_root
+        self.margin = margin
+        self.plan: StagingPlan | None = None
+
+    @property
+    def images_dir(self) -> Path:
+        if self._dir is None:
+            raise CheckpointError("DirectoryTarget used before start()")
+        return self._dir
+
+    @property
+    def extras_dir(self) -> Path:
+        return self.images_dir
+
+    async def start(self, job: str, need_bytes: int) -> StagingPlan:
+        if self._given is not None:
+            d = self._given
+            if (d / META_NAME).exists():
+                raise CheckpointError(f"{d} already holds an image; choose an empty directory")
+            self._created = not d.exists()
+            d.mkdir(parents=True, exist_ok=True)
+            self.plan = StagingPlan("dir", str(d), need_bytes, _free_bytes(d), "given directory")
+        else:
+            plan = plan_staging(need_bytes, self.shm_root, self.disk_root, self.margin)
+            stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
+            d = Path(plan.path) / f"{job}-{stamp}"
+            d.mkdir(parents=True)
+            self._created = True
+            self.plan = plan
+        self._dir = d
+        log.info(
+            "staging image",
+            extra={
+                "staging": self.plan.mode,
+                "dir": str(d),
+                "need_bytes": need_bytes,
+                "reason": self.plan.reason,
+            },
+        )
+        return self.plan
+
+    async def finish(self, meta: ImageMeta) -> None:
+        meta.write(self.images_dir)
+
+    async def abort(self) -> None:
+        if self._dir is None:
+            return
+        if self._created:
+            shutil.rmtree(self._dir, ignore_errors=True)
+        else:
+            (self._dir / META_NAME).unlink(missing_ok=True)
+
+
+class DirectorySource:
+    """An image in a local directory (as written by :class:`DirectoryTarget`)."""
+
+    stream = False
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @property
+    def images_dir(self) -> Path:
+        return self.path
+
+    @property
+    def extras_dir(self) -> Path:
+        return self.path
+
+    async def start(self) -> ImageMeta:
+        return ImageMeta.read(self.path)
+
+    async def finish(self) -> None:
+        return None
+
+    async def abort(self) -> None:
+        return None
