@@ -2,8 +2,9 @@
 
 Freeze (dump)::
 
-    scan ─► gpu_lock ─► gpu_checkpoint ─► criu_dump ──────────────────► resume | exit ─► finish
-            (all GPU processes in parallel)  └ capture_files (tree frozen)  gpu_restore + gpu_unlock
+    scan ─► gpu_lock ─► gpu_checkpoint ─► criu_dump ─────────────────────────► resume ─► finish
+          (all GPU processes in parallel)  └ capture_files (tree frozen)      gpu_restore
+                                             └ finish, then exit (EXIT mode)  + gpu_unlock
 
 * ``scan``: the tree's pids, which of them hold GPU state, memory → staging plan (tmpfs or
   disk, decided up front, logged, in the result).
@@ -11,8 +12,9 @@ Freeze (dump)::
   before CRIU freezes the tree (it does its work through a thread of the job itself).
 * ``criu_dump`` freezes and dumps the tree; while it is still frozen, ``capture_files``
   snapshots the job's output files into the image (see :mod:`.files`).
-* ``resume`` (leave-running) brings the GPU state back and unlocks; ``exit`` lets CRIU kill
-  the tree once the image is complete.
+* ``resume`` (leave-running) brings the GPU state back and unlocks; in ``exit`` mode the
+  image is completed (``finish``) while the tree is still frozen, and only then does CRIU
+  kill it — a failure up to that point leaves the job running.
 
 On ANY failure — an error, a timeout, cancellation — the job is brought back: every GPU
 process found checkpointed is restored, every locked one unlocked, every process sent
@@ -234,16 +236,39 @@ class Engine:
                 with tl.step("gpu_checkpoint", pids=gpu_pids):
                     await self.faults.before("gpu_checkpoint")
                     await self.gpu.checkpoint(gpu_pids)
-            captured: list[files.CapturedFile] = []
+            host = HostFacts.probe(criu_version)
+            meta = ImageMeta(
+                job=job.to_json(),
+                mode=str(mode),
+                criu_version=criu_version,
+                host=host,
+                gpu=inventory,
+                gpu_processes=gpu_ns,
+                root_ns_pid=tree_ns[0],
+                pids=tree_ns,
+                staging=plan.to_json(),
+                timeline=[],
+            )
+
+            async def finish() -> None:
+                with tl.step("finish"):
+                    await self.faults.before("finish")
+                    meta.timeline = tl.to_list()
+                    await target.finish(meta)
 
             async def on_frozen() -> None:
+                # CRIU has written the image; the tree is still frozen.
                 with tl.step("capture_files") as cs:
                     await self.faults.before("capture_files")
                     paths = files.candidates(job.dir, proctree.writable_files(tree))
-                    captured[:] = await asyncio.to_thread(
+                    meta.files = await asyncio.to_thread(
                         files.capture, paths, target.extras_dir, s.max_file_bytes
                     )
-                    cs.detail.update(files=len(captured), bytes=sum(c.size for c in captured))
+                    cs.detail.update(files=len(meta.files), bytes=sum(f.size for f in meta.files))
+                if mode is Mode.EXIT:
+                    # Complete the image before CRIU kills the job: if this fails, CRIU
+                    # resumes the tree instead and nothing is lost.
+                    await finish()
 
             with tl.step("criu_dump", leave_running=mode is Mode.RESUME) as ds:
                 await self.faults.before("criu_dump")
@@ -260,31 +285,15 @@ class Engine:
                 )
                 if not target.stream:
                     ds.detail["bytes"] = _dir_bytes(images_dir)
-            if mode is Mode.RESUME and gpu_pids:
-                with tl.step("gpu_restore", pids=gpu_pids):
-                    await self.faults.before("gpu_restore")
-                    await self.gpu.restore(gpu_pids)
-                with tl.step("gpu_unlock", pids=gpu_pids):
-                    await self.faults.before("gpu_unlock")
-                    await self.gpu.unlock(gpu_pids)
-            host = HostFacts.probe(criu_version)
-            meta = ImageMeta(
-                job=job.to_json(),
-                mode=str(mode),
-                criu_version=criu_version,
-                host=host,
-                gpu=inventory,
-                gpu_processes=gpu_ns,
-                root_ns_pid=tree_ns[0],
-                pids=tree_ns,
-                staging=plan.to_json(),
-                timeline=[],
-                files=captured,
-            )
-            with tl.step("finish"):
-                await self.faults.before("finish")
-                meta.timeline = tl.to_list()
-                await target.finish(meta)
+            if mode is Mode.RESUME:
+                if gpu_pids:
+                    with tl.step("gpu_restore", pids=gpu_pids):
+                        await self.faults.before("gpu_restore")
+                        await self.gpu.restore(gpu_pids)
+                    with tl.step("gpu_unlock", pids=gpu_pids):
+                        await self.faults.before("gpu_unlock")
+                        await self.gpu.unlock(gpu_pids)
+                await finish()
         except BaseException as exc:
             await asyncio.shield(self._bring_back(job, tree, gpu_pids, mode))
             if started:

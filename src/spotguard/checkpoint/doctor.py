@@ -1,0 +1,116 @@
+"""``spotguard doctor``: can this host checkpoint and restore jobs? One check per piece,
+each with what was found and, when missing, how to fix it."""
+
+from __future__ import annotations
+
+import os
+import platform
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from spotguard.errors import PreflightError
+
+from . import cuda
+from .criu import MIN_MAJOR, Criu
+
+
+@dataclass(frozen=True)
+class Check:
+    """One finding: ``ok`` False means checkpoints will not work (or not for GPU jobs)."""
+
+    name: str
+    ok: bool
+    found: str
+    fix: str = ""
+    required: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+async def _criu_checks(path: str | None) -> list[Check]:
+    try:
+        criu = Criu(path)
+    except PreflightError as exc:
+        return [Check("criu", False, str(exc), "run scripts/install-criu (installs CRIU 4.1.1)")]
+    try:
+        version = await criu.version()
+    except PreflightError as exc:
+        return [Check("criu", False, str(exc), "reinstall with scripts/install-criu")]
+    major = int(version.split(".")[0]) if version.split(".")[0].isdigit() else 0
+    out = [
+        Check(
+            "criu",
+            major >= MIN_MAJOR,
+            f"{criu.path} version {version}",
+            "" if major >= MIN_MAJOR else "CRIU >= 4.0 needed: run scripts/install-criu",
+        )
+    ]
+    passed, text = await criu.check()
+    last = text.strip().splitlines()[-1] if text.strip() else ""
+    out.append(
+        Check(
+            "criu check",
+            passed,
+            last or "(no output)",
+            "" if passed else "run 'criu check' as root; see its output for the kernel feature",
+        )
+    )
+    return out
+
+
+async def run_checks(criu_path: str | None = None) -> list[Check]:
+    """Every check, in the order a person would fix them."""
+    checks = [
+        Check(
+            "root",
+            os.geteuid() == 0,
+            f"uid {os.geteuid()}",
+            "run as root (CRIU and PID namespaces need it)",
+        ),
+        Check(
+            "kernel",
+            platform.machine() == "x86_64",
+            f"{platform.system()} {platform.release()} {platform.machine()}",
+            "the NVIDIA checkpoint API is x86-64 only",
+        ),
+    ]
+    checks += await _criu_checks(criu_path)
+    inv = cuda.inventory()
+    if inv.count:
+        checks.append(
+            Check("gpu", True, f"{inv.count} x {inv.model}, driver {inv.driver}", required=False)
+        )
+        major = inv.driver_major or 0
+        checks.append(
+            Check(
+                "driver",
+                major >= 570,
+                f"driver {inv.driver}",
+                "" if major >= 570 else "install NVIDIA driver r570 or newer",
+                required=False,
+            )
+        )
+        api = cuda.driver_available()
+        checks.append(
+            Check(
+                "gpu checkpoint api",
+                api,
+                "cuCheckpointProcess* present" if api else "libcuda lacks the checkpoint API",
+                ""
+                if api
+                else "install NVIDIA driver r570+ (libcuda.so.1 with cuCheckpointProcessLock)",
+                required=False,
+            )
+        )
+    else:
+        checks.append(
+            Check(
+                "gpu",
+                False,
+                "no NVIDIA GPU or driver (NVML not available)",
+                "CPU jobs work; for GPU jobs install the NVIDIA driver r570+ and nvidia-ml-py",
+                required=False,
+            )
+        )
+    return checks

@@ -1,0 +1,108 @@
+"""``spotguard run``, ``spotguard checkpoint`` and ``spotguard restore`` (local directories)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from typing import Any
+
+import click
+
+from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.cuda import gpu_hook
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import resolve_job, start_job
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.cli import config_file
+from spotguard.config import load, options
+
+_RUN_ONLY = ("state_dir",)
+_ENGINE_EXCLUDE: tuple[str, ...] = ()
+
+
+def _settings(ctx: click.Context, flags: dict[str, Any]) -> CheckpointSettings:
+    return load(CheckpointSettings, flags, config_file=config_file(ctx))
+
+
+def _engine(s: CheckpointSettings) -> Engine:
+    return Engine(Criu(s.criu, timeout=s.criu_timeout), gpu_hook(s.gpu_timeout), settings=s)
+
+
+def _steps(timeline: list[dict[str, Any]]) -> str:
+    return ", ".join(
+        f"{t['name']} {t['seconds']:.3f}s" for t in timeline if t.get("seconds") is not None
+    )
+
+
+@click.command("run", context_settings={"ignore_unknown_options": True})
+@click.option("--name", help="Job name (default: from the command, plus a random suffix).")
+@click.option("--json", "as_json", is_flag=True, help='Print {"job": ..., "pid": ...}.')
+@options(
+    CheckpointSettings,
+    exclude=tuple(n for n in CheckpointSettings.model_fields if n not in _RUN_ONLY),
+)
+@click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
+@click.pass_context
+def run(
+    ctx: click.Context, /, name: str | None, as_json: bool, command: tuple[str, ...], **flags: Any
+) -> None:
+    """Start COMMAND as a job that can be checkpointed and restored elsewhere.
+
+    The job gets its own session and PID namespace, stdin from /dev/null, and its output in
+    <state_dir>/jobs/<name>/stdout and stderr. Example: spotguard run --name train -- python t.py
+    """
+    s = _settings(ctx, flags)
+    job = asyncio.run(start_job(list(command), name, state_dir=s.state_dir))
+    if as_json:
+        click.echo(json.dumps({"job": job.name, "pid": job.pid, "dir": str(job.dir)}))
+    else:
+        click.echo(f"job {job.name} started: pid {job.pid}, output in {job.dir}")
+
+
+@click.command("checkpoint")
+@click.argument("job")
+@click.option(
+    "--to",
+    "to",
+    required=True,
+    type=click.Path(path_type=Path),
+    help="Directory to write the image to (created; must not hold an image).",
+)
+@click.option("--leave-running", is_flag=True, help="Keep the job running after the dump.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@options(CheckpointSettings)
+@click.pass_context
+def checkpoint(
+    ctx: click.Context, /, job: str, to: Path, leave_running: bool, as_json: bool, **flags: Any
+) -> None:
+    """Freeze JOB (a pid or a job name) — CPU and GPU — into the directory --to."""
+    s = _settings(ctx, flags)
+    info = resolve_job(job, state_dir=s.state_dir)
+    mode = Mode.RESUME if leave_running else Mode.EXIT
+    result = asyncio.run(_engine(s).freeze(info, DirectoryTarget(to.absolute()), mode))
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+    else:
+        click.echo(
+            f"job {info.name} checkpointed to {result.images_dir} ({mode}); "
+            f"paused {result.pause_seconds:.3f}s: {_steps(result.timeline.to_list())}"
+        )
+
+
+@click.command("restore")
+@click.argument("image", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@options(CheckpointSettings)
+@click.pass_context
+def restore(ctx: click.Context, /, image: Path, as_json: bool, **flags: Any) -> None:
+    """Restore the job whose image is in the directory IMAGE; it continues where it stopped."""
+    s = _settings(ctx, flags)
+    result = asyncio.run(_engine(s).restore(DirectorySource(image.absolute())))
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+    else:
+        click.echo(
+            f"job {result.job.name} restored: pid {result.pid}: {_steps(result.timeline.to_list())}"
+        )
