@@ -12,7 +12,8 @@ The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, ne
     ├── ConfigError                 bad setting, file or flag (exit 2)
     ├── NoticeError                 a notice source could not be read
     │   ├── MetadataUnavailable     connection refused, timeout, 5xx (transient: retry)
-    │   └── MetadataMalformed       an answer that is not what the cloud documents
+    │   ├── MetadataMalformed       an answer that is not what the cloud documents
+    │   └── SimulatorError          metadata-sim refused a control request or is unreachable
     ├── JobError                    the job to protect
     │   └── JobNotFound             no such pid / name / cgroup
     ├── CheckpointError             freezing or restoring a process tree
@@ -67,6 +68,10 @@ class MetadataUnavailable(NoticeError):
 
 class MetadataMalformed(NoticeError):
     """The metadata service answered with something the cloud does not document."""
+
+
+class SimulatorError(NoticeError):
+    """The metadata emulator refused a control request or could not be reached."""
 
 
 class JobError(SpotguardError):

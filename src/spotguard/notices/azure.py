@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -106,7 +107,13 @@ class AzureEventsSource:
         if incarnation == self.incarnation:
             return []
         self.incarnation = incarnation
-        now = {n.id: n for n in notices}
+        now = {}
+        for n in notices:
+            held = self._current.get(n.id)
+            if held is not None and not n.raw.get("NotBefore"):
+                # a started event has a blank NotBefore: its deadline stays what it was
+                n = replace(n, deadline=held.deadline)
+            now[n.id] = n
         changes = [
             n
             for i, n in now.items()
