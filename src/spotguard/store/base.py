@@ -152,7 +152,7 @@ class BlockingStore:
             retry=retry_if_exception_type(StoreUnavailable),
             stop=stop_after_attempt(max(1, self.retry.attempts)),
             wait=wait_exponential_jitter(
-                initial=self.retry.initial, max=self.retry.maximum, jitter=self.retry.jitter
+                multiplier=self.retry.initial, max=self.retry.maximum, jitter=self.retry.jitter
             ),
             before_sleep=before_sleep,
             reraise=True,

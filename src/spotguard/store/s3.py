@@ -71,7 +71,7 @@ class S3Store(BlockingStore):
 
             cfg = Config(
                 max_pool_connections=self.io_workers + 4,
-                retries={"max_attempts": 1, "mode": "standard"},  # tenacity retries instead
+                retries={"total_max_attempts": 1, "mode": "standard"},  # tenacity retries
                 connect_timeout=10,
                 read_timeout=60,
                 request_checksum_calculation="when_required",

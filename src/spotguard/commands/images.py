@@ -1,0 +1,203 @@
+"""``spotguard images``: list, verify, garbage-collect, push and pull checkpoint images.
+
+Every subcommand prints a human summary, or with ``--json`` nothing but one JSON document on
+stdout. Transfers show a progress bar (bytes, rate, ETA) when stderr is a terminal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import click
+
+from spotguard import config
+from spotguard.cli import config_file
+from spotguard.image import (
+    ImageSettings,
+    TransferStats,
+    gc,
+    list_images,
+    pull_image,
+    push_dir,
+    verify_image,
+)
+from spotguard.image.stats import MIB
+
+_TRANSFER_FIELDS = ("encryption_key",)  # secrets never come from flags
+_GC_EXCLUDE = tuple(n for n in ImageSettings.model_fields if n not in ("gc_grace_s",))
+_VERIFY_EXCLUDE = tuple(
+    n
+    for n in ImageSettings.model_fields
+    if n not in ("encryption_key_file", "workers", "io_workers", "max_inflight_mb", "retries")
+)
+
+
+def _settings(flags: dict[str, Any]) -> ImageSettings:
+    return config.load(ImageSettings, flags, config_file=config_file(click.get_current_context()))
+
+
+def _emit(data: Any) -> None:
+    click.echo(json.dumps(data, indent=2, default=str))
+
+
+@contextmanager
+def _progress(label: str, quiet: bool) -> Iterator[Callable[[TransferStats], None] | None]:
+    """A rich progress bar on an interactive stderr; nothing otherwise."""
+    if quiet or not sys.stderr.isatty():
+        yield None
+        return
+    from rich.console import Console
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TextColumn,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        TextColumn("{task.fields[note]}"),
+        console=Console(stderr=True),
+        transient=False,
+    )
+    task = bar.add_task(label, total=None, note="")
+
+    def update(st: TransferStats) -> None:
+        note = f"skipped {st.bytes_skipped / MIB:.0f} MiB" if st.bytes_skipped else ""
+        bar.update(task, completed=st.bytes, total=st.total, note=note)
+
+    with bar:
+        yield update
+
+
+@click.group("images")
+def images() -> None:
+    """List, verify and garbage-collect checkpoint images in a store."""
+
+
+@images.command("list")
+@click.argument("store_url")
+@click.option("--job", help="Only this job's images.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+def list_cmd(store_url: str, job: str | None, as_json: bool) -> None:
+    """List the images in STORE_URL (newest last per job)."""
+    settings = _settings({})
+    infos = asyncio.run(list_images(store_url, job, settings=settings))
+    if as_json:
+        _emit([i.to_json() for i in infos])
+        return
+    if not infos:
+        click.echo(f"no images in {store_url}")
+        return
+    for i in infos:
+        state = "complete" if i.complete else "INCOMPLETE (being written or abandoned)"
+        size = f"{i.bytes / MIB:10.1f} MiB → {i.stored_bytes / MIB:8.1f} MiB" if i.complete else ""
+        lock = " encrypted" if i.encrypted else ""
+        click.echo(f"{i.job:20} {i.image_id:32} {size:30} {state}{lock}")
+
+
+@images.command("verify")
+@click.argument("image_url")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+@config.options(ImageSettings, exclude=_VERIFY_EXCLUDE)
+def verify_cmd(image_url: str, as_json: bool, **flags: Any) -> None:
+    """Fetch and check every chunk of IMAGE_URL (…/JOB/images/ID or …/images/latest)."""
+    settings = _settings(flags)
+    with _progress("verify", as_json) as progress:
+        report = asyncio.run(
+            verify_image(image_url, settings=settings, progress=progress, raise_on_error=False)
+        )
+    if as_json:
+        _emit(report.to_json())
+    elif report.ok:
+        click.echo(f"ok: {report.chunks} chunks, {report.bytes / MIB:.1f} MiB verified")
+    for bad in report.bad:
+        click.echo(f"corrupt chunk {bad['chunk']} in {bad['files']}: {bad['error']}", err=True)
+    if not report.ok:
+        from spotguard.errors import ImageCorrupt
+
+        raise ImageCorrupt(
+            f"image {report.image_url} has {len(report.bad)} corrupt chunk(s), "
+            f"first {report.bad[0]['chunk']}",
+            chunk=report.bad[0]["chunk"],
+        )
+
+
+@images.command("gc")
+@click.argument("store_url")
+@click.option("--keep", type=click.IntRange(min=1), required=True, help="Complete images to keep.")
+@click.option("--job", help="Only this job (default: every job in the store).")
+@click.option("--dry-run", is_flag=True, help="Report what would be deleted; delete nothing.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+@config.options(ImageSettings, exclude=_GC_EXCLUDE)
+def gc_cmd(
+    store_url: str, keep: int, job: str | None, dry_run: bool, as_json: bool, **flags: Any
+) -> None:
+    """Delete all but the newest KEEP complete images per job and unreferenced chunks."""
+    settings = _settings(flags)
+    result = asyncio.run(gc(store_url, job, keep, dry_run=dry_run, settings=settings))
+    if as_json:
+        _emit(result.to_json())
+        return
+    verb = "would delete" if dry_run else "deleted"
+    click.echo(
+        f"{verb} {len(result.images_deleted)} image(s), {result.chunks_deleted} chunk(s) "
+        f"({result.bytes_freed / MIB:.1f} MiB); kept {len(result.images_kept)} image(s)"
+    )
+    for j in result.skipped_chunks_writer_active:
+        click.echo(f"job {j}: a checkpoint is being written; its chunks were left alone")
+
+
+@images.command("push")
+@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("store_url")
+@click.option("--job", required=True, help="Job name the image belongs to.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+@config.options(ImageSettings, exclude=(*_TRANSFER_FIELDS, "gc_grace_s"))
+def push_cmd(directory: str, store_url: str, job: str, as_json: bool, **flags: Any) -> None:
+    """Write DIRECTORY (e.g. a CRIU image directory) as a new image of JOB in STORE_URL."""
+    settings = _settings(flags)
+    with _progress("upload", as_json) as progress:
+        result = asyncio.run(
+            push_dir(directory, store_url, job, settings=settings, progress=progress)
+        )
+    if as_json:
+        _emit(result.to_json())
+        return
+    st = result.stats
+    click.echo(
+        f"{result.image_url}: {st.bytes / MIB:.1f} MiB in {st.seconds:.1f} s "
+        f"({st.rate / MIB:.0f} MiB/s), sent {st.stored_bytes / MIB:.1f} MiB, "
+        f"skipped {st.bytes_skipped / MIB:.1f} MiB already stored"
+    )
+
+
+@images.command("pull")
+@click.argument("image_url")
+@click.argument("dest_dir", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
+@config.options(ImageSettings, exclude=(*_TRANSFER_FIELDS, "gc_grace_s"))
+def pull_cmd(image_url: str, dest_dir: str, as_json: bool, **flags: Any) -> None:
+    """Download, verify and unpack IMAGE_URL into DEST_DIR (which must not hold its files)."""
+    settings = _settings(flags)
+    with _progress("download", as_json) as progress:
+        result = asyncio.run(pull_image(image_url, dest_dir, settings=settings, progress=progress))
+    if as_json:
+        _emit(result.to_json())
+        return
+    st = result.stats
+    click.echo(
+        f"{result.image_url} → {dest_dir}: {st.bytes / MIB:.1f} MiB verified in "
+        f"{st.seconds:.1f} s ({st.rate / MIB:.0f} MiB/s)"
+    )
