@@ -79,9 +79,14 @@ class ImdsClient:
             if not token or len(token) > 512 or any(c.isspace() for c in token):
                 raise MetadataMalformed(f"{reply.url}: answer is not an IMDSv2 token")
             self._token = token
+            # the service may grant less than asked: it says how much in the TTL header
+            try:
+                ttl = min(self.token_ttl, int(reply.headers.get(TTL_HEADER, self.token_ttl)))
+            except ValueError:
+                ttl = self.token_ttl
             # renew when 80 % of the lifetime has passed (at least 1 s before the end)
-            margin = max(1.0, 0.2 * self.token_ttl)
-            self._expires = time.monotonic() + max(0.5, self.token_ttl - margin)
+            margin = max(1.0, 0.2 * ttl) if ttl > 1 else 0.5
+            self._expires = time.monotonic() + max(0.5, ttl - margin)
             self.tokens_fetched += 1
             return
         if self.imdsv1 and reply.status in (403, 404, 405):
@@ -206,7 +211,9 @@ class AwsImdsSource:
         token_ttl: int = 21600,
         imdsv1: bool = False,
         timeout: float = 2.0,
+        name: str = "aws",
     ) -> None:
+        self.name = name
         self.poll_interval = poll_interval
         self.imds = ImdsClient(endpoint, token_ttl=token_ttl, imdsv1=imdsv1, timeout=timeout)
         self.last_success: float | None = None  # monotonic time of the last complete poll

@@ -79,8 +79,14 @@ class AzureEventsSource:
     cloud = Cloud.AZURE
 
     def __init__(
-        self, endpoint: str | None = None, *, poll_interval: float = 1.0, timeout: float = 2.0
+        self,
+        endpoint: str | None = None,
+        *,
+        poll_interval: float = 1.0,
+        timeout: float = 2.0,
+        name: str = "azure",
     ) -> None:
+        self.name = name
         self.endpoint = azure_endpoint(endpoint)
         self.poll_interval = poll_interval
         self.http = MetadataHttp("azure", timeout)

@@ -106,8 +106,14 @@ class GcpMetadataSource:
     cloud = Cloud.GCP
 
     def __init__(
-        self, endpoint: str | None = None, *, timeout: float = 2.0, long_poll: int = 60
+        self,
+        endpoint: str | None = None,
+        *,
+        timeout: float = 2.0,
+        long_poll: int = 60,
+        name: str = "gcp",
     ) -> None:
+        self.name = name
         self.client = GcpMetadataClient(endpoint, timeout=timeout)
         self.timeout = timeout
         self.long_poll = long_poll

@@ -88,7 +88,8 @@ async def token(request: web.Request) -> web.Response:
         ttl = 0
     if not 1 <= ttl <= 21600:
         return web.Response(status=400, text=f"{TTL_HEADER} must be 1-21600")
-    return web.Response(text=state.new_token(ttl), headers={TTL_HEADER: str(ttl)})
+    token, ttl = state.new_token(ttl)
+    return web.Response(text=token, headers={TTL_HEADER: str(ttl)})
 
 
 async def get(request: web.Request) -> web.Response:

@@ -98,7 +98,7 @@ async def cancel(request: web.Request) -> web.Response:
 
 async def add_fault(request: web.Request) -> web.Response:
     body = await _body(request)
-    _only(body, {"mode", "cloud", "path", "status", "count", "seconds", "hang_s"})
+    _only(body, {"mode", "cloud", "path", "status", "count", "seconds", "hang_s", "body"})
     fault = _state(request).add_fault(str(body.pop("mode", "")), **body)
     return web.json_response(fault.to_json(), status=201)
 

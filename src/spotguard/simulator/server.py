@@ -62,7 +62,8 @@ async def metadata_middleware(request: web.Request, handler: Handler) -> web.Str
 async def _fault(state: SimState, fault: Fault, cloud: str) -> web.Response:
     headers = {"Metadata-Flavor": "Google", "ETag": "garbage"} if cloud == "gcp" else {}
     if fault.mode == "garbage":
-        return web.Response(body=GARBAGE, headers=headers, content_type="text/plain")
+        body = GARBAGE if fault.body is None else fault.body.encode()
+        return web.Response(body=body, headers=headers, content_type="text/plain")
     if fault.mode == "hang":
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(state.closing.wait(), fault.hang_s)

@@ -134,9 +134,9 @@ def region_of(zone: str) -> str:
 
 @dataclass
 class Fault:
-    """Make matching metadata requests fail: ``error`` (HTTP ``status``), ``garbage`` (200 with a
-    body no cloud sends) or ``hang`` (no answer for ``hang_s``), for ``count`` requests and/or
-    ``seconds`` of time (forever when both are unset)."""
+    """Make matching metadata requests fail: ``error`` (HTTP ``status``), ``garbage`` (200 with
+    ``body``, by default bytes no cloud sends) or ``hang`` (no answer for ``hang_s``), for
+    ``count`` requests and/or ``seconds`` of time (forever when both are unset)."""
 
     id: str
     mode: str
@@ -146,6 +146,7 @@ class Fault:
     count: int | None = None
     seconds: float | None = None
     hang_s: float = 30.0
+    body: str | None = None
     hits: int = 0
     expires: float | None = None  # monotonic
 
@@ -332,13 +333,14 @@ class SimState:
 
     # -- AWS tokens --------------------------------------------------------------------------
 
-    def new_token(self, ttl: int) -> str:
+    def new_token(self, ttl: int) -> tuple[str, int]:
+        """A new IMDSv2 token and its lifetime (capped by ``max_token_ttl``)."""
         if self.max_token_ttl is not None:
             ttl = min(ttl, self.max_token_ttl)
         token = secrets.token_urlsafe(32)
         self.tokens[token] = time.monotonic() + ttl
         self.stats["aws.token_puts"] += 1
-        return token
+        return token, ttl
 
     def token_valid(self, token: str | None) -> bool:
         if token is None:
@@ -363,6 +365,7 @@ class SimState:
         count: int | None = None,
         seconds: float | None = None,
         hang_s: float = 30.0,
+        body: str | None = None,
     ) -> Fault:
         if mode not in FAULT_MODES:
             raise SimInputError(f"fault mode must be one of {FAULT_MODES}, got {mode!r}")
@@ -370,6 +373,8 @@ class SimState:
             raise SimInputError(f"fault cloud must be one of {CLOUDS} or null")
         if not (isinstance(status, int) and 400 <= status <= 599):
             raise SimInputError("fault status must be an HTTP error code (400-599)")
+        if body is not None and not isinstance(body, str):
+            raise SimInputError("fault body must be a string")
         if path is not None and not isinstance(path, str):
             raise SimInputError("fault path must be a string (a part of the request path)")
         if count is not None and (not isinstance(count, int) or count < 1):
@@ -383,6 +388,7 @@ class SimState:
             count=count,
             seconds=None if seconds is None else _seconds(seconds),
             hang_s=_seconds(hang_s),
+            body=body,
         )
         if fault.seconds is not None:
             fault.expires = time.monotonic() + fault.seconds
