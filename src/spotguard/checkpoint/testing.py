@@ -2,8 +2,8 @@
 
 :class:`RecordingGpu` behaves like the driver checkpoint API for chosen processes — the same
 state machine (running → locked → checkpointed → locked → running), the same refusals of
-out-of-order calls — without a GPU. It records every call, can be told to fail one kind of
-call, and reports whether any process was left locked or checkpointed.
+out-of-order calls — without a GPU. It records every call, can be told to fail the first call
+of one kind, and reports whether any process was left locked or checkpointed.
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ class RecordingGpu:
     def _step(self, op: str, pid: int, need: GpuState, to: GpuState) -> None:
         self.calls.append((op, pid))
         if self.fail_on == op:
+            self.fail_on = None  # a transient failure: the next call of that kind works
             raise GpuError(f"injected failure in GPU {op} (pid {pid})")
         # a process CRIU just restored from a GPU image holds its GPU state in host memory
         default = GpuState.CHECKPOINTED if op == "restore" else GpuState.RUNNING

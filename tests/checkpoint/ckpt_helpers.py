@@ -1,0 +1,50 @@
+"""Helpers shared by the freeze engine's tests (polling, reading job output)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from spotguard.checkpoint.jobs import JobInfo, exit_status
+
+DEMO = [sys.executable, "-m", "spotguard.demo.job", "--gpu", "no", "--mb", "4"]
+
+
+async def wait_for(cond: Callable[[], bool], what: str, limit: float = 30.0) -> None:
+    """Poll ``cond`` until true; fail naming ``what`` after ``limit`` seconds."""
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def wait_exit(job: JobInfo, limit: float = 60.0) -> int:
+    """Wait until the job's command has ended; its exit code."""
+    await wait_for(lambda: exit_status(job) is not None, f"job {job.name} to finish", limit)
+    code = exit_status(job)
+    assert code is not None
+    return code
+
+
+def lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def proc_state(pid: int) -> str:
+    """The one-letter state of a process (R, S, T, t, Z ...)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("State:"):
+            return line.split()[1]
+    return "?"
+
+
+async def progresses(path: Path, limit: float = 10.0) -> None:
+    """Fail unless the file gains lines (the job is running, not frozen)."""
+    before = len(lines(path))
+    await wait_for(lambda: len(lines(path)) > before, f"{path} to grow", limit)

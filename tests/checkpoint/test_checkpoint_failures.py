@@ -1,0 +1,171 @@
+"""Failure at any step of a freeze leaves the job running, unfrozen and GPU-unlocked."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import DEMO, lines, proc_state, progresses, wait_for
+from conftest import Launch
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.engine import FREEZE_STEPS, Engine, Mode
+from spotguard.checkpoint.meta import META_NAME
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.targets import DirectoryTarget
+from spotguard.checkpoint.testing import RecordingGpu
+from spotguard.errors import CheckpointError, GpuError, StepTimeout
+
+pytestmark = pytest.mark.criu
+
+LONG = [*DEMO, "--steps", "100000", "--step-seconds", "0.02"]
+
+
+class FailAt:
+    """Faults: raise (or wait forever) before one named step."""
+
+    def __init__(self, step: str, *, hang: bool = False) -> None:
+        self.step = step
+        self.hang = hang
+        self.reached = asyncio.Event()
+
+    async def before(self, step: str) -> None:
+        if step != self.step:
+            return
+        self.reached.set()
+        if self.hang:
+            await asyncio.sleep(3600)
+        raise CheckpointError(f"injected failure before {step}")
+
+
+async def assert_running_and_unlocked(pid: int, stdout: Path, gpu: RecordingGpu) -> None:
+    assert proctree.alive(pid)
+    assert all(proc_state(p) not in ("T", "t") for p in proctree.tree(pid))
+    assert gpu.stuck() == {}
+    await progresses(stdout)
+
+
+def _cases() -> list[tuple[str, Mode]]:
+    out = [(s, Mode.RESUME) for s in FREEZE_STEPS]
+    out += [(s, Mode.EXIT) for s in FREEZE_STEPS if s not in ("gpu_restore", "gpu_unlock")]
+    return out
+
+
+@pytest.mark.parametrize(("step", "mode"), _cases())
+async def test_failure_before_each_step_resumes_the_job(
+    step: str, mode: Mode, settings: CheckpointSettings, criu_bin: str, launch: Launch,
+    tmp_path: Path,
+) -> None:
+    job = await launch(LONG, f"fail-{step.replace('_', '-')}-{mode}")
+    await wait_for(lambda: len(lines(job.dir / "stdout")) > 2, "first steps")
+    gpu = RecordingGpu()
+    engine = Engine(Criu(criu_bin), gpu, settings=settings, faults=FailAt(step))
+    target = tmp_path / "img"
+    with pytest.raises(CheckpointError, match=f"injected failure before {step}"):
+        await engine.freeze(job, DirectoryTarget(target), mode)
+    await assert_running_and_unlocked(job.pid, job.dir / "stdout", gpu)
+    assert not (target / META_NAME).exists()
+    assert not (job.dir / "operation.json").exists()
+    if step not in ("scan", "gpu_lock"):
+        assert ("lock", job.pid) in gpu.calls
+
+
+@pytest.mark.parametrize("op", ["lock", "checkpoint", "restore", "unlock"])
+async def test_gpu_call_failure_resumes_the_job(
+    op: str, settings: CheckpointSettings, criu_bin: str, launch: Launch, tmp_path: Path
+) -> None:
+    job = await launch(LONG, f"gpufail-{op}")
+    await wait_for(lambda: len(lines(job.dir / "stdout")) > 2, "first steps")
+    gpu = RecordingGpu(fail_on=op)
+    engine = Engine(Criu(criu_bin), gpu, settings=settings)
+    with pytest.raises(GpuError, match=f"injected failure in GPU {op}"):
+        await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.RESUME)
+    await assert_running_and_unlocked(job.pid, job.dir / "stdout", gpu)
+
+
+async def test_cancellation_while_frozen_resumes_the_job(
+    settings: CheckpointSettings, criu_bin: str, launch: Launch, tmp_path: Path
+) -> None:
+    job = await launch(LONG, "cancelled")
+    await wait_for(lambda: len(lines(job.dir / "stdout")) > 2, "first steps")
+    gpu = RecordingGpu()
+    faults = FailAt("capture_files", hang=True)
+    engine = Engine(Criu(criu_bin), gpu, settings=settings, faults=faults)
+    task = asyncio.create_task(engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT))
+    await asyncio.wait_for(faults.reached.wait(), 30)
+    assert all(proc_state(p) in ("T", "t") for p in proctree.tree(job.pid)), "not frozen"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await assert_running_and_unlocked(job.pid, job.dir / "stdout", gpu)
+
+
+async def test_criu_timeout_is_a_step_timeout_and_resumes_the_job(
+    state_dir: Path, criu_bin: str, launch: Launch, tmp_path: Path
+) -> None:
+    settings = CheckpointSettings(state_dir=state_dir, criu=criu_bin, criu_timeout=1.0)
+    job = await launch(LONG, "slow")
+    await wait_for(lambda: len(lines(job.dir / "stdout")) > 2, "first steps")
+    gpu = RecordingGpu()
+    engine = Engine(Criu(criu_bin), gpu, settings=settings,
+                    faults=FailAt("capture_files", hang=True))
+    with pytest.raises(StepTimeout, match="criu dump ran past"):
+        await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    await assert_running_and_unlocked(job.pid, job.dir / "stdout", gpu)
+
+
+FREEZER = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    from spotguard.checkpoint.criu import Criu
+    from spotguard.checkpoint.engine import Engine, Mode
+    from spotguard.checkpoint.jobs import resolve_job
+    from spotguard.checkpoint.settings import CheckpointSettings
+    from spotguard.checkpoint.targets import DirectoryTarget
+
+    class Hang:
+        async def before(self, step):
+            if step == "capture_files":
+                print("frozen", flush=True)
+                await asyncio.sleep(3600)
+
+    async def main():
+        s = CheckpointSettings(state_dir=Path(sys.argv[1]), criu=sys.argv[2])
+        job = resolve_job(sys.argv[3], state_dir=s.state_dir)
+        await Engine(Criu(s.criu), settings=s, faults=Hang()).freeze(
+            job, DirectoryTarget(Path(sys.argv[4])), Mode.EXIT)
+
+    asyncio.run(main())
+    """
+)
+
+
+async def test_kill_9_mid_freeze_then_recover(
+    engine: Engine, state_dir: Path, criu_bin: str, launch: Launch, tmp_path: Path
+) -> None:
+    job = await launch(LONG, "killed-agent")
+    await wait_for(lambda: len(lines(job.dir / "stdout")) > 2, "first steps")
+    freezer = subprocess.Popen(
+        [sys.executable, "-c", FREEZER, str(state_dir), criu_bin, job.name,
+         str(tmp_path / "img")],
+        stdout=subprocess.PIPE, text=True,
+    )
+    assert freezer.stdout is not None
+    line = await asyncio.to_thread(freezer.stdout.readline)
+    assert line.strip() == "frozen"
+    assert (job.dir / "operation.json").exists()
+    assert all(proc_state(p) in ("T", "t") for p in proctree.tree(job.pid))
+    os.kill(freezer.pid, signal.SIGKILL)
+    freezer.wait()
+    assert await engine.recover(job) is True
+    assert not (job.dir / "operation.json").exists()
+    assert await engine.recover(job) is False
+    await assert_running_and_unlocked(job.pid, job.dir / "stdout", RecordingGpu())
