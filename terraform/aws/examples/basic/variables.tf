@@ -1,0 +1,30 @@
+variable "region" {
+  description = "AWS region to deploy into."
+  type        = string
+  default     = "us-east-1"
+}
+
+variable "ami_id" {
+  description = "AMI built by `packer build ami/` (printed at the end of the build)."
+  type        = string
+  default     = "ami-0123456789abcdef0"
+}
+
+variable "security_group_ids" {
+  description = "Security groups for the GPU instances (outbound HTTPS is all the agent needs)."
+  type        = list(string)
+  default     = []
+}
+
+variable "controller_url" {
+  description = "URL of the spotguard controller the agents report to."
+  type        = string
+  default     = "https://controller.internal.example:9900"
+}
+
+variable "controller_token" {
+  description = "Bearer token agents present to the controller."
+  type        = string
+  default     = null
+  sensitive   = true
+}

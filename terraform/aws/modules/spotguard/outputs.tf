@@ -1,0 +1,79 @@
+output "bucket_name" {
+  description = "Image bucket."
+  value       = aws_s3_bucket.images.bucket
+}
+
+output "store_url" {
+  description = "Store URL for agents and the controller ([agent] store / SPOTGUARD_STORE)."
+  value       = local.store_url
+}
+
+output "kms_key_arn" {
+  description = "KMS key encrypting the bucket and the queues."
+  value       = aws_kms_key.this.arn
+}
+
+output "queue_url" {
+  description = "Fleet event queue the controller reads ([fleet] queue_url / SPOTGUARD_FLEET_QUEUE_URL)."
+  value       = aws_sqs_queue.events.url
+}
+
+output "queue_arn" {
+  description = "ARN of the fleet event queue."
+  value       = aws_sqs_queue.events.arn
+}
+
+output "dead_letter_queue_url" {
+  description = "Events the controller failed to process max_receive_count times."
+  value       = aws_sqs_queue.events_dlq.url
+}
+
+output "event_rule_arns" {
+  description = "EventBridge rules forwarding interruption events, by kind."
+  value       = { for key, rule in aws_cloudwatch_event_rule.interruptions : key => rule.arn }
+}
+
+output "agent_role_arns" {
+  description = "Agent role of each job."
+  value       = { for job, role in aws_iam_role.agent : job => role.arn }
+}
+
+output "agent_instance_profiles" {
+  description = "Agent instance profile of each job."
+  value       = { for job, profile in aws_iam_instance_profile.agent : job => profile.name }
+}
+
+output "launch_template_names" {
+  description = "Launch template of each job ([aws] aws_launch_template of the controller)."
+  value       = { for job, lt in aws_launch_template.job : job => lt.name }
+}
+
+output "launch_template_ids" {
+  description = "Launch template id of each job."
+  value       = { for job, lt in aws_launch_template.job : job => lt.id }
+}
+
+output "controller_role_arn" {
+  description = "Role of the controller."
+  value       = aws_iam_role.controller.arn
+}
+
+output "controller_instance_profile" {
+  description = "Instance profile for a controller running on EC2."
+  value       = aws_iam_instance_profile.controller.name
+}
+
+output "controller_config" {
+  description = "TOML for the controller's /etc/spotguard/spotguard.toml (fleet queue, region, templates)."
+  value = join("\n", concat(
+    [
+      "[fleet]",
+      "queue_url = ${jsonencode(aws_sqs_queue.events.url)}",
+      "region = ${jsonencode(local.region)}",
+      "",
+      "[aws]",
+      "aws_regions = [${jsonencode(local.region)}]",
+    ],
+    length(var.jobs) == 1 ? ["aws_launch_template = ${jsonencode(values(aws_launch_template.job)[0].name)}"] : [],
+  ))
+}

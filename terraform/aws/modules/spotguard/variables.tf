@@ -1,0 +1,204 @@
+variable "name" {
+  description = "Prefix of every resource name (bucket, roles, queue, launch templates)."
+  type        = string
+  default     = "spotguard"
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{1,30}$", var.name))
+    error_message = "name must be 2-31 characters of a-z, 0-9 and '-', starting with a letter."
+  }
+}
+
+variable "jobs" {
+  description = <<-EOT
+    Jobs to protect, by job name (the spotguard job name: also the image prefix in the bucket and
+    the spotguard:job tag). Each job gets its own agent role (which can reach only its own prefix)
+    and its own launch template whose user-data starts `command` under spotguard on first boot.
+    instance_type overrides var.instance_type for that job.
+  EOT
+  type = map(object({
+    command       = string
+    instance_type = optional(string)
+  }))
+
+  validation {
+    condition     = alltrue([for job in keys(var.jobs) : can(regex("^[a-z0-9][a-z0-9._-]{0,62}$", job))])
+    error_message = "Job names are 1-63 characters of a-z 0-9 . _ - starting with a letter or digit."
+  }
+
+  validation {
+    condition     = alltrue([for job in values(var.jobs) : length(trimspace(job.command)) > 0])
+    error_message = "Every job needs a non-empty command."
+  }
+}
+
+variable "ami_id" {
+  description = "Machine image built from ami/spotguard.pkr.hcl (NVIDIA driver >= 570, CRIU >= 4, spotguard)."
+  type        = string
+
+  validation {
+    condition     = can(regex("^ami-[0-9a-f]{8,17}$", var.ami_id))
+    error_message = "ami_id must look like ami-0123456789abcdef0."
+  }
+}
+
+variable "instance_type" {
+  description = "Default GPU instance type of the launch templates (the controller may pick another matching type)."
+  type        = string
+  default     = "g6.xlarge"
+}
+
+variable "security_group_ids" {
+  description = "Security groups of the GPU instances. The agent needs outbound HTTPS (S3, controller) only."
+  type        = list(string)
+  default     = []
+}
+
+variable "key_name" {
+  description = "EC2 key pair for SSH to the GPU instances (null = none; use SSM Session Manager instead)."
+  type        = string
+  default     = null
+}
+
+variable "root_volume_size_gb" {
+  description = "Root volume size in GiB (holds the OS, CUDA libraries and, without enough RAM, the staging area)."
+  type        = number
+  default     = 200
+
+  validation {
+    condition     = var.root_volume_size_gb >= 30 && var.root_volume_size_gb <= 16384
+    error_message = "root_volume_size_gb must be between 30 and 16384."
+  }
+}
+
+variable "metadata_hop_limit" {
+  description = "IMDSv2 PUT response hop limit. 1 keeps tokens on the host (the agent runs on the host); 2 only if the agent runs in a container."
+  type        = number
+  default     = 1
+
+  validation {
+    condition     = var.metadata_hop_limit >= 1 && var.metadata_hop_limit <= 2
+    error_message = "metadata_hop_limit must be 1 or 2."
+  }
+}
+
+variable "controller_url" {
+  description = "URL the agents report to (POST {url}/v1/events). null = agents work alone."
+  type        = string
+  default     = null
+}
+
+variable "controller_token" {
+  description = "Bearer token the agents present to the controller. Written to /etc/spotguard/controller-token (mode 0600) by the first-boot user-data."
+  type        = string
+  default     = null
+  sensitive   = true
+}
+
+variable "controller_trusted_principal_arns" {
+  description = "IAM principals (besides EC2 instances) allowed to assume the controller role, e.g. an operator role."
+  type        = list(string)
+  default     = []
+}
+
+variable "bucket_name" {
+  description = "Image bucket name (null = \"<name>-images-<account id>-<region>\")."
+  type        = string
+  default     = null
+}
+
+variable "force_destroy" {
+  description = "Let terraform destroy delete a non-empty bucket (and every checkpoint image in it)."
+  type        = bool
+  default     = false
+}
+
+variable "noncurrent_version_days" {
+  description = "Days an overwritten or deleted object version is kept before it expires."
+  type        = number
+  default     = 7
+
+  validation {
+    condition     = var.noncurrent_version_days >= 1
+    error_message = "noncurrent_version_days must be at least 1."
+  }
+}
+
+variable "abort_multipart_days" {
+  description = "Days after which an unfinished multipart upload (a checkpoint cut off mid-stream) is removed."
+  type        = number
+  default     = 1
+
+  validation {
+    condition     = var.abort_multipart_days >= 1
+    error_message = "abort_multipart_days must be at least 1."
+  }
+}
+
+variable "chunk_expiration_days" {
+  description = "Expire image chunks (<job>/chunks/) this many days after upload; 0 = never. Only set it when every image older than that is disposable: `spotguard images gc` removes unreferenced chunks safely."
+  type        = number
+  default     = 0
+
+  validation {
+    condition     = var.chunk_expiration_days >= 0
+    error_message = "chunk_expiration_days must be 0 (off) or more."
+  }
+}
+
+variable "access_log_bucket" {
+  description = "Bucket receiving S3 server access logs of the image bucket (null = no access logging)."
+  type        = string
+  default     = null
+}
+
+variable "kms_deletion_window_days" {
+  description = "Waiting period before the KMS key is deleted after terraform destroy."
+  type        = number
+  default     = 30
+
+  validation {
+    condition     = var.kms_deletion_window_days >= 7 && var.kms_deletion_window_days <= 30
+    error_message = "kms_deletion_window_days must be between 7 and 30."
+  }
+}
+
+variable "queue_retention_seconds" {
+  description = "How long an interruption event waits in the fleet queue for the controller."
+  type        = number
+  default     = 86400
+
+  validation {
+    condition     = var.queue_retention_seconds >= 60 && var.queue_retention_seconds <= 1209600
+    error_message = "queue_retention_seconds must be between 60 and 1209600."
+  }
+}
+
+variable "max_receive_count" {
+  description = "Deliveries of one event before it moves to the dead-letter queue."
+  type        = number
+  default     = 5
+
+  validation {
+    condition     = var.max_receive_count >= 1 && var.max_receive_count <= 1000
+    error_message = "max_receive_count must be between 1 and 1000."
+  }
+}
+
+variable "health_events" {
+  description = "Also route AWS Health scheduled changes for EC2 (instance retirement, maintenance) to the fleet queue."
+  type        = bool
+  default     = true
+}
+
+variable "tags" {
+  description = "Tags added to every resource."
+  type        = map(string)
+  default     = {}
+}
+
+variable "root_device_name" {
+  description = "Root device name of the machine image (/dev/sda1 for the Ubuntu images ami/ builds on)."
+  type        = string
+  default     = "/dev/sda1"
+}

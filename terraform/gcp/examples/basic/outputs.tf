@@ -1,0 +1,14 @@
+output "store_url" {
+  description = "Image store URL."
+  value       = module.spotguard.store_url
+}
+
+output "instance_templates" {
+  description = "Instance template per job."
+  value       = module.spotguard.instance_templates
+}
+
+output "controller_service_account" {
+  description = "Service account to run the controller as."
+  value       = module.spotguard.controller_service_account
+}

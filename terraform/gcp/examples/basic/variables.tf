@@ -1,0 +1,30 @@
+variable "project_id" {
+  description = "GCP project to deploy into."
+  type        = string
+  default     = "spotguard-demo-project"
+}
+
+variable "region" {
+  description = "Region of the bucket and the instance template."
+  type        = string
+  default     = "us-central1"
+}
+
+variable "image" {
+  description = "Image built by `packer build ami/` (projects/<project>/global/images/family/spotguard)."
+  type        = string
+  default     = "projects/spotguard-demo-project/global/images/family/spotguard"
+}
+
+variable "controller_url" {
+  description = "URL of the spotguard controller the agents report to."
+  type        = string
+  default     = "https://controller.internal.example:9900"
+}
+
+variable "controller_token" {
+  description = "Bearer token agents present to the controller."
+  type        = string
+  default     = null
+  sensitive   = true
+}

@@ -1,0 +1,25 @@
+locals {
+  # What the machine image (ami/, packaging/) and the agent (src/spotguard) agree on.
+  # These names appear nowhere else in this module: change them here only.
+  spotguard = {
+    etc_dir         = "/etc/spotguard"
+    config_path     = "/etc/spotguard/spotguard.toml"
+    token_path      = "/etc/spotguard/controller-token"
+    job_script_path = "/etc/spotguard/job.sh"
+    assignment_path = "/etc/spotguard/assignment.json"
+    state_dir       = "/var/lib/spotguard"
+    first_boot_done = "/var/lib/spotguard/first-boot.done"
+    agent_service   = "spotguard-agent.service"
+    run_command     = "spotguard run --name %s -- /bin/bash %s"
+    label_managed   = "spotguard-managed"
+    label_job       = "spotguard-job"
+  }
+
+  bucket_name = coalesce(var.bucket_name, "${var.project_id}-${var.name}-images")
+  store_url   = "gs://${local.bucket_name}"
+
+  # Service account ids are 6-30 characters: the job name goes into the display name instead.
+  agent_account_id = { for job in keys(var.jobs) : job => "${var.name}-${substr(sha1(job), 0, 10)}" }
+
+  labels = merge(var.labels, { "${local.spotguard.label_managed}" = "true" })
+}

@@ -1,0 +1,201 @@
+variable "project_id" {
+  description = "GCP project to deploy into."
+  type        = string
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{4,28}[a-z0-9]$", var.project_id))
+    error_message = "project_id must be a valid GCP project id."
+  }
+}
+
+variable "region" {
+  description = "Region of the bucket and the instance templates."
+  type        = string
+  default     = "us-central1"
+}
+
+variable "name" {
+  description = "Prefix of every resource name (bucket, service accounts, instance templates)."
+  type        = string
+  default     = "spotguard"
+
+  validation {
+    condition     = can(regex("^[a-z][a-z0-9-]{1,18}$", var.name))
+    error_message = "name must be 2-19 characters of a-z, 0-9 and '-', starting with a letter (service account ids are short)."
+  }
+}
+
+variable "jobs" {
+  description = <<-EOT
+    Jobs to protect, by job name (the spotguard job name: also the image prefix in the bucket and
+    the spotguard-job label). Each job gets its own agent service account (which can reach only its
+    own prefix) and its own instance template whose startup script starts `command` under spotguard
+    on first boot. machine_type / gpu_type / gpu_count override the defaults for that job.
+  EOT
+  type = map(object({
+    command      = string
+    machine_type = optional(string)
+    gpu_type     = optional(string)
+    gpu_count    = optional(number)
+  }))
+
+  validation {
+    condition     = alltrue([for job in keys(var.jobs) : can(regex("^[a-z0-9][a-z0-9_-]{0,62}$", job))])
+    error_message = "GCP job names are 1-63 characters of a-z 0-9 _ - (label values allow no '.')."
+  }
+
+  validation {
+    condition     = alltrue([for job in values(var.jobs) : length(trimspace(job.command)) > 0])
+    error_message = "Every job needs a non-empty command."
+  }
+}
+
+variable "image" {
+  description = "Boot image built from ami/spotguard.pkr.hcl: projects/<project>/global/images/<name> or .../images/family/<family>."
+  type        = string
+}
+
+variable "machine_type" {
+  description = "Default machine type (A3/A2/G2 types come with their GPUs attached; N1 types take gpu_type/gpu_count)."
+  type        = string
+  default     = "g2-standard-8"
+}
+
+variable "gpu_type" {
+  description = "Accelerator type attached to each VM (nvidia-l4, nvidia-tesla-a100, nvidia-h100-80gb, ...)."
+  type        = string
+  default     = "nvidia-l4"
+}
+
+variable "gpu_count" {
+  description = "Number of GPUs per VM."
+  type        = number
+  default     = 1
+
+  validation {
+    condition     = var.gpu_count >= 1 && var.gpu_count <= 16
+    error_message = "gpu_count must be between 1 and 16."
+  }
+}
+
+variable "network" {
+  description = "VPC network of the GPU VMs."
+  type        = string
+  default     = "default"
+}
+
+variable "subnetwork" {
+  description = "Subnetwork of the GPU VMs (null = the network's subnet in var.region). The VMs get no external IP: use Cloud NAT or Private Google Access."
+  type        = string
+  default     = null
+}
+
+variable "boot_disk_size_gb" {
+  description = "Boot disk size in GB."
+  type        = number
+  default     = 200
+
+  validation {
+    condition     = var.boot_disk_size_gb >= 30
+    error_message = "boot_disk_size_gb must be at least 30."
+  }
+}
+
+variable "boot_disk_type" {
+  description = "Boot disk type."
+  type        = string
+  default     = "pd-balanced"
+}
+
+variable "kms_key_name" {
+  description = "Cloud KMS key (projects/.../cryptoKeys/...) for the bucket's default encryption (CMEK). null = Google-managed keys. The Cloud Storage service agent needs roles/cloudkms.cryptoKeyEncrypterDecrypter on it."
+  type        = string
+  default     = null
+}
+
+variable "enable_secure_boot" {
+  description = "Shielded VM secure boot. Needs signed NVIDIA kernel modules (the image ami/ builds installs Ubuntu's signed ones)."
+  type        = bool
+  default     = true
+}
+
+variable "termination_action" {
+  description = "What GCP does to a preempted SPOT VM: DELETE (the controller launches a new one) or STOP."
+  type        = string
+  default     = "DELETE"
+
+  validation {
+    condition     = contains(["DELETE", "STOP"], var.termination_action)
+    error_message = "termination_action must be DELETE or STOP."
+  }
+}
+
+variable "controller_url" {
+  description = "URL the agents report to (POST {url}/v1/events). null = agents work alone."
+  type        = string
+  default     = null
+}
+
+variable "controller_token" {
+  description = "Bearer token the agents present to the controller. Written to /etc/spotguard/controller-token (mode 0600) by the startup script."
+  type        = string
+  default     = null
+  sensitive   = true
+}
+
+variable "bucket_name" {
+  description = "Image bucket name (null = \"<project>-<name>-images\")."
+  type        = string
+  default     = null
+}
+
+variable "force_destroy" {
+  description = "Let terraform destroy delete a non-empty bucket (and every checkpoint image in it)."
+  type        = bool
+  default     = false
+}
+
+variable "noncurrent_version_days" {
+  description = "Days a replaced or deleted object version is kept."
+  type        = number
+  default     = 7
+
+  validation {
+    condition     = var.noncurrent_version_days >= 1
+    error_message = "noncurrent_version_days must be at least 1."
+  }
+}
+
+variable "abort_multipart_days" {
+  description = "Days after which an unfinished multipart upload (a checkpoint cut off mid-stream) is removed."
+  type        = number
+  default     = 1
+
+  validation {
+    condition     = var.abort_multipart_days >= 1
+    error_message = "abort_multipart_days must be at least 1."
+  }
+}
+
+variable "chunk_expiration_days" {
+  description = "Delete image chunks (<job>/chunks/) this many days after upload; 0 = never. Only when every older image is disposable: `spotguard images gc` removes unreferenced chunks safely."
+  type        = number
+  default     = 0
+
+  validation {
+    condition     = var.chunk_expiration_days >= 0
+    error_message = "chunk_expiration_days must be 0 (off) or more."
+  }
+}
+
+variable "access_log_bucket" {
+  description = "Bucket receiving usage logs of the image bucket (null = none)."
+  type        = string
+  default     = null
+}
+
+variable "labels" {
+  description = "Labels added to every resource that takes labels."
+  type        = map(string)
+  default     = {}
+}
