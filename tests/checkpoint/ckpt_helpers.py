@@ -5,12 +5,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 import pytest
 
 from spotguard.checkpoint.jobs import JobInfo, exit_status
+
+Launch = Callable[..., Awaitable[JobInfo]]
 
 DEMO = [sys.executable, "-m", "spotguard.demo.job", "--gpu", "no", "--mb", "4"]
 

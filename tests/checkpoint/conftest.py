@@ -3,18 +3,17 @@
 from __future__ import annotations
 
 import signal
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from ckpt_helpers import Launch
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo, list_jobs, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
-
-Launch = Callable[..., Awaitable[JobInfo]]
 
 
 @pytest.fixture

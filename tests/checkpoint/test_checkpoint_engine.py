@@ -11,8 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import DEMO, lines, progresses, wait_exit, wait_for
-from conftest import Launch
+from ckpt_helpers import DEMO, Launch, lines, progresses, wait_exit, wait_for
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import Engine, Mode
@@ -43,7 +42,10 @@ async def test_leave_running_then_exit_then_restore_matches_uninterrupted_run(
     assert proctree.alive(job.pid)
     await progresses(stdout)
     assert [s.name for s in first.timeline.steps if s.name != "staging"] == [
-        "scan", "criu_dump", "capture_files", "finish",
+        "scan",
+        "criu_dump",
+        "capture_files",
+        "finish",
     ]
     meta = ImageMeta.read(first.images_dir)
     assert meta.mode == "resume" and meta.root_ns_pid == 1 and meta.timeline

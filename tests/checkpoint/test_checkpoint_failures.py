@@ -5,14 +5,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import DEMO, lines, proc_state, progresses, wait_for
-from conftest import Launch
+from ckpt_helpers import DEMO, Launch, lines, proc_state, progresses, wait_for
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu
@@ -60,7 +58,11 @@ def _cases() -> list[tuple[str, Mode]]:
 
 @pytest.mark.parametrize(("step", "mode"), _cases())
 async def test_failure_before_each_step_resumes_the_job(
-    step: str, mode: Mode, settings: CheckpointSettings, criu_bin: str, launch: Launch,
+    step: str,
+    mode: Mode,
+    settings: CheckpointSettings,
+    criu_bin: str,
+    launch: Launch,
     tmp_path: Path,
 ) -> None:
     job = await launch(LONG, f"fail-{step.replace('_', '-')}-{mode}")
@@ -114,8 +116,9 @@ async def test_criu_timeout_is_a_step_timeout_and_resumes_the_job(
     job = await launch(LONG, "slow")
     await wait_for(lambda: len(lines(job.dir / "stdout")) > 2, "first steps")
     gpu = RecordingGpu()
-    engine = Engine(Criu(criu_bin), gpu, settings=settings,
-                    faults=FailAt("capture_files", hang=True))
+    engine = Engine(
+        Criu(criu_bin), gpu, settings=settings, faults=FailAt("capture_files", hang=True)
+    )
     with pytest.raises(StepTimeout, match="criu dump ran past"):
         await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
     await assert_running_and_unlocked(job.pid, job.dir / "stdout", gpu)
@@ -153,18 +156,23 @@ async def test_kill_9_mid_freeze_then_recover(
 ) -> None:
     job = await launch(LONG, "killed-agent")
     await wait_for(lambda: len(lines(job.dir / "stdout")) > 2, "first steps")
-    freezer = subprocess.Popen(
-        [sys.executable, "-c", FREEZER, str(state_dir), criu_bin, job.name,
-         str(tmp_path / "img")],
-        stdout=subprocess.PIPE, text=True,
+    freezer = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        FREEZER,
+        str(state_dir),
+        criu_bin,
+        job.name,
+        str(tmp_path / "img"),
+        stdout=asyncio.subprocess.PIPE,
     )
     assert freezer.stdout is not None
-    line = await asyncio.to_thread(freezer.stdout.readline)
-    assert line.strip() == "frozen"
+    line = await asyncio.wait_for(freezer.stdout.readline(), 30)
+    assert line.strip() == b"frozen"
     assert (job.dir / "operation.json").exists()
     assert all(proc_state(p) in ("T", "t") for p in proctree.tree(job.pid))
     os.kill(freezer.pid, signal.SIGKILL)
-    freezer.wait()
+    await freezer.wait()
     assert await engine.recover(job) is True
     assert not (job.dir / "operation.json").exists()
     assert await engine.recover(job) is False
