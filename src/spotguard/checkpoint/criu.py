@@ -214,7 +214,7 @@ class Criu:
         tree; if it raises, CRIU is told to fail and leaves the tree running.
         """
         log_path = log_file or images_dir / "criu-dump.log"
-        args = ["dump", "-t", str(pid), "-D", str(images_dir), "-o", str(log_path), "-v4"]
+        args = ["dump", "-t", str(pid), "-D", str(images_dir), "-o", str(log_path), "-v2"]
         args += ["--ext-unix-sk", "--file-locks"]
         if leave_running:
             args.append("--leave-running")
@@ -271,7 +271,7 @@ class Criu:
             str(images_dir),
             "-o",
             str(log_path),
-            "-v4",
+            "-v2",
             "--restore-detached",
             "--pidfile",
             str(pidfile),

@@ -1,0 +1,108 @@
+"""GPU checkpoint/restore of a real PyTorch training job (device machine: scripts/gpu-tests).
+
+The demo job trains a small regression on the GPU with deterministic algorithms and prints
+every step's loss and a running checksum of the exact values. A job that is paused
+(leave-running), then checkpointed, killed and restored from its image (job directory
+deleted, as on a new machine) must print byte-identical lines to an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.cuda import CudaHook, driver_available, inventory
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import exit_status, start_job
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.timeline import Step
+
+pytestmark = [pytest.mark.gpu, pytest.mark.criu]
+
+ENV = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
+JOB = [sys.executable, "-m", "spotguard.demo.job", "--gpu", "yes", "--mb", "512", "--steps", "80"]
+
+
+@pytest.fixture(scope="module")
+def gpu_ready() -> None:
+    if not driver_available() or not inventory().count:
+        pytest.skip("needs an NVIDIA GPU with the driver checkpoint API (driver r570+)")
+
+
+def _steps(steps: list[Step]) -> str:
+    return ", ".join(f"{s.name} {s.seconds or 0:.3f}" for s in steps)
+
+
+def _lines(p: Path) -> list[str]:
+    return p.read_text().splitlines() if p.exists() else []
+
+
+async def _wait(cond: object, what: str, limit: float = 120.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_restore(
+    gpu_ready: None, criu_bin: str, tmp_path: Path
+) -> None:
+    done = await asyncio.to_thread(
+        subprocess.run,
+        [*JOB, "--step-seconds", "0"],
+        capture_output=True,
+        text=True,
+        env=ENV,
+        check=True,
+    )
+    ref = done.stdout.splitlines()
+    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
+    engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
+    job = await start_job(
+        [*JOB, "--step-seconds", "0.05"], "gpu-train", state_dir=settings.state_dir, env=ENV
+    )
+    out = job.dir / "stdout"
+    try:
+        await _wait(lambda: len(_lines(out)) > 10, "first training steps")
+        paused = await engine.freeze(job, DirectoryTarget(tmp_path / "img-resume"), Mode.RESUME)
+        assert paused.gpu_pids, "the job's GPU process was not found"
+        n = len(_lines(out))
+        await _wait(lambda: len(_lines(out)) > n + 5, "training to continue after the pause")
+        print(
+            f"\nleave-running pause: {paused.pause_seconds:.3f} s "
+            f"({', '.join(f'{s.name} {s.seconds:.3f}' for s in paused.timeline.steps)})"
+        )
+
+        frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img-exit"), Mode.EXIT)
+        await _wait(lambda: not proctree.alive(job.pid), "the job to stop")
+        assert len(_lines(out)) < len(ref), "the job finished before the checkpoint"
+        shutil.rmtree(job.dir)
+        restored = await engine.restore(DirectorySource(frozen.images_dir))
+        assert restored.gpu_pids
+        print(f"exit-mode freeze: {_steps(frozen.timeline.steps)}")
+        print(f"restore: {_steps(restored.timeline.steps)}")
+        await _wait(lambda: exit_status(restored.job) is not None, "the restored job to finish")
+        assert exit_status(restored.job) == 0
+        assert _lines(out) == ref
+        print(f"losses bit-identical to the reference over {len(ref)} lines")
+    finally:
+        for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
+            proctree.signal_all([pid], signal.SIGKILL)
+
+
+def test_inventory_names_the_gpus(gpu_ready: None) -> None:
+    inv = inventory()
+    assert inv.count >= 1 and inv.model and inv.driver_major and inv.driver_major >= 570
+    assert all(d.uuid.startswith("GPU-") and d.memory_total > 0 for d in inv.devices)
