@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from spotguard.config import Settings
+from spotguard.config import Settings, load
 from spotguard.contracts import TAG_JOB, TAG_MANAGED, Assignment
 from spotguard.errors import (
     CapacityError,
@@ -156,7 +156,7 @@ class AwsProvider:
     name = "aws"
 
     def __init__(self, settings: AwsSettings | None = None) -> None:
-        self.settings = settings or AwsSettings()
+        self.settings = settings or load(AwsSettings)
         if not self.settings.aws_regions:
             raise PrecheckError("aws_regions is empty: name at least one region")
         self._clients: dict[str, Any] = {}
@@ -224,7 +224,9 @@ class AwsProvider:
         region = self.regions()[0]
         try:
             resp = await self._call(
-                region, "DescribeInstanceTypes", lambda c: c.describe_instance_types(InstanceTypes=[name])
+                region,
+                "DescribeInstanceTypes",
+                lambda c: c.describe_instance_types(InstanceTypes=[name]),
             )
         except PrecheckError as exc:
             raise UnknownInstanceType(f"unknown EC2 instance type {name!r} in {region}") from exc
@@ -268,7 +270,9 @@ class AwsProvider:
 
     # ----- verbs -------------------------------------------------------------------------
 
-    async def launch(self, offer: Offer, assignment: Assignment, *, client_token: str) -> InstanceRef:
+    async def launch(
+        self, offer: Offer, assignment: Assignment, *, client_token: str
+    ) -> InstanceRef:
         s = self.settings
         round_token = round_of(client_token)
         tags = _tags(assignment, round_token)
@@ -285,7 +289,11 @@ class AwsProvider:
             ],
         }
         if s.aws_launch_template:
-            key = "LaunchTemplateId" if s.aws_launch_template.startswith("lt-") else "LaunchTemplateName"
+            key = (
+                "LaunchTemplateId"
+                if s.aws_launch_template.startswith("lt-")
+                else "LaunchTemplateName"
+            )
             params["LaunchTemplate"] = {key: s.aws_launch_template, "Version": "$Default"}
         if s.aws_image_id:
             params["ImageId"] = s.aws_image_id
@@ -353,7 +361,10 @@ class AwsProvider:
     async def find_by_token(self, token: str) -> InstanceRef | None:
         filters = [
             {"Name": f"tag:{TAG_LAUNCH}", "Values": [token]},
-            {"Name": "instance-state-name", "Values": ["pending", "running", "stopping", "stopped"]},
+            {
+                "Name": "instance-state-name",
+                "Values": ["pending", "running", "stopping", "stopped"],
+            },
         ]
         for region in self.regions():
             resp = await self._call(

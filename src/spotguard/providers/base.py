@@ -61,7 +61,7 @@ class InstanceTypeInfo:
     spot: bool = True
 
     def describe_gpus(self) -> str:
-        return f"{self.gpu_count}×{self.gpu_model}" if self.gpu_count else "no GPU"
+        return f"{self.gpu_count}x {self.gpu_model}" if self.gpu_count else "no GPU"
 
 
 @dataclass(frozen=True)
@@ -130,7 +130,9 @@ class LaunchSpec:
             zone=instance.zone,
         )
 
-    def retarget(self, *, region: str | None = None, instance_type: str | None = None) -> LaunchSpec:
+    def retarget(
+        self, *, region: str | None = None, instance_type: str | None = None
+    ) -> LaunchSpec:
         return replace(self, target_region=region, target_type=instance_type)
 
     def to_json(self) -> dict[str, Any]:
@@ -141,7 +143,7 @@ class LaunchSpec:
         return cls(**data) if data else cls()
 
     def describe_gpus(self) -> str:
-        return f"{self.gpu_count}×{self.gpu_model}" if self.gpu_count else "no GPU"
+        return f"{self.gpu_count}x {self.gpu_model}" if self.gpu_count else "no GPU"
 
     def mismatch(self, t: InstanceTypeInfo) -> str | None:
         """Why ``t`` cannot restore this image (``None`` when it can)."""
@@ -261,7 +263,9 @@ class CloudProvider(Protocol):
         """Every offer in every configured region that can restore ``spec``."""
         ...
 
-    async def launch(self, offer: Offer, assignment: Assignment, *, client_token: str) -> InstanceRef:
+    async def launch(
+        self, offer: Offer, assignment: Assignment, *, client_token: str
+    ) -> InstanceRef:
         """Start one instance for ``offer`` whose boot restores ``assignment``.
 
         ``client_token`` makes the call idempotent: the same token never starts two instances,

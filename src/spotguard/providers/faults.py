@@ -125,7 +125,10 @@ class Ec2FaultProxy:
 
 
 def _error_xml(code: str, zone: str) -> str:
-    msg = f"We currently do not have sufficient capacity in the Availability Zone you requested ({zone})."
+    msg = (
+        "We currently do not have sufficient capacity in the Availability Zone you "
+        f"requested ({zone})."
+    )
     return (
         '<?xml version="1.0" encoding="UTF-8"?>\n'
         f"<Response><Errors><Error><Code>{code}</Code><Message>{msg}</Message></Error></Errors>"

@@ -1,0 +1,100 @@
+"""Run a controller: state file + provider + strategy + HTTP API, as one async context."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Iterable
+from types import TracebackType
+
+from aiohttp import web
+
+from spotguard.controller.api import make_app
+from spotguard.controller.core import Controller
+from spotguard.controller.settings import ControllerSettings
+from spotguard.controller.state import StateDB
+from spotguard.controller.strategies import get_strategy
+from spotguard.errors import ConfigError
+from spotguard.notices.base import NoticeSource
+from spotguard.providers import open_provider
+from spotguard.providers.base import CloudProvider
+
+log = logging.getLogger(__name__)
+
+
+class ControllerServer:
+    """``async with ControllerServer(settings) as srv:`` serves until the block ends."""
+
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        *,
+        provider: CloudProvider | None = None,
+        sources: Iterable[NoticeSource] = (),
+        config_file: str | None = None,
+    ) -> None:
+        self.settings = settings
+        self._provider = provider
+        self._sources = list(sources)
+        self._config_file = config_file
+        self.port = 0
+
+    async def __aenter__(self) -> ControllerServer:
+        s = self.settings
+        token = s.token()
+        strategy = get_strategy(s.strategy)
+        host, port = s.host_port()
+        self.db = await StateDB.open(s.state)
+        try:
+            provider = self._provider or open_provider(s.provider, self._config_file)
+            self.controller = Controller(
+                s, self.db, provider, strategy=strategy, sources=self._sources
+            )
+            self._runner = web.AppRunner(make_app(self.controller, token), access_log=None)
+            await self._runner.setup()
+            site = web.TCPSite(self._runner, host, port)
+            try:
+                await site.start()
+            except OSError as exc:
+                raise ConfigError(f"cannot listen on {s.listen}: {exc}") from exc
+            server = site._server
+            sockets = getattr(server, "sockets", None) or []
+            self.port = sockets[0].getsockname()[1] if sockets else port
+            if not s.advertise_url:
+                self.controller.public_url = self.url
+            await self.controller.start()
+        except BaseException:
+            await self.db.close()
+            raise
+        log.info(
+            "controller listening",
+            extra={"url": self.url, "provider": provider.name, "strategy": strategy.name},
+        )
+        return self
+
+    @property
+    def url(self) -> str:
+        host, _ = self.settings.host_port()
+        return f"http://{host}:{self.port}"
+
+    async def __aexit__(
+        self,
+        et: type[BaseException] | None,
+        ev: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.controller.stop()
+        await self._runner.cleanup()
+        await self.controller.provider.aclose()
+        await self.db.close()
+
+
+async def serve_forever(settings: ControllerSettings, config_file: str | None = None) -> None:
+    """Run until SIGINT/SIGTERM (the ``spotguard controller`` command)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with ControllerServer(settings, config_file=config_file):
+        await stop.wait()

@@ -1,0 +1,378 @@
+"""Durable controller state: one SQLite file (WAL), schema-versioned, every transition recorded.
+
+Tables: ``jobs`` (one row per job: state, reason, newest image, current and pending instance,
+launch round token, restarts, ...), ``history`` (every transition with time, reason and
+detail), ``events`` (agent event ids already applied, so a retried report is a no-op) and
+``images`` (durable images reported per job).
+
+All access goes through one dedicated thread that owns the connection; a change is a pure
+function applied to the job's row inside one transaction (:meth:`StateDB.change`), so a
+transition, its history row and the event id that caused it are written together or not at
+all. A file that is not a readable SQLite database of this schema raises
+:class:`~spotguard.errors.StateError` and is left untouched.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sqlite3
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, fields, replace
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+from spotguard.errors import StateError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+T = TypeVar("T")
+
+
+class JobState(StrEnum):
+    """Where a job is in its life. See docs/controller.md for the diagram."""
+
+    PROTECTED = "protected"  # an agent protects it on its current instance
+    INTERRUPTING = "interrupting"  # a notice arrived; waiting for a durable image
+    CHECKPOINTED = "checkpointed"  # a durable image exists; waiting for the VM to let go
+    LAUNCHING = "launching"  # choosing an offer / launching (round token persisted first)
+    RESTORING = "restoring"  # instance launched with the assignment; waiting for the agent
+    FAILED = "failed"  # gave up; ``reason`` says why
+    FINISHED = "finished"  # the job exited by itself
+
+
+TERMINAL = frozenset({JobState.FAILED, JobState.FINISHED})
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS jobs (
+    name TEXT PRIMARY KEY,
+    state TEXT NOT NULL,
+    reason TEXT NOT NULL DEFAULT '',
+    store TEXT,
+    image_url TEXT,
+    spec TEXT NOT NULL DEFAULT '{}',
+    instance TEXT NOT NULL DEFAULT '{}',
+    pending TEXT,
+    launch_token TEXT,
+    launch_attempt INTEGER NOT NULL DEFAULT 0,
+    restarts INTEGER NOT NULL DEFAULT 0,
+    deadline REAL,
+    data TEXT NOT NULL DEFAULT '{}',
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    since REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS history (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    job TEXT NOT NULL,
+    at REAL NOT NULL,
+    from_state TEXT,
+    to_state TEXT NOT NULL,
+    reason TEXT NOT NULL,
+    detail TEXT NOT NULL DEFAULT '{}'
+);
+CREATE INDEX IF NOT EXISTS history_job ON history(job, id);
+CREATE TABLE IF NOT EXISTS events (
+    event_id TEXT PRIMARY KEY,
+    job TEXT NOT NULL,
+    kind TEXT NOT NULL,
+    received REAL NOT NULL,
+    body TEXT NOT NULL
+);
+CREATE TABLE IF NOT EXISTS images (
+    job TEXT NOT NULL,
+    image_url TEXT NOT NULL,
+    at REAL NOT NULL,
+    bytes INTEGER,
+    PRIMARY KEY (job, image_url)
+);
+"""
+
+_JSON_COLS = ("spec", "instance", "pending", "data")
+
+
+@dataclass
+class JobRecord:
+    """One job as the controller knows it (a row of ``jobs``)."""
+
+    name: str
+    state: JobState
+    reason: str = ""
+    store: str | None = None
+    image_url: str | None = None
+    spec: dict[str, Any] = field(default_factory=dict)
+    instance: dict[str, Any] = field(default_factory=dict)
+    pending: dict[str, Any] | None = None
+    launch_token: str | None = None
+    launch_attempt: int = 0
+    restarts: int = 0
+    deadline: float | None = None
+    data: dict[str, Any] = field(default_factory=dict)
+    created_at: float = field(default_factory=time.time)
+    updated_at: float = field(default_factory=time.time)
+    since: float = field(default_factory=time.time)
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self)}
+        out["state"] = self.state.value
+        return out
+
+    def copy(self) -> JobRecord:
+        return replace(
+            self,
+            spec=dict(self.spec),
+            instance=dict(self.instance),
+            pending=dict(self.pending) if self.pending is not None else None,
+            data=json.loads(json.dumps(self.data)),
+        )
+
+
+@dataclass
+class Change:
+    """What a change function returns: the new record, and a history line when it says why.
+
+    A history row is written when the state changes or ``note`` is set.
+    """
+
+    record: JobRecord
+    reason: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    note: bool = False
+    image: tuple[str, int | None] | None = None
+
+
+class StateDB:
+    """The controller's SQLite state, used from asyncio through one owning thread."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-state")
+        self._conn: sqlite3.Connection | None = None
+
+    @classmethod
+    async def open(cls, path: str | Path) -> StateDB:
+        db = cls(Path(path))
+        try:
+            await db._run(db._open)
+        except BaseException:
+            db._pool.shutdown(wait=False)
+            raise
+        return db
+
+    async def close(self) -> None:
+        def shut() -> None:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+        await self._run(shut)
+        self._pool.shutdown(wait=True)
+
+    async def _run(self, fn: Callable[[], T]) -> T:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, fn)
+
+    # ----- thread side ------------------------------------------------------------------
+
+    def _open(self) -> None:
+        where = f"state file {self.path}"
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        except (OSError, sqlite3.Error) as exc:
+            raise StateError(f"{where} cannot be opened: {exc}") from exc
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.execute("PRAGMA busy_timeout=5000")
+            check = conn.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise StateError(f"{where} failed SQLite's integrity check: {check}")
+            version = int(conn.execute("PRAGMA user_version").fetchone()[0])
+            tables = {
+                r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
+            }
+            if version == 0 and tables - {"sqlite_sequence"}:
+                raise StateError(
+                    f"{where} is an SQLite database of something else (tables {sorted(tables)})"
+                )
+            if version > SCHEMA_VERSION:
+                raise StateError(
+                    f"{where} has schema version {version}; this spotguard reads up to "
+                    f"{SCHEMA_VERSION} — upgrade spotguard"
+                )
+            if version == 0:
+                conn.executescript(
+                    "BEGIN;" + _SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};COMMIT;"
+                )
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise StateError(
+                f"{where} is not a readable spotguard state database ({exc}); it was left as is — "
+                "move it aside to start with an empty state, or restore it from a backup"
+            ) from exc
+        except StateError:
+            conn.close()
+            raise
+        conn.row_factory = sqlite3.Row
+        self._conn = conn
+
+    @property
+    def conn(self) -> sqlite3.Connection:
+        if self._conn is None:
+            raise StateError(f"state file {self.path} is closed")
+        return self._conn
+
+    def _row(self, name: str) -> JobRecord | None:
+        row = self.conn.execute("SELECT * FROM jobs WHERE name=?", (name,)).fetchone()
+        return _record(row) if row is not None else None
+
+    def _change(
+        self,
+        name: str,
+        fn: Callable[[JobRecord | None], Change | None],
+        event: tuple[str, str, str] | None,
+    ) -> tuple[JobRecord | None, bool]:
+        """Apply ``fn`` in one transaction. Returns (record after, whether it changed).
+
+        ``event`` = (event_id, kind, body): a seen id makes the call a no-op.
+        """
+        c = self.conn
+        try:
+            c.execute("BEGIN IMMEDIATE")
+            if event is not None:
+                seen = c.execute("SELECT 1 FROM events WHERE event_id=?", (event[0],)).fetchone()
+                if seen is not None:
+                    c.execute("ROLLBACK")
+                    return self._row(name), False
+            before = self._row(name)
+            change = fn(before.copy() if before is not None else None)
+            if event is not None:
+                c.execute(
+                    "INSERT INTO events(event_id, job, kind, received, body) VALUES (?,?,?,?,?)",
+                    (event[0], name, event[1], time.time(), event[2]),
+                )
+            if change is None:
+                c.execute("COMMIT")
+                return before, event is not None
+            rec = change.record
+            now = time.time()
+            rec.updated_at = now
+            moved = before is None or before.state != rec.state
+            if moved:
+                rec.since = now
+            _write(c, rec, insert=before is None)
+            if moved or change.note:
+                c.execute(
+                    "INSERT INTO history(job, at, from_state, to_state, reason, detail) "
+                    "VALUES (?,?,?,?,?,?)",
+                    (
+                        name,
+                        now,
+                        before.state.value if before is not None else None,
+                        rec.state.value,
+                        change.reason,
+                        json.dumps(change.detail, default=str),
+                    ),
+                )
+            if change.image is not None:
+                c.execute(
+                    "INSERT OR IGNORE INTO images(job, image_url, at, bytes) VALUES (?,?,?,?)",
+                    (name, change.image[0], now, change.image[1]),
+                )
+            c.execute("COMMIT")
+            return rec, True
+        except sqlite3.Error as exc:
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise StateError(f"state file {self.path}: write failed: {exc}") from exc
+        except BaseException:
+            if c.in_transaction:
+                c.execute("ROLLBACK")
+            raise
+
+    # ----- async API ---------------------------------------------------------------------
+
+    async def change(
+        self,
+        name: str,
+        fn: Callable[[JobRecord | None], Change | None],
+        *,
+        event: tuple[str, str, str] | None = None,
+    ) -> tuple[JobRecord | None, bool]:
+        """Apply the pure function ``fn`` to job ``name``'s record atomically (see class doc)."""
+        return await self._run(lambda: self._change(name, fn, event))
+
+    async def get(self, name: str) -> JobRecord | None:
+        return await self._run(lambda: self._row(name))
+
+    async def jobs(self) -> list[JobRecord]:
+        def q() -> list[JobRecord]:
+            return [_record(r) for r in self.conn.execute("SELECT * FROM jobs ORDER BY name")]
+
+        return await self._run(q)
+
+    async def history(self, name: str, limit: int = 200) -> list[dict[str, Any]]:
+        def q() -> list[dict[str, Any]]:
+            rows = self.conn.execute(
+                "SELECT at, from_state, to_state, reason, detail FROM history "
+                "WHERE job=? ORDER BY id DESC LIMIT ?",
+                (name, limit),
+            ).fetchall()
+            return [
+                {
+                    "at": r["at"],
+                    "from": r["from_state"],
+                    "to": r["to_state"],
+                    "reason": r["reason"],
+                    "detail": json.loads(r["detail"]),
+                }
+                for r in reversed(rows)
+            ]
+
+        return await self._run(q)
+
+    async def images(self, name: str) -> list[dict[str, Any]]:
+        def q() -> list[dict[str, Any]]:
+            rows = self.conn.execute(
+                "SELECT image_url, at, bytes FROM images WHERE job=? ORDER BY at", (name,)
+            ).fetchall()
+            return [dict(r) for r in rows]
+
+        return await self._run(q)
+
+
+def _record(row: sqlite3.Row) -> JobRecord:
+    try:
+        values = {k: row[k] for k in row.keys()}  # noqa: SIM118 - sqlite3.Row is not a dict
+        for k in _JSON_COLS:
+            if values[k] is not None:
+                values[k] = json.loads(values[k])
+        values["state"] = JobState(values["state"])
+        return JobRecord(**values)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise StateError(f"job row {row['name']!r} is inconsistent: {exc}") from exc
+
+
+def _write(c: sqlite3.Connection, rec: JobRecord, *, insert: bool) -> None:
+    values = rec.to_json()
+    for k in _JSON_COLS:
+        if values[k] is not None:
+            values[k] = json.dumps(values[k], default=str)
+    cols = list(values)
+    if insert:
+        c.execute(
+            f"INSERT INTO jobs({','.join(cols)}) VALUES ({','.join('?' * len(cols))})",
+            [values[k] for k in cols],
+        )
+    else:
+        sets = ",".join(f"{k}=?" for k in cols if k != "name")
+        c.execute(
+            f"UPDATE jobs SET {sets} WHERE name=?",
+            [values[k] for k in cols if k != "name"] + [rec.name],
+        )

@@ -1,0 +1,298 @@
+"""The controller over real HTTP with the local provider: agent events shaped exactly like
+the agent's drive the state machine; relaunches start real local "VM" processes whose
+stand-in agent (sg_standin_agent.py) reports back over HTTP."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from spotguard.contracts import AgentEvent, EventKind
+from spotguard.controller.server import ControllerServer
+from spotguard.controller.settings import ControllerSettings
+from spotguard.image import push_dir
+from spotguard.notices.base import Cloud, Notice, NoticeKind
+from spotguard.providers.base import InstanceRef, Market
+from spotguard.providers.local import LocalProvider, LocalSettings
+
+TOKEN = "s3cret-token"
+STANDIN = str(Path(__file__).with_name("sg_standin_agent.py"))
+VM1 = {"provider": "local", "instance_id": "vm-first", "region": "local", "zone": "local-1"}
+
+
+class Api:
+    """A tiny client for the tests: real HTTP with the bearer token."""
+
+    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
+        self.url = url
+        self.s = session
+
+    async def event(self, job: str, kind: EventKind, **kw: Any) -> dict[str, Any]:
+        ev = AgentEvent(job=job, kind=kind, **kw)
+        return await self.post_raw(ev.model_dump_json())
+
+    async def post_raw(self, body: str, token: str | None = TOKEN) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        async with self.s.post(self.url + "/v1/events", data=body, headers=headers) as r:
+            out: dict[str, Any] = await r.json()
+            out["_status"] = r.status
+            return out
+
+    async def get(self, path: str) -> dict[str, Any]:
+        async with self.s.get(self.url + path, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+            out: dict[str, Any] = await r.json()
+            out["_status"] = r.status
+            return out
+
+    async def migrate(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
+        async with self.s.post(
+            f"{self.url}/v1/jobs/{job}/migrate",
+            json=body,
+            headers={"Authorization": f"Bearer {TOKEN}"},
+        ) as r:
+            out: dict[str, Any] = await r.json()
+            out["_status"] = r.status
+            return out
+
+    async def wait_state(self, job: str, state: str, within: float = 20.0) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        end = loop.time() + within
+        while True:
+            view = await self.get(f"/v1/jobs/{job}")
+            if view.get("state") == state:
+                return view
+            if loop.time() > end:
+                raise AssertionError(
+                    f"{job} is {view.get('state')} ({view.get('reason')}), not {state}"
+                )
+            await asyncio.sleep(0.05)
+
+
+def settings(tmp_path: Path, **kw: Any) -> ControllerSettings:
+    base: dict[str, Any] = {
+        "listen": "127.0.0.1:0",
+        "state": tmp_path / "controller.db",
+        "provider": "local",
+        "controller_token": TOKEN,
+        "default_store": f"file://{tmp_path}/store",
+        "tick_s": 0.05,
+        "notice_grace_s": 0.3,
+        "capacity_retry_s": 0.0,
+    }
+    base.update(kw)
+    return ControllerSettings(**base)
+
+
+def local(tmp_path: Path, **env: str) -> LocalProvider:
+    return LocalProvider(
+        LocalSettings(
+            local_root=tmp_path / "local",
+            local_agent_command=[sys.executable, STANDIN],
+            local_env=env,
+            local_gpus=False,
+        )
+    )
+
+
+Factory = Callable[..., Any]
+
+
+@pytest.fixture
+async def api_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    stack: list[tuple[ControllerServer, LocalProvider]] = []
+    session = aiohttp.ClientSession()
+
+    async def make(**kw: Any) -> tuple[Api, ControllerServer, LocalProvider]:
+        env = kw.pop("env", {})
+        sources = kw.pop("sources", ())
+        prov = local(tmp_path, **env)
+        srv = ControllerServer(settings(tmp_path, **kw), provider=prov, sources=sources)
+        await srv.__aenter__()
+        stack.append((srv, prov))
+        return Api(srv.url, session), srv, prov
+
+    yield make
+    for srv, prov in reversed(stack):
+        await srv.__aexit__(None, None, None)
+        # local VMs outlive a controller, like cloud instances: stop the ones the test started
+        for vm in sorted((tmp_path / "local" / "vms").glob("vm-*")):
+            ref = InstanceRef("local", vm.name, "local", "local-1", "local", Market.ON_DEMAND)
+            await prov.terminate(ref)
+    await session.close()
+
+
+async def test_unauthenticated_and_malformed_requests_get_clear_errors(
+    api_factory: Factory,
+) -> None:
+    api, _, _ = await api_factory()
+    ok = AgentEvent(job="j1", kind=EventKind.STARTED, instance=VM1).model_dump_json()
+    r = await api.post_raw(ok, token=None)
+    assert (r["_status"], r["error"]) == (401, "missing bearer token")
+    r = await api.post_raw(ok, token="wrong")
+    assert (r["_status"], r["error"]) == (401, "wrong bearer token")
+    r = await api.post_raw("{not json")
+    assert r["_status"] == 400
+    assert "malformed event" in r["error"]
+    r = await api.post_raw('{"job": "j1", "kind": "started", "colour": "red"}')
+    assert r["_status"] == 400
+    assert "colour" in r["error"]
+    r = await api.post_raw('{"job": "Bad Name!", "kind": "started"}')
+    assert r["_status"] == 400
+    assert "invalid job name" in r["error"]
+    r = await api.post_raw('{"job": "j1", "kind": "exploded"}')
+    assert r["_status"] == 400
+    assert "kind" in r["error"]
+    assert (await api.get("/v1/jobs"))["jobs"] == []  # nothing was recorded
+    async with api.s.get(api.url + "/healthz") as h:
+        assert (await h.json())["ok"] is True
+
+
+async def test_notice_durable_exit_relaunches_a_local_vm_that_restores(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    api, srv, _ = await api_factory()
+    job = "train-local"
+    r = await api.event(job, EventKind.STARTED, instance=VM1, detail={"pid": 42})
+    assert r["state"] == "protected"
+    deadline = (datetime.now(UTC) + timedelta(seconds=120)).isoformat()
+    notice = {"id": "n1", "cloud": "aws", "kind": "preempt", "deadline": deadline}
+    r = await api.event(job, EventKind.NOTICE, instance=VM1, notice=notice)
+    assert r["state"] == "interrupting"
+    image = f"file://{tmp_path}/store/{job}/images/20261122T000000000000Z-abc123"
+    durable = AgentEvent(
+        job=job, kind=EventKind.DURABLE, instance=VM1, image_url=image, image_bytes=10
+    )
+    r = await api.post_raw(durable.model_dump_json())
+    assert r["state"] == "checkpointed"
+    again = await api.post_raw(durable.model_dump_json())  # a retried report: no-op
+    assert again["duplicate"] is True
+    assert again["state"] == "checkpointed"
+    r = await api.event(job, EventKind.EXITED, instance=VM1, image_url=image)
+    assert r["state"] == "launching"
+    view = await api.wait_state(job, "protected")
+    assert view["instance"]["instance_id"].startswith("vm-")
+    assert view["instance"]["instance_id"] != "vm-first"
+    assert view["restarts"] == 1
+    assert [i["image_url"] for i in view["images"]] == [image]
+    moves = [(h["from"], h["to"]) for h in view["history"] if h["from"] != h["to"]]
+    assert moves == [
+        (None, "protected"),
+        ("protected", "interrupting"),
+        ("interrupting", "checkpointed"),
+        ("checkpointed", "launching"),
+        ("launching", "restoring"),
+        ("restoring", "protected"),
+    ]
+    durable_rows = [h for h in view["history"] if h["detail"].get("event_id") == durable.event_id]
+    assert len(durable_rows) == 1
+    # the VM got the assignment the agent reads at boot
+    vm_dir = tmp_path / "local" / "vms" / view["instance"]["instance_id"]
+    assignment = (vm_dir / "assignment.json").read_text()
+    assert image in assignment
+    assert srv.url in assignment
+    async with api.s.get(api.url + "/metrics") as m:
+        text = await m.text()
+    assert 'spotguard_controller_launches_total{outcome="launched"} 1.0' in text
+
+
+async def test_notice_without_durable_image_falls_back_to_newest_image_in_store(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    api, _, _ = await api_factory()
+    job = "fallback-job"
+    src = tmp_path / "img"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(b"x" * 1000)
+    store = f"file://{tmp_path}/store"
+    manifest = await push_dir(src, store, job, {})
+    del manifest
+    await api.event(job, EventKind.STARTED, instance=VM1)
+    notice = {"id": "n2", "kind": "preempt", "deadline": datetime.now(UTC).isoformat()}
+    await api.event(job, EventKind.NOTICE, instance=VM1, notice=notice)
+    view = await api.wait_state(job, "protected")
+    assert view["image_url"].startswith(f"{store}/{job}/images/")
+    assert any("newest image" in h["reason"] for h in view["history"])
+
+
+async def test_no_image_anywhere_and_give_up_restore_errors_mark_the_job_failed(
+    api_factory: Factory,
+) -> None:
+    api, _, _ = await api_factory(env={"STANDIN_FAIL": "MismatchError"})
+    await api.event("no-image", EventKind.STARTED, instance=VM1)
+    await api.event("no-image", EventKind.EXITED, instance=VM1)
+    view = await api.wait_state("no-image", "failed")
+    assert "holds no complete image" in view["reason"]
+
+    job = "mismatch"
+    await api.event(job, EventKind.STARTED, instance=VM1)
+    await api.event(job, EventKind.EXITED, instance=VM1, image_url="file:///s/mismatch/images/x")
+    view = await api.wait_state(job, "failed")
+    assert "MismatchError" in view["reason"]
+    # the instance that could not restore is terminated
+    await asyncio.sleep(0.3)
+    hist = (await api.get(f"/v1/jobs/{job}"))["history"]
+    assert any("terminated old instance" in h["reason"] for h in hist)
+
+
+async def test_migrate_rejects_unknown_type_and_region_without_offers(api_factory: Factory) -> None:
+    api, _, _ = await api_factory()
+    await api.event("mig", EventKind.STARTED, instance=VM1)
+    r = await api.migrate("mig", {"to": "p9.nonesuch"})
+    assert r["_status"] == 400
+    assert "UnknownInstanceType" in r["error"]
+    r = await api.migrate("mig", {"to": "eu-west-1"})
+    assert r["_status"] == 400
+    assert "NoMatchingOffer" in r["error"]
+    r = await api.migrate("nope", {"to": "local"})
+    assert r["_status"] == 404
+    r = await api.migrate("mig", {"to": "local", "colour": 1})
+    assert r["_status"] == 400
+    r = await api.migrate("mig", {"to": "local"})
+    assert r["_status"] == 200
+    assert r["action"] == "drain"  # the agent learns it from its next event's answer
+    assert r["state"] == "protected"
+
+
+class ScriptedSource:
+    """A NoticeSource that yields the notices it is given (like the fleet SQS source)."""
+
+    name = "scripted"
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[Notice] = asyncio.Queue()
+
+    async def watch(self) -> AsyncIterator[Notice]:
+        while True:
+            yield await self.queue.get()
+
+    async def aclose(self) -> None:
+        return None
+
+
+async def test_fleet_notice_maps_instance_id_to_its_job(api_factory: Factory) -> None:
+    src = ScriptedSource()
+    api, _, _ = await api_factory(sources=[src], notice_grace_s=60)
+    await api.event("fleet-job", EventKind.STARTED, instance={**VM1, "instance_id": "i-0abc"})
+    await api.event("other-job", EventKind.STARTED, instance={**VM1, "instance_id": "i-0def"})
+    deadline = datetime.now(UTC) + timedelta(minutes=2)
+    n = Notice(
+        "fleet-1",
+        Cloud.FLEET,
+        NoticeKind.PREEMPT,
+        deadline,
+        "terminate",
+        raw={"instance-id": "i-0abc"},
+    )
+    await src.queue.put(n)
+    view = await api.wait_state("fleet-job", "interrupting")
+    assert view["data"]["notice"]["id"] == "fleet-1"
+    assert (await api.get("/v1/jobs/other-job"))["state"] == "protected"
+    await src.queue.put(n.cancel())
+    await api.wait_state("fleet-job", "protected")
