@@ -208,7 +208,7 @@ class NoticeBus:
                 health.state = "failing"
                 health.last_error = _reason(exc)
                 log.warning(
-                    "notice source %s failed: %s; retrying in %.1f s",
+                    "notice source %s failed: %s; retrying in %.2f s",
                     source.name,
                     health.last_error,
                     delay,
