@@ -113,7 +113,8 @@ class Fault:
     """Make the next ``times`` requests whose method is ``method`` and whose path contains
     ``path`` fail with ``action``: ``"503"``, ``"drop"`` (read part of the body, close the
     connection without answering), ``"cut"`` (answer, but close halfway through the body) or
-    ``"flip"`` (answer with one byte of the body changed)."""
+    ``"flip"`` (answer with one byte of the body changed) or ``"lose"`` (forward the request,
+    then close the connection instead of answering: the write landed, the client can't know)."""
 
     method: str
     path: str
@@ -174,6 +175,10 @@ class FaultProxy:
         ):
             data = await up.read()
             out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP}
+        if fault and fault.action == "lose":
+            assert req.transport is not None
+            req.transport.close()
+            return web.Response(status=500)  # never reaches the client
         if fault and fault.action == "flip" and data:
             mid = len(data) // 2
             data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1 :]

@@ -200,6 +200,7 @@ class ImageReader:
                 ) from exc
         self.stats.bytes += ref.size
         self.stats.chunks += 1
+        self.stats.retries = getattr(self.store, "retries", 0)
         return plain
 
     async def iter_file(self, name: str) -> AsyncIterator[bytes]:

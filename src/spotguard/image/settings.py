@@ -35,7 +35,7 @@ class ImageSettings(Settings):
     )
     io_workers: int = Field(16, ge=1, le=256, description="Parallel store requests")
     max_inflight_mb: int = Field(
-        1024, ge=16, description="Memory bound for chunks in flight (MiB); writers wait beyond it"
+        1024, ge=1, description="Memory bound for chunks in flight (MiB); writers wait beyond it"
     )
     retries: int = Field(5, ge=1, le=50, description="Attempts per store request on 5xx/drops")
     dedup: bool = Field(True, description="Skip chunks already in the store")

@@ -75,6 +75,9 @@ class S3Store(BlockingStore):
                 connect_timeout=10,
                 read_timeout=60,
                 request_checksum_calculation="when_required",
+                # Downloads are verified end to end by the image layer (hash of the content,
+                # one refetch, then ImageCorrupt naming the chunk), so botocore need not.
+                response_checksum_validation="when_required",
             )
             self._client = boto3.session.Session().client("s3", config=cfg)
         return self._client

@@ -1,0 +1,75 @@
+"""``spotguard images …`` as a user runs it: real processes, JSON on stdout, one-line errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+from pathlib import Path
+
+from spotguard.contracts import chunk_key
+
+
+def sg(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+    return subprocess.run(["spotguard", *args], capture_output=True, text=True, env=env)
+
+
+def test_push_list_verify_pull_gc_and_errors(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    (src / "out").mkdir(parents=True)
+    (src / "pages-1.img").write_bytes(os.urandom(600_000))
+    (src / "out" / "stdout").write_text("hello\n")
+    store = tmp_path / "store"
+
+    pushes = []
+    for _ in range(2):
+        r = sg(
+            "images",
+            "push",
+            str(src),
+            str(store),
+            "--job",
+            "cli",
+            "--chunk-size",
+            str(256 << 10),
+            "--json",
+        )
+        assert r.returncode == 0, r.stderr
+        pushes.append(json.loads(r.stdout))
+    assert pushes[1]["bytes_skipped"] == pushes[1]["bytes"] == pushes[0]["bytes"]
+
+    listed = json.loads(sg("images", "list", str(store), "--json").stdout)
+    assert [i["image_id"] for i in listed] == [p["image_id"] for p in pushes]
+    assert all(i["complete"] and i["job"] == "cli" for i in listed)
+    assert "cli" in sg("images", "list", store.as_uri()).stdout
+
+    url = pushes[1]["image"]
+    ok = sg("images", "verify", url, "--json")
+    assert ok.returncode == 0 and json.loads(ok.stdout)["ok"] is True
+
+    pulled = sg("images", "pull", url, str(tmp_path / "dest"), "--json")
+    assert pulled.returncode == 0, pulled.stderr
+    assert (tmp_path / "dest" / "out" / "stdout").read_text() == "hello\n"
+
+    gcd = json.loads(sg("images", "gc", str(store), "--keep", "1", "--json").stdout)
+    assert len(gcd["images_deleted"]) == 1 and gcd["images_kept"] == [url]
+
+    # one corrupt chunk: verify names it, exits non-zero, and prints no traceback
+    manifest = json.loads(
+        (store / "cli" / "images" / pushes[1]["image_id"] / "manifest.json").read_text()
+    )
+    sha = manifest["files"][1]["chunks"][0]["sha256"]
+    path = store / chunk_key("cli", sha)
+    path.write_bytes(path.read_bytes()[:-3] + b"xyz")
+    bad = sg("images", "verify", url, "--json")
+    assert bad.returncode == 1
+    assert json.loads(bad.stdout)["bad"][0]["chunk"] == sha
+    assert f"spotguard: error: image {url} has 1 corrupt chunk(s), first {sha}" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+    wrong = sg("images", "verify", str(store / "cli"))
+    assert wrong.returncode == 2 and "not an image URL" in wrong.stderr
+    assert "Traceback" not in wrong.stderr
+    nokeep = sg("images", "gc", str(store), "--keep", "0")
+    assert nokeep.returncode == 2

@@ -1,0 +1,138 @@
+"""Images under failure: a flaky store (via a real fault proxy in front of moto), a writer
+killed mid-upload, and chunks that arrive damaged."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard.errors import ImageCorrupt, StoreUnavailable
+from spotguard.image import (
+    ImageReader,
+    ImageSettings,
+    gc,
+    latest_image,
+    list_images,
+    pull_image,
+    push_dir,
+)
+
+CHUNK = 256 << 10
+S = ImageSettings(chunk_size=CHUNK, workers=2, max_inflight_mb=4, retries=4)
+
+
+def random_dir(root: Path, size: int) -> Path:
+    root.mkdir(parents=True)
+    (root / "pages-1.img").write_bytes(os.urandom(size))
+    (root / "core-1.img").write_bytes(os.urandom(5000))
+    return root
+
+
+async def test_flaky_store_push_completes_and_pulls_equal(
+    fault_proxy,  # type: ignore[no-untyped-def]
+    s3_bucket: str,
+    tmp_path: Path,
+) -> None:
+    src = random_dir(tmp_path / "src", 6 * CHUNK)
+    fault_proxy.add("PUT", "/chunks/", "503", times=3)
+    fault_proxy.add("PUT", "/chunks/", "drop", times=2)
+    fault_proxy.add("HEAD", "/chunks/", "503", times=2)
+    fault_proxy.add("PUT", "manifest.json", "lose", times=1)  # landed, answer lost
+    fault_proxy.add("GET", "/chunks/", "cut", times=2)
+    res = await push_dir(src, s3_bucket, "flaky", settings=S)
+    assert res.stats.retries >= 7
+    assert all(f.times == 0 for f in fault_proxy.faults[:4])
+    pulled = await pull_image(res.image_url, tmp_path / "dest", settings=S)
+    assert (pulled.dest / "pages-1.img").read_bytes() == (src / "pages-1.img").read_bytes()
+
+
+async def test_store_down_for_good_leaves_no_image(
+    fault_proxy,  # type: ignore[no-untyped-def]
+    s3_bucket: str,
+    tmp_path: Path,
+) -> None:
+    good = await push_dir(random_dir(tmp_path / "a", 2 * CHUNK), s3_bucket, "job", settings=S)
+    fault_proxy.add("PUT", "/chunks/", "503", times=1000)
+    with pytest.raises(StoreUnavailable):
+        await push_dir(random_dir(tmp_path / "b", 4 * CHUNK), s3_bucket, "job", settings=S)
+    assert await latest_image(s3_bucket, "job", settings=S) == good.image_url
+    assert [i.complete for i in await list_images(s3_bucket, "job", settings=S)] == [True]
+
+
+async def test_damaged_chunk_in_transit_is_refetched_once(
+    fault_proxy,  # type: ignore[no-untyped-def]
+    s3_bucket: str,
+    tmp_path: Path,
+) -> None:
+    src = random_dir(tmp_path / "src", 3 * CHUNK)
+    res = await push_dir(src, s3_bucket, "job", settings=S)
+    victim = res.manifest.file("pages-1.img").chunks[1].sha256
+    fault_proxy.add("GET", victim, "flip", times=1)
+    pulled = await pull_image(res.image_url, tmp_path / "once", settings=S)
+    assert pulled.refetches == 1
+    assert (pulled.dest / "pages-1.img").read_bytes() == (src / "pages-1.img").read_bytes()
+
+    fault_proxy.add("GET", victim, "flip", times=2)  # bad twice: refuse, naming the chunk
+    async with ImageReader(res.image_url, settings=S) as r:
+        with pytest.raises(ImageCorrupt, match=victim) as exc:
+            async for _ in r.iter_file("pages-1.img"):
+                pass
+    assert exc.value.chunk == victim
+
+
+CHILD = """
+import asyncio, sys, time
+from spotguard.image import ImageSettings, push_dir
+
+def progress(st):
+    print("progress", st.chunks, flush=True)
+    time.sleep(0.2)
+
+S = ImageSettings(chunk_size=256 << 10, workers=1, max_inflight_mb=1)
+asyncio.run(push_dir(sys.argv[1], sys.argv[2], "counter", settings=S, progress=progress))
+print("finished", flush=True)
+"""
+
+
+async def test_writer_killed_mid_upload_previous_image_still_restores(
+    counter_job,  # type: ignore[no-untyped-def]
+    s3_bucket: str,
+    tmp_path: Path,
+) -> None:
+    counter_job.start()
+    token, n, crc, _ = counter_job.dump(tmp_path / "dump")
+    good = await push_dir(tmp_path / "dump", s3_bucket, "counter", settings=S)
+
+    big = random_dir(tmp_path / "next", 24 * CHUNK)
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CHILD,
+        str(big),
+        s3_bucket,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.DEVNULL,
+    )
+    assert child.stdout is not None
+    line = await asyncio.wait_for(child.stdout.readline(), timeout=60)
+    assert line.startswith(b"progress")
+    os.kill(child.pid, signal.SIGKILL)  # the agent dies mid-upload
+    assert await child.wait() == -signal.SIGKILL
+
+    images = await list_images(s3_bucket, "counter", settings=S)
+    assert [i.complete for i in images] == [True, False]  # the killed one has no manifest
+    assert await latest_image(s3_bucket, "counter", settings=S) == good.image_url
+
+    pulled = await pull_image(f"{s3_bucket}/counter/images/latest", tmp_path / "r", settings=S)
+    counter_job.restore(pulled.dest)
+    t2, n2, crc2, _ = counter_job.wait_for(lambda s: s[1] > n + 3)
+    assert (t2, crc2) == (token, crc) and n2 > n
+
+    swept = await gc(s3_bucket, "counter", 1, grace_s=0, settings=S)
+    assert swept.stale_markers_deleted == 1 and swept.chunks_deleted > 0
+    assert [i.complete for i in await list_images(s3_bucket, "counter", settings=S)] == [True]
