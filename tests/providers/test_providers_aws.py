@@ -92,7 +92,7 @@ async def test_matching_picks_p5_for_8xh100_and_g5_xlarge_for_1xa10g(
         assert {o.region for o in a10g} == set(REGIONS)
         # types with another GPU never appear
         assert all(o.gpu_model == "a10g" and o.gpu_count == 1 for o in a10g)
-        with pytest.raises(UnknownInstanceType, match="p9.nonesuch"):
+        with pytest.raises(UnknownInstanceType, match=r"p9\.nonesuch"):
             await p.instance_type("p9.nonesuch")
         assert await p.offers(gpu_spec("NVIDIA B300", 3, 1)) == []
     finally:
@@ -112,7 +112,9 @@ async def test_launch_sets_spot_options_tags_user_data_and_is_found_by_token(
         assert ref.state is InstanceState.RUNNING
         assert ref.market is Market.SPOT
         ec2 = boto3.client("ec2", region_name=offer.region, endpoint_url=aws_env)
-        inst = ec2.describe_instances(InstanceIds=[ref.instance_id])["Reservations"][0]["Instances"][0]
+        inst = ec2.describe_instances(InstanceIds=[ref.instance_id])["Reservations"][0][
+            "Instances"
+        ][0]
         tags = {t["Key"]: t["Value"] for t in inst["Tags"]}
         assert tags[TAG_MANAGED] == "true"
         assert tags[TAG_JOB] == "tags-job"

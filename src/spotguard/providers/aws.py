@@ -170,7 +170,7 @@ class AwsProvider:
             import boto3
             from botocore.config import Config
 
-            retries = {"max_attempts": self.settings.aws_max_attempts, "mode": "standard"}
+            retries = {"total_max_attempts": self.settings.aws_max_attempts, "mode": "standard"}
             self._clients[region] = boto3.session.Session().client(
                 "ec2",
                 region_name=region,

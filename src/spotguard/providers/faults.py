@@ -16,6 +16,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import re
 import uuid
 from dataclasses import dataclass, field
@@ -70,6 +71,7 @@ class Ec2FaultProxy:
     port: int = 0
 
     async def __aenter__(self) -> Ec2FaultProxy:
+        self._release = asyncio.Event()
         app = web.Application()
         app.router.add_route("*", "/{tail:.*}", self._handle)
         self._session = aiohttp.ClientSession()
@@ -89,6 +91,7 @@ class Ec2FaultProxy:
         ev: BaseException | None,
         tb: TracebackType | None,
     ) -> None:
+        self._release.set()
         await self._runner.cleanup()
         await self._session.close()
 
@@ -119,8 +122,9 @@ class Ec2FaultProxy:
             status = up.status
             ctype = up.headers.get("Content-Type", "text/xml")
         self.calls.append(Call(action, region, zone, market, "forwarded"))
-        if fault is not None:
-            await asyncio.sleep(fault.delay_s)
+        if fault is not None:  # hold the answer (ends early when the proxy closes)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._release.wait(), fault.delay_s)
         return web.Response(status=status, body=payload, headers={"Content-Type": ctype})
 
 
