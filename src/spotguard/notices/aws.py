@@ -259,6 +259,11 @@ class AwsImdsSource:
         before = self._seen.get(path, {})
         now = {n.id: n for n in current}
         out = []
+        for ident, gone in before.items():
+            if ident not in now and not gone.cancelled and path != SCHEDULED:
+                # an answer that went away or changed withdraws the notice it gave; scheduled
+                # events that leave the list have simply run their course
+                out.append(gone.cancel())
         for ident, notice in now.items():
             old = before.get(ident)
             if old is None:
@@ -270,11 +275,6 @@ class AwsImdsSource:
                 notice.action,
             ):
                 out.append(notice)
-        for ident, old in before.items():
-            if ident not in now and not old.cancelled and path != SCHEDULED:
-                # an answer that went away or changed withdraws the notice it gave; scheduled
-                # events that leave the list have simply run their course
-                out.append(old.cancel())
         self._seen[path] = {i: n for i, n in now.items() if not (i not in before and n.cancelled)}
         return out
 
