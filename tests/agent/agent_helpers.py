@@ -89,3 +89,31 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+JOB_ARGS = ("--steps", "70", "--step-seconds", "0.05", "--mb", "4", "--seed", "7", "--gpu", "no")
+
+
+def job_argv(*args: str) -> list[str]:
+    """The deterministic sample job (same arguments → byte-identical output)."""
+    import sys
+
+    return [sys.executable, "-m", "spotguard.demo.job", *(args or JOB_ARGS)]
+
+
+async def job_output_when_done(job_dir: Any, limit_s: float = 60.0) -> str:
+    """The job's stdout once its init wrote ``exit_status`` (the command ended)."""
+    from pathlib import Path
+
+    d = Path(job_dir)
+    await wait_until(lambda: (d / "exit_status").exists(), limit_s)
+    return (d / "stdout").read_text()
+
+
+def proc_state(pid: int) -> str | None:
+    """The one-letter state of a process (R, S, T, t, Z ...), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return None

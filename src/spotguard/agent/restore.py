@@ -1,0 +1,180 @@
+"""Boot restore: a VM launched by the controller carries an assignment ("restore image X of
+job J"); the agent restores the job from it once, then protects it.
+
+The assignment file is written by user-data (:meth:`Assignment.user_data`). Progress is kept
+in ``{state_dir}/agent/assignments/{key}.json`` (``key`` = job, attempt and image), so that an
+agent restarted after a completed restore does not restore again, and one restarted in the
+middle of a restore finds out whether the job came back before trying once more.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from spotguard.checkpoint import proctree
+from spotguard.contracts import AgentEvent, Assignment, EventKind
+from spotguard.errors import ConfigError, SpotguardError
+from spotguard.operations import RestoreResult
+
+from .reporter import Reporter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Restored:
+    """The job an assignment brought back (to be protected from now on)."""
+
+    job: str
+    pid: int
+    image_url: str
+
+
+def read_assignment(path: Path) -> Assignment | None:
+    """The assignment at ``path``, or None when there is none. A malformed file is a
+    :class:`ConfigError` naming it."""
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        return None
+    except OSError as exc:
+        raise ConfigError(f"assignment {path} cannot be read: {exc.strerror}") from exc
+    try:
+        return Assignment.from_user_data(text)
+    except (ValidationError, ValueError) as exc:
+        raise ConfigError(f"assignment {path} is not valid: {exc}") from exc
+
+
+def _key(a: Assignment) -> str:
+    digest = hashlib.sha256(f"{a.job}|{a.attempt}|{a.image_url}".encode()).hexdigest()[:12]
+    return f"{a.job}-{a.attempt}-{digest}"
+
+
+def _record(dirpath: Path, key: str, data: dict[str, Any]) -> None:
+    dirpath.mkdir(parents=True, exist_ok=True, mode=0o700)
+    tmp = dirpath / f".{key}.tmp"
+    tmp.write_text(json.dumps(data, indent=2) + "\n")
+    os.replace(tmp, dirpath / f"{key}.json")
+
+
+def _load(dirpath: Path, key: str) -> dict[str, Any] | None:
+    try:
+        data = json.loads((dirpath / f"{key}.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+async def restore_assignment(
+    assignment: Assignment,
+    *,
+    records: Path,
+    restore: Callable[[str, str], Awaitable[RestoreResult]],
+    reporter: Reporter,
+    instance: dict[str, Any],
+) -> Restored | None:
+    """Restore ``assignment``'s job unless that already happened; report each step.
+
+    ``restore(image_url, job)`` is :func:`spotguard.operations.restore` bound to this host's
+    settings. Returns the running job, or None when the restore failed (reported as
+    RESTORE_FAILED with the error's type) or had failed before.
+    """
+    key = _key(assignment)
+    rec = _load(records, key)
+    base: dict[str, Any] = {
+        "job": assignment.job,
+        "image_url": assignment.image_url,
+        "attempt": assignment.attempt,
+    }
+    if rec is not None:
+        state = rec.get("state")
+        pid = rec.get("pid")
+        if state == "restored" and isinstance(pid, int):
+            log.info(
+                "assignment already restored",
+                extra={"step": "restore", "job": assignment.job, "pid": pid},
+            )
+            return Restored(assignment.job, pid, assignment.image_url)
+        if state == "failed":
+            log.info(
+                "assignment failed before; waiting for a new one",
+                extra={"step": "restore", "job": assignment.job, "error": rec.get("error")},
+            )
+            return None
+        if state == "restoring" and isinstance(pid, int) and proctree.alive(pid):
+            _record(records, key, {**base, "state": "restored", "pid": pid})
+            return Restored(assignment.job, pid, assignment.image_url)
+    _record(records, key, {**base, "state": "restoring", "started": time.time()})
+    detail = {"attempt": assignment.attempt}
+    reporter.emit(
+        AgentEvent(
+            job=assignment.job,
+            kind=EventKind.RESTORING,
+            instance=instance,
+            image_url=assignment.image_url,
+            detail=detail,
+        )
+    )
+    log.info(
+        "restoring assigned image",
+        extra={"step": "restore", "job": assignment.job, "image_url": assignment.image_url},
+    )
+    t0 = time.monotonic()
+    try:
+        result = await restore(assignment.image_url, assignment.job)
+    except SpotguardError as exc:
+        error = f"{type(exc).__name__}: {exc}"
+        _record(records, key, {**base, "state": "failed", "error": error})
+        log.error(
+            "restore failed",
+            extra={
+                "step": "restore",
+                "job": assignment.job,
+                "error": error.splitlines()[0],
+                "seconds": round(time.monotonic() - t0, 3),
+            },
+        )
+        reporter.emit(
+            AgentEvent(
+                job=assignment.job,
+                kind=EventKind.RESTORE_FAILED,
+                instance=instance,
+                image_url=assignment.image_url,
+                error=error,
+                detail={**detail, "reason": type(exc).__name__},
+            )
+        )
+        return None
+    _record(records, key, {**base, "state": "restored", "pid": result.pid})
+    seconds = time.monotonic() - t0
+    log.info(
+        "job restored",
+        extra={
+            "step": "restored",
+            "job": result.job,
+            "pid": result.pid,
+            "seconds": round(seconds, 3),
+        },
+    )
+    reporter.emit(
+        AgentEvent(
+            job=assignment.job,
+            kind=EventKind.RESTORED,
+            instance=instance,
+            image_url=assignment.image_url,
+            gpu=result.gpu.to_json(),
+            timeline=result.timeline.to_list(),
+            detail={**detail, "pid": result.pid, "seconds": seconds},
+        )
+    )
+    return Restored(result.job, result.pid, assignment.image_url)

@@ -1,0 +1,54 @@
+"""Which job a ``--job`` value names: a pid, a job name from ``spotguard run``, or a cgroup.
+
+A cgroup (a path under /sys/fs/cgroup, or relative to it) names the process tree whose root
+is the one process in the cgroup whose parent is outside it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from spotguard.checkpoint.jobs import JobInfo, resolve_job
+from spotguard.errors import JobNotFound
+
+CGROUP_ROOT = Path("/sys/fs/cgroup")
+
+
+def _ppid(pid: int) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # the comm field may hold spaces and parentheses: split after the last ')'
+    return int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def cgroup_root_pid(path: Path) -> int:
+    """The root process of the tree in cgroup ``path`` (its parent lives elsewhere)."""
+    procs_file = path / "cgroup.procs"
+    try:
+        pids = [int(x) for x in procs_file.read_text().split()]
+    except OSError as exc:
+        raise JobNotFound(f"no cgroup at {path}: {exc.strerror}") from exc
+    if not pids:
+        raise JobNotFound(f"cgroup {path} holds no process")
+    members = set(pids)
+    roots = [p for p in pids if _ppid(p) not in members]
+    if len(roots) != 1:
+        raise JobNotFound(
+            f"cgroup {path} holds {len(roots)} separate process trees; protect each by pid"
+        )
+    return roots[0]
+
+
+def resolve(spec: str, *, state_dir: Path) -> JobInfo:
+    """The :class:`JobInfo` for ``spec`` (pid, job name or cgroup path)."""
+    spec = spec.strip()
+    if spec.startswith("/") or spec.startswith("cgroup:"):
+        raw = Path(spec.removeprefix("cgroup:"))
+        if raw.is_relative_to(CGROUP_ROOT):
+            path = raw
+        else:
+            path = CGROUP_ROOT / (raw.relative_to("/") if raw.is_absolute() else raw)
+        return resolve_job(cgroup_root_pid(path), state_dir=state_dir)
+    return resolve_job(spec, state_dir=state_dir)

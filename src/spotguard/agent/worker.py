@@ -1,0 +1,413 @@
+"""One protected job: its pending requests, one checkpoint at a time, and what follows.
+
+A :class:`JobWorker` keeps the requests for its job (one per notice, plus the periodic one)
+and runs the one that must start first, when it is due. While it waits, a newer notice with an
+earlier start takes the lead, and a cancelled notice is simply dropped. Once a checkpoint has
+started it runs to the end (the engine thaws the job on any failure); a notice arriving
+meanwhile waits for it, and the image it then takes is small thanks to dedup.
+
+Every outcome is reported (never awaited: :meth:`Reporter.emit` only spools), counted in
+metrics and logged as one line per step. A failed checkpoint never ends the worker: the job
+stays protected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import psutil
+
+from spotguard.contracts import AgentEvent, EventKind
+from spotguard.errors import (
+    CheckpointError,
+    GpuError,
+    ImageError,
+    JobError,
+    SpotguardError,
+    StoreError,
+)
+from spotguard.notices.base import Notice, NoticeKind
+from spotguard.operations import CheckpointResult
+
+from .metrics import AgentMetrics
+from .policy import Action
+from .reporter import Reporter
+
+log = logging.getLogger(__name__)
+
+PERIODIC = "periodic"
+
+
+@dataclass
+class Request:
+    """A checkpoint to take: for a notice (``notice``) or the periodic schedule."""
+
+    key: str  # the notice id, or PERIODIC
+    action: Action
+    start_at: datetime
+    reason: str
+    notice: Notice | None = None
+    waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
+
+    @property
+    def deadline(self) -> datetime | None:
+        return self.notice.deadline if self.notice else None
+
+
+#: runs one checkpoint of the job: (mode, deadline, meta, on_frozen) → result
+Checkpointer = Callable[
+    [str, datetime | None, dict[str, Any], Callable[[float], None]],
+    Awaitable[CheckpointResult],
+]
+
+
+def failed_step(exc: BaseException) -> str:
+    """The step a failure belongs to, for ``failures_total{step}``."""
+    if isinstance(exc, GpuError):
+        return "gpu"
+    if isinstance(exc, CheckpointError):
+        return "freeze"
+    if isinstance(exc, StoreError | ImageError):
+        return "upload"
+    if isinstance(exc, JobError):
+        return "job"
+    return "internal"
+
+
+class JobWorker:
+    """Protects one job (by name and pid) until it exits or is stopped by a checkpoint."""
+
+    def __init__(
+        self,
+        name: str,
+        pid: int,
+        checkpointer: Checkpointer,
+        *,
+        reporter: Reporter,
+        metrics: AgentMetrics,
+        instance: dict[str, Any],
+        periodic_interval: float = 0.0,
+        last_image_at: float | None = None,
+    ) -> None:
+        self.name = name
+        self.pid = pid
+        self.checkpointer = checkpointer
+        self.reporter = reporter
+        self.metrics = metrics
+        self.instance = instance
+        self.periodic_interval = periodic_interval
+        self.last_image: dict[str, Any] | None = None
+        self.last_image_at = last_image_at
+        self.state = "protecting"  # → checkpointing | exited | finished
+        self.activity: dict[str, Any] | None = None
+        self.pending: dict[str, Request] = {}
+        self.failures = 0
+        self.checkpoints = 0
+        self._wake = asyncio.Event()
+        self.idle = asyncio.Event()  # set while no checkpoint runs
+        self.idle.set()
+        self._started = time.time()
+
+    # --- requests -----------------------------------------------------------------------
+
+    @property
+    def active(self) -> bool:
+        return self.state in ("protecting", "checkpointing")
+
+    def submit(self, req: Request) -> bool:
+        """Queue ``req`` (a second request for the same notice is ignored)."""
+        if not self.active:
+            for w in req.waiters:
+                if not w.done():
+                    w.set_result({"job": self.name, "state": self.state, "skipped": True})
+            return False
+        if req.key in self.pending:
+            self.pending[req.key].waiters.extend(req.waiters)
+            return False
+        self.pending[req.key] = req
+        log.info(
+            "checkpoint scheduled",
+            extra={
+                "step": "schedule",
+                "job": self.name,
+                "notice": req.key,
+                "action": req.action.value,
+                "start_at": req.start_at.isoformat(),
+                "reason": req.reason,
+            },
+        )
+        self._wake.set()
+        return True
+
+    def cancel(self, key: str) -> bool:
+        """Drop the pending request for notice ``key``; False if none was waiting."""
+        req = self.pending.pop(key, None)
+        if req is None:
+            return False
+        log.info(
+            "notice cancelled before the freeze: nothing to do",
+            extra={"step": "cancel", "job": self.name, "notice": key},
+        )
+        for w in req.waiters:
+            if not w.done():
+                w.set_result({"job": self.name, "cancelled": True})
+        self._wake.set()
+        return True
+
+    def _periodic_due(self) -> datetime | None:
+        if self.periodic_interval <= 0:
+            return None
+        base = self.last_image_at if self.last_image_at is not None else self._started - 1e9
+        return datetime.fromtimestamp(base + self.periodic_interval, UTC)
+
+    def _next(self) -> Request | None:
+        """The request that must start first (periodic included)."""
+        candidates = list(self.pending.values())
+        due = self._periodic_due()
+        if due is not None:
+            candidates.append(
+                Request(PERIODIC, Action.RESUME, due, f"periodic every {self.periodic_interval}s")
+            )
+        if not candidates:
+            return None
+        return min(candidates, key=lambda r: (r.start_at, r.action != Action.EXIT))
+
+    # --- the loop -------------------------------------------------------------------------
+
+    async def run(self) -> None:
+        """Wait for the next due request, run it; until the job is gone."""
+        while self.active:
+            req = self._next()
+            timeout = None
+            if req is not None:
+                timeout = (req.start_at - datetime.now(UTC)).total_seconds()
+            if timeout is None or timeout > 0:
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), timeout)
+                continue
+            assert req is not None
+            self.pending.pop(req.key, None)
+            await self._execute(req)
+
+    def job_ended(self) -> None:
+        """The job's process is gone without us stopping it: nothing more to protect."""
+        if not self.active:
+            return
+        self.state = "finished"
+        log.info("job finished by itself", extra={"step": "job", "job": self.name})
+        self.reporter.emit(
+            AgentEvent(job=self.name, kind=EventKind.JOB_FINISHED, instance=self.instance)
+        )
+        self._release_waiters({"job": self.name, "state": "finished"})
+        self._wake.set()
+
+    def alive(self) -> bool:
+        try:
+            return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
+        except psutil.Error:
+            return False
+
+    def _release_waiters(self, result: dict[str, Any]) -> None:
+        for req in self.pending.values():
+            for w in req.waiters:
+                if not w.done():
+                    w.set_result(result)
+        self.pending.clear()
+
+    async def _execute(self, req: Request) -> None:
+        mode = "exit" if req.action is Action.EXIT else "resume"
+        notice_json = req.notice.to_json() if req.notice else None
+        seen = req.notice.received_at.timestamp() if req.notice else time.time()
+        started = time.time()
+        self.state = "checkpointing"
+        self.idle.clear()
+        self.activity = {
+            "step": "checkpoint",
+            "notice": req.key,
+            "mode": mode,
+            "since": datetime.fromtimestamp(started, UTC).isoformat(),
+            "deadline": req.deadline.isoformat() if req.deadline else None,
+        }
+        extra = {"job": self.name, "notice": req.key, "mode": mode}
+        log.info("checkpoint starting", extra={"step": "checkpoint", **extra, "reason": req.reason})
+
+        def on_frozen(frozen_at: float) -> None:
+            self.metrics.notice_to_frozen.labels(self.name).observe(max(0.0, frozen_at - seen))
+            self.reporter.emit(
+                AgentEvent(
+                    job=self.name,
+                    kind=EventKind.FROZEN,
+                    instance=self.instance,
+                    notice=notice_json,
+                    detail={"mode": mode, "notice_to_frozen_s": round(frozen_at - seen, 3)},
+                )
+            )
+            if self.activity is not None:
+                self.activity["frozen_at"] = datetime.fromtimestamp(frozen_at, UTC).isoformat()
+
+        meta = {"reason": req.reason, "notice": notice_json}
+        try:
+            result = await self.checkpointer(mode, req.deadline, meta, on_frozen)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - one failed checkpoint must never end protection
+            self._failed(req, exc, started)
+            return
+        finally:
+            self.activity = None
+            if self.state == "checkpointing":
+                self.state = "protecting"
+            self.idle.set()
+        self._succeeded(req, result, seen)
+
+    def _failed(self, req: Request, exc: Exception, started: float) -> None:
+        step = failed_step(exc)
+        self.failures += 1
+        self.metrics.failures.labels(step).inc()
+        expected = isinstance(exc, SpotguardError)
+        error = f"{type(exc).__name__}: {exc}"
+        log.error(
+            "checkpoint failed; the job stays protected",
+            exc_info=None if expected else exc,
+            extra={
+                "step": step,
+                "job": self.name,
+                "notice": req.key,
+                "seconds": round(time.time() - started, 3),
+                "error": error.splitlines()[0],
+            },
+        )
+        self.reporter.emit(
+            AgentEvent(
+                job=self.name,
+                kind=EventKind.CHECKPOINT_FAILED,
+                instance=self.instance,
+                notice=req.notice.to_json() if req.notice else None,
+                error=error,
+                detail={"step": step},
+            )
+        )
+        for w in req.waiters:
+            if not w.done():
+                w.set_result({"job": self.name, "error": error})
+        if not self.alive():
+            self.job_ended()
+
+    def _succeeded(self, req: Request, result: CheckpointResult, seen: float) -> None:
+        self.checkpoints += 1
+        self.last_image_at = result.frozen_at
+        self.last_image = {
+            "url": result.image_url,
+            "frozen_at": datetime.fromtimestamp(result.frozen_at, UTC).isoformat(),
+            "bytes": result.bytes,
+            "stored_bytes": result.stored_bytes,
+            "skipped_bytes": result.skipped_bytes,
+            "mode": result.mode,
+            "notice": req.key,
+        }
+        m = self.metrics
+        m.freeze_seconds.labels(self.name, result.mode).observe(result.freeze_seconds)
+        if result.pause_seconds is not None:
+            m.pause_seconds.labels(self.name).observe(result.pause_seconds)
+        m.checkpoint_bytes.labels(self.name).inc(result.bytes)
+        m.dedup_bytes.labels(self.name).inc(result.skipped_bytes)
+        span = max(result.durable_at - (result.frozen_at - result.freeze_seconds), 1e-6)
+        m.upload_throughput.labels(self.name).set(result.bytes / span)
+        m.checkpoints.labels(self.name, result.mode).inc()
+        m.image_durable(self.name, result.frozen_at)
+        log.info(
+            "image durable",
+            extra={
+                "step": "durable",
+                "job": self.name,
+                "notice": req.key,
+                "mode": result.mode,
+                "image_url": result.image_url,
+                "bytes": result.bytes,
+                "stored_bytes": result.stored_bytes,
+                "skipped_bytes": result.skipped_bytes,
+                "seconds": round(result.durable_at - seen, 3),
+                "freeze_seconds": round(result.freeze_seconds, 3),
+                "pause_seconds": (
+                    round(result.pause_seconds, 3) if result.pause_seconds is not None else None
+                ),
+            },
+        )
+        notice_json = req.notice.to_json() if req.notice else None
+        self.reporter.emit(
+            AgentEvent(
+                job=self.name,
+                kind=EventKind.DURABLE,
+                instance=result.instance.to_json() or self.instance,
+                notice=notice_json,
+                image_url=result.image_url,
+                image_bytes=result.bytes,
+                gpu=result.gpu.to_json(),
+                timeline=result.timeline.to_list(),
+                detail={
+                    "mode": result.mode,
+                    "stored_bytes": result.stored_bytes,
+                    "skipped_bytes": result.skipped_bytes,
+                    "freeze_seconds": result.freeze_seconds,
+                    "pause_seconds": result.pause_seconds,
+                    "host": result.host.to_json(),
+                },
+            )
+        )
+        if req.action is Action.EXIT:
+            self.state = "exited"
+            log.info("job stopped after its checkpoint", extra={"step": "exit", "job": self.name})
+            self.reporter.emit(
+                AgentEvent(
+                    job=self.name,
+                    kind=EventKind.EXITED,
+                    instance=self.instance,
+                    notice=notice_json,
+                    image_url=result.image_url,
+                )
+            )
+            if req.notice is not None and req.notice.kind is NoticeKind.DRAIN:
+                self.reporter.emit(
+                    AgentEvent(
+                        job=self.name,
+                        kind=EventKind.READY_TO_RELAUNCH,
+                        instance=self.instance,
+                        notice=notice_json,
+                        image_url=result.image_url,
+                    )
+                )
+            self._release_waiters({"job": self.name, "state": "exited", **self.last_image})
+        outcome = {"job": self.name, "state": self.state, **self.last_image}
+        for w in req.waiters:
+            if not w.done():
+                w.set_result(outcome)
+
+    def status(self) -> dict[str, Any]:
+        periodic = self._periodic_due()
+        return {
+            "job": self.name,
+            "pid": self.pid,
+            "state": self.state,
+            "activity": self.activity,
+            "last_image": self.last_image,
+            "checkpoints": self.checkpoints,
+            "failures": self.failures,
+            "next_periodic": periodic.isoformat() if periodic and self.active else None,
+            "pending": [
+                {
+                    "notice": r.key,
+                    "action": r.action.value,
+                    "start_at": r.start_at.isoformat(),
+                    "reason": r.reason,
+                }
+                for r in sorted(self.pending.values(), key=lambda r: r.start_at)
+            ],
+        }

@@ -1,0 +1,145 @@
+"""``spotguard agent``, ``spotguard drain`` and ``spotguard status``.
+
+``agent`` takes every setting of :class:`~spotguard.agent.settings.AgentSettings`, of the notice
+sources (:class:`~spotguard.notices.settings.NoticeSettings`), of the engine
+(:class:`~spotguard.checkpoint.settings.CheckpointSettings`) and of images
+(:class:`~spotguard.image.settings.ImageSettings`) as flags; ``drain`` and ``status``
+talk to a running agent through its local API, found with the same settings.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+from pathlib import Path
+from typing import Any
+
+import click
+
+from spotguard.agent.api import TOKEN_FILE
+from spotguard.agent.settings import AgentSettings, read_secret
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.cli import config_file
+from spotguard.config import load, options
+from spotguard.errors import ConfigError
+from spotguard.image.settings import ImageSettings
+from spotguard.notices.settings import NoticeSettings
+
+_API_ONLY = tuple(n for n in AgentSettings.model_fields if not n.startswith("api_"))
+_STATE_ONLY = tuple(n for n in CheckpointSettings.model_fields if n != "state_dir")
+
+
+@click.command("agent")
+@options(AgentSettings)
+@options(NoticeSettings)
+@options(CheckpointSettings)
+@options(ImageSettings)
+@click.pass_context
+def agent(ctx: click.Context, /, **flags: Any) -> None:
+    """Protect jobs on this VM: watch notices, checkpoint, stream, report.
+
+    Example: spotguard agent --job train --store s3://bucket/spotguard
+    """
+    from spotguard.agent.daemon import Agent
+
+    cfg = config_file(ctx)
+    settings = load(AgentSettings, flags, config_file=cfg)
+    notices = load(NoticeSettings, flags, config_file=cfg)
+    ckpt = load(CheckpointSettings, flags, config_file=cfg)
+    image = load(ImageSettings, flags, config_file=cfg)
+
+    async def main() -> None:
+        daemon = Agent(settings, ckpt, notices, image=image)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, daemon.request_stop)
+        await daemon.run()
+
+    asyncio.run(main())
+
+
+def _api(ctx: click.Context, flags: dict[str, Any]) -> tuple[str, str]:
+    cfg = config_file(ctx)
+    s = load(AgentSettings, flags, config_file=cfg)
+    state = load(CheckpointSettings, flags, config_file=cfg).state_dir
+    token = read_secret(s.api_token, s.api_token_file, "api_token")
+    if token is None:
+        path = Path(state) / "agent" / TOKEN_FILE
+        try:
+            token = path.read_text().strip()
+        except OSError as exc:
+            raise ConfigError(
+                f"no API token: set api_token / SPOTGUARD_API_TOKEN or make {path} readable "
+                f"({exc.strerror})"
+            ) from exc
+    return s.api_listen, token
+
+
+@click.command("drain")
+@click.option("--reason", default="operator drain", show_default=True, help="Why (logged).")
+@click.option("--deadline", type=float, default=None, help="Seconds the node may take.")
+@click.option("--wait/--no-wait", default=True, show_default=True, help="Wait for the images.")
+@click.option("--json", "as_json", is_flag=True, help="Print the agent's answer as JSON.")
+@options(AgentSettings, exclude=_API_ONLY)
+@options(CheckpointSettings, exclude=_STATE_ONLY)
+@click.pass_context
+def drain(
+    ctx: click.Context,
+    /,
+    reason: str,
+    deadline: float | None,
+    wait: bool,
+    as_json: bool,
+    **flags: Any,
+) -> None:
+    """Ask the local agent to checkpoint its jobs and stop them (operator drain)."""
+    from spotguard.agent.client import call
+
+    listen, token = _api(ctx, flags)
+    body = {"reason": reason, "wait": wait, "deadline_s": deadline}
+    answer = asyncio.run(call(listen, token, "POST", "/drain", body))
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    click.echo(f"drain {answer['notice']['id']} ({reason})")
+    for r in answer.get("results", []):
+        if r.get("error"):
+            click.echo(f"  {r.get('job')}: FAILED {r['error']}")
+        elif r.get("url"):
+            click.echo(f"  {r['job']}: {r.get('state', 'done')} image {r['url']}")
+        else:
+            click.echo(f"  {r.get('job', '-')}: {r.get('state') or 'nothing to do'}")
+
+
+@click.command("status")
+@click.option("--json", "as_json", is_flag=True, help="Print the agent's answer as JSON.")
+@options(AgentSettings, exclude=_API_ONLY)
+@options(CheckpointSettings, exclude=_STATE_ONLY)
+@click.pass_context
+def status(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
+    """Show the local agent's jobs, last images and current activity."""
+    from spotguard.agent.client import call
+
+    listen, token = _api(ctx, flags)
+    answer = asyncio.run(call(listen, token, "GET", "/status", timeout_s=10.0))
+    if as_json:
+        click.echo(json.dumps(answer, indent=2))
+        return
+    a = answer["agent"]
+    click.echo(
+        f"agent pid {a['pid']} cloud {a['cloud'] or 'none'} store {a['store']} "
+        f"controller {a['controller'] or '-'} (reports pending: {a['reports_pending']})"
+    )
+    for j in answer["jobs"]:
+        last = j.get("last_image") or {}
+        act = j.get("activity") or {}
+        click.echo(
+            f"  {j['job']:24} pid {j['pid']:<8} {j['state']:13} "
+            f"last image {last.get('url', '-')} ({last.get('frozen_at', 'never')})"
+            + (f" now: {act.get('step')} for {act.get('notice')}" if act else "")
+        )
+        for p in j.get("pending", []):
+            click.echo(f"      pending {p['notice']} {p['action']} at {p['start_at']}")
+    if not answer["jobs"]:
+        click.echo("  no job protected")
