@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -14,34 +14,9 @@ import pytest
 
 from spotguard.notices import aws
 from spotguard.notices.base import Cloud, Notice, NoticeKind, NoticeSource
-from spotguard.notices.fleet import EVENT_PATTERNS, FleetSettings, SqsFleetSource
+from spotguard.notices.fleet import FleetSettings, SqsFleetSource
 
 ACCOUNT = "123456789012"
-
-
-@pytest.fixture
-def fleet_queue(aws_env: str, request: pytest.FixtureRequest) -> Iterator[tuple[str, Any]]:
-    """A fresh queue with the module's three EventBridge rules targeting it."""
-    import boto3
-
-    name = f"fleet-{request.node.name[:40].replace('[', '-').replace(']', '')}"
-    sqs = boto3.client("sqs")
-    events = boto3.client("events")
-    url = sqs.create_queue(QueueName=name)["QueueUrl"]
-    arn = sqs.get_queue_attributes(QueueUrl=url, AttributeNames=["QueueArn"])["Attributes"][
-        "QueueArn"
-    ]
-    rules = []
-    for key, pattern in EVENT_PATTERNS.items():
-        rule = f"{name}-{key}"
-        events.put_rule(Name=rule, EventPattern=json.dumps(pattern), State="ENABLED")
-        events.put_targets(Rule=rule, Targets=[{"Id": "queue", "Arn": arn}])
-        rules.append(rule)
-    yield url, events
-    for rule in rules:
-        events.remove_targets(Rule=rule, Ids=["queue"])
-        events.delete_rule(Name=rule)
-    sqs.delete_queue(QueueUrl=url)
 
 
 def put(events: Any, source: str, detail_type: str, detail: dict[str, Any], **kw: Any) -> None:
