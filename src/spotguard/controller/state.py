@@ -187,8 +187,6 @@ class StateDB:
         except (OSError, sqlite3.Error) as exc:
             raise StateError(f"{where} cannot be opened: {exc}") from exc
         try:
-            conn.execute("PRAGMA journal_mode=WAL")
-            conn.execute("PRAGMA synchronous=NORMAL")
             conn.execute("PRAGMA busy_timeout=5000")
             check = conn.execute("PRAGMA quick_check").fetchone()
             if check is None or check[0] != "ok":
@@ -206,6 +204,9 @@ class StateDB:
                     f"{where} has schema version {version}; this spotguard reads up to "
                     f"{SCHEMA_VERSION} — upgrade spotguard"
                 )
+            # Only a file known to be ours (or new) is changed: WAL mode rewrites the header.
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
             if version == 0:
                 conn.executescript(
                     "BEGIN;" + _SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};COMMIT;"
