@@ -274,3 +274,16 @@ async def test_periodic_checkpoints_dedup_and_report_the_pause(
     assert images[1]["detail"]["skipped_bytes"] > 0  # dedup against the first image
     assert images[1]["detail"]["stored_bytes"] < images[0]["detail"]["stored_bytes"]
     assert proctree.alive(job.pid)
+
+
+async def test_controller_asking_for_a_drain_gets_one(
+    host: Host, sink: EventSink, sim: MetadataSim, job: JobInfo, tmp_path: Path
+) -> None:
+    sink.answer = {"job": "train", "action": "drain", "reason": "migration to us-west-2"}
+    store = f"file://{tmp_path}/store"
+    async with running_agent(host, sink, job=["train"], store=store):
+        await wait_until(lambda: "ready_to_relaunch" in sink.kinds("train"))
+    notice = event(sink, "frozen")["notice"]
+    assert (notice["cloud"], notice["kind"]) == ("manual", "drain")
+    assert sink.kinds("train").count("durable") == 1  # one drain, however often it is asked
+    assert not proctree.alive(job.pid)

@@ -6,9 +6,9 @@ route           token   answer
 ``GET /healthz``  no    ``{"ok": true}`` while the agent's loop runs
 ``GET /metrics``  no    Prometheus text (see :mod:`spotguard.agent.metrics`)
 ``GET /status``   yes   jobs, last images, current activity, pending notices
-``POST /drain``   yes   body ``{"reason": str, "job": str|null, "wait": bool}``: checkpoint
-                        the jobs and stop them (operator drain); with ``wait`` the answer
-                        comes once the images are durable
+``POST /drain``   yes   body ``{"reason": str, "wait": bool, "deadline_s": float|null}``:
+                        checkpoint every job and stop it (operator drain); with ``wait``
+                        the answer comes once the images are durable
 =============== ======= ===================================================================
 
 The token is sent as ``Authorization: Bearer <token>``; a missing or wrong one gets 401.
@@ -41,7 +41,7 @@ class Controls(Protocol):
     def status(self) -> dict[str, Any]: ...
 
     async def drain(
-        self, reason: str, *, job: str | None, wait: bool, deadline_s: float | None
+        self, reason: str, *, wait: bool, deadline_s: float | None
     ) -> dict[str, Any]: ...
 
 
@@ -142,21 +142,16 @@ class AgentApi:
         if not isinstance(body, dict):
             return web.json_response({"error": "body must be a JSON object"}, status=400)
         reason = str(body.get("reason") or "operator drain")
-        job = body.get("job")
         deadline = body.get("deadline_s")
-        if job is not None and not isinstance(job, str):
-            return web.json_response({"error": "job must be a string"}, status=400)
         if deadline is not None and not isinstance(deadline, int | float):
             return web.json_response({"error": "deadline_s must be a number"}, status=400)
-        try:
-            result = await self.controls.drain(
-                reason,
-                job=job,
-                wait=bool(body.get("wait", False)),
-                deadline_s=float(deadline) if deadline is not None else None,
-            )
-        except LookupError as exc:
-            return web.json_response({"error": str(exc)}, status=404)
+        if deadline is not None and not deadline > 0:
+            return web.json_response({"error": "deadline_s must be positive"}, status=400)
+        result = await self.controls.drain(
+            reason,
+            wait=bool(body.get("wait", False)),
+            deadline_s=float(deadline) if deadline is not None else None,
+        )
         return web.json_response(result, status=200 if body.get("wait") else 202, dumps=_dumps)
 
 

@@ -89,12 +89,34 @@ class Agent:
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._started = time.time()
+        self._controller_drain = False
 
     # --- wiring ---------------------------------------------------------------------------
 
     def _reporter(self, url: str | None, token: str | None) -> Reporter:
         bearer = token or self.settings.controller_bearer()
-        return Reporter(url, bearer, self.dir / "outbox", metrics=self.metrics)
+        return Reporter(
+            url, bearer, self.dir / "outbox", metrics=self.metrics, on_answer=self._controller_says
+        )
+
+    def _controller_says(self, answer: dict[str, Any]) -> None:
+        """The controller answers each event with what it wants next; ``drain`` (a migration
+        waiting for a fresh image) starts an operator-style drain once."""
+        if answer.get("action") != "drain" or self._controller_drain:
+            return
+        if not any(w.active for w in self.workers.values()):
+            return
+        self._controller_drain = True
+        log.info(
+            "controller asks for a drain",
+            extra={"step": "drain", "job": answer.get("job"), "reason": answer.get("reason")},
+        )
+        self._spawn(
+            self.drain(
+                "controller: " + str(answer.get("reason") or "migrate"), wait=False, deadline_s=None
+            ),
+            "controller-drain",
+        )
 
     def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -482,12 +504,9 @@ class Agent:
             ),
         }
 
-    async def drain(
-        self, reason: str, *, job: str | None, wait: bool, deadline_s: float | None
-    ) -> dict[str, Any]:
-        """Operator drain: a manual notice through the bus; with ``wait``, the outcomes."""
-        if job is not None and job not in self.workers:
-            raise LookupError(f"no protected job {job!r}")
+    async def drain(self, reason: str, *, wait: bool, deadline_s: float | None) -> dict[str, Any]:
+        """Operator drain of every protected job: a manual notice through the bus (so it is
+        deduplicated, logged and decided like any other); with ``wait``, the outcomes."""
         notice = await self.manual.drain(reason, deadline_s or self.settings.drain_deadline)
         fut: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
         self._outcomes[notice.id] = fut

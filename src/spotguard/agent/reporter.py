@@ -12,10 +12,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 from tenacity import (
@@ -52,6 +55,7 @@ class Reporter:
         metrics: AgentMetrics | None = None,
         max_backoff_s: float = 30.0,
         timeout_s: float = 10.0,
+        on_answer: Callable[[dict[str, Any]], None] | None = None,
     ) -> None:
         self.url = controller_url.rstrip("/") + EVENTS_PATH if controller_url else None
         self.token = token
@@ -59,6 +63,7 @@ class Reporter:
         self.metrics = metrics
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
+        self.on_answer = on_answer  # sees each controller answer (e.g. {"action": "drain"})
         self.sent = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -186,18 +191,31 @@ class Reporter:
             headers["Authorization"] = f"Bearer {self.token}"
         try:
             async with self._session.post(self.url, data=body, headers=headers) as resp:
-                text = (await resp.text())[:200]
+                text = await resp.text()
                 status = resp.status
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise _Transient(f"controller unreachable: {exc!r}") from exc
-        if status < 300 or status == 409:  # 409: already have it (idempotent)
+        if status < 300:
+            self._answer(text)
+            return
+        if status == 409:  # the controller's state has moved on: nothing to resend
             return
         if status in (401, 403):
             # A token may be rotated or the controller restarting: keep it, retry slowly.
             raise _Transient(str(AuthError(f"controller refused the token ({status})")))
         if status == 429 or status >= 500:
-            raise _Transient(f"controller answered {status}: {text}")
-        raise ControllerError(f"controller answered {status}: {text}")
+            raise _Transient(f"controller answered {status}: {text[:200]}")
+        raise ControllerError(f"controller answered {status}: {text[:200]}")
+
+    def _answer(self, text: str) -> None:
+        if self.on_answer is None:
+            return
+        try:
+            data = json.loads(text) if text else None
+        except ValueError:
+            return
+        if isinstance(data, dict):
+            self.on_answer(data)
 
     def _log_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None
