@@ -5,6 +5,7 @@ stand-in agent (sg_standin_agent.py) reports back over HTTP."""
 from __future__ import annotations
 
 import asyncio
+import json
 import sys
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
@@ -296,3 +297,47 @@ async def test_fleet_notice_maps_instance_id_to_its_job(api_factory: Factory) ->
     assert (await api.get("/v1/jobs/other-job"))["state"] == "protected"
     await src.queue.put(n.cancel())
     await api.wait_state("fleet-job", "protected")
+
+
+async def cli(url: str, *args: str, token: str = TOKEN) -> tuple[int, str, str]:
+    exe = str(Path(sys.executable).with_name("spotguard"))
+    env = {"PATH": "/usr/bin:/bin", "SPOTGUARD_CONTROLLER_URL": url}
+    if token:
+        env["SPOTGUARD_CONTROLLER_TOKEN"] = token
+    proc = await asyncio.create_subprocess_exec(
+        exe, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+    )
+    out, err = await proc.communicate()
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_jobs_list_show_and_migrate_commands(api_factory: Factory) -> None:
+    api, srv, _ = await api_factory()
+    await api.event("cli-job", EventKind.STARTED, instance=VM1)
+    image = "file:///s/cli-job/images/1"
+    await api.event("cli-job", EventKind.DURABLE, instance=VM1, image_url=image)
+    rc, out, err = await cli(srv.url, "jobs", "list")
+    assert rc == 0, err
+    assert "cli-job" in out
+    assert "protected" in out
+    assert "vm-first" in out
+    rc, out, err = await cli(srv.url, "jobs", "show", "cli-job")
+    assert rc == 0, err
+    assert "periodic image file:///s/cli-job/images/1 is durable" in out
+    assert "images:" in out
+    rc, out, _ = await cli(srv.url, "jobs", "show", "cli-job", "--json")
+    assert json.loads(out)["image_url"] == image
+    rc, _, err = await cli(srv.url, "jobs", "show", "nope")
+    assert rc == 1
+    assert "no job 'nope'" in err
+    assert "Traceback" not in err
+    rc, _, err = await cli(srv.url, "jobs", "list", token="bad")
+    assert rc == 1
+    assert "refused the token" in err
+    rc, _, err = await cli(srv.url, "migrate", "cli-job", "--to", "p9.huge")
+    assert rc == 1
+    assert "UnknownInstanceType" in err
+    rc, out, err = await cli(srv.url, "migrate", "cli-job", "--to", "local", "--now")
+    assert rc == 0, err
+    assert "launching" in out
+    await api.wait_state("cli-job", "protected")
