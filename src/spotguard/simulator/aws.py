@@ -14,7 +14,7 @@ from datetime import timedelta
 from aiohttp import web
 
 from spotguard.notices.timefmt import aws_event_time, rfc3339
-from spotguard.simulator.state import SimState
+from spotguard.simulator.state import STATE, SimState
 
 TTL_HEADER = "X-aws-ec2-metadata-token-ttl-seconds"
 TOKEN_HEADER = "X-aws-ec2-metadata-token"
@@ -80,7 +80,7 @@ def _listing(paths: dict[str, Callable[[], str | None]], prefix: str) -> str | N
 
 
 async def token(request: web.Request) -> web.Response:
-    state: SimState = request.app["state"]
+    state = request.app[STATE]
     raw = request.headers.get(TTL_HEADER, "")
     try:
         ttl = int(raw)
@@ -93,7 +93,7 @@ async def token(request: web.Request) -> web.Response:
 
 
 async def get(request: web.Request) -> web.Response:
-    state: SimState = request.app["state"]
+    state = request.app[STATE]
     if not state.token_valid(request.headers.get(TOKEN_HEADER)) and not (
         state.imdsv1 and TOKEN_HEADER not in request.headers
     ):

@@ -19,7 +19,7 @@ from typing import Any
 from aiohttp import web
 
 from spotguard.notices.timefmt import rfc1123
-from spotguard.simulator.state import SimInputError, SimState
+from spotguard.simulator.state import STATE, SimInputError, SimState
 
 
 def _check(request: web.Request) -> web.Response | None:
@@ -69,7 +69,7 @@ def compute(state: SimState) -> dict[str, Any]:
 
 
 async def events(request: web.Request) -> web.Response:
-    state: SimState = request.app["state"]
+    state = request.app[STATE]
     if (bad := _check(request)) is not None:
         return bad
     if request.method == "POST":
@@ -86,7 +86,7 @@ async def events(request: web.Request) -> web.Response:
 
 
 async def instance(request: web.Request) -> web.Response:
-    state: SimState = request.app["state"]
+    state = request.app[STATE]
     if (bad := _check(request)) is not None:
         return bad
     doc: dict[str, Any] = {"compute": compute(state), "network": {"interface": []}}

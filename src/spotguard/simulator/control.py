@@ -26,13 +26,13 @@ from typing import Any
 
 from aiohttp import web
 
-from spotguard.simulator.state import SimInputError, SimState
+from spotguard.simulator.state import STATE, SimInputError, SimState
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _state(request: web.Request) -> SimState:
-    state: SimState = request.app["state"]
+    state = request.app[STATE]
     return state
 
 

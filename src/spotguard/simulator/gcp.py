@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from spotguard.simulator.state import SimState
+from spotguard.simulator.state import STATE, SimState
 
 FLAVOR = {"Metadata-Flavor": "Google"}
 MAX_WAIT = 3600.0
@@ -58,7 +58,7 @@ def _value(state: SimState, path: str) -> str | None:
 
 
 async def get(request: web.Request) -> web.Response:
-    state: SimState = request.app["state"]
+    state = request.app[STATE]
     if request.headers.get("Metadata-Flavor") != "Google":
         return web.Response(status=403, text="Missing Metadata-Flavor:Google header.")
     path = request.match_info["tail"]

@@ -23,7 +23,7 @@ from aiohttp import web
 
 from spotguard.notices.endpoints import AWS_ENV, AZURE_ENV, GCP_ENV
 from spotguard.simulator import aws, azure, control, gcp
-from spotguard.simulator.state import CLOUDS, Fault, SimFacts, SimState
+from spotguard.simulator.state import CLOUDS, STATE, Fault, SimFacts, SimState
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def cloud_of(path: str) -> str | None:
 @web.middleware
 async def metadata_middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Per metadata request: count it, refuse clouds not served, apply injected faults."""
-    state: SimState = request.app["state"]
+    state = request.app[STATE]
     cloud = cloud_of(request.path)
     if cloud is None:
         return await handler(request)
@@ -74,7 +74,7 @@ async def _fault(state: SimState, fault: Fault, cloud: str) -> web.Response:
 def make_app(state: SimState) -> web.Application:
     """The aiohttp application serving ``state``."""
     app = web.Application(middlewares=[metadata_middleware, control.errors])
-    app["state"] = state
+    app[STATE] = state
     app.add_routes(aws.routes() + gcp.routes() + azure.routes() + control.routes())
     return app
 

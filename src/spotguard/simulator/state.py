@@ -19,6 +19,8 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
+from aiohttp import web
+
 from spotguard.notices.timefmt import rfc1123, rfc3339
 
 CLOUDS = ("aws", "gcp", "azure")
@@ -419,3 +421,7 @@ def _new_id(cloud: str, kind: str) -> str:
     if cloud == "azure":
         return str(uuid.uuid4()).upper()
     return f"sim-{cloud}-{kind}-{secrets.token_hex(4)}"
+
+
+#: where the emulator's aiohttp application keeps its state
+STATE = web.AppKey("state", SimState)
