@@ -84,10 +84,13 @@ class FileSink:
         self._buf = bytearray()
         self._refs: list[asyncio.Task[ChunkRef]] = []
 
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Append ``data``; full chunks go to the pipeline (this waits when it is full)."""
+    def _raise_if_closed(self) -> None:
         if self.closed:
             raise ImageError(f"file {self.name!r} of the image is already closed")
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data``; full chunks go to the pipeline (this waits when it is full)."""
+        self._raise_if_closed()
         self._w._raise_if_failed()
         n = len(data)
         if n == 0:
@@ -177,6 +180,7 @@ class ImageWriter:
         self._by_addr: dict[str, asyncio.Task[ChunkRef]] = {}
         self._preexisting: set[str] = set()
         self._sem = asyncio.Semaphore(self.max_inflight)
+        self._free: list[bytearray] = []  # reusable read buffers (see _read_pooled)
         self._pool: ThreadPoolExecutor | None = None
         self._error: BaseException | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -271,15 +275,29 @@ class ImageWriter:
         sink = self.file(name or p.name, mode=st.st_mode & 0o7777)
         f = await asyncio.to_thread(p.open, "rb", buffering=0)
         try:
-            while True:
-                data = await asyncio.to_thread(f.read, self.chunk_size)
-                if not data:
-                    break
-                await sink.write(data)
+            if st.st_size < self.chunk_size:  # small file: one read, one chunk
+                await sink.write(await asyncio.to_thread(f.read))
+            else:
+                await self._read_pooled(f, sink)
         finally:
             await asyncio.to_thread(f.close)
         await sink.close()
         return FileEntry(name=sink.name, size=sink.size, mode=sink.mode)
+
+    async def _read_pooled(self, f: Any, sink: FileSink) -> None:
+        """Read whole chunks into reused buffers (``readinto``): fresh 64 MiB allocations cost
+        a page fault per 4 KiB on every chunk, which is most of the time on tmpfs-staged
+        images. A buffer goes back to the pool when its chunk is stored or skipped."""
+        while True:
+            buf = self._free.pop() if self._free else bytearray(self.chunk_size)
+            n = await asyncio.to_thread(f.readinto, buf)
+            if not n:
+                self._free.append(buf)
+                return
+            sink._raise_if_closed()
+            self._raise_if_failed()
+            sink.size += n
+            await self._submit(sink, memoryview(buf)[:n], release=buf)
 
     # --- the pipeline -------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -289,18 +307,29 @@ class ImageWriter:
     async def _cpu(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _submit(self, sink: FileSink, plain: bytes | memoryview) -> None:
-        await self._sem.acquire()
+    async def _submit(
+        self, sink: FileSink, plain: bytes | memoryview, release: bytearray | None = None
+    ) -> None:
+        try:
+            await self._sem.acquire()
+        except BaseException:
+            if release is not None:
+                self._free.append(release)
+            raise
         if self._error is not None:
             self._sem.release()
+            if release is not None:
+                self._free.append(release)
             raise self._error
         task = asyncio.create_task(self._process(plain))
         self._tasks.add(task)
         sink._refs.append(task)
-        task.add_done_callback(self._done)
+        task.add_done_callback(lambda t: self._done(t, release))
 
-    def _done(self, task: asyncio.Task[ChunkRef]) -> None:
+    def _done(self, task: asyncio.Task[ChunkRef], release: bytearray | None) -> None:
         self._sem.release()
+        if release is not None and not task.cancelled():
+            self._free.append(release)  # (a cancelled chunk's thread may still read it)
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
 
