@@ -1,4 +1,5 @@
-"""``spotguard run``, ``spotguard checkpoint`` and ``spotguard restore`` (local directories)."""
+"""``spotguard run``, ``spotguard checkpoint`` and ``spotguard restore`` (local directories, or
+store URLs through :mod:`spotguard.operations`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import click
 
+from spotguard import operations
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import gpu_hook
 from spotguard.checkpoint.engine import Engine, Mode
@@ -17,6 +19,7 @@ from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
 from spotguard.cli import config_file
 from spotguard.config import load, options
+from spotguard.image.settings import ImageSettings
 
 _RUN_ONLY = ("state_dir",)
 _ENGINE_EXCLUDE: tuple[str, ...] = ()
@@ -67,21 +70,37 @@ def run(
     "--to",
     "to",
     required=True,
-    type=click.Path(path_type=Path),
-    help="Directory to write the image to (created; must not hold an image).",
+    help=(
+        "Directory to write the image to (created; must not hold an image), or a store URL "
+        "(s3://, gs://, file://) to upload it to."
+    ),
 )
 @click.option("--leave-running", is_flag=True, help="Keep the job running after the dump.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @options(CheckpointSettings)
 @click.pass_context
 def checkpoint(
-    ctx: click.Context, /, job: str, to: Path, leave_running: bool, as_json: bool, **flags: Any
+    ctx: click.Context, /, job: str, to: str, leave_running: bool, as_json: bool, **flags: Any
 ) -> None:
-    """Freeze JOB (a pid or a job name) — CPU and GPU — into the directory --to."""
+    """Freeze JOB (a pid or a job name) — CPU and GPU — into the directory or store URL --to."""
     s = _settings(ctx, flags)
     info = resolve_job(job, state_dir=s.state_dir)
     mode = Mode.RESUME if leave_running else Mode.EXIT
-    result = asyncio.run(_engine(s).freeze(info, DirectoryTarget(to.absolute()), mode))
+    if operations.is_url(to):
+        image = load(ImageSettings, {}, config_file=config_file(ctx))
+        pushed = asyncio.run(
+            operations.checkpoint(info, to, mode=mode, settings=s, image_settings=image)
+        )
+        if as_json:
+            click.echo(json.dumps(pushed.to_json()))
+        else:
+            click.echo(
+                f"job {info.name} checkpointed to {pushed.image_url} ({mode}); "
+                f"{pushed.bytes} bytes, {pushed.skipped_bytes} already stored: "
+                f"{_steps(pushed.timeline.to_list())}"
+            )
+        return
+    result = asyncio.run(_engine(s).freeze(info, DirectoryTarget(Path(to).absolute()), mode))
     if as_json:
         click.echo(json.dumps(result.to_json()))
     else:
@@ -92,14 +111,29 @@ def checkpoint(
 
 
 @click.command("restore")
-@click.argument("image", type=click.Path(path_type=Path, exists=True, file_okay=False))
+@click.argument("image")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @options(CheckpointSettings)
 @click.pass_context
-def restore(ctx: click.Context, /, image: Path, as_json: bool, **flags: Any) -> None:
-    """Restore the job whose image is in the directory IMAGE; it continues where it stopped."""
+def restore(ctx: click.Context, /, image: str, as_json: bool, **flags: Any) -> None:
+    """Restore the job whose image is in the directory or at the store URL IMAGE
+    (``…/images/latest`` works); it continues where it stopped."""
     s = _settings(ctx, flags)
-    result = asyncio.run(_engine(s).restore(DirectorySource(image.absolute())))
+    if operations.is_url(image):
+        settings = load(ImageSettings, {}, config_file=config_file(ctx))
+        pulled = asyncio.run(operations.restore(image, settings=s, image_settings=settings))
+        if as_json:
+            click.echo(json.dumps(pulled.to_json()))
+        else:
+            click.echo(
+                f"job {pulled.job} restored from {pulled.image_url}: pid {pulled.pid}: "
+                f"{_steps(pulled.timeline.to_list())}"
+            )
+        return
+    path = Path(image)
+    if not path.is_dir():
+        raise click.BadParameter(f"directory {image!r} does not exist", param_hint="IMAGE")
+    result = asyncio.run(_engine(s).restore(DirectorySource(path.absolute())))
     if as_json:
         click.echo(json.dumps(result.to_json()))
     else:
