@@ -1,14 +1,24 @@
-"""Agent test helpers: a real HTTP controller endpoint that records agent events."""
+"""Agent test helpers: a real HTTP controller endpoint that records agent events, the sample
+job, one simulated host's places, and an agent running in the test's event loop."""
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import sys
 import threading
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
+
+from spotguard.agent.daemon import Agent
+from spotguard.agent.settings import AgentSettings
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.notices.settings import NoticeSettings
 
 TOKEN = "controller-token"
 
@@ -97,15 +107,11 @@ JOB_ARGS = ("--steps", "70", "--step-seconds", "0.05", "--mb", "4", "--seed", "7
 
 def job_argv(*args: str) -> list[str]:
     """The deterministic sample job (same arguments → byte-identical output)."""
-    import sys
-
     return [sys.executable, "-m", "spotguard.demo.job", *(args or JOB_ARGS)]
 
 
 async def job_output_when_done(job_dir: Any, limit_s: float = 60.0) -> str:
     """The job's stdout once its init wrote ``exit_status`` (the command ended)."""
-    from pathlib import Path
-
     d = Path(job_dir)
     await wait_until(lambda: (d / "exit_status").exists(), limit_s)
     return (d / "stdout").read_text()
@@ -118,3 +124,40 @@ def proc_state(pid: int) -> str | None:
             return f.read().rsplit(")", 1)[1].split()[0]
     except OSError:
         return None
+
+
+@dataclass
+class Host:
+    """One simulated VM's local places: state dir, in-memory staging, CRIU."""
+
+    state: Path
+    shm: Path
+    criu: str
+
+    def checkpoint_settings(self) -> CheckpointSettings:
+        return CheckpointSettings(state_dir=self.state, shm_dir=self.shm, criu=self.criu)
+
+
+@asynccontextmanager
+async def running_agent(
+    host: Host,
+    sink: EventSink | None,
+    *,
+    cloud: str = "aws",
+    **agent: Any,
+) -> AsyncIterator[Agent]:
+    """An :class:`Agent` running in this event loop until the block ends."""
+    agent.setdefault("api_listen", "127.0.0.1:0")
+    agent.setdefault("assignment", host.state / "no-assignment.json")
+    if sink is not None:
+        agent.setdefault("controller_url", sink.url)
+        agent.setdefault("controller_token", TOKEN)
+    settings = AgentSettings(**agent)
+    notices = NoticeSettings(cloud=cloud, poll_interval=0.2, long_poll=5, timeout=2.0)
+    daemon = Agent(settings, host.checkpoint_settings(), notices)
+    task = asyncio.create_task(daemon.run())
+    try:
+        yield daemon
+    finally:
+        daemon.request_stop()
+        await asyncio.wait_for(task, 60)

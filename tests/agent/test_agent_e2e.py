@@ -15,9 +15,17 @@ from typing import Any
 
 import aiohttp
 import pytest
-from agent_helpers import TOKEN, EventSink, job_argv, job_output_when_done, proc_state, wait_until
+from agent_helpers import (
+    TOKEN,
+    EventSink,
+    Host,
+    job_argv,
+    job_output_when_done,
+    proc_state,
+    running_agent,
+    wait_until,
+)
 
-from conftest import Host, running_agent
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, start_job

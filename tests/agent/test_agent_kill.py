@@ -12,9 +12,16 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from agent_helpers import TOKEN, EventSink, job_argv, job_output_when_done, proc_state, wait_until
+from agent_helpers import (
+    TOKEN,
+    EventSink,
+    Host,
+    job_argv,
+    job_output_when_done,
+    proc_state,
+    wait_until,
+)
 
-from conftest import Host
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import MARKER

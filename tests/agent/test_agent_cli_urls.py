@@ -1,0 +1,39 @@
+"""``spotguard checkpoint --to URL`` and ``spotguard restore URL`` (through operations.py),
+as real processes, end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from pathlib import Path
+
+import pytest
+from agent_helpers import Host, job_argv, job_output_when_done
+
+pytestmark = pytest.mark.criu
+
+
+async def spotguard(*args: str) -> dict[str, object]:
+    exe = Path(sys.executable).parent / "spotguard"
+    proc = await asyncio.create_subprocess_exec(
+        str(exe), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    result: dict[str, object] = json.loads(out)
+    return result
+
+
+async def test_checkpoint_to_url_and_restore_from_latest(
+    host: Host, tmp_path: Path, reference_output: str
+) -> None:
+    flags = ["--state-dir", str(host.state), "--shm-dir", str(host.shm), "--criu", host.criu]
+    started = await spotguard("run", "--name", "train", "--json", *flags[:2], "--", *job_argv())
+    store = f"file://{tmp_path}/store"
+    pushed = await spotguard("checkpoint", "train", "--to", store, "--json", *flags)
+    assert str(pushed["image_url"]).startswith(f"{store}/train/images/")
+    assert pushed["mode"] == "exit" and int(str(pushed["bytes"])) > 0
+    restored = await spotguard("restore", f"{store}/train/images/latest", "--json", *flags)
+    assert restored["job"] == "train" and restored["image_url"] == pushed["image_url"]
+    assert await job_output_when_done(Path(str(started["dir"]))) == reference_output
