@@ -143,7 +143,10 @@ def on_event(
     if kind is EventKind.RESTORED:
         if st is not JobState.RESTORING:
             return change(f"restored on {where} while {st.value} (recorded)", note=True)
-        if iid is not None and _iid(rec.pending) and iid != _iid(rec.pending):
+        # The agent names its instance as its metadata service does; the local provider's VM
+        # ids are not that, so restoring the assigned image identifies the new instance too.
+        same_image = ev.image_url is not None and ev.image_url == rec.image_url
+        if iid is not None and _iid(rec.pending) and iid != _iid(rec.pending) and not same_image:
             return change(f"restored on {where}, not the instance being restored", note=True)
         rec.state = JobState.PROTECTED
         rec.instance = dict(ev.instance) or dict(rec.pending or {})

@@ -1,0 +1,159 @@
+"""End to end on one machine, with real parts only: a real job frozen by real CRIU, real
+``spotguard agent`` processes, the metadata-sim injecting a spot notice, a file:// store,
+and the controller relaunching the job on a local "VM 2" through the local provider.
+The job's output must equal an uninterrupted run's."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import uuid
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import pytest
+
+from spotguard.checkpoint.jobs import start_job
+from spotguard.controller.server import ControllerServer
+from spotguard.controller.settings import ControllerSettings
+from spotguard.providers.local import LocalProvider, LocalSettings
+from spotguard.simulator import MetadataSim, SimFacts
+
+pytestmark = pytest.mark.criu
+
+TOKEN = "e2e-token"
+SPOTGUARD = str(Path(sys.executable).with_name("spotguard"))
+JOB = [sys.executable, "-m", "spotguard.demo.job"]
+JOB_ARGS = ["--steps", "120", "--step-seconds", "0.05", "--mb", "4", "--seed", "11", "--gpu", "no"]
+
+
+@pytest.fixture(scope="module")
+def reference() -> str:
+    """What the job prints when nothing interrupts it."""
+    return subprocess.run([*JOB, *JOB_ARGS], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.fixture
+async def sims() -> AsyncIterator[tuple[MetadataSim, MetadataSim]]:
+    """One metadata service per VM (VM 2 must not see VM 1's notice)."""
+    async with (
+        MetadataSim(facts=SimFacts(instance_id="i-0vm1vm1vm1vm1vm1")) as vm1,
+        MetadataSim(facts=SimFacts(instance_id="i-0vm2vm2vm2vm2vm2")) as vm2,
+    ):
+        yield vm1, vm2
+
+
+def agent_env(sim: MetadataSim, criu: str, shm: Path, **extra: str) -> dict[str, str]:
+    return {
+        **sim.env(),
+        "SPOTGUARD_CRIU": criu,
+        "SPOTGUARD_SHM_DIR": str(shm),
+        "SPOTGUARD_NOTICES_CLOUD": "aws",
+        "SPOTGUARD_NOTICES_POLL_INTERVAL": "0.2",
+        "SPOTGUARD_API_LISTEN": "127.0.0.1:0",
+        **extra,
+    }
+
+
+async def job_view(s: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    async with s.get(url + "/v1/jobs/train", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        out: dict[str, Any] = await r.json()
+        return out
+
+
+async def wait_for(s: aiohttp.ClientSession, url: str, state: str, within: float) -> dict[str, Any]:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within
+    while True:
+        v = await job_view(s, url)
+        if v.get("state") == state:
+            return v
+        assert loop.time() < end, f"job is {v.get('state')}: {v.get('reason')}"
+        await asyncio.sleep(0.1)
+
+
+async def test_spot_notice_on_vm1_job_continues_on_vm2_with_identical_output(
+    criu_bin: str, tmp_path: Path, sims: tuple[MetadataSim, MetadataSim], reference: str
+) -> None:
+    sim1, sim2 = sims
+    store = f"file://{tmp_path}/store"
+    shm = Path("/dev/shm") / f"spotguard-e2e-{uuid.uuid4().hex[:8]}"
+    vm1 = tmp_path / "vm1"
+    local = LocalProvider(
+        LocalSettings(
+            local_root=tmp_path / "local",
+            local_agent_command=[SPOTGUARD, "agent", "--exit-when-done"],
+            local_env=agent_env(sim2, criu_bin, shm / "vm2", SPOTGUARD_STORE=store),
+            local_gpus=False,
+        )
+    )
+    settings = ControllerSettings(
+        listen="127.0.0.1:0",
+        state=tmp_path / "controller.db",
+        controller_token=TOKEN,
+        tick_s=0.1,
+        restore_timeout_s=120,
+    )
+    job = await start_job([*JOB, *JOB_ARGS], "train", state_dir=vm1 / "state")
+    agent1: asyncio.subprocess.Process | None = None
+    try:
+        async with ControllerServer(settings, provider=local) as srv, aiohttp.ClientSession() as s:
+            env = {
+                **os.environ,
+                **agent_env(sim1, criu_bin, shm / "vm1"),
+                "SPOTGUARD_STATE_DIR": str(vm1 / "state"),
+                "SPOTGUARD_ASSIGNMENT": str(vm1 / "no-assignment.json"),
+                "SPOTGUARD_CONTROLLER_URL": srv.url,
+                "SPOTGUARD_CONTROLLER_TOKEN": TOKEN,
+            }
+            with (vm1 / "agent.log").open("ab") as log:
+                agent1 = await asyncio.create_subprocess_exec(
+                    *[SPOTGUARD, "agent", "--job", "train", "--store", store],
+                    env=env,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            await wait_for(s, srv.url, "protected", 30)
+            sim1.state.send("aws", "preempt", in_seconds=120)
+            v = await wait_for(s, srv.url, "finished", 120)
+            moves = [h["to"] for h in v["history"] if h["from"] != h["to"]]
+            assert moves == [
+                "protected",
+                "interrupting",
+                "checkpointed",
+                "launching",
+                "restoring",
+                "protected",
+                "finished",
+            ], v["history"]
+            assert v["instance"]["instance_id"] == "i-0vm2vm2vm2vm2vm2"
+            assert v["image_url"].startswith(f"{store}/train/images/")
+        vm2 = next((tmp_path / "local" / "vms").iterdir())
+        restored = json.loads((vm2 / "state" / "jobs" / "train" / "job.json").read_text())
+        out_dir = Path(restored.get("dir", vm2 / "state" / "jobs" / "train"))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 30
+        while not (out_dir / "exit_status").exists():
+            assert loop.time() < end, "the restored job did not finish"
+            await asyncio.sleep(0.1)
+        assert (out_dir / "stdout").read_text() == reference
+    finally:
+        if agent1 is not None and agent1.returncode is None:
+            os.killpg(agent1.pid, signal.SIGTERM)
+            await asyncio.wait_for(agent1.wait(), 30)
+        for vm in (tmp_path / "local" / "vms").glob("vm-*"):
+            vm_json = json.loads((vm / "vm.json").read_text())
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(int(vm_json["pid"]), signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job.pid, signal.SIGKILL)
+        shutil.rmtree(shm, ignore_errors=True)
