@@ -12,8 +12,9 @@ A VM launched for client token ``T`` lives in ``<root>/vms/vm-T/``::
 
 The agent is started as ``local_agent_command`` (default ``spotguard agent``) in its own
 process group with ``SPOTGUARD_ASSIGNMENT``, ``SPOTGUARD_STATE_DIR``,
-``SPOTGUARD_CONTROLLER_URL``, ``SPOTGUARD_CONTROLLER_TOKEN``, ``SPOTGUARD_LOCAL_VM_ID`` and
-``local_env``. ``terminate`` kills the process group; ``describe`` checks the process is alive.
+``SPOTGUARD_CONTROLLER_URL``, ``SPOTGUARD_CONTROLLER_TOKEN``, ``SPOTGUARD_LOCAL_VM_ID``,
+``SPOTGUARD_STORE`` (the assignment's store) and ``local_env``. ``terminate`` kills the process
+group; ``describe`` checks the process is alive.
 The same client token always names the same VM, so a repeated launch starts nothing new.
 """
 
@@ -217,6 +218,7 @@ class LocalProvider:
                 ASSIGNMENT_ENV: str(d / "assignment.json"),
                 "SPOTGUARD_STATE_DIR": str(d / "state"),
                 "SPOTGUARD_LOCAL_VM_ID": vm_id,
+                "SPOTGUARD_STORE": assignment.store,
                 **self.settings.local_env,
             }
             if assignment.controller_url:
