@@ -96,6 +96,13 @@ def _ref_of(d: dict[str, Any], provider: str) -> InstanceRef | None:
     )
 
 
+def _report_crash(task: asyncio.Task[None]) -> None:
+    """Log a job loop that died of an unexpected error (the next event restarts it)."""
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        log.error("job loop crashed", extra={"task": task.get_name(), "error": repr(exc)})
+
+
 def store_of(rec: JobRecord, default: str | None) -> str | None:
     """The job's store: reported, else configured, else read off the image URL."""
     if rec.store:
@@ -181,7 +188,9 @@ class Controller:
         task = self._loops.get(name)
         if task is None or task.done():
             self._wake.setdefault(name, asyncio.Event())
-            self._loops[name] = asyncio.create_task(self._loop(name), name=f"job:{name}")
+            task = asyncio.create_task(self._loop(name), name=f"job:{name}")
+            task.add_done_callback(_report_crash)
+            self._loops[name] = task
 
     def wake(self, name: str) -> None:
         ev = self._wake.get(name)
