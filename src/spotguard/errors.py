@@ -36,9 +36,10 @@ The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, ne
     │   ├── CapacityError           no capacity / price too low here: fail over
     │   ├── UnknownInstanceType     not in the catalog
     │   └── NoMatchingOffer         nothing anywhere can restore this image
-    └── ControllerError             the controller API or its state
-        ├── AuthError               missing or wrong token
-        └── StateError              the state file is unreadable or inconsistent
+    ├── ControllerError             the controller API or its state
+    │   ├── AuthError               missing or wrong token
+    │   └── StateError              the state file is unreadable or inconsistent
+    └── DemoError                   ``spotguard demo``: a link of the chain did not hold (names it)
 """
 
 from __future__ import annotations
@@ -202,3 +203,12 @@ class AuthError(ControllerError):
 
 class StateError(ControllerError):
     """The controller's state file is unreadable or inconsistent."""
+
+
+class DemoError(SpotguardError):
+    """``spotguard demo``: one link of the end-to-end chain did not hold; ``step`` names it."""
+
+    def __init__(self, step: str, message: str) -> None:
+        super().__init__(f"{step}: {message}")
+        self.step = step
+        self.reason = message
