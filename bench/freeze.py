@@ -81,9 +81,9 @@ def _du(path: Path) -> int:
 
 
 async def _engine_run(
-    engine: Engine, argv: list[str], name: str, state: Path, shm: Path
+    engine: Engine, gpu: bool, argv: list[str], name: str, state: Path, shm: Path
 ) -> dict[str, float]:
-    job = await start_job(argv, name, state_dir=state)
+    job = await start_job(argv, name, state_dir=state, pid_namespace=not gpu)
     await _ready(job)
     t0 = time.perf_counter()
     res = await engine.freeze(job, DirectoryTarget(shm / name), Mode.EXIT)
@@ -111,7 +111,7 @@ async def _engine_run(
 async def _bare_run(
     criu: Criu, gpu: bool, argv: list[str], name: str, state: Path, shm: Path
 ) -> dict[str, float]:
-    job = await start_job(argv, name, state_dir=state)
+    job = await start_job(argv, name, state_dir=state, pid_namespace=not gpu)
     await _ready(job)
     images = shm / name
     images.mkdir(parents=True)
@@ -209,7 +209,7 @@ async def main() -> int:
     for i, gib in enumerate(sizes):
         argv = [sys.executable, "-c", src, str(gib)]
         try:
-            e = await _engine_run(engine, argv, f"e{i}", work / "state", shm)
+            e = await _engine_run(engine, args.gpu, argv, f"e{i}", work / "state", shm)
             b = await _bare_run(criu, args.gpu, argv, f"b{i}", work / "state", shm)
         except Exception as exc:  # noqa: BLE001 - report the size that failed, keep going
             print(f"| {gib} | failed: {exc} |")

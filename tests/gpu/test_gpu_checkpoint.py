@@ -71,9 +71,14 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
     settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
     engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
     job = await start_job(
-        [*JOB, "--step-seconds", "0.05"], "gpu-train", state_dir=settings.state_dir, env=ENV
+        [*JOB, "--step-seconds", "0.05"],
+        "gpu-train",
+        state_dir=settings.state_dir,
+        env=ENV,
+        pid_namespace=False,
     )
     out = job.dir / "stdout"
+    err = job.dir / "stderr"
     try:
         await _wait(lambda: len(_lines(out)) > 10, "first training steps")
         paused = await engine.freeze(job, DirectoryTarget(tmp_path / "img-resume"), Mode.RESUME)
@@ -97,6 +102,9 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
         assert exit_status(restored.job) == 0
         assert _lines(out) == ref
         print(f"losses bit-identical to the reference over {len(ref)} lines")
+    except BaseException:
+        print("job stderr:", err.read_text()[-3000:] if err.exists() else "(none)")
+        raise
     finally:
         for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
             proctree.signal_all([pid], signal.SIGKILL)

@@ -6,8 +6,13 @@ and pass signals on (a plain program as PID 1 ignores SIGTERM). This file is exe
 (``python -I jobinit.py DIR -- CMD ...``) so the init holds only the interpreter, not
 spotguard and its libraries: that keeps every image a few MB smaller.
 
-Steps: unshare(CLONE_NEWPID) → fork (the child is PID 1 of the new namespace and prints its
-host pid on stdout for the caller) → the launcher exits → the init starts a new session,
+CUDA cannot initialise inside a PID namespace that still sees the host's /proc (driver error
+304 on the H100 machines), so GPU jobs are started with ``--no-pid-ns``: then the init is an
+ordinary reaper and restore needs the job's PIDs to be free (preflight checks).
+
+Steps: unshare(CLONE_NEWPID) (unless --no-pid-ns) → fork (the child is PID 1 of the new
+namespace and prints its host pid on stdout for the caller) → the launcher exits → the init
+starts a new session,
 points stdin at /dev/null and stdout/stderr at ``DIR/stdout`` / ``DIR/stderr`` (append-only),
 forks the command, forwards signals to it, reaps every child and, when the command ends,
 writes its exit code to ``DIR/exit_status`` and exits with it (the namespace ends with it).
@@ -87,11 +92,16 @@ def _init(job_dir: str, argv: list[str]) -> int:
 
 
 def main() -> int:
-    if len(sys.argv) < 4 or sys.argv[2] != "--":
-        sys.stderr.write("usage: jobinit.py JOB_DIR -- CMD [ARG...]\n")
+    args = sys.argv[1:]
+    pid_ns = "--no-pid-ns" not in args[:2]
+    if not pid_ns:
+        args.remove("--no-pid-ns")
+    if len(args) < 3 or args[1] != "--":
+        sys.stderr.write("usage: jobinit.py JOB_DIR [--no-pid-ns] -- CMD [ARG...]\n")
         return 2
-    job_dir, argv = sys.argv[1], sys.argv[3:]
-    _unshare_pid()
+    job_dir, argv = args[0], args[2:]
+    if pid_ns:
+        _unshare_pid()
     pid = os.fork()
     if pid != 0:
         sys.stdout.write(f"{pid}\n")

@@ -93,11 +93,13 @@ async def start_job(
     state_dir: Path,
     cwd: str | Path | None = None,
     env: dict[str, str] | None = None,
+    pid_namespace: bool = True,
 ) -> JobInfo:
     """Start ``argv`` as a checkpointable job and return its :class:`JobInfo`.
 
     Own session, own PID namespace, stdin from /dev/null, stdout/stderr appended to files in
-    the job directory. A name already used by a live job is refused.
+    the job directory. A name already used by a live job is refused. ``pid_namespace=False``
+    is for GPU jobs: CUDA does not initialise in a PID namespace sharing the host's /proc.
     """
     if not argv:
         raise ConfigError("no command given (usage: spotguard run [--name N] -- CMD ...)")
@@ -118,6 +120,7 @@ async def start_job(
         "-I",
         jobinit.__file__,
         str(jdir),
+        *([] if pid_namespace else ["--no-pid-ns"]),
         "--",
         *argv,
         stdin=asyncio.subprocess.DEVNULL,

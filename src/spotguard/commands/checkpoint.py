@@ -42,6 +42,11 @@ def _steps(timeline: list[dict[str, Any]]) -> str:
 @click.command("run", context_settings={"ignore_unknown_options": True})
 @click.option("--name", help="Job name (default: from the command, plus a random suffix).")
 @click.option("--json", "as_json", is_flag=True, help='Print {"job": ..., "pid": ...}.')
+@click.option(
+    "--pid-namespace/--no-pid-namespace",
+    default=True,
+    help="Own PID namespace (default). GPU jobs need --no-pid-namespace (docs/limits.md).",
+)
 @options(
     CheckpointSettings,
     exclude=tuple(n for n in CheckpointSettings.model_fields if n not in _RUN_ONLY),
@@ -49,7 +54,13 @@ def _steps(timeline: list[dict[str, Any]]) -> str:
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
 def run(
-    ctx: click.Context, /, name: str | None, as_json: bool, command: tuple[str, ...], **flags: Any
+    ctx: click.Context,
+    /,
+    name: str | None,
+    as_json: bool,
+    pid_namespace: bool,
+    command: tuple[str, ...],
+    **flags: Any,
 ) -> None:
     """Start COMMAND as a job that can be checkpointed and restored elsewhere.
 
@@ -57,7 +68,9 @@ def run(
     <state_dir>/jobs/<name>/stdout and stderr. Example: spotguard run --name train -- python t.py
     """
     s = _settings(ctx, flags)
-    job = asyncio.run(start_job(list(command), name, state_dir=s.state_dir))
+    job = asyncio.run(
+        start_job(list(command), name, state_dir=s.state_dir, pid_namespace=pid_namespace)
+    )
     if as_json:
         click.echo(json.dumps({"job": job.name, "pid": job.pid, "dir": str(job.dir)}))
     else:
