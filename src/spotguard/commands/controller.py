@@ -13,10 +13,12 @@ from spotguard.cli import config_file
 from spotguard.config import load, options
 from spotguard.controller.client import ControllerClient
 from spotguard.controller.settings import ClientSettings, ControllerSettings
+from spotguard.notices.fleet import FleetSettings
 
 
 @click.command("controller")
 @options(ControllerSettings, exclude=("state", "controller_token"))
+@options(FleetSettings)
 @click.option(
     "--state",
     "state",
@@ -32,13 +34,21 @@ from spotguard.controller.settings import ClientSettings, ControllerSettings
 )
 @click.pass_context
 def controller(ctx: click.Context, /, **flags: Any) -> None:
-    """Run the controller: relaunch matching instances and restore jobs."""
+    """Run the controller: relaunch matching instances and restore jobs.
+
+    With a fleet queue (--queue-url, SPOTGUARD_FLEET_QUEUE_URL or [fleet] queue_url) it also
+    reads EC2 interruption events routed by EventBridge to SQS, so a job is recovered even
+    when its agent died with the VM.
+    """
     from spotguard.controller.server import serve_forever
+    from spotguard.notices.fleet import SqsFleetSource
 
     cfg = config_file(ctx)
     settings = load(ControllerSettings, flags, config_file=cfg)
+    fleet = load(FleetSettings, flags, config_file=cfg)
     settings.token()  # refuse to start without one
-    asyncio.run(serve_forever(settings, cfg))
+    source = SqsFleetSource.from_settings(fleet)
+    asyncio.run(serve_forever(settings, cfg, sources=[source] if source is not None else []))
 
 
 def _client(ctx: click.Context, flags: dict[str, Any]) -> ControllerClient:

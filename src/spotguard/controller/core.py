@@ -46,6 +46,7 @@ from spotguard.errors import (
     SpotguardError,
     UnknownInstanceType,
 )
+from spotguard.notices.backoff import Backoff
 from spotguard.notices.base import Notice, NoticeSource
 from spotguard.providers.base import (
     CloudProvider,
@@ -173,16 +174,33 @@ class Controller:
             self._start_source(source)
 
     def _start_source(self, source: NoticeSource) -> None:
-        self._source_tasks.append(asyncio.create_task(self._watch(source)))
+        task = asyncio.create_task(self._watch(source), name=f"source:{source.name}")
+        task.add_done_callback(_report_crash)
+        self._source_tasks.append(task)
 
     async def _watch(self, source: NoticeSource) -> None:
-        async for notice in source.watch():
+        """Apply every notice of ``source``; a failing source (queue unreachable, throttled,
+        access denied) is logged and watched again after a capped, jittered backoff."""
+        backoff = Backoff(1.0, 60.0)
+        while self._running:
             try:
-                await self.handle_notice(notice)
-            except SpotguardError as exc:
+                async for notice in source.watch():
+                    backoff.reset()
+                    try:
+                        await self.handle_notice(notice)
+                    except SpotguardError as exc:
+                        log.warning(
+                            "fleet notice not applied",
+                            extra={"source": source.name, "error": str(exc)},
+                        )
+                return
+            except NoticeError as exc:
+                delay = backoff.next()
                 log.warning(
-                    "fleet notice not applied", extra={"source": source.name, "error": str(exc)}
+                    "notice source failed; retrying",
+                    extra={"source": source.name, "error": str(exc), "retry_in": round(delay, 2)},
                 )
+                await asyncio.sleep(delay)
 
     def _ensure_loop(self, name: str) -> None:
         task = self._loops.get(name)

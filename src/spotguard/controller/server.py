@@ -90,11 +90,20 @@ class ControllerServer:
         await self.db.close()
 
 
-async def serve_forever(settings: ControllerSettings, config_file: str | None = None) -> None:
-    """Run until SIGINT/SIGTERM (the ``spotguard controller`` command)."""
+async def serve_forever(
+    settings: ControllerSettings,
+    config_file: str | None = None,
+    *,
+    sources: Iterable[NoticeSource] = (),
+) -> None:
+    """Run until SIGINT/SIGTERM (the ``spotguard controller`` command); ``sources`` are
+    notice sources seen outside the VMs (the fleet queue)."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    async with ControllerServer(settings, config_file=config_file):
+    sources = list(sources)
+    for src in sources:
+        log.info("watching fleet notices", extra={"source": src.name})
+    async with ControllerServer(settings, config_file=config_file, sources=sources):
         await stop.wait()
