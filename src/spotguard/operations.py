@@ -37,7 +37,7 @@ from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget, plan_
 from spotguard.config import load
 from spotguard.errors import CheckpointError, ImageError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts, InstanceFacts
-from spotguard.image import ImageReader, ImageSettings, Manifest, push_dir
+from spotguard.image import ImageReader, ImageSettings, Manifest, TransferStats, push_dir
 from spotguard.image.transfer import pull_to_tmp
 from spotguard.planner import Plan, Planner, estimate
 from spotguard.timeline import Timeline
@@ -145,19 +145,120 @@ def _frozen_at(fr: FreezeResult) -> tuple[float, float]:
 
 
 def _plan(
-    job: JobInfo, store_url: str, deadline: datetime | None, settings: CheckpointSettings
+    job: JobInfo,
+    store_url: str,
+    deadline: datetime | None,
+    settings: CheckpointSettings,
+    stream: bool,
 ) -> tuple[Planner | None, Plan | None]:
     """The deadline planner's choice (None when the planner cannot run here)."""
     try:
         planner = Planner(state_dir=settings.state_dir)
         left = (deadline - datetime.now(UTC)).total_seconds() if deadline else None
         plan = planner.plan(
-            estimate(job.pid), deadline_s=left, store_url=store_url, stream=False, pid=job.pid
+            estimate(job.pid), deadline_s=left, store_url=store_url, stream=stream, pid=job.pid
         )
     except (SpotguardError, OSError) as exc:
         log.warning("deadline planner unavailable", extra={"job": job.name, "error": str(exc)})
         return None, None
     return planner, plan
+
+
+def _call(on_frozen: OnFrozen | None, frozen_at: float, job: JobInfo) -> None:
+    if on_frozen is None:
+        return
+    try:
+        on_frozen(frozen_at)
+    except Exception as exc:  # a caller's callback must never lose the image
+        log.error("on_frozen callback failed", exc_info=exc, extra={"job": job.name})
+
+
+class _Progress:
+    """Keeps the last transfer counters an image writer reported."""
+
+    def __init__(self) -> None:
+        self.stats: TransferStats | None = None
+
+    def __call__(self, stats: TransferStats) -> None:
+        self.stats = stats
+
+
+def _stream_target(
+    store_url: str, job: JobInfo, image_settings: ImageSettings | None
+) -> tuple[Any, _Progress] | None:
+    """A streaming dump target for ``store_url``, or None when streaming is unavailable here
+    (then the image is staged and pushed)."""
+    try:
+        from spotguard.stream.target import StreamTarget
+    except ImportError as exc:
+        log.info(
+            "streaming unavailable; staging the image instead",
+            extra={"job": job.name, "step": "plan", "error": str(exc)},
+        )
+        return None
+    progress = _Progress()
+    options: dict[str, Any] = {"progress": progress}
+    if image_settings is not None:
+        options["settings"] = image_settings
+    return StreamTarget(store_url, writer_options=options), progress
+
+
+async def _checkpoint_streamed(
+    eng: Engine,
+    job: JobInfo,
+    mode: Mode,
+    stream: tuple[Any, _Progress],
+    level: int | None,
+    image_meta: dict[str, Any],
+    on_frozen: OnFrozen | None,
+    planner: Planner | None,
+    plan: Plan | None,
+    inst: InstanceFacts,
+) -> CheckpointResult:
+    """Freeze straight into the store: dump, compression and upload overlap; the manifest is
+    committed by the target once CRIU succeeded (so the image is durable when freeze returns)."""
+    target, progress = stream
+    target.level = level
+    fr = await eng.freeze(job, target, mode)
+    durable_at = time.time()
+    frozen_at, freeze_seconds = _frozen_at(fr)
+    _call(on_frozen, frozen_at, job)
+    fr.timeline.steps.extend(target.timeline_steps)
+    manifest = target.manifest
+    stats = progress.stats
+    total = manifest.totals.bytes if manifest is not None else 0
+    raw = stats.bytes if stats is not None else total
+    stored = stats.stored_bytes if stats is not None else 0
+    if planner is not None and plan is not None:
+        planner.record(
+            plan,
+            seconds={
+                "gpu_checkpoint": fr.timeline.seconds("gpu_checkpoint") or 0.0,
+                "stream": fr.timeline.seconds("stream_durable") or 0.0,
+                "total": durable_at - (frozen_at - freeze_seconds),
+            },
+            raw_bytes=raw,
+            stored_bytes=stored,
+        )
+    return CheckpointResult(
+        job=job.name,
+        image_url=str(target.url),
+        mode=str(mode),
+        bytes=raw,
+        stored_bytes=stored,
+        skipped_bytes=stats.bytes_skipped if stats is not None else 0,
+        timeline=fr.timeline,
+        gpu=fr.gpu,
+        host=fr.host,
+        instance=inst,
+        frozen_at=frozen_at,
+        freeze_seconds=freeze_seconds,
+        pause_seconds=fr.pause_seconds if mode is Mode.RESUME else None,
+        durable_at=durable_at,
+        streamed=True,
+        plan=image_meta.get("plan"),
+        manifest=manifest.model_dump(mode="json", exclude={"files"}) if manifest else {},
+    )
 
 
 async def checkpoint(
@@ -176,10 +277,11 @@ async def checkpoint(
 ) -> CheckpointResult:
     """Checkpoint ``job`` into a new image in the store at ``store_url``.
 
-    Plans against ``deadline`` (when given), freezes through the engine into a staging
-    directory (tmpfs or disk, chosen by the engine's target from the memory budget), calls
-    ``on_frozen`` as soon as the state is in host memory, then pushes the directory (chunked,
-    deduplicated, manifest last) and removes the staging copy. In ``exit`` mode the job is
+    Plans against ``deadline`` (when given). With ``stream`` (and streaming available) the
+    engine dumps straight into the store (:class:`~spotguard.stream.target.StreamTarget`);
+    otherwise into a staging directory (tmpfs or disk, chosen from the memory budget) that is
+    then pushed (chunked, deduplicated, manifest last) and removed. ``on_frozen`` is called as
+    soon as the state is in host memory (streamed: once the dump ended). In ``exit`` mode the job is
     stopped once its image is complete in staging. Any failure raises a
     :class:`~spotguard.errors.SpotguardError`; the job is never left frozen (the engine's
     guarantee) and no manifest is written for a failed upload (the writer's guarantee).
@@ -188,37 +290,34 @@ async def checkpoint(
     eng = engine or engine_for(s)
     m = Mode(mode)
     inst = instance or InstanceFacts()
-    if stream:
-        log.info(
-            "streaming is not available in this build; staging instead",
-            extra={"job": job.name, "step": "plan"},
-        )
-    planner, plan = _plan(job, store_url, deadline, s)
+    stream_target = _stream_target(store_url, job, image_settings) if stream else None
+    planner, plan = _plan(job, store_url, deadline, s, stream_target is not None)
     if plan is not None and plan.mode == "keep-periodic":
         raise CheckpointError(
             f"{job.name}: an image cannot be durable before the deadline ({plan.reason})"
+        )
+    level = plan.level if plan is not None else None
+    image_meta: dict[str, Any] = {"instance": inst.to_json(), **(meta or {})}
+    if plan is not None:
+        image_meta["plan"] = plan.to_json()
+    if stream_target is not None:
+        return await _checkpoint_streamed(
+            eng, job, m, stream_target, level, image_meta, on_frozen, planner, plan, inst
         )
     target = DirectoryTarget(
         shm_root=s.shm_dir, disk_root=s.disk_staging_dir, margin=s.memory_margin
     )
     fr = await eng.freeze(job, target, m)
     frozen_at, freeze_seconds = _frozen_at(fr)
-    if on_frozen is not None:
-        try:
-            on_frozen(frozen_at)
-        except Exception as exc:  # a caller's callback must never lose the image
-            log.error("on_frozen callback failed", exc_info=exc, extra={"job": job.name})
-    image_meta = {
-        "mode": str(m),
-        "gpu": fr.gpu.to_json(),
-        "host": fr.host.to_json(),
-        "instance": inst.to_json(),
-        "criu_version": fr.meta.criu_version,
-        "staging": fr.staging.to_json(),
-        "frozen_at": datetime.fromtimestamp(frozen_at, UTC).isoformat(),
-        "plan": plan.to_json() if plan is not None else None,
-        **(meta or {}),
-    }
+    _call(on_frozen, frozen_at, job)
+    image_meta.update(
+        mode=str(m),
+        gpu=fr.gpu.to_json(),
+        host=fr.host.to_json(),
+        criu_version=fr.meta.criu_version,
+        staging=fr.staging.to_json(),
+        frozen_at=datetime.fromtimestamp(frozen_at, UTC).isoformat(),
+    )
     try:
         push = await push_dir(
             fr.images_dir,
@@ -226,7 +325,7 @@ async def checkpoint(
             job.name,
             image_meta,
             settings=image_settings,
-            level=plan.level if plan is not None else None,
+            level=level,
             timeline=fr.timeline,
         )
     finally:
@@ -296,9 +395,11 @@ async def restore(
 ) -> RestoreResult:
     """Restore the image at ``image_url`` (``…/images/latest`` works) on this host.
 
-    Downloads and verifies it into staging (tmpfs when it fits, else disk), then hands it to
-    the engine, whose preflight refuses a mismatched host before anything is touched. The job
-    runs again when this returns. ``job_name``, when given, must match the image's job.
+    A streamed image is served to CRIU straight from the store; any other is downloaded and
+    verified into staging (tmpfs when it fits, else disk). Either goes to the engine, whose
+    preflight refuses a mismatched host before anything is touched. The job runs again when
+    this returns. ``job_name``, when given, must match the image's job. (``stream`` is
+    accepted for symmetry; how an image was written decides how it is read.)
     """
     s = settings or load(CheckpointSettings)
     eng = engine or engine_for(s)
@@ -307,14 +408,23 @@ async def restore(
         raise ImageError(f"{image_url} holds job {manifest.job!r}, not {job_name!r}")
     tl = Timeline()
     need = manifest.totals.bytes
-    staging = plan_staging(need, s.shm_dir, s.disk_staging_dir, s.memory_margin)
-    tl.mark("staging", mode=staging.mode, path=staging.path, reason=staging.reason)
-    await asyncio.to_thread(Path(staging.path).mkdir, parents=True, exist_ok=True)
-    pulled = await pull_to_tmp(image_url, staging.path, settings=image_settings, timeline=tl)
-    try:
-        rr = await eng.restore(DirectorySource(pulled.dest), state_dir=s.state_dir)
-    finally:
-        await asyncio.to_thread(shutil.rmtree, pulled.dest, True)
+    if "stream" in manifest.meta:
+        # Written by a streamed dump: serve CRIU straight from the store, nothing staged.
+        from spotguard.stream.target import StreamSource
+
+        tl.mark("staging", mode="stream", path=image_url, reason="streamed image")
+        rr = await eng.restore(StreamSource(image_url), state_dir=s.state_dir)
+        url = image_url
+    else:
+        staging = plan_staging(need, s.shm_dir, s.disk_staging_dir, s.memory_margin)
+        tl.mark("staging", mode=staging.mode, path=staging.path, reason=staging.reason)
+        await asyncio.to_thread(Path(staging.path).mkdir, parents=True, exist_ok=True)
+        pulled = await pull_to_tmp(image_url, staging.path, settings=image_settings, timeline=tl)
+        try:
+            rr = await eng.restore(DirectorySource(pulled.dest), state_dir=s.state_dir)
+        finally:
+            await asyncio.to_thread(shutil.rmtree, pulled.dest, True)
+        url = pulled.image_url
     tl.steps.extend(rr.timeline.steps)
     log.info(
         "image restored",
@@ -322,12 +432,12 @@ async def restore(
             "job": rr.job.name,
             "step": "restored",
             "pid": rr.pid,
-            "image_url": pulled.image_url,
+            "image_url": url,
             "bytes": need,
             "seconds": round(tl.span(), 3),
         },
     )
-    return RestoreResult(rr.job.name, rr.pid, pulled.image_url, tl, rr.meta.gpu, rr.job.dir)
+    return RestoreResult(rr.job.name, rr.pid, url, tl, rr.meta.gpu, rr.job.dir)
 
 
 async def recover(job: JobInfo, *, settings: CheckpointSettings | None = None) -> bool:
