@@ -76,6 +76,13 @@ class Metrics:
             ["outcome"],
             registry=self.registry,
         )
+        self.duplicates = Counter(
+            "spotguard_controller_duplicate_events",
+            "Events that repeated news already applied (retried reports; a notice reported "
+            "by both the agent and the fleet queue)",
+            ["kind"],
+            registry=self.registry,
+        )
         self.jobs = Gauge(
             "spotguard_controller_jobs", "Jobs by state", ["state"], registry=self.registry
         )
@@ -240,6 +247,12 @@ class Controller:
                 "event",
                 extra={"job": ev.job, "kind": ev.kind.value, "state": rec.state.value},
             )
+        else:
+            self.metrics.duplicates.labels(ev.kind.value).inc()
+            log.info(
+                "duplicate event",
+                extra={"job": ev.job, "kind": ev.kind.value, "event_id": ev.event_id},
+            )
         if self._running:
             self._ensure_loop(ev.job)
             self.wake(ev.job)
@@ -254,8 +267,11 @@ class Controller:
             return None
         for rec in await self.db.jobs():
             if str(rec.instance.get("instance_id") or "") == iid and rec.state not in TERMINAL:
+                # Notice ids hold no instance id (two instances warned in the same second
+                # share one), so the event id names the job and instance too.
+                eid = f"{notice.cloud.value}-{rec.name}-{iid}-{notice.id}-{int(notice.cancelled)}"
                 ev = AgentEvent(
-                    event_id=f"{notice.cloud.value}-{notice.id}-{int(notice.cancelled)}",
+                    event_id=eid,
                     job=rec.name,
                     kind=EventKind.NOTICE,
                     instance=rec.instance,

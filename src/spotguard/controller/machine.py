@@ -76,6 +76,32 @@ def _spec_from(ev: AgentEvent, old: dict[str, Any]) -> dict[str, Any]:
     return spec.to_json()
 
 
+#: How many (instance, notice) keys a job remembers for dedup of fleet and agent reports.
+NOTICES_REMEMBERED = 32
+
+
+def _notice_origin(notice: dict[str, Any]) -> str:
+    return "the fleet queue" if notice.get("cloud") == "fleet" else "the agent"
+
+
+def _seen_notice(rec: JobRecord, iid: str | None, notice: dict[str, Any]) -> dict[str, Any] | None:
+    """Whether this notice (per instance, id and cancellation) was applied already; if not,
+    remember it. The fleet source's ids equal the on-VM AWS source's for the same
+    interruption (:mod:`spotguard.notices.fleet`), so whichever report comes second — under
+    its own event id — is recognised here. Notice ids carry no instance id, hence the key."""
+    nid = notice.get("id")
+    if not nid:
+        return None
+    key = f"{iid or _iid(rec.instance) or '-'}|{nid}|{int(bool(notice.get('cancelled')))}"
+    seen: dict[str, Any] = rec.data.setdefault("notices_seen", {})
+    if key in seen:
+        return dict(seen[key])
+    seen[key] = {"origin": _notice_origin(notice), "at": time.time()}
+    for old in sorted(seen, key=lambda k: seen[k]["at"])[: max(0, len(seen) - NOTICES_REMEMBERED)]:
+        del seen[old]
+    return None
+
+
 def relaunch(rec: JobRecord, reason: str, *, drain: bool, terminate_old: bool) -> Change:
     """Move to LAUNCHING for a new round, queueing the old instance for termination."""
     rec.state = JobState.LAUNCHING
@@ -186,6 +212,17 @@ def on_event(
 
     if kind is EventKind.NOTICE:
         notice = ev.notice or {}
+        seen = _seen_notice(rec, iid, notice)
+        if seen is not None:
+            detail["duplicate_of"] = seen
+            return Change(
+                rec,
+                f"duplicate notice {notice.get('id')} from {_notice_origin(notice)} on {where} "
+                f"(already applied from {seen['origin']})",
+                detail,
+                note=True,
+                duplicate=True,
+            )
         if notice.get("cancelled"):
             if st is JobState.INTERRUPTING:
                 rec.state = JobState.PROTECTED

@@ -136,7 +136,10 @@ class JobRecord:
 class Change:
     """What a change function returns: the new record, and a history line when it says why.
 
-    A history row is written when the state changes or ``note`` is set.
+    A history row is written when the state changes or ``note`` is set. ``duplicate`` marks
+    an event that repeats news already applied under another event id (the same notice from
+    the agent and from the fleet queue): it is recorded, and the caller is told it changed
+    nothing.
     """
 
     record: JobRecord
@@ -144,6 +147,7 @@ class Change:
     detail: dict[str, Any] = field(default_factory=dict)
     note: bool = False
     image: tuple[str, int | None] | None = None
+    duplicate: bool = False
 
 
 class StateDB:
@@ -239,7 +243,8 @@ class StateDB:
         fn: Callable[[JobRecord | None], Change | None],
         event: tuple[str, str, str] | None,
     ) -> tuple[JobRecord | None, bool]:
-        """Apply ``fn`` in one transaction. Returns (record after, whether it changed).
+        """Apply ``fn`` in one transaction. Returns (record after, whether it changed; false
+        for a seen event id and for a change marked ``duplicate``).
 
         ``event`` = (event_id, kind, body): a seen id makes the call a no-op.
         """
@@ -287,7 +292,7 @@ class StateDB:
                     (name, change.image[0], now, change.image[1]),
                 )
             c.execute("COMMIT")
-            return rec, True
+            return rec, not change.duplicate
         except sqlite3.Error as exc:
             if c.in_transaction:
                 c.execute("ROLLBACK")
