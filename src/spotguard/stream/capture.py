@@ -132,6 +132,8 @@ class Capture:
         self._task: asyncio.Task[None] | None = None
         self._files: set[asyncio.Task[None]] = set()
         self._fds: set[int] = set()
+        self._conn: protocol.Connection | None = None
+        self._idle = False  # parked waiting for CRIU's next request
 
     @property
     def socket_path(self) -> Path:
@@ -167,6 +169,41 @@ class Capture:
         await self._task
         return self.stats
 
+    async def settle(self) -> CaptureStats:
+        """CRIU has written every file (it waits in its post-dump step, or has exited): take
+        what is still queued on the socket, wait until every file reached the sink, stop.
+
+        The engine completes an image while the tree is still frozen and CRIU still holds
+        the socket open, so end-of-socket cannot be the signal there.
+        """
+        assert self._task is not None, "Capture.start() first"
+        while not self._task.done() and not (self._idle and not self._queued()):  # noqa: ASYNC110 - polls socket state, no event to wait on
+            await asyncio.sleep(0.002)
+        if self._task.done():
+            return await self.wait()
+        while self._files:
+            done, _ = await asyncio.wait(self._files, return_when=asyncio.FIRST_EXCEPTION)
+            for t in done:
+                self._files.discard(t)
+                t.result()
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        return self.stats
+
+    def _queued(self) -> bool:
+        """Whether CRIU has sent bytes we have not read yet (EOF counts as not queued)."""
+        import socket
+
+        if self._conn is None:
+            return True  # not even connected yet
+        try:
+            return bool(self._conn.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT))
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return False
+
     async def abort(self) -> None:
         """Stop at once: close the socket and every pipe (CRIU sees EPIPE), drop pending
         pieces. Safe to call more than once."""
@@ -190,11 +227,14 @@ class Capture:
 
         assert isinstance(listener, socket.socket)
         conn = await protocol.accept(listener)
+        self._conn = conn
         log.debug("criu connected to the capture socket", extra={"dir": str(self.images_dir)})
         try:
             while True:
                 try:
+                    self._idle = True
                     name = await conn.read_request()
+                    self._idle = False
                     if name is None:
                         break
                     fd = await conn.recv_pipe()

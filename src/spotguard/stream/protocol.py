@@ -150,6 +150,10 @@ class Connection:
         self._loop = asyncio.get_running_loop()
         self._fds: list[int] = []
 
+    @property
+    def sock(self) -> socket.socket:
+        return self._sock
+
     async def _wait_readable(self) -> None:
         from spotguard.stream.pipes import wait_fd
 

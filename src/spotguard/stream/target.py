@@ -1,0 +1,368 @@
+"""The engine's seams, streamed: :class:`StreamTarget` (a ``DumpTarget``) and
+:class:`StreamSource` (a ``RestoreSource``).
+
+``StreamTarget`` points CRIU (``--stream``) at a small local directory whose capture socket
+feeds an :class:`~spotguard.image.ImageWriter` directly: CRIU's dump, chunking, zstd frames
+and uploads run at the same time and no staging copy of the image ever exists. Host memory
+stays near the job's own memory plus the writer's bounded in-flight chunks. The image becomes
+visible only when :meth:`StreamTarget.finish` commits the manifest, after CRIU exited 0; a
+failed or killed dump (``abort``) leaves chunks nobody references and no manifest.
+
+``StreamSource`` serves ``criu restore --stream`` from an image URL: each file CRIU asks for is
+downloaded, verified and decompressed (pipelined, ahead of CRIU) and fed into CRIU's pipe.
+
+Which files are CRIU's and which travel with the image (the engine's ``extras_dir``: captured
+output files, metadata) is recorded under ``meta["stream"]`` in the manifest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from spotguard.errors import ImageError, StreamError
+from spotguard.stream import protocol
+from spotguard.stream.capture import Capture, CaptureStats
+from spotguard.stream.serve import Serve, ServeStats
+from spotguard.timeline import Step, Timeline
+
+if TYPE_CHECKING:
+    from spotguard.checkpoint.meta import ImageMeta
+    from spotguard.checkpoint.targets import StagingPlan
+    from spotguard.image.manifest import Manifest
+    from spotguard.image.reader import ImageReader
+    from spotguard.image.writer import FileSink, ImageWriter
+    from spotguard.store.base import ImageStore
+
+log = logging.getLogger(__name__)
+
+MiB = 1 << 20
+STREAM_KEY = "stream"
+
+
+class _ImageFileOut:
+    """A captured file going into the image writer; renamed when CRIU writes a name twice."""
+
+    def __init__(self, sink: FileSink) -> None:
+        self._sink = sink
+
+    async def write(self, data: bytes) -> None:
+        # Whole chunks as ``bytes`` take the writer's no-copy path.
+        await self._sink.write(data if isinstance(data, bytes) else bytes(data))
+
+    async def close(self) -> None:
+        await self._sink.close()
+
+
+class ImageSink:
+    """:class:`~spotguard.stream.capture.CaptureSink` over an open ``ImageWriter``.
+
+    CRIU opens image files with O_TRUNC, so a name written twice means the newer content
+    wins; the image keeps both (the writer never replaces a file) and ``renames`` says which
+    stored name is the current one.
+    """
+
+    def __init__(self, writer: ImageWriter) -> None:
+        self.writer = writer
+        self.names: list[str] = []
+        self.renames: dict[str, str] = {}
+        self._seen: dict[str, int] = {}
+
+    def file(self, name: str) -> _ImageFileOut:
+        n = self._seen.get(name, 0) + 1
+        self._seen[name] = n
+        stored = name if n == 1 else f"{name}.v{n}"
+        if n > 1:
+            self.renames[name] = stored
+        else:
+            self.names.append(name)
+        return _ImageFileOut(self.writer.file(stored))
+
+
+_SUN_PATH_MAX = 107  # bytes of a unix socket path (sockaddr_un.sun_path, NUL excluded)
+
+
+def _workdir(root: Path | None, prefix: str) -> Path:
+    """A private work dir whose socket paths fit a unix socket address; falls back to
+    ``/tmp`` when ``root`` is too deep (CRIU and we both bind/connect by path)."""
+    base = root or Path(os.environ.get("TMPDIR", "/tmp"))
+    longest = len("/criu/") + len(protocol.CAPTURE_SOCKET) + 16
+    if len(os.fsencode(base)) + len(prefix) + longest > _SUN_PATH_MAX:
+        base = Path("/tmp")
+    base.mkdir(parents=True, exist_ok=True)
+    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+
+
+def _walk(root: Path) -> list[tuple[Path, str]]:
+    out = []
+    for dirpath, _dirs, files in os.walk(root):
+        for f in sorted(files):
+            p = Path(dirpath) / f
+            if p.is_file() and not p.is_symlink():
+                out.append((p, p.relative_to(root).as_posix()))
+    return out
+
+
+def _step(
+    out: list[Step], timeline: Timeline | None, name: str, start: float, end: float, **detail: Any
+) -> None:
+    step = Step(name=name, start=start, seconds=end - start, detail=detail)
+    out.append(step)
+    if timeline is not None:
+        timeline.steps.append(step)
+
+
+class StreamTarget:
+    """Dump straight into an image store (``DumpTarget`` with ``stream = True``).
+
+    >>> target = StreamTarget("s3://bucket/images", level=1)        # doctest: +SKIP
+    >>> result = await engine.freeze(job, target, mode)             # doctest: +SKIP
+    >>> target.manifest.image_id                                    # doctest: +SKIP
+    """
+
+    stream = True
+
+    def __init__(
+        self,
+        store_url: str | ImageStore,
+        *,
+        image_id: str | None = None,
+        level: int | None = None,
+        work_root: Path | None = None,
+        piece_bytes: int | None = None,
+        buffer_bytes: int = 256 * MiB,
+        timeline: Timeline | None = None,
+        writer_options: dict[str, Any] | None = None,
+    ) -> None:
+        self.store_url = store_url
+        self.image_id = image_id
+        self.level = level
+        self.work_root = work_root
+        self.piece_bytes = piece_bytes
+        self.buffer_bytes = buffer_bytes
+        self.timeline = timeline
+        self.timeline_steps: list[Step] = []
+        self.writer_options = dict(writer_options or {})
+        self.manifest: Manifest | None = None
+        self.capture_stats: CaptureStats | None = None
+        self.plan: StagingPlan | None = None
+        self._work: Path | None = None
+        self._writer: ImageWriter | None = None
+        self._sink: ImageSink | None = None
+        self._capture: Capture | None = None
+        self._t0 = 0.0
+
+    @property
+    def images_dir(self) -> Path:
+        if self._work is None:
+            raise StreamError("StreamTarget used before start()")
+        return self._work / "criu"
+
+    @property
+    def extras_dir(self) -> Path:
+        if self._work is None:
+            raise StreamError("StreamTarget used before start()")
+        return self._work / "extras"
+
+    @property
+    def url(self) -> str | None:
+        """The image URL (known after start; complete only after finish)."""
+        return self._writer.url if self._writer is not None else None
+
+    async def start(self, job: str, need_bytes: int) -> StagingPlan:
+        """Open the image writer and listen on the capture socket (before CRIU starts)."""
+        from spotguard.checkpoint.targets import StagingPlan
+        from spotguard.image.writer import ImageWriter
+
+        self._t0 = time.time()
+        self._work = _workdir(self.work_root, "sg-dump-")
+        self.images_dir.mkdir()
+        self.extras_dir.mkdir()
+        opts = dict(self.writer_options)
+        if self.level is not None:
+            opts["level"] = self.level
+        writer = ImageWriter(self.store_url, job, self.image_id, **opts)
+        try:
+            await writer.__aenter__()
+        except BaseException:
+            shutil.rmtree(self._work, ignore_errors=True)
+            raise
+        self._writer = writer
+        self._sink = ImageSink(writer)
+        self._capture = Capture(
+            self.images_dir,
+            self._sink,
+            piece_bytes=self.piece_bytes or writer.chunk_size,
+            buffer_bytes=self.buffer_bytes,
+        )
+        await self._capture.start()
+        inflight = writer.max_inflight * writer.chunk_size
+        self.plan = StagingPlan(
+            "stream",
+            writer.url,
+            need_bytes,
+            0,
+            f"streamed to the store; at most {inflight >> 20} MiB of chunks in flight",
+        )
+        log.info(
+            "streaming image",
+            extra={"image": writer.url, "need_bytes": need_bytes, "level": writer.level},
+        )
+        return self.plan
+
+    async def finish(self, meta: ImageMeta) -> None:
+        """CRIU wrote the image (it waits frozen in post-dump, or exited 0): wait for the last
+        pieces, add the extras, commit the manifest."""
+        assert self._capture is not None and self._writer is not None and self._sink is not None
+        try:
+            stats = await self._capture.settle()
+            self.capture_stats = stats
+            if not stats.files:
+                raise StreamError("criu finished but streamed no image files")
+            extras = _walk(self.extras_dir)
+            names = {n for _, n in extras}
+            clash = names & set(self._sink.names)
+            if clash:
+                raise StreamError(f"extra files clash with CRIU's image files: {sorted(clash)}")
+            meta.write(self.extras_dir)
+            for path, name in _walk(self.extras_dir):
+                await self._writer.add_file(path, name)
+            t_commit = time.time()
+            body = meta.to_json()
+            body[STREAM_KEY] = {
+                "criu_files": self._sink.names,
+                "renames": self._sink.renames,
+                "extras": [n for _, n in _walk(self.extras_dir)],
+                "capture": stats.to_json(),
+            }
+            self.manifest = await self._writer.commit(body)
+            done = time.time()
+            url = self._writer.url
+        except BaseException:
+            await self.abort()
+            raise
+        steps, tl = self.timeline_steps, self.timeline
+        _step(steps, tl, "stream_capture", stats.started, stats.finished or done, **stats.to_json())
+        _step(self.timeline_steps, self.timeline, "image_commit", t_commit, done, image=url)
+        _step(self.timeline_steps, self.timeline, "stream_durable", self._t0, done, image=url)
+        log.info(
+            "image durable",
+            extra={"image": url, "seconds": round(done - self._t0, 3),
+                   "bytes": stats.bytes, "peak_buffered": stats.peak_buffered},
+        )  # fmt: skip
+        await self._close(None)
+
+    async def abort(self) -> None:
+        """The dump failed or was cancelled: close CRIU's pipes, write no manifest."""
+        if self._capture is not None:
+            await self._capture.abort()
+        await self._close(StreamError("dump aborted"))
+
+    async def _close(self, exc: BaseException | None) -> None:
+        writer, self._writer = self._writer, None
+        if writer is not None:
+            with contextlib.suppress(Exception):
+                await writer.__aexit__(type(exc) if exc else None, exc, None)
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+
+
+class _ReaderSource:
+    """:class:`~spotguard.stream.serve.ServeSource` over an open ``ImageReader``."""
+
+    def __init__(self, reader: ImageReader, criu_files: set[str], renames: dict[str, str]):
+        self.reader = reader
+        self.criu_files = criu_files
+        self.renames = renames
+
+    def exists(self, name: str) -> bool:
+        return name in self.criu_files
+
+    def iter_file(self, name: str) -> AsyncIterator[bytes]:
+        return self.reader.iter_file(self.renames.get(name, name))
+
+
+class StreamSource:
+    """Restore straight from an image URL (``RestoreSource`` with ``stream = True``)."""
+
+    stream = True
+
+    def __init__(self, image_url: str, *, work_root: Path | None = None) -> None:
+        self.image_url = image_url
+        self.work_root = work_root
+        self.serve_stats: ServeStats | None = None
+        self._work: Path | None = None
+        self._reader: ImageReader | None = None
+        self._serve: Serve | None = None
+
+    @property
+    def images_dir(self) -> Path:
+        if self._work is None:
+            raise StreamError("StreamSource used before start()")
+        return self._work / "criu"
+
+    @property
+    def extras_dir(self) -> Path:
+        if self._work is None:
+            raise StreamError("StreamSource used before start()")
+        return self._work / "extras"
+
+    async def start(self) -> ImageMeta:
+        """Open the image, fetch its extras, and listen on the serve socket."""
+        from spotguard.checkpoint.meta import ImageMeta
+        from spotguard.image.reader import ImageReader
+
+        self._work = _workdir(self.work_root, "sg-serve-")
+        self.images_dir.mkdir()
+        self.extras_dir.mkdir()
+        reader = ImageReader(self.image_url)
+        try:
+            await reader.open()
+            self._reader = reader
+            info = reader.manifest.meta.get(STREAM_KEY)
+            if not isinstance(info, dict):
+                raise ImageError(f"{self.image_url} was not written by a streamed dump")
+            for name in info.get("extras", []):
+                dest = self.extras_dir / name
+                dest.parent.mkdir(parents=True, exist_ok=True)
+                with dest.open("wb") as f:
+                    async for data in reader.iter_file(name):
+                        f.write(data)
+            meta = ImageMeta.read(self.extras_dir)
+            self._serve = Serve(
+                self.images_dir,
+                _ReaderSource(reader, set(info.get("criu_files", [])), info.get("renames", {})),
+            )
+            await self._serve.start()
+        except BaseException:
+            await self.abort()
+            raise
+        return meta
+
+    async def finish(self) -> None:
+        """CRIU restore exited 0: every file it asked for has been fed."""
+        try:
+            if self._serve is not None:
+                self.serve_stats = await self._serve.wait()
+        finally:
+            await self._close()
+
+    async def abort(self) -> None:
+        if self._serve is not None:
+            await self._serve.abort()
+        await self._close()
+
+    async def _close(self) -> None:
+        reader, self._reader = self._reader, None
+        if reader is not None:
+            await reader.aclose()
+        if self._work is not None:
+            shutil.rmtree(self._work, ignore_errors=True)
+            self._work = None

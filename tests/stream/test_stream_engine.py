@@ -1,0 +1,173 @@
+"""Streamed freeze and restore of real CPU jobs through the engine, with real CRIU.
+
+Images go to a file:// store and to S3 (a real moto server); the restored job's output must
+equal an uninterrupted run's. Failures: the streamer killed mid-dump, CRIU killed mid-stream —
+the job keeps running and no image becomes visible.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+
+from conftest import MIB, STEPS, wait_done, wait_lines
+from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import JobInfo, start_job
+from spotguard.errors import CheckpointError, ImageNotFound
+from spotguard.image.catalog import latest_image
+from spotguard.image.reader import ImageReader
+from spotguard.store import open_store
+from spotguard.store.base import ImageStore, ObjectInfo
+from spotguard.stream import StreamSource, StreamTarget
+
+pytestmark = [
+    pytest.mark.criu,
+    # the store's retry policy passes tenacity's renamed 'initial' argument (store area)
+    pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning"),
+]
+
+SMALL = {"chunk_size": 1 << 20, "max_inflight": 2}
+
+
+async def _start(job_script: Path, state_dir: Path, name: str) -> JobInfo:
+    job = await start_job(
+        [sys.executable, str(job_script), str(STEPS), str(MIB)], name, state_dir=state_dir
+    )
+    await wait_lines(job.dir / "stdout", 5)
+    return job
+
+
+def _kill_tree(pid: int) -> None:
+    with contextlib.suppress(psutil.Error):
+        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+@pytest.fixture
+def s3_store(aws_env: str) -> str:
+    import boto3
+
+    boto3.client("s3").create_bucket(Bucket="stream-images")
+    return "s3://stream-images/images"
+
+
+@pytest.mark.parametrize("backend", ["file", "s3"])
+async def test_streamed_freeze_and_restore_match_an_uninterrupted_run(
+    backend: str,
+    criu_bin: str,
+    job_script: Path,
+    reference_output: str,
+    tmp_path: Path,
+    request: pytest.FixtureRequest,
+) -> None:
+    store = (
+        f"file://{tmp_path / 'store'}" if backend == "file" else request.getfixturevalue("s3_store")
+    )
+    engine = Engine(Criu(criu_bin))
+    job = await _start(job_script, tmp_path / "state", f"stream-{backend}")
+    target = StreamTarget(store, work_root=tmp_path / "work", writer_options=SMALL)
+    result = await engine.freeze(job, target, Mode.EXIT)
+    assert target.manifest is not None and target.url is None  # committed, writer closed
+    assert not psutil.pid_exists(job.pid) or psutil.Process(job.pid).status() == "zombie"
+    names = [s.name for s in target.timeline_steps]
+    assert {"stream_capture", "image_commit", "stream_durable"} <= set(names)
+    assert result.timeline.seconds("criu_dump") is not None
+    url = await latest_image(store, job.name)
+    assert url is not None and url.endswith(target.manifest.image_id)
+    stats = target.capture_stats
+    assert stats is not None and stats.bytes >= MIB << 20  # the job's memory went through
+
+    source = StreamSource(url, work_root=tmp_path / "work")
+    restored = await engine.restore(source, state_dir=tmp_path / "state")
+    try:
+        assert source.serve_stats is not None
+        assert source.serve_stats.bytes == stats.bytes  # every byte CRIU wrote was fed back
+        out = await wait_done(job.dir / "stdout")
+        assert out == reference_output
+    finally:
+        _kill_tree(restored.pid)
+
+
+class GatedStore:
+    """A file store whose chunk uploads stop after ``allow`` until ``gate`` opens: a slow
+    store, so CRIU is provably mid-dump (blocked on a full pipe) when the test strikes."""
+
+    def __init__(self, inner: ImageStore, allow: int = 2) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.allow = allow
+        self.gate = asyncio.Event()
+        self.blocked = asyncio.Event()
+
+    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if "/chunks/" in key:
+            if self.allow <= 0:
+                self.blocked.set()
+                await self.gate.wait()
+            self.allow -= 1
+        await self.inner.put(key, data, if_absent=if_absent)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        return await self.inner.list(prefix)
+
+
+def _criu_children() -> list[psutil.Process]:
+    me = psutil.Process()
+    return [p for p in me.children(recursive=True) if p.name() == "criu" or "criu" in p.exe()]
+
+
+@pytest.mark.parametrize("strike", ["streamer", "criu"])
+async def test_killed_mid_stream_leaves_job_running_and_no_image(
+    strike: str,
+    criu_bin: str,
+    job_script: Path,
+    reference_output: str,
+    tmp_path: Path,
+) -> None:
+    store_url = f"file://{tmp_path / 'store'}"
+    gated = GatedStore(open_store(store_url))
+    engine = Engine(Criu(criu_bin))
+    job = await _start(job_script, tmp_path / "state", f"strike-{strike}")
+    target = StreamTarget(gated, work_root=tmp_path / "work", writer_options=SMALL)  # type: ignore[arg-type]
+    freeze = asyncio.create_task(engine.freeze(job, target, Mode.EXIT))
+    await asyncio.wait_for(gated.blocked.wait(), 30)  # CRIU is now blocked mid-dump
+    image_url = target.url
+    assert image_url is not None
+    if strike == "streamer":
+        assert target._capture is not None
+        await target._capture.abort()  # what a dead streamer looks like to CRIU: EPIPE
+    else:
+        (criu,) = _criu_children()
+        os.kill(criu.pid, signal.SIGKILL)
+        await asyncio.sleep(0.2)
+    gated.gate.set()
+    with pytest.raises(CheckpointError):
+        await asyncio.wait_for(freeze, 60)
+
+    # The job runs on, untouched: its output still matches an uninterrupted run.
+    assert psutil.pid_exists(job.pid)
+    try:
+        assert await wait_done(job.dir / "stdout") == reference_output
+    finally:
+        _kill_tree(job.pid)
+    # Chunks may have reached the store, but no image exists: no manifest, nothing to read.
+    chunks = await gated.inner.list(f"{job.name}/chunks/")
+    assert chunks, "the dump was stopped before any chunk was stored"
+    assert await latest_image(store_url, job.name) is None
+    with pytest.raises(ImageNotFound):
+        async with ImageReader(image_url):
+            pass
+    await gated.inner.aclose()
