@@ -45,7 +45,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
+from spotguard.errors import CheckpointError, CriuError, GpuError, JobError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
@@ -413,6 +413,29 @@ class Engine:
 
     # --- restore ---------------------------------------------------------------------------
 
+    async def _criu_restore(self, source: RestoreSource, meta: ImageMeta) -> int:
+        """``criu restore``; for a job without its own PID namespace, wait (up to the
+        ``pid_wait`` setting) while the kernel still holds a PID of the job just killed —
+        CRIU then fails with "Can't fork ... File exists" for seconds after a kill."""
+        s = self.settings
+        deadline = asyncio.get_running_loop().time() + s.pid_wait
+        while True:
+            try:
+                return await self.criu.restore(
+                    source.images_dir,
+                    stream=source.stream,
+                    tcp_established=s.tcp_established,
+                    manage_cgroups=s.manage_cgroups,
+                    time_limit=s.criu_timeout,
+                )
+            except CriuError as exc:
+                if meta.root_ns_pid == 1 or source.stream or not _pid_still_held(exc):
+                    raise
+                if asyncio.get_running_loop().time() > deadline:
+                    raise
+                log.info("a PID of the image is still held by the kernel; retrying")
+                await asyncio.sleep(1.0)
+
     async def restore(
         self, source: RestoreSource, *, state_dir: Path | None = None
     ) -> RestoreResult:
@@ -436,13 +459,7 @@ class Engine:
                 await asyncio.to_thread(files.put_back, meta.files, source.extras_dir)
             with tl.step("criu_restore"):
                 await self.faults.before("criu_restore")
-                pid = await self.criu.restore(
-                    source.images_dir,
-                    stream=source.stream,
-                    tcp_established=s.tcp_established,
-                    manage_cgroups=s.manage_cgroups,
-                    time_limit=s.criu_timeout,
-                )
+                pid = await self._criu_restore(source, meta)
             by_ns = proctree.host_pids_by_ns_pid(pid)
             gpu_pids = [by_ns[n] for n in meta.gpu_processes if n in by_ns]
             if len(gpu_pids) != len(meta.gpu_processes):
@@ -474,6 +491,10 @@ class Engine:
             raise CheckpointError(f"restore failed: {exc}") from exc
         log.info("job restored", extra={"job": job.name, "pid": pid, "gpu_pids": gpu_pids})
         return RestoreResult(job, pid, tl, meta, gpu_pids)
+
+
+def _pid_still_held(exc: CriuError) -> bool:
+    return "Can't fork for" in exc.log_tail and "File exists" in exc.log_tail
 
 
 def _failed_step(tl: Timeline) -> str | None:

@@ -47,6 +47,11 @@ class CheckpointSettings(Settings):
         default=None,
         description="criu --manage-cgroups mode (soft, full, strict, ignore; default: off)",
     )
+    pid_wait: float = Field(
+        default=120.0,
+        ge=0,
+        description="Seconds restore waits for PIDs of a just-killed job without own PID namespace",
+    )
     shm_dir: Path = Field(
         default=Path("/dev/shm/spotguard"), description="Staging directory in memory (tmpfs)"
     )
