@@ -31,6 +31,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from spotguard.contracts import AgentEvent, Assignment, EventKind
+from spotguard.controller.imagefacts import image_spec
 from spotguard.controller.machine import on_event, relaunch
 from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, StateDB
@@ -442,6 +443,46 @@ class Controller:
 
         await self._set(rec, mutate)
 
+    async def _spec_from_image(self, rec: JobRecord) -> JobRecord:
+        """Before a round: the launch spec from the image's manifest, once per image.
+
+        The manifest's GPU facts describe what restoring that image needs, so they win over
+        what reports said (or did not say: a fall-back without a DURABLE report, or a report
+        without GPU facts). An unreadable manifest keeps the recorded spec and says why.
+        """
+        url = rec.image_url
+        if not url or rec.data.get("spec_image") == url:
+            return rec
+        recorded = LaunchSpec.from_json(rec.spec)
+        try:
+            spec = await image_spec(url, recorded)
+        except SpotguardError as exc:
+            msg = f"cannot read the manifest of {url} ({exc}); launching for the reported facts"
+            log.warning("image manifest unreadable", extra={"job": rec.name, "error": str(exc)})
+
+            def keep(r: JobRecord) -> Change:
+                r.data["spec_image"] = url
+                return Change(r, msg, note=True)
+
+            return await self._set(rec, keep) or rec
+
+        def adopt(r: JobRecord) -> Change:
+            r.data["spec_image"] = url
+            if spec is None:
+                msg = f"the manifest of {url} holds no GPU facts; keeping the reported spec"
+                return Change(r, msg, note=True)
+            r.spec = spec.to_json()
+            where = spec.instance_type or "any type"
+            return Change(
+                r,
+                f"launch spec from the image's manifest: {spec.describe_gpus()}, ran on {where} "
+                f"(reports said {recorded.describe_gpus()})",
+                {"spec": r.spec},
+                note=True,
+            )
+
+        return await self._set(rec, adopt) or rec
+
     def _assignment(self, rec: JobRecord, offer_hint: dict[str, Any]) -> Assignment:
         store = store_of(rec, self.settings.default_store)
         if rec.image_url is None or store is None:
@@ -475,6 +516,7 @@ class Controller:
             if rec.restarts >= s.max_restarts:
                 await self._set(rec, self._fail(f"max restarts ({s.max_restarts}) reached"))
                 return
+            rec = await self._spec_from_image(rec)
             token = uuid.uuid4().hex[:16]
 
             def begin(r: JobRecord) -> Change:
