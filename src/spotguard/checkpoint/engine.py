@@ -413,13 +413,19 @@ class Engine:
 
     # --- restore ---------------------------------------------------------------------------
 
-    async def _criu_restore(self, source: RestoreSource, meta: ImageMeta) -> int:
+    async def _criu_restore(
+        self, source: RestoreSource, meta: ImageMeta, detail: dict[str, Any]
+    ) -> int:
         """``criu restore``; for a job without its own PID namespace, wait (up to the
         ``pid_wait`` setting) while the kernel still holds a PID of the job just killed —
         CRIU then fails with "Can't fork ... File exists" for seconds after a kill."""
         s = self.settings
-        deadline = asyncio.get_running_loop().time() + s.pid_wait
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        deadline = start + s.pid_wait
         while True:
+            attempt = loop.time()
+            detail["pid_wait_s"] = attempt - start
             try:
                 return await self.criu.restore(
                     source.images_dir,
@@ -431,7 +437,7 @@ class Engine:
             except CriuError as exc:
                 if meta.root_ns_pid == 1 or source.stream or not _pid_still_held(exc):
                     raise
-                if asyncio.get_running_loop().time() > deadline:
+                if loop.time() > deadline:
                     raise
                 log.info("a PID of the image is still held by the kernel; retrying")
                 await asyncio.sleep(1.0)
@@ -457,9 +463,9 @@ class Engine:
             with tl.step("put_files", files=len(meta.files)):
                 await self.faults.before("put_files")
                 await asyncio.to_thread(files.put_back, meta.files, source.extras_dir)
-            with tl.step("criu_restore"):
+            with tl.step("criu_restore") as rs:
                 await self.faults.before("criu_restore")
-                pid = await self._criu_restore(source, meta)
+                pid = await self._criu_restore(source, meta, rs.detail)
             by_ns = proctree.host_pids_by_ns_pid(pid)
             gpu_pids = [by_ns[n] for n in meta.gpu_processes if n in by_ns]
             if len(gpu_pids) != len(meta.gpu_processes):
