@@ -1,6 +1,8 @@
 """A stand-in for ``spotguard agent`` in a local VM: reads the assignment the controller
 delivered and reports RESTORING then RESTORED (or RESTORE_FAILED with STANDIN_FAIL=<Error>),
 shaped exactly like the agent's AgentEvents, over real HTTP. Then stays up like a VM would.
+With STANDIN_LOSE_FIRST=<file>, the first VM (the one that finds no such file: it creates it)
+reports RESTORING and then dies before restoring, like a spot instance taken back at once.
 
 It exists so the controller's side of restore-on-boot is tested independently of the agent.
 """
@@ -44,6 +46,15 @@ def main() -> int:
             detail=detail,
         ),
     )
+    marker = os.environ.get("STANDIN_LOSE_FIRST")
+    if marker:
+        try:
+            with open(marker, "x") as f:
+                f.write(instance["instance_id"])
+        except FileExistsError:
+            pass
+        else:
+            return 0
     fail = os.environ.get("STANDIN_FAIL")
     if fail:
         post(

@@ -341,3 +341,87 @@ async def test_jobs_list_show_and_migrate_commands(api_factory: Factory) -> None
     assert rc == 0, err
     assert "launching" in out
     await api.wait_state("cli-job", "protected")
+
+
+async def relaunched(api: Api, job: str, tmp_path: Path) -> dict[str, Any]:
+    """A job relaunched onto a local VM by the controller (image durable, VM 1 exited)."""
+    await api.event(job, EventKind.STARTED, instance=VM1)
+    image = f"file://{tmp_path}/store/{job}/images/20261122T000000000000Z-abc123"
+    await api.event(job, EventKind.EXITED, instance=VM1, image_url=image)
+    return await api.wait_state(job, "protected")
+
+
+def vm_alive(prov: LocalProvider, vm_id: str) -> Any:
+    ref = InstanceRef("local", vm_id, "local", "local-1", "local", Market.ON_DEMAND)
+    return prov.describe(ref)
+
+
+async def test_job_finished_terminates_the_instance_the_controller_launched(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    api, _, prov = await api_factory()
+    view = await relaunched(api, "done-job", tmp_path)
+    vm = view["instance"]["instance_id"]
+    assert (await vm_alive(prov, vm)).state.value == "running"
+    r = await api.event("done-job", EventKind.JOB_FINISHED, instance=view["instance"])
+    assert r["state"] == "finished"
+    assert "terminating the instance the controller launched" in r["reason"]
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 20
+    while (await vm_alive(prov, vm)).state.value != "terminated":
+        assert loop.time() < end, "the finished job's VM still runs"
+        await asyncio.sleep(0.05)
+    vm_json = json.loads((tmp_path / "local" / "vms" / vm / "vm.json").read_text())
+    assert vm_json["terminated"] is True
+    hist = (await api.get("/v1/jobs/done-job"))["history"]
+    assert any(f"terminated old instance(s) ['{vm}']" in h["reason"] for h in hist)
+
+
+async def test_job_finished_keeps_the_instance_when_configured(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    api, _, prov = await api_factory(terminate_finished=False)
+    view = await relaunched(api, "keep-job", tmp_path)
+    vm = view["instance"]["instance_id"]
+    r = await api.event("keep-job", EventKind.JOB_FINISHED, instance=view["instance"])
+    assert r["state"] == "finished"
+    after = await api.get("/v1/jobs/keep-job")
+    assert after["data"].get("terminate", []) == []  # nothing queued for termination
+    assert (await vm_alive(prov, vm)).state.value == "running"
+
+
+async def test_instance_lost_while_restoring_is_a_failed_attempt(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    marker = tmp_path / "lost-first"
+    api, _, _ = await api_factory(env={"STANDIN_LOSE_FIRST": str(marker)}, liveness_s=0.1)
+    view = await relaunched(api, "lost-job", tmp_path)
+    lost_vm = marker.read_text()
+    assert view["instance"]["instance_id"] != lost_vm  # the second VM restored the job
+    assert view["restarts"] == 2
+    gone = [h for h in view["history"] if f"instance {lost_vm} is terminated" in h["reason"]]
+    assert [(h["from"], h["to"]) for h in gone] == [("restoring", "launching")]
+    moves = [(h["from"], h["to"]) for h in view["history"] if h["from"] != h["to"]]
+    assert moves == [
+        (None, "protected"),
+        ("protected", "launching"),
+        ("launching", "restoring"),
+        ("restoring", "launching"),
+        ("launching", "restoring"),
+        ("restoring", "protected"),
+    ]
+
+
+async def test_instance_lost_while_restoring_counts_against_max_restarts(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    marker = tmp_path / "lost-once"
+    api, _, _ = await api_factory(
+        env={"STANDIN_LOSE_FIRST": str(marker)}, liveness_s=0.1, max_restarts=1
+    )
+    await api.event("lost-max", EventKind.STARTED, instance=VM1)
+    image = f"file://{tmp_path}/store/lost-max/images/20261122T000000000000Z-abc123"
+    await api.event("lost-max", EventKind.EXITED, instance=VM1, image_url=image)
+    view = await api.wait_state("lost-max", "failed")
+    assert view["reason"] == "max restarts (1) reached"
+    assert any("is terminated before the job was restored" in h["reason"] for h in view["history"])

@@ -144,6 +144,7 @@ class Controller:
         self._loops: dict[str, asyncio.Task[None]] = {}
         self._wake: dict[str, asyncio.Event] = {}
         self._source_tasks: list[asyncio.Task[None]] = []
+        self._checked: dict[str, float] = {}  # "<job>:<instance>" → last liveness check
         self._running = False
         #: What new instances report to (the server sets the bound port when listening on :0).
         self.public_url = settings.public_url()
@@ -236,6 +237,7 @@ class Controller:
                 default_store=s.default_store,
                 default_notice_s=s.default_notice_s,
                 terminate_old=s.terminate_old,
+                terminate_finished=s.terminate_finished,
             )
 
         body = ev.model_dump_json()
@@ -501,7 +503,7 @@ class Controller:
         s = self.settings
         if rec.launch_token:
             found = await self.provider.find_by_token(rec.launch_token)
-            if found is not None:
+            if found is not None and found.state is not InstanceState.TERMINATED:
                 ref = found
 
                 def adopt(r: JobRecord) -> Change:
@@ -546,6 +548,9 @@ class Controller:
             types_per_zone=s.types_per_zone,
             limit=s.max_candidates,
         )
+        skip = set(rec.data.get("skip_offers") or [])
+        if skip:  # offers whose instance was lost this interruption go last-resort only
+            cands = [c for c in cands if c.label() not in skip] or cands
         if not cands:
             where = target.get("region") or ", ".join(self.provider.regions())
             why = f"no offer matches {spec.describe_gpus()} anywhere in {where}"
@@ -617,6 +622,26 @@ class Controller:
             await self.provider.terminate(ref)
         return False
 
+    @staticmethod
+    def _abandon(ref: InstanceRef, reason: str) -> Any:
+        """A failed attempt: queue ``ref`` for termination and start a new round (counted
+        against ``max_restarts``) that tries the other offers before this one's."""
+
+        def mutate(r: JobRecord) -> Change:
+            r.data.setdefault("terminate", []).append(ref.to_json())
+            label = f"{ref.instance_type}@{ref.zone}/{ref.market.value}"
+            skip = r.data.setdefault("skip_offers", [])
+            if label not in skip:
+                skip.append(label)
+            r.pending = None
+            r.state = JobState.LAUNCHING
+            r.launch_token = None
+            r.launch_attempt = 0
+            r.reason = reason
+            return Change(r, reason, {"instance": ref.to_json()})
+
+        return mutate
+
     async def _restoring(self, rec: JobRecord) -> None:
         s = self.settings
         if rec.pending is None:
@@ -626,18 +651,8 @@ class Controller:
             try:
                 ready = await self.provider.wait_ready(ref, s.ready_timeout_s)
             except ProviderError as exc:
-                err = str(exc)
-
-                def lost(r: JobRecord) -> Change:
-                    r.data.setdefault("terminate", []).append(ref.to_json())
-                    r.pending = None
-                    r.state = JobState.LAUNCHING
-                    r.launch_token = None
-                    r.launch_attempt = 0
-                    r.reason = f"instance {ref.instance_id} did not come up: {err}"
-                    return Change(r, r.reason)
-
-                await self._set(rec, lost)
+                why = f"instance {ref.instance_id} did not come up: {exc}"
+                await self._set(rec, self._abandon(ref, why))
                 return
 
             def running(r: JobRecord) -> Change:
@@ -647,17 +662,23 @@ class Controller:
             await self._set(rec, running)
             return
         if time.time() > rec.since + s.restore_timeout_s:
-
-            def timeout(r: JobRecord) -> Change:
-                r.data.setdefault("terminate", []).append(ref.to_json())
-                r.pending = None
-                r.state = JobState.LAUNCHING
-                r.launch_token = None
-                r.launch_attempt = 0
-                r.reason = f"no restore report from {ref.instance_id} in {s.restore_timeout_s}s"
-                return Change(r, r.reason)
-
-            await self._set(rec, timeout)
+            why = f"no restore report from {ref.instance_id} in {s.restore_timeout_s}s"
+            await self._set(rec, self._abandon(ref, why))
+            return
+        # Liveness: a spot instance can be taken back (or a local VM die) before its agent
+        # restored the job; nobody would report that, so ask the provider now and then.
+        key = f"{rec.name}:{ref.instance_id}"
+        now = time.monotonic()
+        if now - self._checked.get(key, -s.liveness_s) < s.liveness_s:
+            return
+        self._checked = {key: now} | {
+            k: v for k, v in self._checked.items() if not k.startswith(f"{rec.name}:")
+        }
+        cur = await self.provider.describe(ref)
+        if cur.state in (InstanceState.TERMINATED, InstanceState.STOPPED):
+            why = f"instance {ref.instance_id} is {cur.state.value} before the job was restored"
+            log.warning("instance lost while restoring", extra={"job": rec.name, "reason": why})
+            await self._set(rec, self._abandon(ref, why))
 
     async def _terminate_queued(self, rec: JobRecord) -> None:
         queued = list(rec.data.get("terminate") or [])

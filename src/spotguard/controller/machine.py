@@ -110,8 +110,12 @@ def relaunch(rec: JobRecord, reason: str, *, drain: bool, terminate_old: bool) -
     rec.launch_attempt = 0
     rec.data.pop("capacity_rounds", None)
     rec.data["drain"] = drain
+    rec.data.pop("skip_offers", None)
+    launched = rec.data.pop("ref", None)  # the instance the controller launched for the job
     if terminate_old and _iid(rec.instance):
         rec.data.setdefault("terminate", []).append(rec.instance)
+    if terminate_old and _iid(launched) and _iid(launched) != _iid(rec.instance):
+        rec.data.setdefault("terminate", []).append(launched)
     return Change(rec, reason, {"image_url": rec.image_url})
 
 
@@ -122,6 +126,7 @@ def on_event(
     default_store: str | None = None,
     default_notice_s: float = 120.0,
     terminate_old: bool = True,
+    terminate_finished: bool = True,
 ) -> Change | None:
     """The change an agent event makes to a job (``None``: nothing to record)."""
     kind = ev.kind
@@ -177,6 +182,7 @@ def on_event(
         rec.state = JobState.PROTECTED
         rec.instance = dict(ev.instance) or dict(rec.pending or {})
         rec.data["ref"] = rec.pending
+        rec.data.pop("skip_offers", None)
         rec.pending = None
         rec.launch_token = None
         rec.spec = _spec_from(ev, rec.spec)
@@ -205,6 +211,16 @@ def on_event(
             return change("job finished (again)", note=True)
         rec.state = JobState.FINISHED
         rec.reason = f"the job exited on {where}"
+        if terminate_finished:
+            # Only instances the controller launched: the one the job was restored on, and
+            # one still being restored. The first instance of a job belongs to whoever made it.
+            queued = rec.data.setdefault("terminate", [])
+            for ref in (rec.data.pop("ref", None), rec.pending):
+                if _iid(ref) and all(_iid(q) != _iid(ref) for q in queued):
+                    queued.append(ref)
+            rec.pending = None
+            if queued:
+                rec.reason += "; terminating the instance the controller launched"
         return change(rec.reason)
 
     if st in TERMINAL:

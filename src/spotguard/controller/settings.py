@@ -48,6 +48,12 @@ class ControllerSettings(Settings):
     terminate_old: bool = Field(
         True, description="Terminate the old instance once its image is durable and it let go"
     )
+    terminate_finished: bool = Field(
+        True, description="Terminate the instance the controller launched once its job finished"
+    )
+    liveness_s: float = Field(
+        15.0, gt=0, description="Seconds between checks that an instance being restored exists"
+    )
     types_per_zone: int = Field(1, ge=1, description="Instance types tried per zone and market")
     max_candidates: int = Field(24, ge=1, description="Launch attempts per relaunch round")
     capacity_retry_s: float = Field(
