@@ -59,8 +59,8 @@ def new_image_id(now: datetime | None = None) -> str:
     return f"{t}-{uuid.uuid4().hex[:6]}"
 
 
-def chunk_key(job: str, sha256: str) -> str:
-    return f"{job}/chunks/{sha256[:2]}/{sha256}"
+def chunk_key(job: str, digest: str) -> str:
+    return f"{job}/chunks/{digest[:2]}/{digest}"
 
 
 def image_prefix(job: str, image_id: str) -> str:
