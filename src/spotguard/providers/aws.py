@@ -14,11 +14,12 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import time
 from collections.abc import Callable
 from typing import Any, ClassVar
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
 from spotguard.config import Settings, load
 from spotguard.contracts import TAG_JOB, TAG_MANAGED, Assignment
@@ -89,6 +90,11 @@ _STATES = {
 }
 
 
+#: Placeholder of :attr:`AwsSettings.aws_launch_template` for the job name.
+JOB_PLACEHOLDER = "{job}"
+_PLACEHOLDER = re.compile(r"[^{}]+")
+
+
 class AwsSettings(Settings):
     """Where and how the AWS provider launches instances."""
 
@@ -98,7 +104,11 @@ class AwsSettings(Settings):
         description="Regions to launch in, in failover order (the first is home)",
     )
     aws_launch_template: str | None = Field(
-        None, description="Launch template name (or lt-... id) holding AMI, network, IAM profile"
+        None,
+        description=(
+            "Launch template name (or lt-... id) holding AMI, network, IAM profile; {job} is "
+            "replaced by the job name (terraform/aws makes one per job: <name>-{job})"
+        ),
     )
     aws_image_id: str | None = Field(None, description="AMI id, when not set by the template")
     aws_instance_types: list[str] = Field(
@@ -115,6 +125,22 @@ class AwsSettings(Settings):
     aws_max_attempts: int = Field(
         3, ge=1, description="Attempts per EC2 call (botocore standard retry mode)"
     )
+
+    @field_validator("aws_launch_template")
+    @classmethod
+    def _template(cls, v: str | None) -> str | None:
+        if v is not None and _PLACEHOLDER.sub("", v.replace(JOB_PLACEHOLDER, "")):
+            raise ValueError(f"{v!r}: the only placeholder a launch template may hold is {{job}}")
+        return v
+
+    def launch_template(self, job: str) -> dict[str, str] | None:
+        """RunInstances' ``LaunchTemplate`` for ``job``: the setting with ``{job}`` replaced;
+        an ``lt-…`` value is an id, anything else a name. ``None`` when none is set."""
+        if not self.aws_launch_template:
+            return None
+        value = self.aws_launch_template.replace(JOB_PLACEHOLDER, job)
+        key = "LaunchTemplateId" if value.startswith("lt-") else "LaunchTemplateName"
+        return {key: value, "Version": "$Default"}
 
 
 def _error_code(exc: BaseException) -> str:
@@ -288,13 +314,12 @@ class AwsProvider:
                 {"ResourceType": "volume", "Tags": tags},
             ],
         }
-        if s.aws_launch_template:
-            key = (
-                "LaunchTemplateId"
-                if s.aws_launch_template.startswith("lt-")
-                else "LaunchTemplateName"
-            )
-            params["LaunchTemplate"] = {key: s.aws_launch_template, "Version": "$Default"}
+        template = s.launch_template(assignment.job)
+        what = "RunInstances"
+        if template is not None:
+            params["LaunchTemplate"] = template
+            name = template.get("LaunchTemplateName") or template.get("LaunchTemplateId")
+            what = f"RunInstances (launch template {name})"
         if s.aws_image_id:
             params["ImageId"] = s.aws_image_id
         if not s.aws_launch_template and not s.aws_image_id:
@@ -315,7 +340,7 @@ class AwsProvider:
             "launching",
             extra={"job": assignment.job, "offer": offer.label(), "client_token": client_token},
         )
-        resp = await self._call(offer.region, "RunInstances", lambda c: c.run_instances(**params))
+        resp = await self._call(offer.region, what, lambda c: c.run_instances(**params))
         inst = resp["Instances"][0]
         return _ref(inst, offer.region, round_token)
 
