@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -61,9 +62,13 @@ async def _wait_for_step(stack: DemoStack, job: JobInfo, ui: Ui, step: int, with
     ui.event(f"the job reached step {step} on VM 1")
 
 
-def _check_agent1(stack: DemoStack, step: str) -> None:
+def _check_agent1(stack: DemoStack, step: str, *, may_end: bool = False) -> None:
+    """VM 1's agent must run; once its job is stopped or over (``may_end``) it may stop
+    by itself (``--exit-when-done``), but only cleanly."""
     proc = stack.agent1
-    if proc is not None and proc.returncode is not None:
+    if proc is None or proc.returncode is None or (may_end and proc.returncode == 0):
+        return
+    if proc.returncode is not None:
         raise DemoError(
             step,
             f"the agent on VM 1 exited with status {proc.returncode} "
@@ -102,18 +107,20 @@ async def _inject(stack: DemoStack, opts: DemoOptions, ui: Ui) -> float:
     return t0
 
 
-async def _source_errors(stack: DemoStack) -> str:
-    """What VM 1's agent says about its notice sources (for a notice that never came)."""
+def _source_errors(agent_log: Path) -> str:
+    """The last notice-source failure in an agent's JSON log (for a notice that never came)."""
+    last = ""
     try:
-        status = await call(stack.agent1_listen, stack.api_token, "GET", "/status", timeout_s=5)
-    except SpotguardError:
-        return ""
-    bad = [
-        f"{name}: {h.get('last_error')}"
-        for name, h in (status.get("sources") or {}).items()
-        if h.get("last_error")
-    ]
-    return ("; agent's notice sources: " + "; ".join(bad)) if bad else ""
+        lines = agent_log.read_text(errors="replace").splitlines()
+    except OSError:
+        return last
+    for line in lines:
+        if '"spotguard.notices' in line and '"warning"' in line:
+            try:
+                last = str(json.loads(line).get("msg", ""))
+            except ValueError:
+                continue
+    return f"; VM 1's agent logged: {last}" if last else ""
 
 
 def _moved(view: View, state: str, after: float) -> bool:
@@ -195,11 +202,10 @@ async def _protected_run(
     follower = Follower(
         stack.client, JOB_NAME, ui, {f1.instance_id: "VM 1", f2.instance_id: "VM 2"}
     )
-    expect_agent1 = True
+    after_durable = False
 
-    def agent1_check() -> None:
-        if expect_agent1:
-            _check_agent1(stack, "protect")
+    def agent1_check(step: str) -> None:
+        _check_agent1(stack, step, may_end=after_durable)
 
     follower.checks.append(agent1_check)
     await follower.until(
@@ -222,9 +228,10 @@ async def _protected_run(
                 min(opts.stage_timeout, NOTICE_TIMEOUT_S),
             )
         except DemoError as exc:
-            if exc.step == "notice" and "nothing after" in exc.reason:
-                raise DemoError("notice", exc.reason + await _source_errors(stack)) from exc
-            raise
+            if exc.step != "notice":
+                raise
+            why = _source_errors(stack.vm1 / "agent.log")
+            raise DemoError("notice", exc.reason + why) from exc
         view = await follower.until(
             "freeze",
             "freezing the job and writing its image to the store",
@@ -238,8 +245,8 @@ async def _protected_run(
     report.image_url = image_url
     ui.event(f"image {image_url}")
     where = "VM 1"
+    after_durable = True
     if opts.relaunches:
-        expect_agent1 = False  # VM 1's agent stops once its job is gone
         await follower.until(
             "relaunch",
             "waiting for the controller to launch VM 2",

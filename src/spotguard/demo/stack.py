@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import logging
 import os
 import secrets
@@ -226,7 +227,8 @@ class DemoStack:
                 "setup", f"--store s3 needs moto[server] (pip install -e '.[dev]'): {exc}"
             ) from exc
         server = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-        await asyncio.to_thread(server.start)
+        with contextlib.redirect_stdout(io.StringIO()):  # it announces itself on stdout
+            server.start()
         self._stack.callback(server.stop)
         host, port = server.get_host_and_port()
         self._setenv(

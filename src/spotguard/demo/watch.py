@@ -23,7 +23,7 @@ from spotguard.errors import DemoError, JobNotFound, SpotguardError
 from spotguard.store import open_store
 
 View = dict[str, Any]
-Check = Callable[[], None]
+Check = Callable[[str], None]  # raises DemoError(step, ...) for a broken link
 
 POLL_S = 0.15
 
@@ -114,10 +114,12 @@ class Follower:
         end = time.monotonic() + within
         while True:
             view = await self.refresh(step)
-            for check in self.checks:
-                check()
             if done(view):
                 return view
+            if view.get("state") == "finished":
+                raise DemoError(step, f"the job finished before this happened: {waiting}")
+            for check in self.checks:
+                check(step)
             if time.monotonic() > end:
                 state = view.get("state", "unknown to the controller")
                 reason = view.get("reason") or "no reason recorded"
