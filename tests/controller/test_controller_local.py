@@ -425,3 +425,26 @@ async def test_instance_lost_while_restoring_counts_against_max_restarts(
     view = await api.wait_state("lost-max", "failed")
     assert view["reason"] == "max restarts (1) reached"
     assert any("is terminated before the job was restored" in h["reason"] for h in view["history"])
+
+
+async def test_directive_tells_a_polling_agent_to_drain_for_a_migration(
+    api_factory: Factory,
+) -> None:
+    api, _, _ = await api_factory()
+    await api.event("dir-job", EventKind.STARTED, instance=VM1)
+    d = await api.get("/v1/jobs/dir-job/directive")
+    assert (d["_status"], d["action"], d["state"]) == (200, None, "protected")
+    r = await api.migrate("dir-job", {"to": "local"})
+    assert r["_status"] == 200
+    d = await api.get("/v1/jobs/dir-job/directive")
+    assert (d["job"], d["action"], d["reason"]) == ("dir-job", "drain", "migrate to local")
+    assert d["target"] == {"region": "local"}  # the local region (also its one type)
+    # The agent drains: its READY_TO_RELAUNCH starts the round; nothing more is asked of it.
+    image = "file:///s/dir-job/images/20261122T000000000000Z-abc123"
+    r = await api.event("dir-job", EventKind.READY_TO_RELAUNCH, instance=VM1, image_url=image)
+    assert r["state"] == "launching"
+    d = await api.get("/v1/jobs/dir-job/directive")
+    assert d["action"] is None
+    assert (await api.get("/v1/jobs/nope/directive"))["_status"] == 404
+    async with api.s.get(api.url + "/v1/jobs/dir-job/directive") as resp:
+        assert resp.status == 401

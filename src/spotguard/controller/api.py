@@ -7,6 +7,9 @@
 ``GET /v1/jobs``                         token   every job (summary)
 ``GET /v1/jobs/{job}``                   token   one job: state, history, instance, images
 ``POST /v1/jobs/{job}/migrate``          token   ``{"to": REGION|TYPE, "immediate": false}``
+``GET /v1/jobs/{job}/directive``         token   what the agent should do now: ``{"job",
+                                                 "action": "drain"|null, "reason", "state",
+                                                 "target"}`` (agents poll it)
 ``GET /healthz``                         —       ``{"ok": true, "jobs": N}``
 ``GET /metrics``                         —       Prometheus text format
 =======================================  ======  =============================================
@@ -144,6 +147,11 @@ async def migrate_job(request: web.Request) -> web.Response:
     return web.json_response(_summary(rec))
 
 
+async def directive(request: web.Request) -> web.Response:
+    out = await request.app[CONTROLLER_KEY].directive(request.match_info["job"])
+    return web.json_response(out)
+
+
 async def healthz(request: web.Request) -> web.Response:
     jobs = await request.app[CONTROLLER_KEY].db.jobs()
     return web.json_response({"ok": True, "jobs": len(jobs)})
@@ -164,6 +172,7 @@ def make_app(controller: Controller, token: str) -> web.Application:
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{job}", show_job)
     app.router.add_post("/v1/jobs/{job}/migrate", migrate_job)
+    app.router.add_get("/v1/jobs/{job}/directive", directive)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)
     return app

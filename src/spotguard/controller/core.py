@@ -331,6 +331,29 @@ class Controller:
         self.wake(name)
         return out
 
+    async def directive(self, name: str) -> dict[str, Any]:
+        """What the controller wants from job ``name``'s agent now (``GET …/directive``).
+
+        ``{"job", "action", "reason", "state", "target"}``; ``action`` is ``"drain"`` while a
+        migration of the protected job waits for a fresh image, else ``None``. The same
+        ``action`` rides on every event answer; this lets an agent that has nothing to report
+        learn it by polling.
+        """
+        rec = await self.db.get(name)
+        if rec is None:
+            raise JobNotFound(f"no job {name!r}")
+        action = rec.data.get("action") if rec.state is JobState.PROTECTED else None
+        target = rec.data.get("target") if action else None
+        where = " ".join(str(v) for v in (target or {}).values())
+        reason = (f"migrate to {where}" if where else "controller request") if action else None
+        return {
+            "job": rec.name,
+            "action": action,
+            "reason": reason,
+            "state": rec.state.value,
+            "target": target,
+        }
+
     async def view(self, name: str) -> dict[str, Any]:
         """A job with its history timeline, current instance and images (for the API/CLI)."""
         rec = await self.db.get(name)
