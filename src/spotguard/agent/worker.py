@@ -307,6 +307,8 @@ class JobWorker:
         self.last_image = {
             "url": result.image_url,
             "frozen_at": datetime.fromtimestamp(result.frozen_at, UTC).isoformat(),
+            "durable_at": datetime.fromtimestamp(result.durable_at, UTC).isoformat(),
+            "freeze_seconds": round(result.freeze_seconds, 3),
             "bytes": result.bytes,
             "stored_bytes": result.stored_bytes,
             "skipped_bytes": result.skipped_bytes,
