@@ -133,8 +133,8 @@ async def main() -> None:
     print(f"# {platform.node()} {os.cpu_count()} cores, {platform.platform()}, {datetime.now():%F}")
     async with MetadataSim() as sim:
         os.environ.update(sim.env())
-        print("\n| notice | runs | frozen min / median / max ms | durable median ms | target |")
-        print("| --- | --- | --- | --- | --- |")
+        print("\n| notice | runs | frozen min ms | median | max | durable median ms | target |")
+        print("| --- | --- | --- | --- | --- | --- | --- |")
         for cloud, target in (("aws", "≤ 1200 ms frozen"), ("gcp", "≤ 200 ms frozen")):
             res = [await one_run(root, sim, cloud, SAMPLE, store, 30) for _ in range(args.runs)]
             durable = statistics.median(r["durable_s"] for r in res) * 1000
