@@ -122,9 +122,12 @@ def render_report(report: DemoReport, out: IO[str]) -> None:
             "freeze window: VM 1 agent log[/dim]"
         )
     if report.ok:
-        console.print(f"[bold green]PROOF[/bold green] {report.proof}")
+        console.print(f"[bold green]PROOF[/bold green] {report.proof}", soft_wrap=True)
         console.print(f"demo passed in {report.seconds:.1f} s")
     else:
-        console.print(f"[bold red]demo FAILED[/bold red] at {report.failed_step}: {report.reason}")
+        console.print(
+            f"[bold red]demo FAILED[/bold red] at {report.failed_step}: {report.reason}",
+            soft_wrap=True,
+        )
     if report.kept and report.workdir:
-        console.print(f"work dir kept for inspection: {report.workdir}")
+        console.print(f"work dir kept for inspection: {report.workdir}", soft_wrap=True)

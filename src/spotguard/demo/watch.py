@@ -27,6 +27,14 @@ Check = Callable[[str], None]  # raises DemoError(step, ...) for a broken link
 
 POLL_S = 0.15
 
+#: the link of the chain a job was in when the controller gave up, by the state it left
+_STEP_OF_STATE = {
+    "interrupting": "freeze",
+    "checkpointed": "relaunch",
+    "launching": "relaunch",
+    "restoring": "restore",
+}
+
 
 def _event(row: dict[str, Any]) -> str | None:
     ev = (row.get("detail") or {}).get("event")
@@ -87,7 +95,8 @@ class Follower:
         if ev == "restore_failed":
             raise DemoError("restore", f"the restore failed on {self._where(row)}: {first}")
         if row.get("to") == "failed" and row.get("from") != "failed":
-            raise DemoError(step, f"the controller gave up on the job: {row.get('reason')}")
+            where = _STEP_OF_STATE.get(str(row.get("from")), step)
+            raise DemoError(where, f"the controller gave up on the job: {row.get('reason')}")
 
     async def refresh(self, step: str) -> View:
         """The job's current view; new history rows announced (and checked) once each."""
