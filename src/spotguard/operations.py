@@ -328,8 +328,17 @@ async def checkpoint(
             level=level,
             timeline=fr.timeline,
         )
-    finally:
-        await asyncio.to_thread(shutil.rmtree, fr.images_dir, True)
+    except BaseException:
+        if m is Mode.EXIT:
+            # The job is gone: the staged copy is its only state now. Keep it for a later push.
+            log.error(
+                "upload failed after the job was stopped; the staged image is kept",
+                extra={"job": job.name, "step": "upload", "dir": str(fr.images_dir)},
+            )
+        else:
+            await asyncio.to_thread(shutil.rmtree, fr.images_dir, True)
+        raise
+    await asyncio.to_thread(shutil.rmtree, fr.images_dir, True)
     durable_at = time.time()
     stats = push.stats
     if planner is not None and plan is not None:
