@@ -368,13 +368,13 @@ async def test_job_finished_terminates_the_instance_the_controller_launched(
     assert "terminating the instance the controller launched" in r["reason"]
     loop = asyncio.get_running_loop()
     end = loop.time() + 20
-    while (await vm_alive(prov, vm)).state.value != "terminated":
-        assert loop.time() < end, "the finished job's VM still runs"
+    note = f"terminated old instance(s) ['{vm}']"
+    while not any(note in h["reason"] for h in (await api.get("/v1/jobs/done-job"))["history"]):
+        assert loop.time() < end, "the finished job's VM was never terminated"
         await asyncio.sleep(0.05)
+    assert (await vm_alive(prov, vm)).state.value == "terminated"
     vm_json = json.loads((tmp_path / "local" / "vms" / vm / "vm.json").read_text())
     assert vm_json["terminated"] is True
-    hist = (await api.get("/v1/jobs/done-job"))["history"]
-    assert any(f"terminated old instance(s) ['{vm}']" in h["reason"] for h in hist)
 
 
 async def test_job_finished_keeps_the_instance_when_configured(
