@@ -1,0 +1,201 @@
+"""Plots of the recorded benchmark results, written as PNGs into docs/img/.
+
+The figures come from the tables the benchmark scripts printed and their owners recorded in
+docs/benchmarks.md (each with machine and date), so a plot always shows exactly the numbers
+the text states; a JSON file written by ``python -m bench.transfer --json PATH`` can replace the
+recorded transfer table, and ``spotguard demo --json`` output gives the demo's timeline plot.
+A section or table that is missing is skipped with a line saying so, never invented.
+
+Run: ``python -m bench.plots [--results docs/benchmarks.md] [--transfer-json F]
+[--demo-json F] [--out docs/img]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+Table = list[dict[str, str]]
+
+
+def tables(markdown: str, heading: str) -> list[Table]:
+    """Every pipe table under the ``## heading`` section, as rows of column → cell."""
+    m = re.search(rf"^## {re.escape(heading)}\s*$(.*?)(?=^## |\Z)", markdown, re.M | re.S)
+    if m is None:
+        return []
+    out: list[Table] = []
+    current: list[list[str]] = []
+    for line in [*m.group(1).splitlines(), ""]:
+        if line.strip().startswith("|"):
+            current.append([c.strip() for c in line.strip().strip("|").split("|")])
+            continue
+        if len(current) > 2:
+            head = current[0]
+            out.append([dict(zip(head, row, strict=False)) for row in current[2:]])
+        current = []
+    return out
+
+
+def num(cell: str) -> float | None:
+    """The first number in a cell (``**2.86x**`` gives 2.86), or None."""
+    m = re.search(r"-?\d+(?:\.\d+)?", cell.replace(",", ""))
+    return float(m.group()) if m else None
+
+
+def _save(fig: Any, out: Path, name: str) -> Path:
+    path = out / name
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+    return path
+
+
+def plot_notices(md: str, out: Path) -> Path | None:
+    found = tables(md, "Notices")
+    if not found:
+        print("skipped notices: no table under '## Notices'")
+        return None
+    rows = found[0]
+    labels = [r["source"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    width = 0.26
+    for i, col in enumerate(("median ms", "p95 ms", "max ms")):
+        vals = [num(r.get(col, "")) or 0.0 for r in rows]
+        ax.bar([x + (i - 1) * width for x in range(len(rows))], vals, width, label=col)
+    ax.set_xticks(range(len(rows)), labels, fontsize=8)
+    ax.set_ylabel("notice → bus latency, ms")
+    ax.set_title("Notice detection latency (2-core VM, emulator on loopback)")
+    ax.legend(fontsize=8)
+    return _save(fig, out, "notices-latency.png")
+
+
+def _transfer_rows(md: str, transfer_json: Path | None) -> list[tuple[str, Table]]:
+    if transfer_json is not None:
+        raw = json.loads(transfer_json.read_text())
+        rows = [{k: str(v) for k, v in r.items()} for r in raw]
+        return [(f"{transfer_json.name}", rows)]
+    found = tables(md, "Images and stores")
+    titles = ["2-core VM", "H100 VM, 16 cores"]
+    return list(zip(titles, found, strict=False))
+
+
+def plot_transfer(md: str, out: Path, transfer_json: Path | None) -> Path | None:
+    sets = _transfer_rows(md, transfer_json)
+    if not sets:
+        print("skipped transfer: no table under '## Images and stores'")
+        return None
+    fig, axes = plt.subplots(1, len(sets), figsize=(5.2 * len(sets), 3.6), squeeze=False)
+    for ax, (title, rows) in zip(axes[0], sets, strict=False):
+        groups: dict[str, dict[str, float]] = {}
+        for r in rows:
+            target = r.get("target") or r.get("store") or "?"
+            case = r.get("case", "")
+            mbs = num(r.get("MB/s", ""))
+            if mbs is None or "unchanged" in case:
+                continue
+            groups.setdefault(target, {})[case] = mbs
+        cases = ["naive push", "spotguard push", "naive pull", "spotguard pull"]
+        width = 0.8 / max(len(groups), 1)
+        for i, (target, vals) in enumerate(groups.items()):
+            xs = [x + i * width for x in range(len(cases))]
+            ax.bar(xs, [vals.get(c, 0.0) for c in cases], width, label=target)
+        ax.set_xticks(
+            [x + width * (len(groups) - 1) / 2 for x in range(len(cases))], cases, fontsize=8
+        )
+        ax.set_ylabel("MB/s (uncompressed image)")
+        ax.set_title(f"2 GiB image: naive vs chunked ({title})", fontsize=9)
+        ax.legend(fontsize=7)
+    return _save(fig, out, "transfer-throughput.png")
+
+
+def plot_streaming(md: str, out: Path) -> Path | None:
+    found = tables(md, "Streaming")
+    if not found:
+        print("skipped streaming: no table under '## Streaming'")
+        return None
+    rows = found[0]
+    metrics = [
+        ("freeze→durable s", "freeze → durable, s"),
+        ("peak host RAM GiB", "peak host RAM, GiB"),
+        ("restore s", "restore, s"),
+    ]
+    fig, axes = plt.subplots(1, len(metrics), figsize=(11, 3.4))
+    sizes = sorted({r["job MiB"] for r in rows}, key=lambda s: num(s) or 0.0)
+    for ax, (col, label) in zip(axes, metrics, strict=True):
+        for i, pipeline in enumerate(("naive", "streamed")):
+            vals = [
+                next(
+                    (
+                        num(r[col]) or 0.0
+                        for r in rows
+                        if r["job MiB"] == s and r["pipeline"] == pipeline
+                    ),
+                    0.0,
+                )
+                for s in sizes
+            ]
+            ax.bar([x + (i - 0.5) * 0.38 for x in range(len(sizes))], vals, 0.38, label=pipeline)
+        ax.set_xticks(range(len(sizes)), [f"{s} MiB job" for s in sizes], fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle("Staged vs streamed checkpoint (2-core VM, file store)", fontsize=10)
+    return _save(fig, out, "streaming.png")
+
+
+def plot_demo(demo_json: Path, out: Path) -> Path | None:
+    report = json.loads(demo_json.read_text())
+    rows = [r for r in report.get("timeline", []) if r.get("at") is not None]
+    if not report.get("ok") or not rows:
+        print(f"skipped demo timeline: {demo_json} holds no passing run")
+        return None
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    names = [r["step"] for r in rows]
+    ats = [float(r["at"]) for r in rows]
+    ax.hlines(range(len(rows)), 0, ats, color="#bbbbbb")
+    ax.plot(ats, range(len(rows)), "o", color="#1f77b4")
+    for y, at in enumerate(ats):
+        ax.annotate(f"{at:.2f} s", (at, y), xytext=(6, -3), textcoords="offset points", fontsize=7)
+    ax.set_yticks(range(len(rows)), names, fontsize=8)
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the notice")
+    sc = report.get("scenario", {})
+    ax.set_title(
+        f"spotguard demo: {sc.get('cloud')} {sc.get('kind')}, {sc.get('mb')} MiB job, "
+        f"{sc.get('store')} store",
+        fontsize=9,
+    )
+    return _save(fig, out, "demo-timeline.png")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.plots", description=__doc__)
+    ap.add_argument("--results", type=Path, default=Path("docs/benchmarks.md"))
+    ap.add_argument("--transfer-json", type=Path, help="rows from bench.transfer --json")
+    ap.add_argument("--demo-json", type=Path, help="output of spotguard demo --json")
+    ap.add_argument("--out", type=Path, default=Path("docs/img"))
+    args = ap.parse_args(argv)
+    md = args.results.read_text()
+    args.out.mkdir(parents=True, exist_ok=True)
+    made = [
+        plot_notices(md, args.out),
+        plot_transfer(md, args.out, args.transfer_json),
+        plot_streaming(md, args.out),
+    ]
+    if args.demo_json is not None:
+        made.append(plot_demo(args.demo_json, args.out))
+    print(f"{sum(p is not None for p in made)} plot(s) written to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
