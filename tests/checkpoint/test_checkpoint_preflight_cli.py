@@ -1,0 +1,119 @@
+"""Restore preflight refuses mismatches naming both sides; the CLI commands end to end."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import DEMO, Launch, lines, wait_exit, wait_for
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.cuda import NoGpu, inventory
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import resolve_job
+from spotguard.checkpoint.meta import META_NAME
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.testing import RecordingGpu
+from spotguard.errors import MismatchError, PreflightError
+from spotguard.facts import GpuDevice, GpuInventory
+
+pytestmark = pytest.mark.criu
+
+
+async def _image(engine: Engine, launch: Launch, tmp_path: Path, name: str) -> Path:
+    job = await launch([*DEMO, "--steps", "1000", "--step-seconds", "0.05"], name)
+    await wait_for(lambda: len(lines(job.dir / "stdout")) > 1, "first step")
+    result = await engine.freeze(job, DirectoryTarget(tmp_path / name), Mode.RESUME)
+    return result.images_dir
+
+
+def _edit(images: Path, **changes: object) -> None:
+    meta = json.loads((images / META_NAME).read_text())
+    meta.update(changes)
+    (images / META_NAME).write_text(json.dumps(meta))
+
+
+async def test_newer_criu_in_image_is_refused_naming_both_versions(
+    engine: Engine, launch: Launch, tmp_path: Path
+) -> None:
+    images = await _image(engine, launch, tmp_path, "criu-mismatch")
+    _edit(images, criu_version="99.1")
+    with pytest.raises(MismatchError, match=r"image has '99.1', this host has '4\.") as err:
+        await engine.restore(DirectorySource(images))
+    assert err.value.image_side == "99.1"
+
+
+async def test_gpu_model_and_count_mismatch_and_missing_api(
+    settings: CheckpointSettings, criu_bin: str, launch: Launch, tmp_path: Path
+) -> None:
+    engine = Engine(Criu(criu_bin), RecordingGpu(), settings=settings)
+    images = await _image(engine, launch, tmp_path, "gpu-mismatch")
+    other = GpuInventory(
+        (GpuDevice(0, "GPU-00000000-0000-0000-0000-0000000000aa", "Other GPU", 1 << 30),),
+        "580.1.2",
+    )
+    for gpu, pattern in (
+        (RecordingGpu(inventory=other), "GPU model mismatch: image has 'Fake GPU 1GB'"),
+        (RecordingGpu(inventory=GpuInventory()), "GPU model mismatch"),
+    ):
+        with pytest.raises(MismatchError, match=pattern):
+            await Engine(Criu(criu_bin), gpu, settings=settings).restore(DirectorySource(images))
+    with pytest.raises(PreflightError, match="no usable NVIDIA driver checkpoint API"):
+        await Engine(Criu(criu_bin), NoGpu(), settings=settings).restore(DirectorySource(images))
+
+
+async def test_restore_refuses_a_job_that_is_running_here(
+    engine: Engine, launch: Launch, tmp_path: Path
+) -> None:
+    images = await _image(engine, launch, tmp_path, "twice")
+    with pytest.raises(PreflightError, match="already running here"):
+        await engine.restore(DirectorySource(images))
+
+
+def test_inventory_without_gpu_is_empty_not_a_crash() -> None:
+    inv = inventory()
+    assert inv.count == len(inv.devices)
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "spotguard"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+
+
+async def test_cli_run_checkpoint_restore_and_doctor(
+    criu_bin: str, state_dir: Path, tmp_path: Path
+) -> None:
+    env = {**os.environ, "SPOTGUARD_STATE_DIR": str(state_dir), "SPOTGUARD_CRIU": criu_bin}
+    out = _cli("run", "--json", "--name", "cli-job", "--", *DEMO, "--steps", "40",
+               "--step-seconds", "0.03", env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    started = json.loads(out.stdout)
+    assert started["job"] == "cli-job" and proctree.alive(started["pid"])
+    job = resolve_job("cli-job", state_dir=state_dir)
+    assert resolve_job(str(started["pid"]), state_dir=state_dir) == job
+    await wait_for(lambda: len(lines(job.dir / "stdout")) > 3, "first steps")
+    out = _cli("checkpoint", "cli-job", "--to", str(tmp_path / "img"), "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout)["mode"] == "exit"
+    await wait_for(lambda: not proctree.alive(started["pid"]), "the job to stop")
+    out = _cli("restore", str(tmp_path / "img"), "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert await wait_exit(resolve_job("cli-job", state_dir=state_dir)) == 0
+    assert lines(job.dir / "stdout")[-1].startswith("done checksum")
+
+    bad = _cli("checkpoint", "no-such-job", "--to", str(tmp_path / "x"), env=env)
+    assert bad.returncode == 1 and "no job" in bad.stderr and "Traceback" not in bad.stderr
+    doc = _cli("doctor", "--json", env=env)
+    checks = {c["name"]: c for c in json.loads(doc.stdout)}
+    assert checks["criu"]["ok"] and "4." in checks["criu"]["found"]
+    assert doc.returncode == 0
