@@ -59,7 +59,7 @@ def test_push_list_verify_pull_gc_and_errors(tmp_path: Path) -> None:
     manifest = json.loads(
         (store / "cli" / "images" / pushes[1]["image_id"] / "manifest.json").read_text()
     )
-    sha = manifest["files"][1]["chunks"][0]["sha256"]
+    sha = manifest["files"][1]["chunks"][0]["digest"]
     path = store / chunk_key("cli", sha)
     path.write_bytes(path.read_bytes()[:-3] + b"xyz")
     bad = sg("images", "verify", url, "--json")

@@ -71,7 +71,7 @@ async def test_damaged_chunk_in_transit_is_refetched_once(
 ) -> None:
     src = random_dir(tmp_path / "src", 3 * CHUNK)
     res = await push_dir(src, s3_bucket, "job", settings=S)
-    victim = res.manifest.file("pages-1.img").chunks[1].sha256
+    victim = res.manifest.file("pages-1.img").chunks[1].digest
     fault_proxy.add("GET", victim, "flip", times=1)
     pulled = await pull_image(res.image_url, tmp_path / "once", settings=S)
     assert pulled.refetches == 1

@@ -177,7 +177,7 @@ async def test_dedup_uploads_only_changed_chunks(tmp_path: Path) -> None:
 async def test_corrupt_chunk_is_refused_by_name(tmp_path: Path) -> None:
     store_dir = tmp_path / "store"
     res = await push_dir(make_dir(tmp_path / "src"), str(store_dir), "job", settings=S)
-    victim = res.manifest.file("pages-1.img").chunks[0].sha256
+    victim = res.manifest.file("pages-1.img").chunks[0].digest
     path = store_dir / chunk_key("job", victim)
     blob = bytearray(path.read_bytes())
     blob[len(blob) // 2] ^= 0x40
@@ -200,7 +200,7 @@ async def test_corrupt_chunk_is_refused_by_name(tmp_path: Path) -> None:
 async def test_missing_chunk_is_corrupt_image(tmp_path: Path) -> None:
     store_dir = tmp_path / "store"
     res = await push_dir(make_dir(tmp_path / "src"), str(store_dir), "job", settings=S)
-    victim = res.manifest.file("core-42.img").chunks[0].sha256
+    victim = res.manifest.file("core-42.img").chunks[0].digest
     (store_dir / chunk_key("job", victim)).unlink()
     with pytest.raises(ImageCorrupt, match=f"{victim}.*missing"):
         await pull_dir(res.image_url, tmp_path / "d", settings=S)
@@ -216,13 +216,14 @@ async def test_encryption_round_trip_dedup_and_key_errors(tmp_path: Path) -> Non
     res = await push_dir(src, str(store_dir), "sec", settings=enc)
     m = res.manifest
     assert m.encryption is not None and m.encryption.key_id == Cipher.from_key(key).key_id
-    # stored chunks reveal neither the plaintext nor its plain sha256
+    assert m.encryption.address == "BLAKE3-keyed"
+    # stored chunks reveal neither the plaintext nor its plain (unkeyed) BLAKE3 hash
     core = (src / "core-42.img").read_bytes()
     ref = m.file("core-42.img").chunks[0]
-    import hashlib
+    from blake3 import blake3
 
-    assert ref.sha256 != hashlib.sha256(core).hexdigest()
-    assert core not in (store_dir / chunk_key("sec", ref.sha256)).read_bytes()
+    assert ref.digest != blake3(core).hexdigest()
+    assert core not in (store_dir / chunk_key("sec", ref.digest)).read_bytes()
 
     again = await push_dir(src, str(store_dir), "sec", settings=enc)
     assert again.stats.stored_bytes == 0  # dedup works under the same key

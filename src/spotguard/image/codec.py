@@ -1,15 +1,21 @@
 """Chunk encoding: address, compress, encrypt — and the reverse with verification.
 
-A chunk's **address** (its ``sha256`` in the manifest and its store key) is computed over the
-chunk's *plaintext*:
+A chunk's **address** (its ``digest`` in the manifest and its store key) is a BLAKE3 hash of
+the chunk's *plaintext*:
 
-* without encryption: ``sha256(plaintext)``;
-* with encryption: ``HMAC-SHA256(k_addr, plaintext)``, so the store never learns plaintext
-  hashes (which would let anyone confirm a guess of a chunk's content).
+* without encryption: ``BLAKE3(plaintext)``;
+* with encryption: keyed ``BLAKE3(k_addr, plaintext)`` (BLAKE3's keyed mode is a MAC), so the
+  store never learns plaintext hashes (which would let anyone confirm a guess of a chunk's
+  content).
+
+BLAKE3 because every plaintext byte is hashed on the way up and again on the way back: it runs
+at about 7 GB/s per core here, against 1.9 GB/s for SHA-256 with SHA extensions — which cost as
+much CPU as zstd level 1 and decided the throughput on small machines.
 
 The **stored object** is one independent zstd frame of the plaintext (content size in the
 frame header); with encryption it is ``b"SGE1" || nonce || AES-256-GCM(frame)`` where the nonce
-is ``HMAC-SHA256(k_nonce, address)[:12]`` and the address is the associated data.
+is the first 12 bytes of keyed ``BLAKE3(k_nonce, address)`` and the address is the associated
+data.
 
 Why plaintext addressing: an unchanged chunk is recognised *before* it is compressed, so a
 periodic checkpoint of a job whose memory barely changed costs one hash per chunk, not a
@@ -21,25 +27,33 @@ The nonce is deterministic — the price of dedup under encryption: equal plaint
 equal stored objects (an observer learns that two chunks are equal, nothing more). Distinct
 plaintexts get distinct nonces, as the address is collision-resistant, so GCM's "never reuse a
 nonce with different data" holds. Subkeys come from the master key by HKDF-SHA256.
+
+The ``*_into`` methods work in caller-owned buffers (see :mod:`spotguard.image.buffers`):
+compressing into and decompressing into reused memory avoids a fresh 64 MiB allocation per
+chunk, whose page faults cost as much as the codec itself.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-import hashlib
 import hmac
 import os
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import IO, Any, cast
 
 import zstandard
+from blake3 import blake3
 
 from spotguard.errors import ConfigError, DecryptionError, ImageCorrupt
 
 ENC_MAGIC = b"SGE1"
 ENC_ALG = "AES-256-GCM"
+HASH = "blake3"
+KEYED_HASH = "blake3-keyed"
+DIGEST_HEX = 64
 KEY_BYTES = 32
 NONCE_BYTES = 12
 
@@ -135,65 +149,174 @@ def _decompressor() -> zstandard.ZstdDecompressor:
     return d
 
 
+def compress_bound(size: int) -> int:
+    """Bytes a zstd frame of ``size`` plaintext bytes can take at most (ZSTD_compressBound),
+    plus room for the frame header: the size of an output buffer that always suffices."""
+    margin = ((128 << 10) - size) >> 11 if size < (128 << 10) else 0
+    return size + (size >> 8) + margin + 4096
+
+
+class _Overflow(Exception):
+    """The compressed frame did not fit the output buffer (never expected; handled)."""
+
+
+class _IntoSink:
+    """A write-only file over a caller's buffer, for zstd's stream writer."""
+
+    def __init__(self, out: memoryview) -> None:
+        self.out = out
+        self.pos = 0
+
+    def write(self, data: Any) -> int:
+        n = len(data)
+        end = self.pos + n
+        if end > len(self.out):
+            raise _Overflow
+        self.out[self.pos : end] = data
+        self.pos = end
+        return n
+
+    def flush(self) -> None:
+        return None
+
+
 class ChunkCodec:
     """Turns plaintext chunks into stored objects and back. Thread-safe (per-thread zstd
-    contexts); every method is CPU-bound and meant to run in a worker thread (hashlib, zstd
-    and AES-GCM release the GIL on large buffers)."""
+    contexts); every method is CPU-bound and meant to run in a worker thread (BLAKE3, zstd and
+    AES-GCM release the GIL on large buffers)."""
 
     def __init__(self, level: int = 1, cipher: Cipher | None = None) -> None:
         self.level = level
         self.cipher = cipher
 
+    @property
+    def hash_name(self) -> str:
+        """The address function as recorded in the manifest."""
+        return HASH if self.cipher is None else KEYED_HASH
+
     def address(self, plain: bytes | memoryview) -> str:
         if self.cipher is None:
-            return hashlib.sha256(plain).hexdigest()
-        return hmac.new(self.cipher.addr_key, plain, hashlib.sha256).hexdigest()
+            return blake3(plain).hexdigest()
+        return blake3(plain, key=self.cipher.addr_key).hexdigest()
+
+    def _nonce(self, address: str) -> bytes:
+        assert self.cipher is not None
+        return blake3(address.encode(), key=self.cipher.nonce_key).digest(length=NONCE_BYTES)
+
+    def _seal(self, frame: bytes | memoryview, address: str) -> bytes:
+        assert self.cipher is not None
+        from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+        nonce = self._nonce(address)
+        sealed = AESGCM(self.cipher.enc_key).encrypt(nonce, frame, address.encode())
+        return b"".join((ENC_MAGIC, nonce, sealed))
 
     def encode(self, plain: bytes | memoryview, address: str) -> bytes:
         frame = _compressor(self.level).compress(plain)
         if self.cipher is None:
             return frame
+        return self._seal(frame, address)
+
+    def encode_into(self, plain: bytes | memoryview, address: str, out: Any) -> memoryview | bytes:
+        """The stored object of ``plain``, compressed into ``out`` (a writable buffer of at
+        least :func:`compress_bound` bytes): a view of ``out`` — or, with encryption, new
+        bytes (the ciphertext), ``out`` holding only the intermediate frame."""
+        view = memoryview(out)
+        sink = _IntoSink(view)
+        cctx = _compressor(self.level)
+        try:
+            with cctx.stream_writer(
+                cast(IO[bytes], sink), size=len(plain), write_size=1 << 20, closefd=False
+            ) as zw:
+                zw.write(plain)
+        except _Overflow:  # cannot happen with a compress_bound buffer; stay correct anyway
+            return self.encode(plain, address)
+        frame = view[: sink.pos]
+        if self.cipher is None:
+            return frame
+        return self._seal(frame, address)
+
+    def _open(self, stored: bytes | memoryview, address: str) -> bytes | memoryview:
+        """The zstd frame inside a stored object (decrypted and authenticated if needed)."""
+        if self.cipher is None:
+            return stored
+        if bytes(stored[:4]) != ENC_MAGIC or len(stored) < 4 + NONCE_BYTES + 16:
+            raise ImageCorrupt(f"chunk {address} is not an encrypted chunk", chunk=address)
+        from cryptography.exceptions import InvalidTag
         from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-        nonce = hmac.new(self.cipher.nonce_key, address.encode(), hashlib.sha256).digest()
-        nonce = nonce[:NONCE_BYTES]
-        sealed = AESGCM(self.cipher.enc_key).encrypt(nonce, frame, address.encode())
-        return ENC_MAGIC + nonce + sealed
-
-    def decode(self, stored: bytes, address: str, size: int) -> bytes:
-        """The verified plaintext of a stored chunk.
-
-        Raises :class:`ImageCorrupt` (naming the chunk) when the bytes do not decode to a
-        plaintext of ``size`` bytes whose address is ``address``.
-        """
-        frame: bytes = stored
-        if self.cipher is not None:
-            if not stored.startswith(ENC_MAGIC) or len(stored) < 4 + NONCE_BYTES + 16:
-                raise ImageCorrupt(f"chunk {address} is not an encrypted chunk", chunk=address)
-            from cryptography.exceptions import InvalidTag
-            from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-
-            nonce = stored[4 : 4 + NONCE_BYTES]
-            try:
-                frame = AESGCM(self.cipher.enc_key).decrypt(
-                    nonce, stored[4 + NONCE_BYTES :], address.encode()
-                )
-            except InvalidTag as exc:
-                raise ImageCorrupt(
-                    f"chunk {address} failed authentication (corrupt)", chunk=address
-                ) from exc
+        nonce = bytes(stored[4 : 4 + NONCE_BYTES])
         try:
-            plain = _decompressor().decompress(frame, max_output_size=size)
-        except zstandard.ZstdError as exc:
+            return AESGCM(self.cipher.enc_key).decrypt(
+                nonce, stored[4 + NONCE_BYTES :], address.encode()
+            )
+        except InvalidTag as exc:
             raise ImageCorrupt(
-                f"chunk {address} does not decompress: {exc}", chunk=address
+                f"chunk {address} failed authentication (corrupt)", chunk=address
             ) from exc
+
+    def _verify(self, plain: bytes | memoryview, address: str, size: int) -> None:
         if len(plain) != size:
             raise ImageCorrupt(
                 f"chunk {address} has {len(plain)} bytes, manifest says {size}", chunk=address
             )
         if not hmac.compare_digest(self.address(plain), address):
             raise ImageCorrupt(f"chunk {address} fails its hash check", chunk=address)
+
+    def decode(self, stored: bytes | memoryview, address: str, size: int) -> bytes:
+        """The verified plaintext of a stored chunk.
+
+        Raises :class:`ImageCorrupt` (naming the chunk) when the bytes do not decode to a
+        plaintext of ``size`` bytes whose address is ``address``.
+        """
+        frame = self._open(stored, address)
+        try:
+            plain = _decompressor().decompress(frame, max_output_size=size)
+        except zstandard.ZstdError as exc:
+            raise ImageCorrupt(
+                f"chunk {address} does not decompress: {exc}", chunk=address
+            ) from exc
+        self._verify(plain, address, size)
+        return plain
+
+    def decode_into(
+        self, stored: bytes | memoryview, address: str, size: int, out: Any
+    ) -> memoryview:
+        """Like :meth:`decode`, decompressing straight into ``out`` (a writable buffer of at
+        least ``size`` bytes); returns the verified view ``out[:size]``."""
+        frame = self._open(stored, address)
+        view = memoryview(out)
+        if len(view) < size:
+            raise ValueError(f"output buffer of {len(view)} bytes is smaller than {size}")
+        try:
+            declared = zstandard.frame_content_size(frame)
+            if declared not in (-1, size):
+                raise ImageCorrupt(
+                    f"chunk {address} has {declared} bytes, manifest says {size}", chunk=address
+                )
+            with _decompressor().stream_reader(
+                frame, read_size=max(len(frame), 1), read_across_frames=False, closefd=False
+            ) as zr:
+                filled = 0
+                while filled < size:
+                    n = zr.readinto(view[filled:size])
+                    if not n:
+                        break
+                    filled += n
+                if filled == size and zr.read(1):
+                    filled += 1  # more plaintext than the manifest says
+        except zstandard.ZstdError as exc:
+            raise ImageCorrupt(
+                f"chunk {address} does not decompress: {exc}", chunk=address
+            ) from exc
+        plain = view[:filled] if filled <= size else view[:size]
+        if filled != size:
+            raise ImageCorrupt(
+                f"chunk {address} decodes to {'more' if filled > size else filled} bytes, "
+                f"manifest says {size}",
+                chunk=address,
+            )
+        self._verify(plain, address, size)
         return plain
 
 

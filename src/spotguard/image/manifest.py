@@ -21,11 +21,12 @@ WRITING_MARKER = "writing.json"  # under the image prefix while a writer is acti
 
 
 class ChunkRef(BaseModel):
-    """One chunk of a file: its address, plaintext size and stored (compressed) size."""
+    """One chunk of a file: its address (``digest``: the BLAKE3 hash of its plaintext, keyed
+    for encrypted images), plaintext size and stored (compressed) size."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")
+    digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: int = Field(gt=0)
     stored_size: int = Field(ge=0)
 
@@ -50,11 +51,14 @@ class FileEntry(BaseModel):
 
 
 class Codec(BaseModel):
+    """How chunks are cut, addressed and compressed."""
+
     model_config = ConfigDict(extra="forbid")
 
     name: Literal["zstd"] = "zstd"
     level: int = 1
     chunk_size: int
+    hash: Literal["blake3"] = "blake3"
 
 
 class Encryption(BaseModel):
@@ -64,7 +68,7 @@ class Encryption(BaseModel):
 
     alg: Literal["AES-256-GCM"] = "AES-256-GCM"
     key_id: str
-    address: Literal["HMAC-SHA256"] = "HMAC-SHA256"
+    address: Literal["BLAKE3-keyed"] = "BLAKE3-keyed"
 
 
 class Totals(BaseModel):
@@ -107,7 +111,7 @@ class Manifest(BaseModel):
 
     def chunk_refs(self) -> dict[str, ChunkRef]:
         """Every distinct chunk, by address."""
-        return {c.sha256: c for f in self.files for c in f.chunks}
+        return {c.digest: c for f in self.files for c in f.chunks}
 
     def to_bytes(self) -> bytes:
         return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False).encode()

@@ -20,12 +20,13 @@ from typing import Any
 from spotguard.config import load
 from spotguard.contracts import chunk_key, image_prefix
 from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
+from spotguard.image.buffers import Lease
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
 from spotguard.image.manifest import ChunkRef, ImageRef, Manifest
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.image.writer import settings_cipher, store_for
-from spotguard.store import ImageStore
+from spotguard.store import ImageStore, get_into
 
 log = logging.getLogger(__name__)
 
@@ -162,45 +163,88 @@ class ImageReader:
 
     # --- chunks -----------------------------------------------------------------------------
     def _where(self, addr: str) -> str:
-        names = [f.name for f in self.manifest.files if any(c.sha256 == addr for c in f.chunks)]
+        names = [f.name for f in self.manifest.files if any(c.digest == addr for c in f.chunks)]
         return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
 
     async def _fetch_decode(self, ref: ChunkRef) -> bytes:
-        key = chunk_key(self.ref.job, ref.sha256)
+        key = chunk_key(self.ref.job, ref.digest)
         try:
             stored = await self.store.get(key)
         except ObjectNotFound as exc:
             raise ImageCorrupt(
-                f"chunk {ref.sha256} is missing from the store", chunk=ref.sha256
+                f"chunk {ref.digest} is missing from the store", chunk=ref.digest
             ) from exc
         loop = asyncio.get_running_loop()
         plain: bytes = await loop.run_in_executor(
-            self._pool, self.codec.decode, stored, ref.sha256, ref.size
+            self._pool, self.codec.decode, stored, ref.digest, ref.size
         )
         self.stats.stored_bytes += len(stored)
         return plain
+
+    def fetch_window(self) -> int:
+        """Chunks fetched at once by whole-image reads: enough requests in flight to hide store
+        latency, few enough that buffers (two per chunk) stay within the memory bound."""
+        return max(2, min(self.readahead, max(4, 2 * self.workers)))
+
+    async def _fetch_decode_into(self, ref: ChunkRef, stored: Lease, plain: Lease) -> memoryview:
+        key = chunk_key(self.ref.job, ref.digest)
+        try:
+            data = await get_into(self.store, key, stored.view)
+        except ObjectNotFound as exc:
+            raise ImageCorrupt(
+                f"chunk {ref.digest} is missing from the store", chunk=ref.digest
+            ) from exc
+        self.stats.stored_bytes += len(data)
+        loop = asyncio.get_running_loop()
+        view: memoryview = await loop.run_in_executor(
+            self._pool, self.codec.decode_into, data, ref.digest, ref.size, plain.view
+        )
+        return view
+
+    async def read_chunk_into(self, ref: ChunkRef, stored: Lease, plain: Lease) -> memoryview:
+        """Like :meth:`read_chunk`, reading into ``stored``'s buffer and decoding into
+        ``plain``'s: returns the verified view of ``plain``."""
+        try:
+            view = await self._fetch_decode_into(ref, stored, plain)
+        except ImageCorrupt as first:
+            self._refetch_warning(ref, first)
+            try:
+                view = await self._fetch_decode_into(ref, stored, plain)
+            except ImageCorrupt as exc:
+                raise self._corrupt(ref, exc) from exc
+        self._counted(ref)
+        return view
+
+    def _refetch_warning(self, ref: ChunkRef, err: ImageCorrupt) -> None:
+        self.refetches += 1
+        log.warning(
+            "chunk failed verification, fetching it again",
+            extra={"image": self.url, "chunk": ref.digest, "error": str(err)},
+        )
+
+    def _corrupt(self, ref: ChunkRef, exc: ImageCorrupt) -> ImageCorrupt:
+        return ImageCorrupt(
+            f"image {self.url}: chunk {ref.digest} (in {self._where(ref.digest)}) "
+            f"is corrupt: {exc}",
+            chunk=ref.digest,
+        )
+
+    def _counted(self, ref: ChunkRef) -> None:
+        self.stats.bytes += ref.size
+        self.stats.chunks += 1
+        self.stats.retries = getattr(self.store, "retries", 0)
 
     async def read_chunk(self, ref: ChunkRef) -> bytes:
         """The verified plaintext of one chunk (one refetch on a failed check)."""
         try:
             plain = await self._fetch_decode(ref)
         except ImageCorrupt as first:
-            self.refetches += 1
-            log.warning(
-                "chunk failed verification, fetching it again",
-                extra={"image": self.url, "chunk": ref.sha256, "error": str(first)},
-            )
+            self._refetch_warning(ref, first)
             try:
                 plain = await self._fetch_decode(ref)
             except ImageCorrupt as exc:
-                raise ImageCorrupt(
-                    f"image {self.url}: chunk {ref.sha256} (in {self._where(ref.sha256)}) "
-                    f"is corrupt: {exc}",
-                    chunk=ref.sha256,
-                ) from exc
-        self.stats.bytes += ref.size
-        self.stats.chunks += 1
-        self.stats.retries = getattr(self.store, "retries", 0)
+                raise self._corrupt(ref, exc) from exc
+        self._counted(ref)
         return plain
 
     async def iter_file(self, name: str) -> AsyncIterator[bytes]:
@@ -237,7 +281,7 @@ class ImageReader:
                     await self.read_chunk(ref)
                 except ImageCorrupt as exc:
                     report.bad.append(
-                        {"chunk": ref.sha256, "files": self._where(ref.sha256), "error": str(exc)}
+                        {"chunk": ref.digest, "files": self._where(ref.digest), "error": str(exc)}
                     )
                     return
             report.chunks += 1
@@ -256,6 +300,6 @@ def chunk_plan(manifest: Manifest) -> dict[str, list[tuple[str, int, ChunkRef]]]
     for f in manifest.files:
         off = 0
         for c in f.chunks:
-            plan.setdefault(c.sha256, []).append((f.name, off, c))
+            plan.setdefault(c.digest, []).append((f.name, off, c))
             off += c.size
     return plan

@@ -19,8 +19,9 @@ from typing import Any
 
 from spotguard.config import load
 from spotguard.errors import ImageError, SpotguardError
-from spotguard.image.codec import Cipher
-from spotguard.image.manifest import Manifest
+from spotguard.image.buffers import BufferPool, Lease
+from spotguard.image.codec import Cipher, compress_bound
+from spotguard.image.manifest import ChunkRef, Manifest
 from spotguard.image.reader import ImageReader, chunk_plan
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
@@ -190,22 +191,49 @@ async def pull_image(
     return result
 
 
-async def _fetch_all(reader: ImageReader, fds: dict[str, int], progress: ProgressFn | None) -> None:
-    plan = chunk_plan(reader.manifest)
-    sem = asyncio.Semaphore(reader.readahead)
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
 
-    async def one(targets: list[tuple[str, int, Any]]) -> None:
-        async with sem:
-            data = await reader.read_chunk(targets[0][2])
+
+async def _fetch_all(reader: ImageReader, fds: dict[str, int], progress: ProgressFn | None) -> None:
+    """Every distinct chunk once: fetched into a pooled buffer, decoded and verified into
+    another, written in place at each offset that uses it. Stored-bytes buffers bound the
+    requests in flight; plaintext buffers bound the chunks between decode and write."""
+    plan = chunk_plan(reader.manifest)
+    refs = [t[0][2] for t in plan.values()]
+    if not refs:
+        return
+    window = reader.fetch_window()
+    stored_pool = BufferPool(max(compress_bound(r.size) for r in refs), window)
+    plain_pool = BufferPool(max(r.size for r in refs), reader.workers + 1)
+
+    async def one(targets: list[tuple[str, int, ChunkRef]]) -> None:
+        ref = targets[0][2]
+        stored = Lease(stored_pool, await stored_pool.acquire(), None)
+        plain: Lease | None = None
+        reuse = True
+        try:
+            plain = Lease(plain_pool, await plain_pool.acquire(), None)
+            data = await reader.read_chunk_into(ref, stored, plain)
+            stored.release()
             for i, (name, offset, _ref) in enumerate(targets):
-                await asyncio.to_thread(os.pwrite, fds[name], data, offset)
+                await asyncio.to_thread(_pwrite_all, fds[name], data, offset)
                 if i:  # repeated chunk: written again, fetched once
-                    reader.stats.bytes += len(data)
-                    reader.stats.bytes_skipped += len(data)
+                    reader.stats.bytes += ref.size
+                    reader.stats.bytes_skipped += ref.size
                     reader.stats.chunks += 1
                     reader.stats.chunks_skipped += 1
             if progress is not None:
                 progress(reader.stats)
+        except asyncio.CancelledError:
+            reuse = False  # a worker thread may still be using the buffers
+            raise
+        finally:
+            for lease in (stored, plain):
+                if lease is not None:
+                    lease.release() if reuse else lease.discard()
 
     tasks = [asyncio.create_task(one(t)) for t in plan.values()]
     try:
@@ -215,6 +243,9 @@ async def _fetch_all(reader: ImageReader, fds: dict[str, int], progress: Progres
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+    finally:
+        stored_pool.close()
+        plain_pool.close()
 
 
 async def pull_dir(

@@ -32,7 +32,8 @@ from typing import Any, TypeVar
 from spotguard.config import load
 from spotguard.contracts import check_job_name, chunk_key, new_image_id
 from spotguard.errors import ImageError, PreconditionFailed, SpotguardError
-from spotguard.image.codec import ChunkCodec, Cipher, load_key
+from spotguard.image.buffers import BufferPool, Lease
+from spotguard.image.codec import ChunkCodec, Cipher, compress_bound, load_key
 from spotguard.image.manifest import (
     WRITING_MARKER,
     ChunkRef,
@@ -66,13 +67,32 @@ def store_for(url: str, settings: ImageSettings) -> ImageStore:
     )
 
 
+def _fill(f: Any, view: memoryview) -> int:
+    """Read into ``view`` until it is full or the file ends; the bytes read."""
+    got = 0
+    while got < len(view):
+        n = f.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got
+
+
 def settings_cipher(settings: ImageSettings) -> Cipher | None:
     secret = settings.encryption_key.get_secret_value() if settings.encryption_key else None
     return load_key(settings.encryption_key_file, secret)
 
 
+SMALL_CHUNK = 1 << 20
+"""Chunks below this size use plain ``bytes`` instead of pooled buffers (small CRIU files)."""
+
+
 class FileSink:
-    """One file being written into an image: ``await write(data)`` then ``await close()``."""
+    """One file being written into an image: ``await write(data)`` then ``await close()``.
+
+    Written bytes are copied once, into a pooled chunk buffer; ``bytes`` of whole chunks (a
+    reader handing over full chunks) are used as they are.
+    """
 
     def __init__(self, writer: ImageWriter, name: str, mode: int) -> None:
         FileEntry(name=name, size=0)  # validates the name early
@@ -81,7 +101,9 @@ class FileSink:
         self.size = 0
         self.closed = False
         self._w = writer
-        self._buf = bytearray()
+        self._small = bytearray()  # the start of a chunk, until it outgrows SMALL_CHUNK
+        self._lease: Lease | None = None  # the chunk being filled, once it is not small
+        self._fill = 0
         self._refs: list[asyncio.Task[ChunkRef]] = []
 
     def _raise_if_closed(self) -> None:
@@ -92,35 +114,59 @@ class FileSink:
         """Append ``data``; full chunks go to the pipeline (this waits when it is full)."""
         self._raise_if_closed()
         self._w._raise_if_failed()
-        n = len(data)
+        view = memoryview(data).cast("B")
+        n = len(view)
         if n == 0:
             return
         self.size += n
         cs = self._w.chunk_size
-        if not self._buf and isinstance(data, bytes) and n >= cs:
-            # Fast path (whole chunks from a reader): no copy, memoryviews keep `data` alive.
-            view = memoryview(data)
+        if not self._small and self._lease is None and isinstance(data, bytes) and n >= cs:
+            # Fast path (whole chunks as bytes): no copy, the views keep `data` alive.
             whole = n - n % cs
             for off in range(0, whole, cs):
                 await self._w._submit(self, view[off : off + cs])
-            if whole < n:
-                self._buf += view[whole:]
-            return
-        self._buf += data
-        while len(self._buf) >= cs:
-            chunk = bytes(self._buf[:cs])
-            del self._buf[:cs]
+            view = view[whole:]
+        while len(view):
+            if self._lease is None and len(self._small) + len(view) <= SMALL_CHUNK:
+                self._small += view
+                if len(self._small) == cs:
+                    await self._flush()
+                return
+            if self._lease is None:
+                self._lease = await self._w._acquire_input()
+                self._fill = len(self._small)
+                self._lease.view[: self._fill] = self._small
+                self._small = bytearray()
+            take = min(cs - self._fill, len(view))
+            self._lease.view[self._fill : self._fill + take] = view[:take]
+            self._fill += take
+            view = view[take:]
+            if self._fill == cs:
+                await self._flush()
+
+    async def _flush(self) -> None:
+        """Send the chunk collected so far."""
+        if self._lease is not None:
+            lease, fill = self._lease, self._fill
+            self._lease, self._fill = None, 0
+            await self._w._submit(self, lease.view[:fill], lease)
+        elif self._small:
+            chunk = bytes(self._small)
+            self._small = bytearray()
             await self._w._submit(self, chunk)
 
     async def close(self) -> None:
         """Send the last partial chunk. The file's chunks finish in the background."""
         if self.closed:
             return
-        if self._buf:
-            chunk = bytes(self._buf)
-            self._buf = bytearray()
-            await self._w._submit(self, chunk)
+        await self._flush()
         self.closed = True
+
+    def _drop(self) -> None:
+        """The write is abandoned: give back a half-filled buffer."""
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
 
     def entry(self) -> FileEntry:
         return FileEntry(
@@ -180,7 +226,14 @@ class ImageWriter:
         self._by_addr: dict[str, asyncio.Task[ChunkRef]] = {}
         self._preexisting: set[str] = set()
         self._sem = asyncio.Semaphore(self.max_inflight)
-        self._free: list[bytearray] = []  # reusable read buffers (see _read_pooled)
+        # Pooled chunk buffers (see spotguard.image.buffers): at most `max_inflight` exist;
+        # plaintext (input) buffers are capped below that so compressed output always has one.
+        self.buffer_limit = max(3, self.max_inflight)
+        self.input_limit = max(
+            1, min(self.workers + 2, self.buffer_limit - max(1, self.buffer_limit // 4))
+        )
+        self.buffers = BufferPool(compress_bound(self.chunk_size), self.buffer_limit)
+        self._input_slots = asyncio.Semaphore(self.input_limit)
         self._pool: ThreadPoolExecutor | None = None
         self._error: BaseException | None = None
         self._heartbeat: asyncio.Task[None] | None = None
@@ -237,6 +290,9 @@ class ImageWriter:
             await asyncio.gather(self._heartbeat, return_exceptions=True)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
+        for f in self._files:
+            f._drop()
+        self.buffers.close()
         if self._own_store:
             await self.store.aclose()
 
@@ -275,7 +331,7 @@ class ImageWriter:
         sink = self.file(name or p.name, mode=st.st_mode & 0o7777)
         f = await asyncio.to_thread(p.open, "rb", buffering=0)
         try:
-            if st.st_size < self.chunk_size:  # small file: one read, one chunk
+            if st.st_size < SMALL_CHUNK:  # small file: one read, one chunk
                 await sink.write(await asyncio.to_thread(f.read))
             else:
                 await self._read_pooled(f, sink)
@@ -284,20 +340,40 @@ class ImageWriter:
         await sink.close()
         return FileEntry(name=sink.name, size=sink.size, mode=sink.mode)
 
+    async def _acquire_input(self) -> Lease:
+        """A pooled buffer for a chunk's plaintext; waits while `input_limit` are out."""
+        await self._input_slots.acquire()
+        try:
+            buf = await self.buffers.acquire()
+        except BaseException:
+            self._input_slots.release()
+            raise
+        return Lease(self.buffers, buf, self._input_slots)
+
     async def _read_pooled(self, f: Any, sink: FileSink) -> None:
-        """Read whole chunks into reused buffers (``readinto``): fresh 64 MiB allocations cost
-        a page fault per 4 KiB on every chunk, which is most of the time on tmpfs-staged
-        images. A buffer goes back to the pool when its chunk is stored or skipped."""
+        """Read whole chunks straight into pooled buffers (``readinto``, no other copy); a
+        buffer goes back to the pool once its chunk is compressed or found already stored."""
+        cs = self.chunk_size
         while True:
-            buf = self._free.pop() if self._free else bytearray(self.chunk_size)
-            n = await asyncio.to_thread(f.readinto, buf)
+            lease = await self._acquire_input()
+            try:
+                n = await asyncio.to_thread(_fill, f, lease.view[:cs])
+            except BaseException:
+                lease.release()
+                raise
             if not n:
-                self._free.append(buf)
+                lease.release()
                 return
-            sink._raise_if_closed()
-            self._raise_if_failed()
+            try:
+                sink._raise_if_closed()
+                self._raise_if_failed()
+            except BaseException:
+                lease.release()
+                raise
             sink.size += n
-            await self._submit(sink, memoryview(buf)[:n], release=buf)
+            await self._submit(sink, lease.view[:n], lease)
+            if n < cs:
+                return
 
     # --- the pipeline -------------------------------------------------------------------
     def _raise_if_failed(self) -> None:
@@ -308,36 +384,41 @@ class ImageWriter:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _submit(
-        self, sink: FileSink, plain: bytes | memoryview, release: bytearray | None = None
+        self, sink: FileSink, plain: bytes | memoryview, lease: Lease | None = None
     ) -> None:
         try:
             await self._sem.acquire()
         except BaseException:
-            if release is not None:
-                self._free.append(release)
+            if lease is not None:
+                lease.release()
             raise
         if self._error is not None:
             self._sem.release()
-            if release is not None:
-                self._free.append(release)
+            if lease is not None:
+                lease.release()
             raise self._error
-        task = asyncio.create_task(self._process(plain))
+        task = asyncio.create_task(self._process(plain, lease))
         self._tasks.add(task)
         sink._refs.append(task)
-        task.add_done_callback(lambda t: self._done(t, release))
+        task.add_done_callback(lambda t: self._done(t, lease))
 
-    def _done(self, task: asyncio.Task[ChunkRef], release: bytearray | None) -> None:
+    def _done(self, task: asyncio.Task[ChunkRef], lease: Lease | None) -> None:
         self._sem.release()
-        if release is not None and not task.cancelled():
-            self._free.append(release)  # (a cancelled chunk's thread may still read it)
+        if lease is not None:
+            if task.cancelled():
+                lease.discard()  # its thread may still be reading the buffer
+            else:
+                lease.release()
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
 
-    async def _process(self, plain: bytes | memoryview) -> ChunkRef:
+    async def _process(self, plain: bytes | memoryview, lease: Lease | None) -> ChunkRef:
         size = len(plain)
         addr: str = await self._cpu(self.codec.address, plain)
         earlier = self._by_addr.get(addr)
         if earlier is not None:  # the same chunk twice in this image (zero pages, ...)
+            if lease is not None:
+                lease.release()
             ref = await asyncio.shield(earlier)
             self._count(size, 0, skipped=ref.stored_size)
             return ref
@@ -348,13 +429,43 @@ class ImageWriter:
         if self.dedup:
             info = await self.store.stat(key)
             if info is not None:
+                if lease is not None:
+                    lease.release()
                 self._preexisting.add(addr)
                 self._count(size, 0, skipped=info.size)
-                return ChunkRef(sha256=addr, size=size, stored_size=info.size)
-        blob: bytes = await self._cpu(self.codec.encode, plain, addr)
-        await self.store.put(key, blob)
-        self._count(size, len(blob))
-        return ChunkRef(sha256=addr, size=size, stored_size=len(blob))
+                return ChunkRef(digest=addr, size=size, stored_size=info.size)
+        if size < SMALL_CHUNK:
+            blob: bytes = await self._cpu(self.codec.encode, plain, addr)
+            await self.store.put(key, blob)
+            stored = len(blob)
+        else:
+            stored = await self._encode_put(key, plain, addr, lease)
+        self._count(size, stored)
+        return ChunkRef(digest=addr, size=size, stored_size=stored)
+
+    async def _encode_put(
+        self, key: str, plain: bytes | memoryview, addr: str, lease: Lease | None
+    ) -> int:
+        """Compress into a pooled buffer, free the plaintext, upload straight from the buffer."""
+        out = Lease(self.buffers, await self.buffers.acquire(), None)
+        reuse = True
+        try:
+            data = await self._cpu(self.codec.encode_into, plain, addr, out.view)
+            if lease is not None:
+                lease.release()  # compressed: the plaintext buffer can take the next chunk
+            await self.store.put(key, data)
+            n = len(data)
+            if isinstance(data, memoryview):
+                data.release()
+            return n
+        except asyncio.CancelledError:
+            reuse = False  # a thread may still be writing or sending it
+            raise
+        finally:
+            if reuse:
+                out.release()
+            else:
+                out.discard()
 
     def _count(self, size: int, stored: int, *, skipped: int | None = None) -> None:
         st = self.stats
@@ -417,7 +528,7 @@ class ImageWriter:
         unique: dict[str, int] = {}
         for f in files:
             for c in f.chunks:
-                unique[c.sha256] = c.stored_size
+                unique[c.digest] = c.stored_size
         totals = Totals(
             files=len(files),
             chunks=sum(len(f.chunks) for f in files),

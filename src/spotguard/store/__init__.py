@@ -17,9 +17,17 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from spotguard.errors import ConfigError
-from spotguard.store.base import BlockingStore, ImageStore, ObjectInfo, RetryPolicy
+from spotguard.store.base import BlockingStore, Data, ImageStore, ObjectInfo, RetryPolicy, get_into
 
-__all__ = ["BlockingStore", "ImageStore", "ObjectInfo", "RetryPolicy", "open_store"]
+__all__ = [
+    "BlockingStore",
+    "Data",
+    "ImageStore",
+    "ObjectInfo",
+    "RetryPolicy",
+    "get_into",
+    "open_store",
+]
 
 
 def open_store(

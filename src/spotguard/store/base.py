@@ -9,6 +9,10 @@ the SDK's errors to :mod:`spotguard.errors` in ONE method per backend (``_map_er
 retries :class:`~spotguard.errors.StoreUnavailable` with exponential backoff and jitter
 (tenacity). Everything above the store sees only ``StoreUnavailable`` (after the retries ran
 out), ``ObjectNotFound`` and ``PreconditionFailed``.
+
+Data goes in as any bytes-like object (a view of a reused buffer, usually) and a store must not
+keep a reference to it once ``put`` returns. :func:`get_into` reads an object into a caller's
+buffer where the backend can (file, S3), so a restore reuses its buffers too.
 """
 
 from __future__ import annotations
@@ -35,6 +39,9 @@ from spotguard.errors import StoreError, StoreUnavailable
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
+
+Data = bytes | bytearray | memoryview
+"""What ``put`` accepts: any contiguous bytes-like object, never kept after the call."""
 
 
 @dataclass(frozen=True)
@@ -68,7 +75,7 @@ class ImageStore(Protocol):
 
     url: str
 
-    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None: ...
+    async def put(self, key: str, data: Data, *, if_absent: bool = False) -> None: ...
 
     async def get(self, key: str) -> bytes: ...
 
@@ -102,11 +109,16 @@ class BlockingStore:
         self.retries = 0  # transient failures retried so far (reported by transfers)
 
     # --- to implement -------------------------------------------------------------------
-    def _put(self, key: str, data: bytes, if_absent: bool) -> None:
+    def _put(self, key: str, data: Data, if_absent: bool) -> None:
         raise NotImplementedError
 
     def _get(self, key: str) -> bytes:
         raise NotImplementedError
+
+    def _get_into(self, key: str, buf: memoryview) -> memoryview:
+        """The object's bytes in ``buf`` when they fit; backends that can read into a buffer
+        override this, the others hand back a view of fresh bytes."""
+        return memoryview(self._get(key))
 
     def _stat(self, key: str) -> ObjectInfo | None:
         raise NotImplementedError
@@ -159,13 +171,18 @@ class BlockingStore:
         )
         return await retrying(once)
 
-    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+    async def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
         """Write ``data`` at ``key`` atomically (``if_absent``: only if nothing is there)."""
         await self._call("put", key, lambda: self._put(key, data, if_absent))
 
     async def get(self, key: str) -> bytes:
         """The object's bytes; :class:`ObjectNotFound` when absent."""
         return await self._call("get", key, lambda: self._get(key))
+
+    async def get_into(self, key: str, buf: memoryview) -> memoryview:
+        """The object's bytes, read into ``buf`` (a view of it) when they fit, else a view of
+        new bytes; :class:`ObjectNotFound` when absent."""
+        return await self._call("get", key, lambda: self._get_into(key, buf))
 
     async def stat(self, key: str) -> ObjectInfo | None:
         """Size and change time of ``key``, or None when absent."""
@@ -199,3 +216,13 @@ class BlockingStore:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+async def get_into(store: ImageStore, key: str, buf: memoryview) -> memoryview:
+    """``store.get_into`` where the store has it (every :class:`BlockingStore`), else a view of
+    ``store.get``: stores outside this package need only the protocol."""
+    method = getattr(store, "get_into", None)
+    if method is not None:
+        view: memoryview = await method(key, buf)
+        return view
+    return memoryview(await store.get(key))

@@ -15,7 +15,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from spotguard.errors import ObjectNotFound, PreconditionFailed, StoreError, StoreUnavailable
-from spotguard.store.base import BlockingStore, ObjectInfo, RetryPolicy
+from spotguard.store.base import BlockingStore, Data, ObjectInfo, RetryPolicy
 
 _TMP_PREFIX = ".tmp-"
 
@@ -49,17 +49,21 @@ class FileStore(BlockingStore):
             raise StoreError(f"key {key!r} escapes the store root {self.root}")
         return p
 
-    def _put(self, key: str, data: bytes, if_absent: bool) -> None:
+    def _put(self, key: str, data: Data, if_absent: bool) -> None:
         dest = self._path(key)
         dest.parent.mkdir(parents=True, exist_ok=True)
         tmp = dest.parent / f"{_TMP_PREFIX}{dest.name}.{uuid.uuid4().hex[:8]}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
-            with os.fdopen(fd, "wb", closefd=True) as f:
-                f.write(data)
-                f.flush()
+            try:
+                view = memoryview(data).cast("B")
+                done = 0
+                while done < len(view):  # straight from the caller's buffer, no copy
+                    done += os.write(fd, view[done:])
                 if self.fsync:
-                    os.fsync(f.fileno())
+                    os.fsync(fd)
+            finally:
+                os.close(fd)
             if if_absent:
                 try:
                     os.link(tmp, dest)
@@ -74,6 +78,19 @@ class FileStore(BlockingStore):
 
     def _get(self, key: str) -> bytes:
         return self._path(key).read_bytes()
+
+    def _get_into(self, key: str, buf: memoryview) -> memoryview:
+        with self._path(key).open("rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size > len(buf):
+                return memoryview(f.read())
+            got = 0
+            while got < size:
+                n = f.readinto(buf[got:size])
+                if not n:
+                    break
+                got += n
+            return buf[:got]
 
     def _stat(self, key: str) -> ObjectInfo | None:
         try:

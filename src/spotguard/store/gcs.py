@@ -17,7 +17,7 @@ from datetime import UTC
 from typing import Any
 
 from spotguard.errors import ObjectNotFound, PreconditionFailed, StoreError, StoreUnavailable
-from spotguard.store.base import BlockingStore, ObjectInfo, RetryPolicy
+from spotguard.store.base import BlockingStore, Data, ObjectInfo, RetryPolicy
 
 
 class GcsStore(BlockingStore):
@@ -65,11 +65,13 @@ class GcsStore(BlockingStore):
     def _unk(self, full: str) -> str:
         return full[len(self.prefix) + 1 :] if self.prefix else full
 
-    def _put(self, key: str, data: bytes, if_absent: bool) -> None:
+    def _put(self, key: str, data: Data, if_absent: bool) -> None:
         blob = self.bucket.blob(self._k(key))
         kwargs: dict[str, Any] = {"retry": None, "checksum": "crc32c"}
         if if_absent:
             kwargs["if_generation_match"] = 0
+        if not isinstance(data, bytes):
+            data = bytes(data)  # the client wants bytes (it keeps no reference after)
         blob.upload_from_string(data, content_type="application/octet-stream", **kwargs)
 
     def _get(self, key: str) -> bytes:
