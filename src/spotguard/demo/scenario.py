@@ -243,7 +243,6 @@ async def _protected_run(
         await poller
     image_url = str(view.get("image_url") or "")
     report.image_url = image_url
-    ui.event(f"image {image_url}")
     where = "VM 1"
     after_durable = True
     if opts.relaunches:

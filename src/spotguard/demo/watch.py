@@ -68,7 +68,7 @@ class Follower:
         elif ev == "frozen":
             text = f"frozen: the job's state is in {where}'s memory"
         elif ev == "durable":
-            text = "durable: the image's manifest is in the store"
+            text = f"durable: {row.get('reason') or 'the image is in the store'}"
         elif ev == "exited":
             text = f"the job is stopped on {where}; its image is complete"
         elif ev == "ready_to_relaunch":
