@@ -337,4 +337,6 @@ aws_max_attempts = 1
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGTERM)
-            proc.wait(timeout=10)
+            # Wait without blocking the event loop: the EC2 proxy lives in it, and a controller
+            # shutting down finishes its in-flight EC2 call first.
+            await asyncio.to_thread(proc.wait, 10)
