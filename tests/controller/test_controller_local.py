@@ -448,3 +448,77 @@ async def test_directive_tells_a_polling_agent_to_drain_for_a_migration(
     assert (await api.get("/v1/jobs/nope/directive"))["_status"] == 404
     async with api.s.get(api.url + "/v1/jobs/dir-job/directive") as resp:
         assert resp.status == 401
+
+
+async def _held_state(api: Api, job: str, state: str, seconds: float) -> dict[str, Any]:
+    """The job's view after it stayed in ``state`` for ``seconds`` (asserted on every look)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while True:
+        view = await api.get(f"/v1/jobs/{job}")
+        assert view["state"] == state, (view["state"], view["reason"])
+        if loop.time() > end:
+            return view
+        await asyncio.sleep(0.05)
+
+
+async def test_resumed_checkpoint_after_a_rebalance_never_relaunches(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    api, _, _ = await api_factory(notice_grace_s=0.1)
+    job = "rebalanced"
+    await api.event(job, EventKind.STARTED, instance=VM1)
+    deadline = (datetime.now(UTC) + timedelta(seconds=0.3)).isoformat()
+    notice = {"id": "r1", "cloud": "aws", "kind": "rebalance", "deadline": deadline}
+    r = await api.event(
+        job, EventKind.NOTICE, instance=VM1, notice=notice, detail={"decision": "resume"}
+    )
+    assert r["state"] == "interrupting"
+    image = f"file://{tmp_path}/store/{job}/images/20261122T000000000000Z-abc123"
+    r = await api.event(
+        job, EventKind.DURABLE, instance=VM1, notice=notice, image_url=image, image_bytes=10,
+        detail={"mode": "resume"},
+    )  # fmt: skip
+    assert r["state"] == "protected"
+    view = await _held_state(api, job, "protected", 1.0)  # well past deadline + grace
+    assert view["image_url"] == image and view["restarts"] == 0
+    assert not (tmp_path / "local" / "vms").exists() or not any(
+        (tmp_path / "local" / "vms").iterdir()
+    )
+    # A rebalance the agent ignores (decision none) does not even interrupt.
+    notice2 = {**notice, "id": "r2"}
+    r = await api.event(
+        job, EventKind.NOTICE, instance=VM1, notice=notice2, detail={"decision": "none"}
+    )
+    assert r["state"] == "protected"
+    r = await api.event(job, EventKind.JOB_FINISHED, instance=VM1)
+    assert r["state"] == "finished"
+
+
+async def test_preempt_with_a_resumed_checkpoint_relaunches_unless_the_agent_still_polls(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    api, _, _ = await api_factory(notice_grace_s=0.5)
+    image = f"file://{tmp_path}/store/p/images/20261122T000000000000Z-abc123"
+    for job in ("polls", "silent"):
+        await api.event(job, EventKind.STARTED, instance=VM1)
+        deadline = (datetime.now(UTC) + timedelta(seconds=0.2)).isoformat()
+        notice = {"id": f"p-{job}", "cloud": "aws", "kind": "preempt", "deadline": deadline}
+        await api.event(job, EventKind.NOTICE, instance=VM1, notice=notice)
+        r = await api.event(
+            job, EventKind.DURABLE, instance=VM1, image_url=image.replace("/p/", f"/{job}/"),
+            image_bytes=10, detail={"mode": "resume"},
+        )  # fmt: skip
+        assert r["state"] == "checkpointed"  # the VM goes away: a relaunch stays possible
+    await asyncio.sleep(0.3)  # past the deadline, within the grace
+    d = await api.get("/v1/jobs/polls/directive")  # the agent of "polls" is still there
+    assert d["_status"] == 200
+    await api.wait_state("polls", "protected", within=5)
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 10
+    while True:  # nobody heard from "silent" after the deadline: relaunched
+        view = await api.get("/v1/jobs/silent")
+        if any(h["to"] == "launching" for h in view["history"]):
+            break
+        assert loop.time() < end, view["state"]
+        await asyncio.sleep(0.05)

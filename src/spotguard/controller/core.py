@@ -4,8 +4,12 @@ Events change a job's state at once (:mod:`spotguard.controller.machine`); each 
 then does what takes time, one step per wake-up, persisting before every side effect:
 
 * INTERRUPTING past deadline + grace (or the job left without an image) → the store's newest
-  complete image (:func:`spotguard.image.latest_image`) → LAUNCHING, else FAILED.
-* CHECKPOINTED past deadline + grace → LAUNCHING (the VM is gone without saying so).
+  complete image (:func:`spotguard.image.latest_image`) → LAUNCHING, else FAILED — only for a
+  notice that ends the VM (:func:`~spotguard.controller.machine.ends_vm`); any other notice
+  past its deadline returns the job to PROTECTED (it was never stopped).
+* CHECKPOINTED past deadline + grace → LAUNCHING (the VM is gone without saying so), unless
+  the job's agent was heard from after the deadline (an event or a directive poll from the
+  job's instance): then the job still runs there and is PROTECTED again.
 * LAUNCHING → a round token is persisted first; with one already persisted (a restart
   mid-launch) the provider is asked for the instance tagged with it before anything is
   launched. Then the strategy's candidates are tried in order, each attempt's index persisted
@@ -32,7 +36,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from spotguard.contracts import AgentEvent, Assignment, EventKind
 from spotguard.controller.imagefacts import image_spec
-from spotguard.controller.machine import on_event, relaunch
+from spotguard.controller.machine import ends_vm, on_event, relaunch
 from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, StateDB
 from spotguard.controller.strategies import Strategy, get_strategy
@@ -105,6 +109,18 @@ def _ref_of(d: dict[str, Any], provider: str) -> InstanceRef | None:
     )
 
 
+def _runs_on(why: str) -> Any:
+    """A change back to PROTECTED: the job was not stopped by the notice."""
+
+    def mutate(r: JobRecord) -> Change:
+        r.state = JobState.PROTECTED
+        r.deadline = None
+        reason = f"the job still runs: {why}"
+        return Change(r, reason)
+
+    return mutate
+
+
 def _report_crash(task: asyncio.Task[None]) -> None:
     """Log a job loop that died of an unexpected error (the next event restarts it)."""
     if not task.cancelled() and task.exception() is not None:
@@ -145,6 +161,7 @@ class Controller:
         self._wake: dict[str, asyncio.Event] = {}
         self._source_tasks: list[asyncio.Task[None]] = []
         self._checked: dict[str, float] = {}  # "<job>:<instance>" → last liveness check
+        self._heard: dict[str, float] = {}  # job → when its agent last reported or polled
         self._running = False
         #: What new instances report to (the server sets the bound port when listening on :0).
         self.public_url = settings.public_url()
@@ -244,6 +261,7 @@ class Controller:
         rec, applied = await self.db.change(ev.job, fn, event=(ev.event_id, ev.kind.value, body))
         if rec is None:  # an event that created nothing (cannot happen for valid events)
             raise JobNotFound(f"no job {ev.job!r}")
+        self._hear(rec, ev.instance)
         if applied:
             self.metrics.events.labels(ev.kind.value).inc()
             log.info(
@@ -342,6 +360,7 @@ class Controller:
         rec = await self.db.get(name)
         if rec is None:
             raise JobNotFound(f"no job {name!r}")
+        self._hear(rec, None)
         action = rec.data.get("action") if rec.state is JobState.PROTECTED else None
         target = rec.data.get("target") if action else None
         where = " ".join(str(v) for v in (target or {}).values())
@@ -353,6 +372,14 @@ class Controller:
             "state": rec.state.value,
             "target": target,
         }
+
+    def _hear(self, rec: JobRecord, instance: dict[str, Any] | None) -> None:
+        """Remember that the job's agent spoke just now (an event from the job's current
+        instance, or a directive poll): a job heard from after its notice's deadline still
+        runs, so a resumed checkpoint must not be relaunched."""
+        iid = (instance or {}).get("instance_id")
+        if iid is None or iid == rec.instance.get("instance_id"):
+            self._heard[rec.name] = time.time()
 
     async def view(self, name: str) -> dict[str, Any]:
         """A job with its history timeline, current instance and images (for the API/CLI)."""
@@ -390,10 +417,17 @@ class Controller:
         s = self.settings
         if rec.state is JobState.INTERRUPTING:
             due = (rec.deadline or now) + (0 if rec.data.get("fallback_now") else s.notice_grace_s)
-            if now >= due:
+            if now >= due and (rec.data.get("fallback_now") or ends_vm(rec.data.get("notice"))):
                 await self._fallback(rec)
+            elif now >= due:
+                await self._set(rec, _runs_on("the notice's deadline passed; nothing stopped it"))
         elif rec.state is JobState.CHECKPOINTED:
-            if rec.deadline is not None and now >= rec.deadline + s.notice_grace_s:
+            deadline = rec.deadline
+            if deadline is not None and self._heard.get(rec.name, 0.0) > deadline:
+                await self._set(
+                    rec, _runs_on("its agent reported after the notice's deadline; it runs on")
+                )
+            elif deadline is not None and now >= deadline + s.notice_grace_s:
                 await self._set(
                     rec,
                     lambda r: relaunch(

@@ -8,12 +8,20 @@ time — fall back to the store's newest image, launch, wait, terminate.
 ::
 
     PROTECTED ──NOTICE──► INTERRUPTING ──DURABLE──► CHECKPOINTED ──EXITED / READY_TO_RELAUNCH──►
-        ▲                      │ (deadline+grace, no image: newest image in store)     │
-        │                      └───────────────────────────────────────────────► LAUNCHING
-        │                                                                          │ launched
+        ▲ ▲                    │ (deadline+grace, no image: newest image in store)     │
+        │ └─DURABLE (resume)───┤                                                       │
+        │   CHECKPOINT_FAILED  └───────────────────────────────────────────────► LAUNCHING
+        │   (job runs on)                                                          │ launched
         └──────────────────── RESTORED ◄──────────────── RESTORING ◄───────────────┘
                                           RESTORE_FAILED (retryable) → LAUNCHING
     any ──JOB_FINISHED──► FINISHED          give-up errors, max restarts → FAILED(reason)
+
+What leads to a relaunch: EXITED or READY_TO_RELAUNCH (the job stopped), or — for a notice
+that ends the VM (:func:`ends_vm`: a preempt notice, or one the agent answered with ``exit``)
+— its deadline plus grace passing with no report that the job still runs. A checkpoint the
+agent *resumed* from (rebalance, maintenance with ``resume``, periodic) leaves the job
+running, so its DURABLE (``detail.mode == "resume"``) brings the job back to PROTECTED; so
+does a notice the agent decided to ignore (``decision == "none"``).
 """
 
 from __future__ import annotations
@@ -100,6 +108,15 @@ def _seen_notice(rec: JobRecord, iid: str | None, notice: dict[str, Any]) -> dic
     for old in sorted(seen, key=lambda k: seen[k]["at"])[: max(0, len(seen) - NOTICES_REMEMBERED)]:
         del seen[old]
     return None
+
+
+def ends_vm(notice: dict[str, Any] | None, decision: object = None) -> bool:
+    """Whether a notice means the job's VM goes away: a preempt notice (spot terminate, GCP
+    preemption, Azure Preempt, the fleet queue's warning), or any notice the agent answered
+    by stopping the job (``decision == "exit"``). Only such a notice's deadline may lead to a
+    relaunch without the agent saying the job stopped."""
+    n = notice or {}
+    return n.get("kind") == "preempt" or (decision or n.get("decision")) == "exit"
 
 
 def relaunch(rec: JobRecord, reason: str, *, drain: bool, terminate_old: bool) -> Change:
@@ -245,8 +262,12 @@ def on_event(
                 rec.deadline = None
                 return change(f"notice {notice.get('id')} cancelled")
             return change(f"notice {notice.get('id')} cancelled", note=True)
+        decision = ev.detail.get("decision")
+        if decision == "none" and not ends_vm(notice):
+            return change(f"{notice.get('kind', 'interruption')} notice on {where}: the agent "
+                          "does nothing for it; the job runs on", note=True)  # fmt: skip
         rec.deadline = _deadline(ev, default_notice_s)
-        rec.data["notice"] = notice
+        rec.data["notice"] = {**notice, "decision": decision} if decision else notice
         if st is JobState.PROTECTED:
             rec.state = JobState.INTERRUPTING
             return change(f"{notice.get('kind', 'interruption')} notice on {where}")
@@ -257,6 +278,13 @@ def on_event(
             return change(f"durable report from {where} without image_url (ignored)", note=True)
         rec.image_url = ev.image_url
         rec.spec = _spec_from(ev, rec.spec)
+        resumed = ev.detail.get("mode") == "resume"
+        if st is JobState.INTERRUPTING and resumed and not ends_vm(rec.data.get("notice")):
+            # The agent checkpointed and let the job run on (rebalance, maintenance with
+            # "resume"): nothing to relaunch; a later EXITED or preempt notice still is.
+            rec.state = JobState.PROTECTED
+            rec.deadline = None
+            return change(f"image {ev.image_url} is durable; the job runs on on {where}")
         if st is JobState.INTERRUPTING:
             rec.state = JobState.CHECKPOINTED
             return change(f"image {ev.image_url} is durable")
@@ -281,6 +309,11 @@ def on_event(
 
     if kind is EventKind.CHECKPOINT_FAILED:
         rec.data["checkpoint_error"] = ev.error
+        if st is JobState.INTERRUPTING and not ends_vm(rec.data.get("notice")):
+            # The engine thawed the job and the VM is not going away: it simply runs on.
+            rec.state = JobState.PROTECTED
+            rec.deadline = None
+            return change(f"checkpoint failed on {where}: {ev.error}; the job runs on")
         return change(f"checkpoint failed on {where}: {ev.error}", note=True)
 
     return first or change(f"{kind.value} on {where}", note=True)

@@ -306,9 +306,6 @@ class DemoStack:
                 "restore_timeout_s": self.opts.stage_timeout,
                 "capacity_retry_s": 1.0,
                 "capacity_rounds": 1,
-                # A resumed job (rebalance) stays CHECKPOINTED until it ends; keep the
-                # controller from relaunching it meanwhile for a run as long as the demo's.
-                "notice_grace_s": 600.0,
             }
         )
         self.server = await self._stack.enter_async_context(
