@@ -449,13 +449,25 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
         "image_bytes": target.manifest.totals.bytes,
         "stored_bytes": target.manifest.totals.stored_bytes,
     }
+    cs = target.capture_stats
+    if cs is not None:  # a full capture buffer means the writer held CRIU back, not CRIU us
+        out["capture"] = {
+            "peak_buffered_mib": cs.peak_buffered / 2**20,
+            "first_data_s": (cs.first_data or cs.started) - wall0,
+            "last_data_s": (cs.last_data or cs.started) - wall0,
+        }
+    out["steps"] = {
+        s.name: [round(s.start - wall0, 3), round(s.seconds or 0.0, 3)]
+        for s in [*tl.steps, *target.timeline_steps]
+    }
     url = f"{b.store_url.rstrip('/')}/{job.name}/images/{target.manifest.image_id}"
     out["read_alone"], _ = await _read_alone(url)
     waited = await _wait_free(ids)
     for _ in range(30):  # the engine does not retry a streamed restore: the source is used up
         t0 = time.perf_counter()
         try:
-            rr = await b.engine.restore(StreamSource(url, work_root=b.work), state_dir=b.state)
+            source = StreamSource(url, work_root=b.work)
+            rr = await b.engine.restore(source, state_dir=b.state)
             break
         except CheckpointError as exc:
             if "File exists" not in str(exc) and "Can't fork" not in str(exc):
@@ -472,6 +484,8 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
         "gpu_restore": (rt.seconds("gpu_restore") or 0.0) + (rt.seconds("gpu_unlock") or 0.0),
         "other": sum(rt.seconds(n) or 0.0 for n in ("preflight", "put_files", "finish")),
     }
+    if source.serve_stats is not None:
+        out["serve"] = source.serve_stats.to_json()
     out["pid_wait"] = waited
     out["restored_pid"] = rr.pid
     return out
