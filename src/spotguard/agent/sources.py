@@ -24,10 +24,15 @@ async def cloud_sources(
     s: NoticeSettings, given: Sequence[NoticeSource] | None = None
 ) -> tuple[str | None, list[NoticeSource]]:
     """(cloud, sources): ``given`` sources as they are, else the configured cloud's source,
-    else the detected one's; none when no cloud is found (only manual drains then)."""
+    else the detected one's; none when no cloud is found or ``cloud = none`` is set (only
+    manual drains and periodic checkpoints then)."""
     if given is not None:
         clouds = {str(getattr(src, "cloud", "")) for src in given} - {"", "manual"}
         return (clouds.pop() if len(clouds) == 1 else None), list(given)
+    if s.cloud == "none":
+        # Asked for no metadata source: no detection (no delay), manual drains only.
+        log.info("no metadata source (cloud = none)", extra={"step": "detect", "cloud": "none"})
+        return None, []
     cloud: str | None = s.cloud
     if cloud == "auto":
         found = await detect_cloud(s.detect_timeout, imdsv1=s.imdsv1)

@@ -1,10 +1,10 @@
 """Build the notice source for a cloud from :class:`~spotguard.notices.settings.NoticeSettings`
-(detecting the cloud when it is ``auto``)."""
+(detecting the cloud when it is ``auto``; ``none`` means no metadata source at all)."""
 
 from __future__ import annotations
 
 from spotguard.config import load
-from spotguard.errors import MetadataUnavailable
+from spotguard.errors import ConfigError, MetadataUnavailable
 from spotguard.notices.aws import AwsImdsSource
 from spotguard.notices.azure import AzureEventsSource
 from spotguard.notices.base import Cloud, NoticeSource
@@ -30,8 +30,11 @@ def source_for(cloud: Cloud | str, settings: NoticeSettings | None = None) -> No
 
 
 async def resolve_cloud(settings: NoticeSettings | None = None) -> Cloud:
-    """The configured cloud, or the detected one for ``auto`` (MetadataUnavailable if none)."""
+    """The configured cloud, or the detected one for ``auto`` (MetadataUnavailable if none
+    answers; ConfigError for ``none``, which asks for no metadata source)."""
     s = settings or load(NoticeSettings)
+    if s.cloud == "none":
+        raise ConfigError("cloud = none: no metadata service is watched on this machine")
     if s.cloud != "auto":
         return Cloud(s.cloud)
     cloud = await detect_cloud(s.detect_timeout, imdsv1=s.imdsv1)

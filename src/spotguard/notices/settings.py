@@ -24,8 +24,12 @@ class NoticeSettings(Settings):
         env_prefix="SPOTGUARD_NOTICES_", extra="forbid", frozen=True, validate_default=True
     )
 
-    cloud: Literal["auto", "aws", "gcp", "azure"] = Field(
-        "auto", description="Which cloud's metadata service to watch (auto = detect)"
+    cloud: Literal["auto", "aws", "gcp", "azure", "none"] = Field(
+        "auto",
+        description=(
+            "Which cloud's metadata service to watch (auto = detect; none = no metadata "
+            "source: operator drains and periodic checkpoints only)"
+        ),
     )
     poll_interval: float = Field(
         1.0, gt=0, le=60, description="Seconds between polls (AWS IMDS, Azure Scheduled Events)"
