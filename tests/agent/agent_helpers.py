@@ -134,8 +134,8 @@ class Host:
     shm: Path
     criu: str
 
-    def checkpoint_settings(self) -> CheckpointSettings:
-        return CheckpointSettings(state_dir=self.state, shm_dir=self.shm, criu=self.criu)
+    def checkpoint_settings(self, **kw: Any) -> CheckpointSettings:
+        return CheckpointSettings(state_dir=self.state, shm_dir=self.shm, criu=self.criu, **kw)
 
 
 @asynccontextmanager
@@ -144,9 +144,11 @@ async def running_agent(
     sink: EventSink | None,
     *,
     cloud: str = "aws",
+    checkpoint: dict[str, Any] | None = None,
     **agent: Any,
 ) -> AsyncIterator[Agent]:
-    """An :class:`Agent` running in this event loop until the block ends."""
+    """An :class:`Agent` running in this event loop until the block ends (``checkpoint``:
+    extra engine settings, e.g. ``{"stream": "off"}`` for the staging path)."""
     agent.setdefault("api_listen", "127.0.0.1:0")
     agent.setdefault("assignment", host.state / "no-assignment.json")
     if sink is not None:
@@ -154,10 +156,73 @@ async def running_agent(
         agent.setdefault("controller_token", TOKEN)
     settings = AgentSettings(**agent)
     notices = NoticeSettings(cloud=cloud, poll_interval=0.2, long_poll=5, timeout=2.0)
-    daemon = Agent(settings, host.checkpoint_settings(), notices)
+    daemon = Agent(settings, host.checkpoint_settings(**(checkpoint or {})), notices)
     task = asyncio.create_task(daemon.run())
     try:
         yield daemon
     finally:
         daemon.request_stop()
         await asyncio.wait_for(task, 60)
+
+
+class FlakyProxy:
+    """A TCP proxy on a loopback port, in its own thread, in front of a real server (moto):
+    while ``broken`` it drops every connection at once (an unreachable store), else it
+    passes bytes both ways."""
+
+    def __init__(self, target_url: str) -> None:
+        host, port = target_url.removeprefix("http://").rstrip("/").split(":")
+        self.target = (host, int(port))
+        self.broken = False
+        self.dropped = 0
+        self.url = ""
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._serve, daemon=True)
+        self._server: asyncio.base_events.Server | None = None
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        self._server = self._loop.run_until_complete(
+            asyncio.start_server(self._client, "127.0.0.1", 0)
+        )
+        self.url = f"http://127.0.0.1:{self._server.sockets[0].getsockname()[1]}"
+        self._ready.set()
+        self._loop.run_forever()
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        if self.broken:
+            self.dropped += 1
+            writer.close()
+            return
+        try:
+            up_r, up_w = await asyncio.open_connection(*self.target)
+        except OSError:
+            writer.close()
+            return
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
+            try:
+                while data := await r.read(1 << 16):
+                    w.write(data)
+                    await w.drain()
+            except OSError:
+                pass
+            finally:
+                w.close()
+
+        await asyncio.gather(pipe(reader, up_w), pipe(up_r, writer))
+
+    def start(self) -> FlakyProxy:
+        self._thread.start()
+        self._ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        async def _stop() -> None:
+            if self._server is not None:
+                self._server.close()
+
+        asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)

@@ -3,12 +3,16 @@
 Start-up, in order (each step one log line):
 
 1. recover: a job left mid-checkpoint by a killed agent (an operation marker exists) is
-   handed to the engine's ``recover`` so it runs again — never frozen, never locked;
+   handed to the engine's ``recover`` so it runs again — never frozen, never locked; staged
+   images a failed exit kept (:func:`spotguard.operations.kept_images`) are pushed again
+   (:class:`~spotguard.agent.pusher.KeptPusher`) until durable;
 2. instance facts from the metadata service (for reports and image metadata);
 3. the assignment, if any and not done yet: restore the job, report RESTORING/RESTORED;
 4. protect every job (``--job`` values and the restored one): a :class:`JobWorker` each;
-5. the local API and the controller reporter;
-6. watch notices (the cloud's source and the manual drain source, through the bus).
+5. the local API and the controller reporter; with a controller, a directive poll every
+   ``directive_poll_s`` seconds per protected job (:mod:`spotguard.agent.directives`);
+6. watch notices (the cloud's source, if any — ``cloud = none`` has none — and the manual
+   drain source, through the bus).
 
 A notice is counted, reported (NOTICE), decided by the :class:`Policy` and queued on every
 active job. A cancelled notice drops what is still waiting. Azure events are acknowledged once
@@ -42,8 +46,10 @@ from spotguard.notices.settings import NoticeSettings
 
 from . import targets
 from .api import AgentApi, ensure_token
+from .directives import DirectivePoller
 from .metrics import AgentMetrics
 from .policy import Action, Policy
+from .pusher import KeptPusher
 from .reporter import Reporter
 from .restore import read_assignment, restore_assignment
 from .settings import AgentSettings, read_secret
@@ -81,7 +87,16 @@ class Agent:
         self.instance = InstanceFacts()
         self.cloud: str | None = None
         self.store = settings.store
+        self.controller_url: str | None = None
+        self.controller_token: str | None = None
         self.reporter: Reporter = self._reporter(settings.controller_url, None)
+        self.pusher = KeptPusher(
+            metrics=self.metrics,
+            on_durable=self._kept_durable,
+            image_settings=image,
+            max_backoff_s=settings.push_retry_max_s,
+        )
+        self.directives: DirectivePoller | None = None
         self.api: AgentApi | None = None
         self.bus: NoticeBus | None = None
         self.notices_seen: list[dict[str, Any]] = []
@@ -95,6 +110,7 @@ class Agent:
 
     def _reporter(self, url: str | None, token: str | None) -> Reporter:
         bearer = token or self.settings.controller_bearer()
+        self.controller_url, self.controller_token = url, bearer
         return Reporter(
             url, bearer, self.dir / "outbox", metrics=self.metrics, on_answer=self._controller_says
         )
@@ -141,6 +157,8 @@ class Agent:
         await self.reporter.start()
         try:
             await self._recover()
+            for kept in operations.kept_images(self.checkpoint_settings.state_dir):
+                self.pusher.add(kept)
             self.cloud, sources = await cloud_sources(self.notice_settings, self._extra_sources)
             self.instance = await instance_facts(self.cloud, self.notice_settings)
             log.info(
@@ -172,6 +190,7 @@ class Agent:
                     specs.append(restored.job)
             for spec in specs:
                 self._spawn(self._protect(spec), f"protect-{spec}")
+            self._poll_directives()
             self.bus = NoticeBus(
                 [*sources, self.manual], backoff_max=self.notice_settings.backoff_max
             )
@@ -191,6 +210,7 @@ class Agent:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        await self.pusher.aclose()
         if self.bus is not None:
             await self.bus.aclose()
         if self.api is not None:
@@ -220,20 +240,12 @@ class Agent:
                 await asyncio.sleep(RESOLVE_RETRY_S)
         if info.name in self.workers and self.workers[info.name].active:
             return
+        if info.name in self.pusher.jobs():
+            # Stopped by an exit whose image still waits for the store: nothing to protect.
+            self._worker(info).state = "pushing"
+            return
         last = await self._latest_image_time(info.name)
-        worker = JobWorker(
-            info.name,
-            info.pid,
-            lambda mode, deadline, meta, on_frozen: self._checkpoint(
-                info, mode, deadline, meta, on_frozen
-            ),
-            reporter=self.reporter,
-            metrics=self.metrics,
-            instance=self.instance.to_json(),
-            periodic_interval=self.settings.periodic_interval,
-            last_image_at=last,
-        )
-        self.workers[info.name] = worker
+        worker = self._worker(info, last)
         log.info(
             "protecting job",
             extra={"step": "protect", "job": info.name, "pid": info.pid, "dir": str(info.dir)},
@@ -253,6 +265,48 @@ class Agent:
             watcher.cancel()
         self._maybe_done()
 
+    def _worker(self, info: JobInfo, last_image_at: float | None = None) -> JobWorker:
+        worker = JobWorker(
+            info.name,
+            info.pid,
+            lambda mode, deadline, meta, on_frozen: self._checkpoint(
+                info, mode, deadline, meta, on_frozen
+            ),
+            reporter=self.reporter,
+            metrics=self.metrics,
+            instance=self.instance.to_json(),
+            periodic_interval=self.settings.periodic_interval,
+            last_image_at=last_image_at,
+        )
+        self.workers[info.name] = worker
+        return worker
+
+    def _kept_durable(
+        self, kept: operations.KeptImage, result: operations.CheckpointResult
+    ) -> None:
+        """A kept image landed: report it as the DURABLE of the exit that stopped its job."""
+        worker = self.workers.get(kept.job)
+        if worker is None:  # kept by an earlier agent; the job is not protected here
+            info = JobInfo(name=kept.job, pid=0, dir=self.checkpoint_settings.jobs_dir / kept.job)
+            worker = self._worker(info)
+        notice = kept.meta.get("notice")
+        worker.kept_durable(result, notice if isinstance(notice, dict) else None)
+        self._maybe_done()
+
+    def _poll_directives(self) -> None:
+        """Ask the controller what it wants from each protected job, every
+        ``directive_poll_s`` seconds (off without a controller or with 0)."""
+        if not self.controller_url or self.settings.directive_poll_s <= 0:
+            return
+        self.directives = DirectivePoller(
+            self.controller_url,
+            self.controller_token,
+            lambda: [w.name for w in self.workers.values() if w.active],
+            self._controller_says,
+            interval_s=self.settings.directive_poll_s,
+        )
+        self._spawn(self.directives.run(), "directives")
+
     async def _liveness(self, worker: JobWorker) -> None:
         while worker.active:
             if worker.state == "protecting" and not worker.alive():
@@ -265,6 +319,7 @@ class Agent:
             self.settings.exit_when_done
             and self.workers
             and not any(w.active for w in self.workers.values())
+            and not self.pusher.jobs()
         ):
             log.info("no job left to protect; stopping", extra={"step": "stop"})
             self.request_stop()
@@ -296,8 +351,15 @@ class Agent:
                 instance=self.instance,
                 meta=meta,
                 on_frozen=on_frozen,
-                stream=self.settings.stream,
             )
+        except Exception:
+            kept = operations.kept_images(self.checkpoint_settings.state_dir, job=info.name)
+            if mode == "exit" and kept:
+                # The job was stopped and its image is kept here: push it until it lands.
+                self.workers[info.name].pushing = True
+                for k in kept:
+                    self.pusher.add(k)
+            raise
         finally:
             marker.unlink(missing_ok=True)
 
@@ -307,7 +369,6 @@ class Agent:
             settings=self.checkpoint_settings,
             image_settings=self.image_settings,
             job_name=job,
-            stream=self.settings.stream,
         )
 
     async def _latest_image_time(self, job: str) -> float | None:
@@ -496,8 +557,12 @@ class Agent:
                 "controller": self.reporter.url,
                 "reports_pending": len(self.reporter.pending()),
                 "instance": self.instance.to_json(),
+                "kept_images": self.pusher.status(),
+                "directive_polls": self.directives.polls if self.directives else 0,
             },
-            "jobs": [w.status() for w in self.workers.values()],
+            "jobs": [
+                {**w.status(), "kept": self.pusher.status(w.name)} for w in self.workers.values()
+            ],
             "notices": list(self.notices_seen),
             "sources": (
                 {n: vars(h) for n, h in self.bus.health.items()} if self.bus is not None else {}

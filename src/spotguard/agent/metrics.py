@@ -82,6 +82,11 @@ class AgentMetrics:
             "spotguard_checkpoints", "Durable checkpoints", ["job", "mode"], registry=r
         )
         self.failures = Counter("spotguard_failures", "Failures by step", ["step"], registry=r)
+        self.kept_images = Gauge(
+            "spotguard_kept_images",
+            "Staged images of stopped jobs waiting for the store (pushed again until durable)",
+            registry=r,
+        )
         self.report_queue = Gauge(
             "spotguard_report_queue", "Controller reports waiting to be delivered", registry=r
         )

@@ -84,8 +84,21 @@ class AgentSettings(Settings):
     exit_when_done: bool = Field(
         False, description="Stop the agent once every protected job has exited"
     )
-    stream: bool = Field(
-        False, description="Stream the dump straight to the store when streaming is available"
+    directive_poll_s: float = Field(
+        10.0,
+        ge=0,
+        description=(
+            "Seconds between asking the controller what it wants from each protected job "
+            "(GET /v1/jobs/{job}/directive; 0 = off)"
+        ),
+    )
+    push_retry_max_s: float = Field(
+        60.0,
+        gt=0,
+        description=(
+            "Longest wait, in seconds, between attempts to push a kept staged image "
+            "(exit mode, store unreachable) until it is durable"
+        ),
     )
 
     @field_validator("job", mode="before")

@@ -8,7 +8,9 @@ meanwhile waits for it, and the image it then takes is small thanks to dedup.
 
 Every outcome is reported (never awaited: :meth:`Reporter.emit` only spools), counted in
 metrics and logged as one line per step. A failed checkpoint never ends the worker: the job
-stays protected.
+stays protected — except an ``exit`` whose upload failed after the job was stopped: the job
+is then ``pushing`` (its kept staged image is pushed again by the agent until durable, see
+:mod:`spotguard.agent.pusher`) and becomes ``exited`` through :meth:`JobWorker.kept_durable`.
 """
 
 from __future__ import annotations
@@ -105,7 +107,8 @@ class JobWorker:
         self.periodic_interval = periodic_interval
         self.last_image: dict[str, Any] | None = None
         self.last_image_at = last_image_at
-        self.state = "protecting"  # → checkpointing | exited | finished
+        self.state = "protecting"  # → checkpointing | exited | finished | pushing
+        self.pushing = False  # set by the agent: the failed exit left a kept image
         self.activity: dict[str, Any] | None = None
         self.pending: dict[str, Request] = {}
         self.failures = 0
@@ -292,16 +295,44 @@ class JobWorker:
                 instance=self.instance,
                 notice=req.notice.to_json() if req.notice else None,
                 error=error,
-                detail={"step": step},
+                detail={"step": step, "kept": self.pushing},
             )
         )
         for w in req.waiters:
             if not w.done():
                 w.set_result({"job": self.name, "error": error})
+        if self.pushing:
+            # Stopped by the checkpoint; its image waits on this host for the store.
+            self.state = "pushing"
+            self._release_waiters({"job": self.name, "state": "pushing", "error": error})
+            self._wake.set()
+            return
         if not self.alive():
             self.job_ended()
 
     def _succeeded(self, req: Request, result: CheckpointResult, seen: float) -> None:
+        notice_json = req.notice.to_json() if req.notice else None
+        drain = req.notice is not None and req.notice.kind is NoticeKind.DRAIN
+        self._durable(req.key, req.action, notice_json, drain, result, seen, req.waiters)
+
+    def kept_durable(self, result: CheckpointResult, notice: dict[str, Any] | None) -> None:
+        """The kept image of a failed exit landed in the store: report it as that exit's
+        DURABLE (then EXITED, READY_TO_RELAUNCH after a drain)."""
+        self.pushing = False
+        key = str((notice or {}).get("id") or "kept")
+        drain = (notice or {}).get("kind") == NoticeKind.DRAIN.value
+        self._durable(key, Action.EXIT, notice, drain, result, result.frozen_at, [])
+
+    def _durable(
+        self,
+        key: str,
+        action: Action,
+        notice_json: dict[str, Any] | None,
+        drain: bool,
+        result: CheckpointResult,
+        seen: float,
+        waiters: list[asyncio.Future[dict[str, Any]]],
+    ) -> None:
         self.checkpoints += 1
         self.last_image_at = result.frozen_at
         self.last_image = {
@@ -313,7 +344,7 @@ class JobWorker:
             "stored_bytes": result.stored_bytes,
             "skipped_bytes": result.skipped_bytes,
             "mode": result.mode,
-            "notice": req.key,
+            "notice": key,
         }
         m = self.metrics
         m.freeze_seconds.labels(self.name, result.mode).observe(result.freeze_seconds)
@@ -330,7 +361,7 @@ class JobWorker:
             extra={
                 "step": "durable",
                 "job": self.name,
-                "notice": req.key,
+                "notice": key,
                 "mode": result.mode,
                 "image_url": result.image_url,
                 "bytes": result.bytes,
@@ -343,7 +374,6 @@ class JobWorker:
                 ),
             },
         )
-        notice_json = req.notice.to_json() if req.notice else None
         self.reporter.emit(
             AgentEvent(
                 job=self.name,
@@ -364,7 +394,7 @@ class JobWorker:
                 },
             )
         )
-        if req.action is Action.EXIT:
+        if action is Action.EXIT:
             self.state = "exited"
             log.info("job stopped after its checkpoint", extra={"step": "exit", "job": self.name})
             self.reporter.emit(
@@ -376,7 +406,7 @@ class JobWorker:
                     image_url=result.image_url,
                 )
             )
-            if req.notice is not None and req.notice.kind is NoticeKind.DRAIN:
+            if drain:
                 self.reporter.emit(
                     AgentEvent(
                         job=self.name,
@@ -388,7 +418,7 @@ class JobWorker:
                 )
             self._release_waiters({"job": self.name, "state": "exited", **self.last_image})
         outcome = {"job": self.name, "state": self.state, **self.last_image}
-        for w in req.waiters:
+        for w in waiters:
             if not w.done():
                 w.set_result(outcome)
 

@@ -7,7 +7,7 @@ files); it is defined here, once, because jobs live under it.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -59,6 +59,13 @@ class CheckpointSettings(Settings):
         default=512 * 1024 * 1024,
         ge=0,
         description="Bytes of RAM to leave free when staging an image in memory",
+    )
+    stream: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description=(
+            "Checkpoints to a store URL: stream the dump straight into the store (auto: when "
+            "CRIU supports --stream, else stage; on: always; off: stage in tmpfs/disk, then push)"
+        ),
     )
     max_file_bytes: int = Field(
         default=1024 * 1024 * 1024,

@@ -85,7 +85,7 @@ def run(
     required=True,
     help=(
         "Directory to write the image to (created; must not hold an image), or a store URL "
-        "(s3://, gs://, file://) to upload it to."
+        "(s3://, gs://, file://) to stream (or stage and push, see --stream) it to."
     ),
 )
 @click.option("--leave-running", is_flag=True, help="Keep the job running after the dump.")
@@ -126,7 +126,7 @@ def checkpoint(
 @click.command("restore")
 @click.argument("image")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@options(CheckpointSettings)
+@options(CheckpointSettings, exclude=("stream",))  # how an image was written decides
 @click.pass_context
 def restore(ctx: click.Context, /, image: str, as_json: bool, **flags: Any) -> None:
     """Restore the job whose image is in the directory or at the store URL IMAGE

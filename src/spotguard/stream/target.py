@@ -17,6 +17,7 @@ output files, metadata) is recorded under ``meta["stream"]`` in the manifest.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -24,6 +25,7 @@ import shutil
 import tempfile
 import time
 from collections.abc import AsyncIterator
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -140,8 +142,12 @@ class StreamTarget:
         buffer_bytes: int = 256 * MiB,
         timeline: Timeline | None = None,
         writer_options: dict[str, Any] | None = None,
+        meta: dict[str, Any] | None = None,
+        finish_timeout: float | None = None,
     ) -> None:
         self.store_url = store_url
+        self.meta = dict(meta or {})
+        self.finish_timeout = finish_timeout
         self.image_id = image_id
         self.level = level
         self.work_root = work_root
@@ -219,8 +225,24 @@ class StreamTarget:
 
     async def finish(self, meta: ImageMeta) -> None:
         """CRIU wrote the image (it waits frozen in post-dump, or exited 0): wait for the last
-        pieces, add the extras, commit the manifest."""
+        pieces, add the extras, commit the manifest — within ``finish_timeout`` seconds (a
+        store that stops answering must not hold a frozen job or the caller forever).
+
+        The manifest's ``meta`` is the caller's ``meta`` (instance facts, notice, plan ...)
+        with the engine's image metadata over it, plus ``frozen_at`` and ``stream``: the
+        same keys a staged image's manifest carries."""
+        try:
+            await asyncio.wait_for(self._finish(meta), self.finish_timeout)
+        except TimeoutError as exc:
+            await self.abort()
+            raise StreamError(
+                f"the streamed image was not durable within {self.finish_timeout:.0f} s "
+                "(store too slow or unreachable); no manifest written"
+            ) from exc
+
+    async def _finish(self, meta: ImageMeta) -> None:
         assert self._capture is not None and self._writer is not None and self._sink is not None
+        frozen_at = datetime.now(UTC).isoformat()
         try:
             stats = await self._capture.settle()
             self.capture_stats = stats
@@ -235,7 +257,7 @@ class StreamTarget:
             for path, name in _walk(self.extras_dir):
                 await self._writer.add_file(path, name)
             t_commit = time.time()
-            body = meta.to_json()
+            body = {"frozen_at": frozen_at, **self.meta, **meta.to_json()}
             body[STREAM_KEY] = {
                 "criu_files": self._sink.names,
                 "renames": self._sink.renames,

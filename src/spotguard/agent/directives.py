@@ -1,0 +1,82 @@
+"""Poll the controller for what it wants from each protected job (``GET …/directive``).
+
+The controller answers every agent event with an ``action``; a job with nothing to report
+(no notice, no periodic checkpoint) would never hear it. So the agent asks, every
+``directive_poll_s`` seconds, ``GET {controller}/v1/jobs/{job}/directive`` for each job it
+protects and hands the answer (``{"job", "action": "drain"|null, "reason", "state",
+"target"}``) to the same handler as event answers. A poll is only a question: a 404 (the
+controller has not seen the job yet), a refusal or an unreachable controller is logged at
+debug level and asked again next round; the reporter's own retries surface real outages.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any
+from urllib.parse import quote
+
+import aiohttp
+
+log = logging.getLogger(__name__)
+
+DIRECTIVE_PATH = "/v1/jobs/{job}/directive"
+
+
+class DirectivePoller:
+    """Asks the controller at ``controller_url`` about each job from ``jobs()`` every
+    ``interval_s`` seconds and passes each answer to ``on_answer``."""
+
+    def __init__(
+        self,
+        controller_url: str,
+        token: str | None,
+        jobs: Callable[[], Iterable[str]],
+        on_answer: Callable[[dict[str, Any]], None],
+        *,
+        interval_s: float,
+        timeout_s: float = 5.0,
+    ) -> None:
+        self.base = controller_url.rstrip("/")
+        self.token = token
+        self.jobs = jobs
+        self.on_answer = on_answer
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.polls = 0
+
+    async def run(self) -> None:
+        """Poll until cancelled."""
+        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
+        async with aiohttp.ClientSession(timeout=timeout) as session:
+            while True:
+                await asyncio.sleep(self.interval_s)
+                for job in list(self.jobs()):
+                    answer = await self.ask(session, job)
+                    if answer is not None:
+                        self.on_answer(answer)
+
+    async def ask(self, session: aiohttp.ClientSession, job: str) -> dict[str, Any] | None:
+        """The controller's directive for ``job``; None when it has none to give now."""
+        url = self.base + DIRECTIVE_PATH.format(job=quote(job, safe=""))
+        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+        self.polls += 1
+        try:
+            async with session.get(url, headers=headers) as resp:
+                if resp.status != 200:
+                    log.debug(
+                        "no directive",
+                        extra={"step": "directive", "job": job, "status": resp.status},
+                    )
+                    return None
+                data = await resp.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
+            log.debug(
+                "directive poll failed", extra={"step": "directive", "job": job, "error": str(exc)}
+            )
+            return None
+        if not isinstance(data, dict):
+            return None
+        data.setdefault("job", job)
+        return data
