@@ -46,6 +46,7 @@ from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget, plan_
 from spotguard.config import load
 from spotguard.errors import (
     CheckpointError,
+    CriuError,
     ImageError,
     PreflightError,
     SpotguardError,
@@ -396,8 +397,11 @@ async def checkpoint(
                 eng, job, m, streamed, level, image_meta, on_frozen, planner, plan, inst
             )
         except (SpotguardError, OSError) as exc:
-            if choice == "on" or not _stage_instead(exc, streamed, m, job):
-                raise
+            err = _stream_cause(exc, streamed)
+            if choice == "on" or not _stage_instead(err, streamed, m, job):
+                if err is exc:
+                    raise
+                raise err from exc
             log.warning(
                 "streaming failed before the job was stopped; staging the image instead",
                 extra={
@@ -416,6 +420,15 @@ async def checkpoint(
         eng, job, m, s, store_url, level, image_meta, image_settings, on_frozen, planner, plan,
         inst,
     )  # fmt: skip
+
+
+def _stream_cause(exc: BaseException, streamed: _StreamTarget) -> BaseException:
+    """The store's (or image writer's) error when it is what broke the dump: CRIU then only
+    saw its pipe close (EPIPE) and fails with a CriuError that hides the cause."""
+    cause = streamed.target.capture_error
+    if isinstance(exc, CriuError) and isinstance(cause, StoreError | ImageError):
+        return cause
+    return exc
 
 
 def _stage_instead(exc: BaseException, streamed: _StreamTarget, mode: Mode, job: JobInfo) -> bool:

@@ -1,6 +1,7 @@
 """The agent end to end, in this event loop: the real metadata-sim injects notices, real jobs
 are frozen by real CRIU, images land in a real store (moto S3 or file://), events reach a real
-HTTP endpoint, and restored jobs print exactly what an uninterrupted run prints."""
+HTTP endpoint, and restored jobs print exactly what an uninterrupted run prints. Images are
+streamed (the default); the GCP test takes the staging path (``stream = off``)."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.contracts import Assignment
-from spotguard.image import latest_image, verify_image
+from spotguard.image import ImageReader, latest_image, verify_image
 from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
@@ -95,6 +96,13 @@ async def test_aws_spot_terminate_image_in_s3_restores_identically(
     assert durable["notice"]["kind"] == "preempt"
     assert not proctree.alive(job.pid)
     assert await latest_image(store, "train") == durable["image_url"]
+    # Streamed by default, and the manifest carries what a staged one does.
+    async with ImageReader(durable["image_url"]) as reader:
+        meta = reader.manifest.meta
+    assert "stream" in meta and meta["mode"] == "exit"
+    assert meta["instance"]["instance_type"] == "g5.xlarge"
+    assert meta["notice"]["kind"] == "preempt" and meta["reason"]
+    assert {"gpu", "host", "criu_version", "staging", "frozen_at"} <= set(meta)
 
     restored = await operations.restore(durable["image_url"], settings=host.checkpoint_settings())
     assert restored.job == "train"
@@ -110,13 +118,19 @@ async def test_gcp_preemption_then_assignment_restore_on_a_new_agent(
     tmp_path: Path,
 ) -> None:
     store = f"file://{tmp_path}/store"
-    async with running_agent(host, sink, cloud="gcp", job=["train"], store=store):
+    staged = {"stream": "off"}  # the staging path, end to end
+    async with running_agent(
+        host, sink, cloud="gcp", job=["train"], store=store, checkpoint=staged
+    ):
         await wait_until(lambda: "started" in sink.kinds("train"))
         sim.state.send("gcp", "preempt")  # GCP gives 30 s
         await wait_until(lambda: "exited" in sink.kinds("train"))
     notice = event(sink, "notice")["notice"]
     assert (notice["cloud"], notice["kind"]) == ("gcp", "preempt")
     image_url = event(sink, "durable")["image_url"]
+    async with ImageReader(image_url) as reader:
+        meta = reader.manifest.meta
+    assert "stream" not in meta and meta["notice"]["cloud"] == "gcp" and meta["instance"]
 
     # The controller's new VM: an assignment file, an agent that restores and then protects.
     assignment = tmp_path / "assignment.json"

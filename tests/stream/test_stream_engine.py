@@ -22,7 +22,7 @@ from conftest import MIB, STEPS, wait_done, wait_lines
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, start_job
-from spotguard.errors import CheckpointError, ImageNotFound
+from spotguard.errors import CheckpointError, ImageNotFound, StoreUnavailable
 from spotguard.image.catalog import latest_image
 from spotguard.image.reader import ImageReader
 from spotguard.store import open_store
@@ -171,3 +171,40 @@ async def test_killed_mid_stream_leaves_job_running_and_no_image(
         async with ImageReader(image_url):
             pass
     await gated.inner.aclose()
+
+
+class FailingStore(GatedStore):
+    """A file store that refuses every chunk upload after ``allow`` (the store goes away
+    mid-stream)."""
+
+    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if "/chunks/" in key:
+            if self.allow <= 0:
+                raise StoreUnavailable(f"{key}: the store went away")
+            self.allow -= 1
+        await self.inner.put(key, data, if_absent=if_absent)
+
+
+async def test_exit_mode_upload_failing_mid_stream_never_kills_the_job(
+    criu_bin: str, job_script: Path, reference_output: str, tmp_path: Path
+) -> None:
+    """In exit mode the engine commits the streamed image while CRIU holds the tree frozen and
+    lets CRIU kill it only after that: a store failing mid-stream leaves the job running."""
+    store_url = f"file://{tmp_path / 'store'}"
+    failing = FailingStore(open_store(store_url), allow=2)
+    job = await _start(job_script, tmp_path / "state", "exit-upload-fails")
+    target = StreamTarget(failing, work_root=tmp_path / "work", writer_options=SMALL)  # type: ignore[arg-type]
+    with pytest.raises((CheckpointError, StoreUnavailable)) as failed:
+        await asyncio.wait_for(Engine(Criu(criu_bin)).freeze(job, target, Mode.EXIT), 60)
+    # Before CRIU finished (EPIPE: CRIU fails and resumes the tree) or while it waited in
+    # post-dump (the commit failed: CRIU is told to fail): either way the store is the cause.
+    cause = failed.value if isinstance(failed.value, StoreUnavailable) else target.capture_error
+    assert isinstance(cause, StoreUnavailable), failed.value
+    assert target.manifest is None
+    assert psutil.pid_exists(job.pid) and psutil.Process(job.pid).status() != "zombie"
+    try:
+        assert await wait_done(job.dir / "stdout") == reference_output
+    finally:
+        _kill_tree(job.pid)
+    assert await latest_image(store_url, job.name) is None
+    await failing.inner.aclose()

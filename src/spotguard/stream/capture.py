@@ -136,6 +136,15 @@ class Capture:
         self._idle = False  # parked waiting for CRIU's next request
 
     @property
+    def error(self) -> BaseException | None:
+        """Why the capture stopped, once it failed (a sink that refused a piece, a protocol
+        error); None while it runs, after it finished cleanly or was cancelled."""
+        t = self._task
+        if t is None or not t.done() or t.cancelled():
+            return None
+        return t.exception()
+
+    @property
     def socket_path(self) -> Path:
         return self.images_dir / protocol.CAPTURE_SOCKET
 

@@ -158,6 +158,7 @@ class StreamTarget:
         self.writer_options = dict(writer_options or {})
         self.manifest: Manifest | None = None
         self.capture_stats: CaptureStats | None = None
+        self.capture_error: BaseException | None = None
         self.plan: StagingPlan | None = None
         self._work: Path | None = None
         self._writer: ImageWriter | None = None
@@ -282,8 +283,11 @@ class StreamTarget:
         await self._close(None)
 
     async def abort(self) -> None:
-        """The dump failed or was cancelled: close CRIU's pipes, write no manifest."""
+        """The dump failed or was cancelled: close CRIU's pipes, write no manifest.
+        ``capture_error`` keeps why the capture stopped, when it did first (a store that
+        refused a chunk makes CRIU fail with EPIPE: the store's error is the cause)."""
         if self._capture is not None:
+            self.capture_error = self.capture_error or self._capture.error
             await self._capture.abort()
         await self._close(StreamError("dump aborted"))
 
