@@ -64,16 +64,14 @@ output "controller_instance_profile" {
 }
 
 output "controller_config" {
-  description = "TOML for the controller's /etc/spotguard/spotguard.toml (fleet queue, region, templates)."
-  value = join("\n", concat(
-    [
-      "[fleet]",
-      "queue_url = ${jsonencode(aws_sqs_queue.events.url)}",
-      "region = ${jsonencode(local.region)}",
-      "",
-      "[aws]",
-      "aws_regions = [${jsonencode(local.region)}]",
-    ],
-    length(var.jobs) == 1 ? ["aws_launch_template = ${jsonencode(values(aws_launch_template.job)[0].name)}"] : [],
-  ))
+  description = "TOML for the controller's /etc/spotguard/spotguard.toml (fleet queue, region, each job's template as the {job} pattern)."
+  value = join("\n", [
+    "[fleet]",
+    "queue_url = ${jsonencode(aws_sqs_queue.events.url)}",
+    "region = ${jsonencode(local.region)}",
+    "",
+    "[aws]",
+    "aws_regions = [${jsonencode(local.region)}]",
+    "aws_launch_template = ${jsonencode("${var.name}-{job}")}",
+  ])
 }
