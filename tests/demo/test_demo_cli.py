@@ -26,9 +26,9 @@ SMALL = ["--steps", "40", "--step-seconds", "0.05", "--mb", "8", "--notice-at", 
 
 
 def demo(
-    criu: str, workdir: Path, *args: str, timeout: float = 120
+    criu: str, workdir: Path, *args: str, timeout: float = 120, **env_extra: str
 ) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "SPOTGUARD_CRIU": criu}
+    env = {**os.environ, "SPOTGUARD_CRIU": criu, **env_extra}
     return subprocess.run(
         [SPOTGUARD, "demo", "--workdir", str(workdir), *args],
         capture_output=True,
@@ -73,7 +73,8 @@ def test_demo_proves_continuation_and_prints_the_timeline(criu_bin: str, tmp_pat
 
 def test_demo_json_summary_on_gcp_with_the_timeline_in_order(criu_bin: str, tmp_path: Path) -> None:
     run = tmp_path / "run"
-    r = demo(criu_bin, run, *SMALL, "--cloud", "gcp", "--json", "--keep")
+    # Images are streamed by default; this run takes the staging path (stream = off).
+    r = demo(criu_bin, run, *SMALL, "--cloud", "gcp", "--json", "--keep", SPOTGUARD_STREAM="off")
     assert r.returncode == 0, r.stdout + r.stderr
     summary = json.loads(r.stdout)
     assert summary["ok"] is True and summary["reason"] is None
@@ -94,6 +95,8 @@ def test_demo_json_summary_on_gcp_with_the_timeline_in_order(criu_bin: str, tmp_
     # The kept work dir holds what the run describes: the image's manifest, both VMs' logs.
     image_id = summary["image_url"].rsplit("/", 1)[1]
     assert (run / "store" / "train" / "images" / image_id / "manifest.json").is_file()
+    manifest = json.loads((run / "store/train/images" / image_id / "manifest.json").read_text())
+    assert "stream" not in manifest["meta"] and manifest["meta"]["staging"]["mode"] != "stream"
     assert (run / "vm1" / "agent.log").is_file()
     assert any((run / "local" / "vms").glob("*/agent.log"))
     assert "embedded default up" in r.stderr  # progress goes to stderr with --json
