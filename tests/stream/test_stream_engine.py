@@ -17,8 +17,8 @@ from typing import Any
 
 import psutil
 import pytest
+from stream_helpers import MIB, STEPS, wait_done, wait_lines
 
-from conftest import MIB, STEPS, wait_done, wait_lines
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, start_job
