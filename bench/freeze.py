@@ -1,15 +1,20 @@
 """Freeze engine benchmark: freeze window, dump and restore throughput, engine overhead.
 
-For each size, one job holding that much memory (CPU: a Python buffer; ``--gpu``: PyTorch
+For each size, a job holding that much memory (CPU: a Python buffer; ``--gpu``: PyTorch
 tensors on the GPU plus its CPU side) is
 
 1. frozen by the engine (exit mode, image in tmpfs) and restored by the engine, and
 2. a twin job is dumped and restored by the bare calls the engine orders (driver
-   lock + checkpoint, ``criu dump``; ``criu restore``, driver restore + unlock).
+   lock + checkpoint, ``criu dump``; ``criu restore``, driver restore + unlock), also into tmpfs.
 
-The overhead column is engine time / bare time - 1 for dump and restore together.
-Run: ``python -m bench.freeze --sizes 0.5 2 4`` (CPU) or ``python -m bench.freeze --gpu``.
-Needs root and CRIU (scripts/install-criu). Prints a table; numbers are single runs.
+``--repeat N`` interleaves the two (engine, bare, bare, engine, engine, bare, ...: each pair in
+the other order than the one before, so neither always runs first on a warm or cold machine)
+and reports medians with the min-max spread. The overhead column is median engine time /
+median bare time - 1 for dump and restore together, with the spread of the per-pair ratios;
+"engine own ms" is engine time minus the CRIU and driver calls inside it (scan, snapshot of
+the job's files, metadata, markers), freeze + restore.
+Run: ``python -m bench.freeze --sizes 0.5 2 4 --repeat 3`` (CPU) or ``python -m bench.freeze
+--gpu``. Needs root and CRIU (scripts/install-criu). Progress goes to stderr as it happens.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import os
 import platform
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -99,7 +105,13 @@ async def _engine_run(
     _kill(rr.pid)
     shutil.rmtree(res.images_dir, ignore_errors=True)
     tl = res.timeline
+    rtl = rr.timeline
+    inner = (tl.seconds("capture_files") or 0.0) + (tl.seconds("finish") or 0.0)
+    calls = sum(tl.seconds(n) or 0.0 for n in ("gpu_lock", "gpu_checkpoint", "criu_dump"))
+    rcalls = (rtl.seconds("criu_restore") or 0.0) - waited
+    rcalls += sum(rtl.seconds(n) or 0.0 for n in ("gpu_restore", "gpu_unlock"))
     return {
+        "own": (freeze_s - calls + inner) + (restore_s - rcalls),
         "image": size,
         "freeze": freeze_s,
         "gpu_ckpt": (tl.seconds("gpu_lock") or 0) + (tl.seconds("gpu_checkpoint") or 0),
@@ -171,13 +183,46 @@ async def _bare_run(
     return {"dump": dump_s, "restore": restore_s}
 
 
+def _med(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def _spread(runs: list[dict[str, float]], key: str, fmt: str = ".2f") -> str:
+    """Median, and min..max when there is more than one run."""
+    vals = [r[key] for r in runs]
+    med = format(statistics.median(vals), fmt)
+    return med if len(vals) == 1 else f"{med} ({min(vals):{fmt}}..{max(vals):{fmt}})"
+
+
+def _row(gib: float, es: list[dict[str, float]], bs: list[dict[str, float]]) -> str:
+    img = _med(es, "image")
+    eng = [e["freeze"] + e["restore"] for e in es]
+    bare = [b["dump"] + b["restore"] for b in bs]
+    over = statistics.median(eng) / statistics.median(bare) - 1
+    pairs = [e / b - 1 for e, b in zip(eng, bare, strict=True)]
+    span = f" ({min(pairs) * 100:+.1f}..{max(pairs) * 100:+.1f})" if len(pairs) > 1 else ""
+    own = [{"own": e["own"] * 1000} for e in es]
+    return (
+        f"| {gib} | {len(es)}+{len(bs)} | {img / 2**30:.2f} | {_spread(es, 'freeze')} | "
+        f"{_med(es, 'gpu_ckpt'):.2f} | {_spread(es, 'dump')} | "
+        f"{img / _med(es, 'freeze') / 1e9:.2f} | {_spread(es, 'restore')} | "
+        f"{_med(es, 'criu_restore'):.2f} | {_med(es, 'gpu_restore'):.2f} | "
+        f"{img / _med(es, 'restore') / 1e9:.2f} | {_spread(bs, 'dump')} | "
+        f"{_spread(bs, 'restore')} | {_spread(own, 'own', '.0f')} | {over * 100:+.1f}%{span} |"
+    )
+
+
 async def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--sizes", nargs="+", type=float, default=None, help="GiB per job")
     p.add_argument("--gpu", action="store_true", help="GPU jobs (PyTorch) instead of CPU jobs")
     p.add_argument("--criu", default=os.environ.get("SPOTGUARD_CRIU"))
+    p.add_argument(
+        "--repeat", type=int, default=None, help="interleaved engine/bare pairs (CPU 3, GPU 1)"
+    )
     args = p.parse_args()
     sizes = args.sizes or ([2.0, 10.0, 40.0] if args.gpu else [0.5, 2.0, 4.0])
+    args.repeat = max(1, args.repeat or (1 if args.gpu else 3))
     work = Path(tempfile.mkdtemp(prefix="spotguard-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="spotguard-bench-", dir="/dev/shm"))
     criu = Criu(args.criu)
@@ -194,32 +239,36 @@ async def main() -> int:
         f"criu {await criu.version()}, images in tmpfs"
     )
     head = (
-        "| size GiB | image GiB | freeze s | gpu ckpt s | criu dump s | dump GB/s | "
+        "| size GiB | runs | image GiB | freeze s | gpu ckpt s | criu dump s | dump GB/s | "
         "restore s | criu restore s | gpu restore s | restore GB/s | bare dump s | "
-        "bare restore s | overhead |"
+        "bare restore s | engine own ms | overhead (pairs min..max) |"
     )
     print(head)
-    print("|" + " --- |" * (head.count("|") - 1))
+    print("|" + " --- |" * (head.count("|") - 1), flush=True)
     rc = 0
     for i, gib in enumerate(sizes):
         argv = [sys.executable, "-c", src, str(gib)]
+        es: list[dict[str, float]] = []
+        bs: list[dict[str, float]] = []
         try:
-            e = await _engine_run(engine, args.gpu, argv, f"e{i}", work / "state", shm)
-            b = await _bare_run(criu, args.gpu, argv, f"b{i}", work / "state", shm)
+            for rep in range(args.repeat):
+                order = ("engine", "bare") if rep % 2 == 0 else ("bare", "engine")
+                for kind in order:
+                    name = f"{kind[0]}{i}-{rep}"
+                    if kind == "engine":
+                        r = await _engine_run(engine, args.gpu, argv, name, work / "state", shm)
+                        es.append(r)
+                    else:
+                        r = await _bare_run(criu, args.gpu, argv, name, work / "state", shm)
+                        bs.append(r)
+                    print(f"# {gib} GiB {kind} run {rep + 1}: "
+                          + ", ".join(f"{k} {v:.3f}" for k, v in r.items()),
+                          file=sys.stderr, flush=True)  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - report the size that failed, keep going
-            print(f"| {gib} | failed: {exc} |")
+            print(f"| {gib} | failed: {exc} |", flush=True)
             rc = 1
             continue
-        img = e["image"]
-        over = (e["freeze"] + e["restore"]) / (b["dump"] + b["restore"]) - 1
-        print(
-            f"| {gib} | {img / 2**30:.2f} | {e['freeze']:.2f} | {e['gpu_ckpt']:.2f} | "
-            f"{e['dump']:.2f} | {img / e['freeze'] / 1e9:.2f} | {e['restore']:.2f} | "
-            f"{e['criu_restore']:.2f} | {e['gpu_restore']:.2f} | "
-            f"{img / e['restore'] / 1e9:.2f} | {b['dump']:.2f} | {b['restore']:.2f} | "
-            f"{over * 100:+.1f}% |",
-            flush=True,
-        )
+        print(_row(gib, es, bs), flush=True)
     shutil.rmtree(shm, ignore_errors=True)
     shutil.rmtree(work, ignore_errors=True)
     return rc
