@@ -7,12 +7,14 @@ tensors on the GPU plus its CPU side) is
 2. a twin job is dumped and restored by the bare calls the engine orders (driver
    lock + checkpoint, ``criu dump``; ``criu restore``, driver restore + unlock), also into tmpfs.
 
-``--repeat N`` interleaves the two (engine, bare, bare, engine, engine, bare, ...: each pair in
-the other order than the one before, so neither always runs first on a warm or cold machine)
-and reports medians with the min-max spread. The overhead column is median engine time /
-median bare time - 1 for dump and restore together, with the spread of the per-pair ratios;
-"engine own ms" is engine time minus the CRIU and driver calls inside it (scan, snapshot of
-the job's files, metadata, markers), freeze + restore.
+``--warmup N`` first makes N uncounted bare runs per size (the first run at a size pays for
+the host finding that much free memory: a 4 GiB dump took 10.5-11.9 s instead of 4-5 s on the
+2-core VM); ``--repeat N`` interleaves the two (engine, bare, bare, engine, engine, bare, ...:
+each pair in the other order than the one before, so neither always runs first on a warm or
+cold machine) and reports medians with the min-max spread. The overhead column is median
+engine time / median bare time - 1 for dump and restore together, with the spread of the
+per-pair ratios; "engine own ms" is engine time minus the CRIU and driver calls inside it
+(scan, snapshot of the job's files, metadata, markers), freeze + restore.
 Run: ``python -m bench.freeze --sizes 0.5 2 4 --repeat 3`` (CPU) or ``python -m bench.freeze
 --gpu``. Needs root and CRIU (scripts/install-criu). Progress goes to stderr as it happens.
 """
@@ -220,9 +222,14 @@ async def main() -> int:
     p.add_argument(
         "--repeat", type=int, default=None, help="interleaved engine/bare pairs (CPU 3, GPU 1)"
     )
+    p.add_argument(
+        "--warmup", type=int, default=None, help="uncounted bare runs first (CPU 1, GPU 0)"
+    )
     args = p.parse_args()
     sizes = args.sizes or ([2.0, 10.0, 40.0] if args.gpu else [0.5, 2.0, 4.0])
     args.repeat = max(1, args.repeat or (1 if args.gpu else 3))
+    if args.warmup is None:
+        args.warmup = 0 if args.gpu else 1
     work = Path(tempfile.mkdtemp(prefix="spotguard-bench-"))
     shm = Path(tempfile.mkdtemp(prefix="spotguard-bench-", dir="/dev/shm"))
     criu = Criu(args.criu)
@@ -251,6 +258,10 @@ async def main() -> int:
         es: list[dict[str, float]] = []
         bs: list[dict[str, float]] = []
         try:
+            for w in range(args.warmup):  # the first run at a size pays for finding its memory
+                r = await _bare_run(criu, args.gpu, argv, f"w{i}-{w}", work / "state", shm)
+                print(f"# {gib} GiB warm-up (not counted): " + ", ".join(
+                    f"{k} {v:.3f}" for k, v in r.items()), file=sys.stderr, flush=True)  # fmt: skip
             for rep in range(args.repeat):
                 order = ("engine", "bare") if rep % 2 == 0 else ("bare", "engine")
                 for kind in order:
