@@ -44,7 +44,7 @@ class GcsStore(BlockingStore):
         """A ``storage.Bucket`` for the calling thread (clients are made per thread, lazily)."""
         b = getattr(self._local, "bucket", None)
         if b is None:
-            from google.cloud import storage
+            import google.cloud.storage as storage
 
             if os.environ.get("STORAGE_EMULATOR_HOST"):
                 from google.auth.credentials import AnonymousCredentials
