@@ -1,10 +1,12 @@
 """Capture side of the image-streamer protocol: CRIU dumps, spotguard receives.
 
 :class:`Capture` listens on ``streamer-capture.sock`` before CRIU starts. For every file CRIU
-announces it drains the file's pipe into pieces and hands each piece to a *sink* as it fills —
-the image writer (chunk, zstd frames in threads, parallel uploads) or a plain directory. The
-pieces waiting for the sink are bounded (``buffer_bytes``); when the sink is slower than CRIU,
-the capture stops reading, the pipe fills and CRIU blocks: back-pressure, never unbounded RAM.
+announces, a reader thread drains the file's pipe into reused piece buffers (the copy out of
+the pipe runs with the GIL released, off the event loop) and the loop hands each full piece to
+a *sink* — the image writer (chunk, zstd frames in threads, parallel uploads) or a plain
+directory. The pieces are bounded (``buffer_bytes``); when the sink is slower than CRIU, the
+readers wait for a free piece, the pipes fill and CRIU blocks: back-pressure, never unbounded
+RAM.
 
 A capture never decides that an image is complete: EOF on the socket looks the same whether
 CRIU finished or died. The caller commits only after CRIU exited 0 (see
@@ -17,9 +19,11 @@ import asyncio
 import contextlib
 import inspect
 import logging
+import mmap
 import os
+import threading
 import time
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -36,9 +40,12 @@ _FIRST_PIECE = 256 * 1024  # small files never take a big piece or a slot of the
 
 @runtime_checkable
 class FileOut(Protocol):
-    """One file being written into a sink (``ImageWriter.file(name)`` has this shape)."""
+    """One file being written into a sink (``ImageWriter.file(name)`` has this shape).
 
-    async def write(self, data: bytes) -> None: ...
+    ``write`` gets a view of a reused buffer: it is valid only until ``write`` returns, so a
+    sink copies what it keeps (the image writer copies into its own pooled chunk buffer)."""
+
+    async def write(self, data: memoryview) -> None: ...
 
     async def close(self) -> None: ...
 
@@ -75,28 +82,6 @@ class CaptureStats:
         }
 
 
-class _Budget:
-    """Bytes held between CRIU's pipes and the sink; waiting here is the back-pressure."""
-
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.used = 0
-        self.peak = 0
-        self._cond = asyncio.Condition()
-
-    async def take(self, n: int) -> None:
-        async with self._cond:
-            # One piece is always allowed, so a limit below a piece cannot deadlock.
-            await self._cond.wait_for(lambda: self.used == 0 or self.used + n <= self.limit)
-            self.used += n
-            self.peak = max(self.peak, self.used)
-
-    async def give(self, n: int) -> None:
-        async with self._cond:
-            self.used -= n
-            self._cond.notify_all()
-
-
 async def _open(sink: CaptureSink, name: str) -> FileOut:
     out = sink.file(name)
     if inspect.isawaitable(out):
@@ -118,22 +103,24 @@ class Capture:
         images_dir: Path,
         sink: CaptureSink,
         *,
-        piece_bytes: int = 8 * MiB,
+        piece_bytes: int = 16 * MiB,
         buffer_bytes: int = 256 * MiB,
-        pipe_bytes: int = 4 * MiB,
+        pipe_bytes: int = 16 * MiB,
     ) -> None:
         self.images_dir = Path(images_dir)
         self.sink = sink
         self.piece_bytes = max(piece_bytes, _FIRST_PIECE)
         self.pipe_bytes = pipe_bytes
         self.stats = CaptureStats()
-        self._budget: _Budget | None = None
+        self._pool: pipes.PiecePool | None = None
+        self._stop = threading.Event()
         self._buffer_bytes = buffer_bytes
         self._task: asyncio.Task[None] | None = None
         self._files: set[asyncio.Task[None]] = set()
-        self._fds: set[int] = set()
+        self._threads: list[threading.Thread] = []
         self._conn: protocol.Connection | None = None
         self._idle = False  # parked waiting for CRIU's next request
+        self._first_error: BaseException | None = None  # the cause, not the files it stopped
 
     @property
     def error(self) -> BaseException | None:
@@ -142,7 +129,8 @@ class Capture:
         t = self._task
         if t is None or not t.done() or t.cancelled():
             return None
-        return t.exception()
+        exc = t.exception()  # marks it retrieved
+        return self._first_error or exc
 
     @property
     def socket_path(self) -> Path:
@@ -151,7 +139,8 @@ class Capture:
     async def start(self) -> None:
         """Listen on the capture socket; CRIU may be started once this returns."""
         self.images_dir.mkdir(parents=True, exist_ok=True)
-        self._budget = _Budget(self._buffer_bytes)
+        self._pool = pipes.PiecePool(self.piece_bytes, self._buffer_bytes // self.piece_bytes)
+        self._stop = threading.Event()
         listener = protocol.listen(self.images_dir, protocol.CAPTURE_SOCKET)
         self.stats = CaptureStats()
         self._task = asyncio.create_task(self._serve(listener), name="stream-capture")
@@ -194,6 +183,8 @@ class Capture:
             done, _ = await asyncio.wait(self._files, return_when=asyncio.FIRST_EXCEPTION)
             for t in done:
                 self._files.discard(t)
+                if self._first_error is not None:
+                    raise self._first_error
                 t.result()
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -214,22 +205,23 @@ class Capture:
             return False
 
     async def abort(self) -> None:
-        """Stop at once: close the socket and every pipe (CRIU sees EPIPE), drop pending
-        pieces. Safe to call more than once."""
+        """Stop at once: every reader thread closes its pipe (CRIU sees EPIPE), pending
+        pieces are dropped. Safe to call more than once."""
+        self._halt()
         tasks = [t for t in (self._task, *self._files) if t is not None and not t.done()]
         for t in tasks:
             t.cancel()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await t
-        for fd in list(self._fds):
-            self._close_fd(fd)
+        threads = [t for t in self._threads if t.is_alive()]
+        if threads:  # they notice within pipes.POLL_S; CRIU's pipes are closed once they end
+            await asyncio.to_thread(_join, threads, 5.0)
 
-    def _close_fd(self, fd: int) -> None:
-        if fd in self._fds:
-            self._fds.discard(fd)
-            asyncio.get_running_loop().remove_reader(fd)
-            os.close(fd)
+    def _halt(self) -> None:
+        self._stop.set()
+        if self._pool is not None:
+            self._pool.close()
 
     async def _serve(self, listener: object) -> None:
         import socket
@@ -249,9 +241,12 @@ class Capture:
                     fd = await conn.recv_pipe()
                 except protocol.ProtocolError as exc:
                     raise StreamError(f"capture: {exc}") from exc
-                self._fds.add(fd)
                 os.set_blocking(fd, False)
-                protocol.set_pipe_size(fd, self.pipe_bytes)
+                try:
+                    protocol.set_pipe_size(fd, self.pipe_bytes)
+                except OSError:
+                    os.close(fd)
+                    raise
                 if name in self.stats.files:
                     log.info("criu writes %s again; the newer content replaces it", name)
                 self.stats.files[name] = 0
@@ -262,57 +257,116 @@ class Capture:
                 done, _ = await asyncio.wait(self._files, return_when=asyncio.FIRST_EXCEPTION)
                 for t in done:
                     self._files.discard(t)
+                    if self._first_error is not None:
+                        raise self._first_error
                     t.result()
         except BaseException:
+            self._halt()  # a failed capture must make CRIU fail, not wait on a full pipe
             for t in self._files:
                 t.cancel()
             raise
         finally:
             conn.close()
             self.stats.finished = time.time()
-            assert self._budget is not None
-            self.stats.peak_buffered = self._budget.peak
+            assert self._pool is not None
+            self.stats.peak_buffered = self._pool.peak * self._pool.size
 
     async def _drain(self, name: str, fd: int) -> None:
-        """Move one file from its pipe into the sink, piece by piece."""
-        assert self._budget is not None
+        """Move one file from its pipe into the sink: a thread reads, the loop hands on."""
         try:
             out = await _open(self.sink, name)
         except Exception as exc:
-            self._close_fd(fd)
+            os.close(fd)
             raise StreamError(f"capture: sink refused {name}: {exc}") from exc
-        size = _FIRST_PIECE
-        budgeted = 0
-        buf = bytearray(size)
-        filled = 0
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+        def put(item: _Item) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody to tell
+                loop.call_soon_threadsafe(queue.put_nowait, item)
+
+        assert self._pool is not None
+        reader = threading.Thread(
+            target=_read_pipe, args=(fd, self._pool, self._stop, put),
+            name=f"capture:{name}", daemon=True,
+        )  # fmt: skip
+        try:
+            reader.start()
+        except BaseException:
+            os.close(fd)
+            raise
+        self._threads = [t for t in self._threads if t.is_alive()]
+        self._threads.append(reader)
         total = 0
         try:
-            while True:
-                n = await pipes.read_into(fd, memoryview(buf)[filled:])
-                if n == 0:
-                    break
-                now = time.time()
-                if self.stats.first_data is None:
-                    self.stats.first_data = now
-                self.stats.last_data = now
-                filled += n
-                total += n
-                self.stats.files[name] = total
-                if filled == len(buf):
-                    await out.write(buf)  # type: ignore[arg-type]  # bytes-like, owned by sink
-                    if budgeted:
-                        await self._budget.give(budgeted)
-                    budgeted = self.piece_bytes
-                    await self._budget.take(budgeted)
-                    buf = bytearray(self.piece_bytes)
-                    filled = 0
-            if filled:
-                await out.write(bytes(memoryview(buf)[:filled]))
+            while (item := await queue.get()) is not None:
+                if isinstance(item, pipes.Interrupted):
+                    raise _Halted(f"capture: {name} stopped (capture aborted)")
+                if isinstance(item, OSError):
+                    raise StreamError(f"capture: reading {name} from criu failed: {item}")
+                if isinstance(item, BaseException):
+                    raise item
+                buf, n, pooled = item
+                try:
+                    now = time.time()
+                    if self.stats.first_data is None:
+                        self.stats.first_data = now
+                    self.stats.last_data = now
+                    total += n
+                    self.stats.files[name] = total
+                    with memoryview(buf) as whole, whole[:n] as piece:
+                        await out.write(piece)
+                finally:
+                    if pooled:
+                        assert isinstance(buf, mmap.mmap)
+                        self._pool.give(buf)
             await out.close()
-        except OSError as exc:
-            raise StreamError(f"capture: reading {name} from criu failed: {exc}") from exc
-        finally:
-            if budgeted:
-                await self._budget.give(budgeted)
-            self._close_fd(fd)
+        except BaseException as exc:
+            if self._first_error is None and not isinstance(exc, _Halted | asyncio.CancelledError):
+                self._first_error = exc
+            self._halt()
+            raise
         log.debug("captured %s", name, extra={"file": name, "bytes": total})
+
+
+class _Halted(StreamError):
+    """A file stopped because the capture was halted (by an abort or another file's error)."""
+
+
+#: What a reader thread hands the loop: (buffer, bytes in it, pooled?), an error, or None (EOF).
+_Item = tuple[mmap.mmap | bytearray, int, bool] | BaseException | None
+
+
+def _read_pipe(
+    fd: int, pool: pipes.PiecePool, stop: threading.Event, put: Callable[[_Item], None]
+) -> None:
+    """Reader thread of one file: fill pieces from the pipe, hand each to the loop, then EOF.
+    Small files fill one small piece and never take a pooled one. Owns and closes ``fd``."""
+    try:
+        first = bytearray(_FIRST_PIECE)
+        n = pipes.fill(fd, memoryview(first), stop)
+        put((first, n, False))
+        more = n == len(first)
+        while more:
+            buf = pool.take()
+            try:
+                n = pipes.fill(fd, memoryview(buf), stop)
+            except BaseException:
+                pool.give(buf)
+                raise
+            more = n == pool.size
+            if n:
+                put((buf, n, True))
+            else:
+                pool.give(buf)
+        put(None)
+    except BaseException as exc:  # noqa: BLE001 - every failure goes to the loop, typed there
+        put(exc)
+    finally:
+        os.close(fd)
+
+
+def _join(threads: list[threading.Thread], timeout: float) -> None:
+    end = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, end - time.monotonic()))

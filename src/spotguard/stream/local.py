@@ -30,10 +30,10 @@ class DirFile:
     def __init__(self, path: Path) -> None:
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
 
-    async def write(self, data: bytes) -> None:
+    async def write(self, data: bytes | memoryview) -> None:
         await asyncio.to_thread(self._write_all, data)
 
-    def _write_all(self, data: bytes) -> None:
+    def _write_all(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view:
             view = view[os.write(self._fd, view) :]

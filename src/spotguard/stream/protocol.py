@@ -122,19 +122,24 @@ def listen(images_dir: Path, name: str) -> socket.socket:
 
 
 def set_pipe_size(fd: int, size: int) -> int:
-    """Grow a pipe to ``size`` bytes (up to what the kernel allows); returns the size set.
+    """Grow a pipe to ``size`` bytes (or the largest the kernel allows below it); returns the
+    size set.
 
-    Bigger pipes mean fewer wake-ups per GiB; CRIU fills them with ``vmsplice``. EPERM (over
-    ``/proc/sys/fs/pipe-max-size`` or the user's pipe quota) keeps the current size.
+    Bigger pipes let CRIU run ahead while a reader or feeder thread is busy. Without
+    CAP_SYS_RESOURCE the kernel caps a pipe at ``/proc/sys/fs/pipe-max-size`` (EPERM), a
+    large slot array may not be allocatable (ENOMEM): each refusal halves the request, down
+    to the size the pipe already has.
     """
-    try:
-        return fcntl.fcntl(fd, F_SETPIPE_SZ, size)
-    except OSError as exc:
-        if exc.errno not in (errno.EPERM, errno.EBUSY, errno.EINVAL):
-            raise
-        if size > 1 << 20:
-            return set_pipe_size(fd, 1 << 20)
-        return fcntl.fcntl(fd, F_GETPIPE_SZ)
+    while True:
+        try:
+            return fcntl.fcntl(fd, F_SETPIPE_SZ, size)
+        except OSError as exc:
+            if exc.errno not in (errno.EPERM, errno.EBUSY, errno.EINVAL, errno.ENOMEM):
+                raise
+            current = fcntl.fcntl(fd, F_GETPIPE_SZ)
+            size //= 2
+            if size <= current:
+                return current
 
 
 class Connection:

@@ -5,6 +5,10 @@ image has is answered "exists", CRIU hands over a pipe and the file's bytes are 
 straight from the source (the image reader: download, verify, decompress, pipelined) — no
 staging directory. A file the image lacks is answered "does not exist", as CRIU expects for
 optional images (``memfd.img``, ``tty-info.img`` ...). A file asked for twice is served twice.
+
+A feeder thread per file writes into the pipe (GIL released while it waits and copies), so
+the event loop only hands pieces on; writing from the loop itself took it a wake-up and a
+write per few pages CRIU took out of a full pipe (docs/benchmarks.md, "Streaming").
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
+import queue
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -66,10 +73,19 @@ class Serve:
     ``await srv.wait()``. Leaving early closes every pipe so CRIU fails instead of hanging.
     """
 
-    def __init__(self, images_dir: Path, source: ServeSource, *, pipe_bytes: int = MiB) -> None:
+    def __init__(
+        self,
+        images_dir: Path,
+        source: ServeSource,
+        *,
+        pipe_bytes: int = 16 * MiB,
+        ahead: int = 2,
+    ) -> None:
         self.images_dir = Path(images_dir)
         self.source = source
         self.pipe_bytes = pipe_bytes
+        self.ahead = max(1, ahead)  # pieces queued per file for its feeder thread
+        self._stop = threading.Event()
         self.stats = ServeStats()
         self._task: asyncio.Task[None] | None = None
         self._feeds: set[asyncio.Task[None]] = set()
@@ -116,6 +132,7 @@ class Serve:
         return self.stats
 
     async def abort(self) -> None:
+        self._stop.set()  # feeder threads close CRIU's pipes within pipes.POLL_S
         tasks = [t for t in (self._task, *self._feeds) if t is not None and not t.done()]
         for t in tasks:
             t.cancel()
@@ -158,25 +175,75 @@ class Serve:
             self.stats.finished = time.time()
 
     async def _feed(self, name: str, fd: int) -> None:
-        import os
-
-        os.set_blocking(fd, False)
-        protocol.set_pipe_size(fd, self.pipe_bytes)
+        """Feed one file: the loop pulls pieces from the source, a thread writes them."""
+        loop = asyncio.get_running_loop()
+        slots = asyncio.Semaphore(self.ahead)
+        pieces: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        done: asyncio.Future[BaseException | None] = loop.create_future()
         sent = 0
+
+        def finished(exc: BaseException | None) -> None:
+            if not done.done():
+                done.set_result(exc)
+
+        def writer() -> None:
+            exc: BaseException | None = None
+            try:
+                os.set_blocking(fd, False)
+                protocol.set_pipe_size(fd, self.pipe_bytes)
+                while (data := _get(pieces, self._stop)) is not None:
+                    pipes.put_all(fd, data, self._stop)
+                    with contextlib.suppress(RuntimeError):
+                        loop.call_soon_threadsafe(slots.release)
+            except BaseException as e:  # noqa: BLE001 - handed to the loop below
+                exc = e
+            finally:
+                os.close(fd)
+                with contextlib.suppress(RuntimeError):
+                    loop.call_soon_threadsafe(finished, exc)
+
+        thread = threading.Thread(target=writer, name=f"serve:{name}", daemon=True)
+        try:
+            thread.start()
+        except BaseException:
+            os.close(fd)
+            raise
         try:
             async for data in self.source.iter_file(name):
-                await pipes.write_all(fd, data)
+                if done.done():
+                    break  # the writer stopped (CRIU closed the pipe, or a stop)
+                await slots.acquire()
+                pieces.put(data)
                 sent += len(data)
-        except BrokenPipeError:
-            log.info("criu closed %s after %d bytes", name, sent, extra={"file": name})
+            pieces.put(None)
+            exc = await done
+            if isinstance(exc, BrokenPipeError):
+                log.info("criu closed %s after %d bytes", name, sent, extra={"file": name})
+            elif isinstance(exc, pipes.Interrupted):
+                raise StreamError(f"serve: feeding {name} stopped")
+            elif exc is not None:
+                raise StreamError(f"serve: writing {name} to criu failed: {exc}") from exc
+        except asyncio.CancelledError:
+            self._stop.set()
+            raise
         except Exception as exc:  # noqa: BLE001 - any source failure must stop CRIU; kept typed
             # Stop everything: closing CRIU's pipes makes CRIU fail instead of waiting.
             log.error("serving %s failed: %s", name, exc, extra={"file": name})
             self._failure = exc
+            self._stop.set()
             if self._task is not None:
                 self._task.cancel()
         finally:
-            with contextlib.suppress(ValueError):
-                asyncio.get_running_loop().remove_writer(fd)
-            os.close(fd)
+            pieces.put(None)
             self.stats.files[name] = sent
+
+
+def _get(pieces: queue.SimpleQueue[bytes | None], stop: threading.Event) -> bytes | None:
+    """The next piece for a feeder thread; raises :class:`pipes.Interrupted` once stopped."""
+    while True:
+        if stop.is_set():
+            raise pipes.Interrupted
+        try:
+            return pieces.get(timeout=pipes.POLL_S)
+        except queue.Empty:
+            continue

@@ -55,9 +55,10 @@ class _ImageFileOut:
     def __init__(self, sink: FileSink) -> None:
         self._sink = sink
 
-    async def write(self, data: bytes) -> None:
-        # Whole chunks as ``bytes`` take the writer's no-copy path.
-        await self._sink.write(data if isinstance(data, bytes) else bytes(data))
+    async def write(self, data: memoryview) -> None:
+        # The writer copies the piece into its pooled chunk buffer before returning: the one
+        # copy after the pipe (a ``bytes`` copy first would be a second, on the loop thread).
+        await self._sink.write(data)
 
     async def close(self) -> None:
         await self._sink.close()
@@ -203,11 +204,12 @@ class StreamTarget:
             raise
         self._writer = writer
         self._sink = ImageSink(writer)
+        # Pieces are copied into the writer's chunk buffers, so they need not be whole chunks.
         self._capture = Capture(
             self.images_dir,
             self._sink,
-            piece_bytes=self.piece_bytes or writer.chunk_size,
             buffer_bytes=self.buffer_bytes,
+            **({"piece_bytes": self.piece_bytes} if self.piece_bytes else {}),
         )
         await self._capture.start()
         inflight = writer.max_inflight * writer.chunk_size
