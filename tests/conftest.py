@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,15 @@ import pytest
 
 REQUIRE_CRIU = os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1"
 MIN_TESTS = 1
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Tests run the console scripts installed beside this interpreter (``spotguard``,
+    ``checkov``, ``shellcheck``), whether or not the virtualenv is activated."""
+    bindir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if bindir not in path.split(os.pathsep):
+        os.environ["PATH"] = bindir + os.pathsep + path
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
