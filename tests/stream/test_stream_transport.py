@@ -1,0 +1,127 @@
+"""The capture's reader threads and piece pool, driven through a real socket and real pipes by
+a small client speaking CRIU's side of the image-streamer protocol (no CRIU needed)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import threading
+from pathlib import Path
+
+import pytest
+
+from spotguard.stream import Capture, DirSink, protocol
+from spotguard.stream.pipes import PiecePool
+
+KiB = 1024
+
+
+def _criu_like(sock_path: Path, files: dict[str, bytes], opened: threading.Event) -> None:
+    """What ``criu dump --stream`` does: one request per file, the pipe's read end passed
+    with SCM_RIGHTS, the file's bytes written into the pipe, EOF on the socket at the end."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    s.connect(str(sock_path))
+    try:
+        for name, data in files.items():
+            r, w = os.pipe()
+            s.sendall(protocol.encode_request(name))
+            socket.send_fds(s, [b"\0"], [r])
+            os.close(r)
+            opened.set()
+            with os.fdopen(w, "wb") as f:
+                f.write(data)
+    finally:
+        s.close()
+
+
+async def test_files_arrive_whole_through_small_pooled_pieces(tmp_path: Path) -> None:
+    files = {
+        "inventory.img": b"tiny",
+        "pages-1.img": os.urandom(3 * 1024 * KiB + 17),  # many pieces, a partial last one
+        "pagemap-1.img": bytes(range(256)) * 1000,
+    }
+    out = tmp_path / "out"
+    cap = Capture(tmp_path / "criu", DirSink(out), piece_bytes=256 * KiB, buffer_bytes=512 * KiB)
+    async with cap:
+        client = asyncio.to_thread(_criu_like, cap.socket_path, files, threading.Event())
+        await asyncio.wait_for(client, 60)
+        stats = await asyncio.wait_for(cap.wait(), 60)
+    for name, data in files.items():
+        assert (out / name).read_bytes() == data, name
+    assert stats.files == {n: len(d) for n, d in files.items()}
+    assert 0 < stats.peak_buffered <= 512 * KiB  # the pool bound held
+
+
+class _StuckSink:
+    """A sink that never finishes a write: the capture's pool fills and reading stops."""
+
+    def __init__(self) -> None:
+        self.entered = asyncio.Event()
+
+    def file(self, name: str) -> _StuckSink:
+        return self
+
+    async def write(self, data: memoryview) -> None:
+        self.entered.set()
+        await asyncio.Event().wait()
+
+    async def close(self) -> None:
+        pass
+
+
+async def test_abort_closes_the_pipe_so_the_writer_gets_epipe(tmp_path: Path) -> None:
+    """A streamer that stops must make CRIU fail (EPIPE), never leave it blocked on a pipe."""
+    sink = _StuckSink()
+    cap = Capture(tmp_path / "criu", sink, piece_bytes=256 * KiB, buffer_bytes=256 * KiB)
+    await cap.start()
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    await asyncio.to_thread(s.connect, str(cap.socket_path))
+    r, w = os.pipe()
+    s.sendall(protocol.encode_request("pages-1.img"))
+    socket.send_fds(s, [b"\0"], [r])
+    os.close(r)
+    outcome: list[BaseException] = []
+
+    def write_until_refused() -> None:
+        chunk = b"\xab" * (64 * KiB)
+        try:
+            while True:
+                os.write(w, chunk)  # blocks once the pool and the pipe are full
+        except OSError as exc:
+            outcome.append(exc)
+
+    writer = asyncio.create_task(asyncio.to_thread(write_until_refused))
+    try:
+        await asyncio.wait_for(sink.entered.wait(), 30)
+        await cap.abort()
+        await asyncio.wait_for(writer, 30)
+    finally:
+        os.close(w)
+        s.close()
+    assert len(outcome) == 1 and isinstance(outcome[0], BrokenPipeError)
+
+
+def test_piece_pool_reuses_buffers_and_wakes_waiters_on_close() -> None:
+    from spotguard.stream.pipes import Interrupted
+
+    pool = PiecePool(64 * KiB, 2)
+    a, b = pool.take(), pool.take()
+    pool.give(a)
+    assert pool.take() is a  # reused, not a fresh map
+    failed: list[BaseException] = []
+
+    def waiter() -> None:
+        try:
+            pool.take()  # all out: waits
+        except Interrupted as exc:
+            failed.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    pool.close()
+    t.join(10)
+    assert not t.is_alive() and len(failed) == 1
+    with pytest.raises(Interrupted):
+        pool.take()
+    pool.give(b)
