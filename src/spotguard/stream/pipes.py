@@ -1,8 +1,8 @@
 """Pipe I/O for the streamer.
 
-Event loop side: wait for a pipe end, write from memoryviews without blocking the loop.
-Thread side: :func:`fill` reads a pipe into a big reused buffer (:class:`PiecePool`) in a
-worker thread. Reading CRIU's page data on the loop's own thread was what bounded a streamed
+Event loop side: :func:`wait_fd` (the streamer socket). Thread side: :func:`fill` reads a
+pipe into a big reused buffer (:class:`PiecePool`), :func:`put_all` writes one, in worker
+threads. Reading CRIU's page data on the loop's own thread was what bounded a streamed
 dump (docs/benchmarks.md, "Streaming": every byte was zeroed, read and copied again there,
 mostly with the GIL held); in a thread the one copy out of the pipe runs with the GIL
 released and the loop only hands finished pieces on.
@@ -38,29 +38,6 @@ async def wait_fd(fd: int, *, write: bool = False) -> None:
             loop.remove_writer(fd)
         else:
             loop.remove_reader(fd)
-
-
-async def read_into(fd: int, view: memoryview) -> int:
-    """Read what the pipe holds into ``view`` (at least one byte); 0 means EOF."""
-    while True:
-        try:
-            return os.readv(fd, [view])
-        except (BlockingIOError, InterruptedError):
-            await wait_fd(fd)
-
-
-async def write_all(fd: int, data: bytes | bytearray | memoryview) -> None:
-    """Write all of ``data`` into a non-blocking pipe, waiting while it is full.
-
-    Raises BrokenPipeError when the reader has gone."""
-    view = memoryview(data).cast("B")
-    while view:
-        try:
-            n = os.write(fd, view)
-        except (BlockingIOError, InterruptedError):
-            await wait_fd(fd, write=True)
-            continue
-        view = view[n:]
 
 
 # --- thread side: blocking pipe reads off the event loop ---------------------------------------
