@@ -90,3 +90,17 @@ async def test_unreachable_store_is_unavailable_after_retries(
         with pytest.raises(StoreUnavailable, match="nowhere"):
             await store.get("k")
         assert store.retries == 2
+
+
+async def test_sync_makes_plain_puts_durable_and_names_missing_keys(store_url: str) -> None:
+    async with open_store(store_url) as store:
+        keys = ["j/chunks/ab/ab1", "j/chunks/ab/ab2", "j/chunks/cd/cd1", "top"]
+        for k in keys:
+            await store.put(k, k.encode() * 100)
+        await store.sync(keys)  # S3/GCS: acknowledged PUTs are durable already
+        await store.sync([])
+        for k in keys:
+            assert await store.get(k) == k.encode() * 100
+        if isinstance(store, FileStore):
+            with pytest.raises(ObjectNotFound, match="nope"):
+                await store.sync(["j/chunks/ab/ab1", "j/chunks/ab/nope"])

@@ -12,6 +12,7 @@ import contextlib
 import os
 import signal
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -116,6 +117,9 @@ class GatedStore:
                 await self.gate.wait()
             self.allow -= 1
         await self.inner.put(key, data, if_absent=if_absent)
+
+    async def sync(self, keys: Sequence[str]) -> None:
+        await self.inner.sync(keys)  # the writer's durability batch must reach the file store
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)

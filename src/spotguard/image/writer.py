@@ -10,8 +10,12 @@ Pipeline, per chunk, with bounded memory::
 ``max_inflight`` chunks may be between "cut" and "stored"; the producer's ``write`` waits for a
 slot beyond that, so a fast source (CRIU's pipe, a tmpfs directory) cannot outrun the store.
 Nothing is visible until :meth:`ImageWriter.commit` writes the manifest, with if-absent
-semantics, after every chunk is durable. Leaving the ``async with`` block with an exception,
-or without committing, writes no manifest.
+semantics, after every chunk it refers to is durable: ``store.sync`` of all of them, in one
+batch (the file store fsyncs there rather than on every put). On a ``file://`` store a chunk
+found already stored is decoded and checked before it is trusted, since a writer that crashed
+before its sync, followed by a power loss, can leave a short chunk file behind; a damaged one is
+written again (docs/image-format.md, "Durability"). Leaving the ``async with`` block with an
+exception, or without committing, writes no manifest.
 """
 
 from __future__ import annotations
@@ -31,7 +35,13 @@ from typing import Any, TypeVar
 
 from spotguard.config import load
 from spotguard.contracts import check_job_name, chunk_key, new_image_id
-from spotguard.errors import ImageError, PreconditionFailed, SpotguardError
+from spotguard.errors import (
+    ImageCorrupt,
+    ImageError,
+    ObjectNotFound,
+    PreconditionFailed,
+    SpotguardError,
+)
 from spotguard.image.buffers import BufferPool, Lease
 from spotguard.image.codec import ChunkCodec, Cipher, compress_bound, load_key
 from spotguard.image.manifest import (
@@ -46,7 +56,7 @@ from spotguard.image.manifest import (
 )
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
-from spotguard.store import ImageStore, RetryPolicy, open_store
+from spotguard.store import ImageStore, RetryPolicy, get_into, open_store
 from spotguard.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -220,6 +230,9 @@ class ImageWriter:
         self._own_store = isinstance(store, str)
         self.store: ImageStore = store_for(store, s) if isinstance(store, str) else store
         self.ref = ImageRef(self.store.url, self.job, self.image_id)
+        # A file store's plain puts are durable only after sync: a chunk already there may be
+        # a short file left by a crashed writer and a power loss, so it is checked first.
+        self.verify_stored = self.store.url.startswith("file:")
         self._files: list[FileSink] = []
         self._names: set[str] = set()
         self._tasks: set[asyncio.Task[ChunkRef]] = set()
@@ -428,6 +441,8 @@ class ImageWriter:
         key = chunk_key(self.job, addr)
         if self.dedup:
             info = await self.store.stat(key)
+            if info is not None and self.verify_stored and not await self._intact(key, addr, size):
+                info = None  # damaged: written again below (an atomic replace)
             if info is not None:
                 if lease is not None:
                     lease.release()
@@ -442,6 +457,30 @@ class ImageWriter:
             stored = await self._encode_put(key, plain, addr, lease)
         self._count(size, stored)
         return ChunkRef(digest=addr, size=size, stored_size=stored)
+
+    async def _intact(self, key: str, addr: str, size: int) -> bool:
+        """Whether the stored chunk at ``key`` decodes to ``size`` bytes with address
+        ``addr`` (read into a pooled buffer; the decoded plaintext is dropped)."""
+        out = Lease(self.buffers, await self.buffers.acquire(), None)
+        reuse = True
+        try:
+            stored = await get_into(self.store, key, out.view)
+            await self._cpu(self.codec.decode, stored, addr, size)
+            return True
+        except (ImageCorrupt, ObjectNotFound) as exc:
+            log.warning(
+                "stored chunk is damaged or gone; writing it again",
+                extra={"image": self.url, "chunk": addr, "error": str(exc)},
+            )
+            return False
+        except asyncio.CancelledError:
+            reuse = False  # a thread may still be reading into or decoding from it
+            raise
+        finally:
+            if reuse:
+                out.release()
+            else:
+                out.discard()
 
     async def _encode_put(
         self, key: str, plain: bytes | memoryview, addr: str, lease: Lease | None
@@ -493,6 +532,7 @@ class ImageWriter:
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
+            await self._sync_chunks()
         with self.timeline.step("manifest"):
             await self._recheck_preexisting()
             manifest = self._build(meta or {})
@@ -505,6 +545,19 @@ class ImageWriter:
             log.warning("could not remove writing marker", extra={"error": str(exc)})
         log.info("image committed", extra={"image": self.url, **self.stats.to_json()})
         return manifest
+
+    async def _sync_chunks(self) -> None:
+        """Make every chunk the manifest will name durable, the deduplicated ones included (one
+        left unsynced by a crashed writer becomes durable here, or the manifest is not
+        written)."""
+        keys = sorted(chunk_key(self.job, a) for a in self._by_addr)
+        try:
+            await self.store.sync(keys)
+        except ObjectNotFound as exc:
+            raise ImageError(
+                f"a chunk of image {self.url} vanished before it was made durable "
+                f"(concurrent gc?): {exc}; no manifest written"
+            ) from exc
 
     async def _recheck_preexisting(self) -> None:
         """A chunk we skipped because it was in the store must still be there (a gc racing

@@ -13,6 +13,11 @@ out), ``ObjectNotFound`` and ``PreconditionFailed``.
 Data goes in as any bytes-like object (a view of a reused buffer, usually) and a store must not
 keep a reference to it once ``put`` returns. :func:`get_into` reads an object into a caller's
 buffer where the backend can (file, S3), so a restore reuses its buffers too.
+
+Durability: an acknowledged ``put(..., if_absent=True)`` is durable. A plain ``put`` is atomic
+(never seen half-written) but may be durable only after :meth:`ImageStore.sync` of its key: an
+S3 or GCS PUT is durable when acknowledged, so their ``sync`` does nothing, while the file store
+defers its fsyncs to ``sync`` so that one image's chunks reach the disk in one batch.
 """
 
 from __future__ import annotations
@@ -20,7 +25,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime
@@ -70,7 +75,9 @@ class ImageStore(Protocol):
 
     ``put(..., if_absent=True)`` is the atomic commit primitive: it raises
     :class:`~spotguard.errors.PreconditionFailed` when the key already exists, and no reader
-    ever sees a partially written object.
+    ever sees a partially written object. ``sync(keys)`` makes plain puts of ``keys`` durable
+    (:class:`~spotguard.errors.ObjectNotFound` when one is absent); a commit calls it for every
+    object the commit refers to before it writes the commit record.
     """
 
     url: str
@@ -88,6 +95,8 @@ class ImageStore(Protocol):
     async def list_dirs(self, prefix: str) -> builtins.list[str]: ...
 
     async def delete(self, key: str) -> None: ...
+
+    async def sync(self, keys: Sequence[str]) -> None: ...
 
     async def aclose(self) -> None: ...
 
@@ -204,6 +213,11 @@ class BlockingStore:
     async def delete(self, key: str) -> None:
         """Remove ``key``; removing an absent key is not an error."""
         await self._call("delete", key, lambda: self._delete(key))
+
+    async def sync(self, keys: Sequence[str]) -> None:
+        """Make the objects at ``keys`` durable. Backends whose acknowledged writes are
+        already durable (S3, GCS) keep this no-op; the file store fsyncs here."""
+        return None
 
     async def aclose(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -1,17 +1,28 @@
 """Local-directory store (``file:///path`` or a plain path).
 
-Every write goes to a temporary file in the target directory, is fsynced, then renamed into
-place (atomic on POSIX), and the directory is fsynced — so a reader (or a restore after a
-crash) sees either the whole object or none. ``if_absent`` writes use ``link(2)``, which fails
-when the name exists: the commit of a manifest cannot overwrite another one.
+Every write goes to a temporary file in the target directory and is renamed into place (atomic
+on POSIX), so a reader never sees part of an object. ``if_absent`` writes (the manifest: the
+commit record) use ``link(2)``, which fails when the name exists, and are fsynced with their
+directory before ``put`` returns.
+
+Plain writes (chunks) are *not* fsynced one by one: fsyncing every chunk file and its directory
+on every put serialised the disk (1.8 s of a 2 GiB push against 0.4 s for one flush at the end).
+:meth:`FileStore.sync` fsyncs a batch of keys and their distinct directories concurrently, by
+which time the kernel has written most of the data back already; the image writer calls it for
+every chunk a manifest refers to, right before writing that manifest. Until then a power loss
+can leave a renamed chunk file empty or short (a process crash cannot: the data is in the page
+cache); docs/image-format.md ("Durability") says how a writer never trusts such a file.
 """
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import os
 import uuid
+from collections.abc import Sequence
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 
 from spotguard.errors import ObjectNotFound, PreconditionFailed, StoreError, StoreUnavailable
@@ -60,7 +71,7 @@ class FileStore(BlockingStore):
                 done = 0
                 while done < len(view):  # straight from the caller's buffer, no copy
                     done += os.write(fd, view[done:])
-                if self.fsync:
+                if if_absent and self.fsync:
                     os.fsync(fd)
             finally:
                 os.close(fd)
@@ -73,8 +84,28 @@ class FileStore(BlockingStore):
                 os.replace(tmp, dest)
         finally:
             tmp.unlink(missing_ok=True)
-        if self.fsync:
+        if if_absent and self.fsync:
             _fsync_dir(dest.parent)
+
+    def _fsync_file(self, key: str) -> None:
+        fd = os.open(self._path(key), os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def _fsync_folder(self, key: str) -> None:
+        _fsync_dir(self._path(key) if key else self.root)
+
+    async def sync(self, keys: Sequence[str]) -> None:
+        """fsync every file at ``keys`` and every distinct directory holding one, concurrently
+        in the store's thread pool; :class:`ObjectNotFound` when a key is absent."""
+        if not self.fsync or not keys:
+            return
+        dirs = sorted({k.rsplit("/", 1)[0] if "/" in k else "" for k in keys})
+        files = [self._call("sync", k, partial(self._fsync_file, k)) for k in keys]
+        folders = [self._call("sync", d, partial(self._fsync_folder, d)) for d in dirs]
+        await asyncio.gather(*files, *folders)
 
     def _get(self, key: str) -> bytes:
         return self._path(key).read_bytes()
