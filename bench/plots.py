@@ -82,8 +82,8 @@ def plot_notices(md: str, out: Path) -> Path | None:
 def _transfer_rows(md: str, transfer_json: Path | None) -> list[tuple[str, Table]]:
     if transfer_json is not None:
         raw = json.loads(transfer_json.read_text())
-        rows = [{k: str(v) for k, v in r.items()} for r in raw]
-        return [(f"{transfer_json.name}", rows)]
+        rows = [{("MB/s" if k == "mb_s" else k): str(v) for k, v in r.items()} for r in raw]
+        return [(transfer_json.stem, rows)]
     found = tables(md, "Images and stores")
     titles = ["2-core VM", "H100 VM, 16 cores"]
     return list(zip(titles, found, strict=False))
@@ -152,6 +152,38 @@ def plot_streaming(md: str, out: Path) -> Path | None:
     return _save(fig, out, "streaming.png")
 
 
+def plot_streaming_gpu(md: str, out: Path) -> Path | None:
+    """The newest GPU table under Streaming (a ``job`` column in GiB, one row per pipeline)."""
+    gpu = [t for t in tables(md, "Streaming") if t and "GiB" in t[0].get("job", "")]
+    if not gpu:
+        print("skipped streaming (GPU): no GPU table under '## Streaming'")
+        return None
+    rows = gpu[-1]
+    metrics = [
+        ("freeze→durable s", "freeze start → durable image, s"),
+        ("peak / (GPU+CPU)", "peak host RAM ÷ (GPU + CPU state)"),
+        ("restore s", "restore, s"),
+    ]
+    jobs = sorted({r["job"] for r in rows}, key=lambda s: num(s.split()[0]) or 0.0)
+    fig, axes = plt.subplots(1, len(metrics), figsize=(11, 3.4))
+    for ax, (col, label) in zip(axes, metrics, strict=True):
+        for i, pipeline in enumerate(("naive", "streamed")):
+            vals = [
+                next(
+                    (num(r.get(col, "")) or 0.0 for r in rows
+                     if r["job"] == j and r["pipeline"] == pipeline),
+                    0.0,
+                )
+                for j in jobs
+            ]  # fmt: skip
+            ax.bar([x + (i - 0.5) * 0.38 for x in range(len(jobs))], vals, 0.38, label=pipeline)
+        ax.set_xticks(range(len(jobs)), [f"{j} GPU job" for j in jobs], fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle("Staged vs streamed checkpoint (H100, file store on local disk)", fontsize=10)
+    return _save(fig, out, "streaming-gpu.png")
+
+
 def plot_demo(demo_json: Path, out: Path) -> Path | None:
     report = json.loads(demo_json.read_text())
     rows = [r for r in report.get("timeline", []) if r.get("at") is not None]
@@ -190,6 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_notices(md, args.out),
         plot_transfer(md, args.out, args.transfer_json),
         plot_streaming(md, args.out),
+        plot_streaming_gpu(md, args.out),
     ]
     if args.demo_json is not None:
         made.append(plot_demo(args.demo_json, args.out))
