@@ -15,13 +15,14 @@ import subprocess
 import sys
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
 
-from spotguard.checkpoint.jobs import start_job
+from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
 from spotguard.providers.local import LocalProvider, LocalSettings
@@ -80,9 +81,28 @@ async def wait_for(s: aiohttp.ClientSession, url: str, state: str, within: float
         await asyncio.sleep(0.1)
 
 
-async def test_spot_notice_on_vm1_job_continues_on_vm2_with_identical_output(
-    criu_bin: str, tmp_path: Path, sims: tuple[MetadataSim, MetadataSim], reference: str
-) -> None:
+@dataclass
+class Stack:
+    """A running controller (local provider), VM 1's agent protecting the job, a file store."""
+
+    tmp: Path
+    store: str
+    url: str
+    http: aiohttp.ClientSession
+    job: JobInfo
+    sim1: MetadataSim
+
+    @property
+    def vms(self) -> Path:
+        return self.tmp / "local" / "vms"
+
+
+@contextlib.asynccontextmanager
+async def stack(
+    criu_bin: str, tmp_path: Path, sims: tuple[MetadataSim, MetadataSim], **controller: Any
+) -> AsyncIterator[Stack]:
+    """Start the job and VM 1's real agent under a real controller; on exit stop every agent,
+    VM and job it started, whatever happened."""
     sim1, sim2 = sims
     store = f"file://{tmp_path}/store"
     shm = Path("/dev/shm") / f"spotguard-e2e-{uuid.uuid4().hex[:8]}"
@@ -100,7 +120,7 @@ async def test_spot_notice_on_vm1_job_continues_on_vm2_with_identical_output(
         state=tmp_path / "controller.db",
         controller_token=TOKEN,
         tick_s=0.1,
-        restore_timeout_s=120,
+        **controller,
     )
     job = await start_job([*JOB, *JOB_ARGS], "train", state_dir=vm1 / "state")
     agent1: asyncio.subprocess.Process | None = None
@@ -123,29 +143,7 @@ async def test_spot_notice_on_vm1_job_continues_on_vm2_with_identical_output(
                     start_new_session=True,
                 )
             await wait_for(s, srv.url, "protected", 30)
-            sim1.state.send("aws", "preempt", in_seconds=120)
-            v = await wait_for(s, srv.url, "finished", 120)
-            moves = [h["to"] for h in v["history"] if h["from"] != h["to"]]
-            assert moves == [
-                "protected",
-                "interrupting",
-                "checkpointed",
-                "launching",
-                "restoring",
-                "protected",
-                "finished",
-            ], v["history"]
-            assert v["instance"]["instance_id"] == "i-0vm2vm2vm2vm2vm2"
-            assert v["image_url"].startswith(f"{store}/train/images/")
-        vm2 = next((tmp_path / "local" / "vms").iterdir())
-        restored = json.loads((vm2 / "state" / "jobs" / "train" / "job.json").read_text())
-        out_dir = Path(restored.get("dir", vm2 / "state" / "jobs" / "train"))
-        loop = asyncio.get_running_loop()
-        end = loop.time() + 30
-        while not (out_dir / "exit_status").exists():
-            assert loop.time() < end, "the restored job did not finish"
-            await asyncio.sleep(0.1)
-        assert (out_dir / "stdout").read_text() == reference
+            yield Stack(tmp_path, store, srv.url, s, job, sim1)
     finally:
         if agent1 is not None and agent1.returncode is None:
             os.killpg(agent1.pid, signal.SIGTERM)
@@ -159,66 +157,47 @@ async def test_spot_notice_on_vm1_job_continues_on_vm2_with_identical_output(
         shutil.rmtree(shm, ignore_errors=True)
 
 
+async def test_spot_notice_on_vm1_job_continues_on_vm2_with_identical_output(
+    criu_bin: str, tmp_path: Path, sims: tuple[MetadataSim, MetadataSim], reference: str
+) -> None:
+    async with stack(criu_bin, tmp_path, sims, restore_timeout_s=120) as st:
+        st.sim1.state.send("aws", "preempt", in_seconds=120)
+        v = await wait_for(st.http, st.url, "finished", 120)
+        moves = [h["to"] for h in v["history"] if h["from"] != h["to"]]
+        assert moves == [
+            "protected",
+            "interrupting",
+            "checkpointed",
+            "launching",
+            "restoring",
+            "protected",
+            "finished",
+        ], v["history"]
+        assert v["instance"]["instance_id"] == "i-0vm2vm2vm2vm2vm2"
+        assert v["image_url"].startswith(f"{st.store}/train/images/")
+        vm2 = next(st.vms.iterdir())
+        restored = json.loads((vm2 / "state" / "jobs" / "train" / "job.json").read_text())
+        out_dir = Path(restored.get("dir", vm2 / "state" / "jobs" / "train"))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 30
+        while not (out_dir / "exit_status").exists():
+            assert loop.time() < end, "the restored job did not finish"
+            await asyncio.sleep(0.1)
+        assert (out_dir / "stdout").read_text() == reference
+
+
 async def test_rebalance_checkpoint_resumes_on_vm1_and_is_never_relaunched(
     criu_bin: str, tmp_path: Path, sims: tuple[MetadataSim, MetadataSim], reference: str
 ) -> None:
     """A real agent checkpoints on a rebalance and lets the job run on (resume mode); its
     DURABLE says so and the controller returns the job to PROTECTED: with no grace at all,
     no second VM starts and the job finishes on VM 1."""
-    sim1, sim2 = sims
-    store = f"file://{tmp_path}/store"
-    shm = Path("/dev/shm") / f"spotguard-e2e-{uuid.uuid4().hex[:8]}"
-    vm1 = tmp_path / "vm1"
-    local = LocalProvider(
-        LocalSettings(
-            local_root=tmp_path / "local",
-            local_agent_command=[SPOTGUARD, "agent", "--exit-when-done"],
-            local_env=agent_env(sim2, criu_bin, shm / "vm2", SPOTGUARD_STORE=store),
-            local_gpus=False,
-        )
-    )
-    settings = ControllerSettings(
-        listen="127.0.0.1:0",
-        state=tmp_path / "controller.db",
-        controller_token=TOKEN,
-        tick_s=0.1,
-        notice_grace_s=0.0,
-    )
-    job = await start_job([*JOB, *JOB_ARGS], "train", state_dir=vm1 / "state")
-    agent1: asyncio.subprocess.Process | None = None
-    try:
-        async with ControllerServer(settings, provider=local) as srv, aiohttp.ClientSession() as s:
-            env = {
-                **os.environ,
-                **agent_env(sim1, criu_bin, shm / "vm1"),
-                "SPOTGUARD_STATE_DIR": str(vm1 / "state"),
-                "SPOTGUARD_ASSIGNMENT": str(vm1 / "no-assignment.json"),
-                "SPOTGUARD_CONTROLLER_URL": srv.url,
-                "SPOTGUARD_CONTROLLER_TOKEN": TOKEN,
-            }
-            with (vm1 / "agent.log").open("ab") as log:
-                agent1 = await asyncio.create_subprocess_exec(
-                    *[SPOTGUARD, "agent", "--job", "train", "--store", store],
-                    env=env,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            await wait_for(s, srv.url, "protected", 30)
-            sim1.state.send("aws", "rebalance")
-            v = await wait_for(s, srv.url, "finished", 60)
-            moves = [h["to"] for h in v["history"] if h["from"] != h["to"]]
-            assert moves == ["protected", "interrupting", "protected", "finished"], v["history"]
-            assert v["image_url"].startswith(f"{store}/train/images/")
-            assert v["instance"]["instance_id"] == "i-0vm1vm1vm1vm1vm1" and v["restarts"] == 0
-        assert not (tmp_path / "local" / "vms").exists() or not any(
-            (tmp_path / "local" / "vms").iterdir()
-        ), "a second VM was started"
-        assert (job.dir / "stdout").read_text() == reference
-    finally:
-        if agent1 is not None and agent1.returncode is None:
-            os.killpg(agent1.pid, signal.SIGTERM)
-            await asyncio.wait_for(agent1.wait(), 30)
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(job.pid, signal.SIGKILL)
-        shutil.rmtree(shm, ignore_errors=True)
+    async with stack(criu_bin, tmp_path, sims, notice_grace_s=0.0) as st:
+        st.sim1.state.send("aws", "rebalance")
+        v = await wait_for(st.http, st.url, "finished", 60)
+        moves = [h["to"] for h in v["history"] if h["from"] != h["to"]]
+        assert moves == ["protected", "interrupting", "protected", "finished"], v["history"]
+        assert v["image_url"].startswith(f"{st.store}/train/images/")
+        assert v["instance"]["instance_id"] == "i-0vm1vm1vm1vm1vm1" and v["restarts"] == 0
+        assert not st.vms.exists() or not any(st.vms.iterdir()), "a second VM was started"
+        assert (st.job.dir / "stdout").read_text() == reference
