@@ -26,11 +26,11 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Protocol, runtime_checkable
 
 from spotguard.errors import StreamError
 from spotguard.stream import pipes, protocol
+from spotguard.stream.service import SocketService
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +89,7 @@ async def _open(sink: CaptureSink, name: str) -> FileOut:
     return out
 
 
-class Capture:
+class Capture(SocketService):
     """Receive one ``criu dump --stream`` into ``sink``.
 
     Use as ``async with Capture(dir, sink) as cap:`` — the socket is listening when the body
@@ -97,6 +97,8 @@ class Capture:
     the block before ``wait()`` finished (an error, a cancellation) aborts: every pipe is
     closed, so a CRIU still running gets EPIPE and fails rather than hanging.
     """
+
+    SOCKET = protocol.CAPTURE_SOCKET
 
     def __init__(
         self,
@@ -132,33 +134,14 @@ class Capture:
         exc = t.exception()  # marks it retrieved
         return self._first_error or exc
 
-    @property
-    def socket_path(self) -> Path:
-        return self.images_dir / protocol.CAPTURE_SOCKET
-
     async def start(self) -> None:
         """Listen on the capture socket; CRIU may be started once this returns."""
         self.images_dir.mkdir(parents=True, exist_ok=True)
         self._pool = pipes.PiecePool(self.piece_bytes, self._buffer_bytes // self.piece_bytes)
         self._stop = threading.Event()
-        listener = protocol.listen(self.images_dir, protocol.CAPTURE_SOCKET)
+        listener = protocol.listen(self.images_dir, self.SOCKET)
         self.stats = CaptureStats()
         self._task = asyncio.create_task(self._serve(listener), name="stream-capture")
-
-    async def __aenter__(self) -> Capture:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._task is not None and not self._task.done():
-            await self.abort()
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
 
     async def wait(self) -> CaptureStats:
         """Wait until CRIU closed the socket and every file reached the sink; raise on any

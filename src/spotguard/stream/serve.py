@@ -24,11 +24,11 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
 from typing import Protocol, runtime_checkable
 
 from spotguard.errors import SpotguardError, StreamError
 from spotguard.stream import pipes, protocol
+from spotguard.stream.service import SocketService
 
 log = logging.getLogger(__name__)
 
@@ -66,12 +66,14 @@ class ServeStats:
         }
 
 
-class Serve:
+class Serve(SocketService):
     """Feed one ``criu restore --stream`` from ``source``.
 
     ``async with Serve(dir, source) as srv:`` listens; run CRIU in the body, then
     ``await srv.wait()``. Leaving early closes every pipe so CRIU fails instead of hanging.
     """
+
+    SOCKET = protocol.SERVE_SOCKET
 
     def __init__(
         self,
@@ -91,30 +93,11 @@ class Serve:
         self._feeds: set[asyncio.Task[None]] = set()
         self._failure: BaseException | None = None
 
-    @property
-    def socket_path(self) -> Path:
-        return self.images_dir / protocol.SERVE_SOCKET
-
     async def start(self) -> None:
         self.images_dir.mkdir(parents=True, exist_ok=True)
-        listener = protocol.listen(self.images_dir, protocol.SERVE_SOCKET)
+        listener = protocol.listen(self.images_dir, self.SOCKET)
         self.stats = ServeStats()
         self._task = asyncio.create_task(self._serve(listener), name="stream-serve")
-
-    async def __aenter__(self) -> Serve:
-        await self.start()
-        return self
-
-    async def __aexit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc: BaseException | None,
-        tb: TracebackType | None,
-    ) -> None:
-        if self._task is not None and not self._task.done():
-            await self.abort()
-        with contextlib.suppress(FileNotFoundError):
-            self.socket_path.unlink()
 
     async def wait(self) -> ServeStats:
         """Wait until CRIU closed the socket and every file was fed; a failed feed (a

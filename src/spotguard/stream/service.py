@@ -1,0 +1,46 @@
+"""What the capture and serve sides share: one CRIU streamer socket in the images directory,
+served by a background task, used as an async context manager that aborts a service still
+running on exit (CRIU then sees its pipes close) and removes the socket."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from pathlib import Path
+from types import TracebackType
+from typing import ClassVar, Self
+
+
+class SocketService:
+    """Base of :class:`~spotguard.stream.capture.Capture` and
+    :class:`~spotguard.stream.serve.Serve`; subclasses set ``SOCKET`` and implement
+    ``start`` (listen, then run ``_task``) and ``abort``."""
+
+    SOCKET: ClassVar[str]
+    images_dir: Path
+    _task: asyncio.Task[None] | None = None
+
+    @property
+    def socket_path(self) -> Path:
+        return self.images_dir / self.SOCKET
+
+    async def start(self) -> None:
+        raise NotImplementedError
+
+    async def abort(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        await self.start()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if self._task is not None and not self._task.done():
+            await self.abort()
+        with contextlib.suppress(FileNotFoundError):
+            self.socket_path.unlink()
