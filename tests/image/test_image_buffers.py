@@ -123,3 +123,41 @@ async def test_sink_writes_of_odd_sizes_cut_the_same_chunks(tmp_path: Path) -> N
     assert m.totals.unique_chunks == 4 and m.codec.hash == "blake3"
     pulled = await pull_image(w.url, tmp_path / "dest", settings=settings)
     assert (pulled.dest / "pieces.img").read_bytes() == data
+
+
+class _Owner:
+    def __init__(self) -> None:
+        self.released = 0
+        self.discarded = 0
+
+    def release(self) -> None:
+        self.released += 1
+
+    def discard(self) -> None:
+        self.discarded += 1
+
+
+async def test_owned_chunks_are_compressed_in_place_and_given_back(tmp_path: Path) -> None:
+    data = os.urandom(2 * CHUNK + (1 << 20) + 4096)  # the short last chunk is not small
+    settings = ImageSettings(chunk_size=CHUNK, workers=2)
+    async with ImageWriter(str(tmp_path / "store"), "owned", settings=settings) as w:
+        f = w.file("pages.img")
+        owners = [_Owner() for _ in range(3)]
+        views = [memoryview(data)[i * CHUNK : (i + 1) * CHUNK] for i in range(3)]
+        for view, owner in zip(views, owners, strict=True):
+            assert await f.write_owned(view, owner)  # whole chunks, then the short last one
+        await f.close()
+        g = w.file("split.img")
+        await g.write(data[:100])  # something pending: an owned chunk would not start a chunk
+        spare = _Owner()
+        assert not await g.write_owned(memoryview(data)[100 : 100 + CHUNK], spare)
+        await g.write(data[100:])
+        await g.close()
+        m = await w.commit()
+    assert all(o.released >= 1 and not o.discarded for o in owners)  # every buffer came back
+    assert spare.released == spare.discarded == 0  # refused: untouched
+    assert [c.digest for c in m.file("pages.img").chunks] == [
+        c.digest for c in m.file("split.img").chunks
+    ]
+    pulled = await pull_image(w.url, tmp_path / "dest", settings=settings)
+    assert (pulled.dest / "pages.img").read_bytes() == data

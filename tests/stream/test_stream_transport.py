@@ -125,3 +125,118 @@ def test_piece_pool_reuses_buffers_and_wakes_waiters_on_close() -> None:
     with pytest.raises(Interrupted):
         pool.take()
     pool.give(b)
+
+
+def test_spliced_chunks_reach_the_reader_intact_after_they_are_unmapped() -> None:
+    """vmsplice puts a chunk's pages into the pipe by reference; the chunk is unmapped at once
+    and fresh maps are written meanwhile, yet the reader gets every byte as it was."""
+    import hashlib
+
+    from spotguard.image.buffers import OwnedChunk
+    from spotguard.stream.pipes import splice_all
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    expect = hashlib.blake2b()
+    got = hashlib.blake2b()
+    received = 0
+
+    def reader() -> None:
+        nonlocal received
+        with os.fdopen(r, "rb", buffering=0) as f:
+            while data := f.read(1 << 20):
+                got.update(data)
+                received += len(data)
+
+    t = threading.Thread(target=reader)
+    t.start()
+    stop = threading.Event()
+    sizes = [3 * KiB * KiB + 123, 1, 4096, 2 * KiB * KiB]
+    try:
+        for i, size in enumerate(sizes):
+            chunk = OwnedChunk(size)
+            data = os.urandom(size)
+            chunk.map[:size] = data
+            expect.update(data)
+            splice_all(w, chunk.map, size, stop)
+            chunk.close()
+            scribble = OwnedChunk(size)  # a new map touched while the pipe holds the old pages
+            scribble.map[:size] = bytes([i]) * size
+            scribble.close()
+    finally:
+        os.close(w)
+        t.join(10)
+    assert received == sum(sizes)
+    assert got.digest() == expect.digest()
+
+
+def test_splice_into_a_closed_pipe_is_a_broken_pipe() -> None:
+    from spotguard.image.buffers import OwnedChunk
+    from spotguard.stream.pipes import splice_all
+
+    r, w = os.pipe()
+    os.close(r)
+    chunk = OwnedChunk(8192)
+    try:
+        with pytest.raises(BrokenPipeError):
+            splice_all(w, chunk.map, 8192, threading.Event())
+    finally:
+        chunk.close()
+        os.close(w)
+
+
+class _OwningSink:
+    """Keeps whole pieces (no copy) and gives them back only later, like the image writer
+    compressing a chunk where it lies; records where each kept piece starts in its file."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, bytearray] = {}
+        self.starts: dict[str, list[int]] = {}
+        self.held: list[tuple[memoryview, object]] = []
+
+    def file(self, name: str) -> _OwningSink.Out:
+        self.data[name] = bytearray()
+        self.starts[name] = []
+        return _OwningSink.Out(self, name)
+
+    class Out:
+        def __init__(self, sink: _OwningSink, name: str) -> None:
+            self.sink, self.name = sink, name
+
+        async def write(self, data: memoryview) -> None:
+            self.sink.data[self.name] += data
+
+        async def write_owned(self, data: memoryview, owner: object) -> bool:
+            self.sink.starts[self.name].append(len(self.sink.data[self.name]))
+            self.sink.data[self.name] += data  # "compressed" later: the buffer is kept
+            self.sink.held.append((data, owner))
+            if len(self.sink.held) > 1:  # give back all but the newest
+                view, old = self.sink.held.pop(0)
+                view.release()
+                old.release()  # type: ignore[attr-defined]
+            return True
+
+        async def close(self) -> None:
+            for view, owner in self.sink.held:
+                view.release()
+                owner.release()  # type: ignore[attr-defined]
+            self.sink.held.clear()
+
+
+async def test_pieces_are_chunk_aligned_and_kept_without_a_copy(tmp_path: Path) -> None:
+    piece = 512 * KiB
+    files = {
+        "pages-1.img": os.urandom(5 * piece + 4097),  # small start folded into the first piece
+        "fs-1.img": b"small",
+    }
+    sink = _OwningSink()
+    cap = Capture(tmp_path / "criu", sink, piece_bytes=piece, buffer_bytes=3 * piece)
+    async with cap:
+        client = asyncio.to_thread(_criu_like, cap.socket_path, files, threading.Event())
+        await asyncio.wait_for(client, 60)
+        stats = await asyncio.wait_for(cap.wait(), 60)
+    for name, data in files.items():
+        assert bytes(sink.data[name]) == data, name
+    assert sink.starts["pages-1.img"] == [i * piece for i in range(6)]
+    assert stats.owned == len(files["pages-1.img"])  # every byte of it kept in place
+    assert stats.peak_buffered <= 3 * piece

@@ -148,3 +148,34 @@ class Lease:
 
     def discard(self) -> None:
         self._end(False)
+
+
+class OwnedChunk:
+    """One decoded chunk in a private anonymous map that nothing else will ever write.
+
+    Why: a receiver may hand these pages to the kernel by reference (``vmsplice`` into a
+    pipe) and then :meth:`close` the map. The pipe keeps the pages alive until its reader has
+    copied them out, and no one can modify them meanwhile: unmapped pages are never reused
+    while referenced, unlike heap memory (a freed ``bytes`` may be reused by ``malloc`` while
+    the pipe still points at it). Fresh maps cost page faults, but those are taken by the
+    decoding threads in parallel, not by the one thread feeding the pipe.
+    """
+
+    __slots__ = ("map", "size")
+
+    def __init__(self, size: int) -> None:
+        length = max(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
+        self.map = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if length >= _HUGEPAGE and hasattr(mmap, "MADV_HUGEPAGE"):
+            with contextlib.suppress(OSError):
+                self.map.madvise(mmap.MADV_HUGEPAGE)
+        self.size = size
+
+    def __len__(self) -> int:
+        return self.size
+
+    def close(self) -> None:
+        """Unmap; pages a pipe still references stay valid for its reader. A view still held
+        somewhere defers the unmap to garbage collection (still safe: nothing writes here)."""
+        with contextlib.suppress(BufferError):
+            self.map.close()

@@ -20,7 +20,7 @@ from typing import Any
 from spotguard.config import load
 from spotguard.contracts import chunk_key, image_prefix
 from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
-from spotguard.image.buffers import Lease
+from spotguard.image.buffers import Lease, OwnedChunk
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
 from spotguard.image.manifest import ChunkRef, ImageRef, Manifest
 from spotguard.image.settings import ImageSettings
@@ -268,6 +268,64 @@ class ImageReader:
             for t in window:
                 t.cancel()
             await asyncio.gather(*window, return_exceptions=True)
+
+    async def _fetch_decode_owned(self, ref: ChunkRef) -> OwnedChunk:
+        key = chunk_key(self.ref.job, ref.digest)
+        try:
+            stored = await self.store.get(key)
+        except ObjectNotFound as exc:
+            raise ImageCorrupt(
+                f"chunk {ref.digest} is missing from the store", chunk=ref.digest
+            ) from exc
+        out = OwnedChunk(ref.size)
+        try:
+            loop = asyncio.get_running_loop()
+            view: memoryview = await loop.run_in_executor(
+                self._pool, self.codec.decode_into, stored, ref.digest, ref.size, out.map
+            )
+            view.release()
+        except BaseException:
+            out.close()
+            raise
+        self.stats.stored_bytes += len(stored)
+        return out
+
+    async def read_chunk_owned(self, ref: ChunkRef) -> OwnedChunk:
+        """Like :meth:`read_chunk`, into an :class:`OwnedChunk` the caller must close."""
+        try:
+            out = await self._fetch_decode_owned(ref)
+        except ImageCorrupt as first:
+            self._refetch_warning(ref, first)
+            try:
+                out = await self._fetch_decode_owned(ref)
+            except ImageCorrupt as exc:
+                raise self._corrupt(ref, exc) from exc
+        self._counted(ref)
+        return out
+
+    async def iter_file_owned(self, name: str) -> AsyncIterator[OwnedChunk]:
+        """Like :meth:`iter_file`, each chunk in its own :class:`OwnedChunk` that the consumer
+        closes (it may hand the pages on by reference first: see ``OwnedChunk``)."""
+        entry = self.manifest.file(name)
+        refs = iter(entry.chunks)
+        window: deque[asyncio.Task[OwnedChunk]] = deque()
+        try:
+            for ref in refs:
+                window.append(asyncio.create_task(self.read_chunk_owned(ref)))
+                if len(window) >= self.readahead:
+                    break
+            while window:
+                chunk = await window.popleft()
+                nxt = next(refs, None)
+                if nxt is not None:
+                    window.append(asyncio.create_task(self.read_chunk_owned(nxt)))
+                yield chunk
+        finally:
+            for t in window:
+                t.cancel()
+            for r in await asyncio.gather(*window, return_exceptions=True):
+                if isinstance(r, OwnedChunk):
+                    r.close()
 
     async def verify(self, progress: ProgressFn | None = None) -> VerifyReport:
         """Fetch and check every distinct chunk; collects every failure (does not stop)."""

@@ -31,7 +31,7 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from spotguard.config import load
 from spotguard.contracts import check_job_name, chunk_key, new_image_id
@@ -97,6 +97,16 @@ SMALL_CHUNK = 1 << 20
 """Chunks below this size use plain ``bytes`` instead of pooled buffers (small CRIU files)."""
 
 
+class ChunkOwner(Protocol):
+    """Who gets a chunk's plaintext buffer back: once it is compressed or found stored
+    (``release``: reuse it), or when its chunk was cancelled (``discard``: a worker thread may
+    still read it). Called once, on the event loop; a :class:`Lease` is one."""
+
+    def release(self) -> None: ...
+
+    def discard(self) -> None: ...
+
+
 class FileSink:
     """One file being written into an image: ``await write(data)`` then ``await close()``.
 
@@ -153,6 +163,23 @@ class FileSink:
             view = view[take:]
             if self._fill == cs:
                 await self._flush()
+
+    async def write_owned(self, data: memoryview, owner: ChunkOwner) -> bool:
+        """Take ``data`` as one whole chunk without copying it, if it starts a chunk (nothing
+        pending) and is at most a chunk; ``owner`` gets the buffer back once the chunk is
+        compressed. Returns False, touching nothing, when it does not fit: write it then.
+
+        For a producer that fills chunk-sized buffers itself (the stream capture reads CRIU's
+        pipes straight into them): the copy into a chunk buffer would be the only other
+        pass over the data on the event loop's thread."""
+        self._raise_if_closed()
+        self._w._raise_if_failed()
+        n = len(data)
+        if self._small or self._lease is not None or not SMALL_CHUNK <= n <= self._w.chunk_size:
+            return False
+        self.size += n
+        await self._w._submit(self, data, owner)
+        return True
 
     async def _flush(self) -> None:
         """Send the chunk collected so far."""
@@ -397,7 +424,7 @@ class ImageWriter:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def _submit(
-        self, sink: FileSink, plain: bytes | memoryview, lease: Lease | None = None
+        self, sink: FileSink, plain: bytes | memoryview, lease: ChunkOwner | None = None
     ) -> None:
         try:
             await self._sem.acquire()
@@ -415,7 +442,7 @@ class ImageWriter:
         sink._refs.append(task)
         task.add_done_callback(lambda t: self._done(t, lease))
 
-    def _done(self, task: asyncio.Task[ChunkRef], lease: Lease | None) -> None:
+    def _done(self, task: asyncio.Task[ChunkRef], lease: ChunkOwner | None) -> None:
         self._sem.release()
         if lease is not None:
             if task.cancelled():
@@ -425,7 +452,7 @@ class ImageWriter:
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
 
-    async def _process(self, plain: bytes | memoryview, lease: Lease | None) -> ChunkRef:
+    async def _process(self, plain: bytes | memoryview, lease: ChunkOwner | None) -> ChunkRef:
         size = len(plain)
         addr: str = await self._cpu(self.codec.address, plain)
         earlier = self._by_addr.get(addr)
@@ -483,7 +510,7 @@ class ImageWriter:
                 out.discard()
 
     async def _encode_put(
-        self, key: str, plain: bytes | memoryview, addr: str, lease: Lease | None
+        self, key: str, plain: bytes | memoryview, addr: str, lease: ChunkOwner | None
     ) -> int:
         """Compress into a pooled buffer, free the plaintext, upload straight from the buffer."""
         out = Lease(self.buffers, await self.buffers.acquire(), None)

@@ -43,11 +43,21 @@ class FileOut(Protocol):
     """One file being written into a sink (``ImageWriter.file(name)`` has this shape).
 
     ``write`` gets a view of a reused buffer: it is valid only until ``write`` returns, so a
-    sink copies what it keeps (the image writer copies into its own pooled chunk buffer)."""
+    sink copies what it keeps. A sink may also have ``write_owned(data, owner) -> bool``
+    (:class:`OwnsPieces`): it then keeps whole pieces without copying and gives each back
+    through ``owner`` when done (the image writer: a piece is one chunk, compressed in place).
+    """
 
     async def write(self, data: memoryview) -> None: ...
 
     async def close(self) -> None: ...
+
+
+@runtime_checkable
+class OwnsPieces(Protocol):
+    """A :class:`FileOut` that can take a piece's buffer instead of copying it."""
+
+    async def write_owned(self, data: memoryview, owner: PieceOwner) -> bool: ...
 
 
 @runtime_checkable
@@ -68,6 +78,7 @@ class CaptureStats:
     last_data: float | None = None
     finished: float | None = None
     peak_buffered: int = 0  # bytes read from CRIU and not yet taken by the sink
+    owned: int = 0  # bytes the sink kept in the pieces they were read into (no copy)
 
     @property
     def bytes(self) -> int:
@@ -78,8 +89,31 @@ class CaptureStats:
             "files": len(self.files),
             "bytes": self.bytes,
             "peak_buffered": self.peak_buffered,
+            "owned": self.owned,
             "seconds": None if self.finished is None else self.finished - self.started,
         }
+
+
+class PieceOwner:
+    """Hands one pooled piece back to the capture's pool exactly once: ``release`` for reuse,
+    ``discard`` when a worker thread may still read it (then it is never reused)."""
+
+    __slots__ = ("_buf", "_done", "_pool")
+
+    def __init__(self, pool: pipes.PiecePool, buf: mmap.mmap) -> None:
+        self._pool = pool
+        self._buf = buf
+        self._done = False
+
+    def release(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pool.give(self._buf)
+
+    def discard(self) -> None:
+        if not self._done:
+            self._done = True
+            self._pool.drop(self._buf)
 
 
 async def _open(sink: CaptureSink, name: str) -> FileOut:
@@ -290,19 +324,30 @@ class Capture(SocketService):
                 if isinstance(item, BaseException):
                     raise item
                 buf, n, pooled = item
-                try:
-                    now = time.time()
-                    if self.stats.first_data is None:
-                        self.stats.first_data = now
-                    self.stats.last_data = now
-                    total += n
-                    self.stats.files[name] = total
+                now = time.time()
+                if self.stats.first_data is None:
+                    self.stats.first_data = now
+                self.stats.last_data = now
+                total += n
+                self.stats.files[name] = total
+                if not pooled:
                     with memoryview(buf) as whole, whole[:n] as piece:
                         await out.write(piece)
-                finally:
-                    if pooled:
-                        assert isinstance(buf, mmap.mmap)
-                        self._pool.give(buf)
+                    continue
+                assert isinstance(buf, mmap.mmap)
+                owner = PieceOwner(self._pool, buf)
+                try:
+                    # Owned: the sink keeps the view (the one copy was out of the pipe).
+                    piece = memoryview(buf)[:n]
+                    if isinstance(out, OwnsPieces) and await out.write_owned(piece, owner):
+                        self.stats.owned += n
+                    else:
+                        await out.write(piece)
+                        piece.release()
+                        owner.release()
+                except BaseException:
+                    owner.release()  # no-op where the sink already gave it back
+                    raise
             await out.close()
         except BaseException as exc:
             if self._first_error is None and not isinstance(exc, _Halted | asyncio.CancelledError):
@@ -324,19 +369,29 @@ def _read_pipe(
     fd: int, pool: pipes.PiecePool, stop: threading.Event, put: Callable[[_Item], None]
 ) -> None:
     """Reader thread of one file: fill pieces from the pipe, hand each to the loop, then EOF.
-    Small files fill one small piece and never take a pooled one. Owns and closes ``fd``."""
+    Small files fill one small piece and never take a pooled one. Pooled pieces start at
+    multiples of the piece size (the small start is copied into the first), so a sink whose
+    chunks are that size can keep them as chunks. Owns and closes ``fd``."""
     try:
         first = bytearray(_FIRST_PIECE)
         n = pipes.fill(fd, memoryview(first), stop)
-        put((first, n, False))
-        more = n == len(first)
+        if n < len(first):
+            put((first, n, False))
+            put(None)
+            return
+        start = n
+        more = True
         while more:
             buf = pool.take()
             try:
-                n = pipes.fill(fd, memoryview(buf), stop)
+                with memoryview(buf) as view:
+                    if start:
+                        view[:start] = first
+                    n = start + pipes.fill(fd, view[start:], stop)
             except BaseException:
                 pool.give(buf)
                 raise
+            start = 0
             more = n == pool.size
             if n:
                 put((buf, n, True))

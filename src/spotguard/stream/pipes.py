@@ -12,10 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
+import ctypes.util
+import errno
 import mmap
 import os
 import select
 import threading
+from functools import cache
 
 
 async def wait_fd(fd: int, *, write: bool = False) -> None:
@@ -122,6 +126,14 @@ class PiecePool:
             self._free.append(buf)
             self._cond.notify()
 
+    def drop(self, buf: mmap.mmap) -> None:
+        """Give back a buffer that must not be reused (a thread may still read it): it is
+        left to the garbage collector and a fresh one may be made in its place."""
+        with self._cond:
+            self.out -= 1
+            self._made -= 1
+            self._cond.notify()
+
     def close(self) -> None:
         """Wake every waiter (they raise :class:`Interrupted`) and drop the free buffers."""
         with self._cond:
@@ -147,3 +159,70 @@ def put_all(fd: int, data: bytes | bytearray | memoryview, stop: threading.Event
             poller.poll(wait_ms)
             continue
         view = view[n:]
+
+
+# --- vmsplice: pages into a pipe by reference -------------------------------------------------
+
+
+class _IoVec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_SPLICE_F_NONBLOCK = 0x02
+
+
+@cache
+def _vmsplice() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    """libc's ``vmsplice``, or None where there is none (then pieces are written)."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name, use_errno=True).vmsplice
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.POINTER(_IoVec), ctypes.c_ulong, ctypes.c_uint]
+    fn.restype = ctypes.c_ssize_t
+    return fn
+
+
+class SpliceUnsupported(Exception):
+    """The kernel or libc refused ``vmsplice``: write the data instead."""
+
+
+def splice_all(fd: int, buf: mmap.mmap, size: int, stop: threading.Event) -> None:
+    """Move the first ``size`` bytes of ``buf`` into the non-blocking pipe ``fd`` by reference
+    (``vmsplice``): the pipe points at ``buf``'s pages, so there is no copy into the pipe and
+    the reader's copy out of it is the only one. The caller must never write to ``buf`` again
+    (an :class:`~spotguard.image.buffers.OwnedChunk`: unmapped right after).
+
+    Waits (GIL released) while the pipe is full; raises BrokenPipeError once the reader has
+    gone, :class:`Interrupted` once ``stop`` is set, :class:`SpliceUnsupported` if nothing
+    could be spliced (the caller writes the rest)."""
+    fn = _vmsplice()
+    if fn is None:
+        raise SpliceUnsupported("no vmsplice in libc")
+    anchor = ctypes.c_char.from_buffer(buf)
+    try:
+        base = ctypes.addressof(anchor)
+    finally:
+        del anchor  # the address stays valid: the caller holds the map until we return
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    wait_ms = int(POLL_S * 1000)
+    off = 0
+    while off < size:
+        if stop.is_set():
+            raise Interrupted
+        iov = _IoVec(base + off, size - off)
+        n = fn(fd, ctypes.byref(iov), 1, _SPLICE_F_NONBLOCK)
+        if n >= 0:
+            off += n
+            continue
+        err = ctypes.get_errno()
+        if err in (errno.EAGAIN, errno.EINTR):
+            poller.poll(wait_ms)
+        elif err == errno.EPIPE:
+            raise BrokenPipeError(err, os.strerror(err))
+        elif err in (errno.EINVAL, errno.ENOSYS, errno.EPERM) and off == 0:
+            raise SpliceUnsupported(os.strerror(err))
+        else:
+            raise OSError(err, f"vmsplice: {os.strerror(err)}")

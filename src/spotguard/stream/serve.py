@@ -6,9 +6,11 @@ straight from the source (the image reader: download, verify, decompress, pipeli
 staging directory. A file the image lacks is answered "does not exist", as CRIU expects for
 optional images (``memfd.img``, ``tty-info.img`` ...). A file asked for twice is served twice.
 
-A feeder thread per file writes into the pipe (GIL released while it waits and copies), so
-the event loop only hands pieces on; writing from the loop itself took it a wake-up and a
-write per few pages CRIU took out of a full pipe (docs/benchmarks.md, "Streaming").
+A feeder thread per file puts the pieces into the pipe (GIL released while it waits), so the
+event loop only hands pieces on; writing from the loop itself took it a wake-up and a write
+per few pages CRIU took out of a full pipe (docs/benchmarks.md, "Streaming"). Decoded chunks
+arrive as :class:`~spotguard.image.buffers.OwnedChunk` maps and go into the pipe by reference
+(``vmsplice``): CRIU's read out of the pipe is then the only copy on the restore path.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from spotguard.errors import SpotguardError, StreamError
+from spotguard.image.buffers import OwnedChunk
 from spotguard.stream import pipes, protocol
 from spotguard.stream.service import SocketService
 
@@ -41,7 +44,7 @@ class ServeSource(Protocol):
 
     def exists(self, name: str) -> bool: ...
 
-    def iter_file(self, name: str) -> AsyncIterator[bytes]: ...
+    def iter_file(self, name: str) -> AsyncIterator[bytes | OwnedChunk]: ...
 
 
 @dataclass
@@ -50,6 +53,7 @@ class ServeStats:
 
     files: dict[str, int] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
+    spliced: int = 0  # bytes that went into CRIU's pipes by reference (vmsplice), not copied
     started: float = field(default_factory=time.time)
     finished: float | None = None
 
@@ -62,6 +66,7 @@ class ServeStats:
             "files": len(self.files),
             "bytes": self.bytes,
             "missing": len(self.missing),
+            "spliced": self.spliced,
             "seconds": None if self.finished is None else self.finished - self.started,
         }
 
@@ -88,6 +93,7 @@ class Serve(SocketService):
         self.pipe_bytes = pipe_bytes
         self.ahead = max(1, ahead)  # pieces queued per file for its feeder thread
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self.stats = ServeStats()
         self._task: asyncio.Task[None] | None = None
         self._feeds: set[asyncio.Task[None]] = set()
@@ -161,7 +167,7 @@ class Serve(SocketService):
         """Feed one file: the loop pulls pieces from the source, a thread writes them."""
         loop = asyncio.get_running_loop()
         slots = asyncio.Semaphore(self.ahead)
-        pieces: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()
+        pieces: queue.SimpleQueue[bytes | OwnedChunk | None] = queue.SimpleQueue()
         done: asyncio.Future[BaseException | None] = loop.create_future()
         sent = 0
 
@@ -174,8 +180,12 @@ class Serve(SocketService):
             try:
                 os.set_blocking(fd, False)
                 protocol.set_pipe_size(fd, self.pipe_bytes)
+                splice = True
                 while (data := _get(pieces, self._stop)) is not None:
-                    pipes.put_all(fd, data, self._stop)
+                    splice = _put(fd, data, self._stop, splice=splice)
+                    if splice and isinstance(data, OwnedChunk):
+                        with self._lock:
+                            self.stats.spliced += data.size
                     with contextlib.suppress(RuntimeError):
                         loop.call_soon_threadsafe(slots.release)
             except BaseException as e:  # noqa: BLE001 - handed to the loop below
@@ -221,7 +231,29 @@ class Serve(SocketService):
             self.stats.files[name] = sent
 
 
-def _get(pieces: queue.SimpleQueue[bytes | None], stop: threading.Event) -> bytes | None:
+def _put(fd: int, data: bytes | OwnedChunk, stop: threading.Event, *, splice: bool) -> bool:
+    """Put one piece into CRIU's pipe: an owned chunk by reference (its pages go into the pipe,
+    then it is unmapped), anything else by copy. Returns whether splicing still works."""
+    if not isinstance(data, OwnedChunk):
+        pipes.put_all(fd, data, stop)
+        return splice
+    try:
+        if splice:
+            try:
+                pipes.splice_all(fd, data.map, data.size, stop)
+                return True
+            except pipes.SpliceUnsupported as exc:
+                log.info("vmsplice refused (%s): writing pieces instead", exc)
+        with memoryview(data.map) as view:
+            pipes.put_all(fd, view[: data.size], stop)
+        return False
+    finally:
+        data.close()
+
+
+def _get(
+    pieces: queue.SimpleQueue[bytes | OwnedChunk | None], stop: threading.Event
+) -> bytes | OwnedChunk | None:
     """The next piece for a feeder thread; raises :class:`pipes.Interrupted` once stopped."""
     while True:
         if stop.is_set():

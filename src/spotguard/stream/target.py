@@ -31,13 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard.errors import ImageError, StreamError
 from spotguard.stream import protocol
-from spotguard.stream.capture import Capture, CaptureStats
+from spotguard.stream.capture import Capture, CaptureStats, PieceOwner
 from spotguard.stream.serve import Serve, ServeStats
 from spotguard.timeline import Step, Timeline
 
 if TYPE_CHECKING:
     from spotguard.checkpoint.meta import ImageMeta
     from spotguard.checkpoint.targets import StagingPlan
+    from spotguard.image.buffers import OwnedChunk
     from spotguard.image.manifest import Manifest
     from spotguard.image.reader import ImageReader
     from spotguard.image.writer import FileSink, ImageWriter
@@ -56,9 +57,12 @@ class _ImageFileOut:
         self._sink = sink
 
     async def write(self, data: memoryview) -> None:
-        # The writer copies the piece into its pooled chunk buffer before returning: the one
-        # copy after the pipe (a ``bytes`` copy first would be a second, on the loop thread).
+        # The writer copies the piece into its pooled chunk buffer before returning.
         await self._sink.write(data)
+
+    async def write_owned(self, data: memoryview, owner: PieceOwner) -> bool:
+        # A whole chunk read straight from CRIU's pipe: compressed where it lies, no copy.
+        return await self._sink.write_owned(data, owner)
 
     async def close(self) -> None:
         await self._sink.close()
@@ -204,12 +208,14 @@ class StreamTarget:
             raise
         self._writer = writer
         self._sink = ImageSink(writer)
-        # Pieces are copied into the writer's chunk buffers, so they need not be whole chunks.
+        # Pieces of one chunk each are handed to the writer as they are (no copy); enough of
+        # them that every compressing thread has one while the readers fill the next.
+        piece = self.piece_bytes or writer.chunk_size
         self._capture = Capture(
             self.images_dir,
             self._sink,
-            buffer_bytes=self.buffer_bytes,
-            **({"piece_bytes": self.piece_bytes} if self.piece_bytes else {}),
+            piece_bytes=piece,
+            buffer_bytes=max(self.buffer_bytes, (writer.input_limit + 2) * piece),
         )
         await self._capture.start()
         inflight = writer.max_inflight * writer.chunk_size
@@ -313,8 +319,8 @@ class _ReaderSource:
     def exists(self, name: str) -> bool:
         return name in self.criu_files
 
-    def iter_file(self, name: str) -> AsyncIterator[bytes]:
-        return self.reader.iter_file(self.renames.get(name, name))
+    def iter_file(self, name: str) -> AsyncIterator[OwnedChunk]:
+        return self.reader.iter_file_owned(self.renames.get(name, name))
 
 
 class StreamSource:
