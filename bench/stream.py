@@ -435,14 +435,20 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
         wall0 = time.time()
         t0 = time.perf_counter()
         res = await b.engine.freeze(job, target, Mode.EXIT)
-        total = time.perf_counter() - t0
+        returned = time.perf_counter() - t0
     assert target.manifest is not None
     tl = res.timeline
     dump_start = next(s.start for s in tl.steps if s.name == "criu_dump")
+    # Durable = the manifest committed (the end of the target's stream_durable step). The
+    # engine returns later: in exit mode CRIU ends the job only after that (freeing its memory
+    # takes seconds at 40 GiB), and the naive pipeline pays the same inside its criu_dump.
+    durable_step = next(s for s in target.timeline_steps if s.name == "stream_durable")
+    durable = durable_step.start + (durable_step.seconds or 0.0) - wall0
     out: dict[str, Any] = {
-        "total": total,
+        "total": durable,
+        "returned": returned,
         "gpu_checkpoint": (tl.seconds("gpu_lock") or 0.0) + (tl.seconds("gpu_checkpoint") or 0.0),
-        "stream": wall0 + total - dump_start,
+        "stream": wall0 + durable - dump_start,
         "criu_dump": tl.seconds("criu_dump") or 0.0,
         "peak_ram": peak.peak,
         "sys_peak": peak.sys_peak - peak.sys_base,
@@ -504,7 +510,10 @@ def _row(size: float, unit: str, kind: str, est: Estimate, pred: float, r: dict[
             f"{k} {r[k]:.2f}" for k in ("gpu_checkpoint", "criu_dump", "compress", "upload")
         )
     else:
-        stages = f"gpu_checkpoint {r['gpu_checkpoint']:.2f} + stream {r['stream']:.2f}"
+        stages = (
+            f"gpu_checkpoint {r['gpu_checkpoint']:.2f} + stream {r['stream']:.2f} "
+            f"(engine returned at {r['returned']:.2f}: CRIU ends the job after the commit)"
+        )
     rs = " + ".join(f"{k} {v:.2f}" for k, v in r["restore_stages"].items())
     ok = "same" if r["check_ok"] else "DIFFERENT"
     return (
