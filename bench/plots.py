@@ -154,7 +154,11 @@ def plot_streaming(md: str, out: Path) -> Path | None:
 
 def plot_streaming_gpu(md: str, out: Path) -> Path | None:
     """The newest GPU table under Streaming (a ``job`` column in GiB, one row per pipeline)."""
-    gpu = [t for t in tables(md, "Streaming") if t and "GiB" in t[0].get("job", "")]
+    gpu = [
+        t
+        for t in tables(md, "Streaming")
+        if t and "GiB" in t[0].get("job", "") and "pipeline" in t[0]
+    ]
     if not gpu:
         print("skipped streaming (GPU): no GPU table under '## Streaming'")
         return None
@@ -177,7 +181,7 @@ def plot_streaming_gpu(md: str, out: Path) -> Path | None:
                 for j in jobs
             ]  # fmt: skip
             ax.bar([x + (i - 0.5) * 0.38 for x in range(len(jobs))], vals, 0.38, label=pipeline)
-        ax.set_xticks(range(len(jobs)), [f"{j} GPU job" for j in jobs], fontsize=8)
+        ax.set_xticks(range(len(jobs)), [f"{j} job" for j in jobs], fontsize=8)
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=7)
     fig.suptitle("Staged vs streamed checkpoint (H100, file store on local disk)", fontsize=10)
