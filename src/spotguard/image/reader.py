@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 from spotguard.config import load
 from spotguard.contracts import chunk_key, image_prefix
@@ -27,6 +27,8 @@ from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.image.writer import settings_cipher, store_for
 from spotguard.store import ImageStore, get_into
+
+T = TypeVar("T")
 
 log = logging.getLogger(__name__)
 
@@ -204,16 +206,21 @@ class ImageReader:
     async def read_chunk_into(self, ref: ChunkRef, stored: Lease, plain: Lease) -> memoryview:
         """Like :meth:`read_chunk`, reading into ``stored``'s buffer and decoding into
         ``plain``'s: returns the verified view of ``plain``."""
+        return await self._checked(ref, lambda: self._fetch_decode_into(ref, stored, plain))
+
+    async def _checked(self, ref: ChunkRef, fetch: Callable[[], Awaitable[T]]) -> T:
+        """``fetch()`` the chunk; once more after a failed check (a torn read, a store
+        hiccup), then :class:`ImageCorrupt` naming the files that hold it."""
         try:
-            view = await self._fetch_decode_into(ref, stored, plain)
+            out = await fetch()
         except ImageCorrupt as first:
             self._refetch_warning(ref, first)
             try:
-                view = await self._fetch_decode_into(ref, stored, plain)
+                out = await fetch()
             except ImageCorrupt as exc:
                 raise self._corrupt(ref, exc) from exc
         self._counted(ref)
-        return view
+        return out
 
     def _refetch_warning(self, ref: ChunkRef, err: ImageCorrupt) -> None:
         self.refetches += 1
@@ -236,38 +243,40 @@ class ImageReader:
 
     async def read_chunk(self, ref: ChunkRef) -> bytes:
         """The verified plaintext of one chunk (one refetch on a failed check)."""
-        try:
-            plain = await self._fetch_decode(ref)
-        except ImageCorrupt as first:
-            self._refetch_warning(ref, first)
-            try:
-                plain = await self._fetch_decode(ref)
-            except ImageCorrupt as exc:
-                raise self._corrupt(ref, exc) from exc
-        self._counted(ref)
-        return plain
+        return await self._checked(ref, lambda: self._fetch_decode(ref))
 
-    async def iter_file(self, name: str) -> AsyncIterator[bytes]:
+    def iter_file(self, name: str) -> AsyncIterator[bytes]:
         """The file's verified bytes, chunk by chunk, in order; ``readahead`` chunks are
         fetched and decoded in parallel ahead of the consumer."""
-        entry = self.manifest.file(name)
-        refs = iter(entry.chunks)
-        window: deque[asyncio.Task[bytes]] = deque()
+        return self._windowed(name, self.read_chunk)
+
+    async def _windowed(
+        self,
+        name: str,
+        read: Callable[[ChunkRef], Coroutine[Any, Any, T]],
+        drop: Callable[[T], None] | None = None,
+    ) -> AsyncIterator[T]:
+        """``read`` each chunk of file ``name``, ``readahead`` at once, yielded in order;
+        chunks read ahead and never yielded go to ``drop`` (to free what they hold)."""
+        refs = iter(self.manifest.file(name).chunks)
+        window: deque[asyncio.Task[T]] = deque()
         try:
             for ref in refs:
-                window.append(asyncio.create_task(self.read_chunk(ref)))
+                window.append(asyncio.create_task(read(ref)))
                 if len(window) >= self.readahead:
                     break
             while window:
-                data = await window.popleft()
+                item = await window.popleft()
                 nxt = next(refs, None)
                 if nxt is not None:
-                    window.append(asyncio.create_task(self.read_chunk(nxt)))
-                yield data
+                    window.append(asyncio.create_task(read(nxt)))
+                yield item
         finally:
             for t in window:
                 t.cancel()
-            await asyncio.gather(*window, return_exceptions=True)
+            for r in await asyncio.gather(*window, return_exceptions=True):
+                if drop is not None and not isinstance(r, BaseException):
+                    drop(r)
 
     async def _fetch_decode_owned(self, ref: ChunkRef) -> OwnedChunk:
         key = chunk_key(self.ref.job, ref.digest)
@@ -292,40 +301,12 @@ class ImageReader:
 
     async def read_chunk_owned(self, ref: ChunkRef) -> OwnedChunk:
         """Like :meth:`read_chunk`, into an :class:`OwnedChunk` the caller must close."""
-        try:
-            out = await self._fetch_decode_owned(ref)
-        except ImageCorrupt as first:
-            self._refetch_warning(ref, first)
-            try:
-                out = await self._fetch_decode_owned(ref)
-            except ImageCorrupt as exc:
-                raise self._corrupt(ref, exc) from exc
-        self._counted(ref)
-        return out
+        return await self._checked(ref, lambda: self._fetch_decode_owned(ref))
 
-    async def iter_file_owned(self, name: str) -> AsyncIterator[OwnedChunk]:
+    def iter_file_owned(self, name: str) -> AsyncIterator[OwnedChunk]:
         """Like :meth:`iter_file`, each chunk in its own :class:`OwnedChunk` that the consumer
         closes (it may hand the pages on by reference first: see ``OwnedChunk``)."""
-        entry = self.manifest.file(name)
-        refs = iter(entry.chunks)
-        window: deque[asyncio.Task[OwnedChunk]] = deque()
-        try:
-            for ref in refs:
-                window.append(asyncio.create_task(self.read_chunk_owned(ref)))
-                if len(window) >= self.readahead:
-                    break
-            while window:
-                chunk = await window.popleft()
-                nxt = next(refs, None)
-                if nxt is not None:
-                    window.append(asyncio.create_task(self.read_chunk_owned(nxt)))
-                yield chunk
-        finally:
-            for t in window:
-                t.cancel()
-            for r in await asyncio.gather(*window, return_exceptions=True):
-                if isinstance(r, OwnedChunk):
-                    r.close()
+        return self._windowed(name, self.read_chunk_owned, OwnedChunk.close)
 
     async def verify(self, progress: ProgressFn | None = None) -> VerifyReport:
         """Fetch and check every distinct chunk; collects every failure (does not stop)."""
