@@ -146,6 +146,7 @@ async def test_owned_chunks_are_compressed_in_place_and_given_back(tmp_path: Pat
         views = [memoryview(data)[i * CHUNK : (i + 1) * CHUNK] for i in range(3)]
         for view, owner in zip(views, owners, strict=True):
             assert await f.write_owned(view, owner)  # whole chunks, then the short last one
+            assert owner.released == 0  # kept, not copied: back only once it is compressed
         await f.close()
         g = w.file("split.img")
         await g.write(data[:100])  # something pending: an owned chunk would not start a chunk

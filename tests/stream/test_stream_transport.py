@@ -107,7 +107,7 @@ def test_piece_pool_reuses_buffers_and_wakes_waiters_on_close() -> None:
 
     pool = PiecePool(64 * KiB, 2)
     a, b = pool.take(), pool.take()
-    pool.give(a)
+    pool.release(a)
     assert pool.take() is a  # reused, not a fresh map
     failed: list[BaseException] = []
 
@@ -124,7 +124,7 @@ def test_piece_pool_reuses_buffers_and_wakes_waiters_on_close() -> None:
     assert not t.is_alive() and len(failed) == 1
     with pytest.raises(Interrupted):
         pool.take()
-    pool.give(b)
+    pool.release(b)
 
 
 def test_spliced_chunks_reach_the_reader_intact_after_they_are_unmapped() -> None:
@@ -240,3 +240,26 @@ async def test_pieces_are_chunk_aligned_and_kept_without_a_copy(tmp_path: Path) 
     assert sink.starts["pages-1.img"] == [i * piece for i in range(6)]
     assert stats.owned == len(files["pages-1.img"])  # every byte of it kept in place
     assert stats.peak_buffered <= 3 * piece
+
+
+def test_splice_puts_pages_into_the_pipe_by_reference_not_by_copy() -> None:
+    """Proof that no copy is made: bytes changed after the splice (which OwnedChunk's users
+    never do) are what the reader gets. A copying feeder would deliver the old bytes."""
+    from spotguard.image.buffers import OwnedChunk
+    from spotguard.stream.pipes import splice_all
+
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    chunk = OwnedChunk(8192)
+    try:
+        chunk.map[:8192] = b"a" * 8192
+        splice_all(w, chunk.map, 8192, threading.Event())
+        chunk.map[:8192] = b"b" * 8192
+        got = b""
+        while len(got) < 8192:
+            got += os.read(r, 8192 - len(got))
+        assert got == b"b" * 8192
+    finally:
+        chunk.close()
+        os.close(r)
+        os.close(w)

@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import mmap
 from collections import deque
+from typing import Protocol
 
 _HUGEPAGE = 2 << 20
 
@@ -118,6 +119,15 @@ class BufferPool:
                 buf.close()
 
 
+class Reusable(Protocol):
+    """A pool a :class:`Lease` gives its buffer back to (:class:`BufferPool`, or the stream
+    capture's thread-safe ``PiecePool``)."""
+
+    def release(self, buf: mmap.mmap) -> None: ...
+
+    def discard(self, buf: mmap.mmap) -> None: ...
+
+
 class Lease:
     """One pooled buffer held by one chunk; given back exactly once.
 
@@ -125,7 +135,7 @@ class Lease:
     chunk may still touch it). ``slot`` is the input-buffer slot it also holds, if any.
     """
 
-    def __init__(self, pool: BufferPool, buf: mmap.mmap, slot: asyncio.Semaphore | None) -> None:
+    def __init__(self, pool: Reusable, buf: mmap.mmap, slot: asyncio.Semaphore | None) -> None:
         self.pool = pool
         self.buf = buf
         self.view = memoryview(buf)

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from spotguard.errors import StreamError
+from spotguard.image.buffers import Lease
 from spotguard.stream import pipes, protocol
 from spotguard.stream.service import SocketService
 
@@ -57,7 +58,7 @@ class FileOut(Protocol):
 class OwnsPieces(Protocol):
     """A :class:`FileOut` that can take a piece's buffer instead of copying it."""
 
-    async def write_owned(self, data: memoryview, owner: PieceOwner) -> bool: ...
+    async def write_owned(self, data: memoryview, owner: Lease) -> bool: ...
 
 
 @runtime_checkable
@@ -92,28 +93,6 @@ class CaptureStats:
             "owned": self.owned,
             "seconds": None if self.finished is None else self.finished - self.started,
         }
-
-
-class PieceOwner:
-    """Hands one pooled piece back to the capture's pool exactly once: ``release`` for reuse,
-    ``discard`` when a worker thread may still read it (then it is never reused)."""
-
-    __slots__ = ("_buf", "_done", "_pool")
-
-    def __init__(self, pool: pipes.PiecePool, buf: mmap.mmap) -> None:
-        self._pool = pool
-        self._buf = buf
-        self._done = False
-
-    def release(self) -> None:
-        if not self._done:
-            self._done = True
-            self._pool.give(self._buf)
-
-    def discard(self) -> None:
-        if not self._done:
-            self._done = True
-            self._pool.drop(self._buf)
 
 
 async def _open(sink: CaptureSink, name: str) -> FileOut:
@@ -335,10 +314,11 @@ class Capture(SocketService):
                         await out.write(piece)
                     continue
                 assert isinstance(buf, mmap.mmap)
-                owner = PieceOwner(self._pool, buf)
+                # The piece goes back to the pool exactly once, by the sink or below.
+                owner = Lease(self._pool, buf, None)
                 try:
                     # Owned: the sink keeps the view (the one copy was out of the pipe).
-                    piece = memoryview(buf)[:n]
+                    piece = owner.view[:n]
                     if isinstance(out, OwnsPieces) and await out.write_owned(piece, owner):
                         self.stats.owned += n
                     else:
@@ -389,14 +369,14 @@ def _read_pipe(
                         view[:start] = first
                     n = start + pipes.fill(fd, view[start:], stop)
             except BaseException:
-                pool.give(buf)
+                pool.release(buf)
                 raise
             start = 0
             more = n == pool.size
             if n:
                 put((buf, n, True))
             else:
-                pool.give(buf)
+                pool.release(buf)
         put(None)
     except BaseException as exc:  # noqa: BLE001 - every failure goes to the loop, typed there
         put(exc)

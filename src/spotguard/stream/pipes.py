@@ -118,7 +118,8 @@ class PiecePool:
                 buf.madvise(mmap.MADV_HUGEPAGE)
         return buf
 
-    def give(self, buf: mmap.mmap) -> None:
+    def release(self, buf: mmap.mmap) -> None:
+        """Give back a buffer for reuse."""
         with self._cond:
             self.out -= 1
             if self._closed:
@@ -126,7 +127,7 @@ class PiecePool:
             self._free.append(buf)
             self._cond.notify()
 
-    def drop(self, buf: mmap.mmap) -> None:
+    def discard(self, buf: mmap.mmap) -> None:
         """Give back a buffer that must not be reused (a thread may still read it): it is
         left to the garbage collector and a fresh one may be made in its place."""
         with self._cond:

@@ -244,8 +244,8 @@ def _put(fd: int, data: bytes | OwnedChunk, stop: threading.Event, *, splice: bo
                 return True
             except pipes.SpliceUnsupported as exc:
                 log.info("vmsplice refused (%s): writing pieces instead", exc)
-        with memoryview(data.map) as view:
-            pipes.put_all(fd, view[: data.size], stop)
+        with memoryview(data.map) as view, view[: data.size] as part:
+            pipes.put_all(fd, part, stop)
         return False
     finally:
         data.close()

@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any
 
 from spotguard.errors import ImageError, StreamError
 from spotguard.stream import protocol
-from spotguard.stream.capture import Capture, CaptureStats, PieceOwner
+from spotguard.stream.capture import Capture, CaptureStats
 from spotguard.stream.serve import Serve, ServeStats
 from spotguard.timeline import Step, Timeline
 
 if TYPE_CHECKING:
     from spotguard.checkpoint.meta import ImageMeta
     from spotguard.checkpoint.targets import StagingPlan
-    from spotguard.image.buffers import OwnedChunk
+    from spotguard.image.buffers import Lease, OwnedChunk
     from spotguard.image.manifest import Manifest
     from spotguard.image.reader import ImageReader
     from spotguard.image.writer import FileSink, ImageWriter
@@ -60,7 +60,7 @@ class _ImageFileOut:
         # The writer copies the piece into its pooled chunk buffer before returning.
         await self._sink.write(data)
 
-    async def write_owned(self, data: memoryview, owner: PieceOwner) -> bool:
+    async def write_owned(self, data: memoryview, owner: Lease) -> bool:
         # A whole chunk read straight from CRIU's pipe: compressed where it lies, no copy.
         return await self._sink.write_owned(data, owner)
 
