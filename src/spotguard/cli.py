@@ -38,6 +38,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "jobs": ("controller", "jobs"),
     "migrate": ("controller", "migrate"),
     "demo": ("demo", "demo"),
+    "park": ("park", "park"),
+    "unpark": ("park", "unpark"),
+    "park-wake": ("park", "park_wake"),
 }
 
 HELP = {
@@ -56,6 +59,8 @@ HELP = {
     "jobs": "List and show jobs known to the controller.",
     "migrate": "Move a job to another region or instance type on demand.",
     "demo": "Save a job from a spot interruption end to end, on this machine alone.",
+    "park": "Free a job's GPU and CPU, keeping its exact state in memory, on disk or in a store.",
+    "unpark": "Bring a parked job back on this node; it continues where it stopped.",
 }
 
 
@@ -81,7 +86,8 @@ class LazyGroup(click.Group):
         return cmd
 
     def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
-        rows = [(name, HELP.get(name, "")) for name in self.list_commands(ctx)]
+        # commands without a HELP line (park-wake: started by park itself) are not listed
+        rows = [(name, HELP[name]) for name in self.list_commands(ctx) if name in HELP]
         with formatter.section("Commands"):
             formatter.write_dl(rows)
 

@@ -15,7 +15,8 @@ The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, ne
     │   ├── MetadataMalformed       an answer that is not what the cloud documents
     │   └── SimulatorError          metadata-sim refused a control request or is unreachable
     ├── JobError                    the job to protect
-    │   └── JobNotFound             no such pid / name / cgroup
+    │   ├── JobNotFound             no such pid / name / cgroup
+    │   └── ParkError               park/unpark refused (already parked, port taken, no room)
     ├── CheckpointError             freezing or restoring a process tree
     │   ├── CriuError               CRIU failed; carries the command, exit code and log tail
     │   ├── GpuError                the driver checkpoint API or NVML failed
@@ -81,6 +82,10 @@ class JobError(SpotguardError):
 
 class JobNotFound(JobError):
     """No process, job name or cgroup matches."""
+
+
+class ParkError(JobError):
+    """Park or unpark was refused before anything was done; the job's state stays where it is."""
 
 
 class CheckpointError(SpotguardError):

@@ -47,6 +47,17 @@ def _steps(timeline: list[dict[str, Any]]) -> str:
     default=True,
     help="Own PID namespace (default). GPU jobs need --no-pid-namespace (docs/limits.md).",
 )
+@click.option(
+    "--priority",
+    type=int,
+    default=None,
+    help="Priority on this node: lower-priority jobs are parked to give this one the GPU.",
+)
+@click.option(
+    "--gpu-memory",
+    default=None,
+    help="GPU memory this job needs (e.g. 40G, 512M): with --priority, room is made for it.",
+)
 @options(
     CheckpointSettings,
     exclude=tuple(n for n in CheckpointSettings.model_fields if n not in _RUN_ONLY),
@@ -59,6 +70,8 @@ def run(
     name: str | None,
     as_json: bool,
     pid_namespace: bool,
+    priority: int | None,
+    gpu_memory: str | None,
     command: tuple[str, ...],
     **flags: Any,
 ) -> None:
@@ -68,13 +81,25 @@ def run(
     <state_dir>/jobs/<name>/stdout and stderr. Example: spotguard run --name train -- python t.py
     """
     s = _settings(ctx, flags)
+    claim = None
+    parked: list[str] = []
+    if priority is not None or gpu_memory is not None:
+        from spotguard.commands.park import make_room
+
+        claim, parked = make_room(ctx, s, priority or 0, gpu_memory, name or command[0])
     job = asyncio.run(
         start_job(list(command), name, state_dir=s.state_dir, pid_namespace=pid_namespace)
     )
+    if claim is not None:
+        from spotguard.park.priority import write_claim
+
+        write_claim(job.dir, claim)
     if as_json:
-        click.echo(json.dumps({"job": job.name, "pid": job.pid, "dir": str(job.dir)}))
+        out = {"job": job.name, "pid": job.pid, "dir": str(job.dir)}
+        click.echo(json.dumps({**out, "parked": parked} if claim is not None else out))
     else:
-        click.echo(f"job {job.name} started: pid {job.pid}, output in {job.dir}")
+        made = f" (parked for room: {', '.join(parked)})" if parked else ""
+        click.echo(f"job {job.name} started: pid {job.pid}, output in {job.dir}{made}")
 
 
 @click.command("checkpoint")

@@ -1,0 +1,5 @@
+"""``python -m spotguard``: the same command line as the ``spotguard`` script."""
+
+from spotguard.cli import main
+
+main()

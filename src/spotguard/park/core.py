@@ -1,0 +1,317 @@
+"""Park and unpark: free a job's GPU and CPU while keeping its exact state, and bring it back.
+
+Park is a checkpoint in ``exit`` mode whose image stays where the operator said — host memory
+(tmpfs: fastest back), local disk, or a store URL (then any node can unpark it through the
+controller) — followed by a park record (:mod:`.record`). Unpark is the restore of that image
+on this node. The engine still orders every step, so everything it guarantees holds here too:
+a failed park leaves the job running (nothing is recorded), a failed unpark leaves the state
+where it was (the record stays, the job can be unparked again).
+
+Before touching anything, unpark checks what would make the restore fail late: the ports the
+job listened on must be free, and the GPUs must have room for the memory it held. Each has
+its own one-line error naming the port (and who holds it) or the GPU memory missing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import shutil
+import signal
+import socket
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import JobInfo
+from spotguard.checkpoint.meta import META_NAME
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.errors import JobError, ParkError
+
+from . import record, sockets
+from .record import ListenAddress, ParkRecord, Place
+from .settings import ParkSettings
+
+log = logging.getLogger(__name__)
+
+URL_SCHEMES = ("s3://", "gs://", "file://")
+
+#: (job, store URL) → (image URL, image bytes); stops the job (exit mode)
+StoreCheckpoint = Callable[[JobInfo, str], Awaitable[tuple[str, int]]]
+#: image URL → the restored job's new host pid
+StoreRestore = Callable[[str], Awaitable[int]]
+
+
+@dataclass(frozen=True)
+class StorePath:
+    """How park reaches a store: the same checkpoint/restore composition the agent uses."""
+
+    checkpoint: StoreCheckpoint
+    restore: StoreRestore
+
+
+def place_of(to: str) -> Place:
+    """``memory``, ``disk`` or ``store`` for a ``--to`` value; anything else is refused."""
+    if to in ("memory", "disk"):
+        return "memory" if to == "memory" else "disk"
+    if to.startswith(URL_SCHEMES):
+        return "store"
+    raise ParkError(f"--to {to!r}: use memory, disk or a store URL (s3://, gs://, file://)")
+
+
+def _image_dir(place: Place, job: str, cs: CheckpointSettings, ps: ParkSettings) -> Path:
+    base = ps.memory_dir if place == "memory" else cs.state_dir / "parked" / "images"
+    return base / job
+
+
+def _dir_bytes(path: Path) -> int:
+    total = 0
+    for root, _dirs, names in os.walk(path):
+        for n in names:
+            try:
+                total += (Path(root) / n).lstat().st_size
+            except OSError:
+                continue
+    return total
+
+
+def _check_memory_room(engine: Engine, tree: list[int], gpu_pids: list[int]) -> None:
+    """A job parked to memory needs its GPU state twice (in the process, then the image)
+    plus its CPU memory, as staging does; refuse up front rather than fill RAM."""
+    gpu = engine.gpu.memory_used(gpu_pids) if gpu_pids else 0
+    need = 2 * gpu + proctree.rss_bytes(tree)
+    free = int(psutil.virtual_memory().available)
+    if need > free:
+        raise ParkError(
+            f"not enough host memory to park to memory: need about {need >> 20} MiB, "
+            f"{free >> 20} MiB available; use --to disk or a store URL"
+        )
+
+
+async def park(
+    job: JobInfo,
+    *,
+    to: str,
+    engine: Engine,
+    settings: CheckpointSettings,
+    park_settings: ParkSettings,
+    store: StorePath | None = None,
+    reason: str = "",
+    wake_on_connect: bool = False,
+    priority: int = 0,
+) -> ParkRecord:
+    """Freeze ``job`` (exit mode) into ``to`` and record it as parked.
+
+    Raises :class:`ParkError` (already parked, no room, bad ``to``) before anything is done to
+    the job; any failure of the freeze itself leaves the job running (the engine's guarantee).
+    """
+    place = place_of(to)
+    state = settings.state_dir
+    async with record.alocked(state, job.name, wait=False):
+        if record.load(state, job.name) is not None:
+            raise ParkError(f"job {job.name!r} is already parked (spotguard unpark {job.name})")
+        if not proctree.alive(job.pid):
+            raise JobError(f"job {job.name!r}: process {job.pid} is not running")
+        tree = proctree.tree(job.pid)
+        listen = sockets.listening(tree)
+        gpu_pids = await engine.gpu.gpu_pids(tree)
+        gpu_bytes = engine.gpu.memory_used(gpu_pids) if gpu_pids else 0
+        started = time.monotonic()
+        if place == "store":
+            if store is None:
+                raise ParkError("parking to a store URL needs the store settings")
+            location, size = await store.checkpoint(job, to)
+        else:
+            if place == "memory":
+                _check_memory_room(engine, tree, gpu_pids)
+            d = _image_dir(place, job.name, settings, park_settings)
+            _set_aside(d)
+            await engine.freeze(job, DirectoryTarget(d), Mode.EXIT)
+            location, size = str(d), _dir_bytes(d)
+        rec = ParkRecord(
+            job=job.name,
+            place=place,
+            location=location,
+            reason=reason,
+            bytes=size,
+            gpu_bytes_freed=gpu_bytes,
+            park_seconds=round(time.monotonic() - started, 3),
+            listen=tuple(ListenAddress.of(a) for a in listen),
+            wake_on_connect=wake_on_connect and bool(listen),
+            priority=priority,
+            job_dir=str(job.dir),
+        )
+        record.save(state, rec)
+    log.info(
+        "job parked",
+        extra={
+            "job": job.name,
+            "place": place,
+            "location": location,
+            "bytes": size,
+            "gpu_bytes": gpu_bytes,
+            "seconds": rec.park_seconds,
+            "reason": reason,
+        },
+    )
+    return rec
+
+
+def _set_aside(d: Path) -> None:
+    """Never delete what might be a job's only state: an old directory is renamed, not
+    removed (a complete image there with no record is a park that crashed before its record
+    was written; :func:`find_unrecorded` finds it)."""
+    if d.exists():
+        aside = d.with_name(f"{d.name}.old-{int(time.time())}")
+        d.rename(aside)
+        log.warning("moved an earlier parked image aside", extra={"path": str(aside)})
+
+
+def find_unrecorded(job: str, settings: CheckpointSettings, ps: ParkSettings) -> ParkRecord | None:
+    """A complete parked image of ``job`` with no record (the park was interrupted after the
+    job stopped and before its record was written): memory first, then disk."""
+    places: tuple[Place, ...] = ("memory", "disk")
+    for place in places:
+        d = _image_dir(place, job, settings, ps)
+        if (d / META_NAME).is_file():
+            return ParkRecord(
+                job=job,
+                place=place,
+                location=str(d),
+                reason="found after an interrupted park",
+                bytes=_dir_bytes(d),
+            )
+    return None
+
+
+def _holder(addr: sockets.Address) -> str:
+    """Who listens on ``addr`` now (for the error message)."""
+    try:
+        for conn in psutil.net_connections(kind="tcp"):
+            port = getattr(conn.laddr, "port", None)
+            if conn.status == psutil.CONN_LISTEN and port == addr.port and conn.pid:
+                try:
+                    name = psutil.Process(conn.pid).name()
+                except psutil.Error:
+                    name = "?"
+                return f" (held by pid {conn.pid}, {name})"
+    except psutil.Error:
+        return ""
+    return ""
+
+
+def check_ports_free(rec: ParkRecord) -> None:
+    """Every address the job listened on can be bound again, or :class:`ParkError`."""
+    for la in rec.listen:
+        addr = la.address()
+        with socket.socket(addr.family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                s.bind((addr.host, addr.port))
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE:
+                    raise ParkError(f"cannot check port {addr}: {exc}") from exc
+                raise ParkError(
+                    f"job {rec.job!r} listened on {addr}, which is taken now{_holder(addr)}; "
+                    "free it, then unpark again (the parked state is kept)"
+                ) from exc
+
+
+def check_gpu_room(rec: ParkRecord, free_bytes: Callable[[], int | None]) -> None:
+    """The GPUs have room for the memory the job held, or :class:`ParkError`."""
+    if not rec.gpu_bytes_freed:
+        return
+    free = free_bytes()
+    if free is not None and free < rec.gpu_bytes_freed:
+        raise ParkError(
+            f"job {rec.job!r} needs {rec.gpu_bytes_freed >> 20} MiB of GPU memory, "
+            f"{free >> 20} MiB is free; the parked state is kept — unpark when the GPU has room"
+        )
+
+
+def stop_waker(rec: ParkRecord, *, timeout: float = 10.0) -> None:
+    """Stop the job's wake-on-connect listener (it releases the ports) unless it is us."""
+    pid = rec.waker_pid
+    if pid is None or pid == os.getpid() or not proctree.alive(pid):
+        return
+    try:
+        os.kill(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while proctree.alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if proctree.alive(pid):
+        raise ParkError(f"the wake-on-connect listener of {rec.job!r} (pid {pid}) did not stop")
+
+
+@dataclass(frozen=True)
+class Unparked:
+    """A job running again after unpark: where from, its pid, how long it took."""
+
+    job: str
+    pid: int
+    place: Place
+    location: str
+    seconds: float
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "job": self.job,
+            "pid": self.pid,
+            "place": self.place,
+            "location": self.location,
+            "seconds": self.seconds,
+        }
+
+
+async def unpark(
+    job: str,
+    *,
+    engine: Engine,
+    settings: CheckpointSettings,
+    park_settings: ParkSettings,
+    store: StorePath | None = None,
+    gpu_free: Callable[[], int | None] = lambda: None,
+    wait_lock: bool = True,
+) -> Unparked:
+    """Restore a parked job on this node; its record and local image go once it runs.
+
+    ``wait_lock=False`` refuses at once when another park/unpark of the job is under way
+    (the wake-on-connect listener uses it: the unpark that holds the lock is stopping it).
+    """
+    state = settings.state_dir
+    async with record.alocked(state, job, wait=wait_lock):
+        rec = record.load(state, job) or find_unrecorded(job, settings, park_settings)
+        if rec is None:
+            raise ParkError(f"job {job!r} is not parked")
+        await asyncio.to_thread(stop_waker, rec)
+        check_ports_free(rec)
+        check_gpu_room(rec, gpu_free)
+        started = time.monotonic()
+        if rec.place == "store":
+            if store is None:
+                raise ParkError("unparking from a store URL needs the store settings")
+            pid = await store.restore(rec.location)
+        else:
+            d = Path(rec.location)
+            if not (d / META_NAME).is_file():
+                raise ParkError(f"the parked state of {job!r} is missing at {d}")
+            result = await engine.restore(DirectorySource(d), state_dir=state)
+            pid = result.pid
+            await asyncio.to_thread(shutil.rmtree, d, True)
+        record.remove(state, job)
+    done = Unparked(job, pid, rec.place, rec.location, round(time.monotonic() - started, 3))
+    log.info(
+        "job unparked",
+        extra={"job": job, "pid": pid, "place": rec.place, "seconds": done.seconds},
+    )
+    return done

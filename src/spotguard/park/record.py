@@ -1,0 +1,161 @@
+"""The record of a parked job: where its state is, since when, why, and how it comes back.
+
+One JSON file per job, ``<state_dir>/parked/<job>.json``, written atomically once the state is
+complete (the image's metadata or manifest is written) and removed only after the job runs
+again. While it exists the job is parked; nothing else decides that. ``<job>.lock`` (an
+``flock``) keeps two park/unpark operations on one job apart — the CLI, the agent's policies
+and a wake-on-connect listener may all try at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import fcntl
+import os
+from collections.abc import AsyncIterator, Iterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from spotguard.contracts import check_job_name
+from spotguard.errors import JobError, JobNotFound
+
+from .sockets import Address
+
+Place = Literal["memory", "disk", "store"]
+
+
+class ListenAddress(BaseModel):
+    """A TCP address the job listened on when it was parked."""
+
+    model_config = ConfigDict(frozen=True)
+
+    host: str
+    port: int
+
+    @classmethod
+    def of(cls, addr: Address) -> ListenAddress:
+        return cls(host=addr.host, port=addr.port)
+
+    def address(self) -> Address:
+        return Address(self.host, self.port)
+
+
+class ParkRecord(BaseModel):
+    """A parked job. ``location`` is a directory (memory, disk) or an image URL (store)."""
+
+    model_config = ConfigDict(frozen=True)
+
+    job: str
+    place: Place
+    location: str
+    since: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    reason: str = ""
+    bytes: int = 0  # bytes of state held (image size; for a store, before compression)
+    gpu_bytes_freed: int = 0  # GPU memory the job held when it was parked (NVML)
+    park_seconds: float = 0.0
+    listen: tuple[ListenAddress, ...] = ()
+    wake_on_connect: bool = False
+    waker_pid: int | None = None
+    priority: int = 0
+    job_dir: str = ""
+
+    def to_json(self) -> dict[str, object]:
+        return self.model_dump(mode="json")
+
+
+def parked_dir(state_dir: Path) -> Path:
+    return state_dir / "parked"
+
+
+def _path(state_dir: Path, job: str) -> Path:
+    try:
+        check_job_name(job)
+    except ValueError as exc:
+        raise JobNotFound(f"no job {job!r}: {exc}") from exc
+    return parked_dir(state_dir) / f"{job}.json"
+
+
+def save(state_dir: Path, rec: ParkRecord) -> None:
+    """Write the record atomically (0600: it names where the job's memory is)."""
+    path = _path(state_dir, rec.job)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(rec.model_dump_json(indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load(state_dir: Path, job: str) -> ParkRecord | None:
+    """The job's park record, or None when it is not parked."""
+    path = _path(state_dir, job)
+    try:
+        return ParkRecord.model_validate_json(path.read_bytes())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValidationError) as exc:
+        raise JobError(f"park record {path} is unreadable: {exc}") from exc
+
+
+def remove(state_dir: Path, job: str) -> None:
+    _path(state_dir, job).unlink(missing_ok=True)
+
+
+def all_records(state_dir: Path) -> list[ParkRecord]:
+    """Every parked job on this node (unreadable records are skipped)."""
+    root = parked_dir(state_dir)
+    if not root.is_dir():
+        return []
+    out = []
+    for path in sorted(root.glob("*.json")):
+        with contextlib.suppress(OSError, ValidationError):
+            out.append(ParkRecord.model_validate_json(path.read_bytes()))
+    return out
+
+
+def _lock_fd(state_dir: Path, job: str) -> int:
+    path = _path(state_dir, job).with_suffix(".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+
+
+def _busy(job: str) -> JobError:
+    return JobError(f"job {job!r} is being parked or unparked right now")
+
+
+@contextlib.contextmanager
+def locked(state_dir: Path, job: str, *, wait: bool = True) -> Iterator[None]:
+    """Hold the job's park lock; ``wait=False`` raises :class:`JobError` when it is taken."""
+    fd = _lock_fd(state_dir, job)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if wait else fcntl.LOCK_NB))
+        except BlockingIOError as exc:
+            raise _busy(job) from exc
+        yield
+    finally:
+        os.close(fd)
+
+
+@contextlib.asynccontextmanager
+async def alocked(state_dir: Path, job: str, *, wait: bool = True) -> AsyncIterator[None]:
+    """:func:`locked` for the event loop: waits by polling, never blocking the loop."""
+    fd = _lock_fd(state_dir, job)
+    try:
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError as exc:
+                if not wait:
+                    raise _busy(job) from exc
+            await asyncio.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)

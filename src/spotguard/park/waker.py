@@ -1,0 +1,48 @@
+"""Start the wake-on-connect listener of a parked job as its own detached process.
+
+The listener must outlive the command (or agent) that parked the job, so it is a process of
+its own (``spotguard park-wake JOB``, a new session, output in
+``<state_dir>/parked/<job>.wake.log``). It records its pid in the park record once it holds
+every port; :func:`spawn` returns only then, so no client is refused after park returns.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from spotguard.errors import ParkError
+
+from . import record
+
+READY_S = 15.0
+
+
+def spawn(state_dir: Path, job: str, config: str | None = None) -> int:
+    """Start the listener for ``job`` and wait until it holds the job's ports; its pid."""
+    argv = [sys.executable, "-m", "spotguard"]
+    if config:
+        argv += ["--config", config]
+    argv += ["park-wake", job, "--state-dir", str(state_dir)]
+    logf = record.parked_dir(state_dir) / f"{job}.wake.log"
+    logf.parent.mkdir(parents=True, exist_ok=True)
+    with logf.open("ab") as out:
+        proc = subprocess.Popen(
+            argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
+        )
+    deadline = time.monotonic() + READY_S
+    while time.monotonic() < deadline:
+        rec = record.load(state_dir, job)
+        if rec is not None and rec.waker_pid == proc.pid:
+            return proc.pid
+        if proc.poll() is not None:
+            break
+        time.sleep(0.02)
+    lines = logf.read_text(errors="replace").strip().splitlines() if logf.exists() else []
+    why = f": {lines[-1]}" if lines else ""
+    raise ParkError(
+        f"job {job!r} is parked, but its wake-on-connect listener did not start{why}; "
+        f"unpark it with: spotguard unpark {job}"
+    )

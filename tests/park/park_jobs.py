@@ -1,0 +1,93 @@
+"""Small real jobs for the park tests (run as scripts by ``spotguard run``).
+
+``pair STEPS``: a parent and a forked worker talking over a socketpair and over loopback TCP;
+each step the parent sends a number to the worker both ways and prints what came back, so
+the output is a pure function of the step — any lost or repeated step shows.
+
+``server PORT``: an HTTP server holding a counter in memory; ``GET /next`` answers the next
+number, ``GET /ping`` answers ``pong`` without touching the counter.
+
+``busy``: burns CPU. ``sleeper``: does nothing at all.
+"""
+
+from __future__ import annotations
+
+import http.server
+import os
+import socket
+import sys
+import time
+
+
+def pair(steps: int) -> None:
+    a, b = socket.socketpair()
+    lsock = socket.socket()
+    lsock.bind(("127.0.0.1", 0))
+    lsock.listen(1)
+    port = lsock.getsockname()[1]
+    if os.fork() == 0:
+        a.close()
+        tcp = socket.create_connection(("127.0.0.1", port))
+        while True:
+            data = b.recv(64)
+            if not data:
+                os._exit(0)
+            n = int(data)
+            b.sendall(str(n * n).encode())
+            tcp.sendall(str(n * 3).encode().ljust(16))
+    b.close()
+    conn, _ = lsock.accept()
+    for i in range(steps):
+        a.sendall(str(i).encode())
+        sq = int(a.recv(64))
+        tr = int(conn.recv(16))
+        print(f"step {i} {sq} {tr}", flush=True)
+        time.sleep(0.05)
+    print("done", flush=True)
+
+
+class _Handler(http.server.BaseHTTPRequestHandler):
+    counter = 0
+
+    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+        if self.path == "/next":
+            _Handler.counter += 1
+            body = str(_Handler.counter).encode()
+        else:
+            body = b"pong"
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, fmt: str, *args: object) -> None:
+        print("request", self.path, flush=True)
+
+
+def server(port: int) -> None:
+    srv = http.server.HTTPServer(("127.0.0.1", port), _Handler)
+    print(f"listening {port}", flush=True)
+    srv.serve_forever()
+
+
+def busy() -> None:
+    x = 0
+    while True:
+        x = (x * 31 + 7) % 1000003
+
+
+def sleeper() -> None:
+    while True:
+        time.sleep(3600)
+
+
+if __name__ == "__main__":
+    what = sys.argv[1]
+    if what == "pair":
+        pair(int(sys.argv[2]))
+    elif what == "server":
+        server(int(sys.argv[2]))
+    elif what == "busy":
+        busy()
+    else:
+        sleeper()

@@ -1,0 +1,171 @@
+"""``spotguard park`` / ``unpark`` through the command line, with real jobs and real CRIU:
+state kept exactly (a forked pair talking over a socketpair and loopback TCP, an HTTP server
+holding a counter), back to back, refusals as one clear line, the job never lost."""
+
+from __future__ import annotations
+
+import json
+import socket
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from conftest import JOBS, Sg, free_port, ok_json
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.jobs import resolve_job
+from spotguard.park import record
+
+pytestmark = pytest.mark.criu
+
+STEPS = 150
+EXPECTED = [f"step {i} {i * i} {i * 3}" for i in range(STEPS)] + ["done"]
+
+
+def _lines(state_dir: Path, job: str) -> list[str]:
+    p = state_dir / "jobs" / job / "stdout"
+    return p.read_text().splitlines() if p.exists() else []
+
+
+def _wait(cond: object, what: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():  # type: ignore[operator]
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def _get(port: int, path: str = "/next", timeout: float = 60.0) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+def _one_line_error(res: object) -> str:
+    assert res.returncode != 0  # type: ignore[attr-defined]
+    err: str = res.stderr  # type: ignore[attr-defined]
+    assert "Traceback" not in err, err
+    line = err.strip().splitlines()[-1]
+    assert line.startswith("spotguard: error:"), err
+    return line
+
+
+def test_forked_pair_parked_to_memory_and_unparked_output_exact(sg: Sg, state_dir: Path) -> None:
+    ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS)))
+    _wait(lambda: len(_lines(state_dir, "pair")) >= 8, "the pair to make progress")
+    parked = ok_json(sg("park", "pair", "--to", "memory", "--reason", "lunch", "--json"))
+    assert parked["job"] == "pair" and parked["place"] == "memory" and parked["parked"] is True
+    assert Path(parked["where"]).is_dir() and parked["bytes"] > 0
+    assert parked["gpu_memory_freed"] == 0 and parked["seconds"] > 0
+    assert parked["reason"] == "lunch"
+    job = resolve_job("pair", state_dir=state_dir)
+    assert not proctree.alive(job.pid)
+    frozen_at = len(_lines(state_dir, "pair"))
+    time.sleep(0.5)
+    assert len(_lines(state_dir, "pair")) == frozen_at  # nothing runs while parked
+    back = ok_json(sg("unpark", "pair", "--json"))
+    assert back["job"] == "pair" and back["place"] == "memory" and back["pid"] > 0
+    assert not Path(parked["where"]).exists()  # the memory is given back
+    assert record.load(state_dir, "pair") is None
+    _wait(lambda: "done" in _lines(state_dir, "pair"), "the pair to finish")
+    assert _lines(state_dir, "pair") == EXPECTED
+
+
+def test_back_to_back_park_unpark_to_disk_twice(sg: Sg, state_dir: Path) -> None:
+    ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS)))
+    _wait(lambda: len(_lines(state_dir, "pair")) >= 3, "the pair to make progress")
+    for _ in range(2):
+        parked = ok_json(sg("park", "pair", "--to", "disk", "--json"))
+        assert parked["place"] == "disk"
+        assert Path(parked["where"]).is_relative_to(state_dir)
+        ok_json(sg("unpark", "pair", "--json"))
+    _wait(lambda: "done" in _lines(state_dir, "pair"), "the pair to finish")
+    assert _lines(state_dir, "pair") == EXPECTED
+
+
+def test_http_server_parked_answers_the_same_after_unpark(sg: Sg, state_dir: Path) -> None:
+    port = free_port()
+    ok_json(sg("run", "--name", "web", "--json", "--", sys.executable, JOBS, "server", str(port)))
+    _wait(lambda: any("listening" in ln for ln in _lines(state_dir, "web")), "the server")
+    assert [_get(port) for _ in range(3)] == ["1", "2", "3"]
+    parked = ok_json(sg("park", "web", "--json"))
+    assert parked["listen"] == [f"127.0.0.1:{port}"] and parked["wake_on_connect"] is False
+    with pytest.raises(OSError):
+        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    ok_json(sg("unpark", "web", "--json"))
+    assert _get(port) == "4"
+
+
+def test_wake_on_connect_first_request_is_answered(sg: Sg, state_dir: Path) -> None:
+    port = free_port()
+    ok_json(sg("run", "--name", "web", "--json", "--", sys.executable, JOBS, "server", str(port)))
+    _wait(lambda: any("listening" in ln for ln in _lines(state_dir, "web")), "the server")
+    assert _get(port) == "1"
+    parked = ok_json(sg("park", "web", "--wake-on-connect", "--json"))
+    assert parked["wake_on_connect"] is True and parked["waker_pid"]
+    assert proctree.alive(parked["waker_pid"])
+    # the first client after the park is answered by the unparked job, not refused
+    assert _get(port, timeout=120) == "2"
+    _wait(lambda: record.load(state_dir, "web") is None, "the park record to go")
+    _wait(lambda: not proctree.alive(parked["waker_pid"]), "the listener to exit")
+    assert _get(port) == "3"  # later clients reach the job directly
+
+
+def test_port_taken_while_parked_is_a_clear_error_and_state_is_kept(
+    sg: Sg, state_dir: Path
+) -> None:
+    port = free_port()
+    ok_json(sg("run", "--name", "web", "--json", "--", sys.executable, JOBS, "server", str(port)))
+    _wait(lambda: any("listening" in ln for ln in _lines(state_dir, "web")), "the server")
+    assert _get(port) == "1"
+    ok_json(sg("park", "web", "--json"))
+    squatter = socket.socket()
+    squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    squatter.bind(("127.0.0.1", port))
+    squatter.listen(1)
+    try:
+        line = _one_line_error(sg("unpark", "web"))
+        assert f"127.0.0.1:{port}" in line and "taken" in line and "held by pid" in line
+        assert record.load(state_dir, "web") is not None  # still parked, nothing lost
+    finally:
+        squatter.close()
+    ok_json(sg("unpark", "web", "--json"))
+    assert _get(port) == "2"
+
+
+def test_refusals_are_one_line_and_lose_nothing(sg: Sg, state_dir: Path) -> None:
+    assert "no job" in _one_line_error(sg("park", "nosuchjob"))
+    ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS)))
+    _wait(lambda: len(_lines(state_dir, "pair")) >= 2, "the pair to make progress")
+    line = _one_line_error(sg("park", "pair", "--to", "tape"))
+    assert "--to 'tape'" in line
+    assert proctree.alive(resolve_job("pair", state_dir=state_dir).pid)
+    assert "is not parked" in _one_line_error(sg("unpark", "pair"))
+    ok_json(sg("park", "pair", "--json"))
+    assert "already parked" in _one_line_error(sg("park", "pair"))
+    ok_json(sg("unpark", "pair", "--json"))
+    _wait(lambda: "done" in _lines(state_dir, "pair"), "the pair to finish")
+    assert _lines(state_dir, "pair") == EXPECTED
+
+
+def test_failed_park_leaves_the_job_running_and_unrecorded(
+    sg: Sg, state_dir: Path, config: Path, tmp_path: Path
+) -> None:
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("x")
+    config.write_text(
+        config.read_text().replace(
+            f'memory_dir = "{tmp_path / "shm" / "parked"}"', f'memory_dir = "{blocker}/parked"'
+        )
+    )
+    ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS)))
+    _wait(lambda: len(_lines(state_dir, "pair")) >= 2, "the pair to make progress")
+    res = sg("park", "pair", "--json")
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert record.load(state_dir, "pair") is None
+    job = resolve_job("pair", state_dir=state_dir)
+    assert proctree.alive(job.pid)
+    _wait(lambda: "done" in _lines(state_dir, "pair"), "the pair to finish")
+    assert _lines(state_dir, "pair") == EXPECTED
+    assert json.loads((state_dir / "jobs" / "pair" / "job.json").read_text())["pid"] == job.pid
