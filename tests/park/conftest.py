@@ -2,31 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+from park_helpers import Sg
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import list_jobs
 from spotguard.park import record
-
-JOBS = str(Path(__file__).with_name("park_jobs.py"))
-
-Sg = Callable[..., subprocess.CompletedProcess[str]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture
@@ -59,11 +47,6 @@ def sg(config: Path) -> Sg:
         )
 
     return run
-
-
-def ok_json(res: subprocess.CompletedProcess[str]) -> Any:
-    assert res.returncode == 0, f"exit {res.returncode}: {res.stderr}"
-    return json.loads(res.stdout.strip().splitlines()[-1])
 
 
 @pytest.fixture(autouse=True)

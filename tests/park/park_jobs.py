@@ -49,7 +49,7 @@ def pair(steps: int) -> None:
 class _Handler(http.server.BaseHTTPRequestHandler):
     counter = 0
 
-    def do_GET(self) -> None:  # noqa: N802 - http.server's name
+    def do_GET(self) -> None:
         if self.path == "/next":
             _Handler.counter += 1
             body = str(_Handler.counter).encode()

@@ -12,7 +12,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-from conftest import JOBS, Sg, free_port, ok_json
+from park_helpers import JOBS, Sg, free_port, ok_json
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import resolve_job
