@@ -47,6 +47,7 @@ def pair(steps: int) -> None:
 
 
 class _Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: a client may hold one connection
     counter = 0
 
     def do_GET(self) -> None:
