@@ -1,0 +1,110 @@
+"""Print each speed target with its measured value and PASS / FAIL.
+
+Reads the JSON lines ``bench.stream --json`` and ``bench.park --json`` wrote (``scripts/gpu-
+bench`` keeps them in its output folder) and checks them against the targets of the
+checkpoint speed work (H200, THP always, file store on local disk):
+
+* 40 GiB job: freeze → durable ≤ 30 s; restore ≤ 12 s
+* 10 GiB job: streamed ≥ 3x the naive pipeline; restore ≤ 1.2x its slowest stage
+* peak host RAM during a streamed freeze ≤ 1.3x (GPU + CPU state)
+* 8 GiB model server: park ≤ 5 s; unpark (from memory) to its first answer ≤ 3 s
+
+A target with no measurement is listed as ``not run``. Exit status 1 when any measured target
+fails. Run: ``python -m bench.targets OUT_DIR``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+Row = dict[str, Any]
+
+
+def _rows(path: Path) -> list[Row]:
+    if not path.exists():
+        return []
+    out = []
+    for line in path.read_text().splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            out.append(json.loads(line))
+        elif line.startswith("["):
+            out.extend(json.loads(line))
+    return out
+
+
+def _pick(rows: list[Row], size: float, pipeline: str) -> Row | None:
+    return next(
+        (r for r in reversed(rows) if r.get("size") == size and r.get("pipeline") == pipeline),
+        None,
+    )
+
+
+def _check(
+    name: str, got: float | None, limit: float, ok: Callable[[float, float], bool], unit: str
+) -> tuple[str, str, str, bool | None]:
+    if got is None:
+        return name, "not run", f"{limit:g}{unit}", None
+    passed = ok(got, limit)
+    return name, f"{got:.2f}{unit}", f"{limit:g}{unit}", passed
+
+
+def targets(out_dir: Path) -> list[tuple[str, str, str, bool | None]]:
+    stream = _rows(out_dir / "stream.jsonl")
+    park = _rows(out_dir / "park.jsonl")
+    le: Callable[[float, float], bool] = lambda got, lim: got <= lim  # noqa: E731
+    ge: Callable[[float, float], bool] = lambda got, lim: got >= lim  # noqa: E731
+    s40, s10, n10 = (
+        _pick(stream, 40.0, "streamed"),
+        _pick(stream, 10.0, "streamed"),
+        _pick(stream, 10.0, "naive"),
+    )
+    res = [
+        _check("40 GiB freeze → durable", s40 and s40["total"], 30, le, " s"),
+        _check("40 GiB restore", s40 and s40["restore"], 12, le, " s"),
+        _check(
+            "10 GiB streamed vs naive freeze → durable",
+            (n10["total"] / s10["total"]) if s10 and n10 else None,
+            3,
+            ge,
+            "x",
+        ),
+    ]
+    if s10 and n10:
+        piped = s10["restore_stages"]["source"] + s10["restore_stages"]["criu_restore"]
+        slowest = max(s10["read_alone"], n10["restore_stages"]["criu_restore"])
+        res.append(_check("10 GiB restore / slowest stage", piped / slowest, 1.2, le, "x"))
+    else:
+        res.append(_check("10 GiB restore / slowest stage", None, 1.2, le, "x"))
+    peaks = [
+        r["peak_ram"] / (r["estimate"]["gpu_bytes"] + r["estimate"]["cpu_bytes"])
+        for r in stream
+        if r.get("pipeline") == "streamed"
+    ]
+    res.append(_check("streamed peak RAM / (GPU+CPU)", max(peaks) if peaks else None, 1.3, le, "x"))
+    p8 = next((r for r in reversed(park) if r.get("size_gib") == 8.0), None)
+    res.append(_check("8 GiB server park", p8 and p8["park_s"], 5, le, " s"))
+    res.append(_check("8 GiB server unpark → first answer", p8 and p8["unpark_to_answer_s"], 3,
+                      le, " s"))  # fmt: skip
+    return res
+
+
+def main() -> int:
+    out_dir = Path(sys.argv[1] if len(sys.argv) > 1 else ".")
+    rows = targets(out_dir)
+    print("| target | measured | limit | result |")
+    print("| --- | --- | --- | --- |")
+    failed = False
+    for name, got, limit, passed in rows:
+        verdict = "not run" if passed is None else ("PASS" if passed else "FAIL")
+        failed = failed or passed is False
+        print(f"| {name} | {got} | {limit} | {verdict} |")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
