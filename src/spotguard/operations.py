@@ -541,7 +541,7 @@ async def _checkpoint_staged(
         extra={
             "job": job.name,
             "step": "durable",
-            "image_url": result.image_url,
+            "image": result.image_url,
             "mode": result.mode,
             "bytes": result.bytes,
             "stored_bytes": result.stored_bytes,
@@ -707,7 +707,7 @@ async def push_kept(
         extra={
             "job": kept.job,
             "step": "durable",
-            "image_url": result.image_url,
+            "image": result.image_url,
             "bytes": result.bytes,
             "stored_bytes": result.stored_bytes,
             "seconds_kept": round(durable_at - kept.kept_at, 3),
@@ -770,7 +770,7 @@ async def restore(
             "job": rr.job.name,
             "step": "restored",
             "pid": rr.pid,
-            "image_url": url,
+            "image": url,
             "bytes": need,
             "seconds": round(tl.span(), 3),
         },

@@ -87,7 +87,7 @@ class Reporter:
                 "event": event.kind.value,
                 "job": event.job,
                 "event_id": event.event_id,
-                "image_url": event.image_url,
+                "image": event.image_url,
                 "error": event.error,
             },
         )

@@ -127,7 +127,7 @@ async def restore_assignment(
     )
     log.info(
         "restoring assigned image",
-        extra={"step": "restore", "job": assignment.job, "image_url": assignment.image_url},
+        extra={"step": "restore", "job": assignment.job, "image": assignment.image_url},
     )
     t0 = time.monotonic()
     try:

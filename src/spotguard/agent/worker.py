@@ -363,13 +363,13 @@ class JobWorker:
                 "job": self.name,
                 "notice": key,
                 "mode": result.mode,
-                "image_url": result.image_url,
+                "image": result.image_url,
                 "bytes": result.bytes,
                 "stored_bytes": result.stored_bytes,
                 "skipped_bytes": result.skipped_bytes,
                 "seconds": round(result.durable_at - seen, 3),
                 "freeze_seconds": round(result.freeze_seconds, 3),
-                "pause_seconds": (
+                "pause_s": (
                     round(result.pause_seconds, 3) if result.pause_seconds is not None else None
                 ),
             },

@@ -298,7 +298,7 @@ class ImageWriter:
         self._heartbeat = asyncio.create_task(self._refresh_marker())
         log.info(
             "image write started",
-            extra={"image": self.url, "chunk_size": self.chunk_size, "level": self.level},
+            extra={"image": self.url, "chunk_size": self.chunk_size, "zstd_level": self.level},
         )
         return self
 

@@ -228,7 +228,7 @@ class StreamTarget:
         )
         log.info(
             "streaming image",
-            extra={"image": writer.url, "need_bytes": need_bytes, "level": writer.level},
+            extra={"image": writer.url, "need_bytes": need_bytes, "zstd_level": writer.level},
         )
         return self.plan
 
