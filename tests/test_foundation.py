@@ -114,3 +114,94 @@ def test_cli_help_lists_every_command() -> None:
     out = subprocess.run(["spotguard", "--help"], capture_output=True, text=True, check=True)
     for name in ("agent", "controller", "checkpoint", "restore", "images", "demo", "metadata-sim"):
         assert name in out.stdout
+
+
+def test_misspelled_config_section_is_an_error_naming_file_section_and_known_ones(
+    tmp_path: Path,
+) -> None:
+    cfg = tmp_path / "x.toml"
+    cfg.write_text('[notice]\ncloud = "aws"\n')
+    with pytest.raises(errors.ConfigError) as err:
+        config.load(DemoSettings, config_file=cfg)
+    msg = str(err.value)
+    assert str(cfg) in msg and "[notice]" in msg and "'notices'" in msg, msg
+    for section in ("agent", "checkpoint", "image", "notices", "planner", "controller"):
+        assert section in msg, msg
+
+
+def test_misspelled_config_key_is_an_error_naming_the_section_and_known_keys(
+    tmp_path: Path,
+) -> None:
+    cfg = tmp_path / "x.toml"
+    cfg.write_text("[planner]\nmargin = 5\n")
+    with pytest.raises(errors.ConfigError) as err:
+        config.load(DemoSettings, config_file=cfg)
+    msg = str(err.value)
+    assert str(cfg) in msg and "'margin'" in msg and "[planner]" in msg, msg
+    assert "margin_s" in msg and "fallback" in msg, msg
+
+
+def test_cli_misspelled_section_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    cfg = tmp_path / "x.toml"
+    cfg.write_text('[agnet]\nstore = "file:///tmp/x"\n')
+    out = subprocess.run(
+        ["spotguard", "--config", str(cfg), "status"], capture_output=True, text=True
+    )
+    assert out.returncode == 2, out
+    assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr
+    assert "unknown section [agnet]" in out.stderr and "'agent'" in out.stderr
+
+
+def test_every_settings_group_is_known_to_the_config_check() -> None:
+    import re
+
+    src = Path(spotguard.__file__).parent
+    sections = set()
+    for path in src.rglob("*.py"):
+        for m in re.finditer(r'section: ClassVar\[str\] = "([a-z_]+)"', path.read_text()):
+            if path.name != "config.py":
+                sections.add(m.group(1))
+    assert sections <= set(config.known_sections()), sections - set(config.known_sections())
+
+
+def test_log_level_verbose_is_a_usage_error() -> None:
+    out = subprocess.run(
+        ["spotguard", "--log-level", "verbose", "doctor"], capture_output=True, text=True
+    )
+    assert out.returncode == 2, out
+    assert "Traceback" not in out.stderr and "ValueError" not in out.stderr, out.stderr
+    assert "verbose" in out.stderr and "debug" in out.stderr, out.stderr
+
+
+def test_extra_field_named_level_never_overwrites_the_json_log_level() -> None:
+    import json
+    import logging
+
+    from spotguard import log
+
+    rec = logging.LogRecord("spotguard.x", logging.WARNING, __file__, 1, "hi", None, None)
+    rec.__dict__.update(level=1, msg_extra="m", ts="never", logger="nope")
+    line = json.loads(log.JsonFormatter().format(rec))
+    assert (line["level"], line["logger"], line["msg"]) == ("warning", "spotguard.x", "hi")
+    assert line["extra_level"] == 1 and line["ts"] != "never"
+
+
+def test_every_log_field_in_the_sources_is_in_the_vocabulary() -> None:
+    import ast
+
+    from spotguard import log
+
+    assert not (set(log.FIELDS) & log.RESERVED)
+    used: dict[str, set[str]] = {}
+    src = Path(spotguard.__file__).parent
+    for path in src.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            for kw in node.keywords:
+                if kw.arg == "extra" and isinstance(kw.value, ast.Dict):
+                    for key in kw.value.keys:
+                        if isinstance(key, ast.Constant) and isinstance(key.value, str):
+                            used.setdefault(key.value, set()).add(str(path.relative_to(src)))
+    bad = {k: sorted(v) for k, v in used.items() if k in log.unknown_fields({k})}
+    assert not bad, f"log fields not in spotguard.log.FIELDS (or reserved): {bad}"

@@ -11,12 +11,15 @@ from __future__ import annotations
 import importlib
 import logging
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
 from spotguard import log
 from spotguard.errors import SpotguardError
+
+if TYPE_CHECKING:  # the settings machinery (pydantic) loads only for commands that use it
+    from spotguard.config import ConfigFile
 
 #: command name → "module:attribute" under spotguard.commands
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -128,7 +131,8 @@ def _unavailable(name: str, why: str) -> click.Command:
 @click.option(
     "--log-level",
     envvar="SPOTGUARD_LOG_LEVEL",
-    default="INFO",
+    type=click.Choice(log.LEVELS, case_sensitive=False),
+    default="info",
     show_default=True,
     help="Log level. [env: SPOTGUARD_LOG_LEVEL]",
 )
@@ -145,3 +149,19 @@ def config_file(ctx: click.Context) -> str | None:
     obj = root.obj or {}
     value = obj.get("config")
     return str(value) if value else None
+
+
+def config(ctx: click.Context) -> ConfigFile:
+    """The config file of this command line (``--config``, ``$SPOTGUARD_CONFIG`` or the
+    default path), read and checked once on first use and then shared by every settings
+    group the command loads."""
+    root = ctx.find_root()
+    if not isinstance(root.obj, dict):
+        root.obj = {}
+    from spotguard.config import ConfigFile
+
+    held = root.obj.get("config_file")
+    if not isinstance(held, ConfigFile):
+        held = ConfigFile.read(config_file(ctx))
+        root.obj["config_file"] = held
+    return held

@@ -16,17 +16,26 @@ Example::
 
     @click.command()
     @options(AgentSettings)
-    def agent(**flags): settings = load(AgentSettings, flags)
+    def agent(**flags): settings = load(AgentSettings, flags, config_file=cli.config(ctx))
+
+Settings are loaded once, at the edge (a command, the daemon's start), and passed down: no
+library module calls :func:`load`. The config file is read once per process
+(:meth:`ConfigFile.read`, done by the CLI for ``--config``) and checked as a whole: a section
+or key that no settings group defines is an error naming the file, the section and the known
+ones — a misspelling is never silently ignored.
 """
 
 from __future__ import annotations
 
 import enum
+import importlib
 import os
 import tomllib
 import types
 import typing
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
@@ -39,6 +48,21 @@ from spotguard.errors import ConfigError
 
 CONFIG_ENV = "SPOTGUARD_CONFIG"
 DEFAULT_CONFIG_PATHS = (Path("/etc/spotguard/spotguard.toml"),)
+#: Every module that defines a :class:`Settings` group (imported to learn the known sections;
+#: a test checks that no group is missing here).
+SETTINGS_MODULES = (
+    "spotguard.agent.settings",
+    "spotguard.checkpoint.settings",
+    "spotguard.controller.settings",
+    "spotguard.image.settings",
+    "spotguard.notices.fleet",
+    "spotguard.notices.settings",
+    "spotguard.planner",
+    "spotguard.providers.aws",
+    "spotguard.providers.gcp",
+    "spotguard.providers.local",
+    "spotguard.simulator.settings",
+)
 
 S = TypeVar("S", bound="Settings")
 F = TypeVar("F", bound=Callable[..., Any])
@@ -48,6 +72,8 @@ class Settings(BaseSettings):
     """Base of every settings group. Subclasses set ``section`` and describe each field."""
 
     section: ClassVar[str] = ""
+    #: every group defined so far, by section (several groups may share one section)
+    registry: ClassVar[dict[str, list[type[Settings]]]] = {}
     model_config = SettingsConfigDict(
         env_prefix="SPOTGUARD_", extra="forbid", frozen=True, validate_default=True
     )
@@ -63,6 +89,11 @@ class Settings(BaseSettings):
     ) -> tuple[PydanticBaseSettingsSource, ...]:
         # flags (passed as init kwargs) > environment > config file (merged in by load()).
         return (init_settings, env_settings)
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if cls.__dict__.get("section"):
+            Settings.registry.setdefault(cls.section, []).append(cls)
 
     @classmethod
     def env_name(cls, field: str) -> str:
@@ -96,28 +127,88 @@ def read_file(path: Path | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
 
 
+def known_sections() -> dict[str, set[str]]:
+    """Every config section any settings group defines, with its keys."""
+    for module in SETTINGS_MODULES:
+        importlib.import_module(module)
+    return {
+        section: {name for group in groups for name in group.model_fields}
+        for section, groups in Settings.registry.items()
+    }
+
+
+def _hint(name: str, known: set[str]) -> str:
+    close = get_close_matches(name, sorted(known), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_file(path: Path, data: Mapping[str, Any]) -> None:
+    """Refuse sections and keys no settings group defines (a misspelling would be ignored)."""
+    known = known_sections()
+    for section, values in data.items():
+        if section not in known:
+            raise ConfigError(
+                f"config file {path}: unknown section [{section}]{_hint(section, set(known))}; "
+                f"known sections: {', '.join(sorted(known))}"
+            )
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {path}: [{section}] must be a table")
+        for key in values:
+            if key not in known[section]:
+                raise ConfigError(
+                    f"config file {path}: unknown key {key!r} in [{section}]"
+                    f"{_hint(key, known[section])}; known keys: "
+                    f"{', '.join(sorted(known[section]))}"
+                )
+
+
+@dataclass(frozen=True)
+class ConfigFile:
+    """The config file of this process, read and checked once (see :meth:`read`)."""
+
+    path: Path | None = None
+    data: Mapping[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def read(cls, explicit: str | Path | None = None) -> ConfigFile:
+        """Read ``--config`` (else ``$SPOTGUARD_CONFIG``, else the default path if present):
+        a :class:`ConfigError` for a missing or invalid file or an unknown section or key."""
+        path = config_path(explicit)
+        data = read_file(path)
+        if path is not None:
+            check_file(path, data)
+        return cls(path, data)
+
+    def section(self, name: str) -> dict[str, Any]:
+        """The values of ``[name]`` (empty when the file has none)."""
+        values = self.data.get(name, {})
+        if not isinstance(values, dict):
+            raise ConfigError(f"config file {self.path}: [{name}] must be a table")
+        return dict(values)
+
+
 def load(
     cls: type[S],
     flags: Mapping[str, Any] | None = None,
     *,
-    config_file: str | Path | None = None,
+    config_file: ConfigFile | str | Path | None = None,
 ) -> S:
     """Build ``cls`` from defaults < config file section < environment < flags.
 
-    ``flags`` may hold extra keys (other click parameters) and ``None`` for flags that were
-    not given; both are ignored. Validation errors become :class:`ConfigError` naming the
-    setting and where it can be set.
+    Called at the edge only (commands, daemon start). ``config_file`` is the file already
+    read (:class:`ConfigFile`), or a path to read. ``flags`` may hold extra keys (other click
+    parameters) and ``None`` for flags that were not given; both are ignored. Validation
+    errors become :class:`ConfigError` naming the setting and where it can be set.
     """
-    file_values = read_file(config_path(config_file)).get(cls.section, {}) if cls.section else {}
-    if not isinstance(file_values, dict):
-        raise ConfigError(f"config section [{cls.section}] must be a table")
+    cfg = config_file if isinstance(config_file, ConfigFile) else ConfigFile.read(config_file)
+    file_values = cfg.section(cls.section) if cls.section else {}
     given = {
         k: v
         for k, v in (flags or {}).items()
         if k in cls.model_fields and v is not None and v != ()
     }
     env_set = {k for k in cls.model_fields if cls.env_name(k) in os.environ}
-    values = {k: v for k, v in file_values.items() if k not in env_set}
+    values = {k: v for k, v in file_values.items() if k not in env_set and k in cls.model_fields}
     values.update(given)
     try:
         return cls(**values)
@@ -127,7 +218,8 @@ def load(
             key = str(err["loc"][0]) if err["loc"] else "?"
             where = f"--{key.replace('_', '-')} / {cls.env_name(key)} / [{cls.section}] {key}"
             problems.append(f"{key}: {err['msg']} (set with {where})")
-        raise ConfigError("invalid settings: " + "; ".join(problems)) from exc
+        source = f" ({cfg.path})" if cfg.path is not None else ""
+        raise ConfigError(f"invalid settings{source}: " + "; ".join(problems)) from exc
 
 
 def _click_type(annotation: Any) -> tuple[Any, bool, bool]:

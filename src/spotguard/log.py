@@ -3,6 +3,13 @@
 Modules log with the standard library (``logging.getLogger(__name__)``) and put structured
 fields in ``extra=``; :func:`setup` picks the format. One line per step, never a traceback for
 an expected failure (those are :class:`~spotguard.errors.SpotguardError`).
+
+The field names are a vocabulary, kept here in :data:`FIELDS` (one name per meaning: a
+notice's id is always ``notice``, an image's URL always ``image``), so a query over the logs
+of every part finds what it looks for. The line's own keys (:data:`RESERVED`: ``ts``,
+``level``, ``logger``, ``msg`` ...) are never extra fields: a test checks every ``extra=``
+in the sources against both lists, and the formatters never let an extra field overwrite one
+of them (it is written as ``extra_<name>`` instead).
 """
 
 from __future__ import annotations
@@ -13,28 +20,140 @@ import sys
 from datetime import UTC, datetime
 from typing import Any, Literal
 
+#: the levels ``--log-level`` accepts
+LEVELS = ("debug", "info", "warning", "error", "critical")
+
+#: keys every JSON line has (or may have) of its own; no extra field may use them
+RESERVED = frozenset({"ts", "time", "level", "logger", "msg", "message", "exception"})
+
+#: every extra field a spotguard log line may carry, and what it means
+FIELDS: dict[str, str] = {
+    # what the line is about
+    "step": "the step of an operation (detect, protect, notice, freeze, upload, ...)",
+    "job": "a protected job's name",
+    "pid": "a process id",
+    "notice": "a notice's id",
+    "kind": "a notice's or event's kind (preempt, rebalance, maintenance, drain, ...)",
+    "action": "a notice's action in the cloud's words, or the agent's decision",
+    "deadline": "a notice's deadline (ISO 8601, UTC)",
+    "cancelled": "whether a notice was withdrawn",
+    "source": "a notice source's name",
+    "cloud": "the cloud (aws, gcp, azure, manual, fleet)",
+    "image": "an image's URL",
+    "store": "a store URL",
+    "key": "an object key in a store",
+    "chunk": "a chunk's digest",
+    "dir": "a directory",
+    "file": "a file",
+    "path": "a URL path or a file path within an image",
+    "url": "a URL served or called",
+    "mode": "a checkpoint mode (resume, exit) or an image path (stream, stage)",
+    "stream": "whether the image was streamed",
+    "state": "a job's state at the controller",
+    "event": "an agent event's kind",
+    "event_id": "an agent event's id",
+    "message_id": "a queue message's id",
+    "instance": "an instance's name or facts",
+    "instance_id": "a cloud instance id",
+    "provider": "a cloud provider's name",
+    "strategy": "a relaunch strategy's name",
+    "offer": "an instance offer (type, zone, price)",
+    "client_token": "an idempotent launch token",
+    "vm": "a local VM's name",
+    "id": "a cloud operation's id",
+    "name": "a named thing's name",
+    "clouds": "the clouds a metadata emulator serves",
+    "controller": "the controller's URL",
+    "listen": "an address listened on",
+    "peer": "a connecting peer",
+    "task": "an asyncio task's name",
+    "op": "a store operation (get, put, head, ...)",
+    "argv": "a command line run",
+    "what": "what a demo step checks",
+    # outcomes and figures
+    "error": "why something failed (one line)",
+    "reason": "why a decision was made",
+    "decision": "what the agent decided about a notice",
+    "status": "an HTTP status",
+    "attempt": "the attempt number of a retried call",
+    "failures": "consecutive failures",
+    "retry_in": "seconds until the next attempt",
+    "seconds": "how long a step took, in seconds",
+    "seconds_left": "seconds left until a deadline",
+    "seconds_kept": "how long a kept image has waited, in seconds",
+    "pause_s": "how long the job was paused, in seconds",
+    "freeze_seconds": "seconds from the freeze to the state in host memory",
+    "start_at": "when a deferred checkpoint starts (ISO 8601, UTC)",
+    "bytes": "bytes written or read",
+    "stored_bytes": "bytes stored (after compression and dedup)",
+    "skipped_bytes": "bytes already in the store (dedup)",
+    "need_bytes": "bytes a staging place needs",
+    "peak_buffered": "most bytes held in memory at once",
+    "chunk_size": "an image's chunk size in bytes",
+    "zstd_level": "the zstd compression level",
+    "plan": "the deadline planner's predicted seconds per stage",
+    "predicted": "the planner's predicted seconds per stage (beside the actual)",
+    "actual": "measured seconds per stage",
+    "deadline_s": "seconds left until the deadline when planned",
+    "image_bytes": "estimated bytes of an image (host and GPU memory)",
+    "gpu_bytes": "estimated bytes of GPU memory",
+    "fits": "whether the plan fits before the deadline",
+    "met": "whether the deadline was met",
+    "thp": "the host's transparent huge page setting",
+    "record": "a kept-image record",
+    "criu": "the CRIU binary and version",
+    "gpus": "GPUs an image needs",
+    "gpu_pids": "processes holding a GPU",
+    "images_dir": "an image directory",
+    "staging": "a staging directory",
+    "before_freeze": "whether a failure came before the freeze",
+    "thawed": "whether a frozen job was thawed",
+    "interrupted": "whether an operation was interrupted",
+    # garbage collection (``images gc``: the result's own fields)
+    "jobs": "jobs looked at",
+    "images_kept": "complete images kept",
+    "images_deleted": "images deleted",
+    "stale_markers_deleted": "stale writer markers deleted",
+    "chunks_deleted": "chunks deleted",
+    "bytes_freed": "bytes freed",
+    "chunks_kept_young": "unreferenced chunks kept for being younger than the grace",
+    "chunk_gc_skipped_writer_active": "chunk collection skipped while a writer was active",
+    "dry_run": "whether nothing was deleted",
+}
+
 _STD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
 
 
 def fields(record: logging.LogRecord) -> dict[str, Any]:
-    """The ``extra=`` fields of a record."""
-    return {k: v for k, v in record.__dict__.items() if k not in _STD}
+    """The ``extra=`` fields of a record (one that would overwrite a key of the line itself,
+    see :data:`RESERVED`, is given as ``extra_<name>``)."""
+    return {
+        (f"extra_{k}" if k in RESERVED else k): v
+        for k, v in record.__dict__.items()
+        if k not in _STD
+    }
+
+
+def unknown_fields(names: set[str]) -> set[str]:
+    """The names that are not in the vocabulary, or are reserved (for tests and reviews)."""
+    return {n for n in names if n not in FIELDS or n in RESERVED}
 
 
 class JsonFormatter(logging.Formatter):
     """One JSON object per line: ts, level, logger, msg, and every extra field."""
 
     def format(self, record: logging.LogRecord) -> str:
-        out: dict[str, Any] = {
-            "ts": datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
-            "level": record.levelname.lower(),
-            "logger": record.name,
-            "msg": record.getMessage(),
-        }
-        out.update(fields(record))
+        out: dict[str, Any] = fields(record)
+        out.update(
+            ts=datetime.fromtimestamp(record.created, UTC).isoformat(timespec="milliseconds"),
+            level=record.levelname.lower(),
+            logger=record.name,
+            msg=record.getMessage(),
+        )
         if record.exc_info and record.exc_info[0] is not None:
-            out["error"] = f"{record.exc_info[0].__name__}: {record.exc_info[1]}"
-        return json.dumps(out, default=str)
+            out["exception"] = f"{record.exc_info[0].__name__}: {record.exc_info[1]}"
+        head = {k: out.pop(k) for k in ("ts", "level", "logger", "msg")}
+        return json.dumps({**head, **out}, default=str)
 
 
 class TextFormatter(logging.Formatter):
@@ -49,8 +168,11 @@ class TextFormatter(logging.Formatter):
         return f"{line} {extra}".rstrip()
 
 
-def setup(fmt: Literal["json", "text"] = "text", level: str = "INFO") -> None:
-    """Configure the root logger once for the process (stderr)."""
+def setup(fmt: Literal["json", "text"] = "text", level: str = "info") -> None:
+    """Configure the root logger once for the process (stderr). ``level`` is one of
+    :data:`LEVELS` (any case); anything else is a ValueError naming them."""
+    if level.lower() not in LEVELS:
+        raise ValueError(f"log level must be one of {', '.join(LEVELS)}, got {level!r}")
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(JsonFormatter() if fmt == "json" else TextFormatter())
     root = logging.getLogger()
