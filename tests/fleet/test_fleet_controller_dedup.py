@@ -23,6 +23,7 @@ from spotguard.notices.aws import AwsImdsSource
 from spotguard.notices.base import Notice
 from spotguard.notices.fleet import SqsFleetSource
 from spotguard.notices.instance import instance_facts
+from spotguard.notices.settings import NoticeSettings
 from spotguard.providers.local import LocalProvider, LocalSettings
 from spotguard.simulator import MetadataSim, SimClient
 
@@ -59,7 +60,7 @@ async def agent_sees_spot_warning(sim: MetadataSim) -> tuple[InstanceFacts, Noti
     """What the agent on the VM sees: its instance facts and the IMDS spot notice."""
     async with SimClient(sim.url) as c:
         await c.send("aws", "preempt", action="terminate", in_seconds=120)
-    facts = await instance_facts("aws")
+    facts = await instance_facts("aws", NoticeSettings())
     source = AwsImdsSource(poll_interval=0.05)
     try:
         async for notice in source.watch():

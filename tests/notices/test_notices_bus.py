@@ -80,7 +80,7 @@ async def test_scripted_duplicates_updates_and_withdrawals() -> None:
 
 
 async def test_failing_source_is_restarted_and_recovers(caplog: pytest.LogCaptureFixture) -> None:
-    caplog.set_level(logging.INFO, logger="spotguard.notices.bus")
+    caplog.set_level(logging.INFO, logger="spotguard.notices")
     first, second = make_notice(notice_id="a"), make_notice(notice_id="b")
     flaky = ScriptedSource(
         [first, MetadataUnavailable("refused"), RuntimeError("bug"), second], name="flaky"
@@ -99,7 +99,7 @@ async def test_failing_source_is_restarted_and_recovers(caplog: pytest.LogCaptur
 async def test_garbage_timeouts_5xx_and_refusals_never_stop_the_bus(
     sim: MetadataSim, client: SimClient, closed_url: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.INFO, logger="spotguard.notices.bus")
+    caplog.set_level(logging.INFO, logger="spotguard.notices")
     await client.fault("garbage", cloud="aws", count=3)
     await client.fault("error", cloud="gcp", status=503, count=3)
     await client.fault("hang", cloud="azure", count=2, hang_s=5)

@@ -11,9 +11,8 @@ from collections.abc import Sequence
 
 from spotguard.errors import NoticeError
 from spotguard.facts import InstanceFacts
-from spotguard.notices.base import NoticeSource
-from spotguard.notices.detect import detect_cloud
-from spotguard.notices.factory import source_for
+from spotguard.notices.base import NoticeSource, cloud_of
+from spotguard.notices.factory import resolve_cloud, source_for
 from spotguard.notices.instance import instance_facts as read_facts
 from spotguard.notices.settings import NoticeSettings
 
@@ -27,20 +26,14 @@ async def cloud_sources(
     else the detected one's; none when no cloud is found or ``cloud = none`` is set (only
     manual drains and periodic checkpoints then)."""
     if given is not None:
-        clouds = {str(getattr(src, "cloud", "")) for src in given} - {"", "manual"}
+        clouds = {c.value for src in given if (c := cloud_of(src)) is not None} - {"manual"}
         return (clouds.pop() if len(clouds) == 1 else None), list(given)
     if s.cloud == "none":
-        # Asked for no metadata source: no detection (no delay), manual drains only.
         log.info("no metadata source (cloud = none)", extra={"step": "detect", "cloud": "none"})
-        return None, []
-    cloud: str | None = s.cloud
-    if cloud == "auto":
-        found = await detect_cloud(s.detect_timeout, imdsv1=s.imdsv1)
-        cloud = found.value if found is not None else None
-        log.info("cloud detected", extra={"step": "detect", "cloud": cloud or "none"})
+    cloud = await resolve_cloud(s)
     if cloud is None:
         return None, []
-    return cloud, [source_for(cloud, s)]
+    return cloud.value, [source_for(cloud, s)]
 
 
 async def instance_facts(cloud: str | None, s: NoticeSettings) -> InstanceFacts:
@@ -49,7 +42,7 @@ async def instance_facts(cloud: str | None, s: NoticeSettings) -> InstanceFacts:
     if cloud is None:
         return InstanceFacts()
     try:
-        return await read_facts(cloud, timeout_s=s.timeout)
+        return await read_facts(cloud, s)
     except NoticeError as exc:
         log.warning(
             "instance facts unavailable", extra={"step": "facts", "cloud": cloud, "error": str(exc)}

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import click
 
-from spotguard.cli import config_file
+from spotguard.cli import config
 from spotguard.config import load, options
 from spotguard.errors import ConfigError
 from spotguard.notices.base import Notice
@@ -71,7 +71,7 @@ def watch(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
     from spotguard.notices.bus import NoticeBus
     from spotguard.notices.factory import metadata_source
 
-    settings = load(NoticeSettings, flags, config_file=config_file(ctx))
+    settings = load(NoticeSettings, flags, config_file=config(ctx))
 
     async def main(stop: asyncio.Event) -> None:
         source = await metadata_source(settings)
@@ -99,26 +99,32 @@ def watch(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
 @click.pass_context
 def detect(ctx: click.Context, /, **flags: Any) -> None:
     """Print which cloud's metadata service answers (exit 1 when none does)."""
-    from spotguard.notices.detect import detect_cloud
+    from spotguard.notices.factory import resolve_cloud
 
-    settings = load(NoticeSettings, flags, config_file=config_file(ctx))
-    cloud = asyncio.run(detect_cloud(settings.detect_timeout, imdsv1=settings.imdsv1))
+    settings = load(NoticeSettings, {**flags, "cloud": "auto"}, config_file=config(ctx))
+    cloud = asyncio.run(resolve_cloud(settings))
     click.echo(cloud.value if cloud else "none")
     if cloud is None:
         sys.exit(1)
 
 
 @notices.command("facts")
-@click.option("--cloud", type=click.Choice(["auto", "aws", "gcp", "azure"]), default="auto")
+@options(NoticeSettings)
 @click.option("--user-data", "with_user_data", is_flag=True, help="Also print the user-data.")
-def facts(cloud: str, with_user_data: bool) -> None:
-    """Print this instance's facts (type, zone, id, spot) as JSON."""
+@click.pass_context
+def facts(ctx: click.Context, /, with_user_data: bool, **flags: Any) -> None:
+    """Print this instance's facts (type, zone, id, spot) as JSON (``local`` when no metadata
+    service answers)."""
+    from spotguard.notices.factory import resolve_cloud
     from spotguard.notices.instance import instance_facts, user_data
 
+    settings = load(NoticeSettings, flags, config_file=config(ctx))
+
     async def main() -> dict[str, Any]:
-        out = (await instance_facts(None if cloud == "auto" else cloud)).to_json()
+        cloud = await resolve_cloud(settings)
+        out = (await instance_facts(cloud, settings)).to_json()
         if with_user_data:
-            out["user_data"] = await user_data(out["provider"])
+            out["user_data"] = await user_data(cloud, settings)
         return out
 
     click.echo(json.dumps(asyncio.run(main()), indent=2))
@@ -268,7 +274,7 @@ def metadata_sim(ctx: click.Context, /, **flags: Any) -> None:
     API (/_sim) to inject, change and cancel notices and faults while it runs."""
     from spotguard.simulator import MetadataSim, SimFacts
 
-    s = load(SimSettings, flags, config_file=config_file(ctx))
+    s = load(SimSettings, flags, config_file=config(ctx))
     facts = SimFacts(
         instance_id=s.instance_id,
         instance_type=s.instance_type,

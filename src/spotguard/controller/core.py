@@ -53,6 +53,7 @@ from spotguard.errors import (
 )
 from spotguard.notices.backoff import Backoff
 from spotguard.notices.base import Notice, NoticeSource
+from spotguard.notices.supervisor import SourceSupervisor
 from spotguard.providers.base import (
     CloudProvider,
     InstanceRef,
@@ -206,27 +207,14 @@ class Controller:
 
     async def _watch(self, source: NoticeSource) -> None:
         """Apply every notice of ``source``; a failing source (queue unreachable, throttled,
-        access denied) is logged and watched again after a capped, jittered backoff."""
-        backoff = Backoff(1.0, 60.0)
-        while self._running:
-            try:
-                async for notice in source.watch():
-                    backoff.reset()
-                    try:
-                        await self.handle_notice(notice)
-                    except SpotguardError as exc:
-                        log.warning(
-                            "fleet notice not applied",
-                            extra={"source": source.name, "error": str(exc)},
-                        )
-                return
-            except NoticeError as exc:
-                delay = backoff.next()
-                log.warning(
-                    "notice source failed; retrying",
-                    extra={"source": source.name, "error": str(exc), "retry_in": round(delay, 2)},
-                )
-                await asyncio.sleep(delay)
+        access denied, or a bug) is restarted by the supervisor the agent's bus uses too."""
+        await SourceSupervisor(source, self._apply_notice, backoff=Backoff(1.0, 60.0)).run()
+
+    async def _apply_notice(self, notice: Notice) -> None:
+        try:
+            await self.handle_notice(notice)
+        except SpotguardError as exc:
+            log.warning("fleet notice not applied", extra={"notice": notice.id, "error": str(exc)})
 
     def _ensure_loop(self, name: str) -> None:
         task = self._loops.get(name)

@@ -18,7 +18,8 @@ rebalance``                                         AWS gives no deadline, so sp
 
 A token comes from ``PUT /latest/api/token`` with the TTL header, is renewed before it expires
 and fetched again on a 401. IMDSv1 (no token) is used only when allowed and the token call is
-refused. A notice whose answer disappears or changes is withdrawn (yielded cancelled).
+refused. A notice whose answer disappears or changes is withdrawn (yielded cancelled). A
+notice whose time is missing or unreadable is due now (:func:`~spotguard.notices.timefmt.due_time`).
 """
 
 from __future__ import annotations
@@ -28,13 +29,16 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard.errors import MetadataMalformed, MetadataUnavailable, NoticeError
 from spotguard.notices.base import Cloud, Notice, NoticeKind, stable_id
 from spotguard.notices.endpoints import aws_endpoint
 from spotguard.notices.fetch import MetadataHttp, Reply
-from spotguard.notices.timefmt import parse_time
+from spotguard.notices.timefmt import due_time
+
+if TYPE_CHECKING:
+    from spotguard.notices.settings import NoticeSettings
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +73,11 @@ class ImdsClient:
         self._expires = 0.0  # monotonic time after which the token must not be used
         self._v1 = False
         self.tokens_fetched = 0
+
+    @classmethod
+    def from_settings(cls, s: NoticeSettings, endpoint: str | None = None) -> ImdsClient:
+        """The client the ``[notices]`` settings describe (IMDSv1 fallback included)."""
+        return cls(endpoint, token_ttl=s.token_ttl, imdsv1=s.imdsv1, timeout=s.timeout)
 
     async def _fetch_token(self) -> None:
         reply = await self.http.request(
@@ -141,7 +150,7 @@ def instance_action(payload: Any) -> Notice:
     action = data.get("action")
     if action not in SPOT_ACTIONS:
         raise MetadataMalformed(f"{INSTANCE_ACTION}: unknown action {action!r}")
-    deadline = parse_time(data.get("time"), f"{INSTANCE_ACTION} time")
+    deadline = due_time(data.get("time"), f"{INSTANCE_ACTION} time")
     ident = stable_id(Cloud.AWS, NoticeKind.PREEMPT, data)
     return Notice(ident, Cloud.AWS, NoticeKind.PREEMPT, deadline, str(action), raw=dict(data))
 
@@ -149,7 +158,7 @@ def instance_action(payload: Any) -> Notice:
 def rebalance(payload: Any) -> Notice:
     """``events/recommendations/rebalance`` → a rebalance notice (deadline: see module doc)."""
     data = _object(payload, REBALANCE)
-    noticed = parse_time(data.get("noticeTime"), f"{REBALANCE} noticeTime")
+    noticed = due_time(data.get("noticeTime"), f"{REBALANCE} noticeTime")
     ident = stable_id(Cloud.AWS, NoticeKind.REBALANCE, data)
     return Notice(ident, Cloud.AWS, NoticeKind.REBALANCE, noticed + REBALANCE_GRACE, raw=dict(data))
 
@@ -170,7 +179,7 @@ def scheduled_events(payload: Any) -> list[Notice]:
             continue
         if state not in ("active", "canceled", "cancelled"):
             raise MetadataMalformed(f"{SCHEDULED}: event {event_id} has unknown State {state!r}")
-        deadline = parse_time(event.get("NotBefore"), f"{SCHEDULED} {event_id} NotBefore")
+        deadline = due_time(event.get("NotBefore"), f"{SCHEDULED} {event_id} NotBefore")
         code = event.get("Code")
         notice = Notice(
             event_id,
@@ -183,6 +192,14 @@ def scheduled_events(payload: Any) -> list[Notice]:
         )
         out.append(notice)
     return out
+
+
+def _changed(old: Notice, new: Notice) -> bool:
+    """Whether ``new`` says something ``old`` did not. The same answer read again is the same
+    notice, even when its time was unreadable and so read as "now" both times."""
+    if old.raw and old.raw == new.raw:
+        return old.cancelled != new.cancelled
+    return (old.cancelled, old.deadline, old.action) != (new.cancelled, new.deadline, new.action)
 
 
 def _one(parse: Callable[[Any], Notice]) -> Callable[[Any], list[Notice]]:
@@ -264,18 +281,19 @@ class AwsImdsSource:
                 # an answer that went away or changed withdraws the notice it gave; scheduled
                 # events that leave the list have simply run their course
                 out.append(gone.cancel())
+        kept: dict[str, Notice] = {}
         for ident, notice in now.items():
             old = before.get(ident)
             if old is None:
-                if not notice.cancelled:  # a cancellation of something never seen is noise
-                    out.append(notice)
-            elif (old.cancelled, old.deadline, old.action) != (
-                notice.cancelled,
-                notice.deadline,
-                notice.action,
-            ):
+                if notice.cancelled:  # a cancellation of something never seen is noise
+                    continue
                 out.append(notice)
-        self._seen[path] = {i: n for i, n in now.items() if not (i not in before and n.cancelled)}
+            elif _changed(old, notice):
+                out.append(notice)
+            else:
+                notice = old  # the same answer: keep the deadline it was first read with
+            kept[ident] = notice
+        self._seen[path] = kept
         return out
 
     async def watch(self) -> AsyncIterator[Notice]:

@@ -11,6 +11,10 @@ changes. Each event becomes a notice with ``id`` = EventId and deadline = NotBef
 Azure holds an event until its NotBefore unless every affected VM approves it earlier;
 :meth:`AzureEventsSource.acknowledge` sends that approval (``StartRequests``) and must be called
 only once spotguard is ready for the event to go ahead (the image is durable).
+
+:class:`AzureMetadataClient` is the one client of Azure's instance metadata service: the
+source, cloud detection and the instance facts all read through it. A NotBefore that is empty
+(the event started) or unreadable means now.
 """
 
 from __future__ import annotations
@@ -20,16 +24,21 @@ import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from spotguard.errors import MetadataMalformed, MetadataUnavailable, NoticeError
 from spotguard.notices.base import Cloud, Notice, NoticeKind
 from spotguard.notices.endpoints import azure_endpoint
 from spotguard.notices.fetch import MetadataHttp, Reply
-from spotguard.notices.timefmt import parse_time
+from spotguard.notices.timefmt import due_time
+
+if TYPE_CHECKING:
+    from spotguard.notices.settings import NoticeSettings
 
 PATH = "/metadata/scheduledevents"
 API_VERSION = "2020-07-01"
+INSTANCE_PATH = "/metadata/instance"
+INSTANCE_API = "2021-02-01"
 HEADERS = {"Metadata": "true"}
 EVENT_KINDS = {
     "Preempt": NoticeKind.PREEMPT,
@@ -67,9 +76,49 @@ def event_notice(event: Mapping[str, Any]) -> Notice:
         raise MetadataMalformed(f"{PATH}: event {event_id} has unknown EventType {event_type!r}")
     not_before = event.get("NotBefore")
     deadline = (
-        parse_time(not_before, f"{PATH} {event_id} NotBefore") if not_before else datetime.now(UTC)
+        due_time(not_before, f"{PATH} {event_id} NotBefore") if not_before else datetime.now(UTC)
     )
     return Notice(event_id, Cloud.AZURE, kind, deadline, str(event_type), raw=dict(event))
+
+
+class AzureMetadataClient:
+    """Requests to the Azure instance metadata service, with its header and API versions."""
+
+    def __init__(self, endpoint: str | None = None, *, timeout: float = 2.0) -> None:
+        self.endpoint = azure_endpoint(endpoint)
+        self.http = MetadataHttp("azure", timeout)
+
+    @classmethod
+    def from_settings(cls, s: NoticeSettings, endpoint: str | None = None) -> AzureMetadataClient:
+        """The client the ``[notices]`` settings describe."""
+        return cls(endpoint, timeout=s.timeout)
+
+    async def request(
+        self, method: str, path: str, api_version: str, json_body: Any = None
+    ) -> Reply:
+        """One request; any answer but 2xx is :class:`MetadataUnavailable`."""
+        reply = await self.http.request(
+            method,
+            self.endpoint + path,
+            headers=HEADERS,
+            params={"api-version": api_version},
+            json_body=json_body,
+        )
+        if not 200 <= reply.status < 300:
+            raise MetadataUnavailable(f"{reply.url}: HTTP {reply.status}")
+        return reply
+
+    async def compute(self) -> dict[str, Any]:
+        """The ``compute`` object of ``/metadata/instance`` (this VM's facts)."""
+        reply = await self.request("GET", INSTANCE_PATH, INSTANCE_API)
+        doc = reply.json()
+        compute = doc.get("compute") if isinstance(doc, dict) else None
+        if not isinstance(compute, dict):
+            raise MetadataMalformed(f"{reply.url}: answer has no compute object")
+        return compute
+
+    async def aclose(self) -> None:
+        await self.http.aclose()
 
 
 class AzureEventsSource:
@@ -87,24 +136,22 @@ class AzureEventsSource:
         name: str = "azure",
     ) -> None:
         self.name = name
-        self.endpoint = azure_endpoint(endpoint)
+        self.client = AzureMetadataClient(endpoint, timeout=timeout)
         self.poll_interval = poll_interval
-        self.http = MetadataHttp("azure", timeout)
         self.last_success: float | None = None
         self.incarnation: int | None = None
         self._current: dict[str, Notice] = {}
+
+    @property
+    def endpoint(self) -> str:
+        return self.client.endpoint
 
     @property
     def url(self) -> str:
         return f"{self.endpoint}{PATH}"
 
     async def _document(self) -> Reply:
-        reply = await self.http.request(
-            "GET", self.url, headers=HEADERS, params={"api-version": API_VERSION}
-        )
-        if reply.status != 200:
-            raise MetadataUnavailable(f"{reply.url}: HTTP {reply.status}")
-        return reply
+        return await self.client.request("GET", PATH, API_VERSION)
 
     async def poll(self) -> list[Notice]:
         """Read the document once: the notices that are new, changed or withdrawn."""
@@ -116,8 +163,11 @@ class AzureEventsSource:
         now = {}
         for n in notices:
             held = self._current.get(n.id)
-            if held is not None and not n.raw.get("NotBefore"):
-                # a started event has a blank NotBefore: its deadline stays what it was
+            if held is not None and (
+                not n.raw.get("NotBefore") or n.raw.get("NotBefore") == held.raw.get("NotBefore")
+            ):
+                # a started event has a blank NotBefore, an unreadable one reads as "now"
+                # each time: the deadline stays what it was
                 n = replace(n, deadline=held.deadline)
             now[n.id] = n
         changes = [
@@ -141,15 +191,12 @@ class AzureEventsSource:
         """Let the event behind ``notice`` start now (POST ``StartRequests``)."""
         if notice.cloud is not Cloud.AZURE:
             raise NoticeError(f"cannot acknowledge a {notice.cloud} notice on Azure")
-        reply = await self.http.request(
-            "POST",
-            self.url,
-            headers=HEADERS,
-            params={"api-version": API_VERSION},
-            json_body={"StartRequests": [{"EventId": notice.id}]},
-        )
-        if reply.status not in (200, 201, 202, 204):
-            raise MetadataUnavailable(f"{reply.url}: acknowledge {notice.id}: HTTP {reply.status}")
+        try:
+            await self.client.request(
+                "POST", PATH, API_VERSION, json_body={"StartRequests": [{"EventId": notice.id}]}
+            )
+        except MetadataUnavailable as exc:
+            raise MetadataUnavailable(f"acknowledge {notice.id}: {exc}") from exc
 
     async def aclose(self) -> None:
-        await self.http.aclose()
+        await self.client.aclose()

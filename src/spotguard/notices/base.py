@@ -4,6 +4,14 @@ A *notice* is the cloud (or an operator) saying "this VM is going away or should
 vacated by ``deadline``". Each source turns its metadata endpoint into :class:`Notice`
 values; the bus (:mod:`spotguard.notices.bus`) merges sources, drops duplicates by ``id`` and
 honours cancellations. A source never decides what to do about a notice — the agent does.
+
+Every source implements :class:`NoticeSource`; what only some can do is declared by the
+optional capability protocols below, which the bus and the agent test with ``isinstance``:
+
+* :class:`CloudBound`    — it watches one cloud (``cloud``): the agent reports that cloud.
+* :class:`Acknowledging` — the cloud waits for an approval (Azure Scheduled Events).
+* :class:`Polling`       — it records its last complete poll (``last_success``), so its
+  supervisor sees a recovery before any notice arrives.
 """
 
 from __future__ import annotations
@@ -110,3 +118,31 @@ class NoticeSource(Protocol):
     def watch(self) -> AsyncIterator[Notice]: ...
 
     async def aclose(self) -> None: ...
+
+
+@runtime_checkable
+class CloudBound(Protocol):
+    """A source that watches one cloud's metadata service (or the operator: ``manual``)."""
+
+    cloud: Cloud
+
+
+@runtime_checkable
+class Acknowledging(Protocol):
+    """A source whose cloud holds an event until spotguard approves it (Azure)."""
+
+    async def acknowledge(self, notice: Notice) -> None:
+        """Let the event behind ``notice`` go ahead now; NoticeError when that failed."""
+        ...
+
+
+@runtime_checkable
+class Polling(Protocol):
+    """A source that records the monotonic time of its last complete poll."""
+
+    last_success: float | None
+
+
+def cloud_of(source: NoticeSource) -> Cloud | None:
+    """The cloud ``source`` watches, or None when it does not say."""
+    return source.cloud if isinstance(source, CloudBound) else None

@@ -7,9 +7,10 @@ Duplicates — the same notice from a restarted source, from two sources, or aga
 poll — are delivered once.
 
 A source that fails (refused connections, 5xx, timeouts, garbage answers, or a bug) never
-stops the bus: it is logged in one line naming the source and the reason, restarted after an
-exponential, jittered, capped backoff, and logged again once it works. A source whose
-``watch()`` returns has finished; the bus ends when every source has finished.
+stops the bus: each source runs under a :class:`~spotguard.notices.supervisor.SourceSupervisor`
+(the same one the controller's fleet watch uses), which logs the failure in one line, restarts
+the source after an exponential, jittered, capped backoff and logs again once it works. A
+source whose ``watch()`` returns has finished; the bus ends when every source has finished.
 
 Example::
 
@@ -23,31 +24,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Iterable
-from dataclasses import dataclass
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from types import TracebackType
-from typing import Any
 
-from spotguard.errors import NoticeError
 from spotguard.notices.backoff import Backoff
-from spotguard.notices.base import Notice, NoticeSource
+from spotguard.notices.base import Acknowledging, Notice, NoticeSource, cloud_of
+from spotguard.notices.supervisor import SourceHealth, SourceSupervisor
+
+__all__ = ["NoticeBus", "SourceHealth"]
 
 log = logging.getLogger(__name__)
 
 #: queue item: a notice and its source, or None when a source task has ended
 _Item = tuple[NoticeSource, Notice] | None
-
-
-@dataclass
-class SourceHealth:
-    """What the bus knows about one source (for status pages and metrics)."""
-
-    name: str
-    state: str = "watching"  # watching | failing | finished
-    failures: int = 0  # consecutive failures
-    last_error: str | None = None
-    notices: int = 0  # notices this source delivered (duplicates included)
 
 
 class NoticeBus:
@@ -65,15 +54,28 @@ class NoticeBus:
         names = [s.name for s in self.sources]
         if len(set(names)) != len(names):
             raise ValueError(f"notice sources need distinct names, got {names}")
-        self._health_check = health_check
-        self.health = {s.name: SourceHealth(s.name) for s in self.sources}
-        self._backoffs = {s.name: Backoff(backoff_initial, backoff_max) for s in self.sources}
         self._queue: asyncio.Queue[_Item] = asyncio.Queue()
         self._tasks: list[asyncio.Task[None]] = []
         self._running = 0
         self._delivered: dict[str, Notice] = {}
         self._origin: dict[str, NoticeSource] = {}
         self._closed = False
+        self._supervisors = {
+            s.name: SourceSupervisor(
+                s,
+                self._deliverer(s),
+                backoff=Backoff(backoff_initial, backoff_max),
+                health_check=health_check,
+            )
+            for s in self.sources
+        }
+        self.health = {name: sup.health for name, sup in self._supervisors.items()}
+
+    def _deliverer(self, source: NoticeSource) -> Callable[[Notice], Awaitable[None]]:
+        async def deliver(notice: Notice) -> None:
+            await self._queue.put((source, notice))
+
+        return deliver
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -112,7 +114,7 @@ class NoticeBus:
             except Exception as exc:  # noqa: BLE001 - closing must reach every source
                 log.warning(
                     "closing notice source failed",
-                    extra={"source": source.name, "reason": str(exc)},
+                    extra={"source": source.name, "error": str(exc)},
                 )
 
     # -- the stream --------------------------------------------------------------------------
@@ -146,7 +148,7 @@ class NoticeBus:
             "notice withdrawn" if notice.cancelled else "notice",
             extra={
                 "source": source.name,
-                "notice_id": notice.id,
+                "notice": notice.id,
                 "kind": notice.kind.value,
                 "action": notice.action,
                 "deadline": notice.deadline.isoformat(),
@@ -166,87 +168,20 @@ class NoticeBus:
         no such step (AWS, GCP, manual). Raises NoticeError if the acknowledgement failed."""
         source = self._origin.get(notice.id)
         if source is None:
-            source = next(
-                (s for s in self.sources if getattr(s, "cloud", None) == notice.cloud), None
-            )
-        ack = getattr(source, "acknowledge", None)
-        if source is None or ack is None:
+            source = next((s for s in self.sources if cloud_of(s) == notice.cloud), None)
+        if not isinstance(source, Acknowledging):
             return False
-        await ack(notice)
-        log.info("notice acknowledged", extra={"source": source.name, "notice_id": notice.id})
+        await source.acknowledge(notice)
+        log.info("notice acknowledged", extra={"source": source.name, "notice": notice.id})
         return True
 
     # -- supervision -------------------------------------------------------------------------
 
     async def _run(self, source: NoticeSource) -> None:
-        health = self.health[source.name]
-        backoff = self._backoffs[source.name]
         try:
-            while True:
-                failed_at = time.monotonic()
-                watcher = asyncio.create_task(self._pump(source, health))
-                try:
-                    while not watcher.done():
-                        await asyncio.wait(
-                            {watcher}, timeout=self._health_check if health.failures else None
-                        )
-                        last = getattr(source, "last_success", None)
-                        if health.failures and isinstance(last, float) and last > failed_at:
-                            self._recovered(health)
-                finally:
-                    if not watcher.done():
-                        watcher.cancel()
-                        with contextlib.suppress(asyncio.CancelledError):
-                            await watcher
-                exc = watcher.exception()
-                if exc is None:
-                    health.state = "finished"
-                    log.info("notice source finished", extra={"source": source.name})
-                    return
-                delay = backoff.next()
-                health.failures = backoff.failures
-                health.state = "failing"
-                health.last_error = _reason(exc)
-                log.warning(
-                    "notice source %s failed: %s; retrying in %.2f s",
-                    source.name,
-                    health.last_error,
-                    delay,
-                    extra={
-                        "source": source.name,
-                        "reason": health.last_error,
-                        "failures": health.failures,
-                        "retry_in": round(delay, 2),
-                    },
-                )
-                await asyncio.sleep(delay)
+            await self._supervisors[source.name].run()
         finally:
             self._queue.put_nowait(None)
-
-    async def _pump(self, source: NoticeSource, health: SourceHealth) -> None:
-        stream = source.watch()
-        try:
-            async for notice in stream:
-                health.notices += 1
-                if health.failures:
-                    self._recovered(health)
-                await self._queue.put((source, notice))
-        finally:
-            closer: Any = getattr(stream, "aclose", None)
-            if closer is not None:
-                await closer()
-
-    def _recovered(self, health: SourceHealth) -> None:
-        if health.failures:
-            log.info(
-                "notice source %s works again after %d failure(s)",
-                health.name,
-                health.failures,
-                extra={"source": health.name},
-            )
-        health.failures = 0
-        health.state = "watching"
-        self._backoffs[health.name].reset()
 
 
 def _same(a: Notice, b: Notice) -> bool:
@@ -259,10 +194,3 @@ def _same(a: Notice, b: Notice) -> bool:
         b.action,
         b.kind,
     )
-
-
-def _reason(exc: BaseException) -> str:
-    """One line for a source failure: the message of a NoticeError, the class of a bug."""
-    if isinstance(exc, NoticeError):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__

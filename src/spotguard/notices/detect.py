@@ -15,15 +15,13 @@ import asyncio
 import contextlib
 import logging
 
-from spotguard.errors import NoticeError
+from spotguard.errors import MetadataMalformed, NoticeError
 from spotguard.notices.aws import ImdsClient
+from spotguard.notices.azure import AzureMetadataClient
 from spotguard.notices.base import Cloud
-from spotguard.notices.endpoints import azure_endpoint
-from spotguard.notices.fetch import MetadataHttp
 from spotguard.notices.gcp import GcpMetadataClient
 
 log = logging.getLogger(__name__)
-AZURE_INSTANCE_API = "2021-02-01"
 
 
 async def _aws(timeout_s: float, imdsv1: bool, endpoint: str | None) -> bool:
@@ -43,20 +41,14 @@ async def _gcp(timeout_s: float, endpoint: str | None) -> bool:
 
 
 async def _azure(timeout_s: float, endpoint: str | None) -> bool:
-    http = MetadataHttp("azure", timeout_s)
+    client = AzureMetadataClient(endpoint, timeout=timeout_s)
     try:
-        reply = await http.request(
-            "GET",
-            azure_endpoint(endpoint) + "/metadata/instance",
-            headers={"Metadata": "true"},
-            params={"api-version": AZURE_INSTANCE_API},
-        )
-        if reply.status != 200:
-            return False
-        doc = reply.json()
-        return isinstance(doc, dict) and isinstance(doc.get("compute"), dict)
+        await client.compute()
+        return True
+    except MetadataMalformed:
+        return False
     finally:
-        await http.aclose()
+        await client.aclose()
 
 
 async def detect_cloud(

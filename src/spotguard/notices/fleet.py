@@ -35,7 +35,6 @@ import logging
 import re
 from collections.abc import AsyncIterator, Mapping
 from datetime import UTC, datetime, timedelta
-from email.utils import parsedate_to_datetime
 from typing import Any, ClassVar
 
 from pydantic import Field
@@ -45,6 +44,7 @@ from spotguard.config import Settings
 from spotguard.errors import MetadataMalformed, MetadataUnavailable, NoticeError
 from spotguard.notices.aws import REBALANCE_GRACE
 from spotguard.notices.base import Cloud, Notice, NoticeKind, stable_id
+from spotguard.notices.timefmt import due_time
 
 log = logging.getLogger(__name__)
 
@@ -129,20 +129,6 @@ def _iso(t: datetime) -> str:
     return t.astimezone(UTC).replace(microsecond=0).isoformat().replace("+00:00", "Z")
 
 
-def _parse_time(value: Any, what: str) -> datetime:
-    """ISO-8601 (EventBridge ``time``) or RFC 1123 (Health ``startTime``), as aware UTC."""
-    if not isinstance(value, str) or not value:
-        raise MetadataMalformed(f"{what} missing or not a string: {value!r}")
-    try:
-        t = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    except ValueError:
-        try:
-            t = parsedate_to_datetime(value)
-        except (TypeError, ValueError) as exc:
-            raise MetadataMalformed(f"{what} is not a time: {value!r}") from exc
-    return t.replace(tzinfo=UTC) if t.tzinfo is None else t.astimezone(UTC)
-
-
 def _instance_ids(candidates: list[Any]) -> list[str]:
     """EC2 instance ids named in Health ``affectedEntities`` values or resource ARNs."""
     found = {m.group(0) for c in candidates if isinstance(c, str) and (m := _INSTANCE_RE.search(c))}
@@ -181,10 +167,12 @@ def parse_event(event: Any, *, rebalance_window: float = _REBALANCE_WINDOW) -> l
         iid = detail.get("instance-id")
         if not isinstance(iid, str) or not _INSTANCE_RE.fullmatch(iid):
             raise MetadataMalformed(f"{dtype} without a valid instance-id: {iid!r}")
-        at = _parse_time(event.get("time"), "event time")
+        now = datetime.now(UTC)
+        at = due_time(event.get("time"), f"{dtype} time", now=now)
         raw = {**facts, "instance-id": iid, "detail": detail}
         if dtype == SPOT_WARNING:
-            deadline = at + SPOT_WARNING_LEAD
+            # an unreadable event time: the interruption is due now, not in two minutes
+            deadline = at + SPOT_WARNING_LEAD if at is not now else now
             action = detail.get("instance-action")
             if not isinstance(action, str) or not action:
                 action = "terminate"
@@ -218,7 +206,7 @@ def parse_event(event: Any, *, rebalance_window: float = _REBALANCE_WINDOW) -> l
         if not isinstance(arn, str) or not arn:
             raise MetadataMalformed("health event without eventArn")
         start = detail.get("startTime") or event.get("time")
-        deadline = _parse_time(start, "health startTime")
+        deadline = due_time(start, f"health event {arn} startTime")
         entities = [
             e.get("entityValue")
             for e in detail.get("affectedEntities") or []
@@ -271,6 +259,7 @@ class SqsFleetSource:
     """
 
     name = "aws-fleet-sqs"
+    cloud = Cloud.FLEET
 
     def __init__(
         self,
@@ -380,7 +369,7 @@ class SqsFleetSource:
                         extra={
                             "source": self.name,
                             "message_id": mid,
-                            "notice_id": notice.id,
+                            "notice": notice.id,
                             "kind": notice.kind.value,
                             "instance_id": notice.raw.get("instance-id"),
                             "cancelled": notice.cancelled,

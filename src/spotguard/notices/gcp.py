@@ -24,11 +24,15 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
+from typing import TYPE_CHECKING
 
 from spotguard.errors import MetadataMalformed, MetadataUnavailable
 from spotguard.notices.base import Cloud, Notice, NoticeKind, stable_id
 from spotguard.notices.endpoints import gcp_endpoint
 from spotguard.notices.fetch import MetadataHttp, Reply
+
+if TYPE_CHECKING:
+    from spotguard.notices.settings import NoticeSettings
 
 PREFIX = "/computeMetadata/v1/"
 HEADERS = {"Metadata-Flavor": "Google"}
@@ -45,6 +49,11 @@ class GcpMetadataClient:
     def __init__(self, endpoint: str | None = None, *, timeout: float = 2.0) -> None:
         self.endpoint = gcp_endpoint(endpoint)
         self.http = MetadataHttp("gcp", timeout)
+
+    @classmethod
+    def from_settings(cls, s: NoticeSettings, endpoint: str | None = None) -> GcpMetadataClient:
+        """The client the ``[notices]`` settings describe."""
+        return cls(endpoint, timeout=s.timeout)
 
     async def get(
         self, path: str, *, params: dict[str, str] | None = None, limit_s: float | None = None

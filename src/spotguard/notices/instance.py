@@ -15,7 +15,10 @@ azure    ``/metadata/instance`` ``compute``: vmId,     ``compute/userData`` (bas
          vmSize, location, zone, priority
 =======  ===========================================  ============================================
 
-``cloud`` may be None to detect it; with no metadata service at all the facts say ``local``.
+``cloud`` comes from :func:`spotguard.notices.factory.resolve_cloud` (None: no metadata
+service, and the facts say ``local``). Every request goes through the cloud's one metadata
+client, built from the ``[notices]`` settings — so an AWS host that refuses IMDSv2 tokens and
+allows IMDSv1 (``imdsv1 = true``) gives its facts the same way it gives its notices.
 """
 
 from __future__ import annotations
@@ -27,35 +30,28 @@ from typing import Any
 from spotguard.errors import MetadataMalformed, MetadataUnavailable
 from spotguard.facts import InstanceFacts
 from spotguard.notices.aws import ImdsClient
+from spotguard.notices.azure import AzureMetadataClient
 from spotguard.notices.base import Cloud
-from spotguard.notices.detect import detect_cloud
-from spotguard.notices.endpoints import azure_endpoint
-from spotguard.notices.fetch import MetadataHttp
 from spotguard.notices.gcp import GcpMetadataClient
+from spotguard.notices.settings import NoticeSettings
 
-AZURE_API = "2021-02-01"
 
-
-async def _resolve(cloud: Cloud | str | None, timeout_s: float) -> Cloud | None:
-    if cloud is None or cloud == "auto":
-        return await detect_cloud(min(timeout_s, 0.5))
-    resolved = Cloud(cloud)
-    if resolved not in (Cloud.AWS, Cloud.GCP, Cloud.AZURE):
-        return None
-    return resolved
+def _cloud(cloud: Cloud | str | None) -> Cloud | None:
+    resolved = None if cloud is None else Cloud(cloud)
+    return resolved if resolved in (Cloud.AWS, Cloud.GCP, Cloud.AZURE) else None
 
 
 async def instance_facts(
-    cloud: Cloud | str | None = None, *, timeout_s: float = 2.0, endpoint: str | None = None
+    cloud: Cloud | str | None, settings: NoticeSettings, *, endpoint: str | None = None
 ) -> InstanceFacts:
     """Facts about this instance from ``cloud``'s metadata service (``local`` without one)."""
-    resolved = await _resolve(cloud, timeout_s)
+    resolved = _cloud(cloud)
     if resolved is Cloud.AWS:
-        return await _aws_facts(endpoint, timeout_s)
+        return await _aws_facts(ImdsClient.from_settings(settings, endpoint))
     if resolved is Cloud.GCP:
-        return await _gcp_facts(endpoint, timeout_s)
+        return await _gcp_facts(GcpMetadataClient.from_settings(settings, endpoint))
     if resolved is Cloud.AZURE:
-        compute = await _azure_compute(endpoint, timeout_s)
+        compute = await _azure_compute(AzureMetadataClient.from_settings(settings, endpoint))
         zone = str(compute.get("zone") or "") or None
         return InstanceFacts(
             provider="azure",
@@ -70,18 +66,18 @@ async def instance_facts(
 
 
 async def user_data(
-    cloud: Cloud | str | None = None, *, timeout_s: float = 2.0, endpoint: str | None = None
+    cloud: Cloud | str | None, settings: NoticeSettings, *, endpoint: str | None = None
 ) -> str | None:
     """This instance's user-data (GCP: ``user-data`` or ``startup-script``), None when unset."""
-    resolved = await _resolve(cloud, timeout_s)
+    resolved = _cloud(cloud)
     if resolved is Cloud.AWS:
-        imds = ImdsClient(endpoint, token_ttl=60, timeout=timeout_s)
+        imds = ImdsClient.from_settings(settings, endpoint)
         try:
             return await imds.get_text("/latest/user-data")
         finally:
             await imds.aclose()
     if resolved is Cloud.GCP:
-        gcp = GcpMetadataClient(endpoint, timeout=timeout_s)
+        gcp = GcpMetadataClient.from_settings(settings, endpoint)
         try:
             for key in ("user-data", "startup-script"):
                 value = await gcp.get_text(f"instance/attributes/{key}")
@@ -91,7 +87,8 @@ async def user_data(
         finally:
             await gcp.aclose()
     if resolved is Cloud.AZURE:
-        encoded = _str((await _azure_compute(endpoint, timeout_s)).get("userData"))
+        azure = AzureMetadataClient.from_settings(settings, endpoint)
+        encoded = _str((await _azure_compute(azure)).get("userData"))
         if not encoded:
             return None
         try:
@@ -105,8 +102,7 @@ def _str(value: Any) -> str | None:
     return str(value) if value not in (None, "") else None
 
 
-async def _aws_facts(endpoint: str | None, timeout_s: float) -> InstanceFacts:
-    imds = ImdsClient(endpoint, token_ttl=60, timeout=timeout_s)
+async def _aws_facts(imds: ImdsClient) -> InstanceFacts:
     try:
         got = {}
         for key, path in (
@@ -132,8 +128,7 @@ async def _aws_facts(endpoint: str | None, timeout_s: float) -> InstanceFacts:
     )
 
 
-async def _gcp_facts(endpoint: str | None, timeout_s: float) -> InstanceFacts:
-    gcp = GcpMetadataClient(endpoint, timeout=timeout_s)
+async def _gcp_facts(gcp: GcpMetadataClient) -> InstanceFacts:
     try:
         got = {}
         for key, path in (
@@ -159,21 +154,8 @@ async def _gcp_facts(endpoint: str | None, timeout_s: float) -> InstanceFacts:
     )
 
 
-async def _azure_compute(endpoint: str | None, timeout_s: float) -> dict[str, Any]:
-    http = MetadataHttp("azure", timeout_s)
+async def _azure_compute(client: AzureMetadataClient) -> dict[str, Any]:
     try:
-        reply = await http.request(
-            "GET",
-            azure_endpoint(endpoint) + "/metadata/instance",
-            headers={"Metadata": "true"},
-            params={"api-version": AZURE_API},
-        )
+        return await client.compute()
     finally:
-        await http.aclose()
-    if reply.status != 200:
-        raise MetadataUnavailable(f"{reply.url}: HTTP {reply.status}")
-    doc = reply.json()
-    compute = doc.get("compute") if isinstance(doc, dict) else None
-    if not isinstance(compute, dict):
-        raise MetadataMalformed(f"{reply.url}: answer has no compute object")
-    return compute
+        await client.aclose()

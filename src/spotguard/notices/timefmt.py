@@ -3,16 +3,25 @@
 * RFC 3339 — AWS ``spot/instance-action`` ``time``, rebalance ``noticeTime``.
 * ``21 Jan 2019 09:00:43 GMT`` — AWS scheduled events ``NotBefore``.
 * RFC 1123 — Azure ``NotBefore`` (``Mon, 19 Sep 2016 18:29:47 GMT``).
+
+A notice whose time is missing or unreadable is still a notice: :func:`due_time` reads it as
+due now (and says so once in the log), so the job is protected at once instead of the notice
+being dropped as malformed.
 """
 
 from __future__ import annotations
 
+import logging
 from datetime import UTC, datetime
 from email.utils import format_datetime, parsedate_to_datetime
 
 from spotguard.errors import MetadataMalformed
 
+log = logging.getLogger(__name__)
+
 _AWS_EVENT_FORMAT = "%d %b %Y %H:%M:%S GMT"
+#: (what, value) pairs already logged as unreadable (each is logged once, not every poll)
+_WARNED: set[tuple[str, str]] = set()
 
 
 def parse_time(value: object, what: str) -> datetime:
@@ -36,6 +45,21 @@ def parse_time(value: object, what: str) -> datetime:
     if parsed.tzinfo is None:
         parsed = parsed.replace(tzinfo=UTC)
     return parsed.astimezone(UTC)
+
+
+def due_time(value: object, what: str, *, now: datetime | None = None) -> datetime:
+    """The time in ``value``, or ``now`` when it is missing or not a time: a notice whose
+    deadline cannot be read is acted on at once, never dropped."""
+    try:
+        return parse_time(value, what)
+    except MetadataMalformed as exc:
+        key = (what, repr(value)[:200])
+        if key not in _WARNED:
+            if len(_WARNED) > 1000:
+                _WARNED.clear()
+            _WARNED.add(key)
+            log.warning("%s; treating the notice as due now", exc, extra={"step": "notice"})
+        return now or datetime.now(UTC)
 
 
 def rfc3339(t: datetime) -> str:
