@@ -109,6 +109,11 @@ FIELDS: dict[str, str] = {
     "before_freeze": "whether a failure came before the freeze",
     "thawed": "whether a frozen job was thawed",
     "interrupted": "whether an operation was interrupted",
+    # parking (park/)
+    "place": "where a parked job's memory is kept (host memory, disk, store)",
+    "location": "the path or URL of a parked job's image",
+    "clients": "clients that connected to a parked job",
+    "free_bytes": "free GPU memory in bytes",
     # garbage collection (``images gc``: the result's own fields)
     "jobs": "jobs looked at",
     "images_kept": "complete images kept",
