@@ -1,4 +1,4 @@
-# Every target bootstraps what it needs: a virtualenv in .venv and CRIU >= 4.0.
+# Every target bootstraps what it needs: a virtualenv in .venv and CRIU >= 4.2.1.
 VENV    ?= .venv
 PYTHON  ?= python3
 BIN      = $(VENV)/bin

@@ -5,8 +5,8 @@
 #   packer build -only='amazon-ebs.gpu' ...   # one cloud only
 #
 # Contents: Ubuntu 24.04, NVIDIA driver >= 570 (signed kernel modules: works with secure boot;
-# the checkpoint API needs r570+), CRIU >= 4.0 (scripts/install-criu), spotguard from its wheel,
-# systemd units (agent, controller, boot check), transparent huge pages setting.
+# the checkpoint API needs r570+), CRIU >= 4.2.1 and spotguard's CRIU plugin
+# (scripts/install-criu), spotguard from its wheel, systemd units (agent, controller, boot check), transparent huge pages setting.
 # The build VMs need no GPU: the driver installs from packages; the boot check runs on GPU VMs.
 packer {
   required_version = ">= 1.10.0"
@@ -181,6 +181,7 @@ build {
     sources = [
       var.wheel,
       "${path.root}/../scripts/install-criu",
+      "${path.root}/../packaging/criu-plugin/spotguard_nvleftover.c",
       "${path.root}/../packaging/systemd/spotguard-agent.service",
       "${path.root}/../packaging/systemd/spotguard-controller.service",
       "${path.root}/../packaging/systemd/spotguard-doctor.service",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -31,7 +32,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 
 def find_criu() -> str | None:
-    """A working CRIU >= 4.0, as scripts/install-criu installs it."""
+    """A CRIU new enough for spotguard (the same minimum as spotguard.checkpoint.criu), as
+    scripts/install-criu installs it."""
+    from spotguard.checkpoint.criu import version_ok
+
     for cand in (
         os.environ.get("SPOTGUARD_CRIU"),
         "/opt/spotguard/criu/bin/criu",
@@ -39,7 +43,8 @@ def find_criu() -> str | None:
     ):
         if cand and os.access(cand, os.X_OK):
             out = subprocess.run([cand, "--version"], capture_output=True, text=True).stdout
-            if "Version: 4" in out or "Version: 5" in out:
+            version = re.search(r"^Version:\s*(\S+)", out, re.MULTILINE)
+            if version_ok(version.group(1) if version else None):
                 return cand
     return None
 
@@ -49,7 +54,7 @@ def criu_bin() -> str:
     """Path of CRIU; skips (or fails in CI, where SPOTGUARD_REQUIRE_CRIU=1) when absent."""
     path = find_criu()
     if path is None or os.geteuid() != 0:
-        msg = "needs root and CRIU >= 4.0 (run scripts/install-criu)"
+        msg = "needs root and CRIU >= 4.2.1 (run scripts/install-criu)"
         if REQUIRE_CRIU:
             pytest.fail(msg)
         pytest.skip(msg)

@@ -3,7 +3,13 @@
 # of a GPU VM by spotguard-doctor.service; here only when the build VM has one.
 set -euo pipefail
 
-/usr/local/sbin/criu --version | grep -Eq '^Version: ([4-9]|[1-9][0-9])\.'
+# CRIU >= 4.2.1 (older ones cannot dump inet sockets on kernels >= 6.16) and its plugin
+v=$(/usr/local/sbin/criu --version | sed -n 's/^Version: *//p')
+[ "$(printf '%s\n%s\n' 4.2.1 "$v" | sort -V | head -n1)" = 4.2.1 ] || {
+  echo "CRIU $v is older than 4.2.1" >&2
+  exit 1
+}
+test -f /opt/spotguard/criu/lib/criu/plugins/spotguard_nvleftover.so
 spotguard --help >/dev/null
 systemctl is-enabled spotguard-doctor.service
 test -f /etc/tmpfiles.d/spotguard-thp.conf

@@ -1,6 +1,6 @@
 """CRIU driver: dump and restore a whole process tree with options chosen for real jobs.
 
-Runs the ``criu`` binary (>= 4.0) as an asyncio subprocess. Every failure becomes a
+Runs the ``criu`` binary (>= 4.2.1) as an asyncio subprocess. Every failure becomes a
 :class:`~spotguard.errors.CriuError` carrying the command, exit code, log path and the
 useful tail of CRIU's log (harmless lines CRIU prints on every run are dropped); a run past
 its time limit is killed and becomes :class:`~spotguard.errors.StepTimeout`.
@@ -10,6 +10,16 @@ Options used for every dump: ``--ext-unix-sk`` (sockets to the outside, e.g. jou
 ``--leave-running`` or (default) kill after the dump; ``--stream`` when an image streamer
 serves the images directory. ``--shell-job`` is added only when the tree is not the leader
 of its own session (``spotguard run`` jobs are).
+
+Plugins: CRIU loads plugins only from the directory given with ``--libdir``: the one
+scripts/install-criu builds next to CRIU (``<prefix>/lib/criu/plugins``, holding
+``spotguard_nvleftover.so``: leftover ``/dev/nvidia*`` fds and mappings of processes with no
+CUDA context become inert stand-ins) or, where it is not installed, an empty directory of our
+own. So CRIU never picks up plugins from the host's default directory (the GPU steps are
+spotguard's own), and an image that needed the plugin fails to restore without it ("Missing
+required plugin") instead of reopening real devices. The devices the plugin treats as
+leftovers are path prefixes in CRIU's environment, ``SPOTGUARD_CRIU_LEFTOVER_DEVICES``
+(default ``/dev/nvidia``).
 
 A caller can run code while the tree is still frozen, after CRIU has written the image and
 before it resumes or kills the tree (``on_frozen``): CRIU's ``post-dump`` action script
@@ -33,15 +43,23 @@ import shutil
 import signal
 import subprocess
 import tempfile
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Literal
 
 from spotguard.errors import CriuError, PreflightError, StepTimeout
 
 log = logging.getLogger(__name__)
 
 INSTALLED = "/opt/spotguard/criu/bin/criu"
-MIN_MAJOR = 4
+#: 4.1.1 cannot dump inet sockets on kernels >= 6.16; scripts/install-criu installs >= this
+MIN_VERSION = (4, 2, 1)
+MIN_VERSION_TEXT = ".".join(map(str, MIN_VERSION))
+PLUGIN_NAME = "spotguard_nvleftover"
+#: CRIU's environment variable the plugin reads: ``:``-separated device path prefixes
+LEFTOVER_DEVICES_ENV = "SPOTGUARD_CRIU_LEFTOVER_DEVICES"
+DEFAULT_LEFTOVER_DEVICES = "/dev/nvidia"
 _HARMLESS = ("RLIMIT_NOFILE", "kdat", "Unable to get $HOME")
 _PR_SET_PDEATHSIG = 1
 
@@ -71,26 +89,50 @@ def _version_of(path: str) -> str | None:
     return m.group(1) if m else None
 
 
-def _major(version: str | None) -> int:
-    try:
-        return int((version or "0").split(".")[0])
-    except ValueError:
-        return 0
+def parse_version(version: str | None) -> tuple[int, ...]:
+    """``"4.2.1"`` -> ``(4, 2, 1)``; anything unparsable -> ``()`` (older than every version)."""
+    parts: list[int] = []
+    for piece in (version or "").split("-")[0].split("."):
+        if not piece.isdigit():
+            break
+        parts.append(int(piece))
+    return tuple(parts)
+
+
+def version_ok(version: str | None) -> bool:
+    """True if ``version`` is at least :data:`MIN_VERSION` (what spotguard needs)."""
+    return parse_version(version) >= MIN_VERSION
 
 
 def find_criu(explicit: str | None = None) -> str:
     """The CRIU to run: ``explicit`` (setting ``criu`` / SPOTGUARD_CRIU), else ``criu`` on
-    PATH if >= 4.0, else the one scripts/install-criu installs."""
+    PATH if >= 4.2.1, else the one scripts/install-criu installs (if >= 4.2.1)."""
     if explicit:
         if not os.access(explicit, os.X_OK):
             raise PreflightError(f"criu {explicit!r} is not an executable (setting criu)")
         return explicit
-    on_path = shutil.which("criu")
-    if on_path and _major(_version_of(on_path)) >= MIN_MAJOR:
-        return on_path
-    if os.access(INSTALLED, os.X_OK):
-        return INSTALLED
-    raise PreflightError("no CRIU >= 4.0 found: run scripts/install-criu (or set SPOTGUARD_CRIU)")
+    seen: list[str] = []
+    for cand in (shutil.which("criu"), INSTALLED):
+        if cand and os.access(cand, os.X_OK):
+            version = _version_of(cand)
+            if version_ok(version):
+                return cand
+            seen.append(f"{cand} is {version or 'of unknown version'}")
+    found = f" ({'; '.join(seen)})" if seen else ""
+    raise PreflightError(
+        f"no CRIU >= {MIN_VERSION_TEXT} found{found}: run scripts/install-criu "
+        "(or set SPOTGUARD_CRIU)"
+    )
+
+
+def find_plugin_dir(criu_path: str) -> Path | None:
+    """The plugin directory scripts/install-criu fills next to ``criu_path`` (symlinks such
+    as /usr/local/sbin/criu followed), if it holds spotguard's plugin."""
+    for path in (Path(criu_path), Path(os.path.realpath(criu_path))):
+        plugins = path.parent.parent / "lib" / "criu" / "plugins"
+        if (plugins / f"{PLUGIN_NAME}.so").is_file():
+            return plugins
+    return None
 
 
 def log_tail(path: Path, lines: int = 25) -> str:
@@ -167,13 +209,60 @@ class _FrozenHook:
 class Criu:
     """One CRIU binary and the options spotguard uses with it."""
 
-    def __init__(self, path: str | None = None, *, timeout: float = 600.0) -> None:
+    def __init__(
+        self,
+        path: str | None = None,
+        *,
+        timeout: float = 600.0,
+        plugins: Path | Literal["auto"] | None = "auto",
+        leftover_devices: Sequence[str] | None = None,
+    ) -> None:
+        """``plugins``: the ``--libdir`` to give CRIU; ``"auto"`` finds the installed one,
+        ``None`` runs CRIU with no plugins at all. ``leftover_devices``: device path prefixes
+        the plugin treats as leftovers (None: CRIU's environment decides, default
+        ``/dev/nvidia``)."""
         self.path = find_criu(path)
         self.timeout = timeout
+        self.plugin_dir = find_plugin_dir(self.path) if plugins == "auto" else plugins
+        self.leftover_devices = list(leftover_devices) if leftover_devices is not None else None
+        self._no_plugins: Path | None = None
         self._version: str | None = None
 
+    def leftover_prefixes(self) -> list[str]:
+        """Device path prefixes CRIU dumps as leftovers through the plugin (none without it);
+        the same rule the plugin applies (each must start with ``/dev/``)."""
+        if self.plugin_dir is None:
+            return []
+        if self.leftover_devices is not None:
+            raw = self.leftover_devices
+        else:
+            raw = os.environ.get(LEFTOVER_DEVICES_ENV, DEFAULT_LEFTOVER_DEVICES).split(":")
+        return [p for p in raw if p.startswith("/dev/")]
+
+    def handles_device(self, path: str) -> bool:
+        """True if a reference to device ``path`` is dumped by the plugin (so a preflight
+        scan must not refuse it)."""
+        return any(path.startswith(p) for p in self.leftover_prefixes())
+
+    def _plugin_args(self) -> list[str]:
+        """``--libdir``: our plugin directory, or an empty one of our own (see module doc)."""
+        libdir = self.plugin_dir
+        if libdir is None:
+            if self._no_plugins is None:
+                self._no_plugins = Path(tempfile.mkdtemp(prefix="spotguard-criu-noplugins-"))
+                weakref.finalize(self, shutil.rmtree, self._no_plugins, True)
+            libdir = self._no_plugins
+        return ["--libdir", str(libdir)]
+
+    def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
+        env = dict(os.environ)
+        if self.leftover_devices is not None:
+            env[LEFTOVER_DEVICES_ENV] = ":".join(self.leftover_devices)
+        env.update(extra or {})
+        return env
+
     async def version(self) -> str:
-        """CRIU's version string, e.g. ``4.1.1``."""
+        """CRIU's version string, e.g. ``4.2.1``."""
         if self._version is None:
             v = await asyncio.to_thread(_version_of, self.path)
             if v is None:
@@ -226,11 +315,11 @@ class Criu:
             args.append(f"--manage-cgroups={manage_cgroups}")
         if shell_job:
             args.append("--shell-job")
+        args += self._plugin_args()
         hook = _FrozenHook(on_frozen) if on_frozen else None
-        env = dict(os.environ)
+        env = self._env(hook.env() if hook else None)
         if hook:
             args += ["--action-script", str(hook.script)]
-            env.update(hook.env())
             hook.start()
         try:
             await self._run(args, log_path, "dump", time_limit, env)
@@ -286,8 +375,9 @@ class Criu:
             args.append(f"--manage-cgroups={manage_cgroups}")
         if shell_job:
             args.append("--shell-job")
+        args += self._plugin_args()
         try:
-            await self._run(args, log_path, "restore", time_limit, None)
+            await self._run(args, log_path, "restore", time_limit, self._env())
             try:
                 return int(pidfile.read_text().strip())
             except (OSError, ValueError) as exc:

@@ -11,7 +11,7 @@ from typing import Any
 from spotguard.errors import PreflightError
 
 from . import cuda
-from .criu import MIN_MAJOR, Criu
+from .criu import MIN_VERSION_TEXT, PLUGIN_NAME, Criu, version_ok
 
 
 @dataclass(frozen=True)
@@ -32,19 +32,29 @@ async def _criu_checks(path: str | None) -> list[Check]:
     try:
         criu = Criu(path)
     except PreflightError as exc:
-        return [Check("criu", False, str(exc), "run scripts/install-criu (installs CRIU 4.1.1)")]
+        return [Check("criu", False, str(exc), "run scripts/install-criu (installs CRIU 4.2.1)")]
     try:
         version = await criu.version()
     except PreflightError as exc:
         return [Check("criu", False, str(exc), "reinstall with scripts/install-criu")]
-    major = int(version.split(".")[0]) if version.split(".")[0].isdigit() else 0
+    new_enough = version_ok(version)
     out = [
         Check(
             "criu",
-            major >= MIN_MAJOR,
+            new_enough,
             f"{criu.path} version {version}",
-            "" if major >= MIN_MAJOR else "CRIU >= 4.0 needed: run scripts/install-criu",
-        )
+            "" if new_enough else f"CRIU >= {MIN_VERSION_TEXT} needed: run scripts/install-criu",
+        ),
+        Check(
+            "criu plugin",
+            criu.plugin_dir is not None,
+            str(criu.plugin_dir / f"{PLUGIN_NAME}.so") if criu.plugin_dir else "not installed",
+            ""
+            if criu.plugin_dir
+            else "run scripts/install-criu on a host with a C compiler: without the plugin, jobs "
+            "with forked DataLoader workers (leftover /dev/nvidia* references) cannot be dumped",
+            required=False,
+        ),
     ]
     passed, text = await criu.check()
     last = text.strip().splitlines()[-1] if text.strip() else ""

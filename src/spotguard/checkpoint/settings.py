@@ -27,7 +27,7 @@ class CheckpointSettings(Settings):
     criu: str | None = Field(
         default=None,
         description=(
-            "CRIU executable (default: criu on PATH if >= 4.0, else /opt/spotguard/criu/bin/criu)"
+            "CRIU executable (default: criu on PATH if >= 4.2.1, else /opt/spotguard/criu/bin/criu)"
         ),
     )
     criu_timeout: float = Field(

@@ -103,7 +103,7 @@ def demo(as_json: bool, **flags: Any) -> None:
     Starts the metadata emulator, a store, the controller with the local provider, an agent on
     "VM 1" and a training-like job; injects a notice; follows freeze, upload, relaunch and
     restore; then proves the job on "VM 2" printed exactly what an uninterrupted run prints.
-    Needs Linux, root and CRIU >= 4.0 (scripts/install-criu). Example: spotguard demo --cloud gcp
+    Needs Linux, root and CRIU >= 4.2.1 (scripts/install-criu). Example: spotguard demo --cloud gcp
     """
     from spotguard.demo.scenario import run_demo
     from spotguard.demo.ui import make_ui, render_report

@@ -1,0 +1,221 @@
+"""spotguard's CRIU plugin with real CRIU: leftover device references of processes with no
+GPU context (DataLoader workers forked from a CUDA process) are parked and unparked.
+
+This machine has no /dev/nvidia*, so the plugin is pointed (SPOTGUARD_CRIU_LEFTOVER_DEVICES,
+through ``Criu(leftover_devices=...)``) at devices CRIU cannot dump on its own, exactly as it
+cannot dump /dev/nvidia*: /dev/fuse for the fd path (CRIU: "Can't dump file ... of that type")
+and a loop block device, which supports mmap, for the mapping path (CRIU: "Can't handle
+non-regular mapping", the error forked DataLoader workers give).
+
+The job has the shape of a trainer with a worker: the parent opens the device (and maps it),
+forks a worker that inherits both, then drops its own references (as the driver checkpoint
+does for the CUDA process). The worker counts to N, one line a step, and at the end reports
+what its inherited fd and mapping are.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Literal
+
+import pytest
+from ckpt_helpers import Launch, lines, progresses, wait_exit, wait_for
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.criu import PLUGIN_NAME, Criu, find_plugin_dir
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import JobInfo
+from spotguard.checkpoint.meta import META_NAME
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.errors import CriuError
+
+pytestmark = pytest.mark.criu
+
+REQUIRE = os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1"
+STEPS = 60
+
+WORKER_JOB = textwrap.dedent(
+    """
+    import mmap, os, sys, time
+    device, steps, want_map = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "map"
+    fd = os.open(device, os.O_RDWR)
+    addr = None
+    if want_map:
+        m = mmap.mmap(fd, 65536, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        for line in open("/proc/self/maps"):
+            if device in line:
+                addr = line.split("-")[0]
+    pid = os.fork()
+    if pid == 0:
+        with open("worker.log", "a") as log:
+            for i in range(1, steps + 1):
+                print(f"worker {i}", file=log, flush=True)
+                time.sleep(0.05)
+            print("fd", os.readlink(f"/proc/self/fd/{fd}"), file=log)
+            if addr:
+                maps = [ln for ln in open("/proc/self/maps") if ln.startswith(addr + "-")]
+                print("map", maps[0].split()[1], maps[0].split(None, 5)[5].strip(), file=log)
+        os._exit(0)
+    if want_map:
+        m.close()  # the driver's checkpoint releases the CUDA process's device references
+    os.close(fd)
+    _, status = os.waitpid(pid, 0)
+    print("parent done, worker status", status, flush=True)
+    """
+)
+
+
+def _need(msg: str) -> None:
+    if REQUIRE:
+        pytest.fail(msg)
+    pytest.skip(msg)
+
+
+@pytest.fixture
+def plugin_dir(criu_bin: str) -> Path:
+    found = find_plugin_dir(criu_bin)
+    if found is None:
+        _need(f"{PLUGIN_NAME}.so is not installed next to {criu_bin} (run scripts/install-criu)")
+    assert found is not None
+    return found
+
+
+@pytest.fixture
+def fuse_device() -> str:
+    if not os.path.exists("/dev/fuse"):
+        _need("no /dev/fuse on this machine")
+    return "/dev/fuse"
+
+
+@pytest.fixture
+def loop_device(tmp_path: Path) -> Iterator[str]:
+    """A loop block device over a 1 MiB file: mmap-able, and CRIU cannot map it itself."""
+    backing = tmp_path / "loop-backing"
+    backing.write_bytes(b"\0" * (1 << 20))
+    out = subprocess.run(
+        ["losetup", "--find", "--show", str(backing)], capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        _need(f"cannot set up a loop device: {out.stderr.strip()}")
+    dev = out.stdout.strip()
+    try:
+        yield dev
+    finally:
+        with contextlib.suppress(OSError):
+            subprocess.run(["losetup", "--detach", dev], check=False)
+
+
+def _engine(
+    settings: CheckpointSettings, criu_bin: str, device: str, plugins: Literal["auto"] | None
+) -> Engine:
+    """The engine ``spotguard`` builds, with the plugin (``"auto"``) or with none at all."""
+    criu = Criu(criu_bin, plugins=plugins, leftover_devices=[device])
+    return Engine(criu, settings=settings)
+
+
+async def _start(
+    launch: Launch, tmp_path: Path, device: str, mode: str, name: str
+) -> tuple[JobInfo, Path]:
+    work = tmp_path / "work"
+    work.mkdir()
+    script = tmp_path / "workers.py"
+    script.write_text(WORKER_JOB)
+    job = await launch([sys.executable, str(script), device, str(STEPS), mode], name, cwd=work)
+    await wait_for(lambda: len(lines(work / "worker.log")) > 5, "the worker to log")
+    return job, work
+
+
+def _worker_counted_exactly(work: Path) -> list[str]:
+    log = lines(work / "worker.log")
+    assert log[:STEPS] == [f"worker {i}" for i in range(1, STEPS + 1)]
+    return log[STEPS:]
+
+
+async def test_without_the_plugin_a_leftover_device_fd_fails_the_dump_and_the_job_resumes(
+    settings: CheckpointSettings, criu_bin: str, launch: Launch, tmp_path: Path, fuse_device: str
+) -> None:
+    job, work = await _start(launch, tmp_path, fuse_device, "fd", "leftover-noplugin")
+    engine = _engine(settings, criu_bin, fuse_device, None)
+    with pytest.raises(CriuError) as err:
+        await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    assert "Can't dump file" in str(err.value.log_tail)
+    assert proctree.alive(job.pid)
+    await progresses(work / "worker.log")
+    assert await wait_exit(job) == 0
+    assert _worker_counted_exactly(work) == [f"fd {fuse_device}"]
+
+
+async def test_leftover_device_fd_of_a_forked_worker_is_parked_and_unparked(
+    settings: CheckpointSettings,
+    criu_bin: str,
+    plugin_dir: Path,
+    launch: Launch,
+    tmp_path: Path,
+    fuse_device: str,
+) -> None:
+    job, work = await _start(launch, tmp_path, fuse_device, "fd", "leftover-fd")
+    engine = _engine(settings, criu_bin, fuse_device, "auto")
+    assert engine.criu.plugin_dir == plugin_dir
+    result = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    await wait_for(lambda: not proctree.alive(job.pid), "the job to be stopped")
+    dump_log = (result.images_dir / "criu-dump.log").read_text()
+    assert f"leftover device fd {fuse_device}" in dump_log
+
+    restored = await engine.restore(DirectorySource(result.images_dir))
+    assert await wait_exit(restored.job) == 0
+    # the worker counted on without a gap or a repeat; its inherited fd is now inert
+    assert _worker_counted_exactly(work) == ["fd /dev/null"]
+    assert lines(job.dir / "stdout") == ["parent done, worker status 0"]
+
+
+async def test_leftover_device_mapping_of_a_forked_worker_becomes_zero_memory(
+    settings: CheckpointSettings,
+    criu_bin: str,
+    plugin_dir: Path,
+    launch: Launch,
+    tmp_path: Path,
+    loop_device: str,
+) -> None:
+    job, work = await _start(launch, tmp_path, loop_device, "map", "leftover-map")
+    engine = _engine(settings, criu_bin, loop_device, "auto")
+    result = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    await wait_for(lambda: not proctree.alive(job.pid), "the job to be stopped")
+    dump_log = (result.images_dir / "criu-dump.log").read_text()
+    assert f"leftover mapping of {loop_device}" in dump_log
+
+    restored = await engine.restore(DirectorySource(result.images_dir))
+    assert await wait_exit(restored.job) == 0
+    # same address, size and protection; shared zero memory instead of the device
+    assert _worker_counted_exactly(work) == ["fd /dev/null", "map rw-s /dev/zero (deleted)"]
+    assert lines(job.dir / "stdout") == ["parent done, worker status 0"]
+
+
+async def test_an_image_that_needs_the_plugin_is_not_restored_without_it_and_is_kept(
+    settings: CheckpointSettings,
+    criu_bin: str,
+    plugin_dir: Path,
+    launch: Launch,
+    tmp_path: Path,
+    loop_device: str,
+) -> None:
+    job, work = await _start(launch, tmp_path, loop_device, "map", "leftover-needs-plugin")
+    with_plugin = _engine(settings, criu_bin, loop_device, "auto")
+    result = await with_plugin.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    await wait_for(lambda: not proctree.alive(job.pid), "the job to be stopped")
+
+    without = _engine(settings, criu_bin, loop_device, None)
+    with pytest.raises(CriuError) as err:
+        await without.restore(DirectorySource(result.images_dir))
+    assert f"Missing required plugin: {PLUGIN_NAME}" in str(err.value.log_tail)
+    assert (result.images_dir / META_NAME).exists(), "a complete image is never lost"
+
+    restored = await with_plugin.restore(DirectorySource(result.images_dir))
+    assert await wait_exit(restored.job) == 0
+    assert _worker_counted_exactly(work)[0] == "fd /dev/null"
