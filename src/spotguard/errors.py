@@ -22,8 +22,9 @@ The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, ne
     │   ├── GpuError                the driver checkpoint API or NVML failed
     │   ├── StepTimeout             a step ran past its time limit
     │   ├── StreamError             streaming image files between CRIU and spotguard failed
-    │   └── PreflightError          restore refused before touching anything
-    │       └── MismatchError       image and host differ (names both sides)
+    │   └── PreflightError          freeze or restore refused before touching anything
+    │       ├── MismatchError       image and host differ (names both sides)
+    │       └── UndumpableError     the job holds what CRIU cannot dump (names pid, resource, fix)
     ├── ImageError                  checkpoint image format and content
     │   ├── ImageNotFound           no complete image (no manifest) at that place
     │   ├── ImageCorrupt            a chunk failed verification (names the chunk)
@@ -129,7 +130,7 @@ class StreamError(CheckpointError):
 
 
 class PreflightError(CheckpointError):
-    """Restore refused before touching anything (missing CRIU, PIDs taken, ...)."""
+    """Freeze or restore refused before touching anything (missing CRIU, PIDs taken, ...)."""
 
 
 class MismatchError(PreflightError):
@@ -140,6 +141,23 @@ class MismatchError(PreflightError):
         self.what = what
         self.image_side = image_side
         self.host_side = host_side
+
+
+class UndumpableError(PreflightError):
+    """The job's tree holds something CRIU cannot dump; refused before any lock or dump.
+
+    Not retryable: the same tree fails the same way until the job changes. ``findings``
+    are the objects the freeze preflight produced (each names the pid, the process, the
+    resource and what to do); the message lists them on one line.
+    """
+
+    retryable = False
+
+    def __init__(self, job: str, findings: Sequence[object]) -> None:
+        self.job = job
+        self.findings = list(findings)
+        listed = "; ".join(str(f) for f in self.findings)
+        super().__init__(f"cannot checkpoint job {job!r}: {listed} (the job keeps running)")
 
 
 class ImageError(SpotguardError):

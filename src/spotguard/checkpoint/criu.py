@@ -6,7 +6,10 @@ useful tail of CRIU's log (harmless lines CRIU prints on every run are dropped);
 its time limit is killed and becomes :class:`~spotguard.errors.StepTimeout`.
 
 Options used for every dump: ``--ext-unix-sk`` (sockets to the outside, e.g. journald),
-``--file-locks``; ``--tcp-established`` only when asked; ``--manage-cgroups MODE`` when set;
+``--file-locks``; ``--tcp-established`` with ``--network-lock METHOD`` when the tree holds
+connected TCP sockets (the freeze preflight decides, :mod:`.scan`); restore always allows
+established connections (CRIU reads the lock method from the image);
+``--manage-cgroups MODE`` when set;
 ``--leave-running`` or (default) kill after the dump; ``--stream`` when an image streamer
 serves the images directory. ``--shell-job`` is added only when the tree is not the leader
 of its own session (``spotguard run`` jobs are).
@@ -227,6 +230,7 @@ class Criu:
         self.leftover_devices = list(leftover_devices) if leftover_devices is not None else None
         self._no_plugins: Path | None = None
         self._version: str | None = None
+        self._locks: frozenset[str] | None = None
 
     def leftover_prefixes(self) -> list[str]:
         """Device path prefixes CRIU dumps as leftovers through the plugin (none without it);
@@ -283,6 +287,27 @@ class Criu:
         )
         return proc.returncode == 0, text
 
+    async def network_locks(self) -> frozenset[str]:
+        """The ``--network-lock`` methods that work here: ``nftables`` when this CRIU and
+        kernel support it (``criu check --feature network_lock_nftables``), ``iptables``
+        when iptables-restore is installed. Probed once per instance."""
+        if self._locks is None:
+            found = set()
+            proc = await asyncio.create_subprocess_exec(
+                self.path,
+                "check",
+                "--feature",
+                "network_lock_nftables",
+                stdout=asyncio.subprocess.DEVNULL,
+                stderr=asyncio.subprocess.DEVNULL,
+            )
+            if await proc.wait() == 0:
+                found.add("nftables")
+            if shutil.which("iptables-restore") and shutil.which("iptables"):
+                found.add("iptables")
+            self._locks = frozenset(found)
+        return self._locks
+
     async def dump(
         self,
         pid: int,
@@ -291,6 +316,7 @@ class Criu:
         leave_running: bool,
         stream: bool = False,
         tcp_established: bool = False,
+        network_lock: str | None = None,
         manage_cgroups: str | None = None,
         shell_job: bool = False,
         on_frozen: Callable[[], Awaitable[None]] | None = None,
@@ -311,6 +337,8 @@ class Criu:
             args.append("--stream")
         if tcp_established:
             args.append("--tcp-established")
+            if network_lock:
+                args += ["--network-lock", network_lock]
         if manage_cgroups:
             args.append(f"--manage-cgroups={manage_cgroups}")
         if shell_job:
@@ -344,13 +372,15 @@ class Criu:
         images_dir: Path,
         *,
         stream: bool = False,
-        tcp_established: bool = False,
         manage_cgroups: str | None = None,
         shell_job: bool = False,
         log_file: Path | None = None,
         time_limit: float | None = None,
     ) -> int:
-        """Restore the tree in ``images_dir`` detached from us; returns the root's host pid."""
+        """Restore the tree in ``images_dir`` detached from us; returns the root's host pid.
+
+        ``--tcp-established`` is always given: an image without connected TCP sockets is
+        unaffected, one with them (the dump decided) cannot be restored without it."""
         work = Path(tempfile.mkdtemp(prefix="spotguard-restore-"))
         log_path = log_file or work / "criu-restore.log"
         pidfile = work / "pid"
@@ -366,11 +396,10 @@ class Criu:
             str(pidfile),
             "--ext-unix-sk",
             "--file-locks",
+            "--tcp-established",
         ]
         if stream:
             args.append("--stream")
-        if tcp_established:
-            args.append("--tcp-established")
         if manage_cgroups:
             args.append(f"--manage-cgroups={manage_cgroups}")
         if shell_job:

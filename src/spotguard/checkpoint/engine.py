@@ -7,7 +7,9 @@ Freeze (dump)::
                                              └ finish, then exit (EXIT mode)  + gpu_unlock
 
 * ``scan``: the tree's pids, which of them hold GPU state, memory → staging plan (tmpfs or
-  disk, decided up front, logged, in the result).
+  disk, decided up front, logged, in the result); the freeze preflight (:mod:`.scan`)
+  refuses a tree CRIU cannot dump before anything is locked or frozen, and plans the TCP
+  options (``--tcp-established``, network lock) from the sockets it holds.
 * GPU lock and checkpoint run for every GPU process at once; the driver must release the GPU
   before CRIU freezes the tree (it does its work through a thread of the job itself).
 * ``criu_dump`` freezes and dumps the tree; while it is still frozen, ``capture_files``
@@ -49,7 +51,7 @@ from spotguard.errors import CheckpointError, CriuError, GpuError, JobError, Spo
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
-from . import files, proctree
+from . import files, proctree, scan
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo
@@ -212,6 +214,8 @@ class Engine:
                 await self.faults.before("scan")
                 tree = proctree.tree(job.pid)
                 gpu_pids = await self.gpu.gpu_pids(tree)
+                net = await self._preflight(job, tree, gpu_pids, tcp)
+                st.detail.update(net.to_json())
                 tree_ns = [proctree.ns_pid(p) for p in tree]
                 gpu_ns = [proctree.ns_pid(p) for p in gpu_pids]
                 self._update_marker(job, gpu_pids=gpu_pids, tree=tree)
@@ -277,7 +281,8 @@ class Engine:
                     images_dir,
                     leave_running=mode is Mode.RESUME,
                     stream=target.stream,
-                    tcp_established=tcp,
+                    tcp_established=net.tcp_established,
+                    network_lock=net.lock,
                     manage_cgroups=s.manage_cgroups,
                     shell_job=shell_job,
                     on_frozen=on_frozen,
@@ -319,6 +324,23 @@ class Engine:
             },
         )
         return result
+
+    async def _preflight(
+        self, job: JobInfo, tree: list[int], gpu_pids: list[int], force_tcp: bool
+    ) -> scan.NetworkPlan:
+        """Refuse a tree CRIU cannot dump (:class:`~spotguard.errors.UndumpableError`, before
+        any lock) and plan its TCP options."""
+        facts = await asyncio.to_thread(scan.gather, tree, gpu_pids)
+        scan.check(job.name, facts)
+        need_locks = force_tcp or bool(facts.connections())
+        available = await self.criu.network_locks() if need_locks else frozenset[str]()
+        return scan.network_plan(
+            job.name,
+            facts,
+            available=available,
+            setting=self.settings.network_lock,
+            force=force_tcp,
+        )
 
     async def _bring_back(
         self, job: JobInfo, tree: Sequence[int], gpu_pids: Sequence[int], mode: Mode
@@ -430,7 +452,6 @@ class Engine:
                 return await self.criu.restore(
                     source.images_dir,
                     stream=source.stream,
-                    tcp_established=s.tcp_established,
                     manage_cgroups=s.manage_cgroups,
                     time_limit=s.criu_timeout,
                 )

@@ -41,7 +41,17 @@ class CheckpointSettings(Settings):
     )
     tcp_established: bool = Field(
         default=False,
-        description="Dump and restore established TCP connections (criu --tcp-established)",
+        description=(
+            "Always dump with criu --tcp-established (default: only when the job holds a "
+            "connected TCP socket, detected before each freeze)"
+        ),
+    )
+    network_lock: Literal["auto", "nftables", "iptables", "skip"] = Field(
+        default="auto",
+        description=(
+            "How CRIU blocks the job's TCP connections while it dumps them (auto: nftables, "
+            "else iptables, else skip when every connection stays inside the job)"
+        ),
     )
     manage_cgroups: str | None = Field(
         default=None,

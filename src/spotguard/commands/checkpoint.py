@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +16,7 @@ from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import gpu_hook
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import resolve_job, start_job
+from spotguard.checkpoint.scan import job_environment
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
 from spotguard.cli import config_file
@@ -78,7 +80,8 @@ def run(
     """Start COMMAND as a job that can be checkpointed and restored elsewhere.
 
     The job gets its own session and PID namespace, stdin from /dev/null, and its output in
-    <state_dir>/jobs/<name>/stdout and stderr. Example: spotguard run --name train -- python t.py
+    <state_dir>/jobs/<name>/stdout and stderr; USE_LIBUV=0 unless set (PyTorch's TCPStore then
+    holds no io_uring, which CRIU cannot dump). Example: spotguard run --name t -- python t.py
     """
     s = _settings(ctx, flags)
     claim = None
@@ -87,8 +90,9 @@ def run(
         from spotguard.commands.park import make_room
 
         claim, parked = make_room(ctx, s, priority or 0, gpu_memory, name or command[0])
+    env = job_environment(os.environ)
     job = asyncio.run(
-        start_job(list(command), name, state_dir=s.state_dir, pid_namespace=pid_namespace)
+        start_job(list(command), name, state_dir=s.state_dir, env=env, pid_namespace=pid_namespace)
     )
     if claim is not None:
         from spotguard.park.priority import write_claim

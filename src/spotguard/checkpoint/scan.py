@@ -1,0 +1,545 @@
+"""Freeze preflight: read what a job's tree holds and refuse, before anything is touched,
+a tree CRIU cannot dump — and plan the sockets CRIU can.
+
+Why: a dump that must fail would spend a notice's budget (GPU lock, checkpoint, half a
+dump) and end with a CRIU log line as the only explanation. The engine calls :func:`gather`
+and :func:`check` in its ``scan`` step, before any GPU lock and before CRIU runs; a refusal
+is an :class:`~spotguard.errors.UndumpableError` naming the pid, the process, the resource
+and what to do, and the job simply keeps running.
+
+Facts come from /proc (file descriptors, memory maps, environment, the socket tables of the
+process's network namespace): :class:`ProcFacts` per process, :class:`TreeFacts` for the
+tree. Rules are plain functions ``(ProcFacts) -> list[Finding]`` in :data:`RULES`; another
+part adds one with the :func:`rule` decorator (or passes its own list to :func:`check`).
+Built in:
+
+* io_uring instances (``anon_inode:[io_uring]`` descriptors or mappings);
+* other anonymous-inode descriptors CRIU 4.2 does not know (perf events, userfaultfd ...);
+* sockets of a family CRIU cannot dump (in none of /proc/net/{tcp,udp,raw,unix,netlink,
+  packet}: vsock, AF_ALG, AF_XDP, SCTP, RDMA ...);
+* device files CRIU cannot carry: RDMA (``/dev/infiniband``), KVM, VFIO, DRM, AMD KFD
+  descriptors; mappings of any device other than /dev/zero and NVIDIA's (the GPU path owns
+  those).
+
+:func:`network_plan` decides the TCP options: ``--tcp-established`` exactly when a process
+of the tree holds a connected TCP socket, and the network lock CRIU takes while it dumps
+them (see docs/limits.md, "Sockets").
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from spotguard.errors import UndumpableError
+
+#: anonymous inodes CRIU 4.2 dumps (criu/files.c); any other one fails the dump
+SUPPORTED_ANON = frozenset(
+    {"[eventfd]", "[eventpoll]", "[fanotify]", "[pidfd]", "[signalfd]", "[timerfd]", "inotify"}
+)
+#: descriptor path prefix → (what it is, what to do)
+UNDUMPABLE_DEVICES: dict[str, tuple[str, str]] = {
+    "/dev/infiniband/": (
+        "an RDMA device (InfiniBand/RoCE verbs)",
+        "use TCP instead (for NCCL: NCCL_IB_DISABLE=1)",
+    ),
+    "/dev/kvm": ("the KVM device", "stop the virtual machine before a checkpoint"),
+    "/dev/vfio/": ("a VFIO device", "release the passed-through device before a checkpoint"),
+    "/dev/dri/": ("a DRM (graphics) device", "do not open GPU render nodes in the job"),
+    "/dev/kfd": ("the AMD KFD device", "AMD GPUs are not supported"),
+}
+#: device mappings CRIU dumps itself (/dev/zero) or the GPU path handles (NVIDIA)
+_MAPPABLE_DEVICES = ("/dev/zero", "/dev/shm/", "/dev/nvidia")
+TCP_STATES = {
+    1: "ESTABLISHED",
+    2: "SYN_SENT",
+    3: "SYN_RECV",
+    4: "FIN_WAIT1",
+    5: "FIN_WAIT2",
+    6: "TIME_WAIT",
+    7: "CLOSE",
+    8: "CLOSE_WAIT",
+    9: "LAST_ACK",
+    10: "LISTEN",
+    11: "CLOSING",
+}
+_INET_TABLES = (
+    ("tcp", "inet", "tcp"),
+    ("tcp6", "inet6", "tcp"),
+    ("udp", "inet", "udp"),
+    ("udp6", "inet6", "udp"),
+    ("udplite", "inet", "udplite"),
+    ("udplite6", "inet6", "udplite"),
+    ("raw", "inet", "raw"),
+    ("raw6", "inet6", "raw"),
+)
+NetworkLock = Literal["auto", "nftables", "iptables", "skip"]
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One end of an inet socket."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class SocketFact:
+    """A socket as the kernel's /proc/net tables show it (family ``unknown``: in none)."""
+
+    inode: int
+    family: str  # inet, inet6, unix, netlink, packet, unknown
+    proto: str = ""  # tcp, udp, udplite, raw (inet families only)
+    state: str = ""  # TCP state name (tcp only)
+    local: Endpoint | None = None
+    remote: Endpoint | None = None
+
+    @property
+    def connected_tcp(self) -> bool:
+        """A TCP socket CRIU dumps only with ``--tcp-established`` (not listening, not closed)."""
+        return self.proto == "tcp" and self.state not in ("LISTEN", "CLOSE")
+
+
+@dataclass(frozen=True)
+class FdFact:
+    """One open file descriptor and what /proc/<pid>/fd/<fd> points to."""
+
+    fd: int
+    target: str
+    socket: SocketFact | None = None
+
+
+@dataclass(frozen=True)
+class ProcFacts:
+    """What one process of the tree holds, read from /proc."""
+
+    pid: int
+    name: str
+    gpu: bool = False  # holds CUDA state (the GPU hook said so)
+    fds: tuple[FdFact, ...] = ()
+    maps: tuple[str, ...] = ()  # distinct mapped paths, pseudo paths like [heap] included
+    environ: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def sockets(self) -> list[tuple[int, SocketFact]]:
+        return [(f.fd, f.socket) for f in self.fds if f.socket is not None]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """Something in a process that cannot be dumped, and what to do about it."""
+
+    pid: int
+    name: str
+    resource: str
+    why: str
+    fix: str
+
+    def __str__(self) -> str:
+        return f"pid {self.pid} ({self.name}) holds {self.resource}: {self.why}; {self.fix}"
+
+
+Rule = Callable[[ProcFacts], list[Finding]]
+
+
+@dataclass(frozen=True)
+class Connection:
+    """A connected TCP socket of the tree; ``internal`` when its peer is in the tree too."""
+
+    pid: int
+    name: str
+    fd: int
+    local: Endpoint
+    remote: Endpoint
+    state: str
+    internal: bool
+
+    def __str__(self) -> str:
+        where = "inside the job" if self.internal else "outside the job"
+        return f"pid {self.pid} ({self.name}) fd {self.fd}: {self.local} -> {self.remote} ({where})"
+
+
+@dataclass(frozen=True)
+class TreeFacts:
+    """Every process of the tree, root first."""
+
+    procs: tuple[ProcFacts, ...]
+
+    def connections(self) -> list[Connection]:
+        """Connected TCP sockets; a peer whose endpoints mirror another tree socket is internal."""
+        pairs: set[tuple[Endpoint, Endpoint]] = set()
+        for p in self.procs:
+            for _fd, sk in p.sockets:
+                if sk.connected_tcp and sk.local and sk.remote:
+                    pairs.add((sk.local, sk.remote))
+        out = []
+        for p in self.procs:
+            for fd, sk in p.sockets:
+                if sk.connected_tcp and sk.local and sk.remote:
+                    internal = (sk.remote, sk.local) in pairs
+                    out.append(
+                        Connection(p.pid, p.name, fd, sk.local, sk.remote, sk.state, internal)
+                    )
+        return out
+
+    def to_json(self) -> dict[str, int]:
+        conns = self.connections()
+        return {
+            "processes": len(self.procs),
+            "sockets": sum(len(p.sockets) for p in self.procs),
+            "tcp_connections": len(conns),
+            "tcp_external": sum(1 for c in conns if not c.internal),
+        }
+
+
+# --- rules ------------------------------------------------------------------------------
+
+RULES: list[Rule] = []
+
+
+def rule(fn: Rule) -> Rule:
+    """Register ``fn`` in :data:`RULES` (a decorator): it runs on every process of every
+    tree before each freeze and returns one :class:`Finding` per thing it refuses."""
+    RULES.append(fn)
+    return fn
+
+
+def _anon(target: str) -> str | None:
+    return target.removeprefix("anon_inode:") if target.startswith("anon_inode:") else None
+
+
+@rule
+def io_uring(proc: ProcFacts) -> list[Finding]:
+    """io_uring instances: CRIU cannot dump them (``Unknown ... anon_inode:[io_uring]``)."""
+    fds = [f.fd for f in proc.fds if f.target == "anon_inode:[io_uring]"]
+    mapped = any(m == "anon_inode:[io_uring]" for m in proc.maps)
+    if not fds and not mapped:
+        return []
+    where = f"fd {', '.join(map(str, fds))}" if fds else "a mapping"
+    return [
+        Finding(
+            proc.pid,
+            proc.name,
+            f"an io_uring instance ({where})",
+            "CRIU cannot dump io_uring",
+            "PyTorch's TCPStore (torch.distributed rendezvous) holds one through libuv: start "
+            "the job with 'spotguard run' (it sets USE_LIBUV=0) or set USE_LIBUV=0 yourself; "
+            "other programs must not use io_uring",
+        )
+    ]
+
+
+@rule
+def anon_inodes(proc: ProcFacts) -> list[Finding]:
+    """Anonymous-inode descriptors CRIU does not know (io_uring has its own rule)."""
+    kinds: dict[str, list[int]] = {}
+    for f in proc.fds:
+        kind = _anon(f.target)
+        if kind is not None and kind not in SUPPORTED_ANON and kind != "[io_uring]":
+            kinds.setdefault(kind, []).append(f.fd)
+    return [
+        Finding(
+            proc.pid,
+            proc.name,
+            f"anon_inode:{kind} (fd {', '.join(map(str, fds))})",
+            "CRIU cannot dump this kind of descriptor",
+            "close it before a checkpoint (e.g. stop profilers using perf events)",
+        )
+        for kind, fds in sorted(kinds.items())
+    ]
+
+
+@rule
+def socket_families(proc: ProcFacts) -> list[Finding]:
+    """Sockets of a family CRIU cannot dump (none of inet, inet6, unix, netlink, packet)."""
+    fds = [fd for fd, sk in proc.sockets if sk.family == "unknown"]
+    if not fds:
+        return []
+    return [
+        Finding(
+            proc.pid,
+            proc.name,
+            f"a socket of an unsupported family (fd {', '.join(map(str, fds))})",
+            "CRIU dumps only TCP, UDP, raw, unix, netlink and packet sockets",
+            "close it before a checkpoint (vsock, AF_ALG, AF_XDP, SCTP and RDMA sockets "
+            "cannot be carried)",
+        )
+    ]
+
+
+@rule
+def devices(proc: ProcFacts) -> list[Finding]:
+    """Device files CRIU cannot carry: listed device descriptors, any device mapping but
+    /dev/zero and NVIDIA's."""
+    out: list[Finding] = []
+    seen: set[str] = set()
+    for f in proc.fds:
+        for prefix, (what, fix) in UNDUMPABLE_DEVICES.items():
+            if f.target.startswith(prefix) and prefix not in seen:
+                seen.add(prefix)
+                resource = f"{what} ({f.target}, fd {f.fd})"
+                why = "CRIU cannot save the device's state"
+                out.append(Finding(proc.pid, proc.name, resource, why, fix))
+    for m in proc.maps:
+        if m.startswith("/dev/") and not m.startswith(_MAPPABLE_DEVICES) and m not in seen:
+            seen.add(m)
+            out.append(
+                Finding(
+                    proc.pid,
+                    proc.name,
+                    f"a mapping of the device {m}",
+                    "CRIU cannot dump device memory mappings",
+                    "unmap it before a checkpoint",
+                )
+            )
+    return out
+
+
+# --- gathering ----------------------------------------------------------------------------
+
+
+def _hex_ip(text: str) -> str:
+    raw = bytes.fromhex(text)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    words = struct.unpack("<4I", raw)
+    return socket.inet_ntop(socket.AF_INET6, struct.pack(">4I", *words))
+
+
+def _endpoint(text: str) -> Endpoint:
+    host, port = text.split(":")
+    return Endpoint(_hex_ip(host), int(port, 16))
+
+
+def _inet_table(path: Path, family: str, proto: str) -> dict[int, SocketFact]:
+    out: dict[int, SocketFact] = {}
+    try:
+        lines = path.read_text().splitlines()[1:]
+    except OSError:
+        return out
+    for line in lines:
+        cols = line.split()
+        if len(cols) < 10 or not cols[9].isdigit():
+            continue
+        state = TCP_STATES.get(int(cols[3], 16), cols[3]) if proto == "tcp" else ""
+        inode = int(cols[9])
+        local, remote = _endpoint(cols[1]), _endpoint(cols[2])
+        out[inode] = SocketFact(inode, family, proto, state, local, remote)
+    return out
+
+
+def _inode_table(path: Path, family: str, column: int) -> dict[int, SocketFact]:
+    out: dict[int, SocketFact] = {}
+    try:
+        lines = path.read_text().splitlines()[1:]
+    except OSError:
+        return out
+    for line in lines:
+        cols = line.split()
+        if len(cols) > column and cols[column].isdigit():
+            inode = int(cols[column])
+            out[inode] = SocketFact(inode, family)
+    return out
+
+
+def socket_table(pid: int) -> dict[int, SocketFact]:
+    """Every socket of the network namespace of ``pid``, by inode."""
+    net = Path(f"/proc/{pid}/net")
+    table: dict[int, SocketFact] = {}
+    for name, family, proto in _INET_TABLES:
+        table.update(_inet_table(net / name, family, proto))
+    table.update(_inode_table(net / "unix", "unix", 6))
+    table.update(_inode_table(net / "netlink", "netlink", 9))
+    table.update(_inode_table(net / "packet", "packet", 8))
+    return table
+
+
+def _read_fds(pid: int) -> list[tuple[int, str]]:
+    fd_dir = Path(f"/proc/{pid}/fd")
+    out: list[tuple[int, str]] = []
+    try:
+        names = os.listdir(fd_dir)
+    except OSError:
+        return out
+    for name in names:
+        try:
+            out.append((int(name), os.readlink(fd_dir / name)))
+        except (OSError, ValueError):
+            continue
+    return sorted(out)
+
+
+def _read_maps(pid: int) -> tuple[str, ...]:
+    seen: dict[str, None] = {}
+    try:
+        with open(f"/proc/{pid}/maps", errors="replace") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) == 6:
+                    seen.setdefault(parts[5].rstrip("\n"), None)
+    except OSError:
+        return ()
+    return tuple(seen)
+
+
+def _read_environ(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def _net_ns(pid: int) -> str:
+    try:
+        return os.readlink(f"/proc/{pid}/ns/net")
+    except OSError:
+        return f"pid:{pid}"
+
+
+def _socket_inode(target: str) -> int | None:
+    if target.startswith("socket:[") and target.endswith("]"):
+        return int(target[8:-1])
+    return None
+
+
+def _proc_facts(pid: int, gpu: bool, tables: dict[str, dict[int, SocketFact]]) -> ProcFacts:
+    ns = _net_ns(pid)
+    fds = []
+    for fd, target in _read_fds(pid):
+        inode = _socket_inode(target)
+        sk = None
+        if inode is not None:
+            if ns not in tables:
+                tables[ns] = socket_table(pid)
+            sk = tables[ns].get(inode)
+            if sk is None:  # maybe created after the table was read: read it again once
+                tables[ns] = socket_table(pid)
+                sk = tables[ns].get(inode, SocketFact(inode, "unknown"))
+        fds.append(FdFact(fd, target, sk))
+    return ProcFacts(pid, _name(pid), gpu, tuple(fds), _read_maps(pid), _read_environ(pid))
+
+
+def gather(tree: Sequence[int], gpu_pids: Iterable[int] = ()) -> TreeFacts:
+    """Read the facts of every process of ``tree`` (vanished processes are left out).
+
+    Blocking /proc reads (about a millisecond per process): call it in a thread.
+    """
+    gpu = set(gpu_pids)
+    tables: dict[str, dict[int, SocketFact]] = {}
+    procs = [_proc_facts(pid, pid in gpu, tables) for pid in tree if Path(f"/proc/{pid}").exists()]
+    return TreeFacts(tuple(procs))
+
+
+def findings(facts: TreeFacts, rules: Sequence[Rule] | None = None) -> list[Finding]:
+    """What every rule finds in every process."""
+    return [f for proc in facts.procs for r in (RULES if rules is None else rules) for f in r(proc)]
+
+
+def check(job: str, facts: TreeFacts, rules: Sequence[Rule] | None = None) -> None:
+    """Raise :class:`UndumpableError` naming everything the rules refuse; return if nothing."""
+    found = findings(facts, rules)
+    if found:
+        raise UndumpableError(job, found)
+
+
+# --- the job's environment ----------------------------------------------------------------
+
+#: set for every ``spotguard run`` job unless the caller's environment sets them:
+#: USE_LIBUV=0 makes PyTorch's TCPStore use its own socket server instead of libuv's,
+#: which holds an io_uring (seen with PyTorch 2.11 and 2.13: rank 0 of every
+#: torch.distributed job) that CRIU cannot dump.
+JOB_ENV_DEFAULTS: dict[str, str] = {"USE_LIBUV": "0"}
+
+
+def job_environment(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` plus :data:`JOB_ENV_DEFAULTS` for every key ``base`` leaves unset."""
+    return {**JOB_ENV_DEFAULTS, **base}
+
+
+# --- network ------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class NetworkPlan:
+    """The TCP options of one dump: ``--tcp-established`` and ``--network-lock METHOD``."""
+
+    tcp_established: bool
+    lock: str | None
+    connections: tuple[Connection, ...] = ()
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "tcp_established": self.tcp_established,
+            "network_lock": self.lock,
+            "tcp_connections": len(self.connections),
+            "tcp_external": sum(1 for c in self.connections if not c.internal),
+        }
+
+
+def network_plan(
+    job: str,
+    facts: TreeFacts,
+    *,
+    available: Iterable[str],
+    setting: NetworkLock = "auto",
+    force: bool = False,
+) -> NetworkPlan:
+    """Choose the TCP options for a dump of ``facts``.
+
+    ``--tcp-established`` when the tree holds a connected TCP socket (or ``force``). The
+    lock (setting ``network_lock``; ``auto``): nftables, else iptables, whichever this CRIU
+    and host can use (``available``); with neither, ``skip`` — safe only when every
+    connection has both ends in the tree, which CRIU freezes as one, so no packet flows
+    while the sockets are dumped. A connection to a peer outside the job with no lock is
+    refused (:class:`UndumpableError`): its peer could send data that no image holds.
+
+    >>> network_plan("j", TreeFacts(()), available=["nftables"])
+    NetworkPlan(tcp_established=False, lock=None, connections=())
+    """
+    conns = tuple(facts.connections())
+    if not conns and not force:
+        return NetworkPlan(False, None, conns)
+    if setting != "auto":
+        return NetworkPlan(True, setting, conns)
+    have = set(available)
+    for method in ("nftables", "iptables"):
+        if method in have:
+            return NetworkPlan(True, method, conns)
+    outside = [c for c in conns if not c.internal]
+    if outside:
+        found = [
+            Finding(
+                c.pid,
+                c.name,
+                f"a TCP connection to {c.remote} outside the job (fd {c.fd})",
+                "dumping it needs a network lock and neither nftables nor iptables works here",
+                "enable nf_tables in the kernel or install iptables, close the connection "
+                'before a checkpoint, or set network_lock = "skip" to accept that its peer may '
+                "lose data sent during the dump",
+            )
+            for c in outside
+        ]
+        raise UndumpableError(job, found)
+    return NetworkPlan(True, "skip", conns)

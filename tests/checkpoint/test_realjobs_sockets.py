@@ -1,0 +1,122 @@
+"""Real jobs with sockets, parked and unparked back to back with no flags (real CRIU):
+a forked worker pair over a socketpair and loopback TCP, and a listening HTTP server.
+
+Each is started with ``spotguard run``, checkpointed in exit mode (to a directory, or to a
+``file://`` store), restored at once on the same host, and its output compared exactly
+with what an uninterrupted run prints.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.request
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import lines, wait_exit, wait_for
+
+from spotguard.checkpoint import proctree, selftest_job
+from spotguard.checkpoint.jobs import resolve_job
+
+pytestmark = [pytest.mark.criu, pytest.mark.slow]
+
+PROGS = Path(__file__).parent / "progs"
+
+
+def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "spotguard"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+
+
+@pytest.fixture
+def env(criu_bin: str, state_dir: Path) -> dict[str, str]:
+    return {**os.environ, "SPOTGUARD_STATE_DIR": str(state_dir), "SPOTGUARD_CRIU": criu_bin}
+
+
+def _uninterrupted(args: list[str]) -> subprocess.Popen[str]:
+    """The same program run alongside, never checkpointed."""
+    argv = [sys.executable, "-I", selftest_job.__file__, *args]
+    return subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+
+
+def _scan_detail(result: dict[str, object]) -> dict[str, object]:
+    timeline = result["timeline"]
+    assert isinstance(timeline, list)
+    (scan,) = [s for s in timeline if s["name"] == "scan"]
+    detail = scan["detail"]
+    assert isinstance(detail, dict)
+    return detail
+
+
+async def test_worker_pair_over_socketpair_and_loopback_tcp_parks_and_unparks(
+    env: dict[str, str], state_dir: Path, tmp_path: Path
+) -> None:
+    args = ["200", "0.05"]
+    reference = _uninterrupted(args)
+    out = _cli("run", "--json", "--name", "pair", "--", sys.executable, "-I",
+               selftest_job.__file__, *args, env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    job = resolve_job("pair", state_dir=state_dir)
+    await wait_for(lambda: len(lines(job.dir / "stdout")) >= 5, "five steps")
+    pids = proctree.tree(job.pid)
+
+    out = _cli("checkpoint", "pair", "--to", str(tmp_path / "img"), "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    detail = _scan_detail(json.loads(out.stdout))
+    assert detail["tcp_established"] is True and detail["tcp_external"] == 0
+    assert detail["network_lock"] in ("nftables", "iptables", "skip")
+    await wait_for(lambda: not any(proctree.alive(p) for p in pids), "the job to stop")
+
+    out = _cli("restore", str(tmp_path / "img"), "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    assert await wait_exit(resolve_job("pair", state_dir=state_dir)) == 0
+    expected, _ = reference.communicate(timeout=120)
+    assert reference.returncode == 0
+    assert (job.dir / "stdout").read_text() == expected
+    assert (job.dir / "stderr").read_text() == ""
+
+
+def _get(port: int, path: str) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=10) as resp:
+        body: bytes = resp.read()
+    return body.decode()
+
+
+async def test_listening_http_server_answers_the_same_after_park_and_unpark(
+    env: dict[str, str], state_dir: Path, tmp_path: Path
+) -> None:
+    port_file = tmp_path / "port"
+    out = _cli("run", "--name", "http", "--", sys.executable, str(PROGS / "http_job.py"),
+               str(port_file), env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    job = resolve_job("http", state_dir=state_dir)
+    await wait_for(port_file.exists, "the server to listen")
+    port = int(port_file.read_text())
+    first = _get(port, "/a").split()
+    assert first[1:] == ["1", "/a"]
+    secret = first[0]
+
+    store = f"file://{tmp_path / 'store'}"
+    out = _cli("checkpoint", "http", "--to", store, "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    image_url = json.loads(out.stdout)["image_url"]
+    await wait_for(lambda: not proctree.alive(job.pid), "the server to stop")
+    with pytest.raises(OSError):
+        _get(port, "/while-parked")
+
+    out = _cli("restore", image_url, "--json", env=env)
+    assert out.returncode == 0, out.stderr
+    # the same process: the secret made at start-up, the counter where it was
+    assert _get(port, "/b") == f"{secret} 2 /b"
+    assert _get(port, "/quit") == f"{secret} 3 /quit"
+    assert await wait_exit(resolve_job("http", state_dir=state_dir)) == 0
+    served = ["served 1 /a", "served 2 /b", "served 3 /quit"]
+    assert lines(job.dir / "stdout") == ["listening", *served]

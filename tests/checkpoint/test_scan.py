@@ -1,0 +1,180 @@
+"""The freeze preflight reads real processes: io_uring, sockets and their peers, unknown
+socket families, devices; rules are plain functions others can add; the network plan."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spotguard.checkpoint import proctree, scan, selftest_job
+from spotguard.checkpoint.scan import Endpoint, FdFact, Finding, ProcFacts, SocketFact, TreeFacts
+from spotguard.errors import PreflightError, UndumpableError
+
+PROGS = Path(__file__).parent / "progs"
+
+
+def _start(argv: list[str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    proc.stdout.readline()  # the first step: the program holds what it holds
+    return proc
+
+
+@pytest.fixture
+def procs() -> Iterator[list[subprocess.Popen[str]]]:
+    started: list[subprocess.Popen[str]] = []
+    yield started
+    for p in started:
+        p.kill()
+        p.wait()
+
+
+def test_io_uring_of_a_real_process_is_refused_naming_pid_and_fix(
+    procs: list[subprocess.Popen[str]],
+) -> None:
+    proc = _start([sys.executable, str(PROGS / "hold.py"), "uring", "1000", "0.05"])
+    procs.append(proc)
+    facts = scan.gather([proc.pid])
+    found = scan.findings(facts)
+    assert [(f.pid, f.resource) for f in found] == [(proc.pid, "an io_uring instance (fd 3, 4)")]
+    with pytest.raises(UndumpableError) as err:
+        scan.check("ring", facts)
+    name = Path(f"/proc/{proc.pid}/comm").read_text().strip()
+    assert str(err.value) == (
+        f"cannot checkpoint job 'ring': pid {proc.pid} ({name}) holds an io_uring instance "
+        "(fd 3, 4): CRIU cannot dump io_uring; PyTorch's TCPStore (torch.distributed "
+        "rendezvous) holds one through libuv: start the job with 'spotguard run' (it sets "
+        "USE_LIBUV=0) or set USE_LIBUV=0 yourself; other programs must not use io_uring "
+        "(the job keeps running)"
+    )
+    assert isinstance(err.value, PreflightError) and err.value.retryable is False
+    assert "\n" not in str(err.value)
+
+
+def test_sockets_of_a_worker_pair_are_internal_and_plan_a_lock(
+    procs: list[subprocess.Popen[str]],
+) -> None:
+    proc = _start([sys.executable, "-I", selftest_job.__file__, "1000", "0.05"])
+    procs.append(proc)
+    tree = proctree.tree(proc.pid)
+    assert len(tree) == 2
+    facts = scan.gather(tree)
+    assert scan.findings(facts) == []
+    kinds = sorted((sk.family, sk.proto, sk.state) for p in facts.procs for _fd, sk in p.sockets)
+    assert ("inet", "tcp", "LISTEN") in kinds and ("unix", "", "") in kinds
+    conns = facts.connections()
+    # the established pair (fresh per-step connections may add more, all inside the job)
+    assert len(conns) >= 2 and all(c.internal for c in conns)
+    assert {c.local.host for c in conns} == {"127.0.0.1"}
+    plan = scan.network_plan("pair", facts, available={"nftables", "iptables"})
+    assert (plan.tcp_established, plan.lock) == (True, "nftables")
+    assert scan.network_plan("pair", facts, available={"iptables"}).lock == "iptables"
+    assert scan.network_plan("pair", facts, available=()).lock == "skip"
+    assert scan.network_plan("pair", facts, available=(), setting="iptables").lock == "iptables"
+    assert plan.to_json()["tcp_external"] == 0
+
+
+def test_connection_outside_the_job_needs_a_real_lock(
+    procs: list[subprocess.Popen[str]],
+) -> None:
+    server = socket.create_server(("127.0.0.1", 0))
+    port = server.getsockname()[1]
+    proc = _start([sys.executable, str(PROGS / "hold.py"), "tcp", "1000", "0.05", str(port)])
+    procs.append(proc)
+    peer, _addr = server.accept()
+    try:
+        facts = scan.gather([proc.pid])
+        (conn,) = facts.connections()
+        assert not conn.internal and conn.remote == Endpoint("127.0.0.1", port)
+        assert scan.network_plan("ext", facts, available={"nftables"}).lock == "nftables"
+        with pytest.raises(UndumpableError, match=r"a TCP connection to 127\.0\.0\.1:\d+ outside"):
+            scan.network_plan("ext", facts, available=())
+        assert scan.network_plan("ext", facts, available=(), setting="skip").lock == "skip"
+    finally:
+        peer.close()
+        server.close()
+
+
+def test_no_connection_means_no_tcp_options_unless_forced() -> None:
+    facts = TreeFacts(())
+    assert scan.network_plan("none", facts, available={"nftables"}).tcp_established is False
+    forced = scan.network_plan("none", facts, available={"nftables"}, force=True)
+    assert (forced.tcp_established, forced.lock) == (True, "nftables")
+
+
+def test_a_vsock_socket_is_an_unsupported_family(procs: list[subprocess.Popen[str]]) -> None:
+    try:
+        socket.socket(socket.AF_VSOCK, socket.SOCK_STREAM).close()
+    except OSError as exc:
+        pytest.skip(f"no AF_VSOCK in this kernel: {exc}")
+    proc = _start([sys.executable, str(PROGS / "hold.py"), "vsock", "1000", "0.05"])
+    procs.append(proc)
+    found = scan.findings(scan.gather([proc.pid]))
+    assert len(found) == 1 and found[0].resource.startswith("a socket of an unsupported family")
+
+
+def _proc(**kw: object) -> ProcFacts:
+    return ProcFacts(pid=7, name="job", **kw)  # type: ignore[arg-type]
+
+
+def test_rules_on_facts_anon_inodes_and_devices() -> None:
+    facts = _proc(
+        fds=(
+            FdFact(3, "anon_inode:[eventfd]"),
+            FdFact(4, "anon_inode:[perf_event]"),
+            FdFact(5, "anon_inode:[perf_event]"),
+            FdFact(6, "anon_inode:inotify"),
+            FdFact(7, "/dev/infiniband/uverbs0"),
+            FdFact(8, "/dev/null"),
+            FdFact(9, "/dev/nvidiactl"),
+        ),
+        maps=("/usr/lib/libc.so.6", "[heap]", "/dev/zero (deleted)", "/dev/mem", "/dev/nvidia0"),
+    )
+    found = [str(f) for r in scan.RULES for f in r(facts)]
+    assert found == [
+        "pid 7 (job) holds anon_inode:[perf_event] (fd 4, 5): CRIU cannot dump this kind of "
+        "descriptor; close it before a checkpoint (e.g. stop profilers using perf events)",
+        "pid 7 (job) holds an RDMA device (InfiniBand/RoCE verbs) (/dev/infiniband/uverbs0, "
+        "fd 7): CRIU cannot save the device's state; use TCP instead (for NCCL: "
+        "NCCL_IB_DISABLE=1)",
+        "pid 7 (job) holds a mapping of the device /dev/mem: CRIU cannot dump device memory "
+        "mappings; unmap it before a checkpoint",
+    ]
+
+
+def test_other_parts_add_rules_and_see_the_environment() -> None:
+    def needs_flag(proc: ProcFacts) -> list[Finding]:
+        if proc.environ.get("NEEDS") == "x":
+            return [Finding(proc.pid, proc.name, "NEEDS=x", "not allowed", "unset NEEDS")]
+        return []
+
+    facts = TreeFacts((_proc(environ={"NEEDS": "x"}), _proc()))
+    with pytest.raises(UndumpableError, match=r"pid 7 \(job\) holds NEEDS=x: not allowed"):
+        scan.check("env", facts, rules=[needs_flag])
+    before = list(scan.RULES)
+    try:
+        assert scan.rule(needs_flag) is needs_flag and scan.RULES[-1] is needs_flag
+        assert len(scan.findings(facts)) == 1
+    finally:
+        scan.RULES[:] = before
+
+
+def test_job_environment_turns_libuv_off_unless_set() -> None:
+    assert scan.job_environment({"PATH": "/bin"}) == {"PATH": "/bin", "USE_LIBUV": "0"}
+    assert scan.job_environment({"USE_LIBUV": "1"})["USE_LIBUV"] == "1"
+
+
+def test_socket_fact_states() -> None:
+    listen = SocketFact(1, "inet", "tcp", "LISTEN")
+    est = SocketFact(2, "inet6", "tcp", "ESTABLISHED", Endpoint("::1", 5), Endpoint("::1", 6))
+    assert not listen.connected_tcp and est.connected_tcp
+    assert str(est.local) == "[::1]:5"
+    assert not SocketFact(3, "inet", "udp", "").connected_tcp
+    # /proc/net/tcp6 writes an address as four little-endian words
+    assert scan._endpoint("00000000000000000000000001000000:0016") == Endpoint("::1", 22)
+    assert scan._endpoint("0100007F:1F90") == Endpoint("127.0.0.1", 8080)
