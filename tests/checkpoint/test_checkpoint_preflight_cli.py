@@ -94,7 +94,7 @@ async def test_cli_run_checkpoint_restore_and_doctor(
     criu_bin: str, state_dir: Path, tmp_path: Path
 ) -> None:
     env = {**os.environ, "SPOTGUARD_STATE_DIR": str(state_dir), "SPOTGUARD_CRIU": criu_bin}
-    out = _cli("run", "--json", "--name", "cli-job", "--", *DEMO, "--steps", "40",
+    out = _cli("run", "--json", "--name", "cli-job", "--", *DEMO, "--steps", "150",
                "--step-seconds", "0.03", env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     started = json.loads(out.stdout)
