@@ -29,12 +29,15 @@ from ckpt_helpers import Launch, lines, progresses, wait_exit, wait_for
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import PLUGIN_NAME, Criu, find_plugin_dir
+from spotguard.checkpoint.doctor import run_checks
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
 from spotguard.errors import CriuError
+from spotguard.image.catalog import latest_image
+from spotguard.stream import StreamSource, StreamTarget
 
 pytestmark = pytest.mark.criu
 
@@ -219,3 +222,50 @@ async def test_an_image_that_needs_the_plugin_is_not_restored_without_it_and_is_
     restored = await with_plugin.restore(DirectorySource(result.images_dir))
     assert await wait_exit(restored.job) == 0
     assert _worker_counted_exactly(work)[0] == "fd /dev/null"
+
+
+@pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning")
+async def test_leftover_references_go_through_a_streamed_image(
+    settings: CheckpointSettings,
+    criu_bin: str,
+    plugin_dir: Path,
+    launch: Launch,
+    tmp_path: Path,
+    loop_device: str,
+) -> None:
+    """The plugin keeps no files of its own: its inventory entry travels in CRIU's images,
+    so the streamed path (store URL, no staging directory) works the same."""
+    job, work = await _start(launch, tmp_path, loop_device, "map", "leftover-stream")
+    engine = _engine(settings, criu_bin, loop_device, "auto")
+    store = f"file://{tmp_path / 'store'}"
+    target = StreamTarget(store, work_root=tmp_path / "stream-work")
+    await engine.freeze(job, target, Mode.EXIT)
+    await wait_for(lambda: not proctree.alive(job.pid), "the job to be stopped")
+    url = await latest_image(store, job.name)
+    assert url is not None
+
+    without = _engine(settings, criu_bin, loop_device, None)
+    with pytest.raises(CriuError, match=f"Missing required plugin: {PLUGIN_NAME}"):
+        await without.restore(StreamSource(url, work_root=tmp_path / "stream-work"))
+    restored = await engine.restore(StreamSource(url, work_root=tmp_path / "stream-work"))
+    assert await wait_exit(restored.job) == 0
+    assert _worker_counted_exactly(work) == ["fd /dev/null", "map rw-s /dev/zero (deleted)"]
+
+
+async def test_doctor_checks_the_version_and_reports_the_plugin(
+    criu_bin: str, plugin_dir: Path, tmp_path: Path
+) -> None:
+    checks = {c.name: c for c in await run_checks(criu_bin)}
+    assert checks["criu"].ok
+    assert checks["criu plugin"].ok
+    assert checks["criu plugin"].found == str(plugin_dir / f"{PLUGIN_NAME}.so")
+
+    old = tmp_path / "old" / "bin" / "criu"  # a 4.1.1 with no plugin beside it
+    old.parent.mkdir(parents=True)
+    old.write_text('#!/bin/sh\n[ "$1" = --version ] && echo "Version: 4.1.1"\nexit 0\n')
+    old.chmod(0o755)
+    checks = {c.name: c for c in await run_checks(str(old))}
+    assert not checks["criu"].ok
+    assert checks["criu"].fix == "CRIU >= 4.2.1 needed: run scripts/install-criu"
+    assert not checks["criu plugin"].ok and not checks["criu plugin"].required
+    assert "scripts/install-criu" in checks["criu plugin"].fix
