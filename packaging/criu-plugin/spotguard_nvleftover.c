@@ -16,7 +16,11 @@
  *        way the driver libraries open their device files); CRIU itself restores the fd
  *        number, close-on-exec flag and owner.
  *   VMA  (HANDLE_DEVICE_VMA / UPDATE_VMA_MAP): recreated at the same address with the same
- *        size, protection and sharing, as zero-filled memory (a /dev/zero mapping).
+ *        size, protection and sharing, over an empty memfd: any access raises SIGBUS. The
+ *        contents are not carried (device memory cannot be read, and the driver's system
+ *        memory behind /dev/nvidiactl belongs to the parent's context). A worker that does
+ *        read memory it inherited this way (e.g. pinned host memory allocated before the
+ *        fork) fails loudly instead of computing on zeros.
  *
  * Which devices: path prefixes, colon separated, from SPOTGUARD_CRIU_LEFTOVER_DEVICES in
  * CRIU's environment (default "/dev/nvidia"; every prefix must start with "/dev/"; an empty
@@ -37,6 +41,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -209,7 +214,7 @@ static int handle_device_vma(int fd, const struct stat *st)
 		return -ENOTSUP;
 	if (record_in_inventory())
 		return -1;
-	plog(LVL_WARN, "leftover mapping of %s will be restored as zero memory", path);
+	plog(LVL_WARN, "leftover mapping of %s will be restored as an inaccessible placeholder", path);
 	return 0;
 }
 
@@ -221,14 +226,14 @@ static int update_vma_map(const char *path, const uint64_t addr, const uint64_t 
 	if (disabled || !is_leftover_path(path))
 		return -ENOTSUP;
 	/* A fresh descriptor each time: CRIU closes the one it maps through once the mapping
-	 * is made. Offset 0 of /dev/zero gives private or shared zero memory of any size. */
-	fd = open("/dev/zero", O_RDWR | O_CLOEXEC);
+	 * is made. An empty memfd maps at any size, private or shared; touching it is SIGBUS. */
+	fd = memfd_create("spotguard-leftover", MFD_CLOEXEC);
 	if (fd < 0) {
-		plog(LVL_ERROR, "cannot open /dev/zero for %s at %#llx: %s", path,
+		plog(LVL_ERROR, "cannot create a placeholder for %s at %#llx: %s", path,
 		     (unsigned long long)addr, strerror(errno));
 		return -1;
 	}
-	plog(LVL_INFO, "mapping of %s at %#llx (offset %#llx) restored as zero memory", path,
+	plog(LVL_INFO, "mapping of %s at %#llx (offset %#llx) restored as a placeholder", path,
 	     (unsigned long long)addr, (unsigned long long)old_pgoff);
 	*new_pgoff = 0;
 	*plugin_fd = fd;

@@ -27,7 +27,7 @@ from typing import Literal
 import pytest
 from ckpt_helpers import Launch, lines, progresses, wait_exit, wait_for
 
-from spotguard.checkpoint import proctree
+from spotguard.checkpoint import proctree, scan
 from spotguard.checkpoint.criu import PLUGIN_NAME, Criu, find_plugin_dir
 from spotguard.checkpoint.doctor import run_checks
 from spotguard.checkpoint.engine import Engine, Mode
@@ -42,11 +42,14 @@ from spotguard.stream import StreamSource, StreamTarget
 pytestmark = pytest.mark.criu
 
 REQUIRE = os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1"
+#: what the worker reports after restore: an inert fd, the mapping at its address with its
+#: protection but over an empty memfd, and touching it is a loud SIGBUS, never zeros
+PLACEHOLDER = ["fd /dev/null", "map rw-s /memfd:spotguard-leftover (deleted)", "touch signal 7"]
 STEPS = 60
 
 WORKER_JOB = textwrap.dedent(
     """
-    import mmap, os, sys, time
+    import ctypes, mmap, os, sys, time
     device, steps, want_map = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "map"
     fd = os.open(device, os.O_RDWR)
     addr = None
@@ -65,6 +68,13 @@ WORKER_JOB = textwrap.dedent(
             if addr:
                 maps = [ln for ln in open("/proc/self/maps") if ln.startswith(addr + "-")]
                 print("map", maps[0].split()[1], maps[0].split(None, 5)[5].strip(), file=log)
+                probe = os.fork()  # what touching the inherited mapping does now
+                if probe == 0:
+                    ctypes.string_at(int(addr, 16), 1)
+                    os._exit(0)
+                _, st = os.waitpid(probe, 0)
+                touch = f"signal {os.WTERMSIG(st)}" if os.WIFSIGNALED(st) else "readable"
+                print("touch", touch, file=log)
         os._exit(0)
     if want_map:
         m.close()  # the driver's checkpoint releases the CUDA process's device references
@@ -178,7 +188,7 @@ async def test_leftover_device_fd_of_a_forked_worker_is_parked_and_unparked(
     assert lines(job.dir / "stdout") == ["parent done, worker status 0"]
 
 
-async def test_leftover_device_mapping_of_a_forked_worker_becomes_zero_memory(
+async def test_leftover_device_mapping_of_a_forked_worker_becomes_an_inaccessible_placeholder(
     settings: CheckpointSettings,
     criu_bin: str,
     plugin_dir: Path,
@@ -195,8 +205,7 @@ async def test_leftover_device_mapping_of_a_forked_worker_becomes_zero_memory(
 
     restored = await engine.restore(DirectorySource(result.images_dir))
     assert await wait_exit(restored.job) == 0
-    # same address, size and protection; shared zero memory instead of the device
-    assert _worker_counted_exactly(work) == ["fd /dev/null", "map rw-s /dev/zero (deleted)"]
+    assert _worker_counted_exactly(work) == PLACEHOLDER
     assert lines(job.dir / "stdout") == ["parent done, worker status 0"]
 
 
@@ -249,7 +258,7 @@ async def test_leftover_references_go_through_a_streamed_image(
         await without.restore(StreamSource(url, work_root=tmp_path / "stream-work"))
     restored = await engine.restore(StreamSource(url, work_root=tmp_path / "stream-work"))
     assert await wait_exit(restored.job) == 0
-    assert _worker_counted_exactly(work) == ["fd /dev/null", "map rw-s /dev/zero (deleted)"]
+    assert _worker_counted_exactly(work) == PLACEHOLDER
 
 
 async def test_doctor_checks_the_version_and_reports_the_plugin(
@@ -269,3 +278,11 @@ async def test_doctor_checks_the_version_and_reports_the_plugin(
     assert checks["criu"].fix == "CRIU >= 4.2.1 needed: run scripts/install-criu"
     assert not checks["criu plugin"].ok and not checks["criu plugin"].required
     assert "scripts/install-criu" in checks["criu plugin"].fix
+
+
+def test_the_preflight_lets_through_mappings_the_plugin_dumps() -> None:
+    maps = ("/usr/lib/libc.so.6", "/dev/loop3", "/dev/nvidia0")
+    refused = scan.ProcFacts(pid=9, name="worker", maps=maps)
+    assert [f.resource for f in scan.devices(refused)] == ["a mapping of the device /dev/loop3"]
+    allowed = scan.ProcFacts(pid=9, name="worker", maps=maps, plugin_devices=("/dev/loop",))
+    assert scan.devices(allowed) == []

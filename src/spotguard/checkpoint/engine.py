@@ -330,7 +330,7 @@ class Engine:
     ) -> scan.NetworkPlan:
         """Refuse a tree CRIU cannot dump (:class:`~spotguard.errors.UndumpableError`, before
         any lock) and plan its TCP options."""
-        facts = await asyncio.to_thread(scan.gather, tree, gpu_pids)
+        facts = await asyncio.to_thread(scan.gather, tree, gpu_pids, self.criu.leftover_prefixes())
         scan.check(job.name, facts)
         need_locks = force_tcp or bool(facts.connections())
         available = await self.criu.network_locks() if need_locks else frozenset[str]()

@@ -18,8 +18,8 @@ Built in:
 * sockets of a family CRIU cannot dump (in none of /proc/net/{tcp,udp,raw,unix,netlink,
   packet}: vsock, AF_ALG, AF_XDP, SCTP, RDMA ...);
 * device files CRIU cannot carry: RDMA (``/dev/infiniband``), KVM, VFIO, DRM, AMD KFD
-  descriptors; mappings of any device other than /dev/zero and NVIDIA's (the GPU path owns
-  those).
+  descriptors; mappings of any device other than /dev/zero, NVIDIA's (the GPU path and the
+  CRIU plugin own those) and those the CRIU plugin is told to dump (``plugin_devices``).
 
 :func:`network_plan` decides the TCP options: ``--tcp-established`` exactly when a process
 of the tree holds a connected TCP socket, and the network lock CRIU takes while it dumps
@@ -128,6 +128,8 @@ class ProcFacts:
     fds: tuple[FdFact, ...] = ()
     maps: tuple[str, ...] = ()  # distinct mapped paths, pseudo paths like [heap] included
     environ: Mapping[str, str] = field(default_factory=dict)
+    #: device path prefixes spotguard's CRIU plugin dumps as leftovers (Criu.leftover_prefixes)
+    plugin_devices: tuple[str, ...] = ()
 
     @property
     def sockets(self) -> list[tuple[int, SocketFact]]:
@@ -289,8 +291,9 @@ def devices(proc: ProcFacts) -> list[Finding]:
                 resource = f"{what} ({f.target}, fd {f.fd})"
                 why = "CRIU cannot save the device's state"
                 out.append(Finding(proc.pid, proc.name, resource, why, fix))
+    mappable = _MAPPABLE_DEVICES + proc.plugin_devices
     for m in proc.maps:
-        if m.startswith("/dev/") and not m.startswith(_MAPPABLE_DEVICES) and m not in seen:
+        if m.startswith("/dev/") and not m.startswith(mappable) and m not in seen:
             seen.add(m)
             out.append(
                 Finding(
@@ -424,7 +427,9 @@ def _socket_inode(target: str) -> int | None:
     return None
 
 
-def _proc_facts(pid: int, gpu: bool, tables: dict[str, dict[int, SocketFact]]) -> ProcFacts:
+def _proc_facts(
+    pid: int, gpu: bool, tables: dict[str, dict[int, SocketFact]], plugin_devices: tuple[str, ...]
+) -> ProcFacts:
     ns = _net_ns(pid)
     fds = []
     for fd, target in _read_fds(pid):
@@ -438,17 +443,27 @@ def _proc_facts(pid: int, gpu: bool, tables: dict[str, dict[int, SocketFact]]) -
                 tables[ns] = socket_table(pid)
                 sk = tables[ns].get(inode, SocketFact(inode, "unknown"))
         fds.append(FdFact(fd, target, sk))
-    return ProcFacts(pid, _name(pid), gpu, tuple(fds), _read_maps(pid), _read_environ(pid))
+    return ProcFacts(
+        pid, _name(pid), gpu, tuple(fds), _read_maps(pid), _read_environ(pid), plugin_devices
+    )
 
 
-def gather(tree: Sequence[int], gpu_pids: Iterable[int] = ()) -> TreeFacts:
+def gather(
+    tree: Sequence[int], gpu_pids: Iterable[int] = (), plugin_devices: Sequence[str] = ()
+) -> TreeFacts:
     """Read the facts of every process of ``tree`` (vanished processes are left out).
+    ``plugin_devices``: device prefixes the CRIU plugin dumps (their mappings are allowed).
 
     Blocking /proc reads (about a millisecond per process): call it in a thread.
     """
     gpu = set(gpu_pids)
     tables: dict[str, dict[int, SocketFact]] = {}
-    procs = [_proc_facts(pid, pid in gpu, tables) for pid in tree if Path(f"/proc/{pid}").exists()]
+    devices = tuple(plugin_devices)
+    procs = [
+        _proc_facts(pid, pid in gpu, tables, devices)
+        for pid in tree
+        if Path(f"/proc/{pid}").exists()
+    ]
     return TreeFacts(tuple(procs))
 
 
