@@ -56,7 +56,7 @@ from spotguard.errors import (
 from spotguard.facts import GpuInventory, HostFacts, InstanceFacts
 from spotguard.image import ImageReader, ImageSettings, Manifest, TransferStats, push_dir
 from spotguard.image.transfer import pull_to_tmp
-from spotguard.planner import Plan, Planner, estimate
+from spotguard.planner import Plan, Planner, PlannerSettings, estimate
 from spotguard.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -172,10 +172,13 @@ def _plan(
     deadline: datetime | None,
     settings: CheckpointSettings,
     stream: bool,
+    planner_settings: PlannerSettings | None,
 ) -> tuple[Planner | None, Plan | None]:
-    """The deadline planner's choice (None when the planner cannot run here)."""
+    """The deadline planner's choice (None when the planner cannot run here); without
+    ``[planner]`` settings from the caller, the planner's built-in defaults (nothing is read)."""
     try:
-        planner = Planner(state_dir=settings.state_dir)
+        ps = planner_settings or PlannerSettings.model_construct()
+        planner = Planner(ps, state_dir=settings.state_dir)
         left = (deadline - datetime.now(UTC)).total_seconds() if deadline else None
         plan = planner.plan(
             estimate(job.pid), deadline_s=left, store_url=store_url, stream=stream, pid=job.pid
@@ -353,6 +356,7 @@ async def checkpoint(
     meta: dict[str, Any] | None = None,
     on_frozen: OnFrozen | None = None,
     stream: bool | StreamChoice | None = None,
+    planner_settings: PlannerSettings | None = None,
 ) -> CheckpointResult:
     """Checkpoint ``job`` into a new image in the store at ``store_url``.
 
@@ -379,7 +383,7 @@ async def checkpoint(
         if isinstance(stream, bool) else stream
     )  # fmt: skip
     use_stream = await _use_stream(choice, eng)
-    planner, plan = _plan(job, store_url, deadline, s, use_stream)
+    planner, plan = _plan(job, store_url, deadline, s, use_stream, planner_settings)
     if plan is not None and plan.mode == "keep-periodic":
         raise CheckpointError(
             f"{job.name}: an image cannot be durable before the deadline ({plan.reason})"
@@ -411,7 +415,7 @@ async def checkpoint(
                     "before_freeze": streamed.start_error is not None,
                 },
             )
-        planner, plan = _plan(job, store_url, deadline, s, False)
+        planner, plan = _plan(job, store_url, deadline, s, False, planner_settings)
         level = plan.level if plan is not None else None
         image_meta.pop("plan", None)
         if plan is not None:

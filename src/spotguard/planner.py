@@ -29,7 +29,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
-from spotguard.config import Settings, load
+from spotguard.config import Settings
 from spotguard.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -230,16 +230,22 @@ class Planner:
 
     def __init__(
         self,
-        settings: PlannerSettings | None = None,
+        settings: PlannerSettings,
         *,
         state_dir: Path | None = None,
         threads: int | None = None,
     ) -> None:
-        self.settings = settings or load(PlannerSettings)
+        """``settings`` are the ``[planner]`` settings loaded at the edge; the measurements
+        live in ``throughput_file``, else in ``state_dir``/throughput.json."""
+        self.settings = settings
         if not self.settings.levels:
             raise ConfigError("planner.levels must name at least one zstd level")
-        root = state_dir or Path(os.environ.get("SPOTGUARD_STATE_DIR", "/var/lib/spotguard"))
-        self.path = self.settings.throughput_file or root / "throughput.json"
+        path = self.settings.throughput_file
+        if path is None:
+            if state_dir is None:
+                raise ConfigError("the planner needs throughput_file or a state directory")
+            path = state_dir / "throughput.json"
+        self.path = path
         self.threads = threads or os.cpu_count() or 1
         self.throughput: dict[str, float] = dict(DEFAULT_THROUGHPUT)
         self.ratio: dict[str, float] = {}

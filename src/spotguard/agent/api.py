@@ -17,6 +17,7 @@ Read-only health and metrics carry no secrets and stay open for probes and scrap
 
 from __future__ import annotations
 
+import errno
 import hmac
 import json
 import logging
@@ -26,6 +27,8 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
+
+from spotguard.errors import ConfigError
 
 from .metrics import CONTENT_TYPE, AgentMetrics
 from .settings import parse_listen
@@ -100,7 +103,15 @@ class AgentApi:
         else:
             host, port = where
             site = web.TCPSite(self._runner, host, port)
-            await site.start()
+            try:
+                await site.start()
+            except OSError as exc:
+                why = (
+                    "is in use (is another agent running?)"
+                    if exc.errno == errno.EADDRINUSE
+                    else (f"cannot be listened on: {exc.strerror or exc}")
+                )
+                raise ConfigError(f"api_listen {host}:{port} {why}") from exc
             server = site._server
             sockets = getattr(server, "sockets", None) or []
             if sockets:

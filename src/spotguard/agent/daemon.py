@@ -43,6 +43,7 @@ from spotguard.notices.base import Cloud, Notice, NoticeSource
 from spotguard.notices.bus import NoticeBus
 from spotguard.notices.manual import ManualSource
 from spotguard.notices.settings import NoticeSettings
+from spotguard.planner import PlannerSettings
 
 from . import targets
 from .api import AgentApi, ensure_token
@@ -73,9 +74,11 @@ class Agent:
         *,
         image: ImageSettings | None = None,
         sources: Sequence[NoticeSource] | None = None,
+        planner: PlannerSettings | None = None,
     ) -> None:
         self.settings = settings
         self.image_settings = image
+        self.planner_settings = planner
         self.checkpoint_settings = checkpoint
         self.notice_settings = notices
         self.dir = checkpoint.state_dir / "agent"
@@ -347,6 +350,7 @@ class Agent:
                 mode=mode,
                 settings=self.checkpoint_settings,
                 image_settings=self.image_settings,
+                planner_settings=self.planner_settings,
                 deadline=deadline,
                 instance=self.instance,
                 meta=meta,

@@ -4,7 +4,8 @@
 sources (:class:`~spotguard.notices.settings.NoticeSettings`), of the engine
 (:class:`~spotguard.checkpoint.settings.CheckpointSettings`) and of images
 (:class:`~spotguard.image.settings.ImageSettings`) as flags; ``drain`` and ``status``
-talk to a running agent through its local API, found with the same settings.
+talk to a running agent through its local API, found with the same settings. The ``[planner]``
+section reaches the agent's checkpoints from the same config file (no flags).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ import click
 from spotguard.agent.api import TOKEN_FILE
 from spotguard.agent.settings import AgentSettings, read_secret
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.cli import config_file
+from spotguard.cli import config
 from spotguard.config import load, options
 from spotguard.errors import ConfigError
 from spotguard.image.settings import ImageSettings
 from spotguard.notices.settings import NoticeSettings
+from spotguard.planner import PlannerSettings
 
 _API_ONLY = tuple(n for n in AgentSettings.model_fields if not n.startswith("api_"))
 _STATE_ONLY = tuple(n for n in CheckpointSettings.model_fields if n != "state_dir")
@@ -43,14 +45,15 @@ def agent(ctx: click.Context, /, **flags: Any) -> None:
     """
     from spotguard.agent.daemon import Agent
 
-    cfg = config_file(ctx)
+    cfg = config(ctx)  # read once; every settings group below comes from the same file
     settings = load(AgentSettings, flags, config_file=cfg)
     notices = load(NoticeSettings, flags, config_file=cfg)
     ckpt = load(CheckpointSettings, flags, config_file=cfg)
     image = load(ImageSettings, flags, config_file=cfg)
+    planner = load(PlannerSettings, {}, config_file=cfg)
 
     async def main() -> None:
-        daemon = Agent(settings, ckpt, notices, image=image)
+        daemon = Agent(settings, ckpt, notices, image=image, planner=planner)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop)
@@ -60,7 +63,7 @@ def agent(ctx: click.Context, /, **flags: Any) -> None:
 
 
 def _api(ctx: click.Context, flags: dict[str, Any]) -> tuple[str, str]:
-    cfg = config_file(ctx)
+    cfg = config(ctx)
     s = load(AgentSettings, flags, config_file=cfg)
     state = load(CheckpointSettings, flags, config_file=cfg).state_dir
     token = read_secret(s.api_token, s.api_token_file, "api_token")

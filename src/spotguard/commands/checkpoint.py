@@ -19,16 +19,17 @@ from spotguard.checkpoint.jobs import resolve_job, start_job
 from spotguard.checkpoint.scan import job_environment
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
-from spotguard.cli import config_file
+from spotguard.cli import config
 from spotguard.config import load, options
 from spotguard.image.settings import ImageSettings
+from spotguard.planner import PlannerSettings
 
 _RUN_ONLY = ("state_dir",)
 _ENGINE_EXCLUDE: tuple[str, ...] = ()
 
 
 def _settings(ctx: click.Context, flags: dict[str, Any]) -> CheckpointSettings:
-    return load(CheckpointSettings, flags, config_file=config_file(ctx))
+    return load(CheckpointSettings, flags, config_file=config(ctx))
 
 
 def _engine(s: CheckpointSettings) -> Engine:
@@ -129,9 +130,12 @@ def checkpoint(
     info = resolve_job(job, state_dir=s.state_dir)
     mode = Mode.RESUME if leave_running else Mode.EXIT
     if operations.is_url(to):
-        image = load(ImageSettings, {}, config_file=config_file(ctx))
+        image = load(ImageSettings, {}, config_file=config(ctx))
+        planner = load(PlannerSettings, {}, config_file=config(ctx))
         pushed = asyncio.run(
-            operations.checkpoint(info, to, mode=mode, settings=s, image_settings=image)
+            operations.checkpoint(
+                info, to, mode=mode, settings=s, image_settings=image, planner_settings=planner
+            )
         )
         if as_json:
             click.echo(json.dumps(pushed.to_json()))
@@ -162,7 +166,7 @@ def restore(ctx: click.Context, /, image: str, as_json: bool, **flags: Any) -> N
     (``…/images/latest`` works); it continues where it stopped."""
     s = _settings(ctx, flags)
     if operations.is_url(image):
-        settings = load(ImageSettings, {}, config_file=config_file(ctx))
+        settings = load(ImageSettings, {}, config_file=config(ctx))
         pulled = asyncio.run(operations.restore(image, settings=s, image_settings=settings))
         if as_json:
             click.echo(json.dumps(pulled.to_json()))
