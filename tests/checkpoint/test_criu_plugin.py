@@ -283,6 +283,10 @@ async def test_doctor_checks_the_version_and_reports_the_plugin(
 def test_the_preflight_lets_through_mappings_the_plugin_dumps() -> None:
     maps = ("/usr/lib/libc.so.6", "/dev/loop3", "/dev/nvidia0")
     refused = scan.ProcFacts(pid=9, name="worker", maps=maps)
-    assert [f.resource for f in scan.devices(refused)] == ["a mapping of the device /dev/loop3"]
-    allowed = scan.ProcFacts(pid=9, name="worker", maps=maps, plugin_devices=("/dev/loop",))
+    assert [f.resource.split(" (")[0] for f in scan.devices(refused)] == [
+        "a mapping of the device /dev/loop3",
+        "a leftover mapping of /dev/nvidia0",  # no CUDA state and no plugin to carry it
+    ]
+    plugin = ("/dev/loop", "/dev/nvidia")
+    allowed = scan.ProcFacts(pid=9, name="worker", maps=maps, plugin_devices=plugin)
     assert scan.devices(allowed) == []

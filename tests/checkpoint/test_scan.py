@@ -133,7 +133,7 @@ def test_rules_on_facts_anon_inodes_and_devices() -> None:
             FdFact(8, "/dev/null"),
             FdFact(9, "/dev/nvidiactl"),
         ),
-        maps=("/usr/lib/libc.so.6", "[heap]", "/dev/zero (deleted)", "/dev/mem", "/dev/nvidia0"),
+        maps=("/usr/lib/libc.so.6", "[heap]", "/dev/zero (deleted)", "/dev/mem"),
     )
     found = [str(f) for r in scan.RULES for f in r(facts)]
     assert found == [
@@ -145,6 +145,21 @@ def test_rules_on_facts_anon_inodes_and_devices() -> None:
         "pid 7 (job) holds a mapping of the device /dev/mem: CRIU cannot dump device memory "
         "mappings; unmap it before a checkpoint",
     ]
+
+
+def test_nvidia_mappings_belong_to_gpu_processes_or_the_plugin() -> None:
+    maps = ("/dev/nvidia0", "/dev/nvidiactl")
+    assert scan.devices(_proc(maps=maps, gpu=True)) == []
+    assert scan.devices(_proc(maps=maps, plugin_devices=("/dev/nvidia",))) == []
+    leftover = scan.devices(_proc(maps=maps))
+    assert [f.resource.split(" (")[0] for f in leftover] == [
+        "a leftover mapping of /dev/nvidia0",
+        "a leftover mapping of /dev/nvidiactl",
+    ]
+    assert "scripts/install-criu" in leftover[0].fix
+    # any device the plugin is told to carry (tests point it at a loop device)
+    assert scan.devices(_proc(maps=("/dev/loop1",), plugin_devices=("/dev/loop",))) == []
+    assert len(scan.devices(_proc(maps=("/dev/loop1",)))) == 1
 
 
 def test_other_parts_add_rules_and_see_the_environment() -> None:

@@ -18,8 +18,10 @@ Built in:
 * sockets of a family CRIU cannot dump (in none of /proc/net/{tcp,udp,raw,unix,netlink,
   packet}: vsock, AF_ALG, AF_XDP, SCTP, RDMA ...);
 * device files CRIU cannot carry: RDMA (``/dev/infiniband``), KVM, VFIO, DRM, AMD KFD
-  descriptors; mappings of any device other than /dev/zero, NVIDIA's (the GPU path and the
-  CRIU plugin own those) and those the CRIU plugin is told to dump (``plugin_devices``).
+  descriptors; mappings of any device other than /dev/zero, those the CRIU plugin is told
+  to dump (``plugin_devices``) and NVIDIA's in a process holding CUDA state (the GPU path
+  owns those); an inherited /dev/nvidia* mapping in a process without CUDA state (a forked
+  worker) with no plugin to carry it is refused, naming the installer.
 
 :func:`network_plan` decides the TCP options: ``--tcp-established`` exactly when a process
 of the tree holds a connected TCP socket, and the network lock CRIU takes while it dumps
@@ -54,7 +56,8 @@ UNDUMPABLE_DEVICES: dict[str, tuple[str, str]] = {
     "/dev/kfd": ("the AMD KFD device", "AMD GPUs are not supported"),
 }
 #: device mappings CRIU dumps itself (/dev/zero) or the GPU path handles (NVIDIA)
-_MAPPABLE_DEVICES = ("/dev/zero", "/dev/shm/", "/dev/nvidia")
+_MAPPABLE_DEVICES = ("/dev/zero", "/dev/shm/")
+_NVIDIA = "/dev/nvidia"
 TCP_STATES = {
     1: "ESTABLISHED",
     2: "SYN_SENT",
@@ -278,10 +281,36 @@ def socket_families(proc: ProcFacts) -> list[Finding]:
     ]
 
 
+def _device_map_finding(proc: ProcFacts, path: str) -> Finding | None:
+    """A mapping of ``path`` CRIU cannot dump, or None."""
+    if not path.startswith("/dev/") or path.startswith(_MAPPABLE_DEVICES):
+        return None
+    if proc.plugin_devices and path.startswith(proc.plugin_devices):
+        return None
+    if path.startswith(_NVIDIA):
+        if proc.gpu:
+            return None  # the driver checkpoint releases it before CRIU runs
+        return Finding(
+            proc.pid,
+            proc.name,
+            f"a leftover mapping of {path} (inherited from a CUDA process, no CUDA context)",
+            "CRIU cannot dump device mappings without spotguard's CRIU plugin",
+            "run scripts/install-criu on a host with a C compiler (it builds the plugin), or "
+            "start workers with the spawn method",
+        )
+    return Finding(
+        proc.pid,
+        proc.name,
+        f"a mapping of the device {path}",
+        "CRIU cannot dump device memory mappings",
+        "unmap it before a checkpoint",
+    )
+
+
 @rule
 def devices(proc: ProcFacts) -> list[Finding]:
-    """Device files CRIU cannot carry: listed device descriptors, any device mapping but
-    /dev/zero and NVIDIA's."""
+    """Device files CRIU cannot carry: listed device descriptors, device mappings (see
+    :func:`_device_map_finding`)."""
     out: list[Finding] = []
     seen: set[str] = set()
     for f in proc.fds:
@@ -291,19 +320,10 @@ def devices(proc: ProcFacts) -> list[Finding]:
                 resource = f"{what} ({f.target}, fd {f.fd})"
                 why = "CRIU cannot save the device's state"
                 out.append(Finding(proc.pid, proc.name, resource, why, fix))
-    mappable = _MAPPABLE_DEVICES + proc.plugin_devices
     for m in proc.maps:
-        if m.startswith("/dev/") and not m.startswith(mappable) and m not in seen:
-            seen.add(m)
-            out.append(
-                Finding(
-                    proc.pid,
-                    proc.name,
-                    f"a mapping of the device {m}",
-                    "CRIU cannot dump device memory mappings",
-                    "unmap it before a checkpoint",
-                )
-            )
+        found = _device_map_finding(proc, m)
+        if found is not None:
+            out.append(found)
     return out
 
 
