@@ -108,8 +108,9 @@ def fuse_device() -> str:
 
 
 @pytest.fixture
-def loop_device(tmp_path: Path) -> Iterator[str]:
-    """A loop block device over a 1 MiB file: mmap-able, and CRIU cannot map it itself."""
+def loop_device(tmp_path: Path, launch: Launch) -> Iterator[str]:
+    """A loop block device over a 1 MiB file: mmap-able, and CRIU cannot map it itself.
+    (Depends on ``launch`` so the jobs holding it are gone before it is detached.)"""
     backing = tmp_path / "loop-backing"
     backing.write_bytes(b"\0" * (1 << 20))
     out = subprocess.run(
