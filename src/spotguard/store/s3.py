@@ -265,7 +265,14 @@ class S3Store(BlockingStore):
             if _status(exc) == 404:
                 return None
             raise
-        return ObjectInfo(key, int(r["ContentLength"]), r["LastModified"].astimezone(UTC))
+        size, modified = r.get("ContentLength"), r.get("LastModified")
+        if not isinstance(size, int) or not isinstance(modified, datetime):
+            missing = "Content-Length" if not isinstance(size, int) else "Last-Modified"
+            raise StoreError(
+                f"{self.url}/{key}: the server's HEAD answer has no {missing} header "
+                "(is the endpoint an S3-compatible server?)"
+            )
+        return ObjectInfo(key, size, modified.astimezone(UTC))
 
     def _list(self, prefix: str) -> list[ObjectInfo]:
         out: list[ObjectInfo] = []
