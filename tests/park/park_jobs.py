@@ -1,8 +1,10 @@
 """Small real jobs for the park tests (run as scripts by ``spotguard run``).
 
-``pair STEPS``: a parent and a forked worker talking over a socketpair and over loopback TCP;
-each step the parent sends a number to the worker both ways and prints what came back, so
-the output is a pure function of the step — any lost or repeated step shows.
+``pair STEPS [GATE]``: a parent and a forked worker talking over a socketpair and over loopback
+TCP; each step the parent sends a number to the worker both ways and prints what came back, so
+the output is a pure function of the step — any lost or repeated step shows. With GATE (a
+path), the pair waits before its last quarter of steps until that file exists, so a test can
+park and unpark it as often as it likes before it ends.
 
 ``server PORT``: an HTTP server holding a counter in memory; ``GET /next`` answers the next
 number, ``GET /ping`` answers ``pong`` without touching the counter.
@@ -19,7 +21,7 @@ import sys
 import time
 
 
-def pair(steps: int) -> None:
+def pair(steps: int, gate: str | None = None) -> None:
     a, b = socket.socketpair()
     lsock = socket.socket()
     lsock.bind(("127.0.0.1", 0))
@@ -38,6 +40,9 @@ def pair(steps: int) -> None:
     b.close()
     conn, _ = lsock.accept()
     for i in range(steps):
+        if gate is not None and i == steps * 3 // 4:
+            while not os.path.exists(gate):
+                time.sleep(0.05)
         a.sendall(str(i).encode())
         sq = int(a.recv(64))
         tr = int(conn.recv(16))
@@ -85,7 +90,7 @@ def sleeper() -> None:
 if __name__ == "__main__":
     what = sys.argv[1]
     if what == "pair":
-        pair(int(sys.argv[2]))
+        pair(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
     elif what == "server":
         server(int(sys.argv[2]))
     elif what == "busy":

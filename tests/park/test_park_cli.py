@@ -72,14 +72,17 @@ def test_forked_pair_parked_to_memory_and_unparked_output_exact(sg: Sg, state_di
     assert _lines(state_dir, "pair") == EXPECTED
 
 
-def test_back_to_back_park_unpark_to_disk_twice(sg: Sg, state_dir: Path) -> None:
-    ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS)))
+def test_back_to_back_park_unpark_to_disk_twice(sg: Sg, state_dir: Path, tmp_path: Path) -> None:
+    gate = tmp_path / "go"
+    ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS),
+               str(gate)))  # fmt: skip
     _wait(lambda: len(_lines(state_dir, "pair")) >= 3, "the pair to make progress")
     for _ in range(2):
         parked = ok_json(sg("park", "pair", "--to", "disk", "--json"))
         assert parked["place"] == "disk"
         assert Path(parked["where"]).is_relative_to(state_dir)
         ok_json(sg("unpark", "pair", "--json"))
+    gate.touch()
     _wait(lambda: "done" in _lines(state_dir, "pair"), "the pair to finish")
     assert _lines(state_dir, "pair") == EXPECTED
 
@@ -134,9 +137,11 @@ def test_port_taken_while_parked_is_a_clear_error_and_state_is_kept(
     assert _get(port) == "2"
 
 
-def test_refusals_are_one_line_and_lose_nothing(sg: Sg, state_dir: Path) -> None:
+def test_refusals_are_one_line_and_lose_nothing(sg: Sg, state_dir: Path, tmp_path: Path) -> None:
     assert "no job" in _one_line_error(sg("park", "nosuchjob"))
-    ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS)))
+    gate = tmp_path / "go"
+    ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS),
+               str(gate)))  # fmt: skip
     _wait(lambda: len(_lines(state_dir, "pair")) >= 2, "the pair to make progress")
     line = _one_line_error(sg("park", "pair", "--to", "tape"))
     assert "--to 'tape'" in line
@@ -145,6 +150,7 @@ def test_refusals_are_one_line_and_lose_nothing(sg: Sg, state_dir: Path) -> None
     ok_json(sg("park", "pair", "--json"))
     assert "already parked" in _one_line_error(sg("park", "pair"))
     ok_json(sg("unpark", "pair", "--json"))
+    gate.touch()
     _wait(lambda: "done" in _lines(state_dir, "pair"), "the pair to finish")
     assert _lines(state_dir, "pair") == EXPECTED
 
