@@ -37,7 +37,9 @@ from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import start_job
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.image import ImageSettings
 from spotguard.notices.settings import NoticeSettings
+from spotguard.planner import PlannerSettings
 from spotguard.simulator import MetadataSim
 
 SAMPLE = [
@@ -81,7 +83,7 @@ async def one_run(
         job=["bench"], store=store, api_listen="127.0.0.1:0", assignment=root / "none.json"
     )
     notices = NoticeSettings(cloud=cloud, poll_interval=1.0)
-    agent = Agent(settings, ckpt, notices)
+    agent = Agent(settings, ckpt, notices, image=ImageSettings(), planner=PlannerSettings())
     task = asyncio.create_task(agent.run())
     try:
         while "bench" not in agent.workers:  # noqa: ASYNC110 - polling the daemon from outside
@@ -94,15 +96,15 @@ async def one_run(
             if worker.failures:
                 raise RuntimeError("checkpoint failed (see log)")
             await asyncio.sleep(0.01)
-        last = worker.last_image or {}
-        frozen = datetime.fromisoformat(last["frozen_at"]).timestamp()
-        durable = datetime.fromisoformat(last["durable_at"]).timestamp()
+        if worker.last_image is None:
+            raise RuntimeError("no image (see log)")
+        frozen, durable = worker.last_image.frozen_at, worker.last_image.durable_at
         return {
             "frozen_s": frozen - injected,
             "durable_s": durable - injected,
-            "freeze_s": last["freeze_seconds"],
-            "bytes": last["bytes"],
-            "stored": last["stored_bytes"],
+            "freeze_s": round(worker.last_image.freeze_seconds, 3),
+            "bytes": worker.last_image.bytes,
+            "stored": worker.last_image.stored_bytes,
         }
     finally:
         agent.request_stop()

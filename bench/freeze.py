@@ -40,7 +40,7 @@ from spotguard.checkpoint.cuda import CudaHook, GpuHook, NoGpu, _Driver, invento
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 
 CPU_JOB = """
 import os, sys, time

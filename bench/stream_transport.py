@@ -42,7 +42,7 @@ from spotguard.errors import CriuError
 from spotguard.image.reader import ImageReader
 from spotguard.image.writer import ImageWriter
 from spotguard.stream import Capture, Serve
-from spotguard.stream.target import ImageSink, _ReaderSource
+from spotguard.stream.direct import ImageSink, _ReaderSource
 
 MiB = 1 << 20
 JOB = """

@@ -18,7 +18,9 @@ from aiohttp import web
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.image import ImageSettings
 from spotguard.notices.settings import NoticeSettings
+from spotguard.planner import PlannerSettings
 
 TOKEN = "controller-token"
 
@@ -156,7 +158,13 @@ async def running_agent(
         agent.setdefault("controller_token", TOKEN)
     settings = AgentSettings(**agent)
     notices = NoticeSettings(cloud=cloud, poll_interval=0.2, long_poll=5, timeout=2.0)
-    daemon = Agent(settings, host.checkpoint_settings(**(checkpoint or {})), notices)
+    daemon = Agent(
+        settings,
+        host.checkpoint_settings(**(checkpoint or {})),
+        notices,
+        image=ImageSettings(),
+        planner=PlannerSettings(),
+    )
     task = asyncio.create_task(daemon.run())
     try:
         yield daemon

@@ -78,13 +78,13 @@ async def test_migrate_of_an_idle_job_is_drained_through_the_directive_poll(
                 worker = agent.workers["train"]
                 await wait_until(lambda: worker.state == "exited", limit_s=20)
                 assert worker.last_image is not None
-                assert worker.last_image["notice"].startswith("manual-")
+                assert (worker.last_notice or "").startswith("manual-")
                 assert agent.directives is not None and agent.directives.polls >= 1
                 assert not proctree.alive(job.pid)
             view = await srv.controller.view("train")
             moves = [h["to"] for h in view["history"] if h["from"] != h["to"]]
             assert moves[:4] == ["protected", "interrupting", "checkpointed", "launching"], moves
-            assert view["image_url"] == worker.last_image["url"]
+            assert view["image_url"] == worker.last_image.image_url
     finally:
         if proctree.alive(job.pid):
             os.kill(job.pid, signal.SIGKILL)

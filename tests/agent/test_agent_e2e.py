@@ -31,7 +31,7 @@ from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.contracts import Assignment
-from spotguard.image import ImageReader, latest_image, verify_image
+from spotguard.image import ImageReader, ImageSettings, latest_image, verify_image
 from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
@@ -104,8 +104,10 @@ async def test_aws_spot_terminate_image_in_s3_restores_identically(
     assert meta["notice"]["kind"] == "preempt" and meta["reason"]
     assert {"gpu", "host", "criu_version", "staging", "frozen_at"} <= set(meta)
 
-    restored = await operations.restore(durable["image_url"], settings=host.checkpoint_settings())
-    assert restored.job == "train"
+    restored = await operations.restore(
+        durable["image_url"], settings=host.checkpoint_settings(), image_settings=ImageSettings()
+    )
+    assert restored.job.name == "train"
     assert await job_output_when_done(job.dir) == reference_output
 
 
@@ -167,7 +169,9 @@ async def test_azure_preempt_is_acknowledged_after_the_image_is_durable(
         await wait_until(lambda: sim.state.acks == [sent.id])
     assert event(sink, "notice")["notice"]["id"] == sent.id
     await operations.restore(
-        event(sink, "durable")["image_url"], settings=host.checkpoint_settings()
+        event(sink, "durable")["image_url"],
+        settings=host.checkpoint_settings(),
+        image_settings=ImageSettings(),
     )
     assert await job_output_when_done(job.dir) == reference_output
 
@@ -265,10 +269,12 @@ async def test_manual_drain_through_the_local_api_and_cli(
 async def test_failed_checkpoint_is_reported_and_protection_continues(
     host: Host, sink: EventSink, sim: MetadataSim, job: JobInfo, tmp_path: Path
 ) -> None:
-    blocker = tmp_path / "not-a-dir"
-    blocker.write_text("a file where the store should be")
-    async with running_agent(host, sink, job=["train"], store=f"file://{blocker}/store") as agent:
+    store = tmp_path / "store"
+    async with running_agent(host, sink, job=["train"], store=f"file://{store}") as agent:
         await wait_until(lambda: "started" in sink.kinds("train"))
+        # The store was usable at start (checked then); now a file stands where it was.
+        store.rmdir()
+        store.write_text("a file where the store should be")
         sim.state.send("aws", "rebalance")
         await wait_until(lambda: "checkpoint_failed" in sink.kinds("train"))
         assert agent.workers["train"].state == "protecting"

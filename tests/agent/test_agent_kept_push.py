@@ -26,7 +26,7 @@ from agent_helpers import (
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, start_job
-from spotguard.image import latest_image
+from spotguard.image import ImageSettings, latest_image
 from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
@@ -79,7 +79,7 @@ async def test_kept_image_is_pushed_once_the_store_heals_even_across_a_restart(
             assert status["jobs"][0]["kept"] and status["jobs"][0]["state"] == "pushing"
             assert b"spotguard_kept_images 1.0" in agent.metrics.render()
         # The agent stopped with the store still down: the image waits on this host.
-        [record] = operations.kept_images(host.state)
+        [record] = operations.kept_images_of(host.checkpoint_settings()).scan()
         assert record.dir.is_dir() and "durable" not in sink.kinds("train")
 
         # A new agent (no metadata service needed: cloud none) carries on and the store heals.
@@ -98,14 +98,19 @@ async def test_kept_image_is_pushed_once_the_store_heals_even_across_a_restart(
         assert durable["detail"]["mode"] == "exit"
         assert durable["notice"]["kind"] == "preempt"  # the exit it completes
         assert durable["instance"]["instance_type"] == "g5.xlarge"
-        assert operations.kept_images(host.state) == [] and not record.dir.exists()
+        assert (
+            operations.kept_images_of(host.checkpoint_settings()).scan() == []
+            and not record.dir.exists()
+        )
         assert await latest_image(store, "train") == durable["image_url"]
         assert "job_finished" not in sink.kinds("train")
 
         restored = await operations.restore(
-            durable["image_url"], settings=host.checkpoint_settings()
+            durable["image_url"],
+            settings=host.checkpoint_settings(),
+            image_settings=ImageSettings(),
         )
-        assert restored.job == "train"
+        assert restored.job.name == "train"
         assert await job_output_when_done(job.dir) == reference_output
     finally:
         for pid in (job.pid,):

@@ -26,7 +26,7 @@ from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import MARKER
 from spotguard.checkpoint.jobs import start_job
-from spotguard.image import latest_image, verify_image
+from spotguard.image import ImageSettings, latest_image, verify_image
 from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
@@ -107,6 +107,8 @@ async def test_agent_killed_during_freeze_leaves_job_running_and_last_image_inta
     # The previous image is still the restorable state of the job.
     os.kill(job.pid, signal.SIGKILL)
     await wait_until(lambda: not proctree.alive(job.pid), 10)
-    await operations.restore(previous, settings=host.checkpoint_settings())
+    await operations.restore(
+        previous, settings=host.checkpoint_settings(), image_settings=ImageSettings()
+    )
     expected, _ = await reference.communicate()
     assert await job_output_when_done(job.dir, 90) == expected.decode()

@@ -16,7 +16,7 @@ from ckpt_helpers import DEMO, Launch, lines, progresses, wait_exit, wait_for
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.meta import META_NAME, ImageMeta
-from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 
 pytestmark = pytest.mark.criu
 

@@ -17,7 +17,7 @@ from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import FREEZE_STEPS, Engine, Mode
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.checkpoint.targets import DirectoryTarget
+from spotguard.checkpoint.staging import DirectoryTarget
 from spotguard.checkpoint.testing import RecordingGpu
 from spotguard.errors import CheckpointError, GpuError, StepTimeout
 
@@ -132,7 +132,7 @@ FREEZER = textwrap.dedent(
     from spotguard.checkpoint.engine import Engine, Mode
     from spotguard.checkpoint.jobs import resolve_job
     from spotguard.checkpoint.settings import CheckpointSettings
-    from spotguard.checkpoint.targets import DirectoryTarget
+    from spotguard.checkpoint.staging import DirectoryTarget
 
     class Hang:
         async def before(self, step):

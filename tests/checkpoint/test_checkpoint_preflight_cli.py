@@ -18,7 +18,7 @@ from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import resolve_job
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.checkpoint.testing import RecordingGpu
 from spotguard.errors import MismatchError, PreflightError
 from spotguard.facts import GpuDevice, GpuInventory

@@ -25,7 +25,7 @@ from spotguard.checkpoint.cuda import CudaHook, driver_available, inventory
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import exit_status, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.timeline import Step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.criu]

@@ -78,7 +78,8 @@ async def test_streamed_freeze_and_restore_match_an_uninterrupted_run(
     job = await _start(job_script, tmp_path / "state", f"stream-{backend}")
     target = StreamTarget(store, work_root=tmp_path / "work", writer_options=SMALL)
     result = await engine.freeze(job, target, Mode.EXIT)
-    assert target.manifest is not None and target.url is None  # committed, writer closed
+    assert target.manifest is not None and target.url is not None  # committed
+    assert target.url.endswith(target.manifest.image_id)
     assert not psutil.pid_exists(job.pid) or psutil.Process(job.pid).status() == "zombie"
     names = [s.name for s in target.timeline_steps]
     assert {"stream_capture", "image_commit", "stream_durable"} <= set(names)

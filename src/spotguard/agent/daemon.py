@@ -1,61 +1,63 @@
 """The agent daemon: notice sources → bus → policy → one checkpoint at a time per job → report.
 
-Start-up, in order (each step one log line):
+Start-up, in order (each step one log line; :mod:`spotguard.agent.startup`):
 
-1. recover: a job left mid-checkpoint by a killed agent (an operation marker exists) is
-   handed to the engine's ``recover`` so it runs again — never frozen, never locked; staged
-   images a failed exit kept (:func:`spotguard.operations.kept_images`) are pushed again
-   (:class:`~spotguard.agent.pusher.KeptPusher`) until durable;
-2. instance facts from the metadata service (for reports and image metadata);
-3. the assignment, if any and not done yet: restore the job, report RESTORING/RESTORED;
-4. protect every job (``--job`` values and the restored one): a :class:`JobWorker` each;
-5. the local API and the controller reporter; with a controller, a directive poll every
+1. lock the state dir (one agent per state dir) and check the store URL (usable here, its
+   SDK installed): the agent refuses to start rather than fail at the first notice;
+2. recover: a job left mid-freeze by a killed agent (the engine's marker exists) is brought
+   back by the engine's ``recover`` — never frozen, never locked; staged images not durable yet
+   (:class:`spotguard.operations.KeptImages`: recorded, or orphaned and adopted) are pushed to
+   the configured store (:class:`~spotguard.agent.pusher.KeptPusher`) until durable;
+3. instance facts from the metadata service (for reports and image metadata);
+4. the assignment, if any and not done yet: restore the job, report RESTORING/RESTORED;
+5. protect every job (``--job`` values and the restored one): a :class:`JobWorker` each. A job
+   this agent stopped with an exit checkpoint (its :mod:`ledger <spotguard.agent.ledger>`
+   says so) is not "finished by itself"; a job whose newest image was written by another
+   instance is left alone (the agent stands down); a job named by name is watched after it
+   ends, and protected again when it comes back (``spotguard restore`` by hand);
+6. the local API and the controller reporter; with a controller, a directive poll every
    ``directive_poll_s`` seconds per protected job (:mod:`spotguard.agent.directives`);
-6. watch notices (the cloud's source, if any — ``cloud = none`` has none — and the manual
-   drain source, through the bus).
-
-A notice is counted, reported (NOTICE), decided by the :class:`Policy` and queued on every
-active job. A cancelled notice drops what is still waiting. Azure events are acknowledged once
-every job's image for them is durable (at once when the policy does nothing).
+7. watch notices (:mod:`spotguard.agent.dispatch`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime
-from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from spotguard import operations
-from spotguard.checkpoint.jobs import JobInfo, list_jobs
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.contracts import AgentEvent, EventKind
-from spotguard.errors import NoticeError, SpotguardError
+from spotguard.errors import SpotguardError
 from spotguard.facts import InstanceFacts
-from spotguard.image import ImageSettings, latest_image
-from spotguard.notices.base import Cloud, Notice, NoticeSource
+from spotguard.image import ImageSettings
+from spotguard.notices.base import NoticeSource
 from spotguard.notices.bus import NoticeBus
 from spotguard.notices.manual import ManualSource
 from spotguard.notices.settings import NoticeSettings
 from spotguard.planner import PlannerSettings
 
-from . import targets
+from . import jobspec, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
+from .dispatch import NoticeHandling
+from .ledger import JobState, Ledger, newest_image, runs_elsewhere, stopped_by_us
 from .metrics import AgentMetrics
-from .policy import Action, Policy
+from .policy import Policy
 from .pusher import KeptPusher
 from .reporter import Reporter
 from .restore import read_assignment, restore_assignment
 from .settings import AgentSettings, read_secret
 from .sources import cloud_sources, instance_facts
-from .worker import JobWorker, Request
+from .worker import JobWorker
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +65,9 @@ LIVENESS_S = 1.0
 RESOLVE_RETRY_S = 5.0
 
 
-class Agent:
-    """One agent process: protects jobs on this VM (see the module docstring)."""
+class Agent(NoticeHandling):
+    """One agent process: protects jobs on this VM (see the module docstring). Every
+    settings group is loaded once by the caller (``spotguard agent``) and passed in."""
 
     def __init__(
         self,
@@ -72,9 +75,9 @@ class Agent:
         checkpoint: CheckpointSettings,
         notices: NoticeSettings,
         *,
-        image: ImageSettings | None = None,
-        sources: Sequence[NoticeSource] | None = None,
+        image: ImageSettings,
         planner: PlannerSettings | None = None,
+        sources: Sequence[NoticeSource] | None = None,
     ) -> None:
         self.settings = settings
         self.image_settings = image
@@ -87,6 +90,8 @@ class Agent:
         self.manual = ManualSource()
         self._extra_sources = list(sources) if sources is not None else None
         self.workers: dict[str, JobWorker] = {}
+        self.ledger = Ledger(self.dir / "jobs")
+        self.kept = operations.kept_images_of(checkpoint)
         self.instance = InstanceFacts()
         self.cloud: str | None = None
         self.store = settings.store
@@ -96,7 +101,10 @@ class Agent:
         self.pusher = KeptPusher(
             metrics=self.metrics,
             on_durable=self._kept_durable,
+            store_url=self.store,
+            images=self.kept,
             image_settings=image,
+            instance=lambda: self.instance,
             max_backoff_s=settings.push_retry_max_s,
         )
         self.directives: DirectivePoller | None = None
@@ -108,6 +116,7 @@ class Agent:
         self._stop = asyncio.Event()
         self._started = time.time()
         self._controller_drain = False
+        self._lock: IO[str] | None = None
 
     # --- wiring ---------------------------------------------------------------------------
 
@@ -137,7 +146,7 @@ class Agent:
             "controller-drain",
         )
 
-    def _spawn(self, coro: Any, name: str) -> asyncio.Task[Any]:
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
@@ -147,60 +156,82 @@ class Agent:
         self._stop.set()
 
     async def run(self) -> None:
-        """Run until :meth:`request_stop` (or, with ``exit_when_done``, until no job is left)."""
-        self.dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        assignment = read_assignment(self.settings.assignment)
-        if assignment is not None:
-            if not self.settings.controller_url and assignment.controller_url:
-                self.reporter = self._reporter(
-                    assignment.controller_url, assignment.controller_token
-                )
-            if assignment.store and self.store == AgentSettings.model_fields["store"].default:
-                self.store = assignment.store
-        await self.reporter.start()
+        """Run until :meth:`request_stop` (or, with ``exit_when_done``, until no job is left).
+        Raises :class:`~spotguard.errors.ConfigError` before anything else when this agent
+        cannot work (another agent on the state dir, an unusable store)."""
+        self._lock = startup.lock_state_dir(self.dir)
         try:
-            await self._recover()
-            for kept in operations.kept_images(self.checkpoint_settings.state_dir):
-                self.pusher.add(kept)
-            self.cloud, sources = await cloud_sources(self.notice_settings, self._extra_sources)
-            self.instance = await instance_facts(self.cloud, self.notice_settings)
-            log.info(
-                "agent starting",
-                extra={
-                    "step": "start",
-                    "cloud": self.cloud or "none",
-                    "store": self.store,
-                    "instance": self.instance.to_json(),
-                    "controller": self.reporter.url,
-                },
-            )
-            token = ensure_token(
-                self.dir,
-                read_secret(self.settings.api_token, self.settings.api_token_file, "api_token"),
-            )
-            self.api = AgentApi(self, self.metrics, self.settings.api_listen, token)
-            await self.api.start()
-            specs = list(self.settings.job)
+            assignment = read_assignment(self.settings.assignment)
             if assignment is not None:
-                restored = await restore_assignment(
-                    assignment,
-                    records=self.dir / "assignments",
-                    restore=self._restore,
-                    reporter=self.reporter,
-                    instance=self.instance.to_json(),
-                )
-                if restored is not None and restored.job not in specs:
-                    specs.append(restored.job)
-            for spec in specs:
-                self._spawn(self._protect(spec), f"protect-{spec}")
-            self._poll_directives()
-            self.bus = NoticeBus(
-                [*sources, self.manual], backoff_max=self.notice_settings.backoff_max
-            )
-            self._spawn(self._watch(self.bus), "notices")
-            await self._stop.wait()
+                if not self.settings.controller_url and assignment.controller_url:
+                    self.reporter = self._reporter(
+                        assignment.controller_url, assignment.controller_token
+                    )
+                if assignment.store and self.store == AgentSettings.model_fields["store"].default:
+                    self.store = self.pusher.store_url = assignment.store
+            await startup.check_store(self.store, self.image_settings)
+            await self.reporter.start()
+            try:
+                await self._start(assignment)
+                await self._stop.wait()
+            finally:
+                await self._shutdown()
         finally:
-            await self._shutdown()
+            self._lock.close()
+
+    async def _start(self, assignment: Any) -> None:
+        await startup.recover_interrupted(self.checkpoint_settings, self._recovered)
+        for kept in self.kept.scan():
+            self.pusher.add(kept)
+        self.cloud, sources = await cloud_sources(self.notice_settings, self._extra_sources)
+        self.instance = await instance_facts(self.cloud, self.notice_settings)
+        log.info(
+            "agent starting",
+            extra={
+                "step": "start",
+                "cloud": self.cloud or "none",
+                "store": self.store,
+                "instance": self.instance.to_json(),
+                "controller": self.reporter.url,
+            },
+        )
+        token = ensure_token(
+            self.dir,
+            read_secret(self.settings.api_token, self.settings.api_token_file, "api_token"),
+        )
+        self.api = AgentApi(self, self.metrics, self.settings.api_listen, token)
+        await self.api.start()
+        specs = list(self.settings.job)
+        if assignment is not None:
+            restored = await restore_assignment(
+                assignment,
+                records=self.dir / "assignments",
+                restore=self._restore,
+                reporter=self.reporter,
+                instance=self.instance.to_json(),
+            )
+            if restored is not None and restored.job not in specs:
+                specs.append(restored.job)
+        for spec in specs:
+            self._spawn(self._protect(spec), f"protect-{spec}")
+        self._poll_directives()
+        self.bus = NoticeBus([*sources, self.manual], backoff_max=self.notice_settings.backoff_max)
+        self._spawn(self._watch(self.bus), "notices")
+
+    def _recovered(self, info: JobInfo, seconds: float) -> None:
+        log.info(
+            "recovered job left mid-checkpoint",
+            extra={"step": "recover", "job": info.name, "seconds": round(seconds, 3)},
+        )
+        self.metrics.failures.labels("recover").inc()
+        self.reporter.emit(
+            AgentEvent(
+                job=info.name,
+                kind=EventKind.CHECKPOINT_FAILED,
+                error="the agent stopped during a checkpoint; the job runs on",
+                detail={"step": "recover", "thawed": True},
+            )
+        )
 
     async def _shutdown(self) -> None:
         """Let a running checkpoint finish (the job must not stay frozen), then stop."""
@@ -224,14 +255,12 @@ class Agent:
 
     # --- jobs -------------------------------------------------------------------------------
 
-    async def _protect(self, spec: str) -> None:
-        """Resolve ``spec`` (retrying: the job may start after the agent), then guard it."""
-        state_dir = self.checkpoint_settings.state_dir
+    async def _resolve(self, spec: str) -> JobInfo:
+        """Resolve ``spec`` (retrying: the job may start after the agent)."""
         warned = False
         while True:
             try:
-                info = targets.resolve(spec, state_dir=state_dir)
-                break
+                return jobspec.resolve(spec, state_dir=self.checkpoint_settings.state_dir)
             except SpotguardError as exc:
                 if not warned:
                     log.warning(
@@ -241,18 +270,54 @@ class Agent:
                     self.metrics.failures.labels("job").inc()
                     warned = True
                 await asyncio.sleep(RESOLVE_RETRY_S)
-        if info.name in self.workers and self.workers[info.name].active:
+
+    async def _protect(self, spec: str) -> None:
+        """Guard the job ``spec`` names; a job named by name is watched after it ends and
+        guarded again when it runs again (restored by hand, or by a new assignment)."""
+        info = await self._resolve(spec)
+        while True:
+            await self._guard(info)
+            self._maybe_done()
+            if not jobspec.by_name(spec):
+                return
+            info = await self._comes_back(spec, info.pid)
+
+    async def _comes_back(self, spec: str, old_pid: int) -> JobInfo:
+        """Wait until the job ``spec`` runs again under a new pid."""
+        while True:
+            await asyncio.sleep(RESOLVE_RETRY_S)
+            with contextlib.suppress(SpotguardError):
+                info = jobspec.resolve(spec, state_dir=self.checkpoint_settings.state_dir)
+                if info.pid != old_pid and proctree.alive(info.pid):
+                    log.info(
+                        "job runs again; protecting it",
+                        extra={"step": "protect", "job": info.name, "pid": info.pid},
+                    )
+                    return info
+
+    async def _guard(self, info: JobInfo) -> None:
+        current = self.workers.get(info.name)
+        if current is not None and current.active:
             return
         if info.name in self.pusher.jobs():
             # Stopped by an exit whose image still waits for the store: nothing to protect.
             self._worker(info).state = "pushing"
             return
-        last = await self._latest_image_time(info.name)
+        if stopped_by_us(self.ledger, info):
+            self._worker(info).state = "exited"
+            return
+        newest = await self._newest_image(info.name)
+        if await runs_elsewhere(
+            self.ledger, info.name, newest, self.instance.instance_id, self.image_settings
+        ):
+            return
+        last = newest[1] if newest is not None else None
         worker = self._worker(info, last)
         log.info(
             "protecting job",
             extra={"step": "protect", "job": info.name, "pid": info.pid, "dir": str(info.dir)},
         )
+        self.ledger.put(info.name, info.pid, "protecting")
         self.reporter.emit(
             AgentEvent(
                 job=info.name,
@@ -266,7 +331,6 @@ class Agent:
             await worker.run()
         finally:
             watcher.cancel()
-        self._maybe_done()
 
     def _worker(self, info: JobInfo, last_image_at: float | None = None) -> JobWorker:
         worker = JobWorker(
@@ -287,11 +351,16 @@ class Agent:
     def _kept_durable(
         self, kept: operations.KeptImage, result: operations.CheckpointResult
     ) -> None:
-        """A kept image landed: report it as the DURABLE of the exit that stopped its job."""
+        """A kept image landed: report it as the DURABLE of the checkpoint that made it."""
         worker = self.workers.get(kept.job)
         if worker is None:  # kept by an earlier agent; the job is not protected here
             info = JobInfo(name=kept.job, pid=0, dir=self.checkpoint_settings.jobs_dir / kept.job)
             worker = self._worker(info)
+        if result.mode == "exit":
+            self.ledger.put(
+                kept.job, worker.pid, "exited", image_url=result.image_url,
+                image_at=result.frozen_at,
+            )  # fmt: skip
         notice = kept.meta.get("notice")
         worker.kept_durable(result, notice if isinstance(notice, dict) else None)
         self._maybe_done()
@@ -327,9 +396,6 @@ class Agent:
             log.info("no job left to protect; stopping", extra={"step": "stop"})
             self.request_stop()
 
-    def _marker(self, job: str) -> Path:
-        return self.dir / "ops" / f"{job}.json"
-
     async def _checkpoint(
         self,
         info: JobInfo,
@@ -338,13 +404,8 @@ class Agent:
         meta: dict[str, Any],
         on_frozen: operations.OnFrozen,
     ) -> operations.CheckpointResult:
-        marker = self._marker(info.name)
-        marker.parent.mkdir(parents=True, exist_ok=True)
-        marker.write_text(
-            json.dumps({"job": info.to_json(), "mode": mode, "started": time.time(), **meta})
-        )
         try:
-            return await operations.checkpoint(
+            result = await operations.checkpoint(
                 info,
                 self.store,
                 mode=mode,
@@ -356,16 +417,16 @@ class Agent:
                 meta=meta,
                 on_frozen=on_frozen,
             )
-        except Exception:
-            kept = operations.kept_images(self.checkpoint_settings.state_dir, job=info.name)
-            if mode == "exit" and kept:
-                # The job was stopped and its image is kept here: push it until it lands.
-                self.workers[info.name].pushing = True
-                for k in kept:
-                    self.pusher.add(k)
+        except operations.ImageKept as exc:
+            # The job was stopped and its image is kept here: push it until it lands.
+            self.ledger.put(info.name, info.pid, "pushing")
+            self.pusher.add(exc.kept)
             raise
-        finally:
-            marker.unlink(missing_ok=True)
+        state: JobState = "exited" if result.mode == "exit" else "protecting"
+        self.ledger.put(
+            info.name, info.pid, state, image_url=result.image_url, image_at=result.frozen_at
+        )
+        return result
 
     async def _restore(self, image_url: str, job: str) -> operations.RestoreResult:
         return await operations.restore(
@@ -375,10 +436,11 @@ class Agent:
             job_name=job,
         )
 
-    async def _latest_image_time(self, job: str) -> float | None:
-        """When the newest complete image of ``job`` was taken (from its sortable id)."""
+    async def _newest_image(self, job: str) -> tuple[str, float] | None:
+        """The newest complete image of ``job`` and when it was taken (None: none, or the
+        store cannot say now)."""
         try:
-            url = await latest_image(self.store, job, settings=self.image_settings)
+            newest = await newest_image(self.store, job, self.image_settings)
         except SpotguardError as exc:
             self.metrics.failures.labels("store").inc()
             log.warning(
@@ -386,168 +448,9 @@ class Agent:
                 extra={"step": "store", "job": job, "error": str(exc)},
             )
             return None
-        if url is None:
-            return None
-        image_id = url.rstrip("/").rsplit("/", 1)[-1]
-        try:
-            at = datetime.strptime(image_id.split("-", 1)[0], "%Y%m%dT%H%M%S%fZ")
-        except ValueError:
-            return None
-        stamp = at.replace(tzinfo=UTC).timestamp()
-        self.metrics.image_durable(job, stamp)
-        return stamp
-
-    async def _recover(self) -> None:
-        """Bring back every job a killed agent (or CLI) left mid-checkpoint: the engine's
-        ``recover`` for each job under the state dir and each job with an agent marker."""
-        ops_dir = self.dir / "ops"
-        interrupted: dict[str, dict[str, Any]] = {}
-        for marker in sorted(ops_dir.glob("*.json")) if ops_dir.is_dir() else []:
-            try:
-                data = json.loads(marker.read_text())
-                interrupted[JobInfo.from_json(data["job"]).name] = data
-            except (OSError, ValueError, KeyError) as exc:
-                log.warning(
-                    "unreadable operation marker dropped",
-                    extra={"step": "recover", "file": str(marker), "error": str(exc)},
-                )
-            marker.unlink(missing_ok=True)
-        jobs = {j.name: j for j in list_jobs(self.checkpoint_settings.state_dir)}
-        for name, data in interrupted.items():
-            jobs.setdefault(name, JobInfo.from_json(data["job"]))
-        for info in jobs.values():
-            t0 = time.monotonic()
-            try:
-                thawed = await operations.recover(info, settings=self.checkpoint_settings)
-            except SpotguardError as exc:
-                self.metrics.failures.labels("recover").inc()
-                log.error(
-                    "recovery failed",
-                    extra={"step": "recover", "job": info.name, "error": str(exc)},
-                )
-                continue
-            if not thawed and info.name not in interrupted:
-                continue
-            data = interrupted.get(info.name, {})
-            log.info(
-                "recovered job left mid-checkpoint",
-                extra={
-                    "step": "recover",
-                    "job": info.name,
-                    "thawed": thawed,
-                    "interrupted": data.get("mode"),
-                    "seconds": round(time.monotonic() - t0, 3),
-                },
-            )
-            self.reporter.emit(
-                AgentEvent(
-                    job=info.name,
-                    kind=EventKind.CHECKPOINT_FAILED,
-                    error="the agent stopped during a checkpoint; the job runs on",
-                    detail={"step": "recover", "thawed": thawed, "interrupted": data.get("mode")},
-                )
-            )
-
-    # --- notices ----------------------------------------------------------------------------
-
-    async def _watch(self, bus: NoticeBus) -> None:
-        async with bus:
-            async for notice in bus:
-                try:
-                    self.handle(notice)
-                except Exception as exc:  # one bad notice must not stop the agent
-                    self.metrics.failures.labels("notice").inc()
-                    log.error(
-                        "notice could not be handled",
-                        exc_info=exc,
-                        extra={"step": "notice", "notice": notice.id},
-                    )
-
-    def handle(self, notice: Notice) -> None:
-        """Count, report, decide and queue one notice (or drop a cancelled one)."""
-        self.metrics.notices.labels(notice.cloud.value, notice.kind.value).inc()
-        self.notices_seen.append(notice.to_json())
-        del self.notices_seen[:-50]
-        decision = self.policy.decide(notice)
-        log.info(
-            "notice received",
-            extra={
-                "step": "notice",
-                "notice": notice.id,
-                "cloud": notice.cloud.value,
-                "kind": notice.kind.value,
-                "action": notice.action,
-                "deadline": notice.deadline.isoformat(),
-                "seconds_left": round(notice.seconds_left(), 3),
-                "cancelled": notice.cancelled,
-                "decision": decision.action.value,
-                "start_at": decision.start_at.isoformat(),
-            },
-        )
-        jobs = [w for w in self.workers.values() if w.active]
-        for w in jobs:
-            self.reporter.emit(
-                AgentEvent(
-                    job=w.name,
-                    kind=EventKind.NOTICE,
-                    instance=self.instance.to_json(),
-                    notice=notice.to_json(),
-                    detail={"decision": decision.action.value, "reason": decision.reason},
-                )
-            )
-        if notice.cancelled:
-            for w in jobs:
-                if not w.cancel(notice.id) and w.activity and w.activity["notice"] == notice.id:
-                    log.info(
-                        "notice cancelled after the freeze started; finishing it",
-                        extra={"step": "cancel", "job": w.name, "notice": notice.id},
-                    )
-            self._settle(notice.id, [{"cancelled": True}])
-            return
-        if decision.action is Action.NONE or not jobs:
-            self._spawn(self._acknowledge(notice), f"ack-{notice.id}")
-            self._settle(notice.id, [{"job": w.name, "action": "none"} for w in jobs])
-            return
-        waiters: list[asyncio.Future[dict[str, Any]]] = []
-        loop = asyncio.get_running_loop()
-        for w in jobs:
-            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-            waiters.append(fut)
-            w.submit(
-                Request(
-                    notice.id,
-                    decision.action,
-                    decision.start_at,
-                    decision.reason,
-                    notice=notice,
-                    waiters=[fut],
-                )
-            )
-        self._spawn(self._after(notice, waiters), f"after-{notice.id}")
-
-    async def _after(self, notice: Notice, waiters: list[asyncio.Future[dict[str, Any]]]) -> None:
-        results = list(await asyncio.gather(*waiters))
-        if not any(r.get("cancelled") for r in results):
-            await self._acknowledge(notice)
-        self._settle(notice.id, results)
-        self._maybe_done()
-
-    def _settle(self, notice_id: str, results: list[dict[str, Any]]) -> None:
-        fut = self._outcomes.get(notice_id)
-        if fut is not None and not fut.done():
-            fut.set_result(results)
-
-    async def _acknowledge(self, notice: Notice) -> None:
-        if self.bus is None or notice.cloud is not Cloud.AZURE:
-            return
-        try:
-            await self.bus.acknowledge(notice)
-        except NoticeError as exc:
-            self.metrics.failures.labels("acknowledge").inc()
-            log.warning(
-                "notice acknowledgement failed",
-                extra={"step": "acknowledge", "notice": notice.id, "error": str(exc)},
-            )
+        if newest is not None:
+            self.metrics.image_durable(job, newest[1])
+        return newest
 
     # --- local API --------------------------------------------------------------------------
 

@@ -1,11 +1,13 @@
 """Push kept staged images again until the store takes them.
 
 An ``exit``-mode checkpoint whose upload failed has already stopped the job: its staged image
-(kept by :mod:`spotguard.operations`, recorded under ``{state_dir}/kept/``) is the job's only
-state. The agent does not wait for an operator: a :class:`KeptPusher` retries each kept image
-with exponential backoff (tenacity, capped at ``push_retry_max_s``) until it is durable or the
-agent stops — and a restarted agent finds the records and carries on. Chunks that reached the
-store in an earlier attempt are skipped (dedup), so each attempt only sends what is missing.
+(kept by :mod:`spotguard.operations.kept`, recorded under ``{state_dir}/kept/`` before the
+upload started) is the job's only state. The agent does not wait for an operator: a
+:class:`KeptPusher` retries each kept image with exponential backoff (tenacity, capped at
+``push_retry_max_s``) until it is durable or the agent stops — and a restarted agent finds the
+records (and adopts staged images left without one) and carries on. Each push goes to the
+store the agent is configured with now. Chunks that reached the store in an earlier attempt
+are skipped (dedup), so each attempt only sends what is missing.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from tenacity import (
 
 from spotguard import operations
 from spotguard.errors import SpotguardError
+from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
 
 from .metrics import AgentMetrics
@@ -42,13 +45,19 @@ class KeptPusher:
         *,
         metrics: AgentMetrics,
         on_durable: Callable[[operations.KeptImage, operations.CheckpointResult], None],
-        image_settings: ImageSettings | None = None,
+        store_url: str,
+        images: operations.KeptImages,
+        image_settings: ImageSettings,
+        instance: Callable[[], InstanceFacts],
         max_backoff_s: float = 60.0,
         first_backoff_s: float = 0.5,
     ) -> None:
         self.metrics = metrics
         self.on_durable = on_durable
+        self.store_url = store_url
+        self.images = images
         self.image_settings = image_settings
+        self.instance = instance
         self.max_backoff_s = max_backoff_s
         self.first_backoff_s = first_backoff_s
         self.pending: dict[str, dict[str, Any]] = {}  # record path → status
@@ -124,7 +133,13 @@ class KeptPusher:
         async for attempt in retrying:
             with attempt:
                 status["attempts"] += 1
-                result = await operations.push_kept(kept, image_settings=self.image_settings)
+                result = await operations.push_kept(
+                    kept,
+                    self.store_url,
+                    images=self.images,
+                    image_settings=self.image_settings,
+                    instance=self.instance(),
+                )
         assert result is not None
         self.pending.pop(key, None)
         self.metrics.kept_images.set(len(self.pending))

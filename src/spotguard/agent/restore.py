@@ -4,7 +4,9 @@ job J"); the agent restores the job from it once, then protects it.
 The assignment file is written by user-data (:meth:`Assignment.user_data`). Progress is kept
 in ``{state_dir}/agent/assignments/{key}.json`` (``key`` = job, attempt and image), so that an
 agent restarted after a completed restore does not restore again, and one restarted in the
-middle of a restore finds out whether the job came back before trying once more.
+middle of a restore finds out whether the job came back before trying once more. Those
+records are a help, not a condition: when they cannot be written (a full disk) the restore
+still runs, and whatever fails is reported as RESTORE_FAILED — the agent never dies on it.
 """
 
 from __future__ import annotations
@@ -22,9 +24,9 @@ from typing import Any
 from pydantic import ValidationError
 
 from spotguard.checkpoint import proctree
+from spotguard.checkpoint.engine import RestoreResult
 from spotguard.contracts import AgentEvent, Assignment, EventKind
 from spotguard.errors import ConfigError, SpotguardError
-from spotguard.operations import RestoreResult
 
 from .reporter import Reporter
 
@@ -61,10 +63,17 @@ def _key(a: Assignment) -> str:
 
 
 def _record(dirpath: Path, key: str, data: dict[str, Any]) -> None:
-    dirpath.mkdir(parents=True, exist_ok=True, mode=0o700)
-    tmp = dirpath / f".{key}.tmp"
-    tmp.write_text(json.dumps(data, indent=2) + "\n")
-    os.replace(tmp, dirpath / f"{key}.json")
+    """Write the assignment's progress (best effort: a full disk is logged, not raised)."""
+    try:
+        dirpath.mkdir(parents=True, exist_ok=True, mode=0o700)
+        tmp = dirpath / f".{key}.tmp"
+        tmp.write_text(json.dumps(data, indent=2) + "\n")
+        os.replace(tmp, dirpath / f"{key}.json")
+    except OSError as exc:
+        log.error(
+            "cannot record the assignment's progress",
+            extra={"step": "restore", "job": data.get("job"), "error": str(exc)},
+        )
 
 
 def _load(dirpath: Path, key: str) -> dict[str, Any] | None:
@@ -132,8 +141,10 @@ async def restore_assignment(
     t0 = time.monotonic()
     try:
         result = await restore(assignment.image_url, assignment.job)
-    except SpotguardError as exc:
+    except Exception as exc:
         error = f"{type(exc).__name__}: {exc}"
+        if not isinstance(exc, SpotguardError):
+            log.error("restore failed unexpectedly", exc_info=exc, extra={"step": "restore"})
         _record(records, key, {**base, "state": "failed", "error": error})
         log.error(
             "restore failed",
@@ -161,7 +172,7 @@ async def restore_assignment(
         "job restored",
         extra={
             "step": "restored",
-            "job": result.job,
+            "job": result.job.name,
             "pid": result.pid,
             "seconds": round(seconds, 3),
         },
@@ -172,9 +183,9 @@ async def restore_assignment(
             kind=EventKind.RESTORED,
             instance=instance,
             image_url=assignment.image_url,
-            gpu=result.gpu.to_json(),
+            gpu=result.meta.gpu.to_json(),
             timeline=result.timeline.to_list(),
             detail={**detail, "pid": result.pid, "seconds": seconds},
         )
     )
-    return Restored(result.job, result.pid, assignment.image_url)
+    return Restored(result.job.name, result.pid, assignment.image_url)

@@ -8,8 +8,9 @@ meanwhile waits for it, and the image it then takes is small thanks to dedup.
 
 Every outcome is reported (never awaited: :meth:`Reporter.emit` only spools), counted in
 metrics and logged as one line per step. A failed checkpoint never ends the worker: the job
-stays protected — except an ``exit`` whose upload failed after the job was stopped: the job
-is then ``pushing`` (its kept staged image is pushed again by the agent until durable, see
+stays protected — except an ``exit`` whose upload failed after the job was stopped (the
+checkpoint raises :class:`~spotguard.operations.ImageKept`): the job is then ``pushing`` (its
+kept staged image is pushed again by the agent until durable, see
 :mod:`spotguard.agent.pusher`) and becomes ``exited`` through :meth:`JobWorker.kept_durable`.
 """
 
@@ -36,7 +37,7 @@ from spotguard.errors import (
     StoreError,
 )
 from spotguard.notices.base import Notice, NoticeKind
-from spotguard.operations import CheckpointResult
+from spotguard.operations import CheckpointResult, ImageKept
 
 from .metrics import AgentMetrics
 from .policy import Action
@@ -72,6 +73,8 @@ Checkpointer = Callable[
 
 def failed_step(exc: BaseException) -> str:
     """The step a failure belongs to, for ``failures_total{step}``."""
+    if isinstance(exc, ImageKept):
+        return "upload"
     if isinstance(exc, GpuError):
         return "gpu"
     if isinstance(exc, CheckpointError):
@@ -105,10 +108,10 @@ class JobWorker:
         self.metrics = metrics
         self.instance = instance
         self.periodic_interval = periodic_interval
-        self.last_image: dict[str, Any] | None = None
+        self.last_image: CheckpointResult | None = None
+        self.last_notice: str | None = None  # the notice (or "periodic") it was taken for
         self.last_image_at = last_image_at
         self.state = "protecting"  # → checkpointing | exited | finished | pushing
-        self.pushing = False  # set by the agent: the failed exit left a kept image
         self.activity: dict[str, Any] | None = None
         self.pending: dict[str, Request] = {}
         self.failures = 0
@@ -273,6 +276,7 @@ class JobWorker:
 
     def _failed(self, req: Request, exc: Exception, started: float) -> None:
         step = failed_step(exc)
+        kept = isinstance(exc, ImageKept)  # stopped; its image waits here for the store
         self.failures += 1
         self.metrics.failures.labels(step).inc()
         expected = isinstance(exc, SpotguardError)
@@ -295,13 +299,13 @@ class JobWorker:
                 instance=self.instance,
                 notice=req.notice.to_json() if req.notice else None,
                 error=error,
-                detail={"step": step, "kept": self.pushing},
+                detail={"step": step, "kept": kept},
             )
         )
         for w in req.waiters:
             if not w.done():
                 w.set_result({"job": self.name, "error": error})
-        if self.pushing:
+        if kept:
             # Stopped by the checkpoint; its image waits on this host for the store.
             self.state = "pushing"
             self._release_waiters({"job": self.name, "state": "pushing", "error": error})
@@ -318,10 +322,10 @@ class JobWorker:
     def kept_durable(self, result: CheckpointResult, notice: dict[str, Any] | None) -> None:
         """The kept image of a failed exit landed in the store: report it as that exit's
         DURABLE (then EXITED, READY_TO_RELAUNCH after a drain)."""
-        self.pushing = False
         key = str((notice or {}).get("id") or "kept")
         drain = (notice or {}).get("kind") == NoticeKind.DRAIN.value
-        self._durable(key, Action.EXIT, notice, drain, result, result.frozen_at, [])
+        action = Action.EXIT if result.mode == "exit" else Action.RESUME
+        self._durable(key, action, notice, drain, result, result.frozen_at, [])
 
     def _durable(
         self,
@@ -335,17 +339,8 @@ class JobWorker:
     ) -> None:
         self.checkpoints += 1
         self.last_image_at = result.frozen_at
-        self.last_image = {
-            "url": result.image_url,
-            "frozen_at": datetime.fromtimestamp(result.frozen_at, UTC).isoformat(),
-            "durable_at": datetime.fromtimestamp(result.durable_at, UTC).isoformat(),
-            "freeze_seconds": round(result.freeze_seconds, 3),
-            "bytes": result.bytes,
-            "stored_bytes": result.stored_bytes,
-            "skipped_bytes": result.skipped_bytes,
-            "mode": result.mode,
-            "notice": key,
-        }
+        self.last_image, self.last_notice = result, key
+        summary = {**result.summary(), "notice": key}
         m = self.metrics
         m.freeze_seconds.labels(self.name, result.mode).observe(result.freeze_seconds)
         if result.pause_seconds is not None:
@@ -416,8 +411,8 @@ class JobWorker:
                         image_url=result.image_url,
                     )
                 )
-            self._release_waiters({"job": self.name, "state": "exited", **self.last_image})
-        outcome = {"job": self.name, "state": self.state, **self.last_image}
+            self._release_waiters({"job": self.name, "state": "exited", **summary})
+        outcome = {"job": self.name, "state": self.state, **summary}
         for w in waiters:
             if not w.done():
                 w.set_result(outcome)
@@ -429,7 +424,11 @@ class JobWorker:
             "pid": self.pid,
             "state": self.state,
             "activity": self.activity,
-            "last_image": self.last_image,
+            "last_image": (
+                {**self.last_image.summary(), "notice": self.last_notice}
+                if self.last_image
+                else None
+            ),
             "checkpoints": self.checkpoints,
             "failures": self.failures,
             "next_periodic": periodic.isoformat() if periodic and self.active else None,

@@ -18,7 +18,7 @@ from spotguard.checkpoint.engine import Engine, Faults, FreezeResult, Mode, Rest
 from spotguard.checkpoint.jobs import JobInfo, resolve_job, start_job
 from spotguard.checkpoint.meta import META_NAME, ImageMeta
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.checkpoint.targets import (
+from spotguard.checkpoint.staging import (
     DirectorySource,
     DirectoryTarget,
     DumpTarget,

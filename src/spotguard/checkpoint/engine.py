@@ -58,7 +58,7 @@ from .jobs import JobInfo
 from .meta import ImageMeta
 from .preflight import preflight
 from .settings import CheckpointSettings
-from .targets import DumpTarget, RestoreSource, StagingPlan
+from .staging import DumpTarget, RestoreSource, StagingPlan
 
 log = logging.getLogger(__name__)
 
@@ -135,13 +135,15 @@ class FreezeResult:
 
 @dataclass
 class RestoreResult:
-    """A restored job: its new host pid and the restore's timeline."""
+    """A restored job: its new host pid and the restore's timeline (``image_url``: the image
+    it came from, when that was a store URL; set by :func:`spotguard.operations.restore`)."""
 
     job: JobInfo
     pid: int
     timeline: Timeline
     meta: ImageMeta
     gpu_pids: list[int] = field(default_factory=list)
+    image_url: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -149,6 +151,8 @@ class RestoreResult:
             "pid": self.pid,
             "dir": str(self.job.dir),
             "gpu_pids": self.gpu_pids,
+            "image_url": self.image_url,
+            "gpu": self.meta.gpu.to_json(),
             "timeline": self.timeline.to_list(),
         }
 

@@ -18,7 +18,7 @@ from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import resolve_job, start_job
 from spotguard.checkpoint.scan import job_environment
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.cli import config
 from spotguard.config import load, options
 from spotguard.image.settings import ImageSettings
@@ -172,7 +172,7 @@ def restore(ctx: click.Context, /, image: str, as_json: bool, **flags: Any) -> N
             click.echo(json.dumps(pulled.to_json()))
         else:
             click.echo(
-                f"job {pulled.job} restored from {pulled.image_url}: pid {pulled.pid}: "
+                f"job {pulled.job.name} restored from {pulled.image_url}: pid {pulled.pid}: "
                 f"{_steps(pulled.timeline.to_list())}"
             )
         return

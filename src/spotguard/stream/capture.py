@@ -10,7 +10,7 @@ RAM.
 
 A capture never decides that an image is complete: EOF on the socket looks the same whether
 CRIU finished or died. The caller commits only after CRIU exited 0 (see
-:class:`spotguard.stream.target.StreamTarget`).
+:class:`spotguard.stream.direct.StreamTarget`).
 """
 
 from __future__ import annotations

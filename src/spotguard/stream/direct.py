@@ -37,10 +37,11 @@ from spotguard.timeline import Step, Timeline
 
 if TYPE_CHECKING:
     from spotguard.checkpoint.meta import ImageMeta
-    from spotguard.checkpoint.targets import StagingPlan
+    from spotguard.checkpoint.staging import StagingPlan
     from spotguard.image.buffers import Lease, OwnedChunk
     from spotguard.image.manifest import Manifest
     from spotguard.image.reader import ImageReader
+    from spotguard.image.settings import ImageSettings
     from spotguard.image.writer import FileSink, ImageWriter
     from spotguard.store.base import ImageStore
 
@@ -149,8 +150,10 @@ class StreamTarget:
         writer_options: dict[str, Any] | None = None,
         meta: dict[str, Any] | None = None,
         finish_timeout: float | None = None,
+        settings: ImageSettings | None = None,
     ) -> None:
         self.store_url = store_url
+        self.settings = settings
         self.meta = dict(meta or {})
         self.finish_timeout = finish_timeout
         self.image_id = image_id
@@ -167,6 +170,7 @@ class StreamTarget:
         self.plan: StagingPlan | None = None
         self._work: Path | None = None
         self._writer: ImageWriter | None = None
+        self._url: str | None = None
         self._sink: ImageSink | None = None
         self._capture: Capture | None = None
         self._t0 = 0.0
@@ -185,28 +189,43 @@ class StreamTarget:
 
     @property
     def url(self) -> str | None:
-        """The image URL (known after start; complete only after finish)."""
-        return self._writer.url if self._writer is not None else None
+        """The image URL (known once opened, kept after the writer closed; the image is
+        complete only after finish)."""
+        return self._url
 
-    async def start(self, job: str, need_bytes: int) -> StagingPlan:
-        """Open the image writer and listen on the capture socket (before CRIU starts)."""
-        from spotguard.checkpoint.targets import StagingPlan
+    async def open(self, job: str) -> str:
+        """Open the image in the store (the writer's first write) and return its URL.
+
+        Called before the engine touches the job, so that a store refusing the image fails
+        here with the job untouched (the caller may then stage instead); :meth:`start` opens
+        it when this was not called. :meth:`abort` closes it again."""
         from spotguard.image.writer import ImageWriter
 
-        self._t0 = time.time()
-        self._work = _workdir(self.work_root, "sg-dump-")
-        self.images_dir.mkdir()
-        self.extras_dir.mkdir()
+        if self._writer is not None:
+            return self._writer.url
         opts = dict(self.writer_options)
         if self.level is not None:
             opts["level"] = self.level
+        if self.settings is not None:
+            opts.setdefault("settings", self.settings)
         writer = ImageWriter(self.store_url, job, self.image_id, **opts)
-        try:
-            await writer.__aenter__()
-        except BaseException:
-            shutil.rmtree(self._work, ignore_errors=True)
-            raise
+        await writer.__aenter__()
         self._writer = writer
+        self._url = writer.url
+        return writer.url
+
+    async def start(self, job: str, need_bytes: int) -> StagingPlan:
+        """Open the image writer (unless :meth:`open` did) and listen on the capture socket
+        (before CRIU starts)."""
+        from spotguard.checkpoint.staging import StagingPlan
+
+        self._t0 = time.time()
+        await self.open(job)
+        assert self._writer is not None
+        writer = self._writer
+        self._work = _workdir(self.work_root, "sg-dump-")
+        self.images_dir.mkdir()
+        self.extras_dir.mkdir()
         self._sink = ImageSink(writer)
         # Pieces of one chunk each are handed to the writer as they are (no copy); enough of
         # them that every compressing thread has one while the readers fill the next.
@@ -328,9 +347,16 @@ class StreamSource:
 
     stream = True
 
-    def __init__(self, image_url: str, *, work_root: Path | None = None) -> None:
+    def __init__(
+        self,
+        image_url: str,
+        *,
+        work_root: Path | None = None,
+        settings: ImageSettings | None = None,
+    ) -> None:
         self.image_url = image_url
         self.work_root = work_root
+        self.settings = settings
         self.serve_stats: ServeStats | None = None
         self._work: Path | None = None
         self._reader: ImageReader | None = None
@@ -356,7 +382,7 @@ class StreamSource:
         self._work = _workdir(self.work_root, "sg-serve-")
         self.images_dir.mkdir()
         self.extras_dir.mkdir()
-        reader = ImageReader(self.image_url)
+        reader = ImageReader(self.image_url, settings=self.settings)
         try:
             await reader.open()
             self._reader = reader

@@ -52,3 +52,10 @@ def resolve(spec: str, *, state_dir: Path) -> JobInfo:
             path = CGROUP_ROOT / (raw.relative_to("/") if raw.is_absolute() else raw)
         return resolve_job(cgroup_root_pid(path), state_dir=state_dir)
     return resolve_job(spec, state_dir=state_dir)
+
+
+def by_name(spec: str) -> bool:
+    """Whether ``spec`` names a job by name (not by pid or cgroup): such a job can be
+    followed across restores (``spotguard restore`` keeps the name, not the pid)."""
+    spec = spec.strip()
+    return not (spec.isdigit() or spec.startswith("/") or spec.startswith("cgroup:"))

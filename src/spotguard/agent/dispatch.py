@@ -1,0 +1,145 @@
+"""How the agent handles a notice: count, report, decide, queue on every active job, and
+acknowledge it (Azure) once every job's image for it is durable — or at once when the policy
+does nothing. A cancelled notice drops what is still waiting.
+
+:class:`NoticeHandling` holds these steps as methods of :class:`~spotguard.agent.daemon.Agent`
+(its attributes are declared below); the daemon module holds the wiring and the jobs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Coroutine
+from typing import Any
+
+from spotguard.contracts import AgentEvent, EventKind
+from spotguard.errors import NoticeError
+from spotguard.facts import InstanceFacts
+from spotguard.notices.base import Cloud, Notice
+from spotguard.notices.bus import NoticeBus
+
+from .metrics import AgentMetrics
+from .policy import Action, Policy
+from .reporter import Reporter
+from .worker import JobWorker, Request
+
+log = logging.getLogger(__name__)
+
+
+class NoticeHandling:
+    """The notice steps of the agent (mixed into :class:`~spotguard.agent.daemon.Agent`)."""
+
+    metrics: AgentMetrics
+    policy: Policy
+    reporter: Reporter
+    workers: dict[str, JobWorker]
+    instance: InstanceFacts
+    bus: NoticeBus | None
+    notices_seen: list[dict[str, Any]]
+    _outcomes: dict[str, asyncio.Future[list[dict[str, Any]]]]
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
+        raise NotImplementedError
+
+    def _maybe_done(self) -> None:
+        raise NotImplementedError
+
+    async def _watch(self, bus: NoticeBus) -> None:
+        async with bus:
+            async for notice in bus:
+                try:
+                    self.handle(notice)
+                except Exception as exc:  # one bad notice must not stop the agent
+                    self.metrics.failures.labels("notice").inc()
+                    log.error(
+                        "notice could not be handled",
+                        exc_info=exc,
+                        extra={"step": "notice", "notice": notice.id},
+                    )
+
+    def handle(self, notice: Notice) -> None:
+        """Count, report, decide and queue one notice (or drop a cancelled one)."""
+        self.metrics.notices.labels(notice.cloud.value, notice.kind.value).inc()
+        self.notices_seen.append(notice.to_json())
+        del self.notices_seen[:-50]
+        decision = self.policy.decide(notice)
+        log.info(
+            "notice received",
+            extra={
+                "step": "notice",
+                "notice": notice.id,
+                "cloud": notice.cloud.value,
+                "kind": notice.kind.value,
+                "action": notice.action,
+                "deadline": notice.deadline.isoformat(),
+                "seconds_left": round(notice.seconds_left(), 3),
+                "cancelled": notice.cancelled,
+                "decision": decision.action.value,
+                "start_at": decision.start_at.isoformat(),
+            },
+        )
+        jobs = [w for w in self.workers.values() if w.active]
+        for w in jobs:
+            self.reporter.emit(
+                AgentEvent(
+                    job=w.name,
+                    kind=EventKind.NOTICE,
+                    instance=self.instance.to_json(),
+                    notice=notice.to_json(),
+                    detail={"decision": decision.action.value, "reason": decision.reason},
+                )
+            )
+        if notice.cancelled:
+            for w in jobs:
+                if not w.cancel(notice.id) and w.activity and w.activity["notice"] == notice.id:
+                    log.info(
+                        "notice cancelled after the freeze started; finishing it",
+                        extra={"step": "cancel", "job": w.name, "notice": notice.id},
+                    )
+            self._settle(notice.id, [{"cancelled": True}])
+            return
+        if decision.action is Action.NONE or not jobs:
+            self._spawn(self._acknowledge(notice), f"ack-{notice.id}")
+            self._settle(notice.id, [{"job": w.name, "action": "none"} for w in jobs])
+            return
+        waiters: list[asyncio.Future[dict[str, Any]]] = []
+        loop = asyncio.get_running_loop()
+        for w in jobs:
+            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+            waiters.append(fut)
+            w.submit(
+                Request(
+                    notice.id,
+                    decision.action,
+                    decision.start_at,
+                    decision.reason,
+                    notice=notice,
+                    waiters=[fut],
+                )
+            )
+        self._spawn(self._after(notice, waiters), f"after-{notice.id}")
+
+    async def _after(self, notice: Notice, waiters: list[asyncio.Future[dict[str, Any]]]) -> None:
+        results = list(await asyncio.gather(*waiters))
+        if not any(r.get("cancelled") for r in results):
+            await self._acknowledge(notice)
+        self._settle(notice.id, results)
+        self._maybe_done()
+
+    def _settle(self, notice_id: str, results: list[dict[str, Any]]) -> None:
+        fut = self._outcomes.get(notice_id)
+        if fut is not None and not fut.done():
+            fut.set_result(results)
+
+    async def _acknowledge(self, notice: Notice) -> None:
+        if self.bus is None or notice.cloud is not Cloud.AZURE:
+            return
+        try:
+            await self.bus.acknowledge(notice)
+        except NoticeError as exc:
+            self.metrics.failures.labels("acknowledge").inc()
+            log.warning(
+                "notice acknowledgement failed",
+                extra={"step": "acknowledge", "notice": notice.id, "error": str(exc)},
+            )

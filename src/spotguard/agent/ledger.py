@@ -1,0 +1,154 @@
+"""What this agent last did to each job: ``{state_dir}/agent/jobs/<job>.json``.
+
+The agent writes a job's record when an exit checkpoint stopped it (``exited``, with the
+image) or left its image kept on this host (``pushing``), and when it protects it
+(``protecting``). A restarted agent reads it to tell "stopped by our own exit checkpoint" from
+"finished by itself" (a dead pid with no exit status), and to see whether the job's newest
+image in the store is one it reported (else the job runs elsewhere, and the agent stands down).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.jobs import JobInfo, exit_status
+from spotguard.errors import SpotguardError
+from spotguard.image import ImageReader, ImageSettings, latest_image
+
+log = logging.getLogger(__name__)
+
+JobState = Literal["protecting", "exited", "pushing"]
+
+
+class JobRecord(BaseModel):
+    """The agent's last word on one job."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    job: str
+    pid: int
+    state: JobState
+    image_url: str | None = None
+    image_at: float | None = None  # when that image's state was in host memory
+    updated: float = 0.0
+
+
+class Ledger:
+    """The job records under ``folder`` (one JSON file per job, replaced atomically)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def get(self, job: str) -> JobRecord | None:
+        path = self.folder / f"{job}.json"
+        try:
+            return JobRecord.model_validate_json(path.read_text())
+        except FileNotFoundError:
+            return None
+        except (OSError, ValidationError, ValueError) as exc:
+            log.warning(
+                "unreadable job record ignored",
+                extra={"step": "job", "file": str(path), "error": str(exc)[:200]},
+            )
+            return None
+
+    def put(
+        self,
+        job: str,
+        pid: int,
+        state: JobState,
+        *,
+        image_url: str | None = None,
+        image_at: float | None = None,
+    ) -> None:
+        """Record ``state`` (keeping the last image when none is given); best effort — a
+        failure is logged (the job's image and the controller's record still hold)."""
+        old = self.get(job)
+        if image_url is None and old is not None:
+            image_url, image_at = old.image_url, old.image_at
+        rec = JobRecord(
+            job=job,
+            pid=pid,
+            state=state,
+            image_url=image_url,
+            image_at=image_at,
+            updated=time.time(),
+        )
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            tmp = self.folder / f".{job}.json.tmp"
+            tmp.write_text(rec.model_dump_json())
+            os.replace(tmp, self.folder / f"{job}.json")
+        except OSError as exc:
+            log.error(
+                "cannot write the job record", extra={"step": "job", "job": job, "error": str(exc)}
+            )
+
+
+def stopped_by_us(ledger: Ledger, info: JobInfo) -> bool:
+    """A dead job with no exit status that this agent's exit checkpoint stopped (its record
+    says so): not "finished by itself"."""
+    if proctree.alive(info.pid) or exit_status(info) is not None:
+        return False
+    rec = ledger.get(info.name)
+    if rec is None or rec.pid != info.pid or rec.state not in ("exited", "pushing"):
+        return False
+    log.info(
+        "job was stopped by this agent's exit checkpoint; nothing to protect",
+        extra={"step": "protect", "job": info.name, "image_url": rec.image_url},
+    )
+    return True
+
+
+async def newest_image(
+    store: str, job: str, image_settings: ImageSettings
+) -> tuple[str, float] | None:
+    """The newest complete image of ``job`` and when it was taken (from its sortable id)."""
+    url = await latest_image(store, job, settings=image_settings)
+    if url is None:
+        return None
+    image_id = url.rstrip("/").rsplit("/", 1)[-1]
+    try:
+        at = datetime.strptime(image_id.split("-", 1)[0], "%Y%m%dT%H%M%S%fZ")
+    except ValueError:
+        return None
+    return url, at.replace(tzinfo=UTC).timestamp()
+
+
+async def runs_elsewhere(
+    ledger: Ledger,
+    job: str,
+    newest: tuple[str, float] | None,
+    instance_id: str | None,
+    image_settings: ImageSettings,
+) -> bool:
+    """Whether the job's newest image is newer than this agent's last one and was written
+    by another instance: the job runs elsewhere now, and this agent stands down."""
+    rec = ledger.get(job)
+    if rec is None or newest is None or instance_id is None:
+        return False
+    url, at = newest
+    if url == rec.image_url or (rec.image_at is not None and at <= rec.image_at + 1.0):
+        return False
+    try:
+        async with ImageReader(url, settings=image_settings) as reader:
+            inst = reader.manifest.meta.get("instance") or {}
+    except SpotguardError:
+        return False
+    other = inst.get("instance_id") if isinstance(inst, dict) else None
+    if other is None or other == instance_id:
+        return False
+    log.error(
+        "the job's newest image was written by another instance after this agent's last "
+        "report; the job runs there: standing down",
+        extra={"step": "protect", "job": job, "image_url": url, "instance": other},
+    )
+    return True

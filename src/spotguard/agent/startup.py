@@ -1,0 +1,136 @@
+"""The agent's start-up checks, before it protects anything.
+
+1. :func:`lock_state_dir` — one agent per state dir: a second one is refused with a clear
+   message (two agents on one state dir would both report on, and checkpoint, the same jobs).
+2. :func:`check_store` — the store URL is usable here (a bucket named, the SDK of its scheme
+   installed, a ``file://`` directory creatable): the agent refuses to start rather than fail
+   at the first notice, after the job was stopped.
+3. :func:`recover_interrupted` — a job a killed agent (or CLI) left mid-freeze is brought back
+   by the engine (``recover``, from the engine's ``operation.json`` marker: the one marker).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import fcntl
+import importlib.util
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import IO
+from urllib.parse import unquote, urlparse
+
+from spotguard import operations
+from spotguard.checkpoint.engine import MARKER
+from spotguard.checkpoint.jobs import JobInfo, list_jobs
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.errors import ConfigError, SpotguardError
+from spotguard.image import ImageSettings
+from spotguard.image.writer import settings_cipher
+from spotguard.store import open_store
+
+log = logging.getLogger(__name__)
+
+LOCK_FILE = "agent.lock"
+
+#: the module each store scheme needs, and the extra that installs it
+STORE_SDKS = {"s3": ("boto3", "aws"), "gs": ("google.cloud.storage", "gcp")}
+
+
+def lock_state_dir(agent_dir: Path) -> IO[str]:
+    """Hold ``{agent_dir}/agent.lock`` for the agent's lifetime (the returned file; the lock
+    goes with the process). Raises :class:`ConfigError` when another agent holds it."""
+    try:
+        agent_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        f = (agent_dir / LOCK_FILE).open("a+")
+    except OSError as exc:
+        raise ConfigError(f"cannot use the agent state dir {agent_dir}: {exc.strerror}") from exc
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as exc:
+        f.seek(0)
+        other = f.read().strip() or "?"
+        f.close()
+        raise ConfigError(
+            f"another agent (pid {other}) already uses the state dir {agent_dir.parent}; "
+            "stop it, or give this one its own --state-dir"
+        ) from exc
+    f.seek(0)
+    f.truncate()
+    f.write(f"{os.getpid()}\n")
+    f.flush()
+    return f
+
+
+def _writable_dir(url: str, root: Path) -> None:
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"store {url}: cannot create {root}: {exc.strerror}") from exc
+    if not os.access(root, os.W_OK):
+        raise ConfigError(f"store {url}: {root} is not writable")
+
+
+def _module_present(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+async def check_store(url: str, image: ImageSettings) -> None:
+    """Refuse a store the agent could not write an image to (see the module docstring)."""
+    store = open_store(url)  # ConfigError for an unknown scheme or a URL without a bucket
+    await store.aclose()
+    scheme = urlparse(url).scheme.lower()
+    if scheme in STORE_SDKS:
+        module, extra = STORE_SDKS[scheme]
+        if not _module_present(module):
+            raise ConfigError(
+                f"store {url} needs {module}, which is not installed: "
+                f"pip install 'spotguard[{extra}]'"
+            )
+    elif scheme in ("", "file"):
+        await asyncio.to_thread(_writable_dir, url, Path(unquote(urlparse(url).path) or url))
+    settings_cipher(image)  # an unreadable encryption key is a ConfigError now, not at a notice
+
+
+def _jobs_with_a_marker(settings: CheckpointSettings) -> list[JobInfo]:
+    """Every job under the state dir, and every ad-hoc (``pid-N``) job directory holding the
+    engine's marker (those have no ``job.json``)."""
+    jobs = {j.name: j for j in list_jobs(settings.state_dir)}
+    root = settings.jobs_dir
+    for marker in sorted(root.glob(f"*/{MARKER}")) if root.is_dir() else []:
+        name = marker.parent.name
+        if name in jobs:
+            continue
+        try:
+            pid = int(json.loads(marker.read_text()).get("job_pid", 0))
+        except (OSError, ValueError, TypeError, AttributeError):
+            pid = 0
+        jobs[name] = JobInfo(name=name, pid=pid, dir=marker.parent)
+    return list(jobs.values())
+
+
+async def recover_interrupted(
+    settings: CheckpointSettings, on_recovered: Callable[[JobInfo, float], None]
+) -> list[str]:
+    """Bring back every job under the state dir that a killed freeze left behind; call
+    ``on_recovered(job, seconds)`` for each. Returns the names of the jobs recovered."""
+    done = []
+    for info in _jobs_with_a_marker(settings):
+        t0 = time.monotonic()
+        try:
+            thawed = await operations.recover(info, settings=settings)
+        except SpotguardError as exc:
+            log.error(
+                "recovery failed", extra={"step": "recover", "job": info.name, "error": str(exc)}
+            )
+            continue
+        if thawed:
+            on_recovered(info, time.monotonic() - t0)
+            done.append(info.name)
+    return done

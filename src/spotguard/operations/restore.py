@@ -1,0 +1,122 @@
+"""Restore an image URL on this host, and bring back a job a killed process left mid-freeze.
+
+Restore, in order::
+
+    1. open     the image (``…/images/latest`` resolved) and read its manifest
+    2. verify   every chunk is fetched and checked (hash, size, decryption) before any file
+                of the job is written or CRIU starts; a bad or missing chunk raises
+                :class:`~spotguard.errors.ImageCorrupt`. A staged image is verified by its
+                pull (each chunk before it is written, all before the engine runs); a
+                streamed one by a verify pass first (it is then read twice: the price of
+                never feeding CRIU an image that cannot finish)
+    3. source   a streamed image is served to CRIU from the store (nothing staged); any other
+                is pulled into staging (tmpfs or disk)
+    4. engine   preflight (refuses a mismatched host), files, CRIU, GPU — the job runs again
+
+Every failure is a :class:`~spotguard.errors.SpotguardError`: a full disk or an unreadable
+staging directory is raised as :class:`~spotguard.errors.CheckpointError` naming the place.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import shutil
+from pathlib import Path
+
+from spotguard.checkpoint.engine import Engine, RestoreResult
+from spotguard.checkpoint.jobs import JobInfo
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.staging import DirectorySource, RestoreSource, plan_staging
+from spotguard.errors import CheckpointError, ImageError
+from spotguard.image import ImageReader, ImageSettings, Manifest, verify_image
+from spotguard.image.transfer import pull_to_tmp
+from spotguard.timeline import Timeline
+
+from .checkpoint import engine_for
+
+log = logging.getLogger(__name__)
+
+
+async def _open(image_url: str, image_settings: ImageSettings) -> tuple[str, Manifest]:
+    """The image's own URL (``…/latest`` resolved) and its manifest."""
+    async with ImageReader(image_url, settings=image_settings) as reader:
+        return reader.url, reader.manifest
+
+
+async def _verify(url: str, image_settings: ImageSettings, tl: Timeline) -> None:
+    """Fetch and check every chunk before anything of the job is touched."""
+    with tl.step("verify", image=url) as st:
+        report = await verify_image(url, settings=image_settings)
+        st.detail.update(chunks=report.chunks, bytes=report.bytes)
+
+
+def _host_error(what: str, exc: OSError) -> CheckpointError:
+    return CheckpointError(f"restore cannot {what}: {exc.strerror or exc}")
+
+
+async def restore(
+    image_url: str,
+    *,
+    settings: CheckpointSettings,
+    image_settings: ImageSettings,
+    engine: Engine | None = None,
+    job_name: str | None = None,
+) -> RestoreResult:
+    """Restore the image at ``image_url`` on this host (the steps above); the job runs again
+    when this returns. ``job_name``, when given, must match the image's job."""
+    eng = engine or engine_for(settings)
+    resolved, manifest = await _open(image_url, image_settings)
+    if job_name is not None and manifest.job != job_name:
+        raise ImageError(f"{image_url} holds job {manifest.job!r}, not {job_name!r}")
+    tl = Timeline()
+    streamed = "stream" in manifest.meta
+    if streamed:
+        await _verify(resolved, image_settings, tl)
+    need = manifest.totals.bytes
+    source: RestoreSource
+    pulled_dir: Path | None = None
+    if streamed:
+        from spotguard.stream.direct import StreamSource
+
+        tl.mark("staging", mode="stream", path=resolved, reason="streamed image")
+        source = StreamSource(resolved, settings=image_settings)
+    else:
+        try:
+            staging = plan_staging(
+                need, settings.shm_dir, settings.disk_staging_dir, settings.memory_margin
+            )
+            tl.mark("staging", mode=staging.mode, path=staging.path, reason=staging.reason)
+            await asyncio.to_thread(Path(staging.path).mkdir, parents=True, exist_ok=True)
+            pulled = await pull_to_tmp(resolved, staging.path, settings=image_settings, timeline=tl)
+        except OSError as exc:
+            raise _host_error("stage the image", exc) from exc
+        pulled_dir = pulled.dest
+        source = DirectorySource(pulled.dest)
+    try:
+        rr = await eng.restore(source, state_dir=settings.state_dir)
+    except OSError as exc:
+        raise _host_error("write the job", exc) from exc
+    finally:
+        if pulled_dir is not None:
+            await asyncio.to_thread(shutil.rmtree, pulled_dir, True)
+    tl.steps.extend(rr.timeline.steps)
+    log.info(
+        "image restored",
+        extra={
+            "job": rr.job.name,
+            "step": "restored",
+            "pid": rr.pid,
+            "image_url": resolved,
+            "bytes": need,
+            "seconds": round(tl.span(), 3),
+        },
+    )
+    return dataclasses.replace(rr, timeline=tl, image_url=resolved)
+
+
+async def recover(job: JobInfo, *, settings: CheckpointSettings) -> bool:
+    """Bring back ``job`` if a killed process left it mid-freeze (the engine's ``recover``,
+    which reads the engine's ``operation.json`` marker: the one crash marker)."""
+    return await engine_for(settings).recover(job)
