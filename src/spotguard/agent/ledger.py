@@ -103,7 +103,7 @@ def stopped_by_us(ledger: Ledger, info: JobInfo) -> bool:
         return False
     log.info(
         "job was stopped by this agent's exit checkpoint; nothing to protect",
-        extra={"step": "protect", "job": info.name, "image_url": rec.image_url},
+        extra={"step": "protect", "job": info.name, "image": rec.image_url},
     )
     return True
 
@@ -149,6 +149,6 @@ async def runs_elsewhere(
     log.error(
         "the job's newest image was written by another instance after this agent's last "
         "report; the job runs there: standing down",
-        extra={"step": "protect", "job": job, "image_url": url, "instance": other},
+        extra={"step": "protect", "job": job, "image": url, "instance": other},
     )
     return True

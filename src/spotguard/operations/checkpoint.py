@@ -231,7 +231,7 @@ async def checkpoint(
             log.warning(
                 "%s path failed before the job was stopped; trying the next path",
                 path.name,
-                extra={"job": job.name, "step": "plan", "failed": step, "error": str(exc)},
+                extra={"job": job.name, "step": step, "mode": path.name, "error": str(exc)},
             )
             continue
         planning.record(plan, path, result)
@@ -241,7 +241,7 @@ async def checkpoint(
                 "job": job.name,
                 "step": "durable",
                 "path": path.name,
-                "image_url": result.image_url,
+                "image": result.image_url,
                 "mode": result.mode,
                 "bytes": result.bytes,
                 "stored_bytes": result.stored_bytes,

@@ -267,7 +267,12 @@ async def push_kept(
     if kept.store_url and kept.store_url != store_url:
         log.warning(
             "kept image pushed to the configured store, not the one it was first meant for",
-            extra={"step": "upload", "job": kept.job, "store": store_url, "was": kept.store_url},
+            extra={
+                "step": "upload",
+                "job": kept.job,
+                "store": store_url,
+                "reason": f"was {kept.store_url}",
+            },
         )
     tl = Timeline()
     push = await push_dir(
@@ -303,7 +308,7 @@ async def push_kept(
         extra={
             "job": kept.job,
             "step": "durable",
-            "image_url": result.image_url,
+            "image": result.image_url,
             "bytes": result.bytes,
             "stored_bytes": result.stored_bytes,
             "seconds_kept": round(result.durable_at - kept.kept_at, 3),

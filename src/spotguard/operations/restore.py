@@ -108,7 +108,7 @@ async def restore(
             "job": rr.job.name,
             "step": "restored",
             "pid": rr.pid,
-            "image_url": resolved,
+            "image": resolved,
             "bytes": need,
             "seconds": round(tl.span(), 3),
         },
