@@ -26,7 +26,6 @@ from typing import Literal
 
 import pytest
 from ckpt_helpers import Launch, lines, progresses, wait_exit, wait_for
-from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
 
 from spotguard.checkpoint import proctree, scan
 from spotguard.checkpoint.criu import PLUGIN_NAME, Criu, find_plugin_dir
@@ -35,6 +34,7 @@ from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import CriuError
 from spotguard.image.catalog import latest_image
 from spotguard.stream import StreamSource, StreamTarget

@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 from ckpt_helpers import Launch, lines, proc_state, progresses, wait_exit, wait_for
-from spotguard.checkpoint.targets import DirectoryTarget
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import resolve_job
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.staging import DirectoryTarget
 from spotguard.checkpoint.testing import RecordingGpu
 from spotguard.errors import UndumpableError
 

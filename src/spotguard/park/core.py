@@ -27,13 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
-from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import JobError, ParkError
 
 from . import record, sockets
