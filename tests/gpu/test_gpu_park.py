@@ -1,0 +1,179 @@
+"""Park and unpark on a GPU, through the user's commands (device machine: scripts/gpu-tests).
+
+An HTTP inference server holding a model and ~8 GB of weights-like state on the GPU is parked
+to memory (NVML shows its GPU memory freed), unparked and answers the same; parked again with
+wake-on-connect, the first request wakes it and is answered. A Jupyter kernel holding CUDA
+tensors is parked to memory and unparked; a new client gets the same tensor checksums.
+Each step's time is printed (docs/benchmarks.md records them).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.cuda import driver_available, inventory
+from spotguard.park import gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.criu]
+
+JOBS = Path(__file__).parent / "jobs"
+SG = [sys.executable, "-m", "spotguard"]
+MODEL_MB = int(os.environ.get("SPOTGUARD_PARK_TEST_MB", "8192"))
+
+
+@pytest.fixture(scope="module")
+def gpu_ready() -> None:
+    if not driver_available() or not inventory().count:
+        pytest.skip("needs an NVIDIA GPU with the driver checkpoint API (driver r580+)")
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _wait(cond: Callable[[], bool], what: str, limit: float = 300.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class Sg:
+    """``spotguard`` with one state directory; remembers what to clean up."""
+
+    def __init__(self, root: Path, criu: str) -> None:
+        self.root = root
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1", "SPOTGUARD_CRIU": criu,
+                    "SPOTGUARD_STATE_DIR": str(root / "state"),
+                    "SPOTGUARD_PARK_MEMORY_DIR": "/dev/shm/spotguard-test-parked"}  # fmt: skip
+
+    def __call__(self, *args: str) -> dict[str, Any]:
+        done = subprocess.run([*SG, *args, "--json"], env=self.env, capture_output=True,
+                              text=True, timeout=600, check=False)  # fmt: skip
+        if done.returncode != 0:
+            pytest.fail(f"spotguard {' '.join(args)} failed: {done.stderr[-4000:]}")
+        out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return out
+
+    def pid(self, name: str) -> int:
+        return int(
+            json.loads((self.root / "state" / "jobs" / name / "job.json").read_text())["pid"]
+        )
+
+
+@pytest.fixture
+def sg(tmp_path: Path, criu_bin: str) -> Iterator[Sg]:
+    runner = Sg(tmp_path, criu_bin)
+    yield runner
+    for rec in (tmp_path / "state" / "parked").glob("*.json"):
+        waker = json.loads(rec.read_text()).get("waker_pid")
+        if waker and proctree.alive(waker):
+            os.kill(waker, 9)
+    for job in (tmp_path / "state" / "jobs").glob("*/job.json"):
+        pid = int(json.loads(job.read_text())["pid"])
+        if proctree.alive(pid):
+            proctree.signal_all(proctree.tree(pid), 9)
+
+
+def _get(port: int, path: str, timeout: float = 300.0) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+def test_server_parked_to_memory_frees_gpu_and_wakes_on_connect(gpu_ready: None, sg: Sg) -> None:
+    port = _port()
+    sg("run", "--name", "srv", "--", sys.executable, str(JOBS / "server.py"), str(port),
+       str(MODEL_MB))  # fmt: skip
+    _wait(lambda: _ready(port), "the server to answer")
+    before = _get(port, "/infer?x=3")
+    held = gpu.used_bytes(proctree.tree(sg.pid("srv")))
+    assert held > MODEL_MB * 2**20 * 0.9
+    t0 = time.monotonic()
+    parked = sg("park", "srv", "--to", "memory")
+    park_s = time.monotonic() - t0
+    assert parked["gpu_memory_freed"] >= held * 0.9
+    assert gpu.used_bytes([sg.pid("srv")]) == 0  # NVML: nothing held while parked
+    t0 = time.monotonic()
+    sg("unpark", "srv")
+    after = _get(port, "/infer?x=3")
+    unpark_s = time.monotonic() - t0
+    assert after == before
+    sg("park", "srv", "--to", "memory", "--wake-on-connect")
+    t0 = time.monotonic()
+    woken = _get(port, "/infer?x=3")
+    wake_s = time.monotonic() - t0
+    assert woken == before
+    print(f"\nserver {held / 2**30:.1f} GiB on GPU: park (CLI) {park_s:.2f} s "
+          f"(engine {parked['seconds']:.2f} s), unpark→answer (CLI) {unpark_s:.2f} s, "
+          f"wake→answer {wake_s:.2f} s")  # fmt: skip
+
+
+def _ready(port: int) -> bool:
+    try:
+        return _get(port, "/ready", timeout=2) == "ok"
+    except OSError:
+        return False
+
+
+def test_jupyter_kernel_parked_to_memory_and_unparked(gpu_ready: None, sg: Sg) -> None:
+    jupyter_client = pytest.importorskip("jupyter_client")
+    conn = sg.root / "kernel.json"
+    ports = [_port() for _ in range(5)]
+    conn.write_text(json.dumps({
+        "shell_port": ports[0], "iopub_port": ports[1], "stdin_port": ports[2],
+        "control_port": ports[3], "hb_port": ports[4], "ip": "127.0.0.1",
+        "key": secrets.token_hex(16), "transport": "tcp", "signature_scheme": "hmac-sha256",
+        "kernel_name": "python3",
+    }))  # fmt: skip
+    sg("run", "--name", "kernel", "--", sys.executable, "-m", "ipykernel_launcher", "-f",
+       str(conn))  # fmt: skip
+    code = (
+        "import torch; g = torch.Generator(device='cuda').manual_seed(11); "
+        "t = torch.randn(64 << 20, device='cuda', generator=g); "
+        "print(repr(float(t.double().sum())))"
+    )
+    first = _run_cell(jupyter_client, conn, code)
+    check = "print(repr(float(t.double().sum())))"
+    parked = sg("park", "kernel", "--to", "memory", "--reason", "notebook idle")
+    assert parked["gpu_memory_freed"] > 0
+    assert not proctree.alive(sg.pid("kernel"))
+    sg("unpark", "kernel")
+    again = _run_cell(jupyter_client, conn, check)  # a new client reconnects
+    assert again == first
+    print(
+        f"\nkernel: same tensor checksum after park/unpark ({first}); "
+        f"park {parked['seconds']:.2f} s, {parked['gpu_memory_freed'] / 2**20:.0f} MiB freed"
+    )
+
+
+def _run_cell(jupyter_client: Any, conn: Path, code: str) -> str:
+    client = jupyter_client.BlockingKernelClient(connection_file=str(conn))
+    client.load_connection_file()
+    client.start_channels()
+    try:
+        client.wait_for_ready(timeout=120)
+        out: list[str] = []
+        client.execute_interactive(
+            code, timeout=300,
+            output_hook=lambda m: out.append(m["content"].get("text", ""))
+            if m["msg_type"] == "stream" else None,
+        )  # fmt: skip
+        return "".join(out).strip()
+    finally:
+        client.stop_channels()
