@@ -44,6 +44,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "park": ("park", "park"),
     "unpark": ("park", "unpark"),
     "park-wake": ("park", "park_wake"),
+    "logs": ("agent", "logs"),
+    "install": ("install", "install"),
+    "install-criu": ("install", "install_criu"),
 }
 
 HELP = {
@@ -64,6 +67,9 @@ HELP = {
     "demo": "Save a job from a spot interruption end to end, on this machine alone.",
     "park": "Free a job's GPU and CPU, keeping its exact state in memory, on disk or in a store.",
     "unpark": "Bring a parked job back on this node; it continues where it stopped.",
+    "logs": "Print a job's output (stdout and stderr); -f follows it.",
+    "install": "Link spotguard into /usr/local/bin, install its systemd units and config.",
+    "install-criu": "Install CRIU >= 4.0 (the installer shipped with this package).",
 }
 
 
@@ -101,6 +107,19 @@ class LazyGroup(click.Group):
             logging.getLogger("spotguard").debug("command failed", exc_info=True)
             click.echo(f"spotguard: error: {exc}", err=True)
             sys.exit(exc.exit_code)
+        except (click.exceptions.Exit, click.ClickException, click.Abort, KeyboardInterrupt):
+            raise
+        except Exception as exc:
+            # A bug or an unmapped low-level error: still one line (the traceback at debug).
+            level = str(ctx.params.get("log_level") or "").upper()
+            if level == "DEBUG" or logging.getLogger("spotguard").isEnabledFor(logging.DEBUG):
+                raise
+            click.echo(
+                f"spotguard: error: {type(exc).__name__}: {exc} "
+                "(unexpected; --log-level debug shows where)",
+                err=True,
+            )
+            sys.exit(1)
 
 
 def _unavailable(name: str, why: str) -> click.Command:

@@ -10,6 +10,7 @@ The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, ne
 
     SpotguardError
     ├── ConfigError                 bad setting, file or flag (exit 2)
+    │   └── MissingExtra            a store/provider needs an optional extra not installed
     ├── NoticeError                 a notice source could not be read
     │   ├── MetadataUnavailable     connection refused, timeout, 5xx (transient: retry)
     │   ├── MetadataMalformed       an answer that is not what the cloud documents
@@ -38,6 +39,8 @@ The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, ne
     │   ├── CapacityError           no capacity / price too low here: fail over
     │   ├── UnknownInstanceType     not in the catalog
     │   └── NoMatchingOffer         nothing anywhere can restore this image
+    ├── AgentNotRunning             nothing answers on the local agent's API (exit 3)
+    ├── AgentTaskDied               one of the agent's tasks raised: the agent stops (exit 1)
     ├── ControllerError             the controller API or its state
     │   ├── AuthError               missing or wrong token
     │   └── StateError              the state file is unreadable or inconsistent
@@ -59,6 +62,27 @@ class ConfigError(SpotguardError):
     """A setting, config file or flag is invalid."""
 
     exit_code = 2
+
+
+class MissingExtra(ConfigError):
+    """A store, provider or feature needs an optional extra (``spotguard[aws]``, ...) that is
+    not installed; ``extra`` names it."""
+
+    def __init__(self, message: str, *, extra: str) -> None:
+        super().__init__(message)
+        self.extra = extra
+
+
+class AgentNotRunning(SpotguardError):
+    """Nothing answers on the local agent's API: it is stopped, crashed or never started.
+    Exit status 3, as ``systemctl status`` uses for a unit that is not running."""
+
+    exit_code = 3
+
+
+class AgentTaskDied(SpotguardError):
+    """A task of the agent (protecting a job, watching notices, ...) raised: the agent stops
+    with this error instead of running on blind."""
 
 
 class NoticeError(SpotguardError):

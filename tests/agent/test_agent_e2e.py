@@ -259,8 +259,8 @@ async def test_manual_drain_through_the_local_api_and_cli(
         async with aiohttp.ClientSession() as http, http.get(f"{base}/metrics") as r:
             metrics = await r.text()
         assert 'spotguard_notices_total{cloud="manual",kind="drain"} 1.0' in metrics
-        assert 'spotguard_checkpoints_total{job="train",mode="exit"} 1.0' in metrics
-        assert 'spotguard_last_image_age_seconds{job="train"}' in metrics
+        assert 'spotguard_checkpoints_total{mode="exit",spotguard_job="train"} 1.0' in metrics
+        assert 'spotguard_last_image_age_seconds{spotguard_job="train"}' in metrics
     kinds = sink.kinds("train")
     assert in_order(kinds, "notice", "frozen", "durable", "exited", "ready_to_relaunch"), kinds
     assert not proctree.alive(job.pid)

@@ -36,7 +36,7 @@ from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.contracts import AgentEvent, EventKind
-from spotguard.errors import SpotguardError
+from spotguard.errors import AgentTaskDied, SpotguardError
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
 from spotguard.notices.base import NoticeSource
@@ -86,6 +86,7 @@ class Agent(NoticeHandling):
         self.notice_settings = notices
         self.dir = checkpoint.state_dir / "agent"
         self.metrics = AgentMetrics()
+        self.metrics.count_protected(lambda: sum(w.active for w in self.workers.values()))
         self.policy: Policy = settings.policy()
         self.manual = ManualSource()
         self._extra_sources = list(sources) if sources is not None else None
@@ -117,6 +118,7 @@ class Agent(NoticeHandling):
         self._started = time.time()
         self._controller_drain = False
         self._lock: IO[str] | None = None
+        self.died: AgentTaskDied | None = None
 
     # --- wiring ---------------------------------------------------------------------------
 
@@ -150,7 +152,25 @@ class Agent(NoticeHandling):
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._supervise)
         return task
+
+    def _supervise(self, task: asyncio.Task[Any]) -> None:
+        """No task dies silently: one that raised is logged and stops the agent, whose
+        ``run`` then raises :class:`AgentTaskDied` (non-zero exit: systemd restarts it)."""
+        if task.cancelled() or task.exception() is None:
+            return
+        exc = task.exception()
+        self.metrics.failures.labels("internal").inc()
+        log.error(
+            "agent task died; stopping the agent",
+            exc_info=exc if not isinstance(exc, SpotguardError) else None,
+            extra={"step": "stop", "task": task.get_name(), "error": str(exc)},
+        )
+        if self.died is None:
+            self.died = AgentTaskDied(f"agent task {task.get_name()} died: {exc}")
+            self.died.__cause__ = exc
+        self.request_stop()
 
     def request_stop(self) -> None:
         self._stop.set()
@@ -178,6 +198,8 @@ class Agent(NoticeHandling):
                 await self._shutdown()
         finally:
             self._lock.close()
+        if self.died is not None:
+            raise self.died
 
     async def _start(self, assignment: Any) -> None:
         await startup.recover_interrupted(self.checkpoint_settings, self._recovered)

@@ -1,11 +1,15 @@
-"""``spotguard agent``, ``spotguard drain`` and ``spotguard status``.
+"""``spotguard agent``, ``spotguard drain``, ``spotguard status`` and ``spotguard logs``.
 
 ``agent`` takes every setting of :class:`~spotguard.agent.settings.AgentSettings`, of the notice
 sources (:class:`~spotguard.notices.settings.NoticeSettings`), of the engine
 (:class:`~spotguard.checkpoint.settings.CheckpointSettings`) and of images
 (:class:`~spotguard.image.settings.ImageSettings`) as flags; ``drain`` and ``status``
 talk to a running agent through its local API, found with the same settings. The ``[planner]``
-section reaches the agent's checkpoints from the same config file (no flags).
+section reaches the agent's checkpoints from the same config file (no flags). ``logs``
+reads a job's output files (they need no agent).
+
+Exit status: 0 done; 1 a failure (one line on stderr); 2 bad usage or configuration
+(a missing extra included); 3 the agent is not running (``status``, ``drain``).
 """
 
 from __future__ import annotations
@@ -13,20 +17,25 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
+import socket
 from pathlib import Path
 from typing import Any
 
 import click
 
 from spotguard.agent.api import TOKEN_FILE
-from spotguard.agent.settings import AgentSettings, read_secret
+from spotguard.agent.settings import AgentSettings, parse_listen, read_secret
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.cli import config
+from spotguard.commands.joblogs import logs
 from spotguard.config import load, options
-from spotguard.errors import ConfigError
+from spotguard.errors import AgentNotRunning, ConfigError, SpotguardError
+from spotguard.extras import require_for_store
 from spotguard.image.settings import ImageSettings
 from spotguard.notices.settings import NoticeSettings
 from spotguard.planner import PlannerSettings
+
+__all__ = ["agent", "drain", "logs", "status"]
 
 _API_ONLY = tuple(n for n in AgentSettings.model_fields if not n.startswith("api_"))
 _STATE_ONLY = tuple(n for n in CheckpointSettings.model_fields if n != "state_dir")
@@ -51,6 +60,7 @@ def agent(ctx: click.Context, /, **flags: Any) -> None:
     ckpt = load(CheckpointSettings, flags, config_file=cfg)
     image = load(ImageSettings, flags, config_file=cfg)
     planner = load(PlannerSettings, {}, config_file=cfg)
+    require_for_store(settings.store)  # refuse to start rather than fail at the first notice
 
     async def main() -> None:
         daemon = Agent(settings, ckpt, notices, image=image, planner=planner)
@@ -62,10 +72,35 @@ def agent(ctx: click.Context, /, **flags: Any) -> None:
     asyncio.run(main())
 
 
+def not_running(listen: str) -> AgentNotRunning:
+    """The one message for "nothing answers on the agent's API"."""
+    return AgentNotRunning(
+        f"the spotguard agent is not running (nothing answers on {listen}): start it with "
+        "'systemctl start spotguard-agent' (or 'spotguard agent'); "
+        "'journalctl -u spotguard-agent' says why it stopped"
+    )
+
+
+def ensure_running(listen: str) -> None:
+    """Raise :class:`AgentNotRunning` unless something accepts connections on ``listen``."""
+    where = parse_listen(listen)
+    family = socket.AF_UNIX if isinstance(where, Path) else socket.AF_INET
+    if not isinstance(where, Path) and ":" in where[0]:
+        family = socket.AF_INET6
+    address: Any = str(where) if isinstance(where, Path) else where
+    try:
+        with socket.socket(family, socket.SOCK_STREAM) as sock:
+            sock.settimeout(2.0)
+            sock.connect(address)
+    except OSError:
+        raise not_running(listen) from None
+
+
 def _api(ctx: click.Context, flags: dict[str, Any]) -> tuple[str, str]:
     cfg = config(ctx)
     s = load(AgentSettings, flags, config_file=cfg)
     state = load(CheckpointSettings, flags, config_file=cfg).state_dir
+    ensure_running(s.api_listen)
     token = read_secret(s.api_token, s.api_token_file, "api_token")
     if token is None:
         path = Path(state) / "agent" / TOKEN_FILE
@@ -73,8 +108,8 @@ def _api(ctx: click.Context, flags: dict[str, Any]) -> tuple[str, str]:
             token = path.read_text().strip()
         except OSError as exc:
             raise ConfigError(
-                f"no API token: set api_token / SPOTGUARD_API_TOKEN or make {path} readable "
-                f"({exc.strerror})"
+                f"cannot read the agent's API token {path} ({exc.strerror}): run as root "
+                "(sudo spotguard ...) or set SPOTGUARD_API_TOKEN / --api-token-file"
             ) from exc
     return s.api_listen, token
 
@@ -104,15 +139,34 @@ def drain(
     answer = asyncio.run(call(listen, token, "POST", "/drain", body))
     if as_json:
         click.echo(json.dumps(answer, indent=2))
+    else:
+        click.echo(f"drain {answer['notice']['id']} ({reason})")
+        for r in answer.get("results", []):
+            if r.get("error"):
+                click.echo(f"  {r.get('job')}: FAILED {r['error']}")
+            elif r.get("url"):
+                click.echo(f"  {r['job']}: {r.get('state', 'done')} image {r['url']}")
+            else:
+                click.echo(f"  {r.get('job', '-')}: {r.get('state') or 'nothing to do'}")
+    _drain_outcome(answer, wait)
+
+
+def _drain_outcome(answer: dict[str, Any], wait: bool) -> None:
+    """Exit 1 when a waited-for drain wrote no image: a job failed, or none was protected."""
+    if not wait:
         return
-    click.echo(f"drain {answer['notice']['id']} ({reason})")
-    for r in answer.get("results", []):
-        if r.get("error"):
-            click.echo(f"  {r.get('job')}: FAILED {r['error']}")
-        elif r.get("url"):
-            click.echo(f"  {r['job']}: {r.get('state', 'done')} image {r['url']}")
-        else:
-            click.echo(f"  {r.get('job', '-')}: {r.get('state') or 'nothing to do'}")
+    results = answer.get("results", [])
+    failed = [r for r in results if r.get("error")]
+    if failed:
+        names = ", ".join(str(r.get("job", "?")) for r in failed)
+        raise SpotguardError(
+            f"drain failed for {names}: see 'spotguard status' and the agent's log"
+        )
+    if not any(r.get("url") for r in results):
+        raise SpotguardError(
+            "drain wrote no image: the agent protects no running job "
+            "('spotguard status' lists what it protects)"
+        )
 
 
 @click.command("status")

@@ -21,6 +21,7 @@ from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.cli import config
 from spotguard.config import load, options
+from spotguard.errors import JobError
 from spotguard.image.settings import ImageSettings
 from spotguard.planner import PlannerSettings
 
@@ -84,6 +85,11 @@ def run(
     <state_dir>/jobs/<name>/stdout and stderr; USE_LIBUV=0 unless set (PyTorch's TCPStore then
     holds no io_uring, which CRIU cannot dump). Example: spotguard run --name t -- python t.py
     """
+    if os.geteuid() != 0:
+        raise JobError(
+            "spotguard run needs root (the job's PID namespace and CRIU require it): "
+            "run it with sudo"
+        )
     s = _settings(ctx, flags)
     claim = None
     parked: list[str] = []
@@ -164,6 +170,11 @@ def checkpoint(
 def restore(ctx: click.Context, /, image: str, as_json: bool, **flags: Any) -> None:
     """Restore the job whose image is in the directory or at the store URL IMAGE
     (``…/images/latest`` works); it continues where it stopped."""
+    if not image.strip():
+        raise click.BadParameter(
+            "is empty: give an image directory or a store URL (…/JOB/images/latest)",
+            param_hint="IMAGE",
+        )
     s = _settings(ctx, flags)
     if operations.is_url(image):
         settings = load(ImageSettings, {}, config_file=config(ctx))

@@ -1,32 +1,37 @@
 """``spotguard images``: list, verify, garbage-collect, push and pull checkpoint images.
 
 Every subcommand prints a human summary, or with ``--json`` nothing but one JSON document on
-stdout. Transfers show a progress bar (bytes, rate, ETA) when stderr is a terminal.
+stdout. Transfers show a progress bar (bytes, rate, ETA) when stderr is a terminal. Sizes are
+binary units, and an image's size is its manifest's (:mod:`spotguard.progress`): ``list``,
+``verify`` and ``pull`` print the same figure for the same image.
+
+Exit status: 0; 1 a failure (a missing store or image, a corrupt chunk: one line on stderr);
+2 bad usage or configuration (a store whose extra is not installed included).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
-import sys
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
+from urllib.parse import unquote, urlparse
 
 import click
 
 from spotguard import config
 from spotguard.cli import config_file
+from spotguard.errors import ImageCorrupt, StoreError
 from spotguard.image import (
     ImageSettings,
-    TransferStats,
     gc,
     list_images,
     pull_image,
     push_dir,
     verify_image,
 )
-from spotguard.image.stats import MIB
+from spotguard.image.reader import ImageReader
+from spotguard.progress import fmt_bytes, fmt_image_size, fmt_rate, transfer_bar
 
 _TRANSFER_FIELDS = ("encryption_key",)  # secrets never come from flags
 _GC_EXCLUDE = tuple(n for n in ImageSettings.model_fields if n not in ("gc_grace_s",))
@@ -45,40 +50,29 @@ def _emit(data: Any) -> None:
     click.echo(json.dumps(data, indent=2, default=str))
 
 
-@contextmanager
-def _progress(label: str, quiet: bool) -> Iterator[Callable[[TransferStats], None] | None]:
-    """A rich progress bar on an interactive stderr; nothing otherwise."""
-    if quiet or not sys.stderr.isatty():
-        yield None
+def _progress(label: str, quiet: bool) -> Any:
+    """A progress bar on an interactive stderr (binary units, logs routed above it)."""
+    return transfer_bar(label, quiet)
+
+
+def _existing(store_url: str) -> None:
+    """A ``file://`` store (or plain path) that does not exist is an error, not "no images"."""
+    parsed = urlparse(store_url)
+    if parsed.scheme.lower() not in ("", "file"):
         return
-    from rich.console import Console
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TextColumn,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    path = Path(unquote(parsed.path) if parsed.scheme else store_url)
+    if not path.is_dir():
+        raise StoreError(
+            f"store {store_url}: no directory {path} (check the URL; a file store is "
+            "file:///absolute/dir or a path)"
+        )
 
-    bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
-        TextColumn("{task.fields[note]}"),
-        console=Console(stderr=True),
-        transient=False,
-    )
-    task = bar.add_task(label, total=None, note="")
 
-    def update(st: TransferStats) -> None:
-        note = f"skipped {st.bytes_skipped / MIB:.0f} MiB" if st.bytes_skipped else ""
-        bar.update(task, completed=st.bytes, total=st.total, note=note)
-
-    with bar:
-        yield update
+async def _totals(image_url: str, settings: ImageSettings) -> tuple[int, int]:
+    """An image's size as its manifest states it: (file bytes, stored bytes)."""
+    async with ImageReader(image_url, settings=settings) as reader:
+        totals = reader.manifest.totals
+    return totals.bytes, totals.stored_bytes
 
 
 @click.group("images")
@@ -93,6 +87,7 @@ def images() -> None:
 def list_cmd(store_url: str, job: str | None, as_json: bool) -> None:
     """List the images in STORE_URL (newest last per job)."""
     settings = _settings({})
+    _existing(store_url)
     infos = asyncio.run(list_images(store_url, job, settings=settings))
     if as_json:
         _emit([i.to_json() for i in infos])
@@ -102,9 +97,9 @@ def list_cmd(store_url: str, job: str | None, as_json: bool) -> None:
         return
     for i in infos:
         state = "complete" if i.complete else "INCOMPLETE (being written or abandoned)"
-        size = f"{i.bytes / MIB:10.1f} MiB → {i.stored_bytes / MIB:8.1f} MiB" if i.complete else ""
+        size = fmt_image_size(i.bytes, i.stored_bytes) if i.complete else ""
         lock = " encrypted" if i.encrypted else ""
-        click.echo(f"{i.job:20} {i.image_id:32} {size:30} {state}{lock}")
+        click.echo(f"{i.job:20} {i.image_id:32} {size:32} {state}{lock}")
 
 
 @images.command("verify")
@@ -121,12 +116,14 @@ def verify_cmd(image_url: str, as_json: bool, **flags: Any) -> None:
     if as_json:
         _emit(report.to_json())
     elif report.ok:
-        click.echo(f"ok: {report.chunks} chunks, {report.bytes / MIB:.1f} MiB verified")
+        size = fmt_image_size(*asyncio.run(_totals(report.image_url, settings)))
+        click.echo(
+            f"ok: {report.image_url}: {size}; {report.chunks} distinct chunks "
+            f"({fmt_bytes(report.bytes)}) verified"
+        )
     for bad in report.bad:
         click.echo(f"corrupt chunk {bad['chunk']} in {bad['files']}: {bad['error']}", err=True)
     if not report.ok:
-        from spotguard.errors import ImageCorrupt
-
         raise ImageCorrupt(
             f"image {report.image_url} has {len(report.bad)} corrupt chunk(s), "
             f"first {report.bad[0]['chunk']}",
@@ -146,6 +143,7 @@ def gc_cmd(
 ) -> None:
     """Delete all but the newest KEEP complete images per job and unreferenced chunks."""
     settings = _settings(flags)
+    _existing(store_url)
     result = asyncio.run(gc(store_url, job, keep, dry_run=dry_run, settings=settings))
     if as_json:
         _emit(result.to_json())
@@ -153,7 +151,7 @@ def gc_cmd(
     verb = "would delete" if dry_run else "deleted"
     click.echo(
         f"{verb} {len(result.images_deleted)} image(s), {result.chunks_deleted} chunk(s) "
-        f"({result.bytes_freed / MIB:.1f} MiB); kept {len(result.images_kept)} image(s)"
+        f"({fmt_bytes(result.bytes_freed)}); kept {len(result.images_kept)} image(s)"
     )
     for j in result.skipped_chunks_writer_active:
         click.echo(f"job {j}: a checkpoint is being written; its chunks were left alone")
@@ -175,11 +173,11 @@ def push_cmd(directory: str, store_url: str, job: str, as_json: bool, **flags: A
     if as_json:
         _emit(result.to_json())
         return
-    st = result.stats
+    st, totals = result.stats, result.manifest.totals
     click.echo(
-        f"{result.image_url}: {st.bytes / MIB:.1f} MiB in {st.seconds:.1f} s "
-        f"({st.rate / MIB:.0f} MiB/s), sent {st.stored_bytes / MIB:.1f} MiB, "
-        f"skipped {st.bytes_skipped / MIB:.1f} MiB already stored"
+        f"{result.image_url}: {fmt_image_size(totals.bytes, totals.stored_bytes)} in "
+        f"{st.seconds:.1f} s ({fmt_rate(st.rate)}); sent {fmt_bytes(st.stored_bytes)}, "
+        f"{fmt_bytes(st.bytes_skipped)} already in the store"
     )
 
 
@@ -196,8 +194,8 @@ def pull_cmd(image_url: str, dest_dir: str, as_json: bool, **flags: Any) -> None
     if as_json:
         _emit(result.to_json())
         return
-    st = result.stats
+    st, totals = result.stats, result.manifest.totals
     click.echo(
-        f"{result.image_url} → {dest_dir}: {st.bytes / MIB:.1f} MiB verified in "
-        f"{st.seconds:.1f} s ({st.rate / MIB:.0f} MiB/s)"
+        f"{result.image_url} → {dest_dir}: {fmt_image_size(totals.bytes, totals.stored_bytes)}"
+        f", verified in {st.seconds:.1f} s ({fmt_rate(st.rate)})"
     )

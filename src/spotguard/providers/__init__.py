@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from spotguard.config import load
 from spotguard.errors import ConfigError
+from spotguard.extras import require
 from spotguard.providers.base import (
     CloudProvider,
     InstanceRef,
@@ -37,6 +38,8 @@ PROVIDERS = ("aws", "gcp", "local")
 
 def open_provider(name: str, config_file: str | None = None) -> CloudProvider:
     """The provider called ``name``, configured from its settings section."""
+    if name in ("aws", "gcp"):
+        require(name, f"provider {name}")  # the SDK is its extra: say so before importing
     if name == "aws":
         from spotguard.providers.aws import AwsProvider, AwsSettings
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlparse
 
 from spotguard.errors import ConfigError
+from spotguard.extras import require_for_store
 from spotguard.store.base import BlockingStore, Data, ImageStore, ObjectInfo, RetryPolicy, get_into
 
 __all__ = [
@@ -58,6 +59,7 @@ def open_store(
         if not parsed.netloc:
             raise ConfigError(f"store URL {url!r} names no bucket")
         prefix = parsed.path.strip("/")
+        require_for_store(url)  # a clear MissingExtra, not "No module named 'botocore'"
         if scheme == "s3":
             from spotguard.store.s3 import S3Store
 
