@@ -123,7 +123,7 @@ def find_criu(explicit: str | None = None) -> str:
             seen.append(f"{cand} is {version or 'of unknown version'}")
     found = f" ({'; '.join(seen)})" if seen else ""
     raise PreflightError(
-        f"no CRIU >= {MIN_VERSION_TEXT} found{found}: run scripts/install-criu "
+        f"no CRIU >= {MIN_VERSION_TEXT} found{found}: run: sudo spotguard install-criu "
         "(or set SPOTGUARD_CRIU)"
     )
 

@@ -32,18 +32,22 @@ async def _criu_checks(path: str | None) -> list[Check]:
     try:
         criu = Criu(path)
     except PreflightError as exc:
-        return [Check("criu", False, str(exc), "run scripts/install-criu (installs CRIU 4.2.1)")]
+        return [
+            Check("criu", False, str(exc), "run: sudo spotguard install-criu (installs CRIU 4.2.1)")
+        ]
     try:
         version = await criu.version()
     except PreflightError as exc:
-        return [Check("criu", False, str(exc), "reinstall with scripts/install-criu")]
+        return [Check("criu", False, str(exc), "reinstall with: sudo spotguard install-criu")]
     new_enough = version_ok(version)
     out = [
         Check(
             "criu",
             new_enough,
             f"{criu.path} version {version}",
-            "" if new_enough else f"CRIU >= {MIN_VERSION_TEXT} needed: run scripts/install-criu",
+            ""
+            if new_enough
+            else f"CRIU >= {MIN_VERSION_TEXT} needed: run: sudo spotguard install-criu",
         ),
         Check(
             "criu plugin",
@@ -51,7 +55,7 @@ async def _criu_checks(path: str | None) -> list[Check]:
             str(criu.plugin_dir / f"{PLUGIN_NAME}.so") if criu.plugin_dir else "not installed",
             ""
             if criu.plugin_dir
-            else "run scripts/install-criu on a host with a C compiler: without the plugin, jobs "
+            else "run: sudo spotguard install-criu on a host with a C compiler: without the plugin, jobs "
             "with forked DataLoader workers (leftover /dev/nvidia* references) cannot be dumped",
             required=False,
         ),
