@@ -11,7 +11,6 @@ import subprocess
 import sys
 import venv
 import zipfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -45,7 +44,7 @@ def wheel(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def wheel_env(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+def wheel_env(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A fresh virtualenv holding the wheel; its dependencies come from the test
     environment's site-packages (a path entry, so the wheel's spotguard is the one found)."""
     where = tmp_path_factory.mktemp("venv") / "venv"
@@ -60,7 +59,7 @@ def wheel_env(wheel: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         f"#!{where}/bin/python\nimport sys\nfrom spotguard.cli import main\nsys.exit(main())\n"
     )
     script.chmod(0o755)
-    yield where
+    return where
 
 
 def test_wheel_ships_the_files_a_vm_needs_and_pypi_metadata(wheel: Path) -> None:
