@@ -276,9 +276,9 @@ async def test_doctor_checks_the_version_and_reports_the_plugin(
     old.chmod(0o755)
     checks = {c.name: c for c in await run_checks(str(old))}
     assert not checks["criu"].ok
-    assert checks["criu"].fix == "CRIU >= 4.2.1 needed: run scripts/install-criu"
+    assert checks["criu"].fix == "CRIU >= 4.2.1 needed: run: sudo spotguard install-criu"
     assert not checks["criu plugin"].ok and not checks["criu plugin"].required
-    assert "scripts/install-criu" in checks["criu plugin"].fix
+    assert "sudo spotguard install-criu" in checks["criu plugin"].fix
 
 
 def test_the_preflight_lets_through_mappings_the_plugin_dumps() -> None:

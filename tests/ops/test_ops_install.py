@@ -27,6 +27,10 @@ SHIPPED = {
     / "spotguard-dashboard.json",
     "spotguard/_data/install.sh": ROOT / "packaging" / "install.sh",
     "spotguard/_data/install-criu": ROOT / "scripts" / "install-criu",
+    "spotguard/_data/spotguard_nvleftover.c": ROOT
+    / "packaging"
+    / "criu-plugin"
+    / "spotguard_nvleftover.c",
 }
 
 

@@ -55,8 +55,9 @@ async def _criu_checks(path: str | None) -> list[Check]:
             str(criu.plugin_dir / f"{PLUGIN_NAME}.so") if criu.plugin_dir else "not installed",
             ""
             if criu.plugin_dir
-            else "run: sudo spotguard install-criu on a host with a C compiler: without the plugin, jobs "
-            "with forked DataLoader workers (leftover /dev/nvidia* references) cannot be dumped",
+            else "run: sudo spotguard install-criu on a host with a C compiler: without the "
+            "plugin, jobs with forked DataLoader workers (leftover /dev/nvidia* references) "
+            "cannot be dumped",
             required=False,
         ),
     ]
