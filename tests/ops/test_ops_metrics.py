@@ -24,6 +24,7 @@ from spotguard.agent.metrics import JOB_LABEL, METRICS, AgentMetrics
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.controller.core import Metrics as ControllerMetrics
+from spotguard.image.settings import ImageSettings
 from spotguard.notices.settings import NoticeSettings
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,6 +98,7 @@ async def test_the_agent_serves_its_protected_jobs(
         ),
         CheckpointSettings(state_dir=tmp_path / "state"),
         NoticeSettings(cloud="none"),
+        image=ImageSettings(),
     )
     run = asyncio.create_task(agent.run())
     try:

@@ -16,6 +16,7 @@ from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import AgentTaskDied
+from spotguard.image.settings import ImageSettings
 from spotguard.notices.settings import NoticeSettings
 
 
@@ -39,6 +40,7 @@ async def test_a_dying_task_stops_the_agent_with_an_error(
         ),
         CheckpointSettings(state_dir=tmp_path / "state"),
         NoticeSettings(cloud="none"),
+        image=ImageSettings(),
     )
     with (
         caplog.at_level(logging.ERROR, logger="spotguard.agent.daemon"),
