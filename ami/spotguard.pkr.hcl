@@ -4,9 +4,10 @@
 #   packer init ami/ && packer build -var wheel=dist/spotguard-0.1.0-py3-none-any.whl ami/
 #   packer build -only='amazon-ebs.gpu' ...   # one cloud only
 #
-# Contents: Ubuntu 24.04, NVIDIA driver >= 570 (signed kernel modules: works with secure boot;
-# the checkpoint API needs r570+), CRIU >= 4.2.1 and spotguard's CRIU plugin
-# (scripts/install-criu), spotguard from its wheel, systemd units (agent, controller, boot check), transparent huge pages setting.
+# Contents: Ubuntu 24.04, NVIDIA driver r580 by default (signed kernel modules: works with secure
+# boot; the checkpoint API needs r570+, restore onto other GPUs r580+), CRIU >= 4.2.1 and
+# spotguard's CRIU plugin (scripts/install-criu), spotguard from its wheel,
+# systemd units (agent, controller, boot check), transparent huge pages setting.
 # The build VMs need no GPU: the driver installs from packages; the boot check runs on GPU VMs.
 packer {
   required_version = ">= 1.10.0"
@@ -30,8 +31,8 @@ variable "wheel" {
 
 variable "nvidia_driver_branch" {
   type        = string
-  default     = "570"
-  description = "NVIDIA driver branch (server flavour, signed modules). 570 or newer: the checkpoint API needs it."
+  default     = "580"
+  description = "NVIDIA driver branch (server flavour, signed modules). 580 (default) or newer restores onto other GPUs (UUID remap); 570 has the checkpoint API but restores only onto the same GPUs."
 
   validation {
     condition     = can(regex("^[0-9]{3}$", var.nvidia_driver_branch)) && tonumber(var.nvidia_driver_branch) >= 570

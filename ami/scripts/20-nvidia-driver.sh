@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# NVIDIA driver >= 570 (the CUDA checkpoint API: cuCheckpointProcess*). Ubuntu's "server" driver
+# NVIDIA driver >= 570 (the CUDA checkpoint API: cuCheckpointProcess*); the image defaults to 580,
+# the first branch whose restore remaps GPUs (a job restored onto another VM's GPUs). Ubuntu's "server" driver
 # packages come with kernel modules signed by Canonical, so they load under secure boot (GCP
 # shielded VMs) without enrolling a key.
 set -euo pipefail
@@ -20,6 +21,10 @@ apt-get install -y -q --no-install-recommends \
 
 # Keep the driver loaded between jobs (faster CUDA start, stable device state for restore).
 systemctl enable nvidia-persistenced.service || true
+
+if [ "$NVIDIA_DRIVER_BRANCH" -lt 580 ]; then
+  echo "warning: driver branch $NVIDIA_DRIVER_BRANCH restores only onto the same GPUs (remap needs 580+)" >&2
+fi
 
 # libcuda must be the r570+ one: the agent calls the checkpoint API through it.
 version=$(dpkg-query -W -f='${Version}' "nvidia-utils-${branch}")

@@ -85,9 +85,10 @@ def test_packer_builds_for_aws_and_gcp(packer: dict[str, Any]) -> None:
     assert sorted(build["sources"]) == ["source.amazon-ebs.gpu", "source.googlecompute.gpu"]
 
 
-def test_packer_variables_promise_driver_570_and_a_valid_thp_mode(packer: dict[str, Any]) -> None:
+def test_packer_variables_promise_driver_580_and_a_valid_thp_mode(packer: dict[str, Any]) -> None:
     variables = {n: b for item in packer["variable"] for n, b in item.items()}
-    assert int(variables["nvidia_driver_branch"]["default"]) >= 570
+    # 580+: the first branch whose restore remaps GPUs (every cross-VM restore does)
+    assert int(variables["nvidia_driver_branch"]["default"]) >= 580
     assert variables["thp_mode"]["default"] in ("always", "madvise")
     for name, body in variables.items():
         assert body.get("description"), name

@@ -65,6 +65,12 @@ LEFTOVER_DEVICES_ENV = "SPOTGUARD_CRIU_LEFTOVER_DEVICES"
 DEFAULT_LEFTOVER_DEVICES = "/dev/nvidia"
 _HARMLESS = ("RLIMIT_NOFILE", "kdat", "Unable to get $HOME")
 _PR_SET_PDEATHSIG = 1
+#: a job in its own mount namespace (``spotguard run``'s jobs: a private /proc for their PID
+#: namespace): every mount that is the host's own (/, /dev, /sys, ...) is recorded as an
+#: external bind (``mnt[]`` = detect them), not dumped by content; restore rebuilds the
+#: namespace on the host's root (CRIU's mount engine needs ``--root`` for that)
+_MOUNT_NS_DUMP = ["--external", "mnt[]"]
+_MOUNT_NS_RESTORE = ["--external", "mnt[]", "--root", "/"]
 
 #: runs under /bin/sh for every CRIU action; only post-dump talks to us
 _ACTION_SCRIPT = """#!/bin/sh
@@ -322,6 +328,7 @@ class Criu:
         on_frozen: Callable[[], Awaitable[None]] | None = None,
         log_file: Path | None = None,
         time_limit: float | None = None,
+        mount_ns: bool = False,
     ) -> Path:
         """Dump the tree rooted at ``pid`` into ``images_dir``; returns CRIU's log path.
 
@@ -344,6 +351,8 @@ class Criu:
         if shell_job:
             args.append("--shell-job")
         args += self._plugin_args()
+        if mount_ns:
+            args += _MOUNT_NS_DUMP
         hook = _FrozenHook(on_frozen) if on_frozen else None
         env = self._env(hook.env() if hook else None)
         if hook:
@@ -376,6 +385,7 @@ class Criu:
         shell_job: bool = False,
         log_file: Path | None = None,
         time_limit: float | None = None,
+        mount_ns: bool = False,
     ) -> int:
         """Restore the tree in ``images_dir`` detached from us; returns the root's host pid.
 
@@ -405,6 +415,8 @@ class Criu:
         if shell_job:
             args.append("--shell-job")
         args += self._plugin_args()
+        if mount_ns:
+            args += _MOUNT_NS_RESTORE
         try:
             await self._run(args, log_path, "restore", time_limit, self._env())
             try:

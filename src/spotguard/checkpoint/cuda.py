@@ -1,5 +1,5 @@
-"""GPU side of a checkpoint: the NVIDIA driver checkpoint API (by ctypes on libcuda) and the
-GPU inventory (by NVML, ``nvidia-ml-py``).
+"""GPU side of a checkpoint: the NVIDIA driver checkpoint API (through NVIDIA's ``cuda-core``)
+and the GPU inventory (by NVML, ``nvidia-ml-py``).
 
 The driver API (r570+) moves all device memory a process holds into that process's own host
 memory and releases the GPU, so CRIU can dump it like any CPU process; restore moves it back.
@@ -15,18 +15,16 @@ Every call runs in a worker thread with a time limit (lock also has the driver's
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import enum
+import importlib
 import logging
+import os
 import threading
-import uuid as uuidlib
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
 from spotguard.errors import GpuError, StepTimeout
 from spotguard.facts import GpuDevice, GpuInventory
-
-from . import proctree
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,65 +93,84 @@ class NoGpu:
         return 0
 
 
-# --- driver API structures (cuda.h, CUDA 12.8+) -------------------------------------------
+# --- the driver checkpoint API, through NVIDIA's cuda-core ---------------------------------
+
+#: cuda-core's state names → :class:`GpuState`
+_STATES = {
+    "running": GpuState.RUNNING,
+    "locked": GpuState.LOCKED,
+    "checkpointed": GpuState.CHECKPOINTED,
+    "failed": GpuState.FAILED,
+}
 
 
-class _LockArgs(ctypes.Structure):
-    _fields_ = [
-        ("timeoutMs", ctypes.c_uint),
-        ("reserved0", ctypes.c_uint),
-        ("reserved1", ctypes.c_uint64 * 7),
-    ]
+class CudaProcess(Protocol):
+    """What spotguard uses of ``cuda.core.checkpoint.Process`` (a test double can stand in)."""
+
+    @property
+    def state(self) -> str: ...
+
+    def lock(self, timeout_ms: int = 0) -> None: ...
+
+    def checkpoint(self) -> None: ...
+
+    def restore(self, gpu_mapping: Mapping[str, str] | None = None) -> None: ...
+
+    def unlock(self) -> None: ...
 
 
-class _Uuid(ctypes.Structure):
-    _fields_ = [("bytes", ctypes.c_ubyte * 16)]
+def driver_uuid(nvml_uuid: str) -> str:
+    """A GPU UUID as the checkpoint API takes it: NVML's ``GPU-8f3c…-…`` without the ``GPU-``
+    prefix (cuda-core accepts the 32 hex digits, with or without hyphens, nothing else)."""
+    return nvml_uuid.removeprefix("GPU-")
 
 
-class _GpuPair(ctypes.Structure):
-    _fields_ = [("oldUuid", _Uuid), ("newUuid", _Uuid)]
-
-
-class _RestoreArgs(ctypes.Structure):
-    _fields_ = [
-        ("gpuPairs", ctypes.POINTER(_GpuPair)),
-        ("gpuPairsCount", ctypes.c_uint),
-        ("reserved", ctypes.c_char * (64 - ctypes.sizeof(ctypes.c_void_p) - 4)),
-    ]
-
-
-assert ctypes.sizeof(_LockArgs) == 64 and ctypes.sizeof(_RestoreArgs) == 64
-
-
-def _uuid_bytes(text: str) -> _Uuid:
-    """NVML's ``GPU-xxxxxxxx-...`` (or a bare UUID) as a CUuuid."""
-    raw = uuidlib.UUID(text.removeprefix("GPU-")).bytes
-    u = _Uuid()
-    ctypes.memmove(u.bytes, raw, 16)
-    return u
+def _no_cuda_state(exc: Exception) -> bool:
+    """True for the driver's answer about a process that has no CUDA context: a process that
+    never initialised CUDA, or one forked from a CUDA process without exec (a DataLoader
+    worker), which holds the parent's /dev/nvidia* descriptors but no context of its own."""
+    text = str(exc)
+    return "CUDA_ERROR_NOT_INITIALIZED" in text or "initialization error" in text
 
 
 class _Driver:
-    """libcuda.so.1, loaded once, ``cuInit(0)`` done."""
+    """The checkpoint API through ``cuda.core.checkpoint.Process`` (cuda-core 1.0+), which
+    lays out each driver branch's argument structs (the restore arguments differ between
+    r570 and r580+). ``cuInit`` is called once through ``cuda.bindings``: the driver wants it
+    done in the calling process before a restore. No ctypes are needed any more.
+
+    ``CUDA_VISIBLE_DEVICES`` is dropped from this (the agent's) environment before the
+    driver starts: a restore must map every GPU the kernel-mode driver sees, and a mask on
+    the caller would hide the GPUs a job is restored onto.
+    """
 
     _lock = threading.Lock()
     _instance: _Driver | None = None
 
-    def __init__(self) -> None:
+    def __init__(self, process: Callable[[int], CudaProcess] | None = None) -> None:
+        if process is not None:
+            self._process = process
+            return
+        masked = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
+        if masked is not None:
+            log.info(
+                "ignoring CUDA_VISIBLE_DEVICES for the checkpoint API (restore needs every GPU)",
+                extra={"was": masked},
+            )
         try:
-            self.lib = ctypes.CDLL("libcuda.so.1")
-        except OSError as exc:
-            raise GpuError(f"libcuda.so.1 not loadable: {exc}") from exc
-        for name in (
-            "cuCheckpointProcessLock",
-            "cuCheckpointProcessCheckpoint",
-            "cuCheckpointProcessRestore",
-            "cuCheckpointProcessUnlock",
-            "cuCheckpointProcessGetState",
-        ):
-            if not hasattr(self.lib, name):
-                raise GpuError(f"the NVIDIA driver has no {name} (needs driver r570 or newer)")
-        self._check(self.lib.cuInit(0), "cuInit")
+            bindings = importlib.import_module("cuda.bindings.driver")
+            core = importlib.import_module("cuda.core.checkpoint")
+        except ImportError as exc:
+            raise GpuError(
+                f"cuda-core is not installed ({exc}): pip install 'spotguard[gpu]'"
+            ) from exc
+        try:
+            (err,) = bindings.cuInit(0)
+        except (RuntimeError, OSError) as exc:  # no driver library (the loader says so)
+            raise GpuError(f"the NVIDIA driver is not usable: {exc}") from exc
+        if int(err) != 0:
+            raise GpuError(f"cuInit failed: {err!r}")
+        self._process = core.Process
 
     @classmethod
     def get(cls) -> _Driver:
@@ -162,56 +179,38 @@ class _Driver:
                 cls._instance = cls()
             return cls._instance
 
-    def _error_string(self, code: int) -> str:
-        msg = ctypes.c_char_p()
-        if self.lib.cuGetErrorString(code, ctypes.byref(msg)) == 0 and msg.value:
-            return msg.value.decode()
-        return f"CUresult {code}"
-
-    def _check(self, code: int, what: str, pid: int | None = None) -> None:
-        if code != 0:
-            who = f" (pid {pid})" if pid is not None else ""
-            raise GpuError(f"{what}{who} failed: {self._error_string(code)} [{code}]")
+    def _call(self, what: str, pid: int, call: Callable[[CudaProcess], T]) -> T:
+        try:
+            return call(self._process(pid))
+        except (RuntimeError, ValueError, TypeError) as exc:
+            raise GpuError(f"{what} (pid {pid}) failed: {exc}") from exc
 
     def state(self, pid: int) -> GpuState:
-        st = ctypes.c_int(-1)
-        self._check(
-            self.lib.cuCheckpointProcessGetState(pid, ctypes.byref(st)),
-            "cuCheckpointProcessGetState",
-            pid,
-        )
+        name = self._call("cuCheckpointProcessGetState", pid, lambda p: p.state)
+        return _STATES.get(str(name), GpuState.FAILED)
+
+    def has_cuda(self, pid: int) -> bool:
+        """True if the driver holds CUDA state for ``pid`` (running, locked, checkpointed)."""
         try:
-            return GpuState(st.value)
-        except ValueError:
-            return GpuState.FAILED
+            self._process(pid).state  # noqa: B018 - the driver call is the point
+        except (RuntimeError, ValueError) as exc:
+            if not _no_cuda_state(exc):
+                log.debug("no CUDA state", extra={"pid": pid, "error": str(exc)})
+            return False
+        return True
 
     def lock(self, pid: int, timeout_ms: int) -> None:
-        args = _LockArgs(timeoutMs=timeout_ms)
-        self._check(
-            self.lib.cuCheckpointProcessLock(pid, ctypes.byref(args)),
-            "cuCheckpointProcessLock",
-            pid,
-        )
+        self._call("cuCheckpointProcessLock", pid, lambda p: p.lock(timeout_ms))
 
     def checkpoint(self, pid: int) -> None:
-        self._check(
-            self.lib.cuCheckpointProcessCheckpoint(pid, None), "cuCheckpointProcessCheckpoint", pid
-        )
+        self._call("cuCheckpointProcessCheckpoint", pid, lambda p: p.checkpoint())
 
     def restore(self, pid: int, remap: Mapping[str, str] | None) -> None:
-        if not remap:
-            code = self.lib.cuCheckpointProcessRestore(pid, None)
-        else:
-            pairs = (_GpuPair * len(remap))()
-            for i, (old, new) in enumerate(remap.items()):
-                pairs[i].oldUuid = _uuid_bytes(old)
-                pairs[i].newUuid = _uuid_bytes(new)
-            args = _RestoreArgs(gpuPairs=pairs, gpuPairsCount=len(remap))
-            code = self.lib.cuCheckpointProcessRestore(pid, ctypes.byref(args))
-        self._check(code, "cuCheckpointProcessRestore", pid)
+        mapping = {driver_uuid(o): driver_uuid(n) for o, n in (remap or {}).items()} or None
+        self._call("cuCheckpointProcessRestore", pid, lambda p: p.restore(gpu_mapping=mapping))
 
     def unlock(self, pid: int) -> None:
-        self._check(self.lib.cuCheckpointProcessUnlock(pid, None), "cuCheckpointProcessUnlock", pid)
+        self._call("cuCheckpointProcessUnlock", pid, lambda p: p.unlock())
 
 
 async def _each(pids: Sequence[int], call: Callable[[int], T], what: str, limit: float) -> list[T]:
@@ -237,15 +236,19 @@ async def _each(pids: Sequence[int], call: Callable[[int], T], what: str, limit:
 class CudaHook:
     """The NVIDIA driver checkpoint API for the processes of a job."""
 
-    def __init__(self, *, call_timeout: float = 300.0) -> None:
+    def __init__(
+        self, *, call_timeout: float = 300.0, driver: Callable[[], _Driver] | None = None
+    ) -> None:
         self.call_timeout = call_timeout
-        self._driver: Callable[[], _Driver] = _Driver.get
+        self._driver: Callable[[], _Driver] = driver or _Driver.get
 
     async def gpu_pids(self, pids: Sequence[int]) -> list[int]:
-        # A CUDA process keeps /dev/nvidia* open; after a checkpoint it holds none, so a
-        # restored-but-locked process is found through the driver's state instead.
-        found = [p for p in pids if proctree.uses_device(p, "/dev/nvidia")]
-        return found
+        """The processes the DRIVER says have CUDA state — not those holding /dev/nvidia*:
+        forked DataLoader workers hold inherited descriptors but no context (the driver
+        refuses to lock them), and a restored-but-locked process holds no descriptor yet."""
+        drv = self._driver()
+        found = await _each(pids, drv.has_cuda, "GPU state", self.call_timeout)
+        return [p for p, yes in zip(pids, found, strict=True) if yes]
 
     async def state(self, pid: int) -> GpuState:
         drv = self._driver()

@@ -51,12 +51,12 @@ from spotguard.errors import CheckpointError, CriuError, GpuError, JobError, Spo
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
-from . import files, proctree, scan
+from . import files, nccl, proctree, scan
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
-from .jobs import JobInfo
+from .jobs import JobInfo, own_mount_ns
 from .meta import ImageMeta
-from .preflight import preflight
+from .preflight import preflight, wait_pids_free
 from .settings import CheckpointSettings
 from .staging import DumpTarget, RestoreSource, StagingPlan
 
@@ -218,6 +218,7 @@ class Engine:
                 await self.faults.before("scan")
                 tree = proctree.tree(job.pid)
                 gpu_pids = await self.gpu.gpu_pids(tree)
+                nccl.refuse_uncheckpointable(job.name, gpu_pids)
                 net = await self._preflight(job, tree, gpu_pids, tcp)
                 st.detail.update(net.to_json())
                 tree_ns = [proctree.ns_pid(p) for p in tree]
@@ -256,6 +257,7 @@ class Engine:
                 pids=tree_ns,
                 staging=plan.to_json(),
                 timeline=[],
+                mount_ns=own_mount_ns(job.pid),
             )
 
             async def finish() -> None:
@@ -291,6 +293,7 @@ class Engine:
                     shell_job=shell_job,
                     on_frozen=on_frozen,
                     time_limit=s.criu_timeout,
+                    mount_ns=meta.mount_ns,
                 )
                 if not target.stream:
                     ds.detail["bytes"] = _dir_bytes(images_dir)
@@ -442,22 +445,23 @@ class Engine:
     async def _criu_restore(
         self, source: RestoreSource, meta: ImageMeta, detail: dict[str, Any]
     ) -> int:
-        """``criu restore``; for a job without its own PID namespace, wait (up to the
-        ``pid_wait`` setting) while the kernel still holds a PID of the job just killed —
-        CRIU then fails with "Can't fork ... File exists" for seconds after a kill."""
+        """``criu restore``. A job without its own PID namespace had its PIDs freed before
+        (preflight step); should the kernel still refuse one ("Can't fork ... File exists"),
+        a restore from a directory is retried up to the ``pid_wait`` setting."""
         s = self.settings
         loop = asyncio.get_running_loop()
         start = loop.time()
         deadline = start + s.pid_wait
         while True:
             attempt = loop.time()
-            detail["pid_wait_s"] = attempt - start
+            detail["retry_wait_s"] = attempt - start
             try:
                 return await self.criu.restore(
                     source.images_dir,
                     stream=source.stream,
                     manage_cgroups=s.manage_cgroups,
                     time_limit=s.criu_timeout,
+                    mount_ns=meta.mount_ns,
                 )
             except CriuError as exc:
                 if meta.root_ns_pid == 1 or source.stream or not _pid_still_held(exc):
@@ -482,9 +486,15 @@ class Engine:
                 started = True
                 meta = await source.start()
             job = JobInfo.from_json(meta.job)
-            with tl.step("preflight"):
+            with tl.step("preflight") as ps:
                 await self.faults.before("preflight")
-                remap = await preflight(meta, self.criu, self.gpu, state)
+                remap = await preflight(
+                    meta, self.criu, self.gpu, state, restore_gpus=s.restore_gpus
+                )
+                if meta.root_ns_pid != 1:
+                    # no own PID namespace: its exact PIDs must be free (a job killed a
+                    # moment ago may still hold them as zombies)
+                    ps.detail["pid_wait_s"] = await wait_pids_free(meta.pids, s.pid_wait)
             with tl.step("put_files", files=len(meta.files)):
                 await self.faults.before("put_files")
                 await asyncio.to_thread(files.put_back, meta.files, source.extras_dir)

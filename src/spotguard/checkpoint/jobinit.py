@@ -27,6 +27,13 @@ import signal
 import sys
 
 CLONE_NEWPID = 0x20000000
+CLONE_NEWNS = 0x00020000
+MS_NOSUID = 0x2
+MS_NODEV = 0x4
+MS_NOEXEC = 0x8
+MS_REC = 0x4000
+MS_PRIVATE = 0x40000
+MNT_DETACH = 0x2
 FORWARDED = (
     signal.SIGTERM,
     signal.SIGINT,
@@ -37,11 +44,26 @@ FORWARDED = (
 )
 
 
-def _unshare_pid() -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    if libc.unshare(CLONE_NEWPID) != 0:
+def _libc_call(what: str, code: int) -> None:
+    if code != 0:
         err = ctypes.get_errno()
-        raise OSError(err, f"unshare(CLONE_NEWPID): {os.strerror(err)} (needs root)")
+        raise OSError(err, f"{what}: {os.strerror(err)} (needs root)")
+
+
+def _unshare_pid() -> None:
+    """New PID and mount namespaces; every mount private so nothing leaks to the host."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    _libc_call("unshare(CLONE_NEWPID|CLONE_NEWNS)", libc.unshare(CLONE_NEWPID | CLONE_NEWNS))
+    _libc_call("make / private", libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None))
+
+
+def _mount_proc() -> None:
+    """A /proc of the new PID namespace (run as its PID 1), in place of the host's (not
+    over it: CRIU restores a plain mount tree more reliably than an overmounted one)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    _libc_call("detach the host's /proc", libc.umount2(b"/proc", MNT_DETACH))
+    flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+    _libc_call("mount /proc", libc.mount(b"proc", b"/proc", b"proc", flags, None))
 
 
 def _redirect(job_dir: str) -> None:
@@ -91,22 +113,7 @@ def _init(job_dir: str, argv: list[str]) -> int:
     return code
 
 
-def main() -> int:
-    args = sys.argv[1:]
-    pid_ns = "--no-pid-ns" not in args[:2]
-    if not pid_ns:
-        args.remove("--no-pid-ns")
-    if len(args) < 3 or args[1] != "--":
-        sys.stderr.write("usage: jobinit.py JOB_DIR [--no-pid-ns] -- CMD [ARG...]\n")
-        return 2
-    job_dir, argv = args[0], args[2:]
-    if pid_ns:
-        _unshare_pid()
-    pid = os.fork()
-    if pid != 0:
-        sys.stdout.write(f"{pid}\n")
-        sys.stdout.flush()
-        return 0
+def _run_init(job_dir: str, argv: list[str]) -> int:
     try:
         code = _init(job_dir, argv)
     except BaseException as exc:  # noqa: BLE001 - the init must never print a traceback
@@ -115,6 +122,53 @@ def main() -> int:
         finally:
             os._exit(126)
     os._exit(code)
+
+
+def _become_init(job_dir: str, argv: list[str]) -> None:
+    """PID 1 of the new namespace: mount its /proc, then exec this script again as the init.
+
+    The exec matters: files opened and mapped before ``unshare(CLONE_NEWNS)`` (the
+    interpreter, its libraries) still belong to the host's mounts, which CRIU cannot find
+    inside the job's mount namespace ("Can't lookup mount=N"); after the exec every mapping
+    comes from the job's own mounts.
+    """
+    try:
+        _mount_proc()
+        os.execv(sys.executable, [sys.executable, "-I", __file__, "--init", job_dir, "--", *argv])
+    except BaseException as exc:  # noqa: BLE001 - the init must never print a traceback
+        try:
+            os.write(2, f"spotguard init: {exc}\n".encode())
+        finally:
+            os._exit(126)
+
+
+def main() -> int:
+    args = sys.argv[1:]
+    if args[:1] == ["--init"]:
+        if len(args) < 4 or args[2] != "--":
+            return 2
+        return _run_init(args[1], args[3:])
+    pid_ns = "--no-pid-ns" not in args[:2]
+    if not pid_ns:
+        args.remove("--no-pid-ns")
+    if len(args) < 3 or args[1] != "--":
+        sys.stderr.write("usage: jobinit.py JOB_DIR [--no-pid-ns] -- CMD [ARG...]\n")
+        return 2
+    job_dir, argv = args[0], args[2:]
+    if pid_ns:
+        try:
+            _unshare_pid()
+        except OSError as exc:
+            sys.stderr.write(f"spotguard init: {exc}\n")
+            return 1
+    pid = os.fork()
+    if pid != 0:
+        sys.stdout.write(f"{pid}\n")
+        sys.stdout.flush()
+        return 0
+    if pid_ns:
+        _become_init(job_dir, argv)
+    return _run_init(job_dir, argv)
 
 
 if __name__ == "__main__":

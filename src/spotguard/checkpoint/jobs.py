@@ -7,8 +7,9 @@ A job lives in ``<state_dir>/jobs/<name>/``::
     stderr        the job's standard error (append-only)
     exit_status   written by the job's init when the command ends
 
-The job runs in its own session and its own PID namespace, under a tiny init
-(:mod:`spotguard.checkpoint.jobinit`); the dumped tree's root is that init. See
+The job runs in its own session and its own PID and mount namespaces (a private /proc),
+under a tiny init (:mod:`spotguard.checkpoint.jobinit`); the dumped tree's root is that
+init. GPU jobs too: CUDA initialises once the namespace has its own /proc. See
 docs/limits.md for what that implies.
 """
 
@@ -29,7 +30,7 @@ from typing import Any
 from spotguard.contracts import check_job_name
 from spotguard.errors import ConfigError, JobError, JobNotFound
 
-from . import jobinit, proctree
+from . import jobinit, nccl, proctree
 
 JOB_FILE = "job.json"
 
@@ -97,9 +98,11 @@ async def start_job(
 ) -> JobInfo:
     """Start ``argv`` as a checkpointable job and return its :class:`JobInfo`.
 
-    Own session, own PID namespace, stdin from /dev/null, stdout/stderr appended to files in
-    the job directory. A name already used by a live job is refused. ``pid_namespace=False``
-    is for GPU jobs: CUDA does not initialise in a PID namespace sharing the host's /proc.
+    Own session, own PID and mount namespaces (a private /proc, so CUDA initialises in
+    there), stdin from /dev/null, stdout/stderr appended to files in the job directory, and
+    the settings that keep NCCL checkpointable (:mod:`.nccl`) where ``env`` (default: ours)
+    does not set them. A name already used by a live job is refused. ``pid_namespace=False``
+    starts it in the host's namespaces: restore then needs its exact PIDs free.
     """
     if not argv:
         raise ConfigError("no command given (usage: spotguard run [--name N] -- CMD ...)")
@@ -127,7 +130,7 @@ async def start_job(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         cwd=workdir,
-        env=env,
+        env=nccl.job_env(os.environ if env is None else env),
         start_new_session=True,
     )
     out, err = await proc.communicate()
@@ -187,6 +190,15 @@ def resolve_job(pid_or_name: str | int, *, state_dir: Path) -> JobInfo:
     except ValueError as exc:
         raise JobNotFound(f"no job {text!r}: {exc}") from exc
     return _read(jobs_dir(state_dir) / text)
+
+
+def own_mount_ns(pid: int) -> bool:
+    """True if ``pid`` lives in another mount namespace than this process (a job started
+    in its own PID namespace has one, for its private /proc)."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/mnt").st_ino != os.stat("/proc/self/ns/mnt").st_ino
+    except OSError:
+        return False
 
 
 def exit_status(job: JobInfo) -> int | None:

@@ -37,6 +37,8 @@ class ImageMeta:
     staging: dict[str, Any]
     timeline: list[dict[str, Any]]
     files: list[CapturedFile] = field(default_factory=list)
+    #: the tree had its own mount namespace (private /proc): restore rebuilds it
+    mount_ns: bool = False
     schema: int = META_SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -53,6 +55,7 @@ class ImageMeta:
             "staging": self.staging,
             "timeline": self.timeline,
             "files": [f.to_json() for f in self.files],
+            "mount_ns": self.mount_ns,
         }
 
     @classmethod
@@ -69,6 +72,7 @@ class ImageMeta:
             staging=d.get("staging", {}),
             timeline=d.get("timeline", []),
             files=[CapturedFile(**f) for f in d.get("files", [])],
+            mount_ns=bool(d.get("mount_ns", False)),
             schema=int(d.get("schema", META_SCHEMA)),
         )
 

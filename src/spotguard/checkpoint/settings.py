@@ -62,6 +62,14 @@ class CheckpointSettings(Settings):
         ge=0,
         description="Seconds restore waits for PIDs of a just-killed job without own PID namespace",
     )
+    restore_gpus: str | None = Field(
+        default=None,
+        description=(
+            "Host GPUs (indices or UUIDs, comma-separated, in the image's GPU order) that an "
+            "image's GPUs are restored onto when this host has more (default: the image's own "
+            "UUIDs where present, else the first ones)"
+        ),
+    )
     shm_dir: Path = Field(
         default=Path("/dev/shm/spotguard"), description="Staging directory in memory (tmpfs)"
     )

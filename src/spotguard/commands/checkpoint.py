@@ -49,7 +49,10 @@ def _steps(timeline: list[dict[str, Any]]) -> str:
 @click.option(
     "--pid-namespace/--no-pid-namespace",
     default=True,
-    help="Own PID namespace (default). GPU jobs need --no-pid-namespace (docs/limits.md).",
+    help=(
+        "Own PID and mount namespaces (default; GPU jobs too). --no-pid-namespace runs it in "
+        "the host's: restore then needs its exact PIDs free (docs/limits.md)."
+    ),
 )
 @click.option(
     "--priority",
@@ -81,9 +84,11 @@ def run(
 ) -> None:
     """Start COMMAND as a job that can be checkpointed and restored elsewhere.
 
-    The job gets its own session and PID namespace, stdin from /dev/null, and its output in
-    <state_dir>/jobs/<name>/stdout and stderr; USE_LIBUV=0 unless set (PyTorch's TCPStore then
-    holds no io_uring, which CRIU cannot dump). Example: spotguard run --name t -- python t.py
+    The job gets its own session, PID and mount namespaces, stdin from /dev/null, the
+    settings that keep NCCL checkpointable (NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1,
+    NCCL_NVLS_ENABLE=0, ... where not set), USE_LIBUV=0 unless set (PyTorch's TCPStore then
+    holds no io_uring, which CRIU cannot dump), and its output in
+    <state_dir>/jobs/<name>/stdout and stderr. Example: spotguard run --name t -- python t.py
     """
     if os.geteuid() != 0:
         raise JobError(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import io
 import logging
 import os
@@ -101,16 +100,6 @@ def spotguard_command() -> str:
     if found is None:
         raise DemoError("setup", "the spotguard command is not installed (pip install -e .)")
     return found
-
-
-def gpu_job(gpu: str) -> bool:
-    """Whether the sample job will hold its state on a GPU (then it runs without its own PID
-    namespace: CUDA does not start in one that shares the host's /proc)."""
-    if gpu == "no":
-        return False
-    if gpu == "yes":
-        return True
-    return importlib.util.find_spec("torch") is not None and Path("/dev/nvidiactl").exists()
 
 
 def _short_listen(path: Path) -> str:
@@ -343,7 +332,6 @@ class DemoStack:
                 JOB_NAME,
                 state_dir=self.vm1 / "state",
                 cwd=self.root,
-                pid_namespace=not gpu_job(self.opts.gpu),
             )
         except SpotguardError as exc:
             raise DemoError("job", f"cannot start the sample job: {exc}") from exc

@@ -1,0 +1,124 @@
+"""What a GPU job's communication libraries must be told so that the driver checkpoint API
+can capture it — set by ``spotguard run``, checked before every freeze.
+
+The driver checkpoint API (r580) cannot capture memory shared between processes or GPUs:
+CUDA IPC / cuMem handles (NCCL's P2P transport), host memory one process maps for another
+(NCCL's SHM transport, whose cuMem host path hangs a restore), NVLink multicast objects
+(NVLS: ``cuCheckpointProcessCheckpoint`` hangs on one), and CRIU cannot dump RDMA verbs
+(InfiniBand / RoCE / EFA). NVIDIA's own snapshot tooling captures multi-GPU jobs only with
+P2P, SHM and NVLS off; NCCL then moves data through its socket transport (slower: see
+docs/limits.md for the measured cost).
+
+:data:`CHECKPOINTABLE` lists the settings; :func:`job_env` fills in those a job did not set
+(an explicit choice of the user is kept, and then judged); :func:`env_problems` names each
+setting of a process that cannot be checkpointed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from spotguard.errors import UndumpableError
+
+#: setting → (value that keeps a job checkpointable, why)
+CHECKPOINTABLE: dict[str, tuple[str, str]] = {
+    "NCCL_P2P_DISABLE": ("1", "P2P shares GPU memory between processes by CUDA IPC"),
+    "NCCL_SHM_DISABLE": ("1", "SHM maps host memory of one process into another"),
+    "NCCL_CUMEM_HOST_ENABLE": ("0", "cuMem host memory hangs the driver's restore"),
+    "NCCL_NVLS_ENABLE": ("0", "NVLink multicast objects hang the driver's checkpoint"),
+    "NCCL_COLLNET_ENABLE": ("0", "CollNet uses in-network (RDMA) state"),
+    "NCCL_IB_DISABLE": ("1", "RDMA (InfiniBand/RoCE) verbs cannot be dumped"),
+    "NCCL_NET": ("Socket", "network plugins (EFA, IB) use RDMA, which cannot be dumped"),
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": ("1", "symmetric memory uses NVLink multicast"),
+    "NVSHMEM_DISABLE_NVLS": ("1", "NVSHMEM uses NVLink multicast"),
+}
+
+
+def job_env(base: Mapping[str, str]) -> dict[str, str]:
+    """``base`` plus every checkpointable setting it does not already have."""
+    env = dict(base)
+    for key, (value, _why) in CHECKPOINTABLE.items():
+        env.setdefault(key, value)
+    return env
+
+
+@dataclass(frozen=True)
+class EnvProblem:
+    """A setting of a process that keeps it from being checkpointed."""
+
+    key: str
+    value: str | None  # None: not set (NCCL's default is the uncheckpointable one)
+    wanted: str
+    why: str
+
+    def __str__(self) -> str:
+        have = "unset" if self.value is None else f"{self.key}={self.value}"
+        return f"{have} (set {self.key}={self.wanted}: {self.why})"
+
+
+def _distributed(env: Mapping[str, str]) -> bool:
+    try:
+        return int(env.get("WORLD_SIZE", "1")) > 1
+    except ValueError:
+        return False
+
+
+def env_problems(env: Mapping[str, str]) -> list[EnvProblem]:
+    """Each setting in ``env`` that cannot be checkpointed. A value set otherwise is always
+    one; an unset one only in a distributed process (``WORLD_SIZE`` > 1), where NCCL's
+    defaults would pick the shared-memory transports."""
+    out = []
+    for key, (wanted, why) in CHECKPOINTABLE.items():
+        value = env.get(key)
+        if value is None and not _distributed(env):
+            continue
+        if value is None or value.strip() != wanted:
+            out.append(EnvProblem(key, value, wanted, why))
+    return out
+
+
+def process_env(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was started with (empty if unreadable)."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    env = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep:
+            env[key.decode(errors="replace")] = value.decode(errors="replace")
+    return env
+
+
+def uses_nccl(pid: int) -> bool:
+    """True if the process has NCCL loaded."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text(errors="replace")
+    except OSError:
+        return False
+    return "libnccl" in maps
+
+
+def _name(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().strip()
+    except OSError:
+        return "?"
+
+
+def refuse_uncheckpointable(job: str, gpu_pids: Sequence[int]) -> None:
+    """The freeze rule: raise :class:`UndumpableError` (not retryable) naming the pid, the
+    process and each setting when a GPU process with NCCL loaded cannot be checkpointed."""
+    found = []
+    for pid in gpu_pids:
+        if not uses_nccl(pid):
+            continue
+        problems = env_problems(process_env(pid))
+        if problems:
+            found.append(f"pid {pid} ({_name(pid)}): " + "; ".join(str(p) for p in problems))
+    if found:
+        found.append("restart it with these settings ('spotguard run' sets them)")
+        raise UndumpableError(job, found)
