@@ -75,8 +75,7 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
         "gpu-train",
         state_dir=settings.state_dir,
         env=ENV,
-        pid_namespace=False,
-    )
+    )  # its own PID and mount namespaces: CUDA initialises there (private /proc)
     out = job.dir / "stdout"
     err = job.dir / "stderr"
     try:
@@ -108,6 +107,49 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
     finally:
         for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
             proctree.signal_all([pid], signal.SIGKILL)
+
+
+async def test_gpu_processes_are_found_by_the_driver_and_the_remap_path_runs(
+    gpu_ready: None, tmp_path: Path
+) -> None:
+    """A CUDA process and a child it forked (no CUDA context, inherited /dev/nvidia* fds):
+    only the first is a GPU process; its GPU state is restored through an explicit mapping
+    of each GPU onto itself (the UUID remap path of cuda-core), and it still computes."""
+    from spotguard.checkpoint.preflight import gpu_mapping
+
+    code = (
+        "import os, sys, time, torch\n"
+        "x = torch.arange(1 << 20, device='cuda', dtype=torch.float64)\n"
+        "kid = os.fork()\n"
+        "if kid == 0:\n    time.sleep(120); os._exit(0)\n"
+        "print(kid, flush=True)\n"
+        "for line in sys.stdin:\n    print(float((x * 2).sum()), flush=True)\n"
+    )
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", code, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+    )
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        kid = int(await proc.stdout.readline())
+        assert proctree.uses_device(kid, "/dev/nvidia")  # the fd-based guess would take it
+        hook = CudaHook()
+        assert await hook.gpu_pids([proc.pid, kid]) == [proc.pid]
+        inv = inventory()
+        mapping = gpu_mapping(inv, inv)
+        assert mapping == {u: u for u in inv.uuids}
+        await hook.lock([proc.pid], 10)
+        await hook.checkpoint([proc.pid])
+        await hook.restore([proc.pid], mapping)
+        await hook.unlock([proc.pid])
+        proc.stdin.write(b"go\n")
+        await proc.stdin.drain()
+        got = await proc.stdout.readline()
+        assert float(got) == float(sum(range(1 << 20)) * 2)
+        print(f"\nremap path: {mapping} restored and computing")
+    finally:
+        proctree.signal_all([kid] if "kid" in locals() else [], signal.SIGKILL)
+        proc.kill()
+        await proc.wait()
 
 
 def test_inventory_names_the_gpus(gpu_ready: None) -> None:
