@@ -29,6 +29,10 @@ def inv(n: int, *, model: str = H100, driver: str = "580.159.04", first: int = 0
     )
 
 
+class CUDAError(Exception):
+    """Like cuda-core's: derives from Exception, not RuntimeError."""
+
+
 class FakeProcess:
     """Answers like the driver: a CUDA process has a state; any other pid gets
     CUDA_ERROR_NOT_INITIALIZED (what a forked DataLoader worker gets)."""
@@ -42,7 +46,7 @@ class FakeProcess:
     @property
     def state(self) -> str:
         if self.pid not in self.cuda:
-            raise RuntimeError("CUDA_ERROR_NOT_INITIALIZED: initialization error")
+            raise CUDAError("CUDA_ERROR_NOT_INITIALIZED: This indicates that the CUDA driver")
         return self.cuda[self.pid]
 
     def lock(self, timeout_ms: int = 0) -> None:
@@ -90,7 +94,7 @@ async def test_restore_passes_every_gpu_without_nvml_prefix(hook: CudaHook) -> N
 
 class Refusing(FakeProcess):
     def lock(self, timeout_ms: int = 0) -> None:
-        raise RuntimeError("CUDA_ERROR_ILLEGAL_STATE")
+        raise CUDAError("CUDA_ERROR_ILLEGAL_STATE")
 
 
 async def test_a_driver_error_is_a_typed_error() -> None:

@@ -182,7 +182,7 @@ class _Driver:
     def _call(self, what: str, pid: int, call: Callable[[CudaProcess], T]) -> T:
         try:
             return call(self._process(pid))
-        except (RuntimeError, ValueError, TypeError) as exc:
+        except Exception as exc:  # cuda-core's CUDAError derives from Exception
             raise GpuError(f"{what} (pid {pid}) failed: {exc}") from exc
 
     def state(self, pid: int) -> GpuState:
@@ -193,7 +193,7 @@ class _Driver:
         """True if the driver holds CUDA state for ``pid`` (running, locked, checkpointed)."""
         try:
             self._process(pid).state  # noqa: B018 - the driver call is the point
-        except (RuntimeError, ValueError) as exc:
+        except Exception as exc:  # noqa: BLE001 - cuda-core's CUDAError derives from Exception
             if not _no_cuda_state(exc):
                 log.debug("no CUDA state", extra={"pid": pid, "error": str(exc)})
             return False
