@@ -95,6 +95,8 @@ class NoGpu:
 
 # --- the driver checkpoint API, through NVIDIA's cuda-core ---------------------------------
 
+NVIDIA_CTL = "/dev/nvidiactl"
+
 #: cuda-core's state names → :class:`GpuState`
 _STATES = {
     "running": GpuState.RUNNING,
@@ -151,6 +153,9 @@ class _Driver:
         if process is not None:
             self._process = process
             return
+        if not os.path.exists(NVIDIA_CTL):
+            # no NVIDIA kernel driver: say so before paying for cuda-core's import (1-2 s)
+            raise GpuError(f"no NVIDIA driver on this host ({NVIDIA_CTL} is missing)")
         masked = os.environ.pop("CUDA_VISIBLE_DEVICES", None)
         if masked is not None:
             log.info(
