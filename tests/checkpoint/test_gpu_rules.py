@@ -192,7 +192,7 @@ async def test_a_refused_freeze_leaves_the_job_running_untouched(
     from spotguard.checkpoint.engine import Engine, Mode
     from spotguard.checkpoint.jobs import start_job
     from spotguard.checkpoint.settings import CheckpointSettings
-    from spotguard.checkpoint.targets import DirectoryTarget
+    from spotguard.checkpoint.staging import DirectoryTarget
     from spotguard.checkpoint.testing import RecordingGpu
 
     lib = tmp_path / "libnccl.so.2"

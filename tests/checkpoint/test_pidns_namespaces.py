@@ -29,7 +29,7 @@ from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import own_mount_ns, start_job
 from spotguard.checkpoint.preflight import pid_holder, wait_pids_free
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.checkpoint.targets import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import PreflightError
 from spotguard.image.catalog import latest_image
 from spotguard.stream import StreamSource, StreamTarget
