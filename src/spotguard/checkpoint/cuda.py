@@ -160,7 +160,7 @@ class _Driver:
         if masked is not None:
             log.info(
                 "ignoring CUDA_VISIBLE_DEVICES for the checkpoint API (restore needs every GPU)",
-                extra={"was": masked},
+                extra={"gpus": masked},
             )
         try:
             bindings = importlib.import_module("cuda.bindings.driver")
