@@ -64,7 +64,8 @@ class Sg:
                     "SPOTGUARD_PARK_MEMORY_DIR": "/dev/shm/spotguard-test-parked"}  # fmt: skip
 
     def __call__(self, *args: str) -> dict[str, Any]:
-        done = subprocess.run([*SG, *args, "--json"], env=self.env, capture_output=True,
+        argv = [*SG, args[0], "--json", *args[1:]]  # before a run's "--"
+        done = subprocess.run(argv, env=self.env, capture_output=True,
                               text=True, timeout=600, check=False)  # fmt: skip
         if done.returncode != 0:
             pytest.fail(f"spotguard {' '.join(args)} failed: {done.stderr[-4000:]}")
