@@ -24,7 +24,7 @@ from spotguard.notices.fleet import FleetSettings
     "state",
     type=click.Path(dir_okay=False),
     default=None,
-    help="SQLite state file. [default: /var/lib/spotguard/controller.db] [env: SPOTGUARD_STATE]",
+    help="SQLite state file. [default: STATE_DIR/controller.db] [env: SPOTGUARD_STATE]",
 )
 @click.option(
     "--token",

@@ -45,7 +45,7 @@ class ControllerServer:
         token = s.token()
         strategy = get_strategy(s.strategy)
         host, port = s.host_port()
-        self.db = await StateDB.open(s.state)
+        self.db = await StateDB.open(s.state_path())
         try:
             provider = self._provider or open_provider(s.provider, self._config_file)
             self.controller = Controller(

@@ -16,7 +16,13 @@ class ControllerSettings(Settings):
 
     section: ClassVar[str] = "controller"
     listen: str = Field("127.0.0.1:8700", description="HOST:PORT the agent API listens on")
-    state: Path = Field(Path("/var/lib/spotguard/controller.db"), description="SQLite state file")
+    state_dir: Path = Field(
+        Path("/var/lib/spotguard"),
+        description="Directory of the controller's state (the systemd unit sets its own)",
+    )
+    state: Path | None = Field(
+        None, description="SQLite state file [default: STATE_DIR/controller.db]"
+    )
     provider: Literal["aws", "gcp", "local"] = Field(
         "local", description="Where new instances come from"
     )
@@ -79,6 +85,11 @@ class ControllerSettings(Settings):
             "the controller needs a token: --token, SPOTGUARD_CONTROLLER_TOKEN or "
             "--controller-token-file"
         )
+
+    def state_path(self) -> Path:
+        """The SQLite file: ``state``, else ``controller.db`` in ``state_dir`` (so the unit's
+        ``SPOTGUARD_STATE_DIR`` — its StateDirectory — holds it)."""
+        return self.state if self.state is not None else self.state_dir / "controller.db"
 
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")

@@ -64,14 +64,14 @@ output "controller_instance_profile" {
 }
 
 output "controller_config" {
-  description = "TOML for the controller's /etc/spotguard/spotguard.toml (fleet queue, region, each job's template as the {job} pattern)."
-  value = join("\n", [
-    "[fleet]",
-    "queue_url = ${jsonencode(aws_sqs_queue.events.url)}",
-    "region = ${jsonencode(local.region)}",
-    "",
-    "[aws]",
-    "aws_regions = [${jsonencode(local.region)}]",
-    "aws_launch_template = ${jsonencode("${var.name}-{job}")}",
-  ])
+  description = "TOML for the controller's /etc/spotguard/spotguard.toml: [controller] (provider aws, listen, the store, the token file), [fleet] (the queue) and [aws] (region, each job's template as the {job} pattern)."
+  value = templatefile("${path.module}/templates/controller.toml.tftpl", {
+    listen          = var.controller_listen
+    advertise_url   = var.controller_url
+    store_url       = local.store_url
+    token_path      = local.spotguard.token_path
+    queue_url       = aws_sqs_queue.events.url
+    region          = local.region
+    launch_template = "${var.name}-{job}"
+  })
 }

@@ -88,6 +88,12 @@ variable "controller_url" {
   default     = null
 }
 
+variable "controller_listen" {
+  description = "HOST:PORT the controller listens on, written to controller_config ([controller] listen)."
+  type        = string
+  default     = "0.0.0.0:8700"
+}
+
 variable "controller_token" {
   description = "Bearer token the agents present to the controller. Written to /etc/spotguard/controller-token (mode 0600) by the first-boot user-data."
   type        = string
