@@ -57,6 +57,7 @@ SETTINGS_MODULES = (
     "spotguard.image.settings",
     "spotguard.notices.fleet",
     "spotguard.notices.settings",
+    "spotguard.notify",
     "spotguard.park.settings",
     "spotguard.planner",
     "spotguard.providers.aws",

@@ -43,6 +43,7 @@ from spotguard.notices.base import NoticeSource
 from spotguard.notices.bus import NoticeBus
 from spotguard.notices.manual import ManualSource
 from spotguard.notices.settings import NoticeSettings
+from spotguard.notify import Notifier
 from spotguard.planner import PlannerSettings
 
 from . import jobspec, startup
@@ -78,8 +79,10 @@ class Agent(NoticeHandling):
         image: ImageSettings,
         planner: PlannerSettings | None = None,
         sources: Sequence[NoticeSource] | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.settings = settings
+        self.notifier = notifier  # webhooks told of notices, freezes, images, restores
         self.image_settings = image
         self.planner_settings = planner
         self.checkpoint_settings = checkpoint
@@ -126,7 +129,12 @@ class Agent(NoticeHandling):
         bearer = token or self.settings.controller_bearer()
         self.controller_url, self.controller_token = url, bearer
         return Reporter(
-            url, bearer, self.dir / "outbox", metrics=self.metrics, on_answer=self._controller_says
+            url,
+            bearer,
+            self.dir / "outbox",
+            metrics=self.metrics,
+            on_answer=self._controller_says,
+            on_emit=self.notifier.agent_event if self.notifier is not None else None,
         )
 
     def _controller_says(self, answer: dict[str, Any]) -> None:
@@ -273,6 +281,8 @@ class Agent(NoticeHandling):
             await self.api.aclose()
         await self.reporter.flush(2.0)
         await self.reporter.aclose()
+        if self.notifier is not None:
+            await self.notifier.aclose()
         log.info("agent stopped", extra={"step": "stop"})
 
     # --- jobs -------------------------------------------------------------------------------

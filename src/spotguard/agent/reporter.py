@@ -56,6 +56,7 @@ class Reporter:
         max_backoff_s: float = 30.0,
         timeout_s: float = 10.0,
         on_answer: Callable[[dict[str, Any]], None] | None = None,
+        on_emit: Callable[[AgentEvent], None] | None = None,
     ) -> None:
         self.url = controller_url.rstrip("/") + EVENTS_PATH if controller_url else None
         self.token = token
@@ -64,6 +65,7 @@ class Reporter:
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
         self.on_answer = on_answer  # sees each controller answer (e.g. {"action": "drain"})
+        self.on_emit = on_emit  # sees each event as it is emitted (notifications)
         self.sent = 0
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
@@ -91,6 +93,8 @@ class Reporter:
                 "error": event.error,
             },
         )
+        if self.on_emit is not None:
+            self.on_emit(event)
         if not self.url:
             return
         name = f"{time.time_ns():020d}-{event.event_id}.json"

@@ -33,6 +33,7 @@ from spotguard.errors import AgentNotRunning, ConfigError, SpotguardError
 from spotguard.extras import require_for_store
 from spotguard.image.settings import ImageSettings
 from spotguard.notices.settings import NoticeSettings
+from spotguard.notify import Notifier, NotifySettings
 from spotguard.planner import PlannerSettings
 
 __all__ = ["agent", "drain", "logs", "status"]
@@ -60,10 +61,11 @@ def agent(ctx: click.Context, /, **flags: Any) -> None:
     ckpt = load(CheckpointSettings, flags, config_file=cfg)
     image = load(ImageSettings, flags, config_file=cfg)
     planner = load(PlannerSettings, {}, config_file=cfg)
+    notifier = Notifier(load(NotifySettings, {}, config_file=cfg))
     require_for_store(settings.store)  # refuse to start rather than fail at the first notice
 
     async def main() -> None:
-        daemon = Agent(settings, ckpt, notices, image=image, planner=planner)
+        daemon = Agent(settings, ckpt, notices, image=image, planner=planner, notifier=notifier)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop)

@@ -14,6 +14,7 @@ from spotguard.config import load, options
 from spotguard.controller.client import ControllerClient
 from spotguard.controller.settings import ClientSettings, ControllerSettings
 from spotguard.notices.fleet import FleetSettings
+from spotguard.notify import Notifier, NotifySettings
 
 
 @click.command("controller")
@@ -47,8 +48,13 @@ def controller(ctx: click.Context, /, **flags: Any) -> None:
     settings = load(ControllerSettings, flags, config_file=cfg)
     fleet = load(FleetSettings, flags, config_file=cfg)
     settings.token()  # refuse to start without one
+    notifier = Notifier(load(NotifySettings, {}, config_file=cfg))
     source = SqsFleetSource.from_settings(fleet)
-    asyncio.run(serve_forever(settings, cfg, sources=[source] if source is not None else []))
+    asyncio.run(
+        serve_forever(
+            settings, cfg, sources=[source] if source is not None else [], notifier=notifier
+        )
+    )
 
 
 def _client(ctx: click.Context, flags: dict[str, Any]) -> ControllerClient:

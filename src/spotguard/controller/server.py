@@ -17,6 +17,7 @@ from spotguard.controller.state import StateDB
 from spotguard.controller.strategies import get_strategy
 from spotguard.errors import ConfigError
 from spotguard.notices.base import NoticeSource
+from spotguard.notify import Notifier
 from spotguard.providers import open_provider
 from spotguard.providers.base import CloudProvider
 
@@ -33,8 +34,10 @@ class ControllerServer:
         provider: CloudProvider | None = None,
         sources: Iterable[NoticeSource] = (),
         config_file: str | None = None,
+        notifier: Notifier | None = None,
     ) -> None:
         self.settings = settings
+        self.notifier = notifier
         self._provider = provider
         self._sources = list(sources)
         self._config_file = config_file
@@ -46,6 +49,8 @@ class ControllerServer:
         strategy = get_strategy(s.strategy)
         host, port = s.host_port()
         self.db = await StateDB.open(s.state_path())
+        if self.notifier is not None:
+            self.db.on_transition = self.notifier.controller_transition
         try:
             provider = self._provider or open_provider(s.provider, self._config_file)
             self.controller = Controller(
@@ -88,6 +93,8 @@ class ControllerServer:
         await self._runner.cleanup()
         await self.controller.provider.aclose()
         await self.db.close()
+        if self.notifier is not None:
+            await self.notifier.aclose()
 
 
 async def serve_forever(
@@ -95,6 +102,7 @@ async def serve_forever(
     config_file: str | None = None,
     *,
     sources: Iterable[NoticeSource] = (),
+    notifier: Notifier | None = None,
 ) -> None:
     """Run until SIGINT/SIGTERM (the ``spotguard controller`` command); ``sources`` are
     notice sources seen outside the VMs (the fleet queue)."""
@@ -105,5 +113,7 @@ async def serve_forever(
     sources = list(sources)
     for src in sources:
         log.info("watching fleet notices", extra={"source": src.name})
-    async with ControllerServer(settings, config_file=config_file, sources=sources):
+    async with ControllerServer(
+        settings, config_file=config_file, sources=sources, notifier=notifier
+    ):
         await stop.wait()

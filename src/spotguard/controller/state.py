@@ -155,6 +155,8 @@ class StateDB:
 
     def __init__(self, path: Path) -> None:
         self.path = path
+        #: called on the loop with (state before, record after) when a job changes state
+        self.on_transition: Callable[[JobState | None, JobRecord], None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-state")
         self._conn: sqlite3.Connection | None = None
 
@@ -312,7 +314,17 @@ class StateDB:
         event: tuple[str, str, str] | None = None,
     ) -> tuple[JobRecord | None, bool]:
         """Apply the pure function ``fn`` to job ``name``'s record atomically (see class doc)."""
-        return await self._run(lambda: self._change(name, fn, event))
+        before: list[JobState | None] = []
+
+        def seen(r: JobRecord | None) -> Change | None:
+            before.append(r.state if r is not None else None)
+            return fn(r)
+
+        rec, changed = await self._run(lambda: self._change(name, seen, event))
+        hook = self.on_transition
+        if hook is not None and changed and rec is not None and before and before[-1] != rec.state:
+            hook(before[-1], rec)
+        return rec, changed
 
     async def get(self, name: str) -> JobRecord | None:
         return await self._run(lambda: self._row(name))

@@ -1,0 +1,280 @@
+"""Notifications: webhooks told what happens to a job, as node-termination handlers do.
+
+Events (:class:`NotifyEvent`): ``notice``, ``frozen``, ``durable``, ``relaunched``,
+``restored``, ``failed``, ``parked``, ``unparked``. Agents send the first three, ``restored``
+and ``failed`` of their jobs; the controller sends ``relaunched``, ``restored`` and ``failed``
+(its job states); park sends ``parked`` and ``unparked`` — each through
+:meth:`Notifier.notify`, the one entry point any feature calls.
+
+Settings (``[notify]``, ``SPOTGUARD_*``): ``webhook_url`` (a list: each gets the
+:class:`Notification` as a JSON POST), ``slack_webhook_url`` (a list: each gets a Slack
+``{"text": ...}`` message — Mattermost and Teams incoming webhooks take the same shape),
+``notify_events`` (which events to send; default all) and ``webhook_timeout_s``.
+
+Delivery never blocks or fails the caller: :meth:`Notifier.notify` queues a task; a failed POST
+is retried (3 attempts, 1 s then 2 s apart) and then logged (``step: notify``) and counted. A
+notification is a courtesy, not the record: the controller's history and the agent's reports
+are. :meth:`Notifier.aclose` lets queued notifications go out before a daemon exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from datetime import UTC, datetime
+from enum import StrEnum
+from typing import Any, ClassVar, Protocol
+
+import aiohttp
+from pydantic import BaseModel, Field
+
+from spotguard.config import Settings
+from spotguard.contracts import AgentEvent, EventKind
+
+__all__ = [
+    "Notification",
+    "Notifier",
+    "NotifyEvent",
+    "NotifySettings",
+    "from_agent_event",
+    "from_transition",
+    "slack_message",
+]
+
+log = logging.getLogger(__name__)
+
+ATTEMPTS = 3
+
+
+class NotifyEvent(StrEnum):
+    """What a notification is about."""
+
+    NOTICE = "notice"  # an interruption notice (or a drain) arrived for the job's VM
+    FROZEN = "frozen"  # the job's state is in host memory
+    DURABLE = "durable"  # its image is complete in the store
+    RELAUNCHED = "relaunched"  # the controller launched a matching instance for it
+    RESTORED = "restored"  # it runs again (on the new instance)
+    FAILED = "failed"  # a checkpoint or restore failed, or the controller gave up
+    PARKED = "parked"  # its GPU and CPU were freed, its state kept
+    UNPARKED = "unparked"  # it runs again after a park
+
+
+class NotifySettings(Settings):
+    """``[notify]``: where notifications go and which ones."""
+
+    section: ClassVar[str] = "notify"
+    webhook_url: list[str] = Field(
+        default_factory=list, description="URLs that get each notification as a JSON POST"
+    )
+    slack_webhook_url: list[str] = Field(
+        default_factory=list,
+        description="Slack-compatible incoming webhooks (a {'text': ...} message each)",
+    )
+    notify_events: list[NotifyEvent] = Field(
+        default_factory=lambda: list(NotifyEvent),
+        description="Events to send (default: all)",
+    )
+    webhook_timeout_s: float = Field(5.0, gt=0, description="Seconds one webhook POST may take")
+
+
+class Notification(BaseModel):
+    """The JSON body a generic webhook receives."""
+
+    schema_version: int = 1
+    event: NotifyEvent
+    job: str
+    at: datetime = Field(default_factory=lambda: datetime.now(UTC))
+    source: str = Field(description="agent, controller or park")
+    host: str = Field(default_factory=socket.gethostname)
+    instance_id: str | None = None
+    cloud: str | None = None
+    image_url: str | None = None
+    reason: str | None = Field(default=None, description="notice kind, error or why, in words")
+    state: str | None = Field(default=None, description="the controller's job state, if from it")
+
+
+_AGENT_EVENTS = {
+    EventKind.NOTICE: NotifyEvent.NOTICE,
+    EventKind.FROZEN: NotifyEvent.FROZEN,
+    EventKind.DURABLE: NotifyEvent.DURABLE,
+    EventKind.RESTORED: NotifyEvent.RESTORED,
+    EventKind.CHECKPOINT_FAILED: NotifyEvent.FAILED,
+    EventKind.RESTORE_FAILED: NotifyEvent.FAILED,
+}
+
+_VERBS = {
+    NotifyEvent.NOTICE: "got an interruption notice",
+    NotifyEvent.FROZEN: "is frozen (state in host memory)",
+    NotifyEvent.DURABLE: "has a complete image",
+    NotifyEvent.RELAUNCHED: "is being restored on a new instance",
+    NotifyEvent.RESTORED: "runs again",
+    NotifyEvent.FAILED: "FAILED",
+    NotifyEvent.PARKED: "is parked",
+    NotifyEvent.UNPARKED: "is unparked and runs again",
+}
+
+
+def _reason(ev: AgentEvent) -> str | None:
+    if ev.error:
+        return ev.error
+    if ev.notice:
+        kind, cloud = ev.notice.get("kind"), ev.notice.get("cloud")
+        return f"{cloud} {kind} notice" if kind else None
+    return None
+
+
+def from_agent_event(ev: AgentEvent) -> Notification | None:
+    """The notification for an agent report (None for kinds nobody is told about)."""
+    event = _AGENT_EVENTS.get(ev.kind)
+    if event is None:
+        return None
+    iid, cloud = ev.instance.get("instance_id"), ev.instance.get("cloud")
+    return Notification(
+        event=event,
+        job=ev.job,
+        at=ev.at,
+        source="agent",
+        instance_id=str(iid) if iid else None,
+        cloud=str(cloud) if cloud else None,
+        image_url=ev.image_url,
+        reason=_reason(ev),
+    )
+
+
+class JobView(Protocol):
+    """What a controller job record shows a notification (controller.state.JobRecord)."""
+
+    name: str
+    reason: str
+    image_url: str | None
+    instance: dict[str, Any]
+
+    @property
+    def state(self) -> StrEnum: ...
+
+
+def from_transition(before: StrEnum | None, rec: JobView) -> Notification | None:
+    """The notification for a controller job changing state (None for other moves):
+    → ``restoring`` is ``relaunched``, ``restoring`` → ``protected`` is ``restored``,
+    → ``failed`` is ``failed``."""
+    now = rec.state.value
+    was = before.value if before is not None else None
+    if now == "restoring":
+        event = NotifyEvent.RELAUNCHED
+    elif now == "protected" and was == "restoring":
+        event = NotifyEvent.RESTORED
+    elif now == "failed":
+        event = NotifyEvent.FAILED
+    else:
+        return None
+    iid, cloud = rec.instance.get("instance_id"), rec.instance.get("cloud")
+    return Notification(
+        event=event,
+        job=rec.name,
+        source="controller",
+        instance_id=str(iid) if iid else None,
+        cloud=str(cloud) if cloud else None,
+        image_url=rec.image_url,
+        reason=rec.reason or None,
+        state=now,
+    )
+
+
+def slack_message(n: Notification) -> dict[str, str]:
+    """The Slack-compatible body: one line of text (mrkdwn)."""
+    where = n.instance_id or n.host
+    text = f"spotguard: job `{n.job}` {_VERBS[n.event]} on {where}"
+    if n.reason:
+        text += f": {n.reason}"
+    if n.image_url:
+        text += f" (image {n.image_url})"
+    return {"text": text}
+
+
+class Notifier:
+    """Sends :class:`Notification` s to the configured webhooks, in the background."""
+
+    def __init__(self, settings: NotifySettings) -> None:
+        self.settings = settings
+        self.sent = 0
+        self.failed = 0
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.settings.webhook_url or self.settings.slack_webhook_url)
+
+    def notify(self, n: Notification) -> None:
+        """Queue ``n`` for every webhook, if its event is wanted. Never blocks, never raises;
+        needs a running event loop (the daemons' own)."""
+        if not self.enabled or n.event not in self.settings.notify_events:
+            return
+        task = asyncio.get_running_loop().create_task(self._deliver(n), name=f"notify-{n.event}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def controller_transition(self, before: StrEnum | None, rec: JobView) -> None:
+        """:meth:`notify` for a controller job's state change (the state DB calls this)."""
+        n = from_transition(before, rec)
+        if n is not None:
+            self.notify(n)
+
+    def agent_event(self, ev: AgentEvent) -> None:
+        """:meth:`notify` for an agent report (the agent's reporter calls this)."""
+        n = from_agent_event(ev)
+        if n is not None:
+            self.notify(n)
+
+    async def aclose(self, timeout_s: float = 10.0) -> None:
+        """Let queued notifications go out (at most ``timeout_s``), then close."""
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        for task in list(self._tasks):
+            task.cancel()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def _deliver(self, n: Notification) -> None:
+        body = n.model_dump(mode="json")
+        posts = [(url, body) for url in self.settings.webhook_url]
+        posts += [(url, slack_message(n)) for url in self.settings.slack_webhook_url]
+        await asyncio.gather(*(self._post(url, data, n) for url, data in posts))
+
+    async def _post(self, url: str, data: object, n: Notification) -> None:
+        if self._session is None:
+            timeout = aiohttp.ClientTimeout(total=self.settings.webhook_timeout_s)
+            self._session = aiohttp.ClientSession(timeout=timeout)
+        error = ""
+        for attempt in range(ATTEMPTS):
+            try:
+                async with self._session.post(url, json=data) as resp:
+                    if resp.status < 300:
+                        self.sent += 1
+                        return
+                    error = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, TimeoutError, OSError) as exc:
+                error = str(exc) or type(exc).__name__
+            if attempt + 1 < ATTEMPTS:
+                await asyncio.sleep(2**attempt)
+        self.failed += 1
+        log.warning(
+            "webhook failed",
+            extra={
+                "step": "notify",
+                "url": _redact(url),
+                "event": n.event.value,
+                "job": n.job,
+                "error": error,
+            },
+        )
+
+
+def _redact(url: str) -> str:
+    """A webhook URL without its path (Slack's path is the secret)."""
+    from urllib.parse import urlparse
+
+    p = urlparse(url)
+    return f"{p.scheme}://{p.netloc}/…"
