@@ -81,6 +81,27 @@ def test_bad_config_file_is_a_config_error(tmp_path: Path) -> None:
         config.load(DemoSettings, config_file=bad)
 
 
+def test_unreadable_config_file_says_so_not_invalid_toml(tmp_path: Path) -> None:
+    import os
+    import shutil
+    import sys
+
+    if os.geteuid() != 0 or shutil.which("setpriv") is None:
+        pytest.skip("needs root and setpriv to run as another user")
+    d = tmp_path / "etc"
+    d.mkdir(mode=0o700)  # as /etc/spotguard: closed to other users
+    (d / "spotguard.toml").write_text("[agent]\n")
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:/usr/bin:/bin"}
+    as_nobody = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    got = subprocess.run(
+        [*as_nobody, "spotguard", "--config", str(d / "spotguard.toml"), "status"],
+        capture_output=True, text=True, env=env,
+    )  # fmt: skip
+    assert got.returncode == 2, got
+    assert "cannot be read: Permission denied" in got.stderr, got.stderr
+    assert "not valid TOML" not in got.stderr and "Traceback" not in got.stderr
+
+
 def test_assignment_user_data_round_trip() -> None:
     a = Assignment(job="train-1", image_url="s3://b/train-1/images/x", store="s3://b")
     script = a.user_data()

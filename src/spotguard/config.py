@@ -125,7 +125,12 @@ def read_file(path: Path | None) -> dict[str, Any]:
             return tomllib.load(f)
     except FileNotFoundError as exc:
         raise ConfigError(f"config file {path} does not exist") from exc
-    except (tomllib.TOMLDecodeError, OSError) as exc:
+    except OSError as exc:
+        raise ConfigError(
+            f"config file {path} cannot be read: {exc.strerror or exc} (running as uid "
+            f"{os.getuid()})"
+        ) from exc
+    except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
 
 
