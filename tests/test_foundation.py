@@ -14,7 +14,7 @@ from pydantic import Field
 
 import spotguard
 from spotguard import config, errors
-from spotguard.contracts import AgentEvent, Assignment, EventKind, check_job_name
+from spotguard.contracts import Assignment, EventKind, check_job_name, make_event, parse_event
 from spotguard.notices.base import Cloud, Notice, NoticeKind, stable_id
 from spotguard.timeline import Timeline
 
@@ -113,10 +113,10 @@ def test_assignment_user_data_round_trip() -> None:
 
 
 def test_agent_event_is_strict() -> None:
-    ev = AgentEvent(job="j", kind=EventKind.DURABLE, image_url="file:///x")
-    assert AgentEvent.model_validate_json(ev.model_dump_json()) == ev
+    ev = make_event(job="j", kind=EventKind.DURABLE, image_url="file:///x")
+    assert parse_event(ev.model_dump_json()) == ev
     with pytest.raises(ValueError):
-        AgentEvent.model_validate({"job": "j", "kind": "nonsense"})
+        make_event("nonsense", job="j")
 
 
 def test_timeline_times_failures_too() -> None:

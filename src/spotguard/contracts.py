@@ -16,7 +16,10 @@ the machine image; change them only together (and bump ``SCHEMA``).
   controller. Delivered as user-data / startup-script that writes the JSON to
   :data:`ASSIGNMENT_PATH` and starts the agent; the agent reads that file on start.
 * **Agent events** — what an agent reports to the controller (``POST /v1/events``), idempotent
-  by ``event_id``.
+  by ``event_id``: one model per :class:`EventKind` (:data:`AgentEvent`, a union told apart by
+  ``kind``); errors as :class:`WireError` (code, retryable). The controller answers each with
+  an :class:`EventAnswer`, and ``GET /v1/jobs/{job}/directive`` with a :class:`Directive`:
+  both name the job's current :class:`Owner` and whether the asker must stand down.
 """
 
 from __future__ import annotations
@@ -25,13 +28,17 @@ import json
 import re
 import shlex
 import uuid
+from collections.abc import Mapping
 from datetime import UTC, datetime
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator
 
-SCHEMA = 1
+from spotguard.errors import SpotguardError
+
+#: 2: per-kind event models (no ``detail``), typed errors, ``epoch``.
+SCHEMA = 2
 
 TAG_MANAGED = "spotguard:managed"
 TAG_JOB = "spotguard:job"
@@ -51,6 +58,21 @@ def check_job_name(name: str) -> str:
             f"invalid job name {name!r}: use 1-63 of a-z 0-9 . _ - (starting with a letter/digit)"
         )
     return name
+
+
+#: Prefix of VM tokens: ``sgvm1.<job>.<epoch>.<mac>`` (see :mod:`spotguard.controller.tokens`).
+VM_TOKEN_PREFIX = "sgvm1."
+
+
+def token_scope(token: str) -> tuple[str, int] | None:
+    """The (job, epoch) a VM token is scoped to, read without verifying it (the controller
+    verifies); None for any other token."""
+    if not token.startswith(VM_TOKEN_PREFIX):
+        return None
+    parts = token[len(VM_TOKEN_PREFIX) :].rsplit(".", 2)
+    if len(parts) != 3 or not _JOB_RE.match(parts[0]) or not parts[1].isdigit():
+        return None
+    return parts[0], int(parts[1])
 
 
 def new_image_id(now: datetime | None = None) -> str:
@@ -87,29 +109,310 @@ class EventKind(StrEnum):
     JOB_FINISHED = "job_finished"  # the job itself exited (nothing more to protect)
 
 
-class AgentEvent(BaseModel):
-    """One report from an agent. ``event_id`` makes delivery idempotent (retries are safe)."""
+class Wire(BaseModel):
+    """Base of every shape on the wire: unknown fields are refused."""
 
     model_config = ConfigDict(extra="forbid")
+
+
+class InstanceInfo(Wire):
+    """:class:`spotguard.facts.InstanceFacts` on the wire (every field optional)."""
+
+    provider: str = "local"
+    instance_type: str | None = None
+    region: str | None = None
+    zone: str | None = None
+    instance_id: str | None = None
+    spot: bool | None = None
+    extra: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class NoticeInfo(Wire):
+    """:meth:`spotguard.notices.base.Notice.to_json` on the wire."""
+
+    id: str | None = None
+    cloud: str | None = None
+    kind: str | None = None
+    action: str | None = None
+    deadline: datetime | None = None
+    cancelled: bool = False
+    received_at: datetime | None = None
+
+    @classmethod
+    def of(cls, data: Mapping[str, object] | None) -> NoticeInfo | None:
+        """From :meth:`Notice.to_json` (None stays None)."""
+        return cls.model_validate(data) if data is not None else None
+
+    def ends_vm(self) -> bool:
+        """A preempt notice (spot terminate, GCP preemption, Azure Preempt, fleet warning)."""
+        return self.kind == "preempt"
+
+
+class GpuDeviceInfo(Wire):
+    index: int
+    uuid: str
+    model: str
+    memory_total: int
+
+
+class GpuInfo(Wire):
+    """:class:`spotguard.facts.GpuInventory` on the wire."""
+
+    model: str | None = None
+    count: int = 0
+    driver: str | None = None
+    devices: list[GpuDeviceInfo] = Field(default_factory=list)
+
+
+class HostInfo(Wire):
+    """:class:`spotguard.facts.HostFacts` on the wire."""
+
+    kernel: str
+    arch: str
+    memory_total: int
+    criu_version: str | None = None
+
+
+class StepInfo(Wire):
+    """One step of a :class:`spotguard.timeline.Timeline`."""
+
+    name: str
+    start: float
+    start_iso: str | None = None
+    seconds: float | None = None
+    ok: bool = True
+    detail: dict[str, JsonValue] = Field(default_factory=dict)
+
+
+class WireError(Wire):
+    """An error as it crosses machines: the controller decides by ``retryable`` and
+    ``image_fault`` (see :mod:`spotguard.errors`), never by the class name."""
+
+    code: str
+    message: str
+    retryable: bool
+    image_fault: bool = False
+
+    @classmethod
+    def of(cls, exc: BaseException) -> WireError:
+        """The wire form of ``exc``; an error outside the tree is an ``internal`` retryable."""
+        if isinstance(exc, SpotguardError):
+            return cls(
+                code=exc.code,
+                message=f"{type(exc).__name__}: {exc}",
+                retryable=exc.retryable,
+                image_fault=exc.image_fault,
+            )
+        return cls(code="internal", message=f"{type(exc).__name__}: {exc}", retryable=True)
+
+
+CheckpointMode = Literal["exit", "resume"]
+Decision = Literal["exit", "resume", "none"]
+
+
+class _Event(Wire):
+    """Fields of every agent report. ``event_id`` makes delivery idempotent; ``epoch`` is
+    the sender's ownership epoch (from its assignment or scoped token, see docs/security.md):
+    the controller records and ignores reports from an epoch that no longer owns the job."""
 
     schema_version: int = SCHEMA
     event_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     job: str
-    kind: EventKind
     at: datetime = Field(default_factory=lambda: datetime.now(UTC))
-    instance: dict[str, Any] = Field(default_factory=dict)  # facts.InstanceFacts.to_json()
-    notice: dict[str, Any] | None = None  # Notice.to_json()
-    image_url: str | None = None
-    image_bytes: int | None = None
-    gpu: dict[str, Any] | None = None  # facts.GpuInventory.to_json()
-    timeline: list[dict[str, Any]] | None = None
-    error: str | None = None
-    detail: dict[str, Any] = Field(default_factory=dict)
+    instance: InstanceInfo = Field(default_factory=InstanceInfo)
+    epoch: int | None = Field(default=None, ge=0)
 
     @field_validator("job")
     @classmethod
     def _job(cls, v: str) -> str:
         return check_job_name(v)
+
+
+class StartedEvent(_Event):
+    """The agent protects the job on this instance."""
+
+    kind: Literal[EventKind.STARTED] = EventKind.STARTED
+    pid: int | None = None
+    store: str | None = None
+
+
+class NoticeEvent(_Event):
+    """A notice arrived for the job's VM, and what the agent's policy decided for it."""
+
+    kind: Literal[EventKind.NOTICE] = EventKind.NOTICE
+    notice: NoticeInfo
+    decision: Decision | None = None
+    reason: str | None = None
+    source: str | None = None  # "fleet" when the controller saw it outside the VM
+
+
+class FrozenEvent(_Event):
+    kind: Literal[EventKind.FROZEN] = EventKind.FROZEN
+    notice: NoticeInfo | None = None
+    mode: CheckpointMode
+    notice_to_frozen_s: float | None = None
+
+
+class DurableEvent(_Event):
+    """An image's manifest is in the store. ``mode == "resume"``: the job runs on."""
+
+    kind: Literal[EventKind.DURABLE] = EventKind.DURABLE
+    notice: NoticeInfo | None = None
+    image_url: str
+    image_bytes: int | None = Field(default=None, ge=0)
+    mode: CheckpointMode = "exit"
+    gpu: GpuInfo | None = None
+    host: HostInfo | None = None
+    timeline: list[StepInfo] | None = None
+    stored_bytes: int | None = None
+    skipped_bytes: int | None = None
+    freeze_seconds: float | None = None
+    pause_seconds: float | None = None
+
+
+class CheckpointFailedEvent(_Event):
+    """A checkpoint failed; ``kept`` when its image waits on the host for the store."""
+
+    kind: Literal[EventKind.CHECKPOINT_FAILED] = EventKind.CHECKPOINT_FAILED
+    notice: NoticeInfo | None = None
+    error: WireError
+    step: str | None = None
+    kept: bool = False
+    thawed: bool | None = None
+
+
+class ExitedEvent(_Event):
+    """The job was stopped after its checkpoint (the VM may go)."""
+
+    kind: Literal[EventKind.EXITED] = EventKind.EXITED
+    notice: NoticeInfo | None = None
+    image_url: str | None = None
+
+
+class ReadyToRelaunchEvent(_Event):
+    """A drain is done: relaunch the job elsewhere."""
+
+    kind: Literal[EventKind.READY_TO_RELAUNCH] = EventKind.READY_TO_RELAUNCH
+    notice: NoticeInfo | None = None
+    image_url: str | None = None
+
+
+class RestoringEvent(_Event):
+    kind: Literal[EventKind.RESTORING] = EventKind.RESTORING
+    image_url: str
+    attempt: int | None = None
+
+
+class RestoredEvent(_Event):
+    """The job runs again on this (new) instance."""
+
+    kind: Literal[EventKind.RESTORED] = EventKind.RESTORED
+    image_url: str
+    attempt: int | None = None
+    pid: int | None = None
+    seconds: float | None = None
+    gpu: GpuInfo | None = None
+    timeline: list[StepInfo] | None = None
+
+
+class RestoreFailedEvent(_Event):
+    """Restoring ``image_url`` failed; ``error`` says whether another try may succeed."""
+
+    kind: Literal[EventKind.RESTORE_FAILED] = EventKind.RESTORE_FAILED
+    image_url: str
+    attempt: int | None = None
+    error: WireError
+
+
+class JobFinishedEvent(_Event):
+    """The job exited by itself: nothing more to protect."""
+
+    kind: Literal[EventKind.JOB_FINISHED] = EventKind.JOB_FINISHED
+
+
+AnyEvent = (
+    StartedEvent
+    | NoticeEvent
+    | FrozenEvent
+    | DurableEvent
+    | CheckpointFailedEvent
+    | ExitedEvent
+    | ReadyToRelaunchEvent
+    | RestoringEvent
+    | RestoredEvent
+    | RestoreFailedEvent
+    | JobFinishedEvent
+)
+#: One report from an agent (``POST /v1/events``): the union of the per-kind models,
+#: told apart by ``kind``.
+AgentEvent = Annotated[AnyEvent, Field(discriminator="kind")]
+EVENT_ADAPTER: TypeAdapter[AnyEvent] = TypeAdapter(AgentEvent)
+#: The model of each kind.
+EVENT_MODELS: dict[EventKind, type[_Event]] = {
+    m.model_fields["kind"].default: m
+    for m in (
+        StartedEvent,
+        NoticeEvent,
+        FrozenEvent,
+        DurableEvent,
+        CheckpointFailedEvent,
+        ExitedEvent,
+        ReadyToRelaunchEvent,
+        RestoringEvent,
+        RestoredEvent,
+        RestoreFailedEvent,
+        JobFinishedEvent,
+    )
+}
+
+
+def make_event(kind: EventKind | str, **fields: object) -> AnyEvent:
+    """The event of ``kind`` with ``fields`` (validated as if received), for callers that
+    choose the kind at run time (tests, tools)."""
+    return EVENT_ADAPTER.validate_python({**fields, "kind": EventKind(kind)})
+
+
+def parse_event(body: bytes | str) -> AnyEvent:
+    """An event from its JSON (raises :class:`pydantic.ValidationError`)."""
+    return EVENT_ADAPTER.validate_json(body)
+
+
+class Owner(Wire):
+    """Who may report for a job now: the instance and epoch the controller assigned it to.
+    ``instance_id`` is None while a new instance is being chosen."""
+
+    instance_id: str | None = None
+    epoch: int = 0
+
+
+class Directive(Wire):
+    """What the controller wants from a job's agent now: the answer to every event
+    (``POST /v1/events``) and to ``GET /v1/jobs/{job}/directive``.
+
+    ``action`` is ``"drain"`` while a migration of the protected job waits for a fresh image.
+    ``stand_down`` is true when the asking agent (its token's or report's epoch) no longer
+    owns the job: the job was relaunched elsewhere; the agent must stop acting for it.
+    """
+
+    job: str
+    state: str
+    action: Literal["drain"] | None = None
+    reason: str | None = None
+    target: dict[str, str] | None = None
+    owner: Owner = Field(default_factory=Owner)
+    stand_down: bool = False
+
+
+class EventAnswer(Directive):
+    """The answer to ``POST /v1/events`` (a :class:`Directive` plus the job's summary)."""
+
+    duplicate: bool = False
+    stale: bool = False  # the event came from a non-owner: recorded and ignored
+    instance: InstanceInfo | None = None
+    pending: dict[str, JsonValue] | None = None
+    image_url: str | None = None
+    restarts: int = 0
+    since: float = 0.0
 
 
 class Assignment(BaseModel):
@@ -122,9 +425,10 @@ class Assignment(BaseModel):
     image_url: str
     store: str
     controller_url: str | None = None
-    controller_token: str | None = None
+    controller_token: str | None = None  # scoped to this job and epoch (never the fleet's)
     attempt: int = 1
-    instance_hint: dict[str, Any] = Field(default_factory=dict)
+    epoch: int = Field(default=0, ge=0)  # the ownership epoch this instance reports under
+    instance_hint: dict[str, JsonValue] = Field(default_factory=dict)
 
     @field_validator("job")
     @classmethod

@@ -6,23 +6,30 @@ in the module that talks to the low-level thing, re-raised ``from`` the original
 decide on the *kind* of failure — retry, fail over, or give up — never on a library's class.
 The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, never a traceback.
 
+Every class says whether it is **retryable** — whether the same step, tried again later or on
+another machine, may succeed — and has a stable snake_case **code** (``ImageCorrupt`` →
+``image_corrupt``). Errors cross machines as :class:`spotguard.contracts.WireError` carrying
+both, so the controller decides by them, never by class names. ``image_fault`` marks errors
+whose cause is the image itself (another, older image may restore where this one cannot).
+In the tree, ``[r]`` marks retryable classes.
+
 ::
 
     SpotguardError
     ├── ConfigError                 bad setting, file or flag (exit 2)
     │   └── MissingExtra            a store/provider needs an optional extra not installed
-    ├── NoticeError                 a notice source could not be read
-    │   ├── MetadataUnavailable     connection refused, timeout, 5xx (transient: retry)
+    ├── NoticeError             [r] a notice source could not be read
+    │   ├── MetadataUnavailable [r] connection refused, timeout, 5xx (transient: retry)
     │   ├── MetadataMalformed       an answer that is not what the cloud documents
     │   └── SimulatorError          metadata-sim refused a control request or is unreachable
     ├── JobError                    the job to protect
     │   ├── JobNotFound             no such pid / name / cgroup
     │   └── ParkError               park/unpark refused (already parked, port taken, no room)
-    ├── CheckpointError             freezing or restoring a process tree
-    │   ├── CriuError               CRIU failed; carries the command, exit code and log tail
-    │   ├── GpuError                the driver checkpoint API or NVML failed
-    │   ├── StepTimeout             a step ran past its time limit
-    │   ├── StreamError             streaming image files between CRIU and spotguard failed
+    ├── CheckpointError         [r] freezing or restoring a process tree
+    │   ├── CriuError           [r] CRIU failed; carries the command, exit code and log tail
+    │   ├── GpuError            [r] the driver checkpoint API or NVML failed
+    │   ├── StepTimeout         [r] a step ran past its time limit
+    │   ├── StreamError         [r] streaming image files between CRIU and spotguard failed
     │   └── PreflightError          freeze or restore refused before touching anything
     │       ├── MismatchError       image and host differ (names both sides)
     │       └── UndumpableError     the job holds what CRIU cannot dump (names pid, resource, fix)
@@ -30,43 +37,66 @@ The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, ne
     │   ├── ImageNotFound           no complete image (no manifest) at that place
     │   ├── ImageCorrupt            a chunk failed verification (names the chunk)
     │   └── DecryptionError         missing or wrong encryption key
-    ├── StoreError                  object storage
-    │   ├── StoreUnavailable        unreachable, 5xx, throttled (transient: retry)
+    ├── StoreError              [r] object storage
+    │   ├── StoreUnavailable    [r] unreachable, 5xx, throttled (transient: retry)
     │   ├── ObjectNotFound          no such key
     │   └── PreconditionFailed      write refused: object exists / changed
-    ├── ProviderError               a cloud provider's verbs
+    ├── ProviderError           [r] a cloud provider's verbs
     │   ├── PrecheckError           request can never succeed (bad spec, auth): don't retry
-    │   ├── CapacityError           no capacity / price too low here: fail over
+    │   ├── CapacityError       [r] no capacity / price too low here: fail over
     │   ├── UnknownInstanceType     not in the catalog
     │   └── NoMatchingOffer         nothing anywhere can restore this image
-    ├── AgentNotRunning             nothing answers on the local agent's API (exit 3)
+    ├── AgentNotRunning         [r] nothing answers on the local agent's API (exit 3)
     ├── AgentTaskDied               one of the agent's tasks raised: the agent stops (exit 1)
-    ├── ControllerError             the controller API or its state
+    ├── ControllerError         [r] the controller API or its state
     │   ├── AuthError               missing or wrong token
-    │   └── StateError              the state file is unreadable or inconsistent
+    │   ├── NotOwner                the sender no longer owns the job (fenced: stand down)
+    │   └── StateError          [r] the state file is unreadable or inconsistent
     └── DemoError                   ``spotguard demo``: a link of the chain did not hold (names it)
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from typing import ClassVar
+
+
+def _snake(name: str) -> str:
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower()
 
 
 class SpotguardError(Exception):
-    """Base of every error spotguard raises on purpose."""
+    """Base of every error spotguard raises on purpose.
+
+    ``retryable``: may the same step succeed when tried again (later, or on another
+    machine)? ``code``: stable snake_case name for the wire and logs (set from the class
+    name unless a class sets its own). ``image_fault``: the image itself is at fault.
+    """
 
     exit_code = 1
+    retryable: ClassVar[bool] = False
+    image_fault: ClassVar[bool] = False
+    code: ClassVar[str] = "spotguard_error"
+
+    def __init_subclass__(cls, **kwargs: object) -> None:
+        super().__init_subclass__(**kwargs)
+        if "code" not in cls.__dict__:
+            cls.code = _snake(cls.__name__)
 
 
 class ConfigError(SpotguardError):
     """A setting, config file or flag is invalid."""
 
     exit_code = 2
+    retryable = False
 
 
 class MissingExtra(ConfigError):
     """A store, provider or feature needs an optional extra (``spotguard[aws]``, ...) that is
     not installed; ``extra`` names it."""
+
+    retryable = False
 
     def __init__(self, message: str, *, extra: str) -> None:
         super().__init__(message)
@@ -78,47 +108,68 @@ class AgentNotRunning(SpotguardError):
     Exit status 3, as ``systemctl status`` uses for a unit that is not running."""
 
     exit_code = 3
+    retryable = True  # the agent may be (re)starting
 
 
 class AgentTaskDied(SpotguardError):
     """A task of the agent (protecting a job, watching notices, ...) raised: the agent stops
     with this error instead of running on blind."""
 
+    retryable = False
+
 
 class NoticeError(SpotguardError):
     """A notice source could not be read."""
+
+    retryable = True
 
 
 class MetadataUnavailable(NoticeError):
     """The metadata service did not answer usefully (refused, timeout, 5xx). Transient."""
 
+    retryable = True
+
 
 class MetadataMalformed(NoticeError):
     """The metadata service answered with something the cloud does not document."""
+
+    retryable = False
 
 
 class SimulatorError(NoticeError):
     """The metadata emulator refused a control request or could not be reached."""
 
+    retryable = False
+
 
 class JobError(SpotguardError):
     """The job spotguard should protect is not usable."""
+
+    retryable = False
 
 
 class JobNotFound(JobError):
     """No process, job name or cgroup matches."""
 
+    retryable = False
+
 
 class ParkError(JobError):
     """Park or unpark was refused before anything was done; the job's state stays where it is."""
+
+    retryable = False
 
 
 class CheckpointError(SpotguardError):
     """Freezing or restoring a process tree failed."""
 
+    retryable = True
+
 
 class CriuError(CheckpointError):
     """CRIU failed. Carries what ran, its exit code and the tail of its log."""
+
+    retryable = True
 
     def __init__(
         self,
@@ -144,21 +195,31 @@ class CriuError(CheckpointError):
 class GpuError(CheckpointError):
     """The NVIDIA driver checkpoint API or NVML failed."""
 
+    retryable = True
+
 
 class StepTimeout(CheckpointError):
     """A checkpoint or restore step ran past its time limit."""
+
+    retryable = True
 
 
 class StreamError(CheckpointError):
     """Streaming image files between CRIU and spotguard (``--stream``) failed."""
 
+    retryable = True
+
 
 class PreflightError(CheckpointError):
     """Freeze or restore refused before touching anything (missing CRIU, PIDs taken, ...)."""
 
+    retryable = False
+
 
 class MismatchError(PreflightError):
     """The image and this host differ in something restore depends on."""
+
+    retryable = False
 
     def __init__(self, what: str, image_side: object, host_side: object) -> None:
         super().__init__(f"{what} mismatch: image has {image_side!r}, this host has {host_side!r}")
@@ -187,13 +248,20 @@ class UndumpableError(PreflightError):
 class ImageError(SpotguardError):
     """A checkpoint image is missing, malformed or fails verification."""
 
+    retryable = False
+    image_fault = True
+
 
 class ImageNotFound(ImageError):
     """No complete image (no manifest) at that place."""
 
+    retryable = False
+
 
 class ImageCorrupt(ImageError):
     """A chunk failed verification; ``chunk`` names it."""
+
+    retryable = False
 
     def __init__(self, message: str, *, chunk: str | None = None) -> None:
         super().__init__(message)
@@ -203,57 +271,93 @@ class ImageCorrupt(ImageError):
 class DecryptionError(ImageError):
     """The image is encrypted and the key is missing or wrong."""
 
+    retryable = False
+    image_fault = False  # the host's key is missing or wrong: an older image needs it too
+
 
 class StoreError(SpotguardError):
     """Object storage failed."""
+
+    retryable = True
 
 
 class StoreUnavailable(StoreError):
     """The store is unreachable, answered 5xx or throttled. Transient: retry."""
 
+    retryable = True
+
 
 class ObjectNotFound(StoreError):
     """No object at that key."""
+
+    retryable = False
 
 
 class PreconditionFailed(StoreError):
     """A conditional write was refused (the object exists or changed)."""
 
+    retryable = False
+
 
 class ProviderError(SpotguardError):
     """A cloud provider operation failed."""
+
+    retryable = True
 
 
 class PrecheckError(ProviderError):
     """The request can never succeed as asked (bad spec, permissions). Do not retry."""
 
+    retryable = False
+
 
 class CapacityError(ProviderError):
     """No capacity (or spot price too low) in this zone/region. Fail over elsewhere."""
+
+    retryable = True
 
 
 class UnknownInstanceType(ProviderError):
     """The instance or machine type is not in the provider's catalog."""
 
+    retryable = False
+
 
 class NoMatchingOffer(ProviderError):
     """No offer anywhere the strategy may look can restore this image."""
+
+    retryable = False
 
 
 class ControllerError(SpotguardError):
     """The controller API or its state failed."""
 
+    retryable = True
+
 
 class AuthError(ControllerError):
     """Missing or wrong bearer token."""
+
+    retryable = False
+
+
+class NotOwner(ControllerError):
+    """The sender (instance and epoch) no longer owns the job at the controller: the job was
+    relaunched elsewhere. Stand down; never retried."""
+
+    retryable = False
 
 
 class StateError(ControllerError):
     """The controller's state file is unreadable or inconsistent."""
 
+    retryable = True
+
 
 class DemoError(SpotguardError):
     """``spotguard demo``: one link of the end-to-end chain did not hold; ``step`` names it."""
+
+    retryable = False
 
     def __init__(self, step: str, message: str) -> None:
         super().__init__(f"{step}: {message}")

@@ -30,7 +30,7 @@ import aiohttp
 from pydantic import BaseModel, Field
 
 from spotguard.config import Settings
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import AnyEvent, EventKind
 
 __all__ = [
     "Notification",
@@ -115,21 +115,22 @@ _VERBS = {
 }
 
 
-def _reason(ev: AgentEvent) -> str | None:
-    if ev.error:
-        return ev.error
-    if ev.notice:
-        kind, cloud = ev.notice.get("kind"), ev.notice.get("cloud")
-        return f"{cloud} {kind} notice" if kind else None
+def _reason(ev: AnyEvent) -> str | None:
+    error = getattr(ev, "error", None)
+    if error is not None:
+        return str(error.message)
+    notice = getattr(ev, "notice", None)
+    if notice is not None:
+        return f"{notice.cloud} {notice.kind} notice" if notice.kind else None
     return None
 
 
-def from_agent_event(ev: AgentEvent) -> Notification | None:
+def from_agent_event(ev: AnyEvent) -> Notification | None:
     """The notification for an agent report (None for kinds nobody is told about)."""
     event = _AGENT_EVENTS.get(ev.kind)
     if event is None:
         return None
-    iid, cloud = ev.instance.get("instance_id"), ev.instance.get("cloud")
+    iid, cloud = ev.instance.instance_id, ev.instance.provider
     return Notification(
         event=event,
         job=ev.job,
@@ -137,7 +138,7 @@ def from_agent_event(ev: AgentEvent) -> Notification | None:
         source="agent",
         instance_id=str(iid) if iid else None,
         cloud=str(cloud) if cloud else None,
-        image_url=ev.image_url,
+        image_url=getattr(ev, "image_url", None),
         reason=_reason(ev),
     )
 
@@ -221,7 +222,7 @@ class Notifier:
         if n is not None:
             self.notify(n)
 
-    def agent_event(self, ev: AgentEvent) -> None:
+    def agent_event(self, ev: AnyEvent) -> None:
         """:meth:`notify` for an agent report (the agent's reporter calls this)."""
         n = from_agent_event(ev)
         if n is not None:

@@ -20,6 +20,7 @@ from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import start_job
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
+from spotguard.image.settings import ImageSettings
 from spotguard.notices.factory import resolve_cloud
 from spotguard.notices.settings import NoticeSettings
 from spotguard.providers.base import InstanceRef, Market
@@ -59,7 +60,9 @@ async def test_migrate_of_an_idle_job_is_drained_through_the_directive_poll(
     job = await start_job(job_argv("--steps", "400", "--step-seconds", "0.05", "--mb", "4",
                                    "--gpu", "no"), "train", state_dir=host.state)  # fmt: skip
     try:
-        async with ControllerServer(settings, provider=provider) as srv:
+        async with ControllerServer(
+            settings, provider=provider, image=ImageSettings.model_validate({})
+        ) as srv:
             async with running_agent(
                 host, None, cloud="none", job=["train"], store=store,
                 controller_url=srv.url, controller_token=TOKEN, directive_poll_s=0.3,

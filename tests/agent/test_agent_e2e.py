@@ -190,8 +190,8 @@ async def test_rebalance_checkpoints_and_the_job_keeps_running(
         sim.state.send("aws", "rebalance")
         await wait_until(lambda: "durable" in sink.kinds("train"))
         durable = event(sink, "durable")
-        assert durable["detail"]["mode"] == "resume"
-        assert durable["detail"]["pause_seconds"] > 0
+        assert durable["mode"] == "resume"
+        assert durable["pause_seconds"] > 0
         assert proctree.alive(job.pid) and agent.workers["train"].state == "protecting"
         assert await job_output_when_done(job.dir) == reference_output
         await wait_until(lambda: "job_finished" in sink.kinds("train"))
@@ -280,7 +280,7 @@ async def test_failed_checkpoint_is_reported_and_protection_continues(
         assert agent.workers["train"].state == "protecting"
         assert proc_state(job.pid) in ("R", "S")  # thawed, running
         failed = event(sink, "checkpoint_failed")
-        assert failed["detail"]["step"] == "upload" and failed["error"]
+        assert failed["step"] == "upload" and failed["error"]
         assert b'spotguard_failures_total{step="upload"} 1.0' in agent.metrics.render()
 
 
@@ -297,10 +297,10 @@ async def test_periodic_checkpoints_dedup_and_report_the_pause(
     async with running_agent(host, sink, job=["train"], store=store, periodic_interval=0.5):
         await wait_until(lambda: sink.kinds("train").count("durable") >= 2)
     images = [e for e in sink.events if e["kind"] == "durable"]
-    assert all(e["detail"]["mode"] == "resume" for e in images)
-    assert all(e["detail"]["pause_seconds"] > 0 for e in images)
-    assert images[1]["detail"]["skipped_bytes"] > 0  # dedup against the first image
-    assert images[1]["detail"]["stored_bytes"] < images[0]["detail"]["stored_bytes"]
+    assert all(e["mode"] == "resume" for e in images)
+    assert all(e["pause_seconds"] > 0 for e in images)
+    assert images[1]["skipped_bytes"] > 0  # dedup against the first image
+    assert images[1]["stored_bytes"] < images[0]["stored_bytes"]
     assert proctree.alive(job.pid)
 
 

@@ -68,7 +68,7 @@ async def test_kept_image_is_pushed_once_the_store_heals_even_across_a_restart(
             sim.state.send("aws", "preempt", in_seconds=120)
             await wait_until(lambda: "checkpoint_failed" in sink.kinds("train"))
             failed = next(e for e in sink.events if e["kind"] == "checkpoint_failed")
-            assert failed["detail"] == {"step": "upload", "kept": True}
+            assert (failed["step"], failed["kept"]) == ("upload", True)
             assert not proctree.alive(job.pid)  # stopped: the kept image is all there is
             worker = agent.workers["train"]
             assert worker.state == "pushing"
@@ -95,7 +95,7 @@ async def test_kept_image_is_pushed_once_the_store_heals_even_across_a_restart(
             assert b"spotguard_kept_images 0.0" in agent2.metrics.render()
         assert proxy.dropped > 0
         durable = next(e for e in sink.events if e["kind"] == "durable")
-        assert durable["detail"]["mode"] == "exit"
+        assert durable["mode"] == "exit"
         assert durable["notice"]["kind"] == "preempt"  # the exit it completes
         assert durable["instance"]["instance_type"] == "g5.xlarge"
         assert (

@@ -8,7 +8,7 @@ from agent_helpers import TOKEN, EventSink, free_port, wait_until
 
 from spotguard.agent.metrics import AgentMetrics
 from spotguard.agent.reporter import Reporter
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import EventKind, make_event
 
 
 async def test_events_are_retried_in_order_and_spool_empties(
@@ -19,7 +19,13 @@ async def test_events_are_retried_in_order_and_spool_empties(
     r = Reporter(sink.url, TOKEN, tmp_path / "outbox", metrics=metrics, max_backoff_s=0.2)
     await r.start()
     kinds = [EventKind.NOTICE, EventKind.FROZEN, EventKind.DURABLE, EventKind.EXITED]
-    sent = [AgentEvent(job="train", kind=k) for k in kinds]
+    fields: list[dict[str, object]] = [
+        {"notice": {"id": "n1", "kind": "preempt"}},
+        {"mode": "exit"},
+        {"image_url": "file:///x"},
+        {},
+    ]
+    sent = [make_event(job="train", kind=k, **f) for k, f in zip(kinds, fields, strict=True)]
     for e in sent:
         r.emit(e)  # returns at once, never waits for the controller
     assert await r.flush(20)
@@ -35,7 +41,7 @@ async def test_restarted_reporter_resends_what_was_spooled(sink: EventSink, tmp_
     spool = tmp_path / "outbox"
     down = Reporter(f"http://127.0.0.1:{free_port()}", TOKEN, spool, max_backoff_s=0.1)
     await down.start()
-    first = AgentEvent(job="train", kind=EventKind.DURABLE, image_url="file:///x")
+    first = make_event(job="train", kind=EventKind.DURABLE, image_url="file:///x")
     down.emit(first)
     assert not await down.flush(0.5)
     await down.aclose()  # the agent dies with the report undelivered
@@ -52,7 +58,7 @@ async def test_restarted_reporter_resends_what_was_spooled(sink: EventSink, tmp_
 async def test_wrong_token_is_retried_not_dropped(sink: EventSink, tmp_path: Path) -> None:
     r = Reporter(sink.url, "wrong", tmp_path / "outbox", max_backoff_s=0.1)
     await r.start()
-    r.emit(AgentEvent(job="train", kind=EventKind.STARTED))
+    r.emit(make_event(job="train", kind=EventKind.STARTED))
     await wait_until(lambda: sink.requests >= 2)
     assert len(r.pending()) == 1 and sink.events == []
     await r.aclose()
@@ -61,7 +67,7 @@ async def test_wrong_token_is_retried_not_dropped(sink: EventSink, tmp_path: Pat
 async def test_without_controller_nothing_is_spooled(tmp_path: Path) -> None:
     r = Reporter(None, None, tmp_path / "outbox")
     await r.start()
-    r.emit(AgentEvent(job="train", kind=EventKind.STARTED))
+    r.emit(make_event(job="train", kind=EventKind.STARTED))
     assert await r.flush(0.1)
     assert not (tmp_path / "outbox").exists()
     await r.aclose()

@@ -1,6 +1,7 @@
 """A stand-in for ``spotguard agent`` in a local VM: reads the assignment the controller
-delivered and reports RESTORING then RESTORED (or RESTORE_FAILED with STANDIN_FAIL=<Error>),
-shaped exactly like the agent's AgentEvents, over real HTTP. Then stays up like a VM would.
+delivered and reports RESTORING then RESTORED (or RESTORE_FAILED with STANDIN_FAIL=<Error
+class>; with STANDIN_FAIL_IMAGE=<url> too, only for that image), shaped exactly like the
+agent's events, over real HTTP. Then stays up like a VM would.
 With STANDIN_LOSE_FIRST=<file>, the first VM (the one that finds no such file: it creates it)
 reports RESTORING and then dies before restoring, like a spot instance taken back at once.
 
@@ -16,10 +17,11 @@ import time
 import urllib.request
 from pathlib import Path
 
-from spotguard.contracts import AgentEvent, Assignment, EventKind
+from spotguard import errors
+from spotguard.contracts import AnyEvent, Assignment, EventKind, WireError, make_event
 
 
-def post(url: str, token: str, ev: AgentEvent) -> None:
+def post(url: str, token: str, ev: AnyEvent) -> None:
     req = urllib.request.Request(
         url + "/v1/events",
         data=ev.model_dump_json().encode(),
@@ -27,6 +29,16 @@ def post(url: str, token: str, ev: AgentEvent) -> None:
     )
     with urllib.request.urlopen(req, timeout=10) as resp:
         print(resp.status, json.loads(resp.read()), flush=True)
+
+
+def _error(name: str) -> WireError:
+    """The wire form of the spotguard error class ``name``, as the agent would send it."""
+    cls = getattr(errors, name)
+    try:
+        exc = cls("GPU model differs")
+    except TypeError:  # MismatchError names both sides
+        exc = cls("GPU model", "h100", "a10g")
+    return WireError.of(exc)
 
 
 def main() -> int:
@@ -38,12 +50,12 @@ def main() -> int:
     post(
         url,
         token,
-        AgentEvent(
+        make_event(
             job=a.job,
             kind=EventKind.RESTORING,
             instance=instance,
             image_url=a.image_url,
-            detail=detail,
+            **detail,
         ),
     )
     marker = os.environ.get("STANDIN_LOSE_FIRST")
@@ -56,29 +68,33 @@ def main() -> int:
         else:
             return 0
     fail = os.environ.get("STANDIN_FAIL")
+    only = os.environ.get("STANDIN_FAIL_IMAGE")  # fail for this image only
+    if fail and only not in (None, a.image_url):
+        fail = None
     if fail:
         post(
             url,
             token,
-            AgentEvent(
+            make_event(
                 job=a.job,
                 kind=EventKind.RESTORE_FAILED,
                 instance=instance,
                 image_url=a.image_url,
-                error=f"{fail}: GPU model differs",
-                detail={**detail, "reason": fail},
+                error=_error(fail),
+                **detail,
             ),
         )
     else:
         post(
             url,
             token,
-            AgentEvent(
+            make_event(
                 job=a.job,
                 kind=EventKind.RESTORED,
                 instance=instance,
                 image_url=a.image_url,
-                detail={**detail, "pid": os.getpid()},
+                pid=os.getpid(),
+                **detail,
             ),
         )
     while True:

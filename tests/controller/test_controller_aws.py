@@ -21,10 +21,11 @@ import aiohttp
 import boto3
 import pytest
 
-from spotguard.contracts import TAG_JOB, AgentEvent, EventKind
+from spotguard.contracts import TAG_JOB, AnyEvent, EventKind, make_event
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
 from spotguard.facts import GpuDevice, GpuInventory
+from spotguard.image.settings import ImageSettings
 from spotguard.providers.aws import AwsProvider, AwsSettings
 from spotguard.providers.faults import Ec2FaultProxy, Fault
 
@@ -76,7 +77,7 @@ async def proxy(aws_env: str) -> AsyncIterator[Ec2FaultProxy]:
         yield p
 
 
-async def post(s: aiohttp.ClientSession, url: str, ev: AgentEvent) -> dict[str, Any]:
+async def post(s: aiohttp.ClientSession, url: str, ev: AnyEvent) -> dict[str, Any]:
     async with s.post(
         url + "/v1/events", data=ev.model_dump_json(), headers={"Authorization": f"Bearer {TOKEN}"}
     ) as r:
@@ -115,7 +116,7 @@ async def interrupt(s: aiohttp.ClientSession, url: str, job: str, gpu: dict[str,
     await post(
         s,
         url,
-        AgentEvent(job=job, kind=EventKind.STARTED, instance=OLD, detail={"store": "s3://bucket"}),
+        make_event(job=job, kind=EventKind.STARTED, instance=OLD, store="s3://bucket"),
     )
     notice = {
         "id": f"{job}-n",
@@ -123,20 +124,20 @@ async def interrupt(s: aiohttp.ClientSession, url: str, job: str, gpu: dict[str,
         "kind": "preempt",
         "deadline": "2099-01-01T00:00:00Z",
     }
-    await post(s, url, AgentEvent(job=job, kind=EventKind.NOTICE, instance=OLD, notice=notice))
+    await post(s, url, make_event(job=job, kind=EventKind.NOTICE, instance=OLD, notice=notice))
     await post(
         s,
         url,
-        AgentEvent(
+        make_event(
             job=job,
             kind=EventKind.DURABLE,
             instance=OLD,
             image_url=image,
             gpu=gpu,
-            detail={"host": {"arch": "x86_64"}},
+            host={"kernel": "6.8.0", "arch": "x86_64", "memory_total": 2**34},
         ),
     )
-    await post(s, url, AgentEvent(job=job, kind=EventKind.EXITED, instance=OLD, image_url=image))
+    await post(s, url, make_event(job=job, kind=EventKind.EXITED, instance=OLD, image_url=image))
 
 
 @pytest.fixture
@@ -159,7 +160,9 @@ async def controller(proxy: Ec2FaultProxy, tmp_path: Path) -> AsyncIterator[str]
             aws_max_attempts=1,
         )
     )
-    async with ControllerServer(settings, provider=aws) as srv:
+    async with ControllerServer(
+        settings, provider=aws, image=ImageSettings.model_validate({})
+    ) as srv:
         yield srv.url
 
 
@@ -224,10 +227,11 @@ async def test_8xh100_image_lands_on_p5_and_gpu_mismatch_migration_is_refused(
         r = await post(
             s,
             controller,
-            AgentEvent(
+            make_event(
                 job="big",
                 kind=EventKind.RESTORED,
                 instance=new,
+                image_url=v["image_url"],
                 gpu=gpus("NVIDIA H100 80GB HBM3", 8, 80),
             ),
         )
@@ -324,10 +328,11 @@ aws_max_attempts = 1
             r = await post(
                 s,
                 url,
-                AgentEvent(
+                make_event(
                     job="survivor",
                     kind=EventKind.RESTORED,
                     instance={"provider": "aws", "instance_id": inst["InstanceId"]},
+                    image_url=v["image_url"],
                 ),
             )
             assert r["state"] == "protected"

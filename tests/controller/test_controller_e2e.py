@@ -25,6 +25,7 @@ import pytest
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
+from spotguard.image.settings import ImageSettings
 from spotguard.providers.local import LocalProvider, LocalSettings
 from spotguard.simulator import MetadataSim, SimFacts
 
@@ -125,7 +126,12 @@ async def stack(
     job = await start_job([*JOB, *JOB_ARGS], "train", state_dir=vm1 / "state")
     agent1: asyncio.subprocess.Process | None = None
     try:
-        async with ControllerServer(settings, provider=local) as srv, aiohttp.ClientSession() as s:
+        async with (
+            ControllerServer(
+                settings, provider=local, image=ImageSettings.model_validate({})
+            ) as srv,
+            aiohttp.ClientSession() as s,
+        ):
             env = {
                 **os.environ,
                 **agent_env(sim1, criu_bin, shm / "vm1"),

@@ -15,11 +15,12 @@ import aiohttp
 import boto3
 import pytest
 
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import AnyEvent, EventKind, make_event
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
 from spotguard.facts import GpuDevice, GpuInventory, HostFacts
 from spotguard.image import push_dir
+from spotguard.image.settings import ImageSettings
 from spotguard.providers.aws import AwsProvider, AwsSettings
 
 TOKEN = "imagefacts-token"
@@ -82,11 +83,13 @@ async def controller(aws_env: str, tmp_path: Path) -> AsyncIterator[str]:
             aws_max_attempts=1,
         )
     )
-    async with ControllerServer(settings, provider=aws) as srv:
+    async with ControllerServer(
+        settings, provider=aws, image=ImageSettings.model_validate({})
+    ) as srv:
         yield srv.url
 
 
-async def post(s: aiohttp.ClientSession, url: str, ev: AgentEvent) -> dict[str, Any]:
+async def post(s: aiohttp.ClientSession, url: str, ev: AnyEvent) -> dict[str, Any]:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with s.post(url + "/v1/events", data=ev.model_dump_json(), headers=headers) as r:
         assert r.status == 200, await r.text()
@@ -114,9 +117,9 @@ async def test_fallback_to_newest_image_launches_for_the_manifests_gpus(
     store = f"file://{tmp_path}/store"
     await write_image(tmp_path, store, "died", 1, "g5.xlarge")
     async with aiohttp.ClientSession() as s:
-        await post(s, controller, AgentEvent(job="died", kind=EventKind.STARTED, instance=VM))
+        await post(s, controller, make_event(job="died", kind=EventKind.STARTED, instance=VM))
         # The VM went away without any DURABLE report: only the store knows the image.
-        r = await post(s, controller, AgentEvent(job="died", kind=EventKind.EXITED, instance=VM))
+        r = await post(s, controller, make_event(job="died", kind=EventKind.EXITED, instance=VM))
         assert r["state"] == "interrupting"
         view = await wait_restoring(s, controller, "died")
     assert view["state"] == "restoring", view["reason"]
@@ -140,10 +143,10 @@ async def test_durable_report_without_gpu_facts_uses_the_manifest(
     notice = {"id": "n-q", "cloud": "aws", "kind": "preempt", "deadline": "2099-01-01T00:00:00Z"}
     async with aiohttp.ClientSession() as s:
         for ev in (
-            AgentEvent(job="quad", kind=EventKind.STARTED, instance=VM),
-            AgentEvent(job="quad", kind=EventKind.NOTICE, instance=VM, notice=notice),
-            AgentEvent(job="quad", kind=EventKind.DURABLE, instance=VM, image_url=url),
-            AgentEvent(job="quad", kind=EventKind.EXITED, instance=VM, image_url=url),
+            make_event(job="quad", kind=EventKind.STARTED, instance=VM),
+            make_event(job="quad", kind=EventKind.NOTICE, instance=VM, notice=notice),
+            make_event(job="quad", kind=EventKind.DURABLE, instance=VM, image_url=url),
+            make_event(job="quad", kind=EventKind.EXITED, instance=VM, image_url=url),
         ):
             await post(s, controller, ev)
         view = await wait_restoring(s, controller, "quad")

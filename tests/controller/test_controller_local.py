@@ -7,133 +7,25 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-import aiohttp
-import pytest
+from controller_helpers import TOKEN, VM1, Api, Factory
 
-from spotguard.contracts import AgentEvent, EventKind
-from spotguard.controller.server import ControllerServer
-from spotguard.controller.settings import ControllerSettings
+from spotguard.contracts import EventKind, make_event
 from spotguard.image import push_dir
 from spotguard.notices.base import Cloud, Notice, NoticeKind
 from spotguard.providers.base import InstanceRef, Market
-from spotguard.providers.local import LocalProvider, LocalSettings
-
-TOKEN = "s3cret-token"
-STANDIN = str(Path(__file__).with_name("sg_standin_agent.py"))
-VM1 = {"provider": "local", "instance_id": "vm-first", "region": "local", "zone": "local-1"}
-
-
-class Api:
-    """A tiny client for the tests: real HTTP with the bearer token."""
-
-    def __init__(self, url: str, session: aiohttp.ClientSession) -> None:
-        self.url = url
-        self.s = session
-
-    async def event(self, job: str, kind: EventKind, **kw: Any) -> dict[str, Any]:
-        ev = AgentEvent(job=job, kind=kind, **kw)
-        return await self.post_raw(ev.model_dump_json())
-
-    async def post_raw(self, body: str, token: str | None = TOKEN) -> dict[str, Any]:
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
-        async with self.s.post(self.url + "/v1/events", data=body, headers=headers) as r:
-            out: dict[str, Any] = await r.json()
-            out["_status"] = r.status
-            return out
-
-    async def get(self, path: str) -> dict[str, Any]:
-        async with self.s.get(self.url + path, headers={"Authorization": f"Bearer {TOKEN}"}) as r:
-            out: dict[str, Any] = await r.json()
-            out["_status"] = r.status
-            return out
-
-    async def migrate(self, job: str, body: dict[str, Any]) -> dict[str, Any]:
-        async with self.s.post(
-            f"{self.url}/v1/jobs/{job}/migrate",
-            json=body,
-            headers={"Authorization": f"Bearer {TOKEN}"},
-        ) as r:
-            out: dict[str, Any] = await r.json()
-            out["_status"] = r.status
-            return out
-
-    async def wait_state(self, job: str, state: str, within: float = 20.0) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        end = loop.time() + within
-        while True:
-            view = await self.get(f"/v1/jobs/{job}")
-            if view.get("state") == state:
-                return view
-            if loop.time() > end:
-                raise AssertionError(
-                    f"{job} is {view.get('state')} ({view.get('reason')}), not {state}"
-                )
-            await asyncio.sleep(0.05)
-
-
-def settings(tmp_path: Path, **kw: Any) -> ControllerSettings:
-    base: dict[str, Any] = {
-        "listen": "127.0.0.1:0",
-        "state": tmp_path / "controller.db",
-        "provider": "local",
-        "controller_token": TOKEN,
-        "default_store": f"file://{tmp_path}/store",
-        "tick_s": 0.05,
-        "notice_grace_s": 0.3,
-        "capacity_retry_s": 0.0,
-    }
-    base.update(kw)
-    return ControllerSettings(**base)
-
-
-def local(tmp_path: Path, **env: str) -> LocalProvider:
-    return LocalProvider(
-        LocalSettings(
-            local_root=tmp_path / "local",
-            local_agent_command=[sys.executable, STANDIN],
-            local_env=env,
-            local_gpus=False,
-        )
-    )
-
-
-Factory = Callable[..., Any]
-
-
-@pytest.fixture
-async def api_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
-    stack: list[tuple[ControllerServer, LocalProvider]] = []
-    session = aiohttp.ClientSession()
-
-    async def make(**kw: Any) -> tuple[Api, ControllerServer, LocalProvider]:
-        env = kw.pop("env", {})
-        sources = kw.pop("sources", ())
-        prov = local(tmp_path, **env)
-        srv = ControllerServer(settings(tmp_path, **kw), provider=prov, sources=sources)
-        await srv.__aenter__()
-        stack.append((srv, prov))
-        return Api(srv.url, session), srv, prov
-
-    yield make
-    for srv, prov in reversed(stack):
-        await srv.__aexit__(None, None, None)
-        # local VMs outlive a controller, like cloud instances: stop the ones the test started
-        for vm in sorted((tmp_path / "local" / "vms").glob("vm-*")):
-            ref = InstanceRef("local", vm.name, "local", "local-1", "local", Market.ON_DEMAND)
-            await prov.terminate(ref)
-    await session.close()
+from spotguard.providers.local import LocalProvider
 
 
 async def test_unauthenticated_and_malformed_requests_get_clear_errors(
     api_factory: Factory,
 ) -> None:
     api, _, _ = await api_factory()
-    ok = AgentEvent(job="j1", kind=EventKind.STARTED, instance=VM1).model_dump_json()
+    ok = make_event(job="j1", kind=EventKind.STARTED, instance=VM1).model_dump_json()
     r = await api.post_raw(ok, token=None)
     assert (r["_status"], r["error"]) == (401, "missing bearer token")
     r = await api.post_raw(ok, token="wrong")
@@ -160,14 +52,14 @@ async def test_notice_durable_exit_relaunches_a_local_vm_that_restores(
 ) -> None:
     api, srv, _ = await api_factory()
     job = "train-local"
-    r = await api.event(job, EventKind.STARTED, instance=VM1, detail={"pid": 42})
+    r = await api.event(job, EventKind.STARTED, instance=VM1, pid=42)
     assert r["state"] == "protected"
     deadline = (datetime.now(UTC) + timedelta(seconds=120)).isoformat()
     notice = {"id": "n1", "cloud": "aws", "kind": "preempt", "deadline": deadline}
     r = await api.event(job, EventKind.NOTICE, instance=VM1, notice=notice)
     assert r["state"] == "interrupting"
     image = f"file://{tmp_path}/store/{job}/images/20261122T000000000000Z-abc123"
-    durable = AgentEvent(
+    durable = make_event(
         job=job, kind=EventKind.DURABLE, instance=VM1, image_url=image, image_bytes=10
     )
     r = await api.post_raw(durable.model_dump_json())
@@ -470,14 +362,12 @@ async def test_resumed_checkpoint_after_a_rebalance_never_relaunches(
     await api.event(job, EventKind.STARTED, instance=VM1)
     deadline = (datetime.now(UTC) + timedelta(seconds=0.3)).isoformat()
     notice = {"id": "r1", "cloud": "aws", "kind": "rebalance", "deadline": deadline}
-    r = await api.event(
-        job, EventKind.NOTICE, instance=VM1, notice=notice, detail={"decision": "resume"}
-    )
+    r = await api.event(job, EventKind.NOTICE, instance=VM1, notice=notice, decision="resume")
     assert r["state"] == "interrupting"
     image = f"file://{tmp_path}/store/{job}/images/20261122T000000000000Z-abc123"
     r = await api.event(
         job, EventKind.DURABLE, instance=VM1, notice=notice, image_url=image, image_bytes=10,
-        detail={"mode": "resume"},
+        mode="resume",
     )  # fmt: skip
     assert r["state"] == "protected"
     view = await _held_state(api, job, "protected", 1.0)  # well past deadline + grace
@@ -487,9 +377,7 @@ async def test_resumed_checkpoint_after_a_rebalance_never_relaunches(
     )
     # A rebalance the agent ignores (decision none) does not even interrupt.
     notice2 = {**notice, "id": "r2"}
-    r = await api.event(
-        job, EventKind.NOTICE, instance=VM1, notice=notice2, detail={"decision": "none"}
-    )
+    r = await api.event(job, EventKind.NOTICE, instance=VM1, notice=notice2, decision="none")
     assert r["state"] == "protected"
     r = await api.event(job, EventKind.JOB_FINISHED, instance=VM1)
     assert r["state"] == "finished"
@@ -507,7 +395,7 @@ async def test_preempt_with_a_resumed_checkpoint_relaunches_unless_the_agent_sti
         await api.event(job, EventKind.NOTICE, instance=VM1, notice=notice)
         r = await api.event(
             job, EventKind.DURABLE, instance=VM1, image_url=image.replace("/p/", f"/{job}/"),
-            image_bytes=10, detail={"mode": "resume"},
+            image_bytes=10, mode="resume",
         )  # fmt: skip
         assert r["state"] == "checkpointed"  # the VM goes away: a relaunch stays possible
     await asyncio.sleep(0.3)  # past the deadline, within the grace

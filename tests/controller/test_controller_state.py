@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import EventKind, NoticeInfo, make_event
 from spotguard.controller.core import Controller
 from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import SCHEMA_VERSION, Change, JobRecord, JobState, StateDB
 from spotguard.errors import StateError
+from spotguard.image.settings import ImageSettings
 from spotguard.providers.base import LaunchSpec
 from spotguard.providers.local import LocalProvider, LocalSettings
 
@@ -33,7 +34,7 @@ async def test_changes_are_atomic_recorded_and_survive_reopen(tmp_path: Path) ->
     def interrupt(rec: JobRecord | None) -> Change:
         assert rec is not None
         rec.state = JobState.INTERRUPTING
-        rec.data["notice"] = {"id": "n"}
+        rec.data.notice = NoticeInfo(id="n")
         return Change(rec, "notice", {"k": 1})
 
     await db.change("j", create, event=("e1", "started", "{}"))
@@ -46,7 +47,7 @@ async def test_changes_are_atomic_recorded_and_survive_reopen(tmp_path: Path) ->
     rec = await db.get("j")
     assert rec is not None
     assert rec.state is JobState.INTERRUPTING
-    assert rec.data == {"notice": {"id": "n"}}
+    assert rec.data.notice == NoticeInfo(id="n")
     hist = await db.history("j")
     assert [(h["from"], h["to"], h["reason"]) for h in hist] == [
         (None, "protected", "first report"),
@@ -146,10 +147,10 @@ async def test_restart_mid_launch_adopts_the_vm_of_the_persisted_round(tmp_path:
         )
     )
     db = await StateDB.open(settings.state)
-    first = Controller(settings, db, local)
+    first = Controller(settings, db, local, image=ImageSettings.model_validate({}))
     image = f"file://{tmp_path}/store/j/images/x"
-    await first.handle_event(AgentEvent(job="j", kind=EventKind.STARTED))
-    await first.handle_event(AgentEvent(job="j", kind=EventKind.EXITED, image_url=image))
+    await first.handle_event(make_event(job="j", kind=EventKind.STARTED))
+    await first.handle_event(make_event(job="j", kind=EventKind.EXITED, image_url=image))
     rec = await db.get("j")
     assert rec is not None
     assert rec.state is JobState.LAUNCHING
@@ -161,7 +162,7 @@ async def test_restart_mid_launch_adopts_the_vm_of_the_persisted_round(tmp_path:
     offer = (await local.offers(LaunchSpec.from_json(rec.spec)))[0]
     vm = await local.launch(offer, first._assignment(rec, {}), client_token="deadbeef-0")
 
-    second = Controller(settings, db, local)
+    second = Controller(settings, db, local, image=ImageSettings.model_validate({}))
     await second.start()
     try:
         for _ in range(200):

@@ -12,9 +12,10 @@ from typing import Any
 import aiohttp
 import pytest
 
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import AnyEvent, EventKind, make_event
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
+from spotguard.image.settings import ImageSettings
 from spotguard.notices.fleet import SqsFleetSource
 from spotguard.providers.aws import AwsProvider, AwsSettings
 
@@ -48,11 +49,13 @@ async def controller(
         AwsSettings(aws_regions=["us-east-1"], aws_endpoint_url=aws_env, aws_max_attempts=1)
     )
     source = SqsFleetSource(url, wait_time=1)
-    async with ControllerServer(settings, provider=provider, sources=[source]) as srv:
+    async with ControllerServer(
+        settings, provider=provider, image=ImageSettings.model_validate({}), sources=[source]
+    ) as srv:
         yield srv.url
 
 
-async def post(s: aiohttp.ClientSession, url: str, ev: AgentEvent) -> None:
+async def post(s: aiohttp.ClientSession, url: str, ev: AnyEvent) -> None:
     headers = {"Authorization": f"Bearer {TOKEN}"}
     async with s.post(url + "/v1/events", data=ev.model_dump_json(), headers=headers) as r:
         assert r.status == 200, await r.text()
@@ -72,9 +75,7 @@ async def test_fleet_spot_warning_is_handled_like_an_agent_notice(
     by_agent, by_fleet = instance("i-0aaaaaaaaaaaaaaa1"), instance("i-0bbbbbbbbbbbbbbb2")
     async with aiohttp.ClientSession() as s:
         for name, inst in (("via-agent", by_agent), ("via-fleet", by_fleet)):
-            started = AgentEvent(
-                job=name, kind=EventKind.STARTED, instance=inst, detail={"store": "s3://b"}
-            )
+            started = make_event(job=name, kind=EventKind.STARTED, instance=inst, store="s3://b")
             await post(s, controller, started)
         before = await job(s, controller, "via-fleet")
         notice = {
@@ -83,7 +84,7 @@ async def test_fleet_spot_warning_is_handled_like_an_agent_notice(
             "kind": "preempt",
             "deadline": "2099-01-01T00:00:00Z",
         }
-        report = AgentEvent(
+        report = make_event(
             job="via-agent", kind=EventKind.NOTICE, instance=by_agent, notice=notice
         )
         await post(s, controller, report)

@@ -18,7 +18,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import EventKind, make_event
 
 TOKEN = "fleet-cli-token"
 
@@ -113,11 +113,11 @@ async def test_controller_command_reads_fleet_settings_and_acts_on_a_spot_warnin
             assert loop.time() < end, log.read_text()
             await asyncio.sleep(0.1)
         for name, inst in (("cli-agent", by_agent), ("cli-fleet", by_fleet)):
-            ev = AgentEvent(job=name, kind=EventKind.STARTED, instance=inst)
+            ev = make_event(job=name, kind=EventKind.STARTED, instance=inst)
             await call(s, "POST", url + "/v1/events", ev.model_dump_json())
         deadline = "2099-01-01T00:00:00Z"
         notice = {"id": "n-cli", "cloud": "aws", "kind": "preempt", "deadline": deadline}
-        ev = AgentEvent(job="cli-agent", kind=EventKind.NOTICE, instance=by_agent, notice=notice)
+        ev = make_event(job="cli-agent", kind=EventKind.NOTICE, instance=by_agent, notice=notice)
         agent_view = await call(s, "POST", url + "/v1/events", ev.model_dump_json())
         assert agent_view["state"] == "interrupting"
         entry = {

@@ -15,10 +15,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import AnyEvent, EventKind, make_event
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
 from spotguard.facts import InstanceFacts
+from spotguard.image.settings import ImageSettings
 from spotguard.notices.aws import AwsImdsSource
 from spotguard.notices.base import Notice
 from spotguard.notices.fleet import SqsFleetSource
@@ -52,7 +53,9 @@ async def controller(
     )
     provider = LocalProvider(LocalSettings(local_root=tmp_path / "local", local_gpus=False))
     source = SqsFleetSource(fleet_queue[0], wait_time=1)
-    async with ControllerServer(settings, provider=provider, sources=[source]) as srv:
+    async with ControllerServer(
+        settings, provider=provider, image=ImageSettings.model_validate({}), sources=[source]
+    ) as srv:
         yield srv.url
 
 
@@ -86,7 +89,7 @@ class Api:
         self.url, self.s = url, s
         self.headers = {"Authorization": f"Bearer {TOKEN}"}
 
-    async def post(self, ev: AgentEvent) -> dict[str, Any]:
+    async def post(self, ev: AnyEvent) -> dict[str, Any]:
         async with self.s.post(
             self.url + "/v1/events", data=ev.model_dump_json(), headers=self.headers
         ) as r:
@@ -127,10 +130,10 @@ async def test_agent_first_then_fleet_is_a_duplicate(
     async with aiohttp.ClientSession() as s:
         api = Api(controller, s)
         await api.post(
-            AgentEvent(job="agent-first", kind=EventKind.STARTED, instance=facts.to_json())
+            make_event(job="agent-first", kind=EventKind.STARTED, instance=facts.to_json())
         )
         r = await api.post(
-            AgentEvent(
+            make_event(
                 job="agent-first",
                 kind=EventKind.NOTICE,
                 instance=facts.to_json(),
@@ -165,16 +168,16 @@ async def test_fleet_first_then_agent_is_a_duplicate_and_neighbours_are_not(
     async with aiohttp.ClientSession() as s:
         api = Api(controller, s)
         await api.post(
-            AgentEvent(job="fleet-first", kind=EventKind.STARTED, instance=facts.to_json())
+            make_event(job="fleet-first", kind=EventKind.STARTED, instance=facts.to_json())
         )
-        await api.post(AgentEvent(job="neighbour", kind=EventKind.STARTED, instance=neighbour))
+        await api.post(make_event(job="neighbour", kind=EventKind.STARTED, instance=neighbour))
         # Both instances are warned in the same second: the notice ids are equal.
         eventbridge_warning(fleet_queue[1], facts.instance_id, notice.deadline)
         eventbridge_warning(fleet_queue[1], neighbour["instance_id"], notice.deadline)
         for name in ("fleet-first", "neighbour"):
             await api.until(name, "interrupting", lambda v: v["state"] == "interrupting")
         r = await api.post(
-            AgentEvent(
+            make_event(
                 job="fleet-first",
                 kind=EventKind.NOTICE,
                 instance=facts.to_json(),

@@ -35,7 +35,7 @@ from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import CheckpointFailedEvent, InstanceInfo, StartedEvent, WireError
 from spotguard.errors import AgentTaskDied, SpotguardError
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
@@ -255,11 +255,15 @@ class Agent(NoticeHandling):
         )
         self.metrics.failures.labels("recover").inc()
         self.reporter.emit(
-            AgentEvent(
+            CheckpointFailedEvent(
                 job=info.name,
-                kind=EventKind.CHECKPOINT_FAILED,
-                error="the agent stopped during a checkpoint; the job runs on",
-                detail={"step": "recover", "thawed": True},
+                error=WireError(
+                    code="interrupted",
+                    message="the agent stopped during a checkpoint; the job runs on",
+                    retryable=True,
+                ),
+                step="recover",
+                thawed=True,
             )
         )
 
@@ -351,11 +355,11 @@ class Agent(NoticeHandling):
         )
         self.ledger.put(info.name, info.pid, "protecting")
         self.reporter.emit(
-            AgentEvent(
+            StartedEvent(
                 job=info.name,
-                kind=EventKind.STARTED,
-                instance=self.instance.to_json(),
-                detail={"pid": info.pid, "store": self.store},
+                instance=InstanceInfo.model_validate(self.instance.to_json()),
+                pid=info.pid,
+                store=self.store,
             )
         )
         watcher = self._spawn(self._liveness(worker), f"alive-{info.name}")

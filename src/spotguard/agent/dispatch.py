@@ -13,7 +13,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import InstanceInfo, NoticeEvent, NoticeInfo
 from spotguard.errors import NoticeError
 from spotguard.facts import InstanceFacts
 from spotguard.notices.base import Cloud, Notice
@@ -82,12 +82,12 @@ class NoticeHandling:
         jobs = [w for w in self.workers.values() if w.active]
         for w in jobs:
             self.reporter.emit(
-                AgentEvent(
+                NoticeEvent(
                     job=w.name,
-                    kind=EventKind.NOTICE,
-                    instance=self.instance.to_json(),
-                    notice=notice.to_json(),
-                    detail={"decision": decision.action.value, "reason": decision.reason},
+                    instance=InstanceInfo.model_validate(self.instance.to_json()),
+                    notice=NoticeInfo.model_validate(notice.to_json()),
+                    decision=decision.action.value,
+                    reason=decision.reason,
                 )
             )
         if notice.cancelled:

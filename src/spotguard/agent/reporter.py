@@ -6,6 +6,12 @@ for delivery. The sender delivers spooled events oldest first, retrying transien
 (connection refused, timeouts, 5xx, 429, a wrong token) with exponential backoff; an event is
 deleted from the spool only once the controller accepted it, so an agent restarted mid-way
 sends it again — which is safe, because the controller deduplicates by ``event_id``.
+
+Events of the job a scoped token names (:func:`spotguard.contracts.token_scope`) are stamped
+with the token's ownership epoch. The controller's answer (an
+:class:`~spotguard.contracts.EventAnswer`) goes to ``on_answer`` — also when it refused the
+event as coming from a non-owner (409, ``stand_down``), so the agent can stand down. A 403 (the
+token may not act for that job) and other 4xx answers drop the event: resending cannot help.
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from tenacity import (
     wait_exponential,
 )
 
-from spotguard.contracts import AgentEvent
+from spotguard.contracts import AnyEvent, token_scope
 from spotguard.errors import AuthError, ControllerError
 
 from .metrics import AgentMetrics
@@ -56,10 +62,11 @@ class Reporter:
         max_backoff_s: float = 30.0,
         timeout_s: float = 10.0,
         on_answer: Callable[[dict[str, Any]], None] | None = None,
-        on_emit: Callable[[AgentEvent], None] | None = None,
+        on_emit: Callable[[AnyEvent], None] | None = None,
     ) -> None:
         self.url = controller_url.rstrip("/") + EVENTS_PATH if controller_url else None
         self.token = token
+        self.scope = token_scope(token) if token else None  # (job, epoch) of a VM token
         self.spool = spool_dir
         self.metrics = metrics
         self.max_backoff_s = max_backoff_s
@@ -79,8 +86,11 @@ class Reporter:
     def enabled(self) -> bool:
         return self.url is not None
 
-    def emit(self, event: AgentEvent) -> None:
+    def emit(self, event: AnyEvent) -> None:
         """Queue ``event`` for delivery and return at once (a small file write at most)."""
+        if event.epoch is None and self.scope is not None and self.scope[0] == event.job:
+            event = event.model_copy(update={"epoch": self.scope[1]})
+        said = event.model_dump(mode="json", include={"image_url", "error"})
         log.info(
             "report %s",
             event.kind.value,
@@ -89,8 +99,8 @@ class Reporter:
                 "event": event.kind.value,
                 "job": event.job,
                 "event_id": event.event_id,
-                "image": event.image_url,
-                "error": event.error,
+                "image": said.get("image_url"),
+                "error": (said.get("error") or {}).get("message"),
             },
         )
         if self.on_emit is not None:
@@ -202,9 +212,10 @@ class Reporter:
         if status < 300:
             self._answer(text)
             return
-        if status == 409:  # the controller's state has moved on: nothing to resend
+        if status == 409:  # the controller's state has moved on (or we lost the job): no resend
+            self._answer(text)
             return
-        if status in (401, 403):
+        if status == 401:
             # A token may be rotated or the controller restarting: keep it, retry slowly.
             raise _Transient(str(AuthError(f"controller refused the token ({status})")))
         if status == 429 or status >= 500:

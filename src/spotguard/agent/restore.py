@@ -25,7 +25,16 @@ from pydantic import ValidationError
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import RestoreResult
-from spotguard.contracts import AgentEvent, Assignment, EventKind
+from spotguard.contracts import (
+    Assignment,
+    GpuInfo,
+    InstanceInfo,
+    RestoredEvent,
+    RestoreFailedEvent,
+    RestoringEvent,
+    StepInfo,
+    WireError,
+)
 from spotguard.errors import ConfigError, SpotguardError
 
 from .reporter import Reporter
@@ -124,14 +133,13 @@ async def restore_assignment(
             _record(records, key, {**base, "state": "restored", "pid": pid})
             return Restored(assignment.job, pid, assignment.image_url)
     _record(records, key, {**base, "state": "restoring", "started": time.time()})
-    detail = {"attempt": assignment.attempt}
+    where = InstanceInfo.model_validate(instance)
     reporter.emit(
-        AgentEvent(
+        RestoringEvent(
             job=assignment.job,
-            kind=EventKind.RESTORING,
-            instance=instance,
+            instance=where,
             image_url=assignment.image_url,
-            detail=detail,
+            attempt=assignment.attempt,
         )
     )
     log.info(
@@ -156,13 +164,12 @@ async def restore_assignment(
             },
         )
         reporter.emit(
-            AgentEvent(
+            RestoreFailedEvent(
                 job=assignment.job,
-                kind=EventKind.RESTORE_FAILED,
-                instance=instance,
+                instance=where,
                 image_url=assignment.image_url,
-                error=error,
-                detail={**detail, "reason": type(exc).__name__},
+                attempt=assignment.attempt,
+                error=WireError.of(exc),
             )
         )
         return None
@@ -178,14 +185,15 @@ async def restore_assignment(
         },
     )
     reporter.emit(
-        AgentEvent(
+        RestoredEvent(
             job=assignment.job,
-            kind=EventKind.RESTORED,
-            instance=instance,
+            instance=where,
             image_url=assignment.image_url,
-            gpu=result.meta.gpu.to_json(),
-            timeline=result.timeline.to_list(),
-            detail={**detail, "pid": result.pid, "seconds": seconds},
+            attempt=assignment.attempt,
+            gpu=GpuInfo.model_validate(result.meta.gpu.to_json()),
+            timeline=[StepInfo.model_validate(s) for s in result.timeline.to_list()],
+            pid=result.pid,
+            seconds=seconds,
         )
     )
     return Restored(result.job.name, result.pid, assignment.image_url)

@@ -27,7 +27,21 @@ from typing import Any
 
 import psutil
 
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import (
+    CheckpointFailedEvent,
+    CheckpointMode,
+    DurableEvent,
+    ExitedEvent,
+    FrozenEvent,
+    GpuInfo,
+    HostInfo,
+    InstanceInfo,
+    JobFinishedEvent,
+    NoticeInfo,
+    ReadyToRelaunchEvent,
+    StepInfo,
+    WireError,
+)
 from spotguard.errors import (
     CheckpointError,
     GpuError,
@@ -210,7 +224,7 @@ class JobWorker:
         self.state = "finished"
         log.info("job finished by itself", extra={"step": "job", "job": self.name})
         self.reporter.emit(
-            AgentEvent(job=self.name, kind=EventKind.JOB_FINISHED, instance=self.instance)
+            JobFinishedEvent(job=self.name, instance=InstanceInfo.model_validate(self.instance))
         )
         self._release_waiters({"job": self.name, "state": "finished"})
         self._wake.set()
@@ -229,7 +243,7 @@ class JobWorker:
         self.pending.clear()
 
     async def _execute(self, req: Request) -> None:
-        mode = "exit" if req.action is Action.EXIT else "resume"
+        mode: CheckpointMode = "exit" if req.action is Action.EXIT else "resume"
         notice_json = req.notice.to_json() if req.notice else None
         seen = req.notice.received_at.timestamp() if req.notice else time.time()
         started = time.time()
@@ -248,12 +262,12 @@ class JobWorker:
         def on_frozen(frozen_at: float) -> None:
             self.metrics.notice_to_frozen.labels(self.name).observe(max(0.0, frozen_at - seen))
             self.reporter.emit(
-                AgentEvent(
+                FrozenEvent(
                     job=self.name,
-                    kind=EventKind.FROZEN,
-                    instance=self.instance,
-                    notice=notice_json,
-                    detail={"mode": mode, "notice_to_frozen_s": round(frozen_at - seen, 3)},
+                    instance=InstanceInfo.model_validate(self.instance),
+                    notice=NoticeInfo.of(notice_json),
+                    mode=mode,
+                    notice_to_frozen_s=round(frozen_at - seen, 3),
                 )
             )
             if self.activity is not None:
@@ -293,13 +307,13 @@ class JobWorker:
             },
         )
         self.reporter.emit(
-            AgentEvent(
+            CheckpointFailedEvent(
                 job=self.name,
-                kind=EventKind.CHECKPOINT_FAILED,
-                instance=self.instance,
-                notice=req.notice.to_json() if req.notice else None,
-                error=error,
-                detail={"step": step, "kept": kept},
+                instance=InstanceInfo.model_validate(self.instance),
+                notice=NoticeInfo.of(req.notice.to_json() if req.notice else None),
+                error=WireError.of(exc),
+                step=step,
+                kept=kept,
             )
         )
         for w in req.waiters:
@@ -370,44 +384,39 @@ class JobWorker:
             },
         )
         self.reporter.emit(
-            AgentEvent(
+            DurableEvent(
                 job=self.name,
-                kind=EventKind.DURABLE,
-                instance=result.instance.to_json() or self.instance,
-                notice=notice_json,
+                instance=InstanceInfo.model_validate(result.instance.to_json() or self.instance),
+                notice=NoticeInfo.of(notice_json),
                 image_url=result.image_url,
                 image_bytes=result.bytes,
-                gpu=result.gpu.to_json(),
-                timeline=result.timeline.to_list(),
-                detail={
-                    "mode": result.mode,
-                    "stored_bytes": result.stored_bytes,
-                    "skipped_bytes": result.skipped_bytes,
-                    "freeze_seconds": result.freeze_seconds,
-                    "pause_seconds": result.pause_seconds,
-                    "host": result.host.to_json(),
-                },
+                gpu=GpuInfo.model_validate(result.gpu.to_json()),
+                timeline=[StepInfo.model_validate(s) for s in result.timeline.to_list()],
+                mode="exit" if result.mode == "exit" else "resume",
+                stored_bytes=result.stored_bytes,
+                skipped_bytes=result.skipped_bytes,
+                freeze_seconds=result.freeze_seconds,
+                pause_seconds=result.pause_seconds,
+                host=HostInfo.model_validate(result.host.to_json()),
             )
         )
         if action is Action.EXIT:
             self.state = "exited"
             log.info("job stopped after its checkpoint", extra={"step": "exit", "job": self.name})
             self.reporter.emit(
-                AgentEvent(
+                ExitedEvent(
                     job=self.name,
-                    kind=EventKind.EXITED,
-                    instance=self.instance,
-                    notice=notice_json,
+                    instance=InstanceInfo.model_validate(self.instance),
+                    notice=NoticeInfo.of(notice_json),
                     image_url=result.image_url,
                 )
             )
             if drain:
                 self.reporter.emit(
-                    AgentEvent(
+                    ReadyToRelaunchEvent(
                         job=self.name,
-                        kind=EventKind.READY_TO_RELAUNCH,
-                        instance=self.instance,
-                        notice=notice_json,
+                        instance=InstanceInfo.model_validate(self.instance),
+                        notice=NoticeInfo.of(notice_json),
                         image_url=result.image_url,
                     )
                 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 from datetime import UTC, datetime
 from typing import Any
 
@@ -15,6 +16,8 @@ from spotguard.controller.client import ControllerClient
 from spotguard.controller.settings import ClientSettings, ControllerSettings
 from spotguard.notices.fleet import FleetSettings
 from spotguard.notify import Notifier, NotifySettings
+
+log = logging.getLogger(__name__)
 
 
 @click.command("controller")
@@ -31,35 +34,59 @@ from spotguard.notify import Notifier, NotifySettings
     "--token",
     "controller_token",
     default=None,
-    help="Bearer token agents and the CLI must send. [env: SPOTGUARD_CONTROLLER_TOKEN]",
+    help="Admin token on the command line: visible in ps to every user of this host, so "
+    "discouraged (a warning is logged); use --controller-token-file or "
+    "SPOTGUARD_CONTROLLER_TOKEN.",
 )
+@click.option(
+    "--issue-token",
+    "issue_token",
+    default=None,
+    metavar="JOB",
+    help="Print a VM token for JOB (its first instance: --epoch 0) and exit.",
+)
+@click.option("--epoch", "epoch", type=click.IntRange(min=0), default=0, help="With --issue-token.")
 @click.pass_context
-def controller(ctx: click.Context, /, **flags: Any) -> None:
+def controller(ctx: click.Context, /, issue_token: str | None, epoch: int, **flags: Any) -> None:
     """Run the controller: relaunch matching instances and restore jobs.
 
     With a fleet queue (--queue-url, SPOTGUARD_FLEET_QUEUE_URL or [fleet] queue_url) it also
     reads EC2 interruption events routed by EventBridge to SQS, so a job is recovered even
     when its agent died with the VM.
+
+    Serves HTTPS with --tls-cert-file/--tls-key-file; refuses a non-loopback --listen
+    without them unless --insecure-listen (behind a TLS proxy). See docs/security.md.
     """
     from spotguard.controller.server import serve_forever
+    from spotguard.image.settings import ImageSettings
     from spotguard.notices.fleet import SqsFleetSource
+    from spotguard.providers import open_provider, provider_settings
 
     cfg = config_file(ctx)
-    settings = load(ControllerSettings, flags, config_file=cfg)
-    fleet = load(FleetSettings, flags, config_file=cfg)
-    settings.token()  # refuse to start without one
-    notifier = Notifier(load(NotifySettings, {}, config_file=cfg))
-    source = SqsFleetSource.from_settings(fleet)
-    asyncio.run(
-        serve_forever(
-            settings, cfg, sources=[source] if source is not None else [], notifier=notifier
+    if flags.get("controller_token"):
+        # Kept for existing units; refusing would stop them on upgrade. The warning says why.
+        log.warning(
+            "--token puts the admin token in the process list (ps) of this host; use "
+            "--controller-token-file or SPOTGUARD_CONTROLLER_TOKEN instead"
         )
-    )
+    settings = load(ControllerSettings, flags, config_file=cfg)
+    keys = settings.token_keys()  # refuse to start without an admin token
+    if issue_token is not None:
+        click.echo(keys.issue(issue_token, epoch))
+        return
+    settings.tls()  # refuse a bad certificate or a public plain-HTTP listen before anything
+    fleet = load(FleetSettings, flags, config_file=cfg)
+    notifier = Notifier(load(NotifySettings, {}, config_file=cfg))
+    image = load(ImageSettings, config_file=cfg)
+    provider = open_provider(load(provider_settings(settings.provider), config_file=cfg))
+    source = SqsFleetSource.from_settings(fleet)
+    sources = [source] if source is not None else []
+    asyncio.run(serve_forever(settings, provider, image=image, sources=sources, notifier=notifier))
 
 
 def _client(ctx: click.Context, flags: dict[str, Any]) -> ControllerClient:
     s = load(ClientSettings, flags, config_file=config_file(ctx))
-    return ControllerClient(s.controller_url, s.controller_token)
+    return ControllerClient(s.controller_url, s.bearer(), ca_file=s.controller_ca_file)
 
 
 def _when(ts: float | None) -> str:

@@ -1,28 +1,28 @@
 """The controller's HTTP API (aiohttp).
 
 =======================================  ======  =============================================
-``POST /v1/events``                      token   an :class:`~spotguard.contracts.AgentEvent`;
-                                                 200 ``{"job", "state", "reason", "action",
-                                                 "duplicate"}``
-``GET /v1/jobs``                         token   every job (summary)
-``GET /v1/jobs/{job}``                   token   one job: state, history, instance, images
-``POST /v1/jobs/{job}/migrate``          token   ``{"to": REGION|TYPE, "immediate": false}``
-``GET /v1/jobs/{job}/directive``         token   what the agent should do now: ``{"job",
-                                                 "action": "drain"|null, "reason", "state",
-                                                 "target"}`` (agents poll it)
+``POST /v1/events``                      VM      an :data:`~spotguard.contracts.AgentEvent`;
+                                                 200 an :class:`~spotguard.contracts.EventAnswer`
+                                                 (409 with ``stale`` and ``stand_down``: the
+                                                 sender does not own the job)
+``GET /v1/jobs/{job}/directive``         VM      a :class:`~spotguard.contracts.Directive`
+                                                 (agents poll it; admin: ``?epoch=N``)
+``GET /v1/jobs``                         admin   every job (summary)
+``GET /v1/jobs/{job}``                   admin   one job: state, owner, history, images
+``POST /v1/jobs/{job}/migrate``          admin   ``{"to": REGION|TYPE, "immediate": false}``
 ``GET /healthz``                         —       ``{"ok": true, "jobs": N}``
 ``GET /metrics``                         —       Prometheus text format
 =======================================  ======  =============================================
 
-Errors are JSON ``{"error": "..."}``: 401 missing/wrong token, 400 malformed body or bad
-request (unknown instance type, GPU mismatch), 404 unknown job, 409 conflicting state,
-503 state file unusable. ``action`` in an event's answer tells the agent what the
-controller wants next (``"drain"`` when a migration waits for a fresh image).
+"VM" routes take the admin token or a VM token scoped to that job
+(:mod:`spotguard.controller.tokens`); "admin" routes only the admin token. Errors are JSON
+``{"error": "..."}``: 401 missing/wrong token, 403 a token that may not act there, 400
+malformed body or bad request (unknown instance type, GPU mismatch), 404 unknown job, 409
+conflicting state or a non-owner's event, 503 state file unusable.
 """
 
 from __future__ import annotations
 
-import hmac
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -31,10 +31,12 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from spotguard.contracts import SCHEMA, AgentEvent
-from spotguard.controller.core import Controller
+from spotguard.contracts import SCHEMA, EventAnswer, InstanceInfo, parse_event
+from spotguard.controller.core import Controller, directive_of
 from spotguard.controller.state import JobRecord
+from spotguard.controller.tokens import Caller
 from spotguard.errors import (
+    AuthError,
     ConfigError,
     ControllerError,
     JobNotFound,
@@ -49,7 +51,7 @@ from spotguard.errors import (
 log = logging.getLogger(__name__)
 
 CONTROLLER_KEY: web.AppKey[Controller] = web.AppKey("controller", Controller)
-TOKEN_KEY: web.AppKey[str] = web.AppKey("token", str)
+CALLER: web.RequestKey[Caller] = web.RequestKey("caller", Caller)  # the verified caller
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -81,11 +83,16 @@ async def auth_and_errors(request: web.Request, handler: Handler) -> web.StreamR
         header = request.headers.get("Authorization", "")
         if not header.startswith("Bearer ") or not header[7:].strip():
             return _error(401, "missing bearer token", **{"WWW-Authenticate": "Bearer"})
-        if not hmac.compare_digest(header[7:].strip().encode(), request.app[TOKEN_KEY].encode()):
+        try:
+            request[CALLER] = request.app[CONTROLLER_KEY].keys.verify(header[7:].strip())
+        except AuthError:
             log.warning("wrong token", extra={"path": request.path, "peer": request.remote})
             return _error(401, "wrong bearer token", **{"WWW-Authenticate": "Bearer"})
     try:
         return await handler(request)
+    except AuthError as exc:
+        log.warning("token refused", extra={"path": request.path, "error": str(exc)})
+        return _error(403, str(exc))
     except JobNotFound as exc:
         return _error(404, str(exc))
     except (UnknownInstanceType, NoMatchingOffer, PrecheckError, ConfigError) as exc:
@@ -99,45 +106,65 @@ async def auth_and_errors(request: web.Request, handler: Handler) -> web.StreamR
         return _error(500, f"{type(exc).__name__}: {exc}")
 
 
-def _summary(rec: JobRecord) -> dict[str, Any]:
-    return {
-        "job": rec.name,
-        "state": rec.state.value,
-        "reason": rec.reason,
-        "action": rec.data.get("action"),
-        "instance": rec.instance,
-        "pending": rec.pending,
-        "image_url": rec.image_url,
-        "restarts": rec.restarts,
-        "since": rec.since,
-    }
+def _summary(rec: JobRecord, asker_epoch: int | None = None) -> dict[str, Any]:
+    d = directive_of(rec, asker_epoch)
+    answer = EventAnswer(
+        **d.model_dump(),
+        instance=InstanceInfo.model_validate(rec.instance) if rec.instance else None,
+        pending=rec.pending,
+        image_url=rec.image_url,
+        restarts=rec.restarts,
+        since=rec.since,
+    )
+    out = answer.model_dump(mode="json")
+    out["reason"] = rec.reason if not d.stand_down else d.reason  # the job's, for the CLI
+    return out
+
+
+def _caller(request: web.Request) -> Caller:
+    return request[CALLER]
+
+
+def _admin(request: web.Request) -> None:
+    if not _caller(request).admin:
+        raise AuthError("this route needs the admin token; a VM token may not use it")
 
 
 async def post_event(request: web.Request) -> web.Response:
     body = await request.read()
     try:
-        ev = AgentEvent.model_validate_json(body)
+        ev = parse_event(body)
     except ValidationError as exc:
         msg = f"malformed event: {_problems(exc)}"
         log.warning("malformed event", extra={"peer": request.remote, "error": msg})
         return _error(400, msg)
-    if ev.schema_version > SCHEMA:
-        return _error(400, f"event schema {ev.schema_version} is newer than this controller's")
-    rec, applied = await request.app[CONTROLLER_KEY].handle_event(ev)
-    return web.json_response({**_summary(rec), "duplicate": not applied})
+    if ev.schema_version != SCHEMA:
+        return _error(
+            400, f"event schema {ev.schema_version}; this controller speaks schema {SCHEMA}"
+        )
+    done = await request.app[CONTROLLER_KEY].handle_event(ev, _caller(request))
+    epoch = _caller(request).epoch if not _caller(request).admin else ev.epoch
+    out = {**_summary(done.record, epoch), "duplicate": not done.applied}
+    if done.stale is not None:
+        out |= {"stale": True, "stand_down": True, "error": f"not the job's owner: {done.stale}"}
+        return web.json_response(out, status=409)
+    return web.json_response(out)
 
 
 async def list_jobs(request: web.Request) -> web.Response:
+    _admin(request)
     jobs = await request.app[CONTROLLER_KEY].db.jobs()
     return web.json_response({"jobs": [_summary(r) for r in jobs]})
 
 
 async def show_job(request: web.Request) -> web.Response:
+    _admin(request)
     view = await request.app[CONTROLLER_KEY].view(request.match_info["job"])
     return web.json_response(view)
 
 
 async def migrate_job(request: web.Request) -> web.Response:
+    _admin(request)
     try:
         req = MigrateRequest.model_validate_json(await request.read())
     except ValidationError as exc:
@@ -148,8 +175,13 @@ async def migrate_job(request: web.Request) -> web.Response:
 
 
 async def directive(request: web.Request) -> web.Response:
-    out = await request.app[CONTROLLER_KEY].directive(request.match_info["job"])
-    return web.json_response(out)
+    raw = request.query.get("epoch")
+    if raw is not None and not raw.isdigit():
+        return _error(400, f"epoch must be a number, got {raw!r}")
+    out = await request.app[CONTROLLER_KEY].directive(
+        request.match_info["job"], _caller(request), int(raw) if raw is not None else None
+    )
+    return web.json_response(out.model_dump(mode="json"))
 
 
 async def healthz(request: web.Request) -> web.Response:
@@ -163,11 +195,10 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def make_app(controller: Controller, token: str) -> web.Application:
-    """The aiohttp application serving ``controller`` behind ``token``."""
+def make_app(controller: Controller) -> web.Application:
+    """The aiohttp application serving ``controller`` (callers verified by its keys)."""
     app = web.Application(middlewares=[auth_and_errors], client_max_size=4 * 1024 * 1024)
     app[CONTROLLER_KEY] = controller
-    app[TOKEN_KEY] = token
     app.router.add_post("/v1/events", post_event)
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{job}", show_job)

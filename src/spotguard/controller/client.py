@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ssl
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -12,10 +14,23 @@ from spotguard.errors import AuthError, ControllerError, JobNotFound
 class ControllerClient:
     """``GET``/``POST`` JSON to the controller with the bearer token; errors are typed."""
 
-    def __init__(self, url: str, token: str | None, *, timeout_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        url: str,
+        token: str | None,
+        *,
+        timeout_s: float = 30.0,
+        ca_file: Path | None = None,
+    ) -> None:
         self.url = url.rstrip("/")
         self.token = token
         self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        self.ssl: ssl.SSLContext | bool = True
+        if ca_file is not None:
+            try:
+                self.ssl = ssl.create_default_context(cafile=str(ca_file))
+            except (OSError, ssl.SSLError) as exc:
+                raise ControllerError(f"CA file {ca_file} unusable: {exc}") from exc
 
     async def get(self, path: str) -> dict[str, Any]:
         return await self._call("GET", path, None)
@@ -28,7 +43,7 @@ class ControllerClient:
         try:
             async with (
                 aiohttp.ClientSession(timeout=self.timeout) as s,
-                s.request(method, self.url + path, json=body, headers=headers) as r,
+                s.request(method, self.url + path, json=body, headers=headers, ssl=self.ssl) as r,
             ):
                 try:
                     data: dict[str, Any] = await r.json(content_type=None)
@@ -37,7 +52,7 @@ class ControllerClient:
                 status = r.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ControllerError(f"controller at {self.url} unreachable: {exc!r}") from exc
-        if status == 401:
+        if status in (401, 403):
             raise AuthError(f"controller refused the token: {data.get('error')}")
         if status == 404:
             raise JobNotFound(str(data.get("error")))

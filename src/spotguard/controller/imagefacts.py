@@ -17,9 +17,9 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from spotguard.config import load
 from spotguard.errors import ImageError, ImageNotFound, ObjectNotFound
 from spotguard.facts import GpuDevice, GpuInventory, InstanceFacts
+from spotguard.image.settings import ImageSettings
 from spotguard.providers.base import LaunchSpec
 
 log = logging.getLogger(__name__)
@@ -27,20 +27,19 @@ log = logging.getLogger(__name__)
 _INSTANCE_FIELDS = ("provider", "instance_type", "region", "zone", "instance_id", "spot")
 
 
-async def read_meta(image_url: str) -> dict[str, Any]:
+async def read_meta(image_url: str, settings: ImageSettings) -> dict[str, Any]:
     """The ``meta`` of the image's manifest (``…/images/latest`` resolves to the newest).
 
     Raises :class:`~spotguard.errors.ImageNotFound` without a manifest, other
     :class:`~spotguard.errors.ImageError` / :class:`~spotguard.errors.StoreError` /
     :class:`~spotguard.errors.ConfigError` for a malformed URL, manifest or store.
     """
-    from spotguard.image import ImageSettings
     from spotguard.image.manifest import ImageRef, Manifest
     from spotguard.image.reader import resolve
     from spotguard.image.writer import store_for
 
     ref = ImageRef.parse(image_url)
-    store = store_for(ref.store, load(ImageSettings))
+    store = store_for(ref.store, settings)
     try:
         ref = await resolve(store, ref)
         try:
@@ -91,9 +90,11 @@ def spec_from_meta(meta: dict[str, Any], recorded: LaunchSpec) -> LaunchSpec | N
     )
 
 
-async def image_spec(image_url: str, recorded: LaunchSpec) -> LaunchSpec | None:
+async def image_spec(
+    image_url: str, recorded: LaunchSpec, settings: ImageSettings
+) -> LaunchSpec | None:
     """:func:`spec_from_meta` of the image at ``image_url`` (reads its manifest)."""
-    meta = await read_meta(image_url)
+    meta = await read_meta(image_url, settings)
     spec = spec_from_meta(meta, recorded)
     log.info(
         "launch spec from image manifest",

@@ -1,9 +1,10 @@
 """The job state machine's reaction to agent events — pure functions, no I/O.
 
 :func:`on_event` takes a job's record (or ``None`` for a job seen for the first time) and an
-:class:`~spotguard.contracts.AgentEvent` and returns the :class:`~spotguard.controller.state.Change`
-to persist (or ``None``). The reconcile loop (:mod:`spotguard.controller.core`) does what takes
-time — fall back to the store's newest image, launch, wait, terminate.
+agent event (:data:`~spotguard.contracts.AgentEvent`) and returns the
+:class:`~spotguard.controller.state.Change` to persist (or ``None``). The reconcile loop
+(:mod:`spotguard.controller.core`) does what takes time — fall back to the store's newest
+image, launch, wait, terminate.
 
 ::
 
@@ -13,36 +14,57 @@ time — fall back to the store's newest image, launch, wait, terminate.
         │   CHECKPOINT_FAILED  └───────────────────────────────────────────────► LAUNCHING
         │   (job runs on)                                                          │ launched
         └──────────────────── RESTORED ◄──────────────── RESTORING ◄───────────────┘
-                                          RESTORE_FAILED (retryable) → LAUNCHING
-    any ──JOB_FINISHED──► FINISHED          give-up errors, max restarts → FAILED(reason)
+                      RESTORE_FAILED: retryable → LAUNCHING; the image's fault → LAUNCHING
+                      from an older image; else → FAILED
+    any ──JOB_FINISHED──► FINISHED          max restarts, no offer → FAILED(reason)
+
+**One handler per (state, kind)**: :data:`HANDLERS` maps every pair to a small function;
+``tests/controller/test_controller_machine.py`` runs each pair.
+
+**Fencing.** Each job has an :class:`~spotguard.contracts.Owner` — the instance and the
+ownership *epoch* that may report for it. Every relaunch issues a new epoch (the new
+instance's assignment and scoped token carry it). An event from another epoch — the old VM's
+agent restarted after its exit checkpoint, a second agent — is recorded in the history and
+changes nothing (:func:`stale`); the API answers it 409 with ``stand_down``. Events without an
+epoch (an agent holding the fleet token) are fenced by instance id where both are known.
 
 What leads to a relaunch: EXITED or READY_TO_RELAUNCH (the job stopped), or — for a notice
-that ends the VM (:func:`ends_vm`: a preempt notice, or one the agent answered with ``exit``)
-— its deadline plus grace passing with no report that the job still runs. A checkpoint the
-agent *resumed* from (rebalance, maintenance with ``resume``, periodic) leaves the job
-running, so its DURABLE (``detail.mode == "resume"``) brings the job back to PROTECTED; so
-does a notice the agent decided to ignore (``decision == "none"``).
+that ends the VM (:meth:`~spotguard.controller.state.JobData.ends_vm`) — its deadline plus
+grace passing with no report that the job still runs. A DURABLE with ``mode == "resume"``
+leaves the job running, so it brings the job back to PROTECTED; so does a notice the agent
+decided to ignore (``decision == "none"``).
 """
 
 from __future__ import annotations
 
+import math
 import time
-from datetime import datetime
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
-from spotguard.contracts import AgentEvent, EventKind
-from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState
+from spotguard.contracts import (
+    AnyEvent,
+    CheckpointFailedEvent,
+    DurableEvent,
+    EventKind,
+    ExitedEvent,
+    NoticeEvent,
+    Owner,
+    ReadyToRelaunchEvent,
+    RestoredEvent,
+    RestoreFailedEvent,
+    StartedEvent,
+)
+from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, SeenNotice
 from spotguard.facts import GpuInventory, InstanceFacts
 from spotguard.providers.base import LaunchSpec
 
-#: Restore failures (``detail["error_type"]`` of a RESTORE_FAILED event) that another instance
-#: would not fix: give up instead of relaunching.
-GIVE_UP_ERRORS = frozenset(
-    {"PreflightError", "MismatchError", "ImageCorrupt", "ImageNotFound", "DecryptionError"}
-)
+#: How many (instance, notice) keys a job remembers for dedup of fleet and agent reports.
+NOTICES_REMEMBERED = 32
 
 #: Reports about the instance a job is leaving; after the relaunch started they only add facts.
-_OLD_INSTANCE_KINDS = frozenset(
+OLD_INSTANCE_KINDS = frozenset(
     {
         EventKind.NOTICE,
         EventKind.FROZEN,
@@ -52,268 +74,434 @@ _OLD_INSTANCE_KINDS = frozenset(
         EventKind.READY_TO_RELAUNCH,
     }
 )
+MOVING = frozenset({JobState.LAUNCHING, JobState.RESTORING})
+LIVE = frozenset({JobState.PROTECTED, JobState.INTERRUPTING, JobState.CHECKPOINTED})
 
 
-def _iid(d: dict[str, Any] | None) -> str | None:
+@dataclass(frozen=True)
+class Options:
+    """The controller settings the state machine needs."""
+
+    default_store: str | None = None
+    default_notice_s: float = 120.0
+    terminate_old: bool = True
+    terminate_finished: bool = True
+
+
+def iid_of(d: dict[str, Any] | None) -> str | None:
     v = (d or {}).get("instance_id")
     return str(v) if v else None
 
 
-def _deadline(ev: AgentEvent, default_s: float) -> float:
-    raw = (ev.notice or {}).get("deadline")
-    if isinstance(raw, str):
-        try:
-            return datetime.fromisoformat(raw.replace("Z", "+00:00")).timestamp()
-        except ValueError:
-            pass
-    return time.time() + default_s
+@dataclass
+class Ctx:
+    """One event being applied to one record."""
+
+    rec: JobRecord
+    ev: AnyEvent
+    opts: Options
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def iid(self) -> str | None:
+        return self.ev.instance.instance_id
+
+    @property
+    def where(self) -> str:
+        return self.iid or "an unnamed instance"
+
+    def change(self, reason: str, *, note: bool = False) -> Change:
+        url = getattr(self.ev, "image_url", None)
+        size = getattr(self.ev, "image_bytes", None)
+        image = (url, size) if isinstance(url, str) and url else None
+        return Change(self.rec, reason, self.detail, note=note, image=image)
+
+    def note(self, reason: str) -> Change:
+        return self.change(reason, note=True)
 
 
-def _spec_from(ev: AgentEvent, old: dict[str, Any]) -> dict[str, Any]:
-    """The launch spec from what the agent reports about the job's GPUs and host."""
-    if ev.gpu is None:
-        return old
-    host = ev.detail.get("host") if isinstance(ev.detail.get("host"), dict) else None
-    mem = ev.detail.get("min_memory_mib")
+Handler = Callable[[Ctx], Change]
+
+
+# ----- helpers -------------------------------------------------------------------------------
+
+
+def spec_from(rec: JobRecord, ev: StartedEvent | DurableEvent | RestoredEvent) -> dict[str, Any]:
+    """The launch spec from what the agent reports about the job's GPUs, host and image
+    size: restoring needs at least the image's bytes of host memory."""
+    old = LaunchSpec.from_json(rec.spec)
+    gpu = getattr(ev, "gpu", None)
+    if gpu is None:
+        return rec.spec
+    host = ev.host.model_dump() if isinstance(ev, DurableEvent) and ev.host else None
+    need = old.min_memory_mib
+    if isinstance(ev, DurableEvent) and ev.image_bytes:
+        need = max(need or 0, math.ceil(ev.image_bytes / 2**20))
     spec = LaunchSpec.from_facts(
-        GpuInventory.from_json(ev.gpu),
-        InstanceFacts.from_json(ev.instance or None),
+        GpuInventory.from_json(gpu.model_dump()),
+        InstanceFacts.from_json(ev.instance.model_dump()),
         host,
-        int(mem) if isinstance(mem, int) else None,
+        need,
     )
     return spec.to_json()
 
 
-#: How many (instance, notice) keys a job remembers for dedup of fleet and agent reports.
-NOTICES_REMEMBERED = 32
-
-
-def _notice_origin(notice: dict[str, Any]) -> str:
-    return "the fleet queue" if notice.get("cloud") == "fleet" else "the agent"
-
-
-def _seen_notice(rec: JobRecord, iid: str | None, notice: dict[str, Any]) -> dict[str, Any] | None:
+def _seen_notice(c: Ctx, ev: NoticeEvent) -> SeenNotice | None:
     """Whether this notice (per instance, id and cancellation) was applied already; if not,
     remember it. The fleet source's ids equal the on-VM AWS source's for the same
     interruption (:mod:`spotguard.notices.fleet`), so whichever report comes second — under
     its own event id — is recognised here. Notice ids carry no instance id, hence the key."""
-    nid = notice.get("id")
+    nid = ev.notice.id
     if not nid:
         return None
-    key = f"{iid or _iid(rec.instance) or '-'}|{nid}|{int(bool(notice.get('cancelled')))}"
-    seen: dict[str, Any] = rec.data.setdefault("notices_seen", {})
+    rec = c.rec
+    key = f"{c.iid or iid_of(rec.instance) or '-'}|{nid}|{int(ev.notice.cancelled)}"
+    seen = rec.data.notices_seen
     if key in seen:
-        return dict(seen[key])
-    seen[key] = {"origin": _notice_origin(notice), "at": time.time()}
-    for old in sorted(seen, key=lambda k: seen[k]["at"])[: max(0, len(seen) - NOTICES_REMEMBERED)]:
+        return seen[key]
+    seen[key] = SeenNotice(origin=_origin(ev), at=time.time())
+    for old in sorted(seen, key=lambda k: seen[k].at)[: max(0, len(seen) - NOTICES_REMEMBERED)]:
         del seen[old]
+    rec.data.notices_seen = seen
     return None
 
 
-def ends_vm(notice: dict[str, Any] | None, decision: object = None) -> bool:
-    """Whether a notice means the job's VM goes away: a preempt notice (spot terminate, GCP
-    preemption, Azure Preempt, the fleet queue's warning), or any notice the agent answered
-    by stopping the job (``decision == "exit"``). Only such a notice's deadline may lead to a
-    relaunch without the agent saying the job stopped."""
-    n = notice or {}
-    return n.get("kind") == "preempt" or (decision or n.get("decision")) == "exit"
+def _origin(ev: NoticeEvent) -> str:
+    return "the fleet queue" if ev.source == "fleet" or ev.notice.cloud == "fleet" else "the agent"
+
+
+def new_epoch(rec: JobRecord) -> int:
+    """Hand the job to a new owner (not chosen yet): reports of the old epoch are stale."""
+    rec.data.epochs = max(rec.data.epochs, rec.data.owner.epoch) + 1
+    rec.data.owner = Owner(instance_id=None, epoch=rec.data.epochs)
+    return rec.data.epochs
 
 
 def relaunch(rec: JobRecord, reason: str, *, drain: bool, terminate_old: bool) -> Change:
-    """Move to LAUNCHING for a new round, queueing the old instance for termination."""
+    """Move to LAUNCHING for a new round under a new epoch, queueing the old instance(s)
+    for termination."""
     rec.state = JobState.LAUNCHING
     rec.reason = reason
     rec.launch_token = None
     rec.launch_attempt = 0
-    rec.data.pop("capacity_rounds", None)
-    rec.data["drain"] = drain
-    rec.data.pop("skip_offers", None)
-    launched = rec.data.pop("ref", None)  # the instance the controller launched for the job
-    if terminate_old and _iid(rec.instance):
-        rec.data.setdefault("terminate", []).append(rec.instance)
-    if terminate_old and _iid(launched) and _iid(launched) != _iid(rec.instance):
-        rec.data.setdefault("terminate", []).append(launched)
-    return Change(rec, reason, {"image_url": rec.image_url})
+    d = rec.data
+    d.capacity_rounds = 0
+    d.drain = drain
+    d.skip_offers = []
+    launched, d.launched = d.launched, None  # the instance the controller launched for the job
+    if terminate_old and iid_of(rec.instance):
+        d.terminate = [*d.terminate, dict(rec.instance)]
+    if terminate_old and iid_of(launched) and iid_of(launched) != iid_of(rec.instance):
+        assert launched is not None
+        d.terminate = [*d.terminate, launched]
+    epoch = new_epoch(rec)
+    return Change(rec, reason, {"image_url": rec.image_url, "epoch": epoch})
 
 
-def on_event(
-    rec: JobRecord | None,
-    ev: AgentEvent,
-    *,
-    default_store: str | None = None,
-    default_notice_s: float = 120.0,
-    terminate_old: bool = True,
-    terminate_finished: bool = True,
-) -> Change | None:
-    """The change an agent event makes to a job (``None``: nothing to record)."""
-    kind = ev.kind
-    iid = _iid(ev.instance)
-    if rec is None:
-        rec = JobRecord(name=ev.job, state=JobState.PROTECTED, instance=dict(ev.instance))
-        rec.store = ev.detail.get("store") or default_store
-        rec.spec = _spec_from(ev, {})
-        first = Change(rec, f"first report ({kind.value})", {"instance": ev.instance})
-        if kind in (EventKind.STARTED, EventKind.RESTORED):
-            return first
-    else:
-        first = None
-    if isinstance(ev.detail.get("store"), str):
-        rec.store = ev.detail["store"]
-    image = (ev.image_url, ev.image_bytes) if ev.image_url else None
-    where = iid or "an unnamed instance"
-    detail: dict[str, Any] = {"event": kind.value, "event_id": ev.event_id, "instance": iid}
-    if ev.error:
-        detail["error"] = ev.error
+def stale(rec: JobRecord, ev: AnyEvent) -> str | None:
+    """Why ``ev`` does not come from the job's owner (None: it does).
 
-    def change(reason: str, *, note: bool = False) -> Change:
-        assert rec is not None
-        return Change(rec, reason, detail, note=note, image=image)
+    With an epoch (every agent holding a scoped token): it must be the owner's. Without one
+    (a fleet-token agent): a report naming an instance other than the owner's is stale, except
+    a STARTED (an agent protecting the job where an operator moved it) and the reports of the
+    instance being restored.
+    """
+    owner = rec.data.owner
+    if ev.epoch is not None:
+        if ev.epoch == owner.epoch:
+            return None
+        return f"epoch {ev.epoch}; the job is owned by epoch {owner.epoch}" + (
+            f" on {owner.instance_id}" if owner.instance_id else ""
+        )
+    iid = ev.instance.instance_id
+    if iid is None or owner.instance_id is None or iid == owner.instance_id:
+        return None
+    if ev.kind is EventKind.STARTED and rec.state not in MOVING:
+        return None
+    if iid == iid_of(rec.pending) or rec.state in MOVING:
+        return None  # judged by the moving states' own rules
+    return f"instance {iid}; the job is owned by {owner.instance_id} (epoch {owner.epoch})"
 
-    st = rec.state
-    moving = st in (JobState.LAUNCHING, JobState.RESTORING)
-    from_old = iid is not None and iid == _iid(rec.instance) and iid != _iid(rec.pending)
-    if moving and kind in _OLD_INSTANCE_KINDS and (from_old or iid is None):
-        if image:
-            rec.image_url = rec.image_url or ev.image_url
-        return change(f"late {kind.value} from the old instance {where} (ignored)", note=True)
 
-    if kind is EventKind.STARTED:
-        if st is JobState.RESTORING and iid not in (None, _iid(rec.pending)):
-            return change(f"started on {where}, not the instance being restored", note=True)
-        if st is JobState.LAUNCHING:
-            return change(f"started on {where} while launching (ignored)", note=True)
-        rec.state = JobState.PROTECTED
-        rec.instance = dict(ev.instance) or dict(rec.pending or {})
+# ----- handlers by kind ----------------------------------------------------------------------
+
+
+def _record_only(c: Ctx) -> Change:
+    return c.note(f"{c.ev.kind.value} on {c.where}")
+
+
+def _after_end(c: Ctx) -> Change:
+    return c.note(f"{c.ev.kind.value} from {c.where} after {c.rec.state.value} (recorded)")
+
+
+def _started(c: Ctx) -> Change:
+    rec, ev = c.rec, c.ev
+    assert isinstance(ev, StartedEvent)
+    if rec.state is JobState.LAUNCHING:
+        return c.note(f"started on {c.where} while launching (ignored)")
+    pending = iid_of(rec.pending)
+    if rec.state is JobState.RESTORING and ev.epoch is None and c.iid not in (None, pending):
+        return c.note(f"started on {c.where}, not the instance being restored")
+    rec.state = JobState.PROTECTED
+    rec.instance = ev.instance.model_dump() if c.iid else dict(rec.pending or rec.instance)
+    rec.data.owner = Owner(instance_id=c.iid or pending, epoch=rec.data.owner.epoch)
+    rec.pending = None
+    return c.change(f"agent protects the job on {c.where}")
+
+
+def _restored(c: Ctx) -> Change:
+    rec, ev = c.rec, c.ev
+    assert isinstance(ev, RestoredEvent)
+    # The agent names its instance as its metadata service does; the local provider's VM
+    # ids are not that, so the epoch, or restoring the assigned image, identifies it too.
+    pending = iid_of(rec.pending)
+    vouched = ev.epoch is not None or ev.image_url == rec.image_url
+    if c.iid is not None and pending and c.iid != pending and not vouched:
+        return c.note(f"restored on {c.where}, not the instance being restored")
+    rec.state = JobState.PROTECTED
+    rec.instance = ev.instance.model_dump() if c.iid else dict(rec.pending or {})
+    rec.data.launched = rec.pending
+    rec.data.skip_offers = []
+    rec.data.owner = Owner(instance_id=c.iid or pending, epoch=rec.data.owner.epoch)
+    rec.pending = None
+    rec.launch_token = None
+    rec.spec = spec_from(rec, ev)
+    return c.change(f"job restored and running on {c.where}")
+
+
+def _not_restoring(c: Ctx) -> Change:
+    return c.note(f"{c.ev.kind.value} on {c.where} while {c.rec.state.value} (recorded)")
+
+
+def _restore_failed(c: Ctx) -> Change:
+    """Retryable → a new round; the image's fault → a new round from an older image (the
+    loop picks it); anything else (preflight, mismatch, key) → FAILED."""
+    rec, ev = c.rec, c.ev
+    assert isinstance(ev, RestoreFailedEvent)
+    err = ev.error
+    c.detail["error"] = err.model_dump()
+    if rec.pending:
+        rec.data.terminate = [*rec.data.terminate, rec.pending]
+    rec.pending = None
+    if not err.retryable and not err.image_fault:
+        rec.state = JobState.FAILED
+        rec.reason = f"restore failed on {c.where} and cannot succeed elsewhere: {err.message}"
+        return c.change(rec.reason)
+    rec.state = JobState.LAUNCHING
+    rec.launch_token = None
+    rec.launch_attempt = 0
+    new_epoch(rec)
+    if err.retryable:
+        rec.reason = f"restore failed on {c.where} ({err.message}); relaunching"
+        return c.change(rec.reason)
+    bad = ev.image_url
+    if bad not in rec.data.bad_images:
+        rec.data.bad_images = [*rec.data.bad_images, bad]
+    rec.data.older_image = True
+    rec.reason = (
+        f"image {bad} cannot be restored ({err.message}); relaunching from the newest older "
+        "complete image"
+    )
+    return c.change(rec.reason)
+
+
+def _finished(c: Ctx) -> Change:
+    rec = c.rec
+    rec.state = JobState.FINISHED
+    rec.reason = f"the job exited on {c.where}"
+    if c.opts.terminate_finished:
+        # Only instances the controller launched: the one the job was restored on, and
+        # one still being restored. The first instance of a job belongs to whoever made it.
+        queued = list(rec.data.terminate)
+        for ref in (rec.data.launched, rec.pending):
+            if iid_of(ref) and all(iid_of(q) != iid_of(ref) for q in queued):
+                assert ref is not None
+                queued.append(ref)
+        rec.data.launched = None
+        rec.data.terminate = queued
         rec.pending = None
-        rec.spec = _spec_from(ev, rec.spec)
-        return change(f"agent protects the job on {where}")
+        if queued:
+            rec.reason += "; terminating the instance the controller launched"
+    return c.change(rec.reason)
 
-    if kind is EventKind.RESTORED:
-        if st is not JobState.RESTORING:
-            return change(f"restored on {where} while {st.value} (recorded)", note=True)
-        # The agent names its instance as its metadata service does; the local provider's VM
-        # ids are not that, so restoring the assigned image identifies the new instance too.
-        same_image = ev.image_url is not None and ev.image_url == rec.image_url
-        if iid is not None and _iid(rec.pending) and iid != _iid(rec.pending) and not same_image:
-            return change(f"restored on {where}, not the instance being restored", note=True)
-        rec.state = JobState.PROTECTED
-        rec.instance = dict(ev.instance) or dict(rec.pending or {})
-        rec.data["ref"] = rec.pending
-        rec.data.pop("skip_offers", None)
-        rec.pending = None
-        rec.launch_token = None
-        rec.spec = _spec_from(ev, rec.spec)
-        return change(f"job restored and running on {where}")
 
-    if kind is EventKind.RESTORE_FAILED:
-        if st is not JobState.RESTORING:
-            return change(f"restore failed on {where} while {st.value} (recorded)", note=True)
-        err = ev.error or "no reason given"
-        etype = str(ev.detail.get("error_type") or ev.detail.get("reason") or err.split(":", 1)[0])
-        if rec.pending:
-            rec.data.setdefault("terminate", []).append(rec.pending)
-        rec.pending = None
-        if etype in GIVE_UP_ERRORS:
-            rec.state = JobState.FAILED
-            rec.reason = f"restore failed on {where}: {etype}: {err}"
-            return change(rec.reason)
-        rec.state = JobState.LAUNCHING
-        rec.launch_token = None
-        rec.launch_attempt = 0
-        rec.reason = f"restore failed on {where} ({etype or 'error'}: {err}); relaunching"
-        return change(rec.reason)
+def _finished_again(c: Ctx) -> Change:
+    return c.note("job finished (again)")
 
-    if kind is EventKind.JOB_FINISHED:
-        if st in TERMINAL:
-            return change("job finished (again)", note=True)
-        rec.state = JobState.FINISHED
-        rec.reason = f"the job exited on {where}"
-        if terminate_finished:
-            # Only instances the controller launched: the one the job was restored on, and
-            # one still being restored. The first instance of a job belongs to whoever made it.
-            queued = rec.data.setdefault("terminate", [])
-            for ref in (rec.data.pop("ref", None), rec.pending):
-                if _iid(ref) and all(_iid(q) != _iid(ref) for q in queued):
-                    queued.append(ref)
-            rec.pending = None
-            if queued:
-                rec.reason += "; terminating the instance the controller launched"
-        return change(rec.reason)
 
-    if st in TERMINAL:
-        return first or change(f"{kind.value} from {where} after {st.value} (recorded)", note=True)
-
-    if kind is EventKind.NOTICE:
-        notice = ev.notice or {}
-        seen = _seen_notice(rec, iid, notice)
-        if seen is not None:
-            detail["duplicate_of"] = seen
-            return Change(
-                rec,
-                f"duplicate notice {notice.get('id')} from {_notice_origin(notice)} on {where} "
-                f"(already applied from {seen['origin']})",
-                detail,
-                note=True,
-                duplicate=True,
-            )
-        if notice.get("cancelled"):
-            if st is JobState.INTERRUPTING:
-                rec.state = JobState.PROTECTED
-                rec.deadline = None
-                return change(f"notice {notice.get('id')} cancelled")
-            return change(f"notice {notice.get('id')} cancelled", note=True)
-        decision = ev.detail.get("decision")
-        if decision == "none" and not ends_vm(notice):
-            return change(f"{notice.get('kind', 'interruption')} notice on {where}: the agent "
-                          "does nothing for it; the job runs on", note=True)  # fmt: skip
-        rec.deadline = _deadline(ev, default_notice_s)
-        rec.data["notice"] = {**notice, "decision": decision} if decision else notice
-        if st is JobState.PROTECTED:
-            rec.state = JobState.INTERRUPTING
-            return change(f"{notice.get('kind', 'interruption')} notice on {where}")
-        return change(f"notice on {where} while {st.value}", note=True)
-
-    if kind is EventKind.DURABLE:
-        if not ev.image_url:
-            return change(f"durable report from {where} without image_url (ignored)", note=True)
-        rec.image_url = ev.image_url
-        rec.spec = _spec_from(ev, rec.spec)
-        resumed = ev.detail.get("mode") == "resume"
-        if st is JobState.INTERRUPTING and resumed and not ends_vm(rec.data.get("notice")):
-            # The agent checkpointed and let the job run on (rebalance, maintenance with
-            # "resume"): nothing to relaunch; a later EXITED or preempt notice still is.
+def _notice(c: Ctx) -> Change:
+    rec, ev = c.rec, c.ev
+    assert isinstance(ev, NoticeEvent)
+    n = ev.notice
+    seen = _seen_notice(c, ev)
+    if seen is not None:
+        c.detail["duplicate_of"] = seen.model_dump()
+        reason = (
+            f"duplicate notice {n.id} from {_origin(ev)} on {c.where} "
+            f"(already applied from {seen.origin})"
+        )
+        return Change(rec, reason, c.detail, note=True, duplicate=True)
+    if n.cancelled:
+        if rec.state is JobState.INTERRUPTING:
             rec.state = JobState.PROTECTED
             rec.deadline = None
-            return change(f"image {ev.image_url} is durable; the job runs on on {where}")
-        if st is JobState.INTERRUPTING:
-            rec.state = JobState.CHECKPOINTED
-            return change(f"image {ev.image_url} is durable")
-        return change(f"periodic image {ev.image_url} is durable", note=True)
-
-    if kind in (EventKind.EXITED, EventKind.READY_TO_RELAUNCH):
-        drain = kind is EventKind.READY_TO_RELAUNCH
-        if ev.image_url:
-            rec.image_url = ev.image_url
-        if st is JobState.CHECKPOINTED or ev.image_url:
-            return relaunch(
-                rec,
-                f"{'drained' if drain else 'exited'} on {where} after a durable image; relaunching",
-                drain=drain,
-                terminate_old=terminate_old,
-            )
-        # Left without a durable image from this round: fall back to the newest image now.
+            return c.change(f"notice {n.id} cancelled")
+        return c.note(f"notice {n.id} cancelled")
+    kind = n.kind or "interruption"
+    if ev.decision == "none" and not n.ends_vm():
+        return c.note(f"{kind} notice on {c.where}: the agent does nothing for it; the job runs on")
+    deadline = n.deadline.timestamp() if n.deadline else None
+    rec.deadline = deadline if deadline is not None else time.time() + c.opts.default_notice_s
+    rec.data.notice = n
+    rec.data.decision = ev.decision
+    if rec.state is JobState.PROTECTED:
         rec.state = JobState.INTERRUPTING
-        rec.deadline = time.time()
-        rec.data["fallback_now"] = True
-        return change(f"{kind.value} on {where} with no durable image; using the newest image")
+        return c.change(f"{kind} notice on {c.where}")
+    return c.note(f"notice on {c.where} while {rec.state.value}")
 
-    if kind is EventKind.CHECKPOINT_FAILED:
-        rec.data["checkpoint_error"] = ev.error
-        if st is JobState.INTERRUPTING and not ends_vm(rec.data.get("notice")):
-            # The engine thawed the job and the VM is not going away: it simply runs on.
-            rec.state = JobState.PROTECTED
-            rec.deadline = None
-            return change(f"checkpoint failed on {where}: {ev.error}; the job runs on")
-        return change(f"checkpoint failed on {where}: {ev.error}", note=True)
 
-    return first or change(f"{kind.value} on {where}", note=True)
+def _durable(c: Ctx) -> Change:
+    rec, ev = c.rec, c.ev
+    assert isinstance(ev, DurableEvent)
+    rec.image_url = ev.image_url
+    rec.spec = spec_from(rec, ev)
+    if rec.state is JobState.INTERRUPTING and ev.mode == "resume" and not rec.data.ends_vm():
+        # The agent checkpointed and let the job run on (rebalance, maintenance with
+        # "resume"): nothing to relaunch; a later EXITED or preempt notice still is.
+        rec.state = JobState.PROTECTED
+        rec.deadline = None
+        return c.change(f"image {ev.image_url} is durable; the job runs on on {c.where}")
+    if rec.state is JobState.INTERRUPTING:
+        rec.state = JobState.CHECKPOINTED
+        return c.change(f"image {ev.image_url} is durable")
+    return c.note(f"periodic image {ev.image_url} is durable")
+
+
+def _exited(c: Ctx) -> Change:
+    rec, ev = c.rec, c.ev
+    assert isinstance(ev, ExitedEvent | ReadyToRelaunchEvent)
+    drain = ev.kind is EventKind.READY_TO_RELAUNCH
+    if ev.image_url:
+        rec.image_url = ev.image_url
+    if rec.state is JobState.CHECKPOINTED or ev.image_url:
+        how = "drained" if drain else "exited"
+        reason = f"{how} on {c.where} after a durable image; relaunching"
+        return relaunch(rec, reason, drain=drain, terminate_old=c.opts.terminate_old)
+    # Left without a durable image from this round: fall back to the newest image now.
+    rec.state = JobState.INTERRUPTING
+    rec.deadline = time.time()
+    rec.data.fallback_now = True
+    return c.change(f"{ev.kind.value} on {c.where} with no durable image; using the newest image")
+
+
+def _checkpoint_failed(c: Ctx) -> Change:
+    rec, ev = c.rec, c.ev
+    assert isinstance(ev, CheckpointFailedEvent)
+    msg = ev.error.message
+    c.detail["error"] = ev.error.model_dump()
+    rec.data.checkpoint_error = msg
+    if rec.state is JobState.INTERRUPTING and not rec.data.ends_vm():
+        # The engine thawed the job and the VM is not going away: it simply runs on.
+        rec.state = JobState.PROTECTED
+        rec.deadline = None
+        return c.change(f"checkpoint failed on {c.where}: {msg}; the job runs on")
+    return c.note(f"checkpoint failed on {c.where}: {msg}")
+
+
+_BY_KIND: dict[EventKind, Handler] = {
+    EventKind.NOTICE: _notice,
+    EventKind.FROZEN: _record_only,
+    EventKind.DURABLE: _durable,
+    EventKind.CHECKPOINT_FAILED: _checkpoint_failed,
+    EventKind.EXITED: _exited,
+    EventKind.READY_TO_RELAUNCH: _exited,
+}
+
+
+def _while_moving(kind: EventKind) -> Handler:
+    """LAUNCHING / RESTORING: a report about the instance the job left (or one that names
+    no instance) adds facts only; one from another (the new) instance is handled as usual."""
+
+    def handle(c: Ctx) -> Change:
+        rec = c.rec
+        old = iid_of(rec.instance)
+        if c.ev.epoch is None and (
+            c.iid is None or (c.iid == old and c.iid != iid_of(rec.pending))
+        ):
+            url = getattr(c.ev, "image_url", None)
+            if isinstance(url, str) and url:
+                rec.image_url = rec.image_url or url
+            return c.note(f"late {kind.value} from the old instance {c.where} (ignored)")
+        return _BY_KIND[kind](c)
+
+    return handle
+
+
+def _table() -> dict[tuple[JobState, EventKind], Handler]:
+    t: dict[tuple[JobState, EventKind], Handler] = {}
+    for st in JobState:
+        for kind in EventKind:
+            if kind is EventKind.STARTED:
+                h: Handler = _started
+            elif kind is EventKind.RESTORED:
+                h = _restored if st is JobState.RESTORING else _not_restoring
+            elif kind is EventKind.RESTORE_FAILED:
+                h = _restore_failed if st is JobState.RESTORING else _not_restoring
+            elif kind is EventKind.JOB_FINISHED:
+                h = _finished_again if st in TERMINAL else _finished
+            elif st in TERMINAL:
+                h = _after_end
+            elif kind is EventKind.RESTORING:
+                h = _record_only
+            elif st in MOVING:
+                h = _while_moving(kind)
+            else:
+                h = _BY_KIND[kind]
+            t[(st, kind)] = h
+    return t
+
+
+#: The handler of every (state, kind).
+HANDLERS: dict[tuple[JobState, EventKind], Handler] = _table()
+
+
+def _first(ev: AnyEvent, opts: Options) -> JobRecord:
+    rec = JobRecord(name=ev.job, state=JobState.PROTECTED, instance=ev.instance.model_dump())
+    rec.store = (ev.store if isinstance(ev, StartedEvent) else None) or opts.default_store
+    epoch = ev.epoch or 0
+    rec.data.owner = Owner(instance_id=ev.instance.instance_id, epoch=epoch)
+    rec.data.epochs = epoch
+    if isinstance(ev, DurableEvent | RestoredEvent):
+        rec.spec = spec_from(rec, ev)
+    return rec
+
+
+def on_event(rec: JobRecord | None, ev: AnyEvent, opts: Options) -> Change | None:
+    """The change an agent event makes to a job (``None``: nothing to record)."""
+    first: Change | None = None
+    if rec is None:
+        rec = _first(ev, opts)
+        first = Change(
+            rec, f"first report ({ev.kind.value})", {"instance": ev.instance.model_dump()}
+        )
+        if ev.kind in (EventKind.STARTED, EventKind.RESTORED):
+            return first
+    if isinstance(ev, StartedEvent) and ev.store:
+        rec.store = ev.store
+    detail: dict[str, Any] = {
+        "event": ev.kind.value,
+        "event_id": ev.event_id,
+        "instance": ev.instance.instance_id,
+        "epoch": ev.epoch,
+    }
+    c = Ctx(rec, ev, opts, detail)
+    why = stale(rec, ev)
+    if why is not None:
+        detail["stale"] = why
+        url = getattr(ev, "image_url", None)
+        if ev.kind is EventKind.DURABLE and isinstance(url, str):
+            rec.image_url = rec.image_url or url
+        out = c.note(f"{ev.kind.value} from a non-owner ({why}): ignored")
+        out.stale = why
+        return out
+    return HANDLERS[(rec.state, ev.kind)](c)

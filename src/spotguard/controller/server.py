@@ -1,4 +1,8 @@
-"""Run a controller: state file + provider + strategy + HTTP API, as one async context."""
+"""Run a controller: state file + provider + strategy + HTTP(S) API, as one async context.
+
+Settings are loaded by the caller (the ``spotguard controller`` command) and passed in; the
+provider is opened there too (:func:`spotguard.providers.open_provider`).
+"""
 
 from __future__ import annotations
 
@@ -16,49 +20,58 @@ from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import StateDB
 from spotguard.controller.strategies import get_strategy
 from spotguard.errors import ConfigError
+from spotguard.image.settings import ImageSettings
 from spotguard.notices.base import NoticeSource
 from spotguard.notify import Notifier
-from spotguard.providers import open_provider
 from spotguard.providers.base import CloudProvider
 
 log = logging.getLogger(__name__)
 
 
 class ControllerServer:
-    """``async with ControllerServer(settings) as srv:`` serves until the block ends."""
+    """``async with ControllerServer(settings, provider=p) as srv:`` serves until the block
+    ends (HTTPS when ``settings`` names a certificate)."""
 
     def __init__(
         self,
         settings: ControllerSettings,
         *,
-        provider: CloudProvider | None = None,
+        provider: CloudProvider,
+        image: ImageSettings,
         sources: Iterable[NoticeSource] = (),
-        config_file: str | None = None,
         notifier: Notifier | None = None,
     ) -> None:
         self.settings = settings
         self.notifier = notifier
         self._provider = provider
+        self._image = image
         self._sources = list(sources)
-        self._config_file = config_file
         self.port = 0
 
     async def __aenter__(self) -> ControllerServer:
         s = self.settings
-        token = s.token()
+        keys = s.token_keys()
+        tls = s.tls()
+        self.scheme = "https" if tls is not None else "http"
         strategy = get_strategy(s.strategy)
         host, port = s.host_port()
         self.db = await StateDB.open(s.state_path())
         if self.notifier is not None:
             self.db.on_transition = self.notifier.controller_transition
         try:
-            provider = self._provider or open_provider(s.provider, self._config_file)
+            provider = self._provider
             self.controller = Controller(
-                s, self.db, provider, strategy=strategy, sources=self._sources
+                s,
+                self.db,
+                provider,
+                image=self._image,
+                keys=keys,
+                strategy=strategy,
+                sources=self._sources,
             )
-            self._runner = web.AppRunner(make_app(self.controller, token), access_log=None)
+            self._runner = web.AppRunner(make_app(self.controller), access_log=None)
             await self._runner.setup()
-            site = web.TCPSite(self._runner, host, port)
+            site = web.TCPSite(self._runner, host, port, ssl_context=tls)
             try:
                 await site.start()
             except OSError as exc:
@@ -81,7 +94,7 @@ class ControllerServer:
     @property
     def url(self) -> str:
         host, _ = self.settings.host_port()
-        return f"http://{host}:{self.port}"
+        return f"{self.scheme}://{host}:{self.port}"
 
     async def __aexit__(
         self,
@@ -99,8 +112,9 @@ class ControllerServer:
 
 async def serve_forever(
     settings: ControllerSettings,
-    config_file: str | None = None,
+    provider: CloudProvider,
     *,
+    image: ImageSettings,
     sources: Iterable[NoticeSource] = (),
     notifier: Notifier | None = None,
 ) -> None:
@@ -114,6 +128,6 @@ async def serve_forever(
     for src in sources:
         log.info("watching fleet notices", extra={"source": src.name})
     async with ControllerServer(
-        settings, config_file=config_file, sources=sources, notifier=notifier
+        settings, provider=provider, image=image, sources=sources, notifier=notifier
     ):
         await stop.wait()

@@ -1,14 +1,24 @@
-"""Controller settings (``[controller]`` in the config file) and the CLI client's (``[cli]``)."""
+"""Controller settings (``[controller]`` in the config file) and the CLI client's (``[cli]``).
+
+Secrets (the admin token, the VM-token key) are read from files or the environment; a token
+on the command line is visible to every user in ``ps`` (see docs/security.md).
+"""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
-from typing import ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal
 
 from pydantic import Field
 
 from spotguard.config import Settings
 from spotguard.errors import ConfigError
+
+if TYPE_CHECKING:
+    import ssl
+
+    from spotguard.controller.tokens import TokenKeys
 
 
 class ControllerSettings(Settings):
@@ -28,10 +38,24 @@ class ControllerSettings(Settings):
     )
     strategy: str = Field("same-zone-first", description="Recovery strategy (registry name)")
     controller_token: str | None = Field(
-        None, description="Bearer token agents and the CLI must send"
+        None, description="Admin bearer token (operators, CLI); never sent to VMs"
     )
     controller_token_file: Path | None = Field(
-        None, description="File holding the bearer token (instead of controller_token)"
+        None, description="File holding the admin token (instead of controller_token)"
+    )
+    vm_token_key_file: Path | None = Field(
+        None,
+        description="File holding the key VM tokens are signed with [default: derived from "
+        "the admin token]",
+    )
+    tls_cert_file: Path | None = Field(
+        None, description="PEM certificate (chain): serve HTTPS with it"
+    )
+    tls_key_file: Path | None = Field(None, description="PEM private key of tls_cert_file")
+    insecure_listen: bool = Field(
+        False,
+        description="Allow plain HTTP on a non-loopback address (only behind a TLS proxy "
+        "or on a private network you trust)",
     )
     advertise_url: str | None = Field(
         None, description="Controller URL new instances report to [default: http://LISTEN]"
@@ -82,14 +106,57 @@ class ControllerSettings(Settings):
             if tok:
                 return tok
         raise ConfigError(
-            "the controller needs a token: --token, SPOTGUARD_CONTROLLER_TOKEN or "
-            "--controller-token-file"
+            "the controller needs an admin token: --controller-token-file, "
+            "SPOTGUARD_CONTROLLER_TOKEN_FILE or SPOTGUARD_CONTROLLER_TOKEN"
         )
 
     def state_path(self) -> Path:
         """The SQLite file: ``state``, else ``controller.db`` in ``state_dir`` (so the unit's
         ``SPOTGUARD_STATE_DIR`` — its StateDirectory — holds it)."""
         return self.state if self.state is not None else self.state_dir / "controller.db"
+
+    def token_keys(self) -> TokenKeys:
+        """Verifier of admin and VM tokens (the VM-token key from its file, if set)."""
+        from spotguard.controller.tokens import TokenKeys
+
+        key: bytes | None = None
+        if self.vm_token_key_file is not None:
+            try:
+                key = self.vm_token_key_file.read_bytes().strip()
+            except OSError as exc:
+                raise ConfigError(f"vm_token_key_file {self.vm_token_key_file}: {exc}") from exc
+            if len(key) < 32:
+                raise ConfigError(
+                    f"vm_token_key_file {self.vm_token_key_file} holds {len(key)} bytes; "
+                    "use at least 32 (e.g. openssl rand -hex 32)"
+                )
+        return TokenKeys(self.token(), key)
+
+    def tls(self) -> ssl.SSLContext | None:
+        """The server's TLS context (None: plain HTTP). Refuses plain HTTP on a
+        non-loopback address unless ``insecure_listen`` says so."""
+        import ssl
+
+        cert, key = self.tls_cert_file, self.tls_key_file
+        if cert is None and key is None:
+            host, _ = self.host_port()
+            if not _loopback(host) and not self.insecure_listen:
+                raise ConfigError(
+                    f"listen {self.listen} is not a loopback address and no TLS certificate is "
+                    "set: agents' tokens would cross the network in clear. Set tls_cert_file "
+                    "and tls_key_file (--tls-cert-file/--tls-key-file), or put the controller "
+                    "behind a TLS proxy and pass --insecure-listen"
+                )
+            return None
+        if cert is None or key is None:
+            raise ConfigError("tls_cert_file and tls_key_file must be set together")
+        ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        try:
+            ctx.load_cert_chain(str(cert), str(key))
+        except (OSError, ssl.SSLError) as exc:
+            raise ConfigError(f"TLS certificate {cert} / key {key} unusable: {exc}") from exc
+        return ctx
 
     def host_port(self) -> tuple[str, int]:
         host, _, port = self.listen.rpartition(":")
@@ -102,7 +169,18 @@ class ControllerSettings(Settings):
         if self.advertise_url:
             return self.advertise_url.rstrip("/")
         host, port = self.host_port()
-        return f"http://{host}:{port}"
+        scheme = "https" if self.tls_cert_file else "http"
+        return f"{scheme}://{host}:{port}"
+
+
+def _loopback(host: str) -> bool:
+    host = host.strip("[]")
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 class ClientSettings(Settings):
@@ -110,4 +188,21 @@ class ClientSettings(Settings):
 
     section: ClassVar[str] = "cli"
     controller_url: str = Field("http://127.0.0.1:8700", description="Controller API base URL")
-    controller_token: str | None = Field(None, description="Bearer token for the controller")
+    controller_token: str | None = Field(None, description="Admin token for the controller")
+    controller_token_file: Path | None = Field(
+        None, description="File holding the admin token (instead of controller_token)"
+    )
+    controller_ca_file: Path | None = Field(
+        None, description="PEM CA bundle that signed the controller's certificate"
+    )
+
+    def bearer(self) -> str | None:
+        """The admin token, inline or from its file."""
+        if self.controller_token:
+            return self.controller_token
+        if self.controller_token_file is None:
+            return None
+        try:
+            return self.controller_token_file.read_text().strip() or None
+        except OSError as exc:
+            raise ConfigError(f"token file {self.controller_token_file}: {exc}") from exc

@@ -24,8 +24,11 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
+from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
+
+from spotguard.contracts import Decision, NoticeInfo, Owner
 from spotguard.errors import StateError
 
 log = logging.getLogger(__name__)
@@ -95,6 +98,56 @@ CREATE TABLE IF NOT EXISTS images (
 
 _JSON_COLS = ("spec", "instance", "pending", "data")
 
+Ref = dict[str, JsonValue]  # an InstanceRef.to_json() or an agent's InstanceFacts
+
+
+class SeenNotice(BaseModel):
+    """A notice already applied to a job (for dedup of agent and fleet reports)."""
+
+    origin: str
+    at: float
+
+
+class JobData(BaseModel):
+    """What a job's record holds beyond its columns (the ``data`` column, as JSON).
+
+    Every key is declared here; a record written by an older controller with keys this one
+    does not know loads without them (``ref`` is read as ``launched``).
+    """
+
+    model_config = ConfigDict(extra="ignore", validate_assignment=True)
+
+    owner: Owner = Field(default_factory=Owner)  # who may report for the job now
+    epochs: int = 0  # the highest ownership epoch issued for the job
+    notice: NoticeInfo | None = None  # the notice being handled
+    decision: Decision | None = None  # what the agent decided for it
+    notices_seen: dict[str, SeenNotice] = Field(default_factory=dict)
+    fallback_now: bool = False  # the job left without an image: use the newest at once
+    checkpoint_error: str | None = None
+    drain: bool = False  # the current round follows a drain
+    launched: Ref | None = None  # the instance the controller launched that runs the job
+    terminate: list[Ref] = Field(default_factory=list)  # instances queued for termination
+    skip_offers: list[str] = Field(default_factory=list)  # offers that lost an instance
+    capacity_rounds: int = 0
+    offer: Ref | None = None  # the offer of the current launch attempt
+    spec_image: str | None = None  # the image the launch spec was read from
+    target: dict[str, str] | None = None  # a pending migration: {"region"} or {"type"}
+    action: Literal["drain"] | None = None  # what the controller asks of the agent
+    bad_images: list[str] = Field(default_factory=list)  # images that cannot be restored
+    older_image: bool = False  # the next round restores the newest image not in bad_images
+
+    @model_validator(mode="before")
+    @classmethod
+    def _legacy(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "ref" in data and "launched" not in data:
+            data = {**data, "launched": data["ref"]}
+        return data
+
+    def ends_vm(self) -> bool:
+        """Whether the notice being handled means the VM goes away: a preempt notice, or
+        any notice the agent answered by stopping the job (decision ``exit``)."""
+        return (self.notice is not None and self.notice.ends_vm()) or self.decision == "exit"
+
 
 @dataclass
 class JobRecord:
@@ -112,7 +165,7 @@ class JobRecord:
     launch_attempt: int = 0
     restarts: int = 0
     deadline: float | None = None
-    data: dict[str, Any] = field(default_factory=dict)
+    data: JobData = field(default_factory=JobData)
     created_at: float = field(default_factory=time.time)
     updated_at: float = field(default_factory=time.time)
     since: float = field(default_factory=time.time)
@@ -120,6 +173,7 @@ class JobRecord:
     def to_json(self) -> dict[str, Any]:
         out = {f.name: getattr(self, f.name) for f in fields(self)}
         out["state"] = self.state.value
+        out["data"] = self.data.model_dump(mode="json", exclude_defaults=True)
         return out
 
     def copy(self) -> JobRecord:
@@ -128,7 +182,7 @@ class JobRecord:
             spec=dict(self.spec),
             instance=dict(self.instance),
             pending=dict(self.pending) if self.pending is not None else None,
-            data=json.loads(json.dumps(self.data)),
+            data=self.data.model_copy(deep=True),
         )
 
 
@@ -139,7 +193,7 @@ class Change:
     A history row is written when the state changes or ``note`` is set. ``duplicate`` marks
     an event that repeats news already applied under another event id (the same notice from
     the agent and from the fleet queue): it is recorded, and the caller is told it changed
-    nothing.
+    nothing. ``stale`` says why an event came from a non-owner (fencing): recorded, ignored.
     """
 
     record: JobRecord
@@ -148,6 +202,7 @@ class Change:
     note: bool = False
     image: tuple[str, int | None] | None = None
     duplicate: bool = False
+    stale: str | None = None  # the event came from a non-owner: why (recorded, ignored)
 
 
 class StateDB:
@@ -372,8 +427,9 @@ def _record(row: sqlite3.Row) -> JobRecord:
             if values[k] is not None:
                 values[k] = json.loads(values[k])
         values["state"] = JobState(values["state"])
+        values["data"] = JobData.model_validate(values["data"] or {})
         return JobRecord(**values)
-    except (ValueError, KeyError, TypeError) as exc:
+    except (ValueError, KeyError, TypeError, ValidationError) as exc:
         raise StateError(f"job row {row['name']!r} is inconsistent: {exc}") from exc
 
 

@@ -44,6 +44,7 @@ from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
 from spotguard.demo.options import JOB_NAME, DemoOptions
 from spotguard.errors import ConfigError, DemoError, SpotguardError
+from spotguard.image.settings import ImageSettings
 from spotguard.providers.local import LocalProvider, LocalSettings
 from spotguard.simulator import MetadataSim, SimFacts
 
@@ -298,7 +299,7 @@ class DemoStack:
             }
         )
         self.server = await self._stack.enter_async_context(
-            ControllerServer(settings, provider=provider)
+            ControllerServer(settings, provider=provider, image=ImageSettings.model_validate({}))
         )
         self.controller_url = self.server.url
         self.client = ControllerClient(self.controller_url, self.token, timeout_s=10.0)

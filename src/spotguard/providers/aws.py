@@ -21,7 +21,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator
 
-from spotguard.config import Settings, load
+from spotguard.config import Settings
 from spotguard.contracts import TAG_JOB, TAG_MANAGED, Assignment
 from spotguard.errors import (
     CapacityError,
@@ -181,8 +181,8 @@ class AwsProvider:
 
     name = "aws"
 
-    def __init__(self, settings: AwsSettings | None = None) -> None:
-        self.settings = settings or load(AwsSettings)
+    def __init__(self, settings: AwsSettings) -> None:
+        self.settings = settings
         if not self.settings.aws_regions:
             raise PrecheckError("aws_regions is empty: name at least one region")
         self._clients: dict[str, Any] = {}

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 
 from pydantic import Field
 
-from spotguard.config import Settings, load
+from spotguard.config import Settings
 from spotguard.contracts import LABEL_JOB, LABEL_MANAGED, Assignment
 from spotguard.errors import CapacityError, PrecheckError, ProviderError, UnknownInstanceType
 from spotguard.providers.base import (
@@ -147,8 +147,8 @@ class GcpProvider:
 
     name = "gcp"
 
-    def __init__(self, settings: GcpSettings | None = None) -> None:
-        self.settings = settings or load(GcpSettings)
+    def __init__(self, settings: GcpSettings) -> None:
+        self.settings = settings
         if not self.settings.gcp_zones:
             raise PrecheckError("gcp_zones is empty: name at least one zone")
         self._clients: dict[str, Any] = {}

@@ -36,7 +36,7 @@ from typing import Any, ClassVar
 import psutil
 from pydantic import Field
 
-from spotguard.config import Settings, load
+from spotguard.config import Settings
 from spotguard.contracts import ASSIGNMENT_ENV, Assignment
 from spotguard.errors import PrecheckError, ProviderError, UnknownInstanceType
 from spotguard.facts import GpuInventory
@@ -110,13 +110,31 @@ def _vm_id(client_token: str) -> str:
     return "vm-" + re.sub(r"[^a-zA-Z0-9_-]", "_", client_token)[:60]
 
 
+#: The controller host's secrets, never passed on to a local VM (it gets its scoped token).
+_CONTROLLER_SECRETS = frozenset(
+    {
+        "SPOTGUARD_CONTROLLER_TOKEN",
+        "SPOTGUARD_CONTROLLER_TOKEN_FILE",
+        "SPOTGUARD_VM_TOKEN_KEY_FILE",
+    }
+)
+
+
+def _write_private(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` with mode 0600 (also when the file existed)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        os.fchmod(f.fileno(), 0o600)
+        f.write(text)
+
+
 class LocalProvider:
     """Sandboxes on this machine behind :class:`~spotguard.providers.base.CloudProvider`."""
 
     name = "local"
 
-    def __init__(self, settings: LocalSettings | None = None) -> None:
-        self.settings = settings or load(LocalSettings)
+    def __init__(self, settings: LocalSettings) -> None:
+        self.settings = settings
         self.root = self.settings.local_root / "vms"
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._types: list[InstanceTypeInfo] | None = None
@@ -211,10 +229,11 @@ class LocalProvider:
         d = self._dir(vm_id)
         try:
             (d / "state").mkdir(parents=True, exist_ok=True)
-            (d / "assignment.json").write_text(assignment.model_dump_json(indent=2))
-            (d / "user-data").write_text(assignment.user_data())
+            # The assignment holds the VM's scoped token: readable by its owner only.
+            _write_private(d / "assignment.json", assignment.model_dump_json(indent=2))
+            _write_private(d / "user-data", assignment.user_data())
             env = {
-                **os.environ,
+                **{k: v for k, v in os.environ.items() if k not in _CONTROLLER_SECRETS},
                 ASSIGNMENT_ENV: str(d / "assignment.json"),
                 "SPOTGUARD_STATE_DIR": str(d / "state"),
                 "SPOTGUARD_LOCAL_VM_ID": vm_id,

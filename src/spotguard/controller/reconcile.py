@@ -1,0 +1,573 @@
+"""The reconcile side of the controller: one loop per job does what takes time, one step per
+wake-up, persisting before every side effect.
+
+* INTERRUPTING past deadline + grace (or the job left without an image) → the store's newest
+  complete image (:func:`spotguard.image.latest_image`) → LAUNCHING, else FAILED — only for a
+  notice that ends the VM (:meth:`~spotguard.controller.state.JobData.ends_vm`); any other
+  notice past its deadline returns the job to PROTECTED (it was never stopped).
+* CHECKPOINTED past deadline + grace → LAUNCHING (the VM is gone without saying so), unless
+  the job's agent was heard from after the deadline (an event or a directive poll from the
+  job's instance): then the job still runs there and is PROTECTED again.
+* LAUNCHING → a round token is persisted first; with one already persisted (a restart
+  mid-launch) the provider is asked for the instance tagged with it before anything is
+  launched. A round after a restore failed for the image's fault (``ImageCorrupt``, a missing
+  image) first picks the newest complete image older than every image known bad, saying so,
+  or FAILS when there is none. Then the strategy's candidates are tried in order, each
+  attempt's index persisted before the call: capacity errors move on, precheck errors give up.
+  Each launched instance gets an assignment with the job's ownership epoch and a VM token
+  scoped to it.
+* RESTORING → wait until the instance runs; past ``restore_timeout_s`` without the agent's
+  RESTORED → terminate it and start a new round (a new epoch).
+
+Old instances queued for termination are terminated by the loop, whatever the state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Gauge
+
+from spotguard.contracts import Assignment
+from spotguard.controller.imagefacts import image_spec
+from spotguard.controller.machine import new_epoch, relaunch
+from spotguard.controller.settings import ControllerSettings
+from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, StateDB
+from spotguard.controller.strategies import Strategy
+from spotguard.controller.tokens import TokenKeys
+from spotguard.errors import (
+    CapacityError,
+    NoMatchingOffer,
+    PrecheckError,
+    ProviderError,
+    SpotguardError,
+    UnknownInstanceType,
+)
+from spotguard.image.settings import ImageSettings
+from spotguard.providers.base import (
+    CloudProvider,
+    InstanceRef,
+    InstanceState,
+    LaunchSpec,
+    Market,
+    Offer,
+)
+
+log = logging.getLogger(__name__)
+
+Mutate = Callable[[JobRecord], Change | None]
+
+
+class Metrics:
+    """Prometheus metrics of one controller (own registry, so several can live in a process)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        self.events = Counter(
+            "spotguard_controller_events", "Agent events applied", ["kind"], registry=self.registry
+        )
+        self.launches = Counter(
+            "spotguard_controller_launches",
+            "Launch attempts by outcome",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.duplicates = Counter(
+            "spotguard_controller_duplicate_events",
+            "Events that repeated news already applied (retried reports; a notice reported "
+            "by both the agent and the fleet queue)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.stale = Counter(
+            "spotguard_controller_stale_events",
+            "Events from a sender that no longer owns the job (recorded and ignored)",
+            ["kind"],
+            registry=self.registry,
+        )
+        self.jobs = Gauge(
+            "spotguard_controller_jobs", "Jobs by state", ["state"], registry=self.registry
+        )
+
+
+def _ref_of(d: dict[str, Any], provider: str) -> InstanceRef | None:
+    """An InstanceRef from a stored ref or from an agent's InstanceFacts."""
+    if not d.get("instance_id") or d.get("provider", provider) != provider:
+        return None
+    if "market" in d and "state" in d:
+        return InstanceRef.from_json(d)
+    return InstanceRef(
+        provider=provider,
+        instance_id=str(d["instance_id"]),
+        region=str(d.get("region") or ""),
+        zone=str(d.get("zone") or ""),
+        instance_type=str(d.get("instance_type") or ""),
+        market=Market.SPOT if d.get("spot") else Market.ON_DEMAND,
+    )
+
+
+def _runs_on(why: str) -> Mutate:
+    """A change back to PROTECTED: the job was not stopped by the notice."""
+
+    def mutate(r: JobRecord) -> Change:
+        r.state = JobState.PROTECTED
+        r.deadline = None
+        reason = f"the job still runs: {why}"
+        return Change(r, reason)
+
+    return mutate
+
+
+def store_of(rec: JobRecord, default: str | None) -> str | None:
+    """The job's store: reported, else configured, else read off the image URL."""
+    if rec.store:
+        return rec.store
+    if default:
+        return default
+    if rec.image_url and f"/{rec.name}/images/" in rec.image_url:
+        return rec.image_url.rsplit(f"/{rec.name}/images/", 1)[0]
+    return None
+
+
+class Reconciler:
+    """The per-job loops of a controller (see the module doc). :class:`Controller` adds the
+    inputs (events, notices, migrations) and the lifecycle."""
+
+    settings: ControllerSettings
+    db: StateDB
+    provider: CloudProvider
+    strategy: Strategy
+    metrics: Metrics
+    image_settings: ImageSettings
+    keys: TokenKeys
+    public_url: str
+    _running: bool
+    _wake: dict[str, asyncio.Event]
+    _checked: dict[str, float]  # "<job>:<instance>" → last liveness check
+    _heard: dict[str, float]  # job → when its agent last reported or polled
+
+    async def _loop(self, name: str) -> None:
+        wake = self._wake.setdefault(name, asyncio.Event())
+        while self._running:
+            wake.clear()
+            rec = await self.db.get(name)
+            if rec is None:
+                return
+            try:
+                await self._terminate_queued(rec)
+                if rec.state in TERMINAL:
+                    return
+                await self._step(rec)
+            except SpotguardError as exc:
+                # Typed and expected (provider down, state write failed): log, retry next tick.
+                log.warning("reconcile step failed", extra={"job": name, "error": str(exc)})
+            await self._update_gauges()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(wake.wait(), self.settings.tick_s)
+
+    async def _step(self, rec: JobRecord) -> None:
+        now = time.time()
+        s = self.settings
+        if rec.state is JobState.INTERRUPTING:
+            at_once = rec.data.fallback_now
+            due = (rec.deadline or now) + (0 if at_once else s.notice_grace_s)
+            if now >= due and (at_once or rec.data.ends_vm()):
+                await self._fallback(rec)
+            elif now >= due:
+                await self._set(rec, _runs_on("the notice's deadline passed; nothing stopped it"))
+        elif rec.state is JobState.CHECKPOINTED:
+            deadline = rec.deadline
+            if deadline is not None and self._heard.get(rec.name, 0.0) > deadline:
+                await self._set(
+                    rec, _runs_on("its agent reported after the notice's deadline; it runs on")
+                )
+            elif deadline is not None and now >= deadline + s.notice_grace_s:
+                await self._set(
+                    rec,
+                    lambda r: relaunch(
+                        r,
+                        "notice deadline passed with a durable image; relaunching",
+                        drain=False,
+                        terminate_old=s.terminate_old,
+                    ),
+                )
+        elif rec.state is JobState.LAUNCHING:
+            await self._launch_round(rec)
+        elif rec.state is JobState.RESTORING:
+            await self._restoring(rec)
+
+    async def _set(
+        self, rec: JobRecord, mutate: Mutate, *, expect: JobState | None = None
+    ) -> JobRecord | None:
+        """Persist ``mutate(record) -> Change | None`` if the job is still in ``expect``."""
+        want = expect or rec.state
+        token = rec.launch_token
+
+        def fn(r: JobRecord | None) -> Change | None:
+            if r is None or r.state is not want or r.launch_token != token:
+                return None
+            result: Change | None = mutate(r)
+            return result
+
+        out, _ = await self.db.change(rec.name, fn)
+        return out
+
+    def _fail(self, reason: str) -> Mutate:
+        def mutate(r: JobRecord) -> Change:
+            r.state = JobState.FAILED
+            r.reason = reason
+            log.error("job failed", extra={"job": r.name, "reason": reason})
+            return Change(r, reason)
+
+        return mutate
+
+    async def _images(self, rec: JobRecord) -> tuple[list[str], str]:
+        """URLs of the job's complete images in its store, oldest first — and, when there
+        are none, why (no store known, store unreadable, nothing there)."""
+        store_url = store_of(rec, self.settings.default_store)
+        if store_url is None:
+            return [], "no store is known for the job"
+        from spotguard.image.manifest import ImageRef
+        from spotguard.image.reader import complete_image_ids
+        from spotguard.image.writer import store_for
+
+        try:
+            store = store_for(store_url, self.image_settings)
+            try:
+                ids = await complete_image_ids(store, rec.name)
+                urls = [ImageRef(store.url, rec.name, i).url for i in ids]
+            finally:
+                await store.aclose()
+        except SpotguardError as exc:
+            return [], f"store {store_url}: {exc}"
+        return urls, f"store {store_url} holds no complete image of {rec.name}"
+
+    async def _fallback(self, rec: JobRecord) -> None:
+        urls, why = await self._images(rec)
+        url = urls[-1] if urls else None
+        if url is None:
+            await self._set(rec, self._fail(f"no durable image after the notice and {why}"))
+            return
+        chosen = url
+
+        def mutate(r: JobRecord) -> Change:
+            r.image_url = chosen
+            r.data.fallback_now = False
+            return relaunch(
+                r,
+                f"no durable image reported; relaunching from the newest image {chosen}",
+                drain=False,
+                terminate_old=self.settings.terminate_old,
+            )
+
+        await self._set(rec, mutate)
+
+    async def _spec_from_image(self, rec: JobRecord) -> JobRecord:
+        """Before a round: the launch spec from the image's manifest, once per image.
+
+        The manifest's GPU facts describe what restoring that image needs, so they win over
+        what reports said (or did not say: a fall-back without a DURABLE report, or a report
+        without GPU facts). An unreadable manifest keeps the recorded spec and says why.
+        """
+        url = rec.image_url
+        if not url or rec.data.spec_image == url:
+            return rec
+        recorded = LaunchSpec.from_json(rec.spec)
+        try:
+            spec = await image_spec(url, recorded, self.image_settings)
+        except SpotguardError as exc:
+            msg = f"cannot read the manifest of {url} ({exc}); launching for the reported facts"
+            log.warning("image manifest unreadable", extra={"job": rec.name, "error": str(exc)})
+
+            def keep(r: JobRecord) -> Change:
+                r.data.spec_image = url
+                return Change(r, msg, note=True)
+
+            return await self._set(rec, keep) or rec
+
+        def adopt(r: JobRecord) -> Change:
+            r.data.spec_image = url
+            if spec is None:
+                msg = f"the manifest of {url} holds no GPU facts; keeping the reported spec"
+                return Change(r, msg, note=True)
+            r.spec = spec.to_json()
+            where = spec.instance_type or "any type"
+            return Change(
+                r,
+                f"launch spec from the image's manifest: {spec.describe_gpus()}, ran on {where} "
+                f"(reports said {recorded.describe_gpus()})",
+                {"spec": r.spec},
+                note=True,
+            )
+
+        return await self._set(rec, adopt) or rec
+
+    async def _older_image(self, rec: JobRecord) -> JobRecord | None:
+        """After a restore failed for the image's fault: the newest complete image older
+        than every image known bad becomes the one to restore, or the job FAILS saying
+        there is none (never a round for an image that can never restore)."""
+        bad = rec.data.bad_images
+        oldest_bad = min(u.rsplit("/", 1)[-1] for u in bad) if bad else "~"
+        urls, why = await self._images(rec)
+        older = [u for u in urls if u not in bad and u.rsplit("/", 1)[-1] < oldest_bad]
+        if not older:
+            reason = (
+                f"image {rec.image_url} cannot be restored and no older complete image exists "
+                f"({why if not urls else f'{len(urls)} complete, none older'})"
+            )
+            await self._set(rec, self._fail(reason))
+            return None
+        chosen = older[-1]
+
+        def adopt(r: JobRecord) -> Change:
+            was = r.image_url
+            r.image_url = chosen
+            r.data.older_image = False
+            r.reason = f"falling back to the older image {chosen} ({was} cannot be restored)"
+            log.warning("older image", extra={"job": r.name, "image_url": chosen, "bad": was})
+            return Change(
+                r, r.reason, {"image_url": chosen, "bad_images": r.data.bad_images}, note=True
+            )
+
+        return await self._set(rec, adopt)
+
+    def _assignment(self, rec: JobRecord, offer_hint: dict[str, Any]) -> Assignment:
+        store = store_of(rec, self.settings.default_store)
+        if rec.image_url is None or store is None:
+            raise PrecheckError(f"job {rec.name!r} has no image to restore")
+        epoch = rec.data.owner.epoch
+        return Assignment(
+            job=rec.name,
+            image_url=rec.image_url,
+            store=store,
+            controller_url=self.public_url,
+            controller_token=self.keys.issue(rec.name, epoch),
+            attempt=rec.restarts,
+            epoch=epoch,
+            instance_hint=offer_hint,
+        )
+
+    async def _launch_round(self, rec: JobRecord) -> None:
+        s = self.settings
+        if rec.launch_token:
+            found = await self.provider.find_by_token(rec.launch_token)
+            if found is not None and found.state is not InstanceState.TERMINATED:
+                ref = found
+
+                def adopt(r: JobRecord) -> Change:
+                    r.state = JobState.RESTORING
+                    r.pending = ref.to_json()
+                    r.reason = f"found {ref.instance_id} launched in round {ref.launch_token}"
+                    return Change(r, r.reason, {"instance": ref.to_json()})
+
+                await self._set(rec, adopt)
+                return
+        else:
+            if rec.restarts >= s.max_restarts:
+                await self._set(rec, self._fail(f"max restarts ({s.max_restarts}) reached"))
+                return
+            if rec.data.older_image:
+                older = await self._older_image(rec)
+                if older is None:
+                    return
+                rec = older
+            rec = await self._spec_from_image(rec)
+            token = uuid.uuid4().hex[:16]
+
+            def begin(r: JobRecord) -> Change:
+                r.launch_token = token
+                r.launch_attempt = 0
+                r.restarts += 1
+                return Change(r, f"launch round {r.restarts} (token {token})", note=True)
+
+            await self._set(rec, begin)
+            got = await self.db.get(rec.name)
+            if got is None or got.launch_token != token:
+                return
+            rec = got
+        target = rec.data.target or {}
+        spec = LaunchSpec.from_json(rec.spec).retarget(
+            region=target.get("region"), instance_type=target.get("type")
+        )
+        try:
+            offers = await self.provider.offers(spec)
+        except (PrecheckError, UnknownInstanceType) as exc:
+            await self._set(rec, self._fail(str(exc)))
+            return
+        cands = self.strategy.candidates(
+            spec,
+            offers,
+            on_demand_fallback=s.on_demand_fallback,
+            types_per_zone=s.types_per_zone,
+            limit=s.max_candidates,
+        )
+        skip = set(rec.data.skip_offers)
+        if skip:  # offers whose instance was lost this interruption go last-resort only
+            cands = [c for c in cands if c.label() not in skip] or cands
+        if not cands:
+            where = target.get("region") or ", ".join(self.provider.regions())
+            why = f"no offer matches {spec.describe_gpus()} anywhere in {where}"
+            await self._set(rec, self._fail(str(NoMatchingOffer(why))))
+            return
+        round_token = rec.launch_token
+        assert round_token is not None
+        for i in range(rec.launch_attempt, len(cands)):
+            if not await self._attempt(rec, round_token, i, cands[i], len(cands)):
+                return
+        # Every candidate lacked capacity.
+        rounds = rec.data.capacity_rounds + 1
+        if rounds >= s.capacity_rounds:
+            await self._set(
+                rec,
+                self._fail(f"no capacity in any of {len(cands)} offers after {rounds} passes"),
+            )
+            return
+
+        def again(r: JobRecord) -> Change:
+            r.data.capacity_rounds = rounds
+            r.launch_attempt = 0
+            return Change(r, f"no capacity anywhere (pass {rounds}); retrying later", note=True)
+
+        await self._set(rec, again)
+        await asyncio.sleep(s.capacity_retry_s)
+
+    async def _attempt(self, rec: JobRecord, token: str, i: int, offer: Offer, n: int) -> bool:
+        """Launch attempt ``i`` of a round; ``True`` means "try the next candidate"."""
+
+        def attempt(r: JobRecord) -> Change:
+            r.launch_attempt = i
+            r.data.offer = offer.to_json()
+            return Change(r, f"attempt {i + 1}/{n}: {offer.label()}", note=True)
+
+        if await self._set(rec, attempt) is None:
+            return False  # the job moved on meanwhile
+        hint = {**offer.to_json(), "launch_token": token}
+        try:
+            ref = await self.provider.launch(
+                offer, self._assignment(rec, hint), client_token=f"{token}-{i}"
+            )
+        except CapacityError as exc:
+            self.metrics.launches.labels("capacity").inc()
+            msg = f"no capacity: {offer.label()}: {exc}"
+            await self._set(rec, lambda r: Change(r, msg, note=True))
+            return True
+        except (PrecheckError, UnknownInstanceType) as exc:
+            self.metrics.launches.labels("precheck").inc()
+            await self._set(rec, self._fail(f"launch refused: {exc}"))
+            return False
+        except ProviderError as exc:
+            self.metrics.launches.labels("error").inc()
+            msg = f"launch error (retrying): {exc}"
+            await self._set(rec, lambda r: Change(r, msg, note=True))
+            return False
+        self.metrics.launches.labels("launched").inc()
+
+        def up(r: JobRecord) -> Change:
+            r.state = JobState.RESTORING
+            r.pending = ref.to_json()
+            r.data.target = None
+            r.data.action = None
+            r.data.owner = r.data.owner.model_copy(update={"instance_id": ref.instance_id})
+            r.reason = f"launched {ref.instance_id} ({offer.label()}); assignment delivered"
+            return Change(r, r.reason, {"instance": ref.to_json()})
+
+        if await self._set(rec, up) is None:
+            log.warning("job moved on during launch; terminating", extra={"job": rec.name})
+            await self.provider.terminate(ref)
+        return False
+
+    @staticmethod
+    def _abandon(ref: InstanceRef, reason: str) -> Mutate:
+        """A failed attempt: queue ``ref`` for termination and start a new round (counted
+        against ``max_restarts``) that tries the other offers before this one's."""
+
+        def mutate(r: JobRecord) -> Change:
+            r.data.terminate = [*r.data.terminate, ref.to_json()]
+            label = f"{ref.instance_type}@{ref.zone}/{ref.market.value}"
+            if label not in r.data.skip_offers:
+                r.data.skip_offers = [*r.data.skip_offers, label]
+            new_epoch(r)  # the abandoned instance's agent may no longer report
+            r.pending = None
+            r.state = JobState.LAUNCHING
+            r.launch_token = None
+            r.launch_attempt = 0
+            r.reason = reason
+            return Change(r, reason, {"instance": ref.to_json()})
+
+        return mutate
+
+    async def _restoring(self, rec: JobRecord) -> None:
+        s = self.settings
+        if rec.pending is None:
+            return
+        ref = InstanceRef.from_json(rec.pending)
+        if ref.state is not InstanceState.RUNNING:
+            try:
+                ready = await self.provider.wait_ready(ref, s.ready_timeout_s)
+            except ProviderError as exc:
+                why = f"instance {ref.instance_id} did not come up: {exc}"
+                await self._set(rec, self._abandon(ref, why))
+                return
+
+            def running(r: JobRecord) -> Change:
+                r.pending = ready.to_json()
+                return Change(r, f"instance {ready.instance_id} is running", note=True)
+
+            await self._set(rec, running)
+            return
+        if time.time() > rec.since + s.restore_timeout_s:
+            why = f"no restore report from {ref.instance_id} in {s.restore_timeout_s}s"
+            await self._set(rec, self._abandon(ref, why))
+            return
+        # Liveness: a spot instance can be taken back (or a local VM die) before its agent
+        # restored the job; nobody would report that, so ask the provider now and then.
+        key = f"{rec.name}:{ref.instance_id}"
+        now = time.monotonic()
+        if now - self._checked.get(key, -s.liveness_s) < s.liveness_s:
+            return
+        self._checked = {key: now} | {
+            k: v for k, v in self._checked.items() if not k.startswith(f"{rec.name}:")
+        }
+        cur = await self.provider.describe(ref)
+        if cur.state in (InstanceState.TERMINATED, InstanceState.STOPPED):
+            why = f"instance {ref.instance_id} is {cur.state.value} before the job was restored"
+            log.warning("instance lost while restoring", extra={"job": rec.name, "reason": why})
+            await self._set(rec, self._abandon(ref, why))
+
+    async def _terminate_queued(self, rec: JobRecord) -> None:
+        queued = list(rec.data.terminate)
+        if not queued:
+            return
+        done: list[str] = []
+        for item in queued:
+            ref = _ref_of(item, self.provider.name)
+            if ref is not None:
+                try:
+                    await self.provider.terminate(ref)
+                except PrecheckError as exc:
+                    log.warning("terminate refused", extra={"job": rec.name, "error": str(exc)})
+            done.append(json.dumps(item, sort_keys=True))
+
+        def clear(r: JobRecord | None) -> Change | None:
+            if r is None:
+                return None
+            left = [i for i in r.data.terminate if json.dumps(i, sort_keys=True) not in done]
+            r.data.terminate = left
+            ids = [i.get("instance_id") for i in queued]
+            return Change(r, f"terminated old instance(s) {ids}", note=True)
+
+        await self.db.change(rec.name, clear)
+
+    async def _update_gauges(self) -> None:
+        counts: dict[str, int] = {s.value: 0 for s in JobState}
+        for rec in await self.db.jobs():
+            counts[rec.state.value] += 1
+        for k, v in counts.items():
+            self.metrics.jobs.labels(k).set(v)

@@ -1,0 +1,153 @@
+"""The job state machine as a table: every (state, kind) has a handler, each pair's outcome is
+pinned here, and the same report from a sender that no longer owns the job changes nothing."""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+
+from spotguard.contracts import AnyEvent, EventKind, NoticeInfo, Owner, WireError, make_event
+from spotguard.controller.machine import HANDLERS, Options, on_event
+from spotguard.controller.state import JobRecord, JobState
+from spotguard.errors import DecryptionError, ImageCorrupt, MismatchError, StoreUnavailable
+
+OLD = {"provider": "aws", "instance_id": "i-old"}
+NEW = {"provider": "aws", "instance_id": "i-new"}
+IMAGE = "file:///s/train/images/20260101T000000000000Z-aaaaaa"
+P, I, C, L, R, F, D = (  # noqa: E741 - the states' initials
+    JobState.PROTECTED,
+    JobState.INTERRUPTING,
+    JobState.CHECKPOINTED,
+    JobState.LAUNCHING,
+    JobState.RESTORING,
+    JobState.FAILED,
+    JobState.FINISHED,
+)
+K = EventKind
+
+#: The state each (state, kind) leads to when the job's owner reports it.
+EXPECTED: dict[JobState, dict[EventKind, JobState]] = {
+    P: {K.STARTED: P, K.NOTICE: I, K.FROZEN: P, K.DURABLE: P, K.CHECKPOINT_FAILED: P,
+        K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: P, K.RESTORED: P,
+        K.RESTORE_FAILED: P, K.JOB_FINISHED: D},
+    I: {K.STARTED: P, K.NOTICE: I, K.FROZEN: I, K.DURABLE: C, K.CHECKPOINT_FAILED: I,
+        K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: I, K.RESTORED: I,
+        K.RESTORE_FAILED: I, K.JOB_FINISHED: D},
+    C: {K.STARTED: P, K.NOTICE: C, K.FROZEN: C, K.DURABLE: C, K.CHECKPOINT_FAILED: C,
+        K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: C, K.RESTORED: C,
+        K.RESTORE_FAILED: C, K.JOB_FINISHED: D},
+    L: {K.STARTED: L, K.NOTICE: L, K.FROZEN: L, K.DURABLE: L, K.CHECKPOINT_FAILED: L,
+        K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: L, K.RESTORED: L,
+        K.RESTORE_FAILED: L, K.JOB_FINISHED: D},
+    R: {K.STARTED: P, K.NOTICE: R, K.FROZEN: R, K.DURABLE: R, K.CHECKPOINT_FAILED: R,
+        K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: R, K.RESTORED: P,
+        K.RESTORE_FAILED: L, K.JOB_FINISHED: D},
+    F: {k: F for k in EventKind} | {K.STARTED: P},
+    D: {k: D for k in EventKind} | {K.STARTED: P},
+}  # fmt: skip
+
+
+def record(state: JobState) -> JobRecord:
+    """A job in ``state`` as the controller would hold it (moving states: the new instance
+    i-new pending under epoch 1; the others: i-old owning it under epoch 0)."""
+    rec = JobRecord(name="train", state=state, instance=dict(OLD), image_url=IMAGE)
+    rec.data.owner = Owner(instance_id="i-old", epoch=0)
+    if state is I:
+        rec.data.notice = NoticeInfo(id="n", kind="preempt")
+    if state in (L, R):
+        rec.data.owner = Owner(instance_id="i-new" if state is R else None, epoch=1)
+        rec.data.epochs = 1
+    if state is R:
+        rec.pending = {**NEW, "state": "running", "market": "spot"}
+    return rec
+
+
+def event(kind: EventKind, instance: dict[str, Any], epoch: int, **kw: Any) -> AnyEvent:
+    deadline = (datetime.now(UTC) + timedelta(seconds=120)).isoformat()
+    fields: dict[EventKind, dict[str, Any]] = {
+        K.NOTICE: {"notice": {"id": "n2", "kind": "preempt", "deadline": deadline}},
+        K.FROZEN: {"mode": "exit"},
+        K.DURABLE: {"image_url": IMAGE, "image_bytes": 10},
+        K.CHECKPOINT_FAILED: {"error": WireError.of(StoreUnavailable("down"))},
+        K.EXITED: {"image_url": IMAGE},
+        K.READY_TO_RELAUNCH: {"image_url": IMAGE},
+        K.RESTORING: {"image_url": IMAGE},
+        K.RESTORED: {"image_url": IMAGE},
+        K.RESTORE_FAILED: {"image_url": IMAGE, "error": WireError.of(StoreUnavailable("x"))},
+    }
+    return make_event(
+        kind, job="train", instance=instance, epoch=epoch, **(fields.get(kind, {}) | kw)
+    )
+
+
+PAIRS = [(st, kind) for st in JobState for kind in EventKind]
+
+
+def test_every_state_and_kind_has_a_handler() -> None:
+    assert set(HANDLERS) == set(PAIRS)
+
+
+@pytest.mark.parametrize(("state", "kind"), PAIRS, ids=[f"{s.value}-{k.value}" for s, k in PAIRS])
+def test_each_pair_from_the_owner(state: JobState, kind: EventKind) -> None:
+    rec = record(state)
+    sender, epoch = (NEW, 1) if state in (L, R) else (OLD, 0)
+    change = on_event(rec, event(kind, sender, epoch), Options())
+    assert change is not None
+    assert change.stale is None
+    assert change.record.state is EXPECTED[state][kind], change.reason
+    if change.record.state is L and state is not L:
+        assert change.record.data.owner == Owner(instance_id=None, epoch=epoch + 1)
+
+
+@pytest.mark.parametrize(("state", "kind"), PAIRS, ids=[f"{s.value}-{k.value}" for s, k in PAIRS])
+def test_each_pair_from_a_stale_epoch_is_recorded_and_ignored(
+    state: JobState, kind: EventKind
+) -> None:
+    rec = record(state)
+    before = rec.copy()
+    stale_epoch = 5 if state not in (L, R) else 0
+    change = on_event(rec, event(kind, OLD, stale_epoch), Options())
+    assert change is not None and change.note
+    assert change.stale is not None and "epoch" in change.stale
+    assert change.record.state is before.state
+    assert change.record.data.owner == before.data.owner
+    assert change.record.data.terminate == before.data.terminate
+
+
+def test_the_old_vms_job_finished_without_epoch_is_fenced_by_instance() -> None:
+    """A fleet-token agent names no epoch: its instance id tells it is not the owner."""
+    rec = record(P)
+    rec.instance = dict(NEW)
+    rec.data.owner = Owner(instance_id="i-new", epoch=1)
+    rec.data.launched = {**NEW, "state": "running", "market": "spot"}
+    change = on_event(rec, make_event(K.JOB_FINISHED, job="train", instance=OLD), Options())
+    assert change is not None and change.stale is not None
+    assert change.record.state is P
+    assert change.record.data.terminate == []  # the new VM is not terminated
+
+
+@pytest.mark.parametrize(
+    ("error", "state", "older"),
+    [
+        (StoreUnavailable("store down"), L, False),  # retryable: another VM, the same image
+        (ImageCorrupt("chunk ab12 failed verification", chunk="ab12"), L, True),
+        (MismatchError("GPU model", "h100", "a10g"), F, False),  # no other VM will do
+        (DecryptionError("no key"), F, False),  # the host's key: an older image needs it too
+    ],
+)
+def test_restore_failed_is_decided_by_retryable_and_image_fault(
+    error: Exception, state: JobState, older: bool
+) -> None:
+    rec = record(R)
+    ev = event(K.RESTORE_FAILED, NEW, 1, error=WireError.of(error))
+    change = on_event(rec, ev, Options())
+    assert change is not None
+    assert change.record.state is state, change.reason
+    assert change.record.data.older_image is older
+    assert (IMAGE in change.record.data.bad_images) is older
+    assert change.record.pending is None
+    assert change.record.data.terminate[-1]["instance_id"] == "i-new"
+    if state is L:
+        assert change.record.data.owner.epoch == 2  # the failed VM's agent is fenced off
