@@ -12,10 +12,11 @@ from typing import Any
 import aiohttp
 import pytest
 
-from spotguard.contracts import AgentEvent, EventKind
+from spotguard.contracts import StartedEvent
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
 from spotguard.errors import MetadataUnavailable
+from spotguard.image.settings import ImageSettings
 from spotguard.notices.backoff import Backoff
 from spotguard.notices.base import Notice
 from spotguard.notices.fleet import SqsFleetSource
@@ -77,11 +78,13 @@ async def test_controller_restarts_a_fleet_source_that_fails_with_a_bug(
     inst = {"provider": "aws", "instance_id": IID, "instance_type": "g5.xlarge",
             "region": "us-east-1", "zone": "us-east-1a", "spot": True}  # fmt: skip
     async with (
-        ControllerServer(settings, provider=provider, sources=[source]) as srv,
+        ControllerServer(
+            settings, provider=provider, image=ImageSettings.model_validate({}), sources=[source]
+        ) as srv,
         aiohttp.ClientSession(headers=headers) as http,
     ):
-        started = AgentEvent(
-            job="fleet-job", kind=EventKind.STARTED, instance=inst, detail={"store": "s3://b"}
+        started = StartedEvent.model_validate(
+            {"job": "fleet-job", "instance": inst, "store": "s3://b"}
         )
         async with http.post(srv.url + "/v1/events", data=started.model_dump_json()) as r:
             assert r.status == 200, await r.text()

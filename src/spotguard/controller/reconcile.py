@@ -331,7 +331,7 @@ class Reconciler:
             r.image_url = chosen
             r.data.older_image = False
             r.reason = f"falling back to the older image {chosen} ({was} cannot be restored)"
-            log.warning("older image", extra={"job": r.name, "image_url": chosen, "bad": was})
+            log.warning("older image", extra={"job": r.name, "image": chosen, "reason": r.reason})
             return Change(
                 r, r.reason, {"image_url": chosen, "bad_images": r.data.bad_images}, note=True
             )
