@@ -202,9 +202,9 @@ def stale(rec: JobRecord, ev: AnyEvent) -> str | None:
     """Why ``ev`` does not come from the job's owner (None: it does).
 
     With an epoch (every agent holding a scoped token): it must be the owner's. Without one
-    (a fleet-token agent): a report naming an instance other than the owner's is stale, except
-    a STARTED (an agent protecting the job where an operator moved it) and the reports of the
-    instance being restored.
+    (a fleet-token agent): a report naming an instance other than the owner's is stale — a
+    STARTED too: an agent protecting the job elsewhere does not take it over — except the
+    reports of the instance being restored.
     """
     owner = rec.data.owner
     if ev.epoch is not None:
@@ -215,8 +215,6 @@ def stale(rec: JobRecord, ev: AnyEvent) -> str | None:
         )
     iid = ev.instance.instance_id
     if iid is None or owner.instance_id is None or iid == owner.instance_id:
-        return None
-    if ev.kind is EventKind.STARTED and rec.state not in MOVING:
         return None
     if iid == iid_of(rec.pending) or rec.state in MOVING:
         return None  # judged by the moving states' own rules
