@@ -1,5 +1,6 @@
 """``spotguard doctor``: can this host checkpoint and restore jobs? One check per piece,
-each with what was found and, when missing, how to fix it."""
+each with what was found and, when missing, how to fix it; last, when root and CRIU pass,
+a self-test parks and unparks a small job with sockets (:mod:`.selftest`)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from spotguard.errors import PreflightError
 
 from . import cuda
 from .criu import MIN_VERSION_TEXT, PLUGIN_NAME, Criu, version_ok
+from .selftest import run_selftest
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,14 @@ async def _criu_checks(path: str | None) -> list[Check]:
     return out
 
 
-async def run_checks(criu_path: str | None = None) -> list[Check]:
-    """Every check, in the order a person would fix them."""
+async def _selftest_check(criu_path: str | None) -> Check:
+    result = await run_selftest(Criu(criu_path))
+    return Check("self-test", result.ok, result.found, result.fix)
+
+
+async def run_checks(criu_path: str | None = None, *, self_test: bool = True) -> list[Check]:
+    """Every check, in the order a person would fix them; the self-test only when the
+    checks it depends on (root, CRIU) passed."""
     checks = [
         Check(
             "root",
@@ -91,6 +99,8 @@ async def run_checks(criu_path: str | None = None) -> list[Check]:
         ),
     ]
     checks += await _criu_checks(criu_path)
+    if self_test and all(c.ok for c in checks if c.required):
+        checks.append(await _selftest_check(criu_path))
     inv = cuda.inventory()
     if inv.count:
         checks.append(

@@ -77,6 +77,18 @@ def _worker(listener: socket.socket, pair: socket.socket, port: int) -> None:
                     return
 
 
+def expected(steps: int) -> str:
+    """What a run of ``steps`` steps prints, dumped and restored or not."""
+    digest = hashlib.sha256()
+    out = []
+    for i in range(1, steps + 1):
+        line = f"step {i} tcp {i * 3 + 1} pair {i * 3 + 2} new {i * 3 + 3}"
+        digest.update(line.encode())
+        out.append(line + "\n")
+    out.append(f"done {digest.hexdigest()[:16]}\n")
+    return "".join(out)
+
+
 def main() -> int:
     steps, step_seconds = int(sys.argv[1]), float(sys.argv[2])
     listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)

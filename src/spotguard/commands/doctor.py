@@ -1,4 +1,5 @@
-"""``spotguard doctor``: report CRIU, kernel, GPU/driver and the checkpoint API, with fixes."""
+"""``spotguard doctor``: report CRIU, kernel, GPU/driver and the checkpoint API, with fixes, and
+park and unpark a small job with sockets (the self-test)."""
 
 from __future__ import annotations
 
@@ -19,9 +20,14 @@ from spotguard.checkpoint.doctor import run_checks
     help="CRIU executable to check. [env: SPOTGUARD_CRIU]",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the checks as JSON.")
-def doctor(criu_path: str | None, as_json: bool) -> None:
+@click.option(
+    "--self-test/--no-self-test",
+    default=True,
+    help="Park and unpark a small job with sockets on this host (default; a few seconds).",
+)
+def doctor(criu_path: str | None, as_json: bool, self_test: bool) -> None:
     """Check what checkpoints need on this host; exit 1 if CPU checkpoints cannot work."""
-    checks = asyncio.run(run_checks(criu_path))
+    checks = asyncio.run(run_checks(criu_path, self_test=self_test))
     if as_json:
         click.echo(json.dumps([c.to_json() for c in checks], indent=2))
     else:

@@ -1,0 +1,89 @@
+"""``spotguard doctor``'s self-test parks and unparks a job with a listening and an
+established loopback TCP socket on this host (real CRIU), and says exactly what to do when
+that fails."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.selftest import advice, run_selftest
+from spotguard.errors import CriuError, StepTimeout
+
+pytestmark = pytest.mark.criu
+
+
+def _leftovers() -> set[Path]:
+    return set(Path("/tmp").glob("spotguard-selftest-*"))
+
+
+def _selftest_pids() -> list[int]:
+    out = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                cmd = (proc / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if b"selftest_job.py" in cmd:
+                out.append(int(proc.name))
+    return out
+
+
+async def test_self_test_parks_and_unparks_a_job_with_sockets(criu_bin: str) -> None:
+    before = _leftovers()
+    result = await run_selftest(Criu(criu_bin))
+    assert result.ok, f"{result.found} / {result.fix}"
+    assert result.found.startswith(
+        "dumped and restored a 2-process job with a listening TCP socket, an established "
+        "loopback connection and a socketpair; output exact (network lock "
+    )
+    assert _leftovers() == before and _selftest_pids() == []
+
+
+async def test_a_failing_self_test_says_what_to_do_and_leaves_nothing(criu_bin: str) -> None:
+    if shutil.which("iptables-restore"):
+        pytest.skip("iptables is installed here: the iptables lock would work")
+    before = _leftovers()
+    result = await run_selftest(Criu(criu_bin), network_lock="iptables")
+    assert not result.ok
+    assert result.found == "failed: criu dump failed (criu exit 1)"
+    assert result.fix == (
+        "CRIU's network lock needs iptables, which is missing: enable nf_tables in the kernel "
+        '(network_lock = "nftables") or install iptables'
+    )
+    assert _leftovers() == before and _selftest_pids() == []
+
+
+def test_advice_reads_criu_log_tails() -> None:
+    old = CriuError("criu dump failed", log_tail="Error (criu/sockets.c:1): Can't get 1:16 opt: "
+                    "Operation not supported", log_path="/x/criu-dump.log")  # fmt: skip
+    assert advice(old) == (
+        "this CRIU cannot dump inet sockets on this kernel: install CRIU >= 4.2.1 with "
+        "scripts/install-criu"
+    )
+    pids = CriuError("criu restore failed", log_tail="cr-restore.c: Can't fork for 7: File exists")
+    assert advice(pids).startswith("a PID the image needs is taken")
+    assert advice(StepTimeout("criu dump ran past 60 s")).startswith("CRIU ran past its time")
+    other = CriuError("criu dump failed", log_tail="something new", log_path="/x/criu-dump.log")
+    assert advice(other) == "read CRIU's log /x/criu-dump.log and run 'criu check --all' as root"
+
+
+def test_doctor_cli_reports_the_self_test(criu_bin: str) -> None:
+    env = {**os.environ, "SPOTGUARD_CRIU": criu_bin}
+    spotguard = str(Path(sys.executable).parent / "spotguard")
+    out = subprocess.run([spotguard, "doctor", "--json"], capture_output=True, text=True,
+                         env=env, timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    checks = {c["name"]: c for c in json.loads(out.stdout)}
+    assert checks["self-test"]["ok"] and "output exact" in checks["self-test"]["found"]
+    out = subprocess.run([spotguard, "doctor", "--no-self-test"], capture_output=True,
+                         text=True, env=env, timeout=120)  # fmt: skip
+    assert out.returncode == 0 and "self-test" not in out.stdout
