@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.checkpoint import selftest_job
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.selftest import advice, run_selftest
 from spotguard.errors import CriuError, StepTimeout
@@ -60,6 +61,12 @@ async def test_a_failing_self_test_says_what_to_do_and_leaves_nothing(criu_bin: 
         '(network_lock = "nftables") or install iptables'
     )
     assert _leftovers() == before and _selftest_pids() == []
+
+
+def test_the_self_test_job_prints_what_its_expected_output_says() -> None:
+    argv = [sys.executable, "-I", selftest_job.__file__, "25", "0"]
+    run = subprocess.run(argv, capture_output=True, text=True, timeout=60, check=True)
+    assert run.stdout == selftest_job.expected(25)
 
 
 def test_advice_reads_criu_log_tails() -> None:
