@@ -3,10 +3,11 @@ do, with the exit status docs/operations.md lists — never a traceback, never a
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
-from ops_helpers import as_nobody, free_port, sg
+from ops_helpers import as_nobody, clean_env, free_port, sg
 
 NOT_RUNNING = (
     "spotguard: error: the spotguard agent is not running (nothing answers on {listen}): start "
@@ -124,3 +125,12 @@ def test_logs_of_an_unknown_job_names_the_jobs_there(tmp_path: Path) -> None:
         f"spotguard: error: no job 'nope' under {tmp_path / 'jobs'} (jobs there: none); "
         "set --state-dir / SPOTGUARD_STATE_DIR if it runs elsewhere\n"
     )
+
+
+def test_shell_completion_comes_from_the_program() -> None:
+    """docs/operations.md#shell-completion: click's completion through the lazy command group."""
+    env = clean_env(_SPOTGUARD_COMPLETE="bash_complete", COMP_WORDS="spotguard lo", COMP_CWORD="1")
+    r = subprocess.run(["spotguard"], capture_output=True, text=True, env=env)
+    assert r.returncode == 0 and "plain,logs" in r.stdout.splitlines()
+    src = sg(env=clean_env(_SPOTGUARD_COMPLETE="bash_source"))
+    assert "_spotguard_completion()" in src.stdout
