@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from park_helpers import JOBS, Sg, free_port, ok_json
 
-from spotguard.checkpoint import proctree
+from spotguard.checkpoint import proctree, suspend
 from spotguard.checkpoint.jobs import resolve_job
 from spotguard.park import record
 
@@ -51,61 +51,74 @@ def _one_line_error(res: object) -> str:
     return line
 
 
-def test_forked_pair_parked_to_memory_and_unparked_output_exact(sg: Sg, state_dir: Path) -> None:
+def test_forked_pair_parked_in_memory_and_unparked_output_exact(sg: Sg, state_dir: Path) -> None:
     ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS)))
     _wait(lambda: len(_lines(state_dir, "pair")) >= 8, "the pair to make progress")
+    job = resolve_job("pair", state_dir=state_dir)
     parked = ok_json(sg("park", "pair", "--to", "memory", "--reason", "lunch", "--json"))
     assert parked["job"] == "pair" and parked["place"] == "memory" and parked["parked"] is True
-    assert Path(parked["where"]).is_dir() and parked["bytes"] > 0
+    assert parked["where"] == f"in place (pid {job.pid})" and parked["bytes"] > 0
     assert parked["gpu_memory_freed"] == 0 and parked["seconds"] > 0
     assert parked["reason"] == "lunch"
-    job = resolve_job("pair", state_dir=state_dir)
-    assert not proctree.alive(job.pid)
+    assert all(suspend.stopped(p) for p in proctree.tree(job.pid))  # no CPU while parked
     frozen_at = len(_lines(state_dir, "pair"))
     time.sleep(0.5)
     assert len(_lines(state_dir, "pair")) == frozen_at  # nothing runs while parked
     back = ok_json(sg("unpark", "pair", "--json"))
-    assert back["job"] == "pair" and back["place"] == "memory" and back["pid"] > 0
-    assert not Path(parked["where"]).exists()  # the memory is given back
+    assert back["job"] == "pair" and back["place"] == "memory" and back["pid"] == job.pid
     assert record.load(state_dir, "pair") is None
     _wait(lambda: "done" in _lines(state_dir, "pair"), "the pair to finish")
     assert _lines(state_dir, "pair") == EXPECTED
 
 
-def test_back_to_back_park_unpark_to_disk_twice(sg: Sg, state_dir: Path, tmp_path: Path) -> None:
+def test_back_to_back_park_unpark_every_place(sg: Sg, state_dir: Path, tmp_path: Path) -> None:
     gate = tmp_path / "go"
     ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS),
                str(gate)))  # fmt: skip
     _wait(lambda: len(_lines(state_dir, "pair")) >= 3, "the pair to make progress")
-    for _ in range(2):
-        parked = ok_json(sg("park", "pair", "--to", "disk", "--json"))
-        assert parked["place"] == "disk"
-        assert Path(parked["where"]).is_relative_to(state_dir)
-        ok_json(sg("unpark", "pair", "--json"))
+    for place in ("disk", "tmpfs", "memory", "disk"):
+        parked = ok_json(sg("park", "pair", "--to", place, "--json"))
+        assert parked["place"] == place
+        if place == "disk":
+            assert Path(parked["where"]).is_relative_to(state_dir)
+        if place == "tmpfs":
+            assert Path(parked["where"]).is_dir()
+        back = ok_json(sg("unpark", "pair", "--json"))
+        if place != "memory":
+            assert not Path(parked["where"]).exists()  # the image goes once the job runs
+        assert back["place"] == place
     gate.touch()
     _wait(lambda: "done" in _lines(state_dir, "pair"), "the pair to finish")
     assert _lines(state_dir, "pair") == EXPECTED
 
 
-def test_http_server_parked_answers_the_same_after_unpark(sg: Sg, state_dir: Path) -> None:
+@pytest.mark.parametrize("place", ["memory", "tmpfs"])
+def test_http_server_parked_answers_the_same_after_unpark(
+    sg: Sg, state_dir: Path, place: str
+) -> None:
     port = free_port()
     ok_json(sg("run", "--name", "web", "--json", "--", sys.executable, JOBS, "server", str(port)))
     _wait(lambda: any("listening" in ln for ln in _lines(state_dir, "web")), "the server")
     assert [_get(port) for _ in range(3)] == ["1", "2", "3"]
-    parked = ok_json(sg("park", "web", "--json"))
+    parked = ok_json(sg("park", "web", "--to", place, "--json"))
     assert parked["listen"] == [f"127.0.0.1:{port}"] and parked["wake_on_connect"] is False
-    with pytest.raises(OSError):
-        socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    if place == "tmpfs":  # the process is gone: nobody listens
+        with pytest.raises(OSError):
+            socket.create_connection(("127.0.0.1", port), timeout=2).close()
+    else:  # suspended: the kernel still queues clients, nobody answers them
+        with pytest.raises(OSError):
+            _get(port, timeout=1)
     ok_json(sg("unpark", "web", "--json"))
-    assert _get(port) == "4"
+    assert _get(port) == ("5" if place == "memory" else "4")  # the queued request ran first
 
 
-def test_wake_on_connect_first_request_is_answered(sg: Sg, state_dir: Path) -> None:
+@pytest.mark.parametrize("place", ["memory", "tmpfs"])
+def test_wake_on_connect_first_request_is_answered(sg: Sg, state_dir: Path, place: str) -> None:
     port = free_port()
     ok_json(sg("run", "--name", "web", "--json", "--", sys.executable, JOBS, "server", str(port)))
     _wait(lambda: any("listening" in ln for ln in _lines(state_dir, "web")), "the server")
     assert _get(port) == "1"
-    parked = ok_json(sg("park", "web", "--wake-on-connect", "--json"))
+    parked = ok_json(sg("park", "web", "--to", place, "--wake-on-connect", "--json"))
     assert parked["wake_on_connect"] is True and parked["waker_pid"]
     assert proctree.alive(parked["waker_pid"])
     # the first client after the park is answered by the unparked job, not refused
@@ -122,7 +135,7 @@ def test_port_taken_while_parked_is_a_clear_error_and_state_is_kept(
     ok_json(sg("run", "--name", "web", "--json", "--", sys.executable, JOBS, "server", str(port)))
     _wait(lambda: any("listening" in ln for ln in _lines(state_dir, "web")), "the server")
     assert _get(port) == "1"
-    ok_json(sg("park", "web", "--json"))
+    ok_json(sg("park", "web", "--to", "tmpfs", "--json"))
     squatter = socket.socket()
     squatter.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     squatter.bind(("127.0.0.1", port))
@@ -167,7 +180,7 @@ def test_failed_park_leaves_the_job_running_and_unrecorded(
     )
     ok_json(sg("run", "--name", "pair", "--json", "--", sys.executable, JOBS, "pair", str(STEPS)))
     _wait(lambda: len(_lines(state_dir, "pair")) >= 2, "the pair to make progress")
-    res = sg("park", "pair", "--json")
+    res = sg("park", "pair", "--to", "tmpfs", "--json")
     assert res.returncode != 0 and "Traceback" not in res.stderr
     assert record.load(state_dir, "pair") is None
     job = resolve_job("pair", state_dir=state_dir)

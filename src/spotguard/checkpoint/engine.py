@@ -51,7 +51,7 @@ from spotguard.errors import CheckpointError, CriuError, GpuError, JobError, Spo
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
-from . import files, nccl, proctree, scan
+from . import files, nccl, proctree, scan, suspend
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo, own_mount_ns
@@ -212,18 +212,24 @@ class Engine:
         self._take_marker(job, mode)
         tree: list[int] = [job.pid]
         gpu_pids: list[int] = []
+        active: list[int] = []
+        held: list[int] = []
         started = False
         try:
             with tl.step("scan") as st:
                 await self.faults.before("scan")
                 tree = proctree.tree(job.pid)
                 gpu_pids = await self.gpu.gpu_pids(tree)
+                # a job suspended in place (parked): its GPU state is already in host memory
+                # and its tree stopped; the driver steps skip those, bring-back keeps them so
+                done_gpu, held = await suspend.parked(self.gpu, tree, gpu_pids)
+                active = [p for p in gpu_pids if p not in done_gpu]
                 nccl.refuse_uncheckpointable(job.name, gpu_pids)
                 net = await self._preflight(job, tree, gpu_pids, tcp)
                 st.detail.update(net.to_json())
                 tree_ns = [proctree.ns_pid(p) for p in tree]
                 gpu_ns = [proctree.ns_pid(p) for p in gpu_pids]
-                self._update_marker(job, gpu_pids=gpu_pids, tree=tree)
+                self._update_marker(job, gpu_pids=active, tree=[p for p in tree if p not in held])
                 gpu_bytes = self.gpu.memory_used(gpu_pids) if gpu_pids else 0
                 cpu_bytes = proctree.rss_bytes(tree)
                 need = 2 * gpu_bytes + cpu_bytes
@@ -238,13 +244,13 @@ class Engine:
             tl.mark("staging", mode=plan.mode, path=plan.path, reason=plan.reason)
             images_dir = target.images_dir
             criu_version = await self.criu.version()
-            if gpu_pids:
-                with tl.step("gpu_lock", pids=gpu_pids):
+            if active:
+                with tl.step("gpu_lock", pids=active):
                     await self.faults.before("gpu_lock")
-                    await self.gpu.lock(gpu_pids, s.gpu_lock_timeout)
-                with tl.step("gpu_checkpoint", pids=gpu_pids):
+                    await self.gpu.lock(active, s.gpu_lock_timeout)
+                with tl.step("gpu_checkpoint", pids=active):
                     await self.faults.before("gpu_checkpoint")
-                    await self.gpu.checkpoint(gpu_pids)
+                    await self.gpu.checkpoint(active)
             host = HostFacts.probe(criu_version)
             meta = ImageMeta(
                 job=job.to_json(),
@@ -298,16 +304,17 @@ class Engine:
                 if not target.stream:
                     ds.detail["bytes"] = _dir_bytes(images_dir)
             if mode is Mode.RESUME:
-                if gpu_pids:
-                    with tl.step("gpu_restore", pids=gpu_pids):
+                if active:
+                    with tl.step("gpu_restore", pids=active):
                         await self.faults.before("gpu_restore")
-                        await self.gpu.restore(gpu_pids)
-                    with tl.step("gpu_unlock", pids=gpu_pids):
+                        await self.gpu.restore(active)
+                    with tl.step("gpu_unlock", pids=active):
                         await self.faults.before("gpu_unlock")
-                        await self.gpu.unlock(gpu_pids)
+                        await self.gpu.unlock(active)
                 await finish()
         except BaseException as exc:
-            await asyncio.shield(self._bring_back(job, tree, gpu_pids, mode))
+            awake = [p for p in tree if p not in held]
+            await asyncio.shield(self._bring_back(job, awake, active, mode))
             if started:
                 await asyncio.shield(target.abort())
             self._clear_marker(job)
@@ -514,6 +521,7 @@ class Engine:
                 with tl.step("gpu_unlock", pids=gpu_pids):
                     await self.faults.before("gpu_unlock")
                     await self.gpu.unlock(gpu_pids)
+            suspend.continue_stopped(list(by_ns.values()))
             with tl.step("finish"):
                 await self.faults.before("finish")
                 job = job.with_pid(pid)

@@ -78,7 +78,10 @@ def _summary(rec: record.ParkRecord) -> dict[str, Any]:
     "--to",
     "to",
     default=None,
-    help="memory (tmpfs, fastest back), disk, or a store URL. [default: [park] to = memory]",
+    help=(
+        "memory (suspended in place, fastest back), tmpfs or disk (an image in memory or on "
+        "disk; the processes end), or a store URL. [default: [park] to = memory]"
+    ),
 )
 @click.option(
     "--wake-on-connect",
@@ -188,7 +191,15 @@ def park_wake(ctx: click.Context, /, job: str, **flags: Any) -> None:
             wait_lock=False,
         )
 
-    asyncio.run(wake.serve(addrs, wake_job, ready=ready))
+    if rec.place == "memory":
+        from spotguard.checkpoint import proctree
+
+        def tree() -> list[int]:
+            return proctree.tree(rec.pid) if proctree.alive(rec.pid) else []
+
+        asyncio.run(wake.serve_in_place(tree, wake_job, ready=ready))
+    else:
+        asyncio.run(wake.serve(addrs, wake_job, ready=ready))
 
 
 def parked_rows(state_dir: Path) -> list[dict[str, Any]]:

@@ -1,15 +1,24 @@
 """Park and unpark: free a job's GPU and CPU while keeping its exact state, and bring it back.
 
-Park is a checkpoint in ``exit`` mode whose image stays where the operator said — host memory
-(tmpfs: fastest back), local disk, or a store URL (then any node can unpark it through the
-controller) — followed by a park record (:mod:`.record`). Unpark is the restore of that image
-on this node. The engine still orders every step, so everything it guarantees holds here too:
-a failed park leaves the job running (nothing is recorded), a failed unpark leaves the state
-where it was (the record stays, the job can be unparked again).
+Where the state goes (``--to``):
+
+* ``memory`` (default): suspended in place (:mod:`spotguard.checkpoint.suspend`) — the driver
+  moves GPU memory into the process's own host memory and releases the GPU, the tree is
+  stopped. Nothing is written, so this is the fastest both ways; the job keeps its PIDs and
+  sockets (clients wait in the accept queue instead of being refused).
+* ``tmpfs`` / ``disk``: a checkpoint in ``exit`` mode into a directory in memory or on disk;
+  the processes end and free their ports and PIDs.
+* a store URL: an ordinary image in the store, which any node can restore.
+
+Then a park record (:mod:`.record`). Unpark resumes in place or restores the image on this
+node. The engine (or the suspend module) orders every step, so their guarantees hold here
+too: a failed park leaves the job running (nothing is recorded), a failed unpark leaves the
+state where it was (the record stays, the job can be unparked again).
 
 Before touching anything, unpark checks what would make the restore fail late: the ports the
-job listened on must be free, and the GPUs must have room for the memory it held. Each has
-its own one-line error naming the port (and who holds it) or the GPU memory missing.
+job listened on must be free (images only), and the GPUs must have room for the memory it
+held. Each has its own one-line error naming the port (and who holds it) or the memory
+missing.
 """
 
 from __future__ import annotations
@@ -28,9 +37,9 @@ from pathlib import Path
 
 import psutil
 
-from spotguard.checkpoint import proctree
+from spotguard.checkpoint import proctree, suspend
 from spotguard.checkpoint.engine import Engine, Mode
-from spotguard.checkpoint.jobs import JobInfo
+from spotguard.checkpoint.jobs import JobInfo, resolve_job
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
@@ -58,17 +67,20 @@ class StorePath:
     restore: StoreRestore
 
 
+_PLACES: dict[str, Place] = {"memory": "memory", "tmpfs": "tmpfs", "disk": "disk"}
+
+
 def place_of(to: str) -> Place:
-    """``memory``, ``disk`` or ``store`` for a ``--to`` value; anything else is refused."""
-    if to in ("memory", "disk"):
-        return "memory" if to == "memory" else "disk"
+    """The place for a ``--to`` value (memory, tmpfs, disk or a store URL); else refused."""
+    if to in _PLACES:
+        return _PLACES[to]
     if to.startswith(URL_SCHEMES):
         return "store"
-    raise ParkError(f"--to {to!r}: use memory, disk or a store URL (s3://, gs://, file://)")
+    raise ParkError(f"--to {to!r}: use memory, tmpfs, disk or a store URL (s3://, gs://, file://)")
 
 
 def _image_dir(place: Place, job: str, cs: CheckpointSettings, ps: ParkSettings) -> Path:
-    base = ps.memory_dir if place == "memory" else cs.state_dir / "parked" / "images"
+    base = ps.memory_dir if place == "tmpfs" else cs.state_dir / "parked" / "images"
     return base / job
 
 
@@ -125,12 +137,18 @@ async def park(
         gpu_pids = await engine.gpu.gpu_pids(tree)
         gpu_bytes = engine.gpu.memory_used(gpu_pids) if gpu_pids else 0
         started = time.monotonic()
-        if place == "store":
+        in_place: tuple[int, ...] = ()
+        if place == "memory":
+            sus = await suspend.suspend(job, engine.gpu, lock_timeout=settings.gpu_lock_timeout)
+            in_place = tuple(sus.gpu_pids)
+            location = f"in place (pid {job.pid})"
+            size = proctree.rss_bytes(sus.tree)
+        elif place == "store":
             if store is None:
                 raise ParkError("parking to a store URL needs the store settings")
             location, size = await store.checkpoint(job, to)
         else:
-            if place == "memory":
+            if place == "tmpfs":
                 _check_memory_room(engine, tree, gpu_pids)
             d = _image_dir(place, job.name, settings, park_settings)
             _set_aside(d)
@@ -148,6 +166,8 @@ async def park(
             wake_on_connect=wake_on_connect and bool(listen),
             priority=priority,
             job_dir=str(job.dir),
+            pid=job.pid,
+            gpu_pids=in_place,
         )
         record.save(state, rec)
     log.info(
@@ -178,7 +198,7 @@ def _set_aside(d: Path) -> None:
 def find_unrecorded(job: str, settings: CheckpointSettings, ps: ParkSettings) -> ParkRecord | None:
     """A complete parked image of ``job`` with no record (the park was interrupted after the
     job stopped and before its record was written): memory first, then disk."""
-    places: tuple[Place, ...] = ("memory", "disk")
+    places: tuple[Place, ...] = ("tmpfs", "disk")
     for place in places:
         d = _image_dir(place, job, settings, ps)
         if (d / META_NAME).is_file():
@@ -235,6 +255,20 @@ def check_gpu_room(rec: ParkRecord, free_bytes: Callable[[], int | None]) -> Non
             f"job {rec.job!r} needs {rec.gpu_bytes_freed >> 20} MiB of GPU memory, "
             f"{free >> 20} MiB is free; the parked state is kept — unpark when the GPU has room"
         )
+
+
+async def _resume_in_place(rec: ParkRecord, engine: Engine, cs: CheckpointSettings) -> int:
+    """Resume a job suspended in place; a job that ended meanwhile loses its record (its
+    state went with it, e.g. checkpointed and stopped by a notice) and is reported."""
+    job = resolve_job(rec.job, state_dir=cs.state_dir)
+    if not proctree.alive(rec.pid):
+        record.remove(cs.state_dir, rec.job)
+        raise ParkError(
+            f"job {rec.job!r} is no longer parked here: process {rec.pid} ended while parked "
+            "(a notice checkpoints parked jobs too: look for its latest image)"
+        )
+    await suspend.resume(job, engine.gpu, rec.gpu_pids)
+    return rec.pid
 
 
 def stop_waker(rec: ParkRecord, *, timeout: float = 10.0) -> None:
@@ -294,10 +328,13 @@ async def unpark(
         if rec is None:
             raise ParkError(f"job {job!r} is not parked")
         await asyncio.to_thread(stop_waker, rec)
-        check_ports_free(rec)
+        if rec.place != "memory":  # suspended in place, the job still holds its ports
+            check_ports_free(rec)
         check_gpu_room(rec, gpu_free)
         started = time.monotonic()
-        if rec.place == "store":
+        if rec.place == "memory":
+            pid = await _resume_in_place(rec, engine, settings)
+        elif rec.place == "store":
             if store is None:
                 raise ParkError("unparking from a store URL needs the store settings")
             pid = await store.restore(rec.location)

@@ -25,7 +25,9 @@ from spotguard.errors import JobError, JobNotFound
 
 from .sockets import Address
 
-Place = Literal["memory", "disk", "store"]
+#: memory: suspended in place (GPU state in the process's own host memory, tree stopped);
+#: tmpfs / disk: a CRIU image in memory or on disk; store: an image in a store
+Place = Literal["memory", "tmpfs", "disk", "store"]
 
 
 class ListenAddress(BaseModel):
@@ -62,6 +64,8 @@ class ParkRecord(BaseModel):
     waker_pid: int | None = None
     priority: int = 0
     job_dir: str = ""
+    pid: int = 0  # the job's root pid (suspended in place: it keeps it)
+    gpu_pids: tuple[int, ...] = ()  # GPU processes checkpointed in place
 
     def to_json(self) -> dict[str, object]:
         return self.model_dump(mode="json")

@@ -53,13 +53,18 @@ class Address:
 
 @dataclass(frozen=True)
 class SocketRef:
-    """One TCP socket of the tree: which process holds it (pid, fd), its state and address."""
+    """One TCP socket of the tree: which process holds it (pid, fd), its state and address.
+
+    ``waiting`` is the kernel's ``rx_queue``: for a listening socket the connections waiting
+    to be accepted, for a connection the bytes received and not yet read.
+    """
 
     pid: int
     fd: int
     inode: int
     state: str
     local: Address
+    waiting: int = 0
 
 
 def _decode(hexaddr: str) -> Address:
@@ -75,9 +80,10 @@ def _decode(hexaddr: str) -> Address:
     return Address(str(ip), int(port_hex, 16))
 
 
-def _table(pid: int) -> dict[int, tuple[str, Address]]:
-    """inode → (state, local address) for every TCP socket in ``pid``'s network namespace."""
-    out: dict[int, tuple[str, Address]] = {}
+def _table(pid: int) -> dict[int, tuple[str, Address, int]]:
+    """inode → (state, local address, rx_queue) for every TCP socket in ``pid``'s network
+    namespace."""
+    out: dict[int, tuple[str, Address, int]] = {}
     for name in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
@@ -88,7 +94,8 @@ def _table(pid: int) -> dict[int, tuple[str, Address]]:
             if len(cols) < 10:
                 continue
             with contextlib.suppress(ValueError):
-                out[int(cols[9])] = (cols[3], _decode(cols[1]))
+                rx = int(cols[4].split(":")[1], 16)
+                out[int(cols[9])] = (cols[3], _decode(cols[1]), rx)
     return out
 
 
@@ -113,7 +120,7 @@ def _socket_fds(pid: int) -> list[tuple[int, int]]:
 def tcp_sockets(pids: Iterable[int]) -> list[SocketRef]:
     """Every TCP socket held by the processes (one entry per holding fd)."""
     refs: list[SocketRef] = []
-    tables: dict[str, dict[int, tuple[str, Address]]] = {}
+    tables: dict[str, dict[int, tuple[str, Address, int]]] = {}
     for pid in pids:
         try:
             netns = os.readlink(f"/proc/{pid}/ns/net")
@@ -124,14 +131,27 @@ def tcp_sockets(pids: Iterable[int]) -> list[SocketRef]:
         table = tables[netns]
         for fd, inode in _socket_fds(pid):
             if inode in table:
-                state, local = table[inode]
-                refs.append(SocketRef(pid, fd, inode, state, local))
+                state, local, waiting = table[inode]
+                refs.append(SocketRef(pid, fd, inode, state, local, waiting))
     return refs
 
 
 def listening(pids: Iterable[int]) -> list[Address]:
     """The distinct addresses the processes listen on (TCP), sorted."""
     return sorted({r.local for r in tcp_sockets(pids) if r.state == _LISTEN})
+
+
+def waiting_clients(pids: Iterable[int]) -> int:
+    """Connections waiting to be accepted plus connections with unread input, over the tree.
+
+    Non-zero while a stopped (parked in place) job has a client knocking: the kernel completes
+    TCP handshakes and buffers data for a stopped process, it just never reads them.
+    """
+    return sum(
+        1
+        for r in tcp_sockets(pids)
+        if r.waiting and (r.state == _LISTEN or r.state == _ESTABLISHED)
+    )
 
 
 def _pidfd_getfd(pid: int, fd: int) -> int:

@@ -1,12 +1,14 @@
-"""Wake on connect: while a job is parked, listen on the addresses it listened on; the first
-connection unparks it and is then handed to it.
+"""Wake on connect: the first client to connect to a parked job unparks it.
 
-A listener process (``spotguard park-wake JOB``, started detached by ``park
---wake-on-connect``) binds every TCP address the job had. When a client connects, it accepts
-every connection waiting, closes its listeners (the restored job binds the same ports),
-unparks the job and then relays each held connection to the job, byte for byte, until either
-side closes. The client sees a slower first answer, not a refused connection. Later clients
-reach the job directly.
+A job suspended in place still owns its sockets: :func:`serve_in_place` watches their accept
+queues and wakes the job when a client waits; the job then accepts it itself.
+
+A job parked as an image has no sockets any more. A listener process (``spotguard park-wake
+JOB``, started detached by ``park --wake-on-connect``) binds every TCP address the job had.
+When a client connects, it accepts every connection waiting, closes its listeners (the
+restored job binds the same ports), unparks the job and then relays each held connection to
+the job, byte for byte, until either side closes. The client sees a slower first answer,
+not a refused connection. Later clients reach the job directly.
 
 The one gap: a connection that arrives after the listeners close and before CRIU has
 re-created the job's listening socket (early in the restore, before memory is loaded) is
@@ -29,6 +31,7 @@ from dataclasses import dataclass
 
 from spotguard.errors import SpotguardError
 
+from . import sockets
 from .sockets import Address
 
 log = logging.getLogger(__name__)
@@ -182,6 +185,49 @@ async def serve(
                 continue
             await asyncio.gather(*(relay(h) for h in held))
             return True
+    finally:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.remove_signal_handler(sig)
+
+
+async def serve_in_place(
+    tree: Callable[[], Sequence[int]],
+    wake: Callable[[], Awaitable[object]],
+    *,
+    ready: Callable[[], None] | None = None,
+    poll_s: float = 0.02,
+    retry_s: float = 5.0,
+) -> bool:
+    """For a job suspended in place: wait until a client knocks, then ``wake()`` it.
+
+    The job still owns its sockets while it is stopped; the kernel completes handshakes into
+    their accept queues and buffers what clients send. A connection waiting to be accepted
+    (or unread input on one of its connections) is the knock. Nothing is relayed: once the
+    job runs it accepts and answers the waiting clients itself, so no client is refused.
+    Returns True once woken, False when stopped by SIGTERM/SIGINT first.
+    """
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        if ready is not None:
+            ready()
+        while not stop.is_set():
+            knocks = await asyncio.to_thread(sockets.waiting_clients, tree())
+            if knocks:
+                log.info("a client knocked on a parked job; unparking", extra={"clients": knocks})
+                try:
+                    await wake()
+                    return True
+                except SpotguardError as exc:
+                    log.error("unpark on connect failed; still parked", extra={"error": str(exc)})
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(stop.wait(), retry_s)
+                    continue
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), poll_s)
+        return False
     finally:
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
