@@ -4,12 +4,15 @@ holding a counter), back to back, refusals as one clear line, the job never lost
 
 from __future__ import annotations
 
+import http.server
 import json
 import socket
 import sys
+import threading
 import time
 import urllib.request
 from pathlib import Path
+from typing import Any, ClassVar
 
 import pytest
 from park_helpers import JOBS, Sg, free_port, ok_json
@@ -188,3 +191,33 @@ def test_failed_park_leaves_the_job_running_and_unrecorded(
     _wait(lambda: "done" in _lines(state_dir, "pair"), "the pair to finish")
     assert _lines(state_dir, "pair") == EXPECTED
     assert json.loads((state_dir / "jobs" / "pair" / "job.json").read_text())["pid"] == job.pid
+
+
+class _Hook(http.server.BaseHTTPRequestHandler):
+    got: ClassVar[list[dict[str, Any]]] = []
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["Content-Length"]))
+        _Hook.got.append(json.loads(body))
+        self.send_response(204)
+        self.end_headers()
+
+    def log_message(self, fmt: str, *args: object) -> None:
+        return
+
+
+def test_park_and_unpark_tell_the_webhooks(sg: Sg, state_dir: Path, config: Path) -> None:
+    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Hook)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_address[1]}/hook"
+    config.write_text(config.read_text() + f'[notify]\nwebhook_url = ["{url}"]\n')
+    try:
+        ok_json(sg("run", "--name", "nb", "--json", "--", sys.executable, JOBS, "sleeper"))
+        ok_json(sg("park", "nb", "--reason", "idle notebook", "--json"))
+        ok_json(sg("unpark", "nb", "--json"))
+    finally:
+        srv.shutdown()
+    events = [(n["event"], n["job"], n["source"]) for n in _Hook.got]
+    assert events == [("parked", "nb", "park"), ("unparked", "nb", "park")]
+    assert "idle notebook" in _Hook.got[0]["reason"]
+    assert "spotguard unpark nb" in _Hook.got[0]["reason"]

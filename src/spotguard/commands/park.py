@@ -21,8 +21,9 @@ from spotguard.cli import config_file
 from spotguard.config import load, options
 from spotguard.errors import ParkError
 from spotguard.image.settings import ImageSettings
+from spotguard.notify import Notifier, NotifySettings
 from spotguard.park import core, gpu, record, wake, waker
-from spotguard.park.policy import ParkPolicy
+from spotguard.park.policy import ParkPolicy, webhooks
 from spotguard.park.priority import Claim
 from spotguard.park.settings import ParkSettings
 from spotguard.park.store import store_path
@@ -35,6 +36,7 @@ class _Ctx:
     image: ImageSettings
     engine: Engine
     config: str | None
+    notify: NotifySettings
 
 
 def _engine_for(cs: CheckpointSettings) -> Engine:
@@ -52,7 +54,15 @@ def _ctx(ctx: click.Context, flags: dict[str, Any]) -> _Ctx:
         load(ImageSettings, {}, config_file=cfg),
         _engine_for(cs),
         cfg,
+        load(NotifySettings, {}, config_file=cfg),
     )
+
+
+async def _notify(c: _Ctx, event: str, details: dict[str, Any]) -> None:
+    """Tell the webhooks ([notify]) and let the message go out before the command ends."""
+    notifier = Notifier(c.notify)
+    await webhooks(notifier)(event, details)
+    await notifier.aclose()
 
 
 def _summary(rec: record.ParkRecord) -> dict[str, Any]:
@@ -109,8 +119,9 @@ def park(
     """
     c = _ctx(ctx, flags)
     info = resolve_job(job, state_dir=c.cs.state_dir)
-    rec = asyncio.run(
-        core.park(
+
+    async def go() -> record.ParkRecord:
+        rec = await core.park(
             info,
             to=to or c.ps.to,
             engine=c.engine,
@@ -120,10 +131,15 @@ def park(
             reason=reason,
             wake_on_connect=wake_on_connect,
         )
-    )
-    if rec.wake_on_connect:
-        waker.spawn(c.cs.state_dir, rec.job, c.config)
-        rec = record.load(c.cs.state_dir, rec.job) or rec
+        if rec.wake_on_connect:
+            await asyncio.to_thread(waker.spawn, c.cs.state_dir, rec.job, c.config)
+        back = f"spotguard unpark {rec.job}"
+        if rec.wake_on_connect:
+            back += " or connect to " + ", ".join(str(a.address()) for a in rec.listen)
+        await _notify(c, "parked", {"job": rec.job, "reason": reason, "comes_back": back})
+        return record.load(c.cs.state_dir, rec.job) or rec
+
+    rec = asyncio.run(go())
     out = _summary(rec)
     if as_json:
         click.echo(json.dumps(out))
@@ -144,8 +160,9 @@ def park(
 def unpark(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> None:
     """Bring a parked JOB back on this node; it continues where it stopped."""
     c = _ctx(ctx, flags)
-    done = asyncio.run(
-        core.unpark(
+
+    async def go() -> core.Unparked:
+        done = await core.unpark(
             job,
             engine=c.engine,
             settings=c.cs,
@@ -153,7 +170,10 @@ def unpark(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> None
             store=store_path(c.cs, c.image, c.engine),
             gpu_free=gpu.free_bytes,
         )
-    )
+        await _notify(c, "unparked", {"job": done.job, "reason": f"pid {done.pid}"})
+        return done
+
+    done = asyncio.run(go())
     if as_json:
         click.echo(json.dumps(done.to_json()))
     else:
@@ -228,7 +248,10 @@ def make_room(
     memory fits; the claim to record with the job and the jobs parked."""
     cfg = config_file(ctx)
     ps = load(ParkSettings, {}, config_file=cfg)
-    c = _Ctx(cs, ps, load(ImageSettings, {}, config_file=cfg), _engine_for(cs), cfg)
+    c = _Ctx(
+        cs, ps, load(ImageSettings, {}, config_file=cfg), _engine_for(cs), cfg,
+        load(NotifySettings, {}, config_file=cfg),
+    )  # fmt: skip
     claim = Claim(prio, _size(gpu_memory))
     policy = ParkPolicy(
         settings=ps,

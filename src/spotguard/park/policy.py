@@ -24,6 +24,7 @@ from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import SpotguardError
+from spotguard.notify import Notification, Notifier, NotifyEvent
 
 from . import core, gpu, priority, record
 from .idle import IdleTracker
@@ -40,6 +41,27 @@ StartWaker = Callable[[str], Awaitable[None]]
 
 async def _no_notify(event: str, details: dict[str, Any]) -> None:
     return None
+
+
+def webhooks(notifier: Notifier) -> Notify:
+    """A :data:`Notify` that sends through the webhooks (``parked``, ``unparked``; a failed
+    park as ``failed``), with the reason and how the job comes back in words."""
+
+    async def send(event: str, details: dict[str, Any]) -> None:
+        kind = {"parked": NotifyEvent.PARKED, "unparked": NotifyEvent.UNPARKED}.get(
+            event, NotifyEvent.FAILED
+        )
+        words = [str(details[k]) for k in ("reason", "error") if details.get(k)]
+        if details.get("comes_back"):
+            words.append(f"back with: {details['comes_back']}")
+        notifier.notify(
+            Notification(
+                event=kind, job=str(details["job"]), source="park",
+                reason="; ".join(words) or None,
+            )
+        )  # fmt: skip
+
+    return send
 
 
 @dataclass
