@@ -121,6 +121,23 @@ def test_a_new_enough_criu_is_kept_and_the_plugin_is_built_beside_it(
     assert "is up to date" in again.stderr
 
 
+def test_a_prefix_without_the_header_gets_it_from_the_carried_debs(
+    tmp_path: Path, carried_debs: Path
+) -> None:
+    """A CRIU installed earlier from .debs that lacked libcriu-dev is kept, and the plugin is
+    built once the .debs given now carry the header (seen on an offline GPU host)."""
+    criu = fake_criu(tmp_path / "elsewhere" / "criu", "4.2.1")
+    prefix = tmp_path / "prefix"
+    prefix.mkdir()
+    out = run_installer(tmp_path, prefix, SPOTGUARD_CRIU=str(criu))
+    assert "no criu-plugin.h" in out.stderr
+    out = run_installer(
+        tmp_path, prefix, SPOTGUARD_CRIU=str(criu), SPOTGUARD_CRIU_DEBS=str(carried_debs)
+    )
+    assert out.returncode == 0, out.stderr
+    assert (prefix / "lib/criu/plugins" / f"{PLUGIN_NAME}.so").is_file(), out.stderr
+
+
 def test_without_a_compiler_it_says_so_and_criu_still_installs(
     tmp_path: Path, plugin_header: Path
 ) -> None:
