@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 
 from spotguard.checkpoint import proctree, scan, selftest_job
-from spotguard.checkpoint.scan import Endpoint, FdFact, Finding, ProcFacts, SocketFact, TreeFacts
+from spotguard.checkpoint.scan import FdFact, Finding, ProcFacts, TreeFacts
+from spotguard.checkpoint.sockets import Endpoint, SocketFact, parse_endpoint
 from spotguard.errors import PreflightError, UndumpableError
 
 PROGS = Path(__file__).parent / "progs"
@@ -162,6 +163,34 @@ def test_nvidia_mappings_belong_to_gpu_processes_or_the_plugin() -> None:
     assert len(scan.devices(_proc(maps=("/dev/loop1",)))) == 1
 
 
+def test_cuda_managed_memory_is_refused_in_a_gpu_process() -> None:
+    # measured on an H100 (driver 580): a context maps 2 MiB of /dev/nvidia-uvm; a 32 MiB
+    # cudaMallocManaged adds one more mapping; cudaMalloc and cudaMallocHost add none
+    context = {"/dev/nvidia-uvm": (2 << 20,), "/dev/nvidiactl": (4096,)}
+    managed = {"/dev/nvidia-uvm": (2 << 20, 32 << 20)}
+    assert scan.managed_memory(_proc(gpu=True, device_maps=context)) == []
+    assert scan.managed_memory(_proc(gpu=False, device_maps=managed)) == []  # a forked worker
+    (found,) = scan.managed_memory(_proc(gpu=True, device_maps=managed))
+    assert found.resource == "CUDA managed memory (32 MiB mapped through /dev/nvidia-uvm)"
+    assert "cudaMallocManaged" in found.fix
+
+
+def test_device_mapping_sizes_are_read_from_proc(procs: list[subprocess.Popen[str]]) -> None:
+    code = (
+        "import mmap, time\n"
+        "f = open('/dev/zero', 'rb')\n"
+        "m = mmap.mmap(f.fileno(), 3 * 4096, mmap.MAP_SHARED, mmap.PROT_READ)\n"
+        "print('mapped', flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    proc = _start([sys.executable, "-c", code])
+    procs.append(proc)
+    (facts,) = scan.gather([proc.pid]).procs
+    zero = [k for k in facts.device_maps if k.startswith("/dev/zero")]
+    assert zero and 3 * 4096 in facts.device_maps[zero[0]]
+    assert scan.findings(scan.TreeFacts((facts,))) == []
+
+
 def test_other_parts_add_rules_and_see_the_environment() -> None:
     def needs_flag(proc: ProcFacts) -> list[Finding]:
         if proc.environ.get("NEEDS") == "x":
@@ -191,5 +220,5 @@ def test_socket_fact_states() -> None:
     assert str(est.local) == "[::1]:5"
     assert not SocketFact(3, "inet", "udp", "").connected_tcp
     # /proc/net/tcp6 writes an address as four little-endian words
-    assert scan._endpoint("00000000000000000000000001000000:0016") == Endpoint("::1", 22)
-    assert scan._endpoint("0100007F:1F90") == Endpoint("127.0.0.1", 8080)
+    assert parse_endpoint("00000000000000000000000001000000:0016") == Endpoint("::1", 22)
+    assert parse_endpoint("0100007F:1F90") == Endpoint("127.0.0.1", 8080)

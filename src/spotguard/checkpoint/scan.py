@@ -14,6 +14,8 @@ part adds one with the :func:`rule` decorator (or passes its own list to :func:`
 Built in:
 
 * io_uring instances (``anon_inode:[io_uring]`` descriptors or mappings);
+* CUDA managed memory in a process holding CUDA state (mappings of /dev/nvidia-uvm beyond
+  the context's own);
 * other anonymous-inode descriptors CRIU 4.2 does not know (perf events, userfaultfd ...);
 * sockets of a family CRIU cannot dump (in none of /proc/net/{tcp,udp,raw,unix,netlink,
   packet}: vsock, AF_ALG, AF_XDP, SCTP, RDMA ...);
@@ -31,14 +33,14 @@ them (see docs/limits.md, "Sockets").
 from __future__ import annotations
 
 import os
-import socket
-import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
 from spotguard.errors import UndumpableError
+
+from .sockets import Endpoint, SocketFact, socket_inode, socket_table
 
 #: anonymous inodes CRIU 4.2 dumps (criu/files.c); any other one fails the dump
 SUPPORTED_ANON = frozenset(
@@ -58,58 +60,7 @@ UNDUMPABLE_DEVICES: dict[str, tuple[str, str]] = {
 #: device mappings CRIU dumps itself (/dev/zero) or the GPU path handles (NVIDIA)
 _MAPPABLE_DEVICES = ("/dev/zero", "/dev/shm/")
 _NVIDIA = "/dev/nvidia"
-TCP_STATES = {
-    1: "ESTABLISHED",
-    2: "SYN_SENT",
-    3: "SYN_RECV",
-    4: "FIN_WAIT1",
-    5: "FIN_WAIT2",
-    6: "TIME_WAIT",
-    7: "CLOSE",
-    8: "CLOSE_WAIT",
-    9: "LAST_ACK",
-    10: "LISTEN",
-    11: "CLOSING",
-}
-_INET_TABLES = (
-    ("tcp", "inet", "tcp"),
-    ("tcp6", "inet6", "tcp"),
-    ("udp", "inet", "udp"),
-    ("udp6", "inet6", "udp"),
-    ("udplite", "inet", "udplite"),
-    ("udplite6", "inet6", "udplite"),
-    ("raw", "inet", "raw"),
-    ("raw6", "inet6", "raw"),
-)
 NetworkLock = Literal["auto", "nftables", "iptables", "skip"]
-
-
-@dataclass(frozen=True)
-class Endpoint:
-    """One end of an inet socket."""
-
-    host: str
-    port: int
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-
-@dataclass(frozen=True)
-class SocketFact:
-    """A socket as the kernel's /proc/net tables show it (family ``unknown``: in none)."""
-
-    inode: int
-    family: str  # inet, inet6, unix, netlink, packet, unknown
-    proto: str = ""  # tcp, udp, udplite, raw (inet families only)
-    state: str = ""  # TCP state name (tcp only)
-    local: Endpoint | None = None
-    remote: Endpoint | None = None
-
-    @property
-    def connected_tcp(self) -> bool:
-        """A TCP socket CRIU dumps only with ``--tcp-established`` (not listening, not closed)."""
-        return self.proto == "tcp" and self.state not in ("LISTEN", "CLOSE")
 
 
 @dataclass(frozen=True)
@@ -133,6 +84,8 @@ class ProcFacts:
     environ: Mapping[str, str] = field(default_factory=dict)
     #: device path prefixes spotguard's CRIU plugin dumps as leftovers (Criu.leftover_prefixes)
     plugin_devices: tuple[str, ...] = ()
+    #: device file → the size in bytes of each of its mappings
+    device_maps: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
 
     @property
     def sockets(self) -> list[tuple[int, SocketFact]]:
@@ -243,6 +196,33 @@ def io_uring(proc: ProcFacts) -> list[Finding]:
     ]
 
 
+#: what a CUDA context maps of /dev/nvidia-uvm by itself: one 2 MiB range (driver 580, H100)
+UVM_BASE_MAPS = (2 << 20,)
+
+
+@rule
+def managed_memory(proc: ProcFacts) -> list[Finding]:
+    """CUDA managed (unified) memory in a process holding CUDA state: every
+    cudaMallocManaged range is one more mapping of /dev/nvidia-uvm beside the context's own
+    2 MiB, and the driver refuses to checkpoint it (cuCheckpointProcessCheckpoint returns
+    CUDA_ERROR_NOT_SUPPORTED [801] and leaves the process locked; measured, driver 580)."""
+    sizes = proc.device_maps.get("/dev/nvidia-uvm", ())
+    only_context = len(sizes) <= len(UVM_BASE_MAPS) and sum(sizes) <= sum(UVM_BASE_MAPS)
+    if not proc.gpu or only_context:
+        return []
+    managed = max(sum(sizes) - sum(UVM_BASE_MAPS), 0)
+    return [
+        Finding(
+            proc.pid,
+            proc.name,
+            f"CUDA managed memory ({managed >> 20} MiB mapped through /dev/nvidia-uvm)",
+            "the NVIDIA driver cannot checkpoint managed (unified) memory",
+            "allocate with cudaMalloc instead of cudaMallocManaged (in PyTorch: no managed-"
+            "memory allocator)",
+        )
+    ]
+
+
 @rule
 def anon_inodes(proc: ProcFacts) -> list[Finding]:
     """Anonymous-inode descriptors CRIU does not know (io_uring has its own rule)."""
@@ -327,63 +307,7 @@ def devices(proc: ProcFacts) -> list[Finding]:
     return out
 
 
-# --- gathering ----------------------------------------------------------------------------
-
-
-def _hex_ip(text: str) -> str:
-    raw = bytes.fromhex(text)
-    if len(raw) == 4:
-        return socket.inet_ntop(socket.AF_INET, raw[::-1])
-    words = struct.unpack("<4I", raw)
-    return socket.inet_ntop(socket.AF_INET6, struct.pack(">4I", *words))
-
-
-def _endpoint(text: str) -> Endpoint:
-    host, port = text.split(":")
-    return Endpoint(_hex_ip(host), int(port, 16))
-
-
-def _inet_table(path: Path, family: str, proto: str) -> dict[int, SocketFact]:
-    out: dict[int, SocketFact] = {}
-    try:
-        lines = path.read_text().splitlines()[1:]
-    except OSError:
-        return out
-    for line in lines:
-        cols = line.split()
-        if len(cols) < 10 or not cols[9].isdigit():
-            continue
-        state = TCP_STATES.get(int(cols[3], 16), cols[3]) if proto == "tcp" else ""
-        inode = int(cols[9])
-        local, remote = _endpoint(cols[1]), _endpoint(cols[2])
-        out[inode] = SocketFact(inode, family, proto, state, local, remote)
-    return out
-
-
-def _inode_table(path: Path, family: str, column: int) -> dict[int, SocketFact]:
-    out: dict[int, SocketFact] = {}
-    try:
-        lines = path.read_text().splitlines()[1:]
-    except OSError:
-        return out
-    for line in lines:
-        cols = line.split()
-        if len(cols) > column and cols[column].isdigit():
-            inode = int(cols[column])
-            out[inode] = SocketFact(inode, family)
-    return out
-
-
-def socket_table(pid: int) -> dict[int, SocketFact]:
-    """Every socket of the network namespace of ``pid``, by inode."""
-    net = Path(f"/proc/{pid}/net")
-    table: dict[int, SocketFact] = {}
-    for name, family, proto in _INET_TABLES:
-        table.update(_inet_table(net / name, family, proto))
-    table.update(_inode_table(net / "unix", "unix", 6))
-    table.update(_inode_table(net / "netlink", "netlink", 9))
-    table.update(_inode_table(net / "packet", "packet", 8))
-    return table
+# --- gathering ---------------------------------------------------------------------------
 
 
 def _read_fds(pid: int) -> list[tuple[int, str]]:
@@ -401,17 +325,23 @@ def _read_fds(pid: int) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def _read_maps(pid: int) -> tuple[str, ...]:
+def _read_maps(pid: int) -> tuple[tuple[str, ...], dict[str, tuple[int, ...]]]:
+    """Distinct mapped paths, and the size of every mapping of a device file."""
     seen: dict[str, None] = {}
+    devices: dict[str, list[int]] = {}
     try:
         with open(f"/proc/{pid}/maps", errors="replace") as f:
             for line in f:
                 parts = line.split(maxsplit=5)
                 if len(parts) == 6:
-                    seen.setdefault(parts[5].rstrip("\n"), None)
-    except OSError:
-        return ()
-    return tuple(seen)
+                    path = parts[5].rstrip("\n")
+                    seen.setdefault(path, None)
+                    if path.startswith("/dev/"):
+                        start, _, end = parts[0].partition("-")
+                        devices.setdefault(path, []).append(int(end, 16) - int(start, 16))
+    except (OSError, ValueError):
+        return (), {}
+    return tuple(seen), {k: tuple(v) for k, v in devices.items()}
 
 
 def _read_environ(pid: int) -> dict[str, str]:
@@ -441,19 +371,13 @@ def _net_ns(pid: int) -> str:
         return f"pid:{pid}"
 
 
-def _socket_inode(target: str) -> int | None:
-    if target.startswith("socket:[") and target.endswith("]"):
-        return int(target[8:-1])
-    return None
-
-
 def _proc_facts(
     pid: int, gpu: bool, tables: dict[str, dict[int, SocketFact]], plugin_devices: tuple[str, ...]
 ) -> ProcFacts:
     ns = _net_ns(pid)
     fds = []
     for fd, target in _read_fds(pid):
-        inode = _socket_inode(target)
+        inode = socket_inode(target)
         sk = None
         if inode is not None:
             if ns not in tables:
@@ -463,9 +387,9 @@ def _proc_facts(
                 tables[ns] = socket_table(pid)
                 sk = tables[ns].get(inode, SocketFact(inode, "unknown"))
         fds.append(FdFact(fd, target, sk))
-    return ProcFacts(
-        pid, _name(pid), gpu, tuple(fds), _read_maps(pid), _read_environ(pid), plugin_devices
-    )
+    maps, device_maps = _read_maps(pid)
+    env = _read_environ(pid)
+    return ProcFacts(pid, _name(pid), gpu, tuple(fds), maps, env, plugin_devices, device_maps)
 
 
 def gather(

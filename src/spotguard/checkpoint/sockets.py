@@ -1,0 +1,128 @@
+"""Sockets as the kernel's /proc/net tables show them: family, protocol, TCP state and
+endpoints, by inode — what the freeze preflight (:mod:`.scan`) needs to tell which
+sockets CRIU can dump and which TCP connections stay inside a job.
+
+Each table describes one network namespace (the one of the pid whose ``/proc/<pid>/net`` is
+read); a socket in none of them is of a family CRIU does not dump (``unknown``).
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+TCP_STATES = {
+    1: "ESTABLISHED",
+    2: "SYN_SENT",
+    3: "SYN_RECV",
+    4: "FIN_WAIT1",
+    5: "FIN_WAIT2",
+    6: "TIME_WAIT",
+    7: "CLOSE",
+    8: "CLOSE_WAIT",
+    9: "LAST_ACK",
+    10: "LISTEN",
+    11: "CLOSING",
+}
+_INET_TABLES = (
+    ("tcp", "inet", "tcp"),
+    ("tcp6", "inet6", "tcp"),
+    ("udp", "inet", "udp"),
+    ("udp6", "inet6", "udp"),
+    ("udplite", "inet", "udplite"),
+    ("udplite6", "inet6", "udplite"),
+    ("raw", "inet", "raw"),
+    ("raw6", "inet6", "raw"),
+)
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    """One end of an inet socket."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True)
+class SocketFact:
+    """A socket as the kernel's /proc/net tables show it (family ``unknown``: in none)."""
+
+    inode: int
+    family: str  # inet, inet6, unix, netlink, packet, unknown
+    proto: str = ""  # tcp, udp, udplite, raw (inet families only)
+    state: str = ""  # TCP state name (tcp only)
+    local: Endpoint | None = None
+    remote: Endpoint | None = None
+
+    @property
+    def connected_tcp(self) -> bool:
+        """A TCP socket CRIU dumps only with ``--tcp-established`` (not listening, not closed)."""
+        return self.proto == "tcp" and self.state not in ("LISTEN", "CLOSE")
+
+
+def _hex_ip(text: str) -> str:
+    raw = bytes.fromhex(text)
+    if len(raw) == 4:
+        return socket.inet_ntop(socket.AF_INET, raw[::-1])
+    words = struct.unpack("<4I", raw)
+    return socket.inet_ntop(socket.AF_INET6, struct.pack(">4I", *words))
+
+
+def parse_endpoint(text: str) -> Endpoint:
+    host, port = text.split(":")
+    return Endpoint(_hex_ip(host), int(port, 16))
+
+
+def _inet_table(path: Path, family: str, proto: str) -> dict[int, SocketFact]:
+    out: dict[int, SocketFact] = {}
+    try:
+        lines = path.read_text().splitlines()[1:]
+    except OSError:
+        return out
+    for line in lines:
+        cols = line.split()
+        if len(cols) < 10 or not cols[9].isdigit():
+            continue
+        state = TCP_STATES.get(int(cols[3], 16), cols[3]) if proto == "tcp" else ""
+        inode = int(cols[9])
+        local, remote = parse_endpoint(cols[1]), parse_endpoint(cols[2])
+        out[inode] = SocketFact(inode, family, proto, state, local, remote)
+    return out
+
+
+def _inode_table(path: Path, family: str, column: int) -> dict[int, SocketFact]:
+    out: dict[int, SocketFact] = {}
+    try:
+        lines = path.read_text().splitlines()[1:]
+    except OSError:
+        return out
+    for line in lines:
+        cols = line.split()
+        if len(cols) > column and cols[column].isdigit():
+            inode = int(cols[column])
+            out[inode] = SocketFact(inode, family)
+    return out
+
+
+def socket_table(pid: int) -> dict[int, SocketFact]:
+    """Every socket of the network namespace of ``pid``, by inode."""
+    net = Path(f"/proc/{pid}/net")
+    table: dict[int, SocketFact] = {}
+    for name, family, proto in _INET_TABLES:
+        table.update(_inet_table(net / name, family, proto))
+    table.update(_inode_table(net / "unix", "unix", 6))
+    table.update(_inode_table(net / "netlink", "netlink", 9))
+    table.update(_inode_table(net / "packet", "packet", 8))
+    return table
+
+
+def socket_inode(target: str) -> int | None:
+    if target.startswith("socket:[") and target.endswith("]"):
+        return int(target[8:-1])
+    return None
