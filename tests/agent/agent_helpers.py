@@ -175,13 +175,15 @@ async def running_agent(
 
 class FlakyProxy:
     """A TCP proxy on a loopback port, in its own thread, in front of a real server (moto):
-    while ``broken`` it drops every connection at once (an unreachable store), else it
+    while ``broken`` it drops every connection at once (an unreachable store); while
+    ``stalled`` it holds every byte, on open connections too (a store that hangs); else it
     passes bytes both ways."""
 
     def __init__(self, target_url: str) -> None:
         host, port = target_url.removeprefix("http://").rstrip("/").split(":")
         self.target = (host, int(port))
         self.broken = False
+        self.stalled = False
         self.dropped = 0
         self.url = ""
         self._loop = asyncio.new_event_loop()
@@ -212,6 +214,8 @@ class FlakyProxy:
         async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter) -> None:
             try:
                 while data := await r.read(1 << 16):
+                    while self.stalled:  # noqa: ASYNC110 - set from the test's thread
+                        await asyncio.sleep(0.05)
                     w.write(data)
                     await w.drain()
             except OSError:
@@ -230,6 +234,11 @@ class FlakyProxy:
         async def _stop() -> None:
             if self._server is not None:
                 self._server.close()
+            self.stalled = False
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
         asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
