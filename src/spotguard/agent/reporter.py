@@ -52,6 +52,9 @@ class _Transient(ControllerError):
 class Reporter:
     """Durable, ordered, idempotent delivery of agent events (or just logging, alone)."""
 
+    #: Event fields the reporter fills in itself (from a scoped token) when left unset.
+    STAMPED = ("epoch",)
+
     def __init__(
         self,
         controller_url: str | None,

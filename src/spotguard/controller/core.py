@@ -17,8 +17,16 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from spotguard.contracts import AnyEvent, Directive, NoticeEvent, NoticeInfo, Owner
-from spotguard.controller.machine import Options, on_event, relaunch
+from spotguard.contracts import (
+    AnyEvent,
+    Directive,
+    InstanceInfo,
+    NoticeEvent,
+    NoticeInfo,
+    Owner,
+)
+from spotguard.controller.machine import Options, on_event
+from spotguard.controller.ownership import relaunch
 from spotguard.controller.reconcile import Metrics, Reconciler
 from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, StateDB
@@ -218,15 +226,13 @@ class Controller(Reconciler):
                 # Notice ids hold no instance id (two instances warned in the same second
                 # share one), so the event id names the job and instance too.
                 eid = f"{notice.cloud.value}-{rec.name}-{iid}-{notice.id}-{int(notice.cancelled)}"
-                ev = NoticeEvent.model_validate(
-                    {
-                        "event_id": eid,
-                        "job": rec.name,
-                        "instance": rec.instance,
-                        "epoch": rec.data.owner.epoch,  # the owner's VM is the one warned
-                        "notice": NoticeInfo.model_validate(notice.to_json()),
-                        "source": notice.cloud.value,
-                    }
+                ev = NoticeEvent(
+                    event_id=eid,
+                    job=rec.name,
+                    instance=InstanceInfo.model_validate(rec.instance),
+                    epoch=rec.data.owner.epoch,  # the owner's VM is the one warned
+                    notice=NoticeInfo.model_validate(notice.to_json()),
+                    source=notice.cloud.value,
                 )
                 return (await self.handle_event(ev)).record
         log.info("fleet notice for an instance no job runs on", extra={"instance_id": iid})

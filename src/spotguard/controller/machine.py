@@ -21,12 +21,10 @@ image, launch, wait, terminate.
 **One handler per (state, kind)**: :data:`HANDLERS` maps every pair to a small function;
 ``tests/controller/test_controller_machine.py`` runs each pair.
 
-**Fencing.** Each job has an :class:`~spotguard.contracts.Owner` — the instance and the
-ownership *epoch* that may report for it. Every relaunch issues a new epoch (the new
-instance's assignment and scoped token carry it). An event from another epoch — the old VM's
-agent restarted after its exit checkpoint, a second agent — is recorded in the history and
-changes nothing (:func:`stale`); the API answers it 409 with ``stand_down``. Events without an
-epoch (an agent holding the fleet token) are fenced by instance id where both are known.
+**Fencing** (:mod:`spotguard.controller.ownership`): an event from an epoch that does not own
+the job is recorded in the history and changes nothing; the API answers it 409 with
+``stand_down``. Events without an epoch (an agent holding the fleet token) are fenced by
+instance id where both are known.
 
 What leads to a relaunch: EXITED or READY_TO_RELAUNCH (the job stopped), or — for a notice
 that ends the VM (:meth:`~spotguard.controller.state.JobData.ends_vm`) — its deadline plus
@@ -56,6 +54,7 @@ from spotguard.contracts import (
     RestoreFailedEvent,
     StartedEvent,
 )
+from spotguard.controller.ownership import MOVING, iid_of, new_epoch, relaunch, stale
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, SeenNotice
 from spotguard.facts import GpuInventory, InstanceFacts
 from spotguard.providers.base import LaunchSpec
@@ -74,7 +73,6 @@ OLD_INSTANCE_KINDS = frozenset(
         EventKind.READY_TO_RELAUNCH,
     }
 )
-MOVING = frozenset({JobState.LAUNCHING, JobState.RESTORING})
 LIVE = frozenset({JobState.PROTECTED, JobState.INTERRUPTING, JobState.CHECKPOINTED})
 
 
@@ -86,11 +84,6 @@ class Options:
     default_notice_s: float = 120.0
     terminate_old: bool = True
     terminate_finished: bool = True
-
-
-def iid_of(d: dict[str, Any] | None) -> str | None:
-    v = (d or {}).get("instance_id")
-    return str(v) if v else None
 
 
 @dataclass
@@ -168,57 +161,6 @@ def _seen_notice(c: Ctx, ev: NoticeEvent) -> SeenNotice | None:
 
 def _origin(ev: NoticeEvent) -> str:
     return "the fleet queue" if ev.source == "fleet" or ev.notice.cloud == "fleet" else "the agent"
-
-
-def new_epoch(rec: JobRecord) -> int:
-    """Hand the job to a new owner (not chosen yet): reports of the old epoch are stale."""
-    rec.data.epochs = max(rec.data.epochs, rec.data.owner.epoch) + 1
-    rec.data.owner = Owner(instance_id=None, epoch=rec.data.epochs)
-    return rec.data.epochs
-
-
-def relaunch(rec: JobRecord, reason: str, *, drain: bool, terminate_old: bool) -> Change:
-    """Move to LAUNCHING for a new round under a new epoch, queueing the old instance(s)
-    for termination."""
-    rec.state = JobState.LAUNCHING
-    rec.reason = reason
-    rec.launch_token = None
-    rec.launch_attempt = 0
-    d = rec.data
-    d.capacity_rounds = 0
-    d.drain = drain
-    d.skip_offers = []
-    launched, d.launched = d.launched, None  # the instance the controller launched for the job
-    if terminate_old and iid_of(rec.instance):
-        d.terminate = [*d.terminate, dict(rec.instance)]
-    if terminate_old and iid_of(launched) and iid_of(launched) != iid_of(rec.instance):
-        assert launched is not None
-        d.terminate = [*d.terminate, launched]
-    epoch = new_epoch(rec)
-    return Change(rec, reason, {"image_url": rec.image_url, "epoch": epoch})
-
-
-def stale(rec: JobRecord, ev: AnyEvent) -> str | None:
-    """Why ``ev`` does not come from the job's owner (None: it does).
-
-    With an epoch (every agent holding a scoped token): it must be the owner's. Without one
-    (a fleet-token agent): a report naming an instance other than the owner's is stale — a
-    STARTED too: an agent protecting the job elsewhere does not take it over — except the
-    reports of the instance being restored.
-    """
-    owner = rec.data.owner
-    if ev.epoch is not None:
-        if ev.epoch == owner.epoch:
-            return None
-        return f"epoch {ev.epoch}; the job is owned by epoch {owner.epoch}" + (
-            f" on {owner.instance_id}" if owner.instance_id else ""
-        )
-    iid = ev.instance.instance_id
-    if iid is None or owner.instance_id is None or iid == owner.instance_id:
-        return None
-    if iid == iid_of(rec.pending) or rec.state in MOVING:
-        return None  # judged by the moving states' own rules
-    return f"instance {iid}; the job is owned by {owner.instance_id} (epoch {owner.epoch})"
 
 
 # ----- handlers by kind ----------------------------------------------------------------------

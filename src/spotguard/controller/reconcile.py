@@ -30,14 +30,13 @@ import json
 import logging
 import time
 import uuid
-from collections.abc import Callable
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
 from spotguard.contracts import Assignment
-from spotguard.controller.imagefacts import image_spec
-from spotguard.controller.machine import new_epoch, relaunch
+from spotguard.controller.images import ImageChoice, Mutate, store_of
+from spotguard.controller.ownership import new_epoch, relaunch
 from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, StateDB
 from spotguard.controller.strategies import Strategy
@@ -61,8 +60,6 @@ from spotguard.providers.base import (
 )
 
 log = logging.getLogger(__name__)
-
-Mutate = Callable[[JobRecord], Change | None]
 
 
 class Metrics:
@@ -125,18 +122,7 @@ def _runs_on(why: str) -> Mutate:
     return mutate
 
 
-def store_of(rec: JobRecord, default: str | None) -> str | None:
-    """The job's store: reported, else configured, else read off the image URL."""
-    if rec.store:
-        return rec.store
-    if default:
-        return default
-    if rec.image_url and f"/{rec.name}/images/" in rec.image_url:
-        return rec.image_url.rsplit(f"/{rec.name}/images/", 1)[0]
-    return None
-
-
-class Reconciler:
+class Reconciler(ImageChoice):
     """The per-job loops of a controller (see the module doc). :class:`Controller` adds the
     inputs (events, notices, migrations) and the lifecycle."""
 
@@ -227,116 +213,6 @@ class Reconciler:
             return Change(r, reason)
 
         return mutate
-
-    async def _images(self, rec: JobRecord) -> tuple[list[str], str]:
-        """URLs of the job's complete images in its store, oldest first — and, when there
-        are none, why (no store known, store unreadable, nothing there)."""
-        store_url = store_of(rec, self.settings.default_store)
-        if store_url is None:
-            return [], "no store is known for the job"
-        from spotguard.image.manifest import ImageRef
-        from spotguard.image.reader import complete_image_ids
-        from spotguard.image.writer import store_for
-
-        try:
-            store = store_for(store_url, self.image_settings)
-            try:
-                ids = await complete_image_ids(store, rec.name)
-                urls = [ImageRef(store.url, rec.name, i).url for i in ids]
-            finally:
-                await store.aclose()
-        except SpotguardError as exc:
-            return [], f"store {store_url}: {exc}"
-        return urls, f"store {store_url} holds no complete image of {rec.name}"
-
-    async def _fallback(self, rec: JobRecord) -> None:
-        urls, why = await self._images(rec)
-        url = urls[-1] if urls else None
-        if url is None:
-            await self._set(rec, self._fail(f"no durable image after the notice and {why}"))
-            return
-        chosen = url
-
-        def mutate(r: JobRecord) -> Change:
-            r.image_url = chosen
-            r.data.fallback_now = False
-            return relaunch(
-                r,
-                f"no durable image reported; relaunching from the newest image {chosen}",
-                drain=False,
-                terminate_old=self.settings.terminate_old,
-            )
-
-        await self._set(rec, mutate)
-
-    async def _spec_from_image(self, rec: JobRecord) -> JobRecord:
-        """Before a round: the launch spec from the image's manifest, once per image.
-
-        The manifest's GPU facts describe what restoring that image needs, so they win over
-        what reports said (or did not say: a fall-back without a DURABLE report, or a report
-        without GPU facts). An unreadable manifest keeps the recorded spec and says why.
-        """
-        url = rec.image_url
-        if not url or rec.data.spec_image == url:
-            return rec
-        recorded = LaunchSpec.from_json(rec.spec)
-        try:
-            spec = await image_spec(url, recorded, self.image_settings)
-        except SpotguardError as exc:
-            msg = f"cannot read the manifest of {url} ({exc}); launching for the reported facts"
-            log.warning("image manifest unreadable", extra={"job": rec.name, "error": str(exc)})
-
-            def keep(r: JobRecord) -> Change:
-                r.data.spec_image = url
-                return Change(r, msg, note=True)
-
-            return await self._set(rec, keep) or rec
-
-        def adopt(r: JobRecord) -> Change:
-            r.data.spec_image = url
-            if spec is None:
-                msg = f"the manifest of {url} holds no GPU facts; keeping the reported spec"
-                return Change(r, msg, note=True)
-            r.spec = spec.to_json()
-            where = spec.instance_type or "any type"
-            return Change(
-                r,
-                f"launch spec from the image's manifest: {spec.describe_gpus()}, ran on {where} "
-                f"(reports said {recorded.describe_gpus()})",
-                {"spec": r.spec},
-                note=True,
-            )
-
-        return await self._set(rec, adopt) or rec
-
-    async def _older_image(self, rec: JobRecord) -> JobRecord | None:
-        """After a restore failed for the image's fault: the newest complete image older
-        than every image known bad becomes the one to restore, or the job FAILS saying
-        there is none (never a round for an image that can never restore)."""
-        bad = rec.data.bad_images
-        oldest_bad = min(u.rsplit("/", 1)[-1] for u in bad) if bad else "~"
-        urls, why = await self._images(rec)
-        older = [u for u in urls if u not in bad and u.rsplit("/", 1)[-1] < oldest_bad]
-        if not older:
-            reason = (
-                f"image {rec.image_url} cannot be restored and no older complete image exists "
-                f"({why if not urls else f'{len(urls)} complete, none older'})"
-            )
-            await self._set(rec, self._fail(reason))
-            return None
-        chosen = older[-1]
-
-        def adopt(r: JobRecord) -> Change:
-            was = r.image_url
-            r.image_url = chosen
-            r.data.older_image = False
-            r.reason = f"falling back to the older image {chosen} ({was} cannot be restored)"
-            log.warning("older image", extra={"job": r.name, "image": chosen, "reason": r.reason})
-            return Change(
-                r, r.reason, {"image_url": chosen, "bad_images": r.data.bad_images}, note=True
-            )
-
-        return await self._set(rec, adopt)
 
     def _assignment(self, rec: JobRecord, offer_hint: dict[str, Any]) -> Assignment:
         store = store_of(rec, self.settings.default_store)

@@ -106,7 +106,7 @@ class ControllerSettings(Settings):
             if tok:
                 return tok
         raise ConfigError(
-            "the controller needs an admin token: --controller-token-file, "
+            "the controller needs a token (its admin token): --controller-token-file, "
             "SPOTGUARD_CONTROLLER_TOKEN_FILE or SPOTGUARD_CONTROLLER_TOKEN"
         )
 
