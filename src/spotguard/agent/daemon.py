@@ -137,25 +137,6 @@ class Agent(NoticeHandling):
             on_emit=self.notifier.agent_event if self.notifier is not None else None,
         )
 
-    def _controller_says(self, answer: dict[str, Any]) -> None:
-        """The controller answers each event with what it wants next; ``drain`` (a migration
-        waiting for a fresh image) starts an operator-style drain once."""
-        if answer.get("action") != "drain" or self._controller_drain:
-            return
-        if not any(w.active for w in self.workers.values()):
-            return
-        self._controller_drain = True
-        log.info(
-            "controller asks for a drain",
-            extra={"step": "drain", "job": answer.get("job"), "reason": answer.get("reason")},
-        )
-        self._spawn(
-            self.drain(
-                "controller: " + str(answer.get("reason") or "migrate"), wait=False, deadline_s=None
-            ),
-            "controller-drain",
-        )
-
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
         self._tasks.add(task)
@@ -511,15 +492,3 @@ class Agent(NoticeHandling):
                 {n: vars(h) for n, h in self.bus.health.items()} if self.bus is not None else {}
             ),
         }
-
-    async def drain(self, reason: str, *, wait: bool, deadline_s: float | None) -> dict[str, Any]:
-        """Operator drain of every protected job: a manual notice through the bus (so it is
-        deduplicated, logged and decided like any other); with ``wait``, the outcomes."""
-        notice = await self.manual.drain(reason, deadline_s or self.settings.drain_deadline)
-        fut: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
-        self._outcomes[notice.id] = fut
-        answer: dict[str, Any] = {"notice": notice.to_json()}
-        if wait:
-            answer["results"] = await fut
-            self._outcomes.pop(notice.id, None)
-        return answer

@@ -1,6 +1,7 @@
 """How the agent handles a notice: count, report, decide, queue on every active job, and
 acknowledge it (Azure) once every job's image for it is durable — or at once when the policy
-does nothing. A cancelled notice drops what is still waiting.
+does nothing. A cancelled notice drops what is still waiting. An operator's drain and the
+controller's "drain" answer become manual notices and go the same way.
 
 :class:`NoticeHandling` holds these steps as methods of :class:`~spotguard.agent.daemon.Agent`
 (its attributes are declared below); the daemon module holds the wiring and the jobs.
@@ -18,10 +19,12 @@ from spotguard.errors import NoticeError
 from spotguard.facts import InstanceFacts
 from spotguard.notices.base import Cloud, Notice
 from spotguard.notices.bus import NoticeBus
+from spotguard.notices.manual import ManualSource
 
 from .metrics import AgentMetrics
 from .policy import Action, Policy
 from .reporter import Reporter
+from .settings import AgentSettings
 from .worker import JobWorker, Request
 
 log = logging.getLogger(__name__)
@@ -38,6 +41,9 @@ class NoticeHandling:
     bus: NoticeBus | None
     notices_seen: list[dict[str, Any]]
     _outcomes: dict[str, asyncio.Future[list[dict[str, Any]]]]
+    manual: ManualSource
+    settings: AgentSettings
+    _controller_drain: bool
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         raise NotImplementedError
@@ -143,3 +149,34 @@ class NoticeHandling:
                 "notice acknowledgement failed",
                 extra={"step": "acknowledge", "notice": notice.id, "error": str(exc)},
             )
+
+    def _controller_says(self, answer: dict[str, Any]) -> None:
+        """The controller answers each event with what it wants next; ``drain`` (a migration
+        waiting for a fresh image) starts an operator-style drain once."""
+        if answer.get("action") != "drain" or self._controller_drain:
+            return
+        if not any(w.active for w in self.workers.values()):
+            return
+        self._controller_drain = True
+        log.info(
+            "controller asks for a drain",
+            extra={"step": "drain", "job": answer.get("job"), "reason": answer.get("reason")},
+        )
+        self._spawn(
+            self.drain(
+                "controller: " + str(answer.get("reason") or "migrate"), wait=False, deadline_s=None
+            ),
+            "controller-drain",
+        )
+
+    async def drain(self, reason: str, *, wait: bool, deadline_s: float | None) -> dict[str, Any]:
+        """Operator drain of every protected job: a manual notice through the bus (so it is
+        deduplicated, logged and decided like any other); with ``wait``, the outcomes."""
+        notice = await self.manual.drain(reason, deadline_s or self.settings.drain_deadline)
+        fut: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
+        self._outcomes[notice.id] = fut
+        answer: dict[str, Any] = {"notice": notice.to_json()}
+        if wait:
+            answer["results"] = await fut
+            self._outcomes.pop(notice.id, None)
+        return answer
