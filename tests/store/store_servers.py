@@ -4,6 +4,8 @@ and a fault-injecting HTTP proxy. Loaded by tests/store/conftest.py and tests/im
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import os
 import socket
 import subprocess
@@ -108,13 +110,31 @@ def store_url(request: pytest.FixtureRequest, tmp_path: Path) -> str:
     return str(request.getfixturevalue("gcs_bucket")) + "/pfx"
 
 
+_ERRORS = {
+    # action: (status, S3 error code, message)
+    "500": (500, "InternalError", "injected: internal error"),
+    "503": (503, "ServiceUnavailable", "injected"),
+    "507": (507, "XMinioStorageFull", "injected: storage backend has reached its minimum free"),
+    "too-large": (400, "EntityTooLarge", "injected: your proposed upload exceeds the maximum"),
+}
+
+
 @dataclass
 class Fault:
     """Make the next ``times`` requests whose method is ``method`` and whose path contains
-    ``path`` fail with ``action``: ``"503"``, ``"drop"`` (read part of the body, close the
-    connection without answering), ``"cut"`` (answer, but close halfway through the body) or
-    ``"flip"`` (answer with one byte of the body changed) or ``"lose"`` (forward the request,
-    then close the connection instead of answering: the write landed, the client can't know)."""
+    ``path`` fail with ``action``:
+
+    * answers instead of the server: ``"500"``, ``"503"``, ``"507"`` (storage full, as MinIO
+      says it) and ``"too-large"`` (400 EntityTooLarge), each with the flavour's error body;
+    * ``"hang"``: read the request, then never answer (until the proxy is closed);
+    * ``"drop"``: read part of the body, close the connection without answering;
+    * ``"cut"``: answer, but close halfway through the body (a short body);
+    * ``"flip"``: answer with one byte of the body changed;
+    * ``"lose"``: forward the request, then close the connection instead of answering (the
+      write landed, the client can't know);
+    * odd headers on the real answer: ``"no-length"`` (no Content-Length: a chunked body),
+      ``"bad-etag"`` (an ETag that is not the object's).
+    """
 
     method: str
     path: str
@@ -125,12 +145,15 @@ class Fault:
 
 @dataclass
 class FaultProxy:
-    """A reverse proxy in front of a real server that injects faults by rule."""
+    """A reverse proxy in front of a real server that injects faults by rule. ``flavour``
+    (``"s3"`` or ``"gcs"``) shapes the error bodies like that server's."""
 
     upstream: str
     url: str = ""
     faults: list[Fault] = field(default_factory=list)
     requests: int = 0
+    flavour: str = "s3"
+    released: asyncio.Event = field(default_factory=asyncio.Event)
 
     def add(self, method: str, path: str, action: str, times: int = 1) -> Fault:
         f = Fault(method, path, action, times)
@@ -145,17 +168,31 @@ class FaultProxy:
                 return f
         return None
 
+    def _error(self, action: str) -> web.Response:
+        status, code, message = _ERRORS[action]
+        if self.flavour == "gcs":
+            if action == "too-large":  # GCS says so with 413 Payload Too Large
+                status, code = 413, "uploadTooLarge"
+            err = {"error": {"code": status, "message": message, "errors": [{"reason": code}]}}
+            return web.json_response(err, status=status)
+        return web.Response(
+            status=status,
+            body=f"<Error><Code>{code}</Code><Message>{message}</Message></Error>".encode(),
+            content_type="application/xml",
+        )
+
     async def handle(self, req: web.Request) -> web.StreamResponse:
         self.requests += 1
         fault = self._match(req)
-        if fault and fault.action == "503":
+        action = fault.action if fault else ""
+        if action in _ERRORS:
             await req.read()
-            return web.Response(
-                status=503,
-                body=b"<Error><Code>ServiceUnavailable</Code><Message>injected</Message></Error>",
-                content_type="application/xml",
-            )
-        if fault and fault.action == "drop":
+            return self._error(action)
+        if action == "hang":
+            await req.read()
+            await self.released.wait()
+            return web.Response(status=503)
+        if action == "drop":
             await req.content.read(1024)
             assert req.transport is not None
             req.transport.close()
@@ -175,22 +212,58 @@ class FaultProxy:
         ):
             data = await up.read()
             out_headers = {k: v for k, v in up.headers.items() if k.lower() not in _HOP}
-        if fault and fault.action == "lose":
+            if req.method == "HEAD" and "Content-Length" in up.headers and action != "no-length":
+                out_headers["Content-Length"] = up.headers["Content-Length"]  # the object's
+        return await self._answer(req, action, up.status, data, out_headers)
+
+    async def _answer(
+        self, req: web.Request, action: str, status: int, data: bytes, headers: dict[str, str]
+    ) -> web.StreamResponse:
+        if action == "lose":
             assert req.transport is not None
             req.transport.close()
             return web.Response(status=500)  # never reaches the client
-        if fault and fault.action == "flip" and data:
+        if action == "flip" and data:
             mid = len(data) // 2
             data = data[:mid] + bytes([data[mid] ^ 0xFF]) + data[mid + 1 :]
-        if fault and fault.action == "cut" and len(data) > 1:
-            resp = web.StreamResponse(status=up.status, headers=out_headers)
+        if action == "bad-etag":
+            headers = {k: v for k, v in headers.items() if k.lower() != "etag"}
+            headers["ETag"] = '"00000000000000000000000000000000"'
+        if action == "no-length" and req.method != "HEAD":  # (a HEAD answer has none here)
+            resp = web.StreamResponse(status=status, headers=headers)
+            resp.enable_chunked_encoding()
+            await resp.prepare(req)
+            await resp.write(data)
+            await resp.write_eof()
+            return resp
+        if action == "cut" and len(data) > 1:
+            resp = web.StreamResponse(status=status, headers=headers)
             resp.content_length = len(data)
             await resp.prepare(req)
             await resp.write(data[: len(data) // 2])
             assert req.transport is not None
             req.transport.close()
             return resp
-        return web.Response(status=up.status, body=data, headers=out_headers)
+        return web.Response(status=status, body=data, headers=headers)
+
+
+@contextlib.asynccontextmanager
+async def serve_proxy(proxy: FaultProxy) -> AsyncIterator[FaultProxy]:
+    """Run ``proxy`` on a free loopback port (its ``url``) until the block ends; requests it
+    holds (``"hang"``) are released first."""
+    app = web.Application(client_max_size=1 << 30)
+    app.router.add_route("*", "/{tail:.*}", proxy.handle)
+    runner = web.AppRunner(app, access_log=None, shutdown_timeout=1.0)
+    await runner.setup()
+    port = _free_port()
+    site = web.TCPSite(runner, "127.0.0.1", port)
+    await site.start()
+    proxy.url = f"http://127.0.0.1:{port}"
+    try:
+        yield proxy
+    finally:
+        proxy.released.set()
+        await runner.cleanup()
 
 
 @pytest.fixture
@@ -198,20 +271,20 @@ async def fault_proxy(
     s3_bucket: str, moto_server: str, monkeypatch: pytest.MonkeyPatch
 ) -> AsyncIterator[FaultProxy]:
     """A FaultProxy in front of the moto server; boto3 is pointed at the proxy."""
-    proxy = FaultProxy(moto_server)
-    app = web.Application(client_max_size=1 << 30)
-    app.router.add_route("*", "/{tail:.*}", proxy.handle)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    port = _free_port()
-    site = web.TCPSite(runner, "127.0.0.1", port)
-    await site.start()
-    proxy.url = f"http://127.0.0.1:{port}"
-    monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
-    try:
+    async with serve_proxy(FaultProxy(moto_server)) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.url)
         yield proxy
-    finally:
-        await runner.cleanup()
+
+
+@pytest.fixture
+async def gcs_fault_proxy(
+    gcs_bucket: str, gcs_server: str, monkeypatch: pytest.MonkeyPatch
+) -> AsyncIterator[FaultProxy]:
+    """A FaultProxy in front of fake-gcs-server (``gcs_bucket`` is made on the server itself);
+    google-cloud-storage is pointed at the proxy."""
+    async with serve_proxy(FaultProxy(gcs_server, flavour="gcs")) as proxy:
+        monkeypatch.setenv("STORAGE_EMULATOR_HOST", proxy.url)
+        yield proxy
 
 
 def aws_child_env() -> dict[str, str]:

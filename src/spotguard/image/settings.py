@@ -38,6 +38,13 @@ class ImageSettings(Settings):
         1024, ge=1, description="Memory bound for chunks in flight (MiB); writers wait beyond it"
     )
     retries: int = Field(5, ge=1, le=50, description="Attempts per store request on 5xx/drops")
+    store_timeout: float = Field(
+        30.0,
+        gt=0,
+        le=600,
+        description="Seconds a store request may wait to connect or for the next byte of an "
+        "answer before it is retried (a store that hangs)",
+    )
     dedup: bool = Field(True, description="Skip chunks already in the store")
     encryption_key_file: Path | None = Field(
         None, description="File with a 32-byte key (raw, hex or base64) for AES-256-GCM"

@@ -71,7 +71,7 @@ def store_for(url: str, settings: ImageSettings) -> ImageStore:
     return open_store(
         url,
         io_workers=settings.io_workers,
-        retry=RetryPolicy(attempts=settings.retries),
+        retry=RetryPolicy(attempts=settings.retries, timeout=settings.store_timeout),
         sse=settings.sse or None,
         sse_kms_key_id=settings.sse_kms_key_id or None,
     )

@@ -8,7 +8,10 @@ Backends talk to blocking SDKs, so :class:`BlockingStore` runs each call in a th
 the SDK's errors to :mod:`spotguard.errors` in ONE method per backend (``_map_error``), and
 retries :class:`~spotguard.errors.StoreUnavailable` with exponential backoff and jitter
 (tenacity). Everything above the store sees only ``StoreUnavailable`` (after the retries ran
-out), ``ObjectNotFound`` and ``PreconditionFailed``.
+out), ``ObjectNotFound``, ``PreconditionFailed`` and, for what retrying cannot fix (a full
+disk or bucket, permissions, a malformed answer), a plain ``StoreError``, never retried. A
+request that hangs is bounded by :attr:`RetryPolicy.timeout`. docs/operations.md ("Fault
+table") lists each store fault, what the store does about it and the test that proves it.
 
 Data goes in as any bytes-like object (a view of a reused buffer, usually) and a store must not
 keep a reference to it once ``put`` returns. :func:`get_into` reads an object into a caller's
@@ -61,12 +64,20 @@ class ObjectInfo:
 @dataclass(frozen=True)
 class RetryPolicy:
     """How transient store errors are retried: ``attempts`` tries in all, waiting
-    ``initial`` seconds doubling up to ``maximum`` with up to ``jitter`` seconds of jitter."""
+    ``initial`` seconds doubling up to ``maximum`` with up to ``jitter`` seconds of jitter.
+
+    ``timeout`` bounds one request: the seconds a backend waits to connect, and then for any
+    byte of the answer (an idle connection, not the whole transfer, so a large object on a
+    slow link is not cut off). A store that stops answering fails that attempt with
+    :class:`~spotguard.errors.StoreUnavailable`; with the retries, a call that hangs returns
+    within about ``attempts * (timeout + maximum)`` seconds, never blocks for ever.
+    """
 
     attempts: int = 5
     initial: float = 0.2
     maximum: float = 5.0
     jitter: float = 0.5
+    timeout: float = 30.0
 
 
 @runtime_checkable

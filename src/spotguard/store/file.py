@@ -200,5 +200,7 @@ class FileStore(BlockingStore):
         if isinstance(exc, OSError):
             if exc.errno in (errno.EIO, errno.EAGAIN, errno.EBUSY, errno.ESTALE):
                 return StoreUnavailable(f"{self.url}/{key}: {exc.strerror}")
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
+                return StoreError(f"{self.url}/{key}: no room in the store: {exc.strerror}")
             return StoreError(f"{self.url}/{key}: {exc.strerror or exc}")
         return None

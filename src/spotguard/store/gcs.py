@@ -19,6 +19,9 @@ from typing import Any
 from spotguard.errors import ObjectNotFound, PreconditionFailed, StoreError, StoreUnavailable
 from spotguard.store.base import BlockingStore, Data, ObjectInfo, RetryPolicy
 
+#: HTTP answers that say the bucket is full or the object too large: not retried.
+_FULL_STATUS = frozenset({413, 507})
+
 
 class GcsStore(BlockingStore):
     """Objects under ``gs://bucket/prefix``."""
@@ -59,6 +62,11 @@ class GcsStore(BlockingStore):
             self._local.bucket = b
         return b
 
+    @property
+    def _timeout(self) -> tuple[float, float]:
+        """(connect, read) seconds for one request: see :attr:`RetryPolicy.timeout`."""
+        return (min(10.0, self.retry.timeout), self.retry.timeout)
+
     def _k(self, key: str) -> str:
         return f"{self.prefix}/{key}" if self.prefix else key
 
@@ -67,7 +75,7 @@ class GcsStore(BlockingStore):
 
     def _put(self, key: str, data: Data, if_absent: bool) -> None:
         blob = self.bucket.blob(self._k(key))
-        kwargs: dict[str, Any] = {"retry": None, "checksum": "crc32c"}
+        kwargs: dict[str, Any] = {"retry": None, "checksum": "crc32c", "timeout": self._timeout}
         if if_absent:
             kwargs["if_generation_match"] = 0
         if not isinstance(data, bytes):
@@ -76,11 +84,11 @@ class GcsStore(BlockingStore):
 
     def _get(self, key: str) -> bytes:
         blob = self.bucket.blob(self._k(key))
-        data: bytes = blob.download_as_bytes(retry=None, checksum="crc32c")
+        data: bytes = blob.download_as_bytes(retry=None, checksum="crc32c", timeout=self._timeout)
         return data
 
     def _stat(self, key: str) -> ObjectInfo | None:
-        blob = self.bucket.get_blob(self._k(key), retry=None)
+        blob = self.bucket.get_blob(self._k(key), retry=None, timeout=self._timeout)
         if blob is None:
             return None
         return ObjectInfo(key, int(blob.size or 0), blob.updated.astimezone(UTC))
@@ -88,7 +96,7 @@ class GcsStore(BlockingStore):
     def _list(self, prefix: str) -> list[ObjectInfo]:
         out: list[ObjectInfo] = []
         for blob in self.bucket.client.list_blobs(
-            self.bucket_name, prefix=self._k(prefix), retry=None
+            self.bucket_name, prefix=self._k(prefix), retry=None, timeout=self._timeout
         ):
             out.append(
                 ObjectInfo(self._unk(blob.name), int(blob.size or 0), blob.updated.astimezone(UTC))
@@ -99,7 +107,9 @@ class GcsStore(BlockingStore):
         full = self._k(prefix)
         if full and not full.endswith("/"):
             full += "/"
-        it = self.bucket.client.list_blobs(self.bucket_name, prefix=full, delimiter="/", retry=None)
+        it = self.bucket.client.list_blobs(
+            self.bucket_name, prefix=full, delimiter="/", retry=None, timeout=self._timeout
+        )
         for _page in it.pages:
             pass  # prefixes are collected while paging
         return [p[len(full) :].rstrip("/") for p in it.prefixes]
@@ -108,13 +118,13 @@ class GcsStore(BlockingStore):
         from google.api_core.exceptions import NotFound
 
         with contextlib.suppress(NotFound):
-            self.bucket.blob(self._k(key)).delete(retry=None)
+            self.bucket.blob(self._k(key)).delete(retry=None, timeout=self._timeout)
 
     def _map_error(self, exc: Exception, key: str) -> StoreError | None:
         from google.api_core import exceptions as gexc
         from google.auth.exceptions import DefaultCredentialsError, TransportError
         from google.cloud.storage.exceptions import DataCorruption, InvalidResponse
-        from requests.exceptions import ConnectionError, Timeout
+        from requests.exceptions import RequestException
 
         where = f"{self.url}/{key}"
         if isinstance(exc, gexc.NotFound):
@@ -123,14 +133,15 @@ class GcsStore(BlockingStore):
             return ObjectNotFound(f"{where} does not exist")
         if isinstance(exc, gexc.PreconditionFailed):
             return PreconditionFailed(f"{where} already exists")
+        if getattr(exc, "code", None) in _FULL_STATUS:
+            return StoreError(f"{where}: no room in the store: {exc}")
         if isinstance(
             exc,
             gexc.TooManyRequests
             | gexc.ServerError
             | gexc.RetryError
             | TransportError
-            | ConnectionError
-            | Timeout
+            | RequestException  # refused, timed out, cut short (a truncated JSON answer too)
             | DataCorruption,
         ):
             return StoreUnavailable(f"{where}: {exc}")
@@ -140,6 +151,8 @@ class GcsStore(BlockingStore):
                 return ObjectNotFound(f"{where} does not exist")
             if status == 412:
                 return PreconditionFailed(f"{where} already exists")
+            if status in _FULL_STATUS:
+                return StoreError(f"{where}: no room in the store: HTTP {status}")
             if status == 429 or status >= 500:
                 return StoreUnavailable(f"{where}: HTTP {status}")
             return StoreError(f"{where}: HTTP {status}")

@@ -37,6 +37,15 @@ _TRANSIENT_CODES = {
     "OperationAborted",
     "ConditionalRequestConflict",
 }
+#: Answers that say the store (or the account's quota) is full, or the object too large: a
+#: retry within a notice's deadline cannot fix them, so they are not retried.
+_FULL_CODES = {
+    "EntityTooLarge",
+    "QuotaExceeded",
+    "XMinioStorageFull",
+    "StorageFull",
+    "InsufficientStorage",
+}
 _MIN_PART = 5 << 20
 
 
@@ -123,8 +132,8 @@ class S3Store(BlockingStore):
             cfg = Config(
                 max_pool_connections=self.io_workers + 4,
                 retries={"total_max_attempts": 1, "mode": "standard"},  # tenacity retries
-                connect_timeout=10,
-                read_timeout=60,
+                connect_timeout=min(10.0, self.retry.timeout),
+                read_timeout=self.retry.timeout,
                 request_checksum_calculation="when_required",
                 # Downloads are verified end to end by the image layer (hash of the content,
                 # one refetch, then ImageCorrupt naming the chunk), so botocore need not.
@@ -243,8 +252,9 @@ class S3Store(BlockingStore):
         r = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
         body = r["Body"]
         try:
-            size = int(r["ContentLength"])
-            if size > len(buf):
+            size = r.get("ContentLength")
+            if not isinstance(size, int) or size > len(buf):
+                # no Content-Length (a chunked answer): read to the end of the body
                 return memoryview(body.read())
             got = 0
             while got < size:
@@ -325,6 +335,8 @@ class S3Store(BlockingStore):
                 return StoreError(f"bucket {self.bucket!r} does not exist ({self.url})")
             if status == 412 or code == "PreconditionFailed":
                 return PreconditionFailed(f"{where} already exists")
+            if code in _FULL_CODES or status in (413, 507):
+                return StoreError(f"{where}: no room in the store: {code or status} {msg}".rstrip())
             if code in _TRANSIENT_CODES or status in (429, 500, 502, 503, 504) or status >= 500:
                 return StoreUnavailable(f"{where}: {code or status} {msg}".rstrip())
             return StoreError(f"{where}: {code} {msg}".rstrip())
