@@ -8,6 +8,7 @@ callback that receives :class:`~spotguard.image.stats.TransferStats` after every
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import shutil
@@ -161,13 +162,14 @@ async def pull_image(
         m = reader.manifest
         reader.stats.total = m.totals.bytes
         created: list[Path] = []
+        made: list[Path] = []  # directories this call created
         fds: dict[str, int] = {}
         ok = False
         try:
             with tl.step("pull", image=reader.url, files=m.totals.files, bytes=m.totals.bytes):
                 for f in m.files:
                     p = dest / f.name
-                    p.parent.mkdir(parents=True, exist_ok=True)
+                    _mkdirs(p.parent, made)
                     if p.exists():
                         raise ImageError(f"restore target {p} already exists; use an empty dir")
                     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
@@ -185,10 +187,24 @@ async def pull_image(
             if not ok:
                 for p in created:
                     p.unlink(missing_ok=True)
+                for d in reversed(made):
+                    with contextlib.suppress(OSError):
+                        d.rmdir()
         reader.stats.finished = time.monotonic()
         result = PullResult(reader.url, dest, m, reader.stats, reader.refetches, tl)
     log.info("image pulled", extra={"image": result.image_url, **result.stats.to_json()})
     return result
+
+
+def _mkdirs(d: Path, made: list[Path]) -> None:
+    """``mkdir -p d``, recording each directory it creates (removed again on failure)."""
+    missing: list[Path] = []
+    while not d.exists():
+        missing.append(d)
+        d = d.parent
+    for m in reversed(missing):
+        m.mkdir(exist_ok=True)
+        made.append(m)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
