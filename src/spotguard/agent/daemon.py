@@ -17,7 +17,8 @@ Start-up, in order (each step one log line; :mod:`spotguard.agent.startup`):
    ends, and protected again when it comes back (``spotguard restore`` by hand);
 6. the local API and the controller reporter; with a controller, a directive poll every
    ``directive_poll_s`` seconds per protected job (:mod:`spotguard.agent.directives`);
-7. watch notices (:mod:`spotguard.agent.dispatch`).
+7. watch notices (:mod:`spotguard.agent.dispatch`) and run the park policies
+   (:mod:`spotguard.agent.parking`; a job parked as an image is not "finished").
 """
 
 from __future__ import annotations
@@ -44,9 +45,10 @@ from spotguard.notices.bus import NoticeBus
 from spotguard.notices.manual import ManualSource
 from spotguard.notices.settings import NoticeSettings
 from spotguard.notify import Notifier
+from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
 
-from . import jobspec, startup
+from . import jobspec, parking, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
 from .dispatch import NoticeHandling
@@ -80,8 +82,12 @@ class Agent(NoticeHandling):
         planner: PlannerSettings | None = None,
         sources: Sequence[NoticeSource] | None = None,
         notifier: Notifier | None = None,
+        park: ParkSettings | None = None,
+        config: str | None = None,  # the --config file, for processes the agent starts
     ) -> None:
         self.settings = settings
+        self.park_settings = park or ParkSettings()
+        self.config = config
         self.notifier = notifier  # webhooks told of notices, freezes, images, restores
         self.image_settings = image
         self.planner_settings = planner
@@ -228,6 +234,7 @@ class Agent(NoticeHandling):
         self._poll_directives()
         self.bus = NoticeBus([*sources, self.manual], backoff_max=self.notice_settings.backoff_max)
         self._spawn(self._watch(self.bus), "notices")
+        self._spawn(parking.policy_for(self).run(self._stop), "park")
 
     def _recovered(self, info: JobInfo, seconds: float) -> None:
         log.info(
@@ -306,10 +313,8 @@ class Agent(NoticeHandling):
             with contextlib.suppress(SpotguardError):
                 info = jobspec.resolve(spec, state_dir=self.checkpoint_settings.state_dir)
                 if info.pid != old_pid and proctree.alive(info.pid):
-                    log.info(
-                        "job runs again; protecting it",
-                        extra={"step": "protect", "job": info.name, "pid": info.pid},
-                    )
+                    what = {"step": "protect", "job": info.name, "pid": info.pid}
+                    log.info("job runs again; protecting it", extra=what)
                     return info
 
     async def _guard(self, info: JobInfo) -> None:
@@ -399,7 +404,7 @@ class Agent(NoticeHandling):
     async def _liveness(self, worker: JobWorker) -> None:
         while worker.active:
             if worker.state == "protecting" and not worker.alive():
-                worker.job_ended()
+                parking.gone(worker, self.checkpoint_settings.state_dir)  # finished, or parked
                 return
             await asyncio.sleep(LIVENESS_S)
 
@@ -487,6 +492,7 @@ class Agent(NoticeHandling):
             "jobs": [
                 {**w.status(), "kept": self.pusher.status(w.name)} for w in self.workers.values()
             ],
+            "parked": parking.parked_status(self.checkpoint_settings.state_dir),
             "notices": list(self.notices_seen),
             "sources": (
                 {n: vars(h) for n, h in self.bus.health.items()} if self.bus is not None else {}

@@ -18,6 +18,7 @@ import platform
 import time
 from collections.abc import Callable
 from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
 
 from prometheus_client import (
     CollectorRegistry,
@@ -83,6 +84,34 @@ class _ImageAge(Collector):
         for job, at in sorted(self.last.items()):
             g.add_metric([job], max(0.0, now - at))
         return [g]
+
+
+class _Parked(Collector):
+    """Parked jobs of this node and the bytes of state they hold, by place."""
+
+    def __init__(self, state_dir: Path) -> None:
+        self.state_dir = state_dir
+
+    def collect(self) -> list[GaugeMetricFamily]:
+        from spotguard.park import record
+
+        jobs = GaugeMetricFamily(
+            "spotguard_parked_jobs", "Jobs parked on this node", labels=["place"]
+        )
+        held = GaugeMetricFamily(
+            "spotguard_parked_bytes",
+            "Bytes of state parked jobs hold (memory, tmpfs, disk or store)",
+            labels=["place"],
+        )
+        count: dict[str, int] = {}
+        size: dict[str, int] = {}
+        for rec in record.all_records(self.state_dir):
+            count[rec.place] = count.get(rec.place, 0) + 1
+            size[rec.place] = size.get(rec.place, 0) + rec.bytes
+        for place in ("memory", "tmpfs", "disk", "store"):
+            jobs.add_metric([place], float(count.get(place, 0)))
+            held.add_metric([place], float(size.get(place, 0)))
+        return [jobs, held]
 
 
 class AgentMetrics:
@@ -159,6 +188,11 @@ class AgentMetrics:
         self.protected_jobs.set_function(lambda: 0.0)
         self._age = _ImageAge()
         r.register(self._age)
+
+    def count_parked(self, state_dir: Path) -> None:
+        """``spotguard_parked_jobs`` and ``spotguard_parked_bytes``, read from the park records
+        at each scrape."""
+        self.registry.register(_Parked(state_dir))
 
     def count_protected(self, count: Callable[[], int]) -> None:
         """Let ``spotguard_protected_jobs`` ask ``count`` at each scrape."""

@@ -125,7 +125,7 @@ class JobWorker:
         self.last_image: CheckpointResult | None = None
         self.last_notice: str | None = None  # the notice (or "periodic") it was taken for
         self.last_image_at = last_image_at
-        self.state = "protecting"  # → checkpointing | exited | finished | pushing
+        self.state = "protecting"  # → checkpointing | exited | finished | pushing | parked
         self.activity: dict[str, Any] | None = None
         self.pending: dict[str, Request] = {}
         self.failures = 0
@@ -227,6 +227,18 @@ class JobWorker:
             JobFinishedEvent(job=self.name, instance=InstanceInfo.model_validate(self.instance))
         )
         self._release_waiters({"job": self.name, "state": "finished"})
+        self._wake.set()
+
+    def parked(self) -> None:
+        """The job was parked as an image: its process is gone but its state is kept, so it
+        did not finish; the agent protects it again once it runs (unpark)."""
+        if not self.active:
+            return
+        self.state = "parked"
+        log.info(
+            "job parked; protected again once it runs", extra={"step": "job", "job": self.name}
+        )
+        self._release_waiters({"job": self.name, "state": "parked"})
         self._wake.set()
 
     def alive(self) -> bool:

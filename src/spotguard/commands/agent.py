@@ -26,7 +26,7 @@ import click
 from spotguard.agent.api import TOKEN_FILE
 from spotguard.agent.settings import AgentSettings, parse_listen, read_secret
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.cli import config
+from spotguard.cli import config, config_file
 from spotguard.commands.joblogs import logs
 from spotguard.config import load, options
 from spotguard.errors import AgentNotRunning, ConfigError, SpotguardError
@@ -34,6 +34,7 @@ from spotguard.extras import require_for_store
 from spotguard.image.settings import ImageSettings
 from spotguard.notices.settings import NoticeSettings
 from spotguard.notify import Notifier, NotifySettings
+from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
 
 __all__ = ["agent", "drain", "logs", "status"]
@@ -62,10 +63,14 @@ def agent(ctx: click.Context, /, **flags: Any) -> None:
     image = load(ImageSettings, flags, config_file=cfg)
     planner = load(PlannerSettings, {}, config_file=cfg)
     notifier = Notifier(load(NotifySettings, {}, config_file=cfg))
+    park = load(ParkSettings, {}, config_file=cfg)
     require_for_store(settings.store)  # refuse to start rather than fail at the first notice
 
     async def main() -> None:
-        daemon = Agent(settings, ckpt, notices, image=image, planner=planner, notifier=notifier)
+        daemon = Agent(
+            settings, ckpt, notices, image=image, planner=planner, notifier=notifier,
+            park=park, config=config_file(ctx),
+        )  # fmt: skip
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, daemon.request_stop)
@@ -202,3 +207,8 @@ def status(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
             click.echo(f"      pending {p['notice']} {p['action']} at {p['start_at']}")
     if not answer["jobs"]:
         click.echo("  no job protected")
+    for p in answer.get("parked", []):
+        click.echo(
+            f"  {p['job']:24} parked in {p['place']} ({p['where']}) since {p['since']}"
+            + (f": {p['reason']}" if p["reason"] else "")
+        )
