@@ -43,7 +43,8 @@ _OUTCOMES: dict[str, str] = {}
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Record each fault case's outcome (a failed setup or teardown fails the case)."""
-    if not report.nodeid.split("::")[0].startswith(_PREFIX):
+    path = report.nodeid.split("::")[0]
+    if not path.startswith(_PREFIX) or path.endswith("test_faults_table.py"):
         return
     if report.when == "call" or report.outcome != "passed":
         outcome = "xfail" if hasattr(report, "wasxfail") else report.outcome
