@@ -5,7 +5,9 @@ the state dir and wakes a background sender. The freeze path calls ``emit`` and 
 for delivery. The sender delivers spooled events oldest first, retrying transient failures
 (connection refused, timeouts, 5xx, 429, a wrong token) with exponential backoff; an event is
 deleted from the spool only once the controller accepted it, so an agent restarted mid-way
-sends it again — which is safe, because the controller deduplicates by ``event_id``.
+sends it again — which is safe, because the controller deduplicates by ``event_id``. An event
+that cannot be spooled (a full or read-only state dir) is kept in memory and sent all the same:
+the controller still hears of it, only a restart in between would lose it.
 
 Events of the job a scoped token names (:func:`spotguard.contracts.token_scope`) are stamped
 with the token's ownership epoch. The controller's answer (an
@@ -81,6 +83,7 @@ class Reporter:
         self._idle = asyncio.Event()
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
+        self._unspooled: dict[str, bytes] = {}  # events the spool could not take, by name
         self._session: aiohttp.ClientSession | None = None
         if self.url:
             self.spool.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -112,17 +115,20 @@ class Reporter:
             return
         name = f"{time.time_ns():020d}-{event.event_id}.json"
         tmp = self.spool / f".{name}.tmp"
+        body = event.model_dump_json()
         try:
-            tmp.write_text(event.model_dump_json())
+            tmp.write_text(body)
             os.replace(tmp, self.spool / name)
         except OSError as exc:
             log.warning(
-                "report could not be spooled",
+                "report could not be spooled; sending it from memory",
                 extra={"step": "report", "event_id": event.event_id, "error": str(exc)},
             )
             if self.metrics:
                 self.metrics.failures.labels("report").inc()
-            return
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            self._unspooled[name] = body.encode()
         self._idle.clear()
         self._wake.set()
 
@@ -132,13 +138,18 @@ class Reporter:
             return []
         return sorted(p for p in self.spool.glob("*.json") if not p.name.startswith("."))
 
+    def _queue(self) -> list[Path | str]:
+        """Every event not yet accepted: spooled (a path) or held in memory (its name)."""
+        items: list[Path | str] = [*self.pending(), *self._unspooled]
+        return sorted(items, key=lambda i: i.name if isinstance(i, Path) else i)
+
     async def start(self) -> None:
         """Start the background sender (resends whatever a previous run left spooled)."""
         if self.url and self._task is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=self.timeout_s)
             )
-            if self.pending():
+            if self._queue():
                 self._idle.clear()
             self._wake.set()
             self._task = asyncio.create_task(self._run(), name="spotguard-reporter")
@@ -167,18 +178,21 @@ class Reporter:
         while True:
             await self._wake.wait()
             self._wake.clear()
-            for path in self.pending():
-                await self._deliver(path)
+            for item in self._queue():
+                await self._deliver(item)
             if self.metrics:
-                self.metrics.report_queue.set(len(self.pending()))
-            if not self.pending():
+                self.metrics.report_queue.set(len(self._queue()))
+            if not self._queue():
                 self._idle.set()
 
-    async def _deliver(self, path: Path) -> None:
-        try:
-            body = await asyncio.to_thread(path.read_bytes)
-        except FileNotFoundError:
-            return
+    async def _deliver(self, item: Path | str) -> None:
+        if isinstance(item, str):
+            body = self._unspooled[item]
+        else:
+            try:
+                body = await asyncio.to_thread(item.read_bytes)
+            except FileNotFoundError:
+                return
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(_Transient),
             wait=wait_exponential(multiplier=0.25, max=self.max_backoff_s),
@@ -194,11 +208,14 @@ class Reporter:
             # The controller refused this event for good (malformed): never resend it.
             log.error(
                 "report rejected by the controller; dropped",
-                extra={"step": "report", "file": path.name, "error": str(exc)},
+                extra={"step": "report", "file": getattr(item, "name", item), "error": str(exc)},
             )
             if self.metrics:
                 self.metrics.failures.labels("report").inc()
-        await asyncio.to_thread(path.unlink, missing_ok=True)
+        if isinstance(item, str):
+            self._unspooled.pop(item, None)
+        else:
+            await asyncio.to_thread(item.unlink, missing_ok=True)
         self.sent += 1
 
     async def _post(self, body: bytes) -> None:
