@@ -11,12 +11,15 @@ processes killed -9, real CRIU, a real S3 (moto) behind a proxy that stalls, rea
 from __future__ import annotations
 
 import asyncio
+import json
+import logging
 import os
 import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agent_helpers import (
@@ -254,6 +257,115 @@ async def test_a_hanging_store_cannot_hold_the_job_past_the_notices_deadline(
                 assert agent.workers["train"].state == "protecting"
                 assert proctree.alive(job.pid)
                 assert operations.kept_images_of(host.checkpoint_settings()).scan() == []
+    finally:
+        if proctree.alive(job.pid):
+            os.kill(job.pid, signal.SIGKILL)
+
+
+async def _spotguard_json(*args: str) -> dict[str, Any]:
+    proc = await asyncio.create_subprocess_exec(
+        SPOTGUARD, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+    )
+    out, err = await proc.communicate()
+    assert proc.returncode == 0, err.decode()
+    answer: dict[str, Any] = json.loads(out)
+    return answer
+
+
+@pytest.mark.criu
+@pytest.mark.parametrize("own_pidns", [True, False], ids=["own-pid-namespace", "host-pids"])
+async def test_a_job_restored_by_hand_is_protected_again_and_drain_writes_an_image(
+    host: Host, sink: EventSink, tmp_path: Path, own_pidns: bool
+) -> None:
+    store = f"file://{tmp_path}/store"
+    job = await start_job(LONG_JOB, "train", state_dir=host.state, pid_namespace=own_pidns)
+    flags = ["--state-dir", str(host.state), "--shm-dir", str(host.shm), "--criu", host.criu]
+    restored = 0
+    try:
+        async with running_agent(host, sink, cloud="none", job=["train"], store=store) as agent:
+            await wait_until(lambda: "started" in sink.kinds("train"))
+            [first] = (await agent.drain("maintenance", wait=True, deadline_s=60))["results"]
+            assert first["state"] == "exited" and not proctree.alive(job.pid)
+            # The operator brings the job back by hand, from the image the drain wrote.
+            restored = int(
+                (await _spotguard_json("restore", first["url"], "--json", *flags))["pid"]
+            )
+            assert proctree.alive(restored)
+            await wait_until(
+                lambda: (
+                    agent.workers["train"].pid == restored
+                    and agent.workers["train"].state == "protecting"
+                ),
+                30,
+            )
+            [st] = agent.status()["jobs"]
+            assert (st["pid"], st["state"]) == (restored, "protecting")
+            assert agent.api is not None
+            drained = await _spotguard_json(
+                "drain", "--json", "--state-dir", str(host.state), "--api-listen", agent.api.address
+            )
+            [second] = drained["results"]
+            assert second["state"] == "exited" and second["url"] != first["url"]
+            assert not proctree.alive(restored)
+        started = [e["pid"] for e in sink.events if e["kind"] == "started"]
+        assert started == [job.pid, restored], started
+        durable = [e["image_url"] for e in sink.events if e["kind"] == "durable"]
+        assert durable == [first["url"], second["url"]]
+        assert "job_finished" not in sink.kinds("train")
+        assert await latest_image(store, "train") == second["url"]
+    finally:
+        for pid in (job.pid, restored):
+            if pid and proctree.alive(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+@pytest.mark.criu
+async def test_a_kept_image_follows_the_configured_store_after_a_restart(
+    host: Host,
+    sink: EventSink,
+    sim: MetadataSim,
+    proxy: FlakyProxy,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    monkeypatch.setenv("SPOTGUARD_RETRIES", "1")  # fail fast; the agent's pusher retries
+    old, new = "s3://faults/spotguard", f"file://{tmp_path}/store"
+    job = await start_job(LONG_JOB, "train", state_dir=host.state)
+    try:
+        proxy.broken = True  # the old store is gone for good
+        async with running_agent(host, sink, job=["train"], store=old, push_retry_max_s=0.3):
+            await wait_until(lambda: "started" in sink.kinds("train"))
+            sim.state.send("aws", "preempt", in_seconds=120)
+            await wait_until(lambda: "checkpoint_failed" in sink.kinds("train"))
+        [kept] = operations.kept_images_of(host.checkpoint_settings()).scan()
+        assert kept.store_url == old and not proctree.alive(job.pid)
+        await asyncio.sleep(1.0)  # connections the first agent opened have all been dropped
+        dropped = proxy.dropped
+        assert dropped > 0
+
+        caplog.set_level(logging.INFO)
+        async with running_agent(
+            host, sink, cloud="none", job=["train"], store=new, push_retry_max_s=0.3
+        ) as agent:
+            await wait_until(lambda: "exited" in sink.kinds("train"))
+            assert agent.workers["train"].state == "exited"
+        durable = next(e for e in sink.events if e["kind"] == "durable")
+        assert durable["image_url"].startswith(f"{new}/train/images/")
+        assert await latest_image(new, "train") == durable["image_url"]
+        assert proxy.dropped == dropped  # the old URL was not tried again
+        said = [r for r in caplog.records if r.getMessage().startswith("kept image pushed to")]
+        assert [r.__dict__.get("reason") for r in said] == [f"was {old}"]
+        assert said[0].__dict__.get("store") == new
+        assert operations.kept_images_of(host.checkpoint_settings()).scan() == []
+        restored = await operations.restore(
+            durable["image_url"],
+            settings=host.checkpoint_settings(),
+            image_settings=ImageSettings(),
+        )
+        size = (job.dir / "stdout").stat().st_size
+        await wait_until(lambda: (job.dir / "stdout").stat().st_size > size, 30)
+        os.kill(restored.pid, signal.SIGKILL)
     finally:
         if proctree.alive(job.pid):
             os.kill(job.pid, signal.SIGKILL)

@@ -300,19 +300,21 @@ class Agent(NoticeHandling):
         guarded again when it runs again (restored by hand, or by a new assignment)."""
         info = await self._resolve(spec)
         while True:
+            seen = jobspec.incarnation(info)
             await self._guard(info)
             self._maybe_done()
             if not jobspec.by_name(spec):
                 return
-            info = await self._comes_back(spec, info.pid)
+            info = await self._comes_back(spec, seen)
 
-    async def _comes_back(self, spec: str, old_pid: int) -> JobInfo:
-        """Wait until the job ``spec`` runs again under a new pid."""
+    async def _comes_back(self, spec: str, seen: tuple[int, int, int] | None) -> JobInfo:
+        """Wait until the job ``spec`` runs again: another incarnation than ``seen`` (a new
+        pid, or the same pid restored with its ``job.json`` written anew)."""
         while True:
             await asyncio.sleep(RESOLVE_RETRY_S)
             with contextlib.suppress(SpotguardError):
                 info = jobspec.resolve(spec, state_dir=self.checkpoint_settings.state_dir)
-                if info.pid != old_pid and proctree.alive(info.pid):
+                if jobspec.incarnation(info) != seen and proctree.alive(info.pid):
                     what = {"step": "protect", "job": info.name, "pid": info.pid}
                     log.info("job runs again; protecting it", extra=what)
                     return info

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from spotguard.checkpoint.jobs import JobInfo, resolve_job
+from spotguard.checkpoint.jobs import JOB_FILE, JobInfo, resolve_job
 from spotguard.errors import JobNotFound
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -59,3 +59,14 @@ def by_name(spec: str) -> bool:
     followed across restores (``spotguard restore`` keeps the name, not the pid)."""
     spec = spec.strip()
     return not (spec.isdigit() or spec.startswith("/") or spec.startswith("cgroup:"))
+
+
+def incarnation(info: JobInfo) -> tuple[int, int, int] | None:
+    """Which run of the job ``info`` is: its pid and its ``job.json`` (inode, mtime), which
+    ``spotguard run`` and every restore write anew. A job restored with its old pid (no PID
+    namespace of its own) is another incarnation all the same; None: no ``job.json``."""
+    try:
+        st = (info.dir / JOB_FILE).stat()
+    except OSError:
+        return None
+    return info.pid, st.st_ino, st.st_mtime_ns
