@@ -33,7 +33,6 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 from spotguard import operations
-from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.contracts import CheckpointFailedEvent, InstanceInfo, StartedEvent, WireError
@@ -305,19 +304,8 @@ class Agent(NoticeHandling):
             self._maybe_done()
             if not jobspec.by_name(spec):
                 return
-            info = await self._comes_back(spec, seen)
-
-    async def _comes_back(self, spec: str, seen: tuple[int, int, int] | None) -> JobInfo:
-        """Wait until the job ``spec`` runs again: another incarnation than ``seen`` (a new
-        pid, or the same pid restored with its ``job.json`` written anew)."""
-        while True:
-            await asyncio.sleep(RESOLVE_RETRY_S)
-            with contextlib.suppress(SpotguardError):
-                info = jobspec.resolve(spec, state_dir=self.checkpoint_settings.state_dir)
-                if jobspec.incarnation(info) != seen and proctree.alive(info.pid):
-                    what = {"step": "protect", "job": info.name, "pid": info.pid}
-                    log.info("job runs again; protecting it", extra=what)
-                    return info
+            state_dir = self.checkpoint_settings.state_dir
+            info = await jobspec.comes_back(spec, seen, state_dir, RESOLVE_RETRY_S)
 
     async def _guard(self, info: JobInfo) -> None:
         current = self.workers.get(info.name)

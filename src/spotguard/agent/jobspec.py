@@ -6,10 +6,19 @@ is the one process in the cgroup whose parent is outside it.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+import logging
 from pathlib import Path
 
+from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JOB_FILE, JobInfo, resolve_job
-from spotguard.errors import JobNotFound
+from spotguard.errors import JobNotFound, SpotguardError
+
+log = logging.getLogger(__name__)
+
+#: which run of a job: (pid, job.json inode, job.json mtime)
+Incarnation = tuple[int, int, int]
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
 
@@ -61,7 +70,7 @@ def by_name(spec: str) -> bool:
     return not (spec.isdigit() or spec.startswith("/") or spec.startswith("cgroup:"))
 
 
-def incarnation(info: JobInfo) -> tuple[int, int, int] | None:
+def incarnation(info: JobInfo) -> Incarnation | None:
     """Which run of the job ``info`` is: its pid and its ``job.json`` (inode, mtime), which
     ``spotguard run`` and every restore write anew. A job restored with its old pid (no PID
     namespace of its own) is another incarnation all the same; None: no ``job.json``."""
@@ -70,3 +79,18 @@ def incarnation(info: JobInfo) -> tuple[int, int, int] | None:
     except OSError:
         return None
     return info.pid, st.st_ino, st.st_mtime_ns
+
+
+async def comes_back(
+    spec: str, seen: Incarnation | None, state_dir: Path, period_s: float
+) -> JobInfo:
+    """Wait (looking every ``period_s`` seconds) until the job ``spec`` runs again as another
+    incarnation than ``seen``: restored by hand (``spotguard restore``) or by an assignment."""
+    while True:
+        await asyncio.sleep(period_s)
+        with contextlib.suppress(SpotguardError):
+            info = resolve(spec, state_dir=state_dir)
+            if incarnation(info) != seen and proctree.alive(info.pid):
+                what = {"step": "protect", "job": info.name, "pid": info.pid}
+                log.info("job runs again; protecting it", extra=what)
+                return info
