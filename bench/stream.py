@@ -60,6 +60,7 @@ from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import CheckpointError, CriuError, SpotguardError
+from spotguard.image import ImageSettings
 from spotguard.image.reader import ImageReader
 from spotguard.planner import Estimate, Planner, PlannerSettings, estimate, thp_status
 from spotguard.store import open_store
@@ -421,7 +422,7 @@ async def _read_alone(url: str) -> tuple[float, int]:
     nothing: the restore pipeline's fetch stage alone."""
     t0 = time.perf_counter()
     n = 0
-    async with ImageReader(url) as reader:
+    async with ImageReader(url, settings=ImageSettings()) as reader:
         for f in reader.manifest.files:
             async for data in reader.iter_file(f.name):
                 n += len(data)
@@ -429,7 +430,9 @@ async def _read_alone(url: str) -> tuple[float, int]:
 
 
 async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
-    target = StreamTarget(b.store_url, work_root=b.work, level=1)
+    target = StreamTarget(
+        b.store_url, work_root=b.work, level=1, writer_options={"settings": ImageSettings()}
+    )
     ids = _ids(job.pid)
     with Peak(job.pid) as peak:
         wall0 = time.time()
@@ -472,7 +475,7 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
     for _ in range(30):  # the engine does not retry a streamed restore: the source is used up
         t0 = time.perf_counter()
         try:
-            source = StreamSource(url, work_root=b.work)
+            source = StreamSource(url, settings=ImageSettings(), work_root=b.work)
             rr = await b.engine.restore(source, state_dir=b.state)
             break
         except CheckpointError as exc:

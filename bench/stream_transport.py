@@ -39,6 +39,7 @@ from typing import Any
 
 from spotguard.checkpoint.criu import Criu
 from spotguard.errors import CriuError
+from spotguard.image import ImageSettings
 from spotguard.image.reader import ImageReader
 from spotguard.image.writer import ImageWriter
 from spotguard.stream import Capture, Serve
@@ -165,7 +166,9 @@ async def run_case(
                     await criu.dump(pid, d, leave_running=True, stream=True)
                     stats = await cap.wait()
             else:
-                async with ImageWriter(store.as_uri(), "bench", level=1) as w:
+                async with ImageWriter(
+                    store.as_uri(), "bench", level=1, settings=ImageSettings()
+                ) as w:
                     async with Capture(d, ImageSink(w), **kw) as cap:
                         await criu.dump(pid, d, leave_running=True, stream=True)
                         stats = await cap.wait()
@@ -204,7 +207,7 @@ async def restore_image(criu: Criu, work: Path, url: str, pipe: int) -> dict[str
     cpu0 = _cpu()
     t0 = time.perf_counter()
     try:
-        async with ImageReader(url) as reader:
+        async with ImageReader(url, settings=ImageSettings()) as reader:
             names = {f.name for f in reader.manifest.files}
             async with Serve(d, _ReaderSource(reader, names, {}), **kw) as srv:
                 pid = await _restore(criu, d, True)

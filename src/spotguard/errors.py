@@ -36,7 +36,13 @@ In the tree, ``[r]`` marks retryable classes.
     ├── ImageError                  checkpoint image format and content
     │   ├── ImageNotFound           no complete image (no manifest) at that place
     │   ├── ImageCorrupt            a chunk failed verification (names the chunk)
-    │   └── DecryptionError         missing or wrong encryption key
+    │   ├── DecryptionError         missing or wrong encryption key
+    │   └── ImageUntrusted          refused as untrustworthy before a byte is written (names what)
+    │       ├── UnsignedImage       not authenticated (or plaintext) where a key is configured
+    │       ├── BadSignature        signature/MAC does not match: altered, mixed, truncated
+    │       ├── UntrustedSigner     signed by a key this host does not trust
+    │       ├── ImageRollback       older sequence than a newer authenticated image of the job
+    │       └── UnsafeCarriedFile   a carried file outside what the job owns (path, mode, link)
     ├── StoreError              [r] object storage
     │   ├── StoreUnavailable    [r] unreachable, 5xx, throttled (transient: retry)
     │   ├── ObjectNotFound          no such key
@@ -273,6 +279,33 @@ class DecryptionError(ImageError):
 
     retryable = False
     image_fault = False  # the host's key is missing or wrong: an older image needs it too
+
+
+class ImageUntrusted(ImageError):
+    """The image is refused as untrustworthy, before any byte of the job is written
+    (docs/security.md). Fetching it again cannot help; another, genuine image may."""
+
+    retryable = False
+
+
+class UnsignedImage(ImageUntrusted):
+    """Not authenticated (no signature, or plaintext) on a host that holds a key."""
+
+
+class BadSignature(ImageUntrusted):
+    """The manifest's signature or MAC does not match it: altered, mixed or truncated."""
+
+
+class UntrustedSigner(ImageUntrusted):
+    """Signed, but by a key this host does not trust."""
+
+
+class ImageRollback(ImageUntrusted):
+    """Genuine, but older (by authenticated sequence) than a newer image of the same job."""
+
+
+class UnsafeCarriedFile(ImageUntrusted):
+    """A carried file would be written outside what the job owns (path, mode or symlink)."""
 
 
 class StoreError(SpotguardError):

@@ -95,7 +95,7 @@ async def test_aws_spot_terminate_image_in_s3_restores_identically(
     assert durable["instance"]["instance_type"] == "g5.xlarge"
     assert durable["notice"]["kind"] == "preempt"
     assert not proctree.alive(job.pid)
-    assert await latest_image(store, "train") == durable["image_url"]
+    assert await latest_image(store, "train", settings=ImageSettings()) == durable["image_url"]
     # Streamed by default, and the manifest carries what a staged one does.
     async with ImageReader(durable["image_url"]) as reader:
         meta = reader.manifest.meta
@@ -130,7 +130,7 @@ async def test_gcp_preemption_then_assignment_restore_on_a_new_agent(
     notice = event(sink, "notice")["notice"]
     assert (notice["cloud"], notice["kind"]) == ("gcp", "preempt")
     image_url = event(sink, "durable")["image_url"]
-    async with ImageReader(image_url) as reader:
+    async with ImageReader(image_url, settings=ImageSettings()) as reader:
         meta = reader.manifest.meta
     assert "stream" not in meta and meta["notice"]["cloud"] == "gcp" and meta["instance"]
 
@@ -196,7 +196,7 @@ async def test_rebalance_checkpoints_and_the_job_keeps_running(
         assert await job_output_when_done(job.dir) == reference_output
         await wait_until(lambda: "job_finished" in sink.kinds("train"))
     assert "exited" not in sink.kinds("train")
-    assert (await verify_image(durable["image_url"])).ok
+    assert (await verify_image(durable["image_url"], settings=ImageSettings())).ok
 
 
 async def test_cancelled_scheduled_event_does_nothing(
@@ -220,7 +220,7 @@ async def test_cancelled_scheduled_event_does_nothing(
         True,
     ]
     assert not {"frozen", "durable", "exited", "checkpoint_failed"} & set(kinds)
-    assert await latest_image(store, "train") is None
+    assert await latest_image(store, "train", settings=ImageSettings()) is None
 
 
 async def test_manual_drain_through_the_local_api_and_cli(

@@ -102,7 +102,7 @@ async def test_kept_image_is_pushed_once_the_store_heals_even_across_a_restart(
             operations.kept_images_of(host.checkpoint_settings()).scan() == []
             and not record.dir.exists()
         )
-        assert await latest_image(store, "train") == durable["image_url"]
+        assert await latest_image(store, "train", settings=ImageSettings()) == durable["image_url"]
         assert "job_finished" not in sink.kinds("train")
 
         restored = await operations.restore(

@@ -93,8 +93,8 @@ async def test_agent_killed_during_freeze_leaves_job_running_and_last_image_inta
         size = (job.dir / "stdout").stat().st_size
         await wait_until(lambda: (job.dir / "stdout").stat().st_size > size, 10)  # it runs
         latest = next(e for e in reversed(sink.events) if e["kind"] == "durable")["image_url"]
-        assert await latest_image(store, "train") == latest != previous
-        assert (await verify_image(previous)).ok
+        assert await latest_image(store, "train", settings=ImageSettings()) == latest != previous
+        assert (await verify_image(previous, settings=ImageSettings())).ok
     finally:
         if agent.returncode is None:
             agent.send_signal(signal.SIGTERM)

@@ -18,7 +18,7 @@ from controller_helpers import TOKEN, Api, Factory
 from spotguard.contracts import Assignment, EventKind, make_event
 from spotguard.controller.tokens import TokenKeys
 from spotguard.facts import HostFacts
-from spotguard.image import push_dir
+from spotguard.image import ImageSettings, push_dir
 
 GIB = 1024**3
 
@@ -45,7 +45,9 @@ async def write_image(tmp_path: Path, job: str, n: int) -> str:
     src.mkdir()
     (src / "pages-1.img").write_bytes(bytes([n]) * 4096)
     meta = {"host": HostFacts("6.1.0", "x86_64", 4 * GIB, "4.1.1").to_json()}
-    return (await push_dir(src, f"file://{tmp_path}/store", job, meta)).image_url
+    return (
+        await push_dir(src, f"file://{tmp_path}/store", job, meta, settings=ImageSettings())
+    ).image_url
 
 
 async def relaunched(api: Api, tmp_path: Path, job: str, image: str, old_token: str) -> str:

@@ -52,7 +52,7 @@ async def write_image(tmp_path: Path, store: str, job: str, gpus: int, itype: st
         },
         "criu_version": "4.1.1",
     }
-    result = await push_dir(src, store, job, meta)
+    result = await push_dir(src, store, job, meta, settings=ImageSettings())
     return result.image_url
 
 

@@ -15,7 +15,7 @@ from typing import Any
 from controller_helpers import TOKEN, VM1, Api, Factory
 
 from spotguard.contracts import EventKind, make_event
-from spotguard.image import push_dir
+from spotguard.image import ImageSettings, push_dir
 from spotguard.notices.base import Cloud, Notice, NoticeKind
 from spotguard.providers.base import InstanceRef, Market
 from spotguard.providers.local import LocalProvider
@@ -104,7 +104,7 @@ async def test_notice_without_durable_image_falls_back_to_newest_image_in_store(
     src.mkdir()
     (src / "pages-1.img").write_bytes(b"x" * 1000)
     store = f"file://{tmp_path}/store"
-    manifest = await push_dir(src, store, job, {})
+    manifest = await push_dir(src, store, job, {}, settings=ImageSettings())
     del manifest
     await api.event(job, EventKind.STARTED, instance=VM1)
     notice = {"id": "n2", "kind": "preempt", "deadline": datetime.now(UTC).isoformat()}

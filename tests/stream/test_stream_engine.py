@@ -24,6 +24,7 @@ from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.errors import CheckpointError, ImageNotFound, StoreUnavailable
+from spotguard.image import ImageSettings
 from spotguard.image.catalog import latest_image
 from spotguard.image.reader import ImageReader
 from spotguard.store import open_store
@@ -36,7 +37,7 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning"),
 ]
 
-SMALL = {"chunk_size": 1 << 20, "max_inflight": 2}
+SMALL = {"chunk_size": 1 << 20, "max_inflight": 2, "settings": ImageSettings()}
 
 
 async def _start(job_script: Path, state_dir: Path, name: str) -> JobInfo:
@@ -84,13 +85,13 @@ async def test_streamed_freeze_and_restore_match_an_uninterrupted_run(
     names = [s.name for s in target.timeline_steps]
     assert {"stream_capture", "image_commit", "stream_durable"} <= set(names)
     assert result.timeline.seconds("criu_dump") is not None
-    url = await latest_image(store, job.name)
+    url = await latest_image(store, job.name, settings=ImageSettings())
     assert url is not None and url.endswith(target.manifest.image_id)
     stats = target.capture_stats
     assert stats is not None and stats.bytes >= MIB << 20  # the job's memory went through
     assert stats.owned > 0  # page data was compressed in the pieces it was read into
 
-    source = StreamSource(url, work_root=tmp_path / "work")
+    source = StreamSource(url, settings=ImageSettings(), work_root=tmp_path / "work")
     restored = await engine.restore(source, state_dir=tmp_path / "state")
     try:
         assert source.serve_stats is not None
@@ -181,9 +182,9 @@ async def test_killed_mid_stream_leaves_job_running_and_no_image(
     # Chunks may have reached the store, but no image exists: no manifest, nothing to read.
     chunks = await gated.inner.list(f"{job.name}/chunks/")
     assert chunks, "the dump was stopped before any chunk was stored"
-    assert await latest_image(store_url, job.name) is None
+    assert await latest_image(store_url, job.name, settings=ImageSettings()) is None
     with pytest.raises(ImageNotFound):
-        async with ImageReader(image_url):
+        async with ImageReader(image_url, settings=ImageSettings()):
             pass
     await gated.inner.aclose()
 
@@ -221,5 +222,5 @@ async def test_exit_mode_upload_failing_mid_stream_never_kills_the_job(
         assert await wait_done(job.dir / "stdout") == reference_output
     finally:
         _kill_tree(job.pid)
-    assert await latest_image(store_url, job.name) is None
+    assert await latest_image(store_url, job.name, settings=ImageSettings()) is None
     await failing.inner.aclose()

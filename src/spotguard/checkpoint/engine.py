@@ -504,7 +504,13 @@ class Engine:
                     ps.detail["pid_wait_s"] = await wait_pids_free(meta.pids, s.pid_wait)
             with tl.step("put_files", files=len(meta.files)):
                 await self.faults.before("put_files")
-                await asyncio.to_thread(files.put_back, meta.files, source.extras_dir)
+                await asyncio.to_thread(
+                    files.put_back,
+                    meta.files,
+                    source.extras_dir,
+                    image_job_dir=job.dir,
+                    job_dir=state / "jobs" / job.name,
+                )
             with tl.step("criu_restore") as rs:
                 await self.faults.before("criu_restore")
                 pid = await self._criu_restore(source, meta, rs.detail)

@@ -13,13 +13,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spotguard.contracts import check_job_name
 from spotguard.errors import ImageError, ImageNotFound
 from spotguard.facts import GpuInventory, HostFacts
 
 from .files import CapturedFile
 
 META_NAME = "spotguard-image.json"
-META_SCHEMA = 1
+META_SCHEMA = 2  # 2: carried files record open_for_writing, uid and gid
 
 
 @dataclass
@@ -60,6 +61,15 @@ class ImageMeta:
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ImageMeta:
+        """Parse the metadata; the job's name must be a valid job name (it names directories
+        on the restoring host) and every carried file entry well-formed."""
+        job = d["job"]
+        if not isinstance(job, dict) or not isinstance(job.get("name"), str):
+            raise ImageError(f"image metadata names no job: {job!r}")
+        try:
+            check_job_name(job["name"])
+        except ValueError as exc:
+            raise ImageError(f"image metadata: {exc}") from exc
         return cls(
             job=d["job"],
             mode=d["mode"],
@@ -71,7 +81,7 @@ class ImageMeta:
             pids=[int(p) for p in d.get("pids", [])],
             staging=d.get("staging", {}),
             timeline=d.get("timeline", []),
-            files=[CapturedFile(**f) for f in d.get("files", [])],
+            files=[CapturedFile.from_json(f) for f in d.get("files", [])],
             mount_ns=bool(d.get("mount_ns", False)),
             schema=int(d.get("schema", META_SCHEMA)),
         )

@@ -17,7 +17,7 @@ import logging
 from dataclasses import replace
 from typing import Any
 
-from spotguard.errors import ImageError, ImageNotFound, ObjectNotFound
+from spotguard.errors import ImageError
 from spotguard.facts import GpuDevice, GpuInventory, InstanceFacts
 from spotguard.image.settings import ImageSettings
 from spotguard.providers.base import LaunchSpec
@@ -34,21 +34,12 @@ async def read_meta(image_url: str, settings: ImageSettings) -> dict[str, Any]:
     :class:`~spotguard.errors.ImageError` / :class:`~spotguard.errors.StoreError` /
     :class:`~spotguard.errors.ConfigError` for a malformed URL, manifest or store.
     """
-    from spotguard.image.manifest import ImageRef, Manifest
-    from spotguard.image.reader import resolve
-    from spotguard.image.writer import store_for
+    from spotguard.image.reader import ImageReader
 
-    ref = ImageRef.parse(image_url)
-    store = store_for(ref.store, settings)
-    try:
-        ref = await resolve(store, ref)
-        try:
-            data = await store.get(ref.manifest_key)
-        except ObjectNotFound as exc:
-            raise ImageNotFound(f"no complete image at {ref.url} (no manifest)") from exc
-        return dict(Manifest.from_bytes(data, ref.url).meta)
-    finally:
-        await store.aclose()
+    # The reader authenticates the manifest with this host's image keys (a store attacker
+    # must not choose the GPU type and count): docs/security.md.
+    async with ImageReader(image_url, settings=settings) as reader:
+        return dict(reader.manifest.meta)
 
 
 def _inventory(gpu: dict[str, Any]) -> GpuInventory:

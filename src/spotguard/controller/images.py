@@ -50,19 +50,23 @@ class ImageChoice:
         raise NotImplementedError
 
     async def _images(self, rec: JobRecord) -> tuple[list[str], str]:
-        """URLs of the job's complete images in its store, oldest first — and, when there
-        are none, why (no store known, store unreadable, nothing there)."""
+        """URLs of the job's complete (and, with keys, authenticated) images in its store,
+        oldest sequence first — and, when there are none, why (no store known, store
+        unreadable, nothing there)."""
         store_url = store_of(rec, self.settings.default_store)
         if store_url is None:
             return [], "no store is known for the job"
+        from spotguard.image.history import genuine_images
+        from spotguard.image.keys import ImageKeys
         from spotguard.image.manifest import ImageRef
-        from spotguard.image.reader import complete_image_ids
         from spotguard.image.writer import store_for
 
         try:
             store = store_for(store_url, self.image_settings)
             try:
-                ids = await complete_image_ids(store, rec.name)
+                # by authenticated sequence: only images this host's keys accept
+                keys = ImageKeys.from_settings(self.image_settings)
+                ids = [g.image_id for g in await genuine_images(store, rec.name, keys)]
                 urls = [ImageRef(store.url, rec.name, i).url for i in ids]
             finally:
                 await store.aclose()

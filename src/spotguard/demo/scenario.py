@@ -28,13 +28,14 @@ from typing import Any
 
 from spotguard.agent.client import call
 from spotguard.checkpoint.jobs import JobInfo, exit_status, list_jobs
+from spotguard.config import load
 from spotguard.demo.options import JOB_NAME, DemoOptions
 from spotguard.demo.report import DemoReport, durable_record, first_difference, timeline
 from spotguard.demo.stack import FACTS, DemoStack
 from spotguard.demo.ui import Ui
 from spotguard.demo.watch import Follower, View, has_event, store_bytes
 from spotguard.errors import DemoError, SpotguardError
-from spotguard.image import ImageReader, verify_image
+from spotguard.image import ImageReader, ImageSettings, verify_image
 from spotguard.log import JsonFormatter
 
 NOTICE_TIMEOUT_S = 20.0
@@ -154,9 +155,10 @@ async def _finished_output(job: JobInfo, where: str) -> str:
 async def _image(image_url: str) -> tuple[dict[str, Any], str]:
     """The image's manifest (as JSON), after every chunk verified, and the job's output as
     the image captured it (what the job had printed when it was frozen)."""
+    settings = load(ImageSettings)
     try:
-        report = await verify_image(image_url)
-        async with ImageReader(image_url) as reader:
+        report = await verify_image(image_url, settings=settings)
+        async with ImageReader(image_url, settings=settings) as reader:
             manifest = reader.manifest.model_dump(mode="json", exclude={"files"})
             names = [f.name for f in reader.manifest.files if f.name.endswith("/stdout")]
             captured = b""

@@ -18,12 +18,19 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from spotguard.config import load
 from spotguard.contracts import check_job_name, chunk_key, image_prefix
-from spotguard.errors import ConfigError, ImageCorrupt, ImageError, SpotguardError
+from spotguard.errors import (
+    ConfigError,
+    ImageCorrupt,
+    ImageError,
+    ImageNotFound,
+    SpotguardError,
+)
 from spotguard.image.codec import Cipher
+from spotguard.image.history import complete_image_ids, resolve
+from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import WRITING_MARKER, ImageRef, Manifest
-from spotguard.image.reader import ImageReader, VerifyReport, complete_image_ids
+from spotguard.image.reader import ImageReader, VerifyReport
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn
 from spotguard.image.writer import store_for
@@ -45,6 +52,8 @@ class ImageInfo:
     stored_bytes: int = 0
     files: int = 0
     encrypted: bool = False
+    sequence: int = 0
+    signed_by: list[str] = field(default_factory=list)  # key ids claimed (checked on read)
     meta: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
@@ -58,6 +67,8 @@ class ImageInfo:
             "stored_bytes": self.stored_bytes,
             "files": self.files,
             "encrypted": self.encrypted,
+            "sequence": self.sequence,
+            "signed_by": self.signed_by,
         }
 
 
@@ -111,24 +122,28 @@ async def _manifest(store: ImageStore, ref: ImageRef) -> Manifest:
 
 
 async def latest_image(
-    store_url: str, job: str, *, settings: ImageSettings | None = None
+    store_url: str, job: str, *, settings: ImageSettings, keys: ImageKeys | None = None
 ) -> str | None:
-    """URL of the newest complete image of ``job`` in the store, or None."""
-    s = settings or load(ImageSettings)
-    store = store_for(store_url, s)
+    """URL of the newest complete image of ``job`` in the store (by authenticated sequence,
+    see :mod:`spotguard.image.history`), or None when it has no complete image."""
+    k = keys if keys is not None else ImageKeys.from_settings(settings)
+    store = store_for(store_url, settings)
     try:
-        ids = await complete_image_ids(store, check_job_name(job))
-        return ImageRef(store.url, job, ids[-1]).url if ids else None
+        ref = ImageRef(store.url, check_job_name(job), "latest")
+        return (await resolve(store, ref, k)).url
+    except ImageNotFound:
+        return None
     finally:
         await store.aclose()
 
 
 async def list_images(
-    store_url: str, job: str | None = None, *, settings: ImageSettings | None = None
+    store_url: str, job: str | None = None, *, settings: ImageSettings
 ) -> list[ImageInfo]:
     """Every image of ``job`` (or of every job) in the store, oldest first per job; images
-    still being written (or abandoned) appear with ``complete=False``."""
-    s = settings or load(ImageSettings)
+    still being written (or abandoned) appear with ``complete=False``. Nothing here is
+    authenticated: ``signed_by`` is what a manifest claims (``images verify`` checks it)."""
+    s = settings
     store = store_for(store_url, s)
     try:
         out: list[ImageInfo] = []
@@ -163,6 +178,8 @@ async def list_images(
                     stored_bytes=m.totals.stored_bytes,
                     files=m.totals.files,
                     encrypted=m.encryption is not None,
+                    sequence=m.sequence,
+                    signed_by=[f"{a.alg}:{a.key_id}" for a in m.auth],
                     meta=m.meta,
                 )
 
@@ -175,12 +192,13 @@ async def list_images(
 async def verify_image(
     image_url: str,
     *,
-    settings: ImageSettings | None = None,
+    settings: ImageSettings,
     cipher: Cipher | None = None,
     progress: ProgressFn | None = None,
     raise_on_error: bool = True,
 ) -> VerifyReport:
-    """Fetch and check every chunk of the image (hash, size, decryption).
+    """Authenticate the manifest (raising :class:`~spotguard.errors.ImageUntrusted` whatever
+    ``raise_on_error`` says), then fetch and check every chunk (hash, size, decryption).
 
     Raises :class:`~spotguard.errors.ImageCorrupt` naming the bad chunk(s) unless
     ``raise_on_error`` is false (then the report lists them).
@@ -203,7 +221,7 @@ async def gc(
     *,
     grace_s: float | None = None,
     dry_run: bool = False,
-    settings: ImageSettings | None = None,
+    settings: ImageSettings,
 ) -> GcResult:
     """Delete all but the newest ``keep`` complete images of ``job`` (every job when None),
     stale writing markers, and chunks no remaining image references (see the module doc)."""
@@ -211,7 +229,7 @@ async def gc(
         raise ConfigError(
             "gc --keep must be at least 1: the newest complete image is never deleted"
         )
-    s = settings or load(ImageSettings)
+    s = settings
     grace = timedelta(seconds=s.gc_grace_s if grace_s is None else grace_s)
     store = store_for(store_url, s)
     result = GcResult(store.url, dry_run=dry_run)

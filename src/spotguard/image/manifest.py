@@ -16,7 +16,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from spotguard.contracts import check_job_name, image_prefix, manifest_key
 from spotguard.errors import ConfigError, ImageError
 
-FORMAT = "spotguard-image/1"
+FORMAT = "spotguard-image/2"
+READABLE = ("spotguard-image/1", FORMAT)  # /1: no sequence, no auth, no raw frames
 WRITING_MARKER = "writing.json"  # under the image prefix while a writer is active
 
 
@@ -29,6 +30,7 @@ class ChunkRef(BaseModel):
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
     size: int = Field(gt=0)
     stored_size: int = Field(ge=0)
+    raw: bool = False  # stored as a raw (uncompressed) zstd frame: it did not compress
 
 
 class FileEntry(BaseModel):
@@ -38,7 +40,7 @@ class FileEntry(BaseModel):
 
     name: str
     size: int = Field(ge=0)
-    mode: int = 0o644
+    mode: int = Field(default=0o644, ge=0, le=0o777)  # permission bits only: no setuid/setgid/type
     chunks: list[ChunkRef] = Field(default_factory=list)
 
     @field_validator("name")
@@ -71,6 +73,17 @@ class Encryption(BaseModel):
     address: Literal["BLAKE3-keyed"] = "BLAKE3-keyed"
 
 
+class Signature(BaseModel):
+    """One authenticator of the manifest (see :mod:`spotguard.image.keys`): an Ed25519
+    signature (``sig`` base64) or an HMAC-SHA256 (``sig`` hex) under ``key_id``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    alg: Literal["ed25519", "hmac-sha256"]
+    key_id: str = Field(max_length=64)
+    sig: str = Field(max_length=256)
+
+
 class Totals(BaseModel):
     """Sizes over the whole image (``stored_bytes`` counts every chunk reference once)."""
 
@@ -88,15 +101,17 @@ class Manifest(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    format: Literal["spotguard-image/1"] = "spotguard-image/1"
+    format: Literal["spotguard-image/1", "spotguard-image/2"] = "spotguard-image/2"
     job: str
     image_id: str
+    sequence: int = Field(default=0, ge=0)  # per job, increasing: newer images have larger ones
     created: datetime = Field(default_factory=lambda: datetime.now(UTC))
     codec: Codec
     encryption: Encryption | None = None
     files: list[FileEntry] = Field(default_factory=list)
     totals: Totals = Field(default_factory=Totals)
     meta: dict[str, Any] = Field(default_factory=dict)
+    auth: list[Signature] = Field(default_factory=list)  # not covered by itself
 
     @field_validator("job")
     @classmethod
@@ -116,18 +131,31 @@ class Manifest(BaseModel):
     def to_bytes(self) -> bytes:
         return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False).encode()
 
+    def unsigned(self) -> dict[str, Any]:
+        """The manifest as JSON data without ``auth``: what authenticators cover."""
+        raw: dict[str, Any] = json.loads(self.to_bytes())
+        raw.pop("auth", None)
+        return raw
+
     @classmethod
     def from_bytes(cls, data: bytes, where: str) -> Manifest:
         """Parse a manifest; a foreign or damaged one is an :class:`ImageError`."""
+        return cls.parse(data, where)[0]
+
+    @classmethod
+    def parse(cls, data: bytes, where: str) -> tuple[Manifest, dict[str, Any]]:
+        """The manifest and the JSON data it was parsed from (what authentication checks)."""
         try:
             raw = json.loads(data)
         except (ValueError, UnicodeDecodeError) as exc:
             raise ImageError(f"manifest of {where} is not JSON: {exc}") from exc
         fmt = raw.get("format") if isinstance(raw, dict) else None
-        if fmt != FORMAT:
-            raise ImageError(f"manifest of {where} has format {fmt!r}; this build reads {FORMAT}")
+        if fmt not in READABLE:
+            raise ImageError(
+                f"manifest of {where} has format {fmt!r}; this build reads {', '.join(READABLE)}"
+            )
         try:
-            return cls.model_validate(raw)
+            return cls.model_validate(raw), raw
         except ValidationError as exc:
             raise ImageError(f"manifest of {where} is malformed: {exc}") from exc
 

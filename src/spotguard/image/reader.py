@@ -1,5 +1,10 @@
 """Read an image: fetch → verify → decompress, pipelined, never handing out unverified bytes.
 
+Opening an image authenticates its manifest against the host's keys first
+(:mod:`spotguard.image.keys`; ``…/latest`` resolves by authenticated sequence and an older
+genuine image is refused as a rollback, :mod:`spotguard.image.history`): every path that reads
+an image — restore, ``images verify``, ``images pull`` — gets the same check, before any chunk.
+
 Each chunk is fetched from the store (retried on transient errors by the store), decoded in a
 thread pool (decrypt, decompress, re-hash) and compared with its address. A chunk that fails
 is fetched once more (a flipped bit in transit or a torn cache); if it fails again the read
@@ -17,15 +22,16 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
-from spotguard.config import load
-from spotguard.contracts import chunk_key, image_prefix
+from spotguard.contracts import chunk_key
 from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
 from spotguard.image.buffers import Lease, OwnedChunk
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
+from spotguard.image.history import refuse_rollback, resolve
+from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import ChunkRef, ImageRef, Manifest
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
-from spotguard.image.writer import settings_cipher, store_for
+from spotguard.image.writer import store_for
 from spotguard.store import ImageStore, get_into
 
 T = TypeVar("T")
@@ -42,6 +48,7 @@ class VerifyReport:
     bytes: int = 0
     stored_bytes: int = 0
     bad: list[dict[str, Any]] = field(default_factory=list)
+    authenticated: str = ""  # "ed25519:<key id>", "hmac-sha256:<key id>" or "" (no keys)
 
     @property
     def ok(self) -> bool:
@@ -54,54 +61,39 @@ class VerifyReport:
             "chunks": self.chunks,
             "bytes": self.bytes,
             "stored_bytes": self.stored_bytes,
+            "authenticated": self.authenticated or None,
             "bad": self.bad,
         }
-
-
-async def resolve(store: ImageStore, ref: ImageRef) -> ImageRef:
-    """``…/images/latest`` → the newest complete image of the job (else unchanged)."""
-    if ref.image_id != "latest":
-        return ref
-    ids = await complete_image_ids(store, ref.job)
-    if not ids:
-        raise ImageNotFound(f"no complete image of job {ref.job!r} in {store.url}")
-    return ImageRef(ref.store, ref.job, ids[-1])
-
-
-async def complete_image_ids(store: ImageStore, job: str) -> list[str]:
-    """Ids of the job's images that have a manifest, oldest first."""
-    prefix = image_prefix(job, "")
-    ids = []
-    for info in await store.list(prefix):
-        rest = info.key[len(prefix) :]
-        if rest.count("/") == 1 and rest.endswith("/manifest.json"):
-            ids.append(rest.split("/", 1)[0])
-    return sorted(ids)
 
 
 class ImageReader:
     """Reads one complete image. Use as ``async with ImageReader(url) as r:``.
 
     ``image`` is an image URL (``…/images/ID`` or ``…/images/latest``) or an :class:`ImageRef`
-    (then ``store`` may pass an open store to share).
+    (then ``store`` may pass an open store to share). ``keys`` (default: from ``settings``)
+    decide which images are accepted; ``cipher`` overrides their encryption key.
     """
 
     def __init__(
         self,
         image: str | ImageRef,
         *,
+        settings: ImageSettings,
         store: ImageStore | None = None,
         cipher: Cipher | None = None,
-        settings: ImageSettings | None = None,
+        keys: ImageKeys | None = None,
         workers: int | None = None,
         readahead: int | None = None,
     ) -> None:
-        s = settings or load(ImageSettings)
+        s = settings
         self.settings = s
         self.ref = image if isinstance(image, ImageRef) else ImageRef.parse(image)
+        k = keys if keys is not None else ImageKeys.from_settings(s)
+        self.keys = k.with_cipher(cipher) if cipher is not None else k
         self._own_store = store is None
         self.store: ImageStore = store or store_for(self.ref.store, s)
-        self._cipher = cipher if cipher is not None else settings_cipher(s)
+        self._cipher = self.keys.cipher
+        self.authenticated = ""
         self.workers = workers or s.cpu_workers()
         self.readahead = readahead or s.max_inflight_chunks()
         self._manifest: Manifest | None = None
@@ -121,20 +113,29 @@ class ImageReader:
         return self._manifest
 
     async def open(self) -> ImageReader:
-        """Find the manifest and check the key; no chunk is read yet."""
-        self.ref = await resolve(self.store, self.ref)
+        """Find the manifest, authenticate it and check the key; no chunk is read yet.
+
+        Raises :class:`~spotguard.errors.ImageUntrusted` (unsigned, altered, untrusted signer,
+        rolled back), :class:`~spotguard.errors.DecryptionError`, :class:`ImageNotFound`."""
+        latest = self.ref.image_id == "latest"
+        self.ref = await resolve(self.store, self.ref, self.keys)
         try:
             data = await self.store.get(self.ref.manifest_key)
         except ObjectNotFound as exc:
             raise ImageNotFound(
                 f"no complete image at {self.ref.url} (no manifest: never committed or deleted)"
             ) from exc
-        m = Manifest.from_bytes(data, self.ref.url)
+        m, raw = Manifest.parse(data, self.ref.url)
+        check_cipher(m.encryption.key_id if m.encryption else None, self._cipher, self.url)
+        self.authenticated = self.keys.authenticate(raw, m, self.ref.url)
         if m.job != self.ref.job or m.image_id != self.ref.image_id:
             raise ImageError(
                 f"manifest at {self.ref.url} describes {m.job}/{m.image_id}, not this image"
             )
-        check_cipher(m.encryption.key_id if m.encryption else None, self._cipher, self.url)
+        if not latest:  # `latest` already is the newest authenticated sequence
+            await refuse_rollback(self.store, m, self.keys, self.ref.url)
+        if self.authenticated:
+            log.info("image authenticated", extra={"image": self.url, "by": self.authenticated})
         self.codec = ChunkCodec(m.codec.level, self._cipher if m.encryption else None)
         self._manifest = m
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="image-cpu")
@@ -311,7 +312,7 @@ class ImageReader:
     async def verify(self, progress: ProgressFn | None = None) -> VerifyReport:
         """Fetch and check every distinct chunk; collects every failure (does not stop)."""
         refs = list(self.manifest.chunk_refs().values())
-        report = VerifyReport(self.url)
+        report = VerifyReport(self.url, authenticated=self.authenticated)
         sem = asyncio.Semaphore(self.readahead)
 
         async def one(ref: ChunkRef) -> None:

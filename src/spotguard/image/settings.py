@@ -16,9 +16,10 @@ DEFAULT_CHUNK_SIZE = 64 << 20
 class ImageSettings(Settings):
     """How images are cut, compressed, encrypted and moved.
 
-    ``encryption_key`` is read from ``SPOTGUARD_ENCRYPTION_KEY`` (or the config file) and is
-    deliberately not a command-line flag: flags show up in ``ps``. Use ``encryption_key_file``
-    on the command line.
+    ``encryption_key`` and ``signing_key`` are read from ``SPOTGUARD_ENCRYPTION_KEY`` /
+    ``SPOTGUARD_SIGNING_KEY`` (or the config file) and are deliberately not command-line flags:
+    flags show up in ``ps``. Use the ``*_file`` settings on the command line. Which keys mean
+    what: :mod:`spotguard.image.keys` and docs/security.md.
     """
 
     section: ClassVar[str] = "image"
@@ -51,6 +52,32 @@ class ImageSettings(Settings):
     )
     encryption_key: SecretStr | None = Field(
         None, description="AES-256-GCM key as hex or base64 (prefer the file or env var)"
+    )
+    signing_key_file: Path | None = Field(
+        None,
+        description="Ed25519 private key (PEM, OpenSSH or 32-byte seed) that signs manifests",
+    )
+    signing_key: SecretStr | None = Field(
+        None, description="Ed25519 private key text (prefer the file; never a flag)"
+    )
+    verify_key_file: Path | None = Field(
+        None,
+        description="Ed25519 public key(s) (PEM, ssh-ed25519 or hex/base64, one per line); "
+        "when set, only images signed by one of them are read",
+    )
+    verify_key: str = Field(
+        "", description="Ed25519 public key(s) inline, comma-separated (as verify_key_file)"
+    )
+    allow_rollback: bool = Field(
+        False,
+        description="Read an authenticated image although the job has a newer one (on purpose)",
+    )
+    raw_saving: float = Field(
+        0.03,
+        ge=0.0,
+        le=1.0,
+        description="Store a chunk as a raw frame unless a sample of it compresses by at least "
+        "this fraction (0 = always compress)",
     )
     sse: Literal["", "AES256", "aws:kms"] = Field(
         "", description="S3 server-side encryption (AES256 or aws:kms)"

@@ -27,6 +27,7 @@ class TransferStats:
     stored_bytes_skipped: int = 0
     chunks: int = 0
     chunks_skipped: int = 0
+    chunks_raw: int = 0  # stored as raw frames: a sample showed they do not compress
     retries: int = 0
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
@@ -57,6 +58,7 @@ class TransferStats:
             "stored_bytes_skipped": self.stored_bytes_skipped,
             "chunks": self.chunks,
             "chunks_skipped": self.chunks_skipped,
+            "chunks_raw": self.chunks_raw,
             "retries": self.retries,
             "seconds": round(self.seconds, 3),
             "mb_s": round(self.rate / MIB, 1),

@@ -18,7 +18,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotguard.config import load
 from spotguard.errors import ImageError, SpotguardError
 from spotguard.image.buffers import BufferPool, Lease
 from spotguard.image.codec import Cipher, compress_bound
@@ -99,7 +98,7 @@ async def push_dir(
     *,
     image_id: str | None = None,
     progress: ProgressFn | None = None,
-    settings: ImageSettings | None = None,
+    settings: ImageSettings,
     cipher: Cipher | None = None,
     chunk_size: int | None = None,
     level: int | None = None,
@@ -143,7 +142,7 @@ async def pull_image(
     dest_dir: str | Path,
     *,
     progress: ProgressFn | None = None,
-    settings: ImageSettings | None = None,
+    settings: ImageSettings,
     cipher: Cipher | None = None,
     timeline: Timeline | None = None,
 ) -> PullResult:
@@ -155,7 +154,7 @@ async def pull_image(
     (:class:`~spotguard.errors.ImageNotFound`, :class:`~spotguard.errors.ImageCorrupt`,
     :class:`~spotguard.errors.DecryptionError`, store errors).
     """
-    s = settings or load(ImageSettings)
+    s = settings
     dest = Path(dest_dir)
     tl = timeline if timeline is not None else Timeline()
     async with ImageReader(image_url, settings=s, cipher=cipher) as reader:
@@ -269,7 +268,7 @@ async def pull_dir(
     dest_dir: str | Path,
     *,
     progress: ProgressFn | None = None,
-    settings: ImageSettings | None = None,
+    settings: ImageSettings,
     cipher: Cipher | None = None,
     timeline: Timeline | None = None,
 ) -> Manifest:

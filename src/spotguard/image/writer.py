@@ -33,7 +33,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, Protocol, TypeVar
 
-from spotguard.config import load
 from spotguard.contracts import check_job_name, chunk_key, new_image_id
 from spotguard.errors import (
     ImageCorrupt,
@@ -43,7 +42,9 @@ from spotguard.errors import (
     SpotguardError,
 )
 from spotguard.image.buffers import BufferPool, Lease
-from spotguard.image.codec import ChunkCodec, Cipher, compress_bound, load_key
+from spotguard.image.codec import ChunkCodec, Cipher, compress_bound
+from spotguard.image.history import next_sequence
+from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import (
     WRITING_MARKER,
     ChunkRef,
@@ -88,11 +89,6 @@ def _fill(f: Any, view: memoryview) -> int:
     return got
 
 
-def settings_cipher(settings: ImageSettings) -> Cipher | None:
-    secret = settings.encryption_key.get_secret_value() if settings.encryption_key else None
-    return load_key(settings.encryption_key_file, secret)
-
-
 SMALL_CHUNK = 1 << 20
 """Chunks below this size use plain ``bytes`` instead of pooled buffers (small CRIU files)."""
 
@@ -117,7 +113,7 @@ class FileSink:
     def __init__(self, writer: ImageWriter, name: str, mode: int) -> None:
         FileEntry(name=name, size=0)  # validates the name early
         self.name = name
-        self.mode = mode
+        self.mode = mode & 0o777  # permission bits only (a reader refuses others)
         self.size = 0
         self.closed = False
         self._w = writer
@@ -231,12 +227,13 @@ class ImageWriter:
         workers: int | None = None,
         max_inflight: int | None = None,
         cipher: Cipher | None = None,
+        keys: ImageKeys | None = None,
         dedup: bool | None = None,
-        settings: ImageSettings | None = None,
+        settings: ImageSettings,
         progress: ProgressFn | None = None,
         timeline: Timeline | None = None,
     ) -> None:
-        s = settings or load(ImageSettings)
+        s = settings
         try:
             self.job = check_job_name(job)
         except ValueError as exc:
@@ -247,9 +244,11 @@ class ImageWriter:
         self.level = s.level if level is None else level
         self.workers = workers or s.cpu_workers()
         self.max_inflight = max_inflight or max(2, (s.max_inflight_mb << 20) // self.chunk_size)
-        self.cipher = cipher if cipher is not None else settings_cipher(s)
+        k = keys if keys is not None else ImageKeys.from_settings(s)
+        self.keys = k.with_cipher(cipher) if cipher is not None else k
+        self.cipher = self.keys.cipher
         self.dedup = s.dedup if dedup is None else dedup
-        self.codec = ChunkCodec(self.level, self.cipher)
+        self.codec = ChunkCodec(self.level, self.cipher, raw_saving=s.raw_saving)
         self.progress = progress
         self.timeline = timeline if timeline is not None else Timeline()
         self.stats = TransferStats()
@@ -277,6 +276,7 @@ class ImageWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._error: BaseException | None = None
         self._heartbeat: asyncio.Task[None] | None = None
+        self._sequence: asyncio.Task[int] | None = None
         self._manifest: Manifest | None = None
         self._entered = False
 
@@ -296,6 +296,8 @@ class ImageWriter:
             await self._shutdown()
             raise
         self._heartbeat = asyncio.create_task(self._refresh_marker())
+        # The job's newest authenticated sequence, read while the chunks are written.
+        self._sequence = asyncio.create_task(next_sequence(self.store, self.job, self.keys))
         log.info(
             "image write started",
             extra={"image": self.url, "chunk_size": self.chunk_size, "zstd_level": self.level},
@@ -325,9 +327,10 @@ class ImageWriter:
             await asyncio.shield(self.store.delete(f"{self.ref.prefix}/{WRITING_MARKER}"))
 
     async def _shutdown(self) -> None:
-        if self._heartbeat is not None:
-            self._heartbeat.cancel()
-            await asyncio.gather(self._heartbeat, return_exceptions=True)
+        for task in (self._heartbeat, self._sequence):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         for f in self._files:
@@ -368,7 +371,7 @@ class ImageWriter:
         """Stream the file at ``path`` into the image as ``name`` (default: its base name)."""
         p = Path(path)
         st = await asyncio.to_thread(p.stat)
-        sink = self.file(name or p.name, mode=st.st_mode & 0o7777)
+        sink = self.file(name or p.name, mode=st.st_mode & 0o777)
         f = await asyncio.to_thread(p.open, "rb", buffering=0)
         try:
             if st.st_size < SMALL_CHUNK:  # small file: one read, one chunk
@@ -475,15 +478,17 @@ class ImageWriter:
                     lease.release()
                 self._preexisting.add(addr)
                 self._count(size, 0, skipped=info.size)
-                return ChunkRef(digest=addr, size=size, stored_size=info.size)
+                # stored no smaller than the plaintext: a raw frame (or zstd's raw blocks)
+                raw = info.size >= size
+                return ChunkRef(digest=addr, size=size, stored_size=info.size, raw=raw)
         if size < SMALL_CHUNK:
-            blob: bytes = await self._cpu(self.codec.encode, plain, addr)
+            blob, raw = await self._cpu(self.codec.pack, plain, addr)
             await self.store.put(key, blob)
             stored = len(blob)
         else:
-            stored = await self._encode_put(key, plain, addr, lease)
-        self._count(size, stored)
-        return ChunkRef(digest=addr, size=size, stored_size=stored)
+            stored, raw = await self._encode_put(key, plain, addr, lease)
+        self._count(size, stored, raw=raw)
+        return ChunkRef(digest=addr, size=size, stored_size=stored, raw=raw)
 
     async def _intact(self, key: str, addr: str, size: int) -> bool:
         """Whether the stored chunk at ``key`` decodes to ``size`` bytes with address
@@ -511,19 +516,20 @@ class ImageWriter:
 
     async def _encode_put(
         self, key: str, plain: bytes | memoryview, addr: str, lease: ChunkOwner | None
-    ) -> int:
-        """Compress into a pooled buffer, free the plaintext, upload straight from the buffer."""
+    ) -> tuple[int, bool]:
+        """Compress (or frame raw) into a pooled buffer, free the plaintext, upload straight
+        from the buffer. Returns the stored size and whether the frame is raw."""
         out = Lease(self.buffers, await self.buffers.acquire(), None)
         reuse = True
         try:
-            data = await self._cpu(self.codec.encode_into, plain, addr, out.view)
+            data, raw = await self._cpu(self.codec.pack, plain, addr, out.view)
             if lease is not None:
                 lease.release()  # compressed: the plaintext buffer can take the next chunk
             await self.store.put(key, data)
             n = len(data)
             if isinstance(data, memoryview):
                 data.release()
-            return n
+            return n, raw
         except asyncio.CancelledError:
             reuse = False  # a thread may still be writing or sending it
             raise
@@ -533,10 +539,13 @@ class ImageWriter:
             else:
                 out.discard()
 
-    def _count(self, size: int, stored: int, *, skipped: int | None = None) -> None:
+    def _count(
+        self, size: int, stored: int, *, skipped: int | None = None, raw: bool = False
+    ) -> None:
         st = self.stats
         st.bytes += size
         st.chunks += 1
+        st.chunks_raw += raw
         st.stored_bytes += stored
         if skipped is not None:
             st.bytes_skipped += size
@@ -562,7 +571,8 @@ class ImageWriter:
             await self._sync_chunks()
         with self.timeline.step("manifest"):
             await self._recheck_preexisting()
-            manifest = self._build(meta or {})
+            assert self._sequence is not None
+            manifest = self._build(meta or {}, await self._sequence)
             await self._write_manifest(manifest)
         self._manifest = manifest
         self.stats.finished = time.monotonic()
@@ -603,7 +613,8 @@ class ImageWriter:
                 f"(concurrent gc?), e.g. {missing[0]}; no manifest written"
             )
 
-    def _build(self, meta: dict[str, Any]) -> Manifest:
+    def _build(self, meta: dict[str, Any], sequence: int) -> Manifest:
+        """The manifest, authenticated with this writer's keys (see spotguard.image.keys)."""
         files = [f.entry() for f in self._files]
         unique: dict[str, int] = {}
         for f in files:
@@ -617,15 +628,21 @@ class ImageWriter:
             stored_bytes=sum(unique.values()),
         )
         enc = Encryption(key_id=self.cipher.key_id) if self.cipher else None
-        return Manifest(
+        m = Manifest(
             job=self.job,
             image_id=self.image_id,
+            sequence=sequence,
             codec=Codec(level=self.level, chunk_size=self.chunk_size),
             encryption=enc,
             files=files,
             totals=totals,
             meta=meta,
         )
+        try:
+            m.auth = self.keys.sign(m.unsigned(), encrypted=enc is not None)
+        except (TypeError, ValueError) as exc:  # meta that JSON cannot carry
+            raise ImageError(f"image {self.url}: manifest cannot be serialised: {exc}") from exc
+        return m
 
     async def _write_manifest(self, manifest: Manifest) -> None:
         data = manifest.to_bytes()
