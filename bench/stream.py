@@ -430,9 +430,7 @@ async def _read_alone(url: str) -> tuple[float, int]:
 
 
 async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
-    target = StreamTarget(
-        b.store_url, work_root=b.work, level=1, writer_options={"settings": ImageSettings()}
-    )
+    target = StreamTarget(b.store_url, work_root=b.work, level=1, settings=ImageSettings())
     ids = _ids(job.pid)
     with Peak(job.pid) as peak:
         wall0 = time.time()

@@ -97,7 +97,7 @@ async def test_aws_spot_terminate_image_in_s3_restores_identically(
     assert not proctree.alive(job.pid)
     assert await latest_image(store, "train", settings=ImageSettings()) == durable["image_url"]
     # Streamed by default, and the manifest carries what a staged one does.
-    async with ImageReader(durable["image_url"]) as reader:
+    async with ImageReader(durable["image_url"], settings=ImageSettings()) as reader:
         meta = reader.manifest.meta
     assert "stream" in meta and meta["mode"] == "exit"
     assert meta["instance"]["instance_type"] == "g5.xlarge"

@@ -36,6 +36,7 @@ from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import CriuError
+from spotguard.image import ImageSettings
 from spotguard.image.catalog import latest_image
 from spotguard.stream import StreamSource, StreamTarget
 
@@ -248,16 +249,20 @@ async def test_leftover_references_go_through_a_streamed_image(
     job, work = await _start(launch, tmp_path, loop_device, "map", "leftover-stream")
     engine = _engine(settings, criu_bin, loop_device, "auto")
     store = f"file://{tmp_path / 'store'}"
-    target = StreamTarget(store, work_root=tmp_path / "stream-work")
+    target = StreamTarget(store, work_root=tmp_path / "stream-work", settings=ImageSettings())
     await engine.freeze(job, target, Mode.EXIT)
     await wait_for(lambda: not proctree.alive(job.pid), "the job to be stopped")
-    url = await latest_image(store, job.name)
+    url = await latest_image(store, job.name, settings=ImageSettings())
     assert url is not None
 
     without = _engine(settings, criu_bin, loop_device, None)
     with pytest.raises(CriuError, match=f"Missing required plugin: {PLUGIN_NAME}"):
-        await without.restore(StreamSource(url, work_root=tmp_path / "stream-work"))
-    restored = await engine.restore(StreamSource(url, work_root=tmp_path / "stream-work"))
+        await without.restore(
+            StreamSource(url, work_root=tmp_path / "stream-work", settings=ImageSettings())
+        )
+    restored = await engine.restore(
+        StreamSource(url, work_root=tmp_path / "stream-work", settings=ImageSettings())
+    )
     assert await wait_exit(restored.job) == 0
     assert _worker_counted_exactly(work) == PLACEHOLDER
 

@@ -31,6 +31,7 @@ from spotguard.checkpoint.preflight import pid_holder, wait_pids_free
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import PreflightError
+from spotguard.image import ImageSettings
 from spotguard.image.catalog import latest_image
 from spotguard.stream import StreamSource, StreamTarget
 
@@ -126,7 +127,9 @@ async def test_no_pid_namespace_restore_waits_for_zombies_of_the_killed_job(
         if where == "dir":
             target = DirectoryTarget(tmp_path / "img")
         else:
-            target = StreamTarget(f"file://{tmp_path / 'store'}", work_root=tmp_path / "w")
+            target = StreamTarget(
+                f"file://{tmp_path / 'store'}", work_root=tmp_path / "w", settings=ImageSettings()
+            )
         frozen = await engine.freeze(job, target, Mode.EXIT)
         await wait_for(
             lambda: all(psutil.Process(p).status() == psutil.STATUS_ZOMBIE for p in tree),
@@ -137,9 +140,11 @@ async def test_no_pid_namespace_restore_waits_for_zombies_of_the_killed_job(
         if where == "dir":
             source: DirectorySource | StreamSource = DirectorySource(frozen.images_dir)
         else:
-            url = await latest_image(f"file://{tmp_path / 'store'}", job.name)
+            url = await latest_image(
+                f"file://{tmp_path / 'store'}", job.name, settings=ImageSettings()
+            )
             assert url is not None
-            source = StreamSource(url, work_root=tmp_path / "w2")
+            source = StreamSource(url, work_root=tmp_path / "w2", settings=ImageSettings())
         restoring = asyncio.create_task(engine.restore(source))
         await asyncio.sleep(1.5)
         assert not restoring.done(), "restore went ahead while the PIDs were held"

@@ -149,12 +149,12 @@ def _meta_json() -> dict[str, object]:
 async def test_restore_of_a_rewritten_image_is_refused_before_anything_is_written(
     criu_bin: str, tmp_path: Path
 ) -> None:
-    from spotguard.checkpoint.targets import DirectoryTarget
 
     from spotguard.checkpoint.criu import Criu
     from spotguard.checkpoint.engine import Engine, Mode
     from spotguard.checkpoint.jobs import start_job
     from spotguard.checkpoint.settings import CheckpointSettings
+    from spotguard.checkpoint.staging import DirectoryTarget
     from spotguard.contracts import manifest_key
     from spotguard.image import ImageSettings, generate_signing_key, push_dir
     from spotguard.operations import restore

@@ -73,3 +73,42 @@ def test_push_list_verify_pull_gc_and_errors(tmp_path: Path) -> None:
     assert "Traceback" not in wrong.stderr
     nokeep = sg("images", "gc", str(store), "--keep", "0")
     assert nokeep.returncode == 2
+
+
+def test_keygen_signed_push_and_refusals_as_one_line_errors(tmp_path: Path) -> None:
+    """The fleet key from ``images keygen``; a signed push verifies and pulls where the public
+    key is trusted; an unsigned image and an altered manifest are refused with one line."""
+    key = tmp_path / "fleet.key"
+    made = sg("images", "keygen", str(key))
+    assert made.returncode == 0, made.stderr
+    assert (key.stat().st_mode & 0o777) == 0o600 and b"PRIVATE KEY" in key.read_bytes()
+    again = sg("images", "keygen", str(key))
+    assert again.returncode == 2 and "--force" in again.stderr
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(os.urandom(300_000))
+    store = tmp_path / "store"
+    signed = sg("images", "push", str(src), str(store), "--job", "cli", "--json",
+                "--signing-key-file", str(key))  # fmt: skip
+    assert signed.returncode == 0, signed.stderr
+    url = json.loads(signed.stdout)["image"]
+    trust = ("--verify-key-file", f"{key}.pub")
+    ok = sg("images", "verify", url, *trust)
+    assert ok.returncode == 0 and "authenticated by ed25519:" in ok.stdout, ok.stderr
+    assert sg("images", "pull", url, str(tmp_path / "d1"), *trust).returncode == 0
+
+    unsigned = sg("images", "push", str(src), str(store), "--job", "cli", "--json")
+    plain_url = json.loads(unsigned.stdout)["image"]
+    refused = sg("images", "verify", plain_url, *trust)
+    assert refused.returncode == 1 and "is not signed" in refused.stderr
+    assert "Traceback" not in refused.stderr and len(refused.stderr.strip().splitlines()) == 1
+    listed = json.loads(sg("images", "list", str(store), "--json").stdout)
+    assert [i["sequence"] for i in listed] == [1, 2]
+
+    mpath = store / "cli" / "images" / json.loads(signed.stdout)["image_id"] / "manifest.json"
+    m = json.loads(mpath.read_text())
+    m["meta"]["gpu"] = {"count": 8}
+    mpath.write_text(json.dumps(m))
+    pulled = sg("images", "pull", url, str(tmp_path / "d2"), *trust)
+    assert pulled.returncode == 1 and "does not match its manifest" in pulled.stderr
+    assert not (tmp_path / "d2").exists() or not any((tmp_path / "d2").iterdir())

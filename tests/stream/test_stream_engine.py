@@ -37,7 +37,8 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning"),
 ]
 
-SMALL = {"chunk_size": 1 << 20, "max_inflight": 2, "settings": ImageSettings()}
+S = ImageSettings()
+SMALL = {"chunk_size": 1 << 20, "max_inflight": 2}
 
 
 async def _start(job_script: Path, state_dir: Path, name: str) -> JobInfo:
@@ -77,7 +78,7 @@ async def test_streamed_freeze_and_restore_match_an_uninterrupted_run(
     )
     engine = Engine(Criu(criu_bin))
     job = await _start(job_script, tmp_path / "state", f"stream-{backend}")
-    target = StreamTarget(store, work_root=tmp_path / "work", writer_options=SMALL)
+    target = StreamTarget(store, work_root=tmp_path / "work", writer_options=SMALL, settings=S)
     result = await engine.freeze(job, target, Mode.EXIT)
     assert target.manifest is not None and target.url is not None  # committed
     assert target.url.endswith(target.manifest.image_id)
@@ -157,7 +158,7 @@ async def test_killed_mid_stream_leaves_job_running_and_no_image(
     gated = GatedStore(open_store(store_url))
     engine = Engine(Criu(criu_bin))
     job = await _start(job_script, tmp_path / "state", f"strike-{strike}")
-    target = StreamTarget(gated, work_root=tmp_path / "work", writer_options=SMALL)  # type: ignore[arg-type]
+    target = StreamTarget(gated, work_root=tmp_path / "work", writer_options=SMALL, settings=S)  # type: ignore[arg-type]
     freeze = asyncio.create_task(engine.freeze(job, target, Mode.EXIT))
     await asyncio.wait_for(gated.blocked.wait(), 30)  # CRIU is now blocked mid-dump
     image_url = target.url
@@ -209,7 +210,7 @@ async def test_exit_mode_upload_failing_mid_stream_never_kills_the_job(
     store_url = f"file://{tmp_path / 'store'}"
     failing = FailingStore(open_store(store_url), allow=2)
     job = await _start(job_script, tmp_path / "state", "exit-upload-fails")
-    target = StreamTarget(failing, work_root=tmp_path / "work", writer_options=SMALL)  # type: ignore[arg-type]
+    target = StreamTarget(failing, work_root=tmp_path / "work", writer_options=SMALL, settings=S)  # type: ignore[arg-type]
     with pytest.raises((CheckpointError, StoreUnavailable)) as failed:
         await asyncio.wait_for(Engine(Criu(criu_bin)).freeze(job, target, Mode.EXIT), 60)
     # Before CRIU finished (EPIPE: CRIU fails and resumes the tree) or while it waited in

@@ -29,7 +29,7 @@ from spotguard.checkpoint.jobs import JobInfo, list_jobs
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import ConfigError, SpotguardError
 from spotguard.image import ImageSettings
-from spotguard.image.writer import settings_cipher
+from spotguard.image.keys import ImageKeys
 from spotguard.store import open_store
 
 log = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ async def check_store(url: str, image: ImageSettings) -> None:
             )
     elif scheme in ("", "file"):
         await asyncio.to_thread(_writable_dir, url, Path(unquote(urlparse(url).path) or url))
-    settings_cipher(image)  # an unreadable encryption key is a ConfigError now, not at a notice
+    ImageKeys.from_settings(image)  # an unreadable key is a ConfigError now, not at a notice
 
 
 def _jobs_with_a_marker(settings: CheckpointSettings) -> list[JobInfo]:

@@ -1,4 +1,5 @@
-"""``spotguard images``: list, verify, garbage-collect, push and pull checkpoint images.
+"""``spotguard images``: list, verify, garbage-collect, push and pull checkpoint images, and
+make the fleet's signing key (``keygen``).
 
 Every subcommand prints a human summary, or with ``--json`` nothing but one JSON document on
 stdout. Transfers show a progress bar (bytes, rate, ETA) when stderr is a terminal. Sizes are
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -33,12 +35,13 @@ from spotguard.image import (
 from spotguard.image.reader import ImageReader
 from spotguard.progress import fmt_bytes, fmt_image_size, fmt_rate, transfer_bar
 
-_TRANSFER_FIELDS = ("encryption_key",)  # secrets never come from flags
+_TRANSFER_FIELDS = ("encryption_key", "signing_key")  # secrets never come from flags
 _GC_EXCLUDE = tuple(n for n in ImageSettings.model_fields if n not in ("gc_grace_s",))
+_TRUST_FIELDS = ("encryption_key_file", "verify_key_file", "verify_key", "allow_rollback")
 _VERIFY_EXCLUDE = tuple(
     n
     for n in ImageSettings.model_fields
-    if n not in ("encryption_key_file", "workers", "io_workers", "max_inflight_mb", "retries")
+    if n not in (*_TRUST_FIELDS, "workers", "io_workers", "max_inflight_mb", "retries")
 )
 
 
@@ -99,7 +102,8 @@ def list_cmd(store_url: str, job: str | None, as_json: bool) -> None:
         state = "complete" if i.complete else "INCOMPLETE (being written or abandoned)"
         size = fmt_image_size(i.bytes, i.stored_bytes) if i.complete else ""
         lock = " encrypted" if i.encrypted else ""
-        click.echo(f"{i.job:20} {i.image_id:32} {size:32} {state}{lock}")
+        seq = f"seq {i.sequence:<5}" if i.complete else " " * 9
+        click.echo(f"{i.job:20} {i.image_id:32} {seq} {size:32} {state}{lock}")
 
 
 @images.command("verify")
@@ -117,9 +121,10 @@ def verify_cmd(image_url: str, as_json: bool, **flags: Any) -> None:
         _emit(report.to_json())
     elif report.ok:
         size = fmt_image_size(*asyncio.run(_totals(report.image_url, settings)))
+        by = f"; authenticated by {report.authenticated}" if report.authenticated else ""
         click.echo(
             f"ok: {report.image_url}: {size}; {report.chunks} distinct chunks "
-            f"({fmt_bytes(report.bytes)}) verified"
+            f"({fmt_bytes(report.bytes)}) verified{by}"
         )
     for bad in report.bad:
         click.echo(f"corrupt chunk {bad['chunk']} in {bad['files']}: {bad['error']}", err=True)
@@ -199,3 +204,30 @@ def pull_cmd(image_url: str, dest_dir: str, as_json: bool, **flags: Any) -> None
         f"{result.image_url} → {dest_dir}: {fmt_image_size(totals.bytes, totals.stored_bytes)}"
         f", verified in {st.seconds:.1f} s ({fmt_rate(st.rate)})"
     )
+
+
+@images.command("keygen")
+@click.argument("private_key", type=click.Path(dir_okay=False))
+@click.option("--force", is_flag=True, help="Overwrite an existing key file.")
+def keygen_cmd(private_key: str, force: bool) -> None:
+    """Write a new Ed25519 signing key to PRIVATE_KEY (mode 0600) and its public key to
+    PRIVATE_KEY.pub. Agents sign with the private key (signing_key_file); restoring hosts
+    trust the public one (verify_key_file). See docs/security.md."""
+    from spotguard.errors import ConfigError
+    from spotguard.image import generate_signing_key
+
+    path = Path(private_key)
+    pub = path.with_name(path.name + ".pub")
+    if not force and (path.exists() or pub.exists()):
+        raise ConfigError(f"{path} or {pub} exists; pass --force to replace them")
+    private, public = generate_signing_key()
+    try:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW
+        fd = os.open(path, flags, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            os.fchmod(f.fileno(), 0o600)
+            f.write(private)
+        pub.write_bytes(public)
+    except OSError as exc:
+        raise ConfigError(f"cannot write the key to {path}: {exc}") from exc
+    click.echo(f"signing key: {path} (keep it secret)\npublic key:  {pub}")

@@ -130,7 +130,7 @@ def _step(
 class StreamTarget:
     """Dump straight into an image store (``DumpTarget`` with ``stream = True``).
 
-    >>> target = StreamTarget("s3://bucket/images", level=1)        # doctest: +SKIP
+    >>> target = StreamTarget("s3://bucket/images", level=1, settings=s)  # doctest: +SKIP
     >>> result = await engine.freeze(job, target, mode)             # doctest: +SKIP
     >>> target.manifest.image_id                                    # doctest: +SKIP
     """
@@ -150,7 +150,7 @@ class StreamTarget:
         writer_options: dict[str, Any] | None = None,
         meta: dict[str, Any] | None = None,
         finish_timeout: float | None = None,
-        settings: ImageSettings | None = None,
+        settings: ImageSettings,
     ) -> None:
         self.store_url = store_url
         self.settings = settings
@@ -206,8 +206,7 @@ class StreamTarget:
         opts = dict(self.writer_options)
         if self.level is not None:
             opts["level"] = self.level
-        if self.settings is not None:
-            opts.setdefault("settings", self.settings)
+        opts.setdefault("settings", self.settings)
         writer = ImageWriter(self.store_url, job, self.image_id, **opts)
         await writer.__aenter__()
         self._writer = writer
@@ -352,7 +351,7 @@ class StreamSource:
         image_url: str,
         *,
         work_root: Path | None = None,
-        settings: ImageSettings | None = None,
+        settings: ImageSettings,
     ) -> None:
         self.image_url = image_url
         self.work_root = work_root
