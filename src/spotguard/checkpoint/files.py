@@ -183,9 +183,9 @@ def check_job_dir(image_job_dir: Path, job_dir: Path) -> None:
                 f"image refused: its job directory {d} goes through a symlink on this host"
             )
         log.warning(
-            "the image's job directory differs from this host's (state_dir differs); the "
-            "job's files go where CRIU reopens them",
-            extra={"image_dir": d, "host_dir": str(job_dir)},
+            "the image's job directory (dir) differs from this host's (path): state_dir "
+            "differs; the job's files go where CRIU reopens them",
+            extra={"dir": d, "path": str(job_dir)},
         )
 
 

@@ -135,7 +135,7 @@ class ImageReader:
         if not latest:  # `latest` already is the newest authenticated sequence
             await refuse_rollback(self.store, m, self.keys, self.ref.url)
         if self.authenticated:
-            log.info("image authenticated", extra={"image": self.url, "by": self.authenticated})
+            log.info("image authenticated", extra={"image": self.url, "key": self.authenticated})
         self.codec = ChunkCodec(m.codec.level, self._cipher if m.encryption else None)
         self._manifest = m
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="image-cpu")
