@@ -221,7 +221,7 @@ async def test_staged_image_without_a_record_is_adopted_and_pushed(
     store = f"file://{tmp_path}/store"
     result = await operations.push_kept(kept, store, images=images, image_settings=ImageSettings())
     assert result.mode == "exit" and result.bytes >= 3 << 20
-    assert await latest_image(store, "train") == result.image_url
+    assert await latest_image(store, "train", settings=ImageSettings()) == result.image_url
     assert not staged.exists() and not kept.record.exists()
     assert partial.is_dir() and unrelated.is_dir()  # what it cannot account for stays
     assert images.scan() == []
