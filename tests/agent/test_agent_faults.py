@@ -116,7 +116,7 @@ async def test_agent_killed_while_a_staged_exit_image_uploads_pushes_it_after_re
         durable = next(e for e in sink.events if e["kind"] == "durable")
         assert durable["mode"] == "exit"
         assert durable["notice"]["kind"] == "preempt"
-        assert await latest_image(store, "train") == durable["image_url"]
+        assert await latest_image(store, "train", settings=ImageSettings()) == durable["image_url"]
         assert operations.kept_images_of(host.checkpoint_settings()).scan() == []
         assert not kept[0].dir.exists()
     finally:
@@ -312,7 +312,7 @@ async def test_a_job_restored_by_hand_is_protected_again_and_drain_writes_an_ima
         durable = [e["image_url"] for e in sink.events if e["kind"] == "durable"]
         assert durable == [first["url"], second["url"]]
         assert "job_finished" not in sink.kinds("train")
-        assert await latest_image(store, "train") == second["url"]
+        assert await latest_image(store, "train", settings=ImageSettings()) == second["url"]
     finally:
         for pid in (job.pid, restored):
             if pid and proctree.alive(pid):
@@ -352,7 +352,7 @@ async def test_a_kept_image_follows_the_configured_store_after_a_restart(
             assert agent.workers["train"].state == "exited"
         durable = next(e for e in sink.events if e["kind"] == "durable")
         assert durable["image_url"].startswith(f"{new}/train/images/")
-        assert await latest_image(new, "train") == durable["image_url"]
+        assert await latest_image(new, "train", settings=ImageSettings()) == durable["image_url"]
         assert proxy.dropped == dropped  # the old URL was not tried again
         said = [r for r in caplog.records if r.getMessage().startswith("kept image pushed to")]
         assert [r.__dict__.get("reason") for r in said] == [f"was {old}"]

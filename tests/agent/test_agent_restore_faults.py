@@ -83,7 +83,7 @@ async def exit_image(host: Host, store: str, stream: str) -> tuple[str, JobInfo]
 
 
 async def manifest_of(image_url: str) -> Manifest:
-    async with ImageReader(image_url) as reader:
+    async with ImageReader(image_url, settings=ImageSettings()) as reader:
         return reader.manifest
 
 
