@@ -107,6 +107,7 @@ class EventKind(StrEnum):
     RESTORED = "restored"  # the job runs again on the new instance
     RESTORE_FAILED = "restore_failed"
     JOB_FINISHED = "job_finished"  # the job itself exited (nothing more to protect)
+    PARKED = "parked"  # the job was parked to a store: its process ended, its image is kept
 
 
 class Wire(BaseModel):
@@ -330,6 +331,17 @@ class JobFinishedEvent(_Event):
     kind: Literal[EventKind.JOB_FINISHED] = EventKind.JOB_FINISHED
 
 
+class ParkedEvent(_Event):
+    """The job was parked to a store (``spotguard park --to URL``, or the agent's idle or
+    priority policy): its process ended and ``image_url`` holds its state. The job is not
+    finished; it waits to be unparked, here by hand or anywhere through the controller."""
+
+    kind: Literal[EventKind.PARKED] = EventKind.PARKED
+    image_url: str
+    image_bytes: int | None = Field(default=None, ge=0)
+    reason: str | None = None
+
+
 AnyEvent = (
     StartedEvent
     | NoticeEvent
@@ -342,6 +354,7 @@ AnyEvent = (
     | RestoredEvent
     | RestoreFailedEvent
     | JobFinishedEvent
+    | ParkedEvent
 )
 #: One report from an agent (``POST /v1/events``): the union of the per-kind models,
 #: told apart by ``kind``.
@@ -362,6 +375,7 @@ EVENT_MODELS: dict[EventKind, type[_Event]] = {
         RestoredEvent,
         RestoreFailedEvent,
         JobFinishedEvent,
+        ParkedEvent,
     )
 }
 

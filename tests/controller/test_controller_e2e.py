@@ -100,7 +100,11 @@ class Stack:
 
 @contextlib.asynccontextmanager
 async def stack(
-    criu_bin: str, tmp_path: Path, sims: tuple[MetadataSim, MetadataSim], **controller: Any
+    criu_bin: str,
+    tmp_path: Path,
+    sims: tuple[MetadataSim, MetadataSim],
+    job_args: list[str] = JOB_ARGS,
+    **controller: Any,
 ) -> AsyncIterator[Stack]:
     """Start the job and VM 1's real agent under a real controller; on exit stop every agent,
     VM and job it started, whatever happened."""
@@ -123,7 +127,7 @@ async def stack(
         tick_s=0.1,
         **controller,
     )
-    job = await start_job([*JOB, *JOB_ARGS], "train", state_dir=vm1 / "state")
+    job = await start_job([*JOB, *job_args], "train", state_dir=vm1 / "state")
     agent1: asyncio.subprocess.Process | None = None
     try:
         async with (
@@ -207,3 +211,63 @@ async def test_rebalance_checkpoint_resumes_on_vm1_and_is_never_relaunched(
         assert v["instance"]["instance_id"] == "i-0vm1vm1vm1vm1vm1" and v["restarts"] == 0
         assert not st.vms.exists() or not any(st.vms.iterdir()), "a second VM was started"
         assert (st.job.dir / "stdout").read_text() == reference
+
+
+async def _spotguard(env: dict[str, str], *args: str) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        SPOTGUARD, *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env
+    )
+    out, err = await proc.communicate()
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+async def test_job_parked_to_the_store_on_vm1_is_unparked_on_vm2_with_identical_output(
+    criu_bin: str, tmp_path: Path, sims: tuple[MetadataSim, MetadataSim]
+) -> None:
+    """``spotguard park --to URL`` on VM 1 (the command itself not told of any controller):
+    VM 1's agent reports the job parked, not finished; ``spotguard jobs unpark`` relaunches it
+    on VM 2, whose real agent restores the parked image; the output equals an uninterrupted
+    run's."""
+    args = ["--steps", "200", "--step-seconds", "0.05", "--mb", "4", "--seed", "5", "--gpu", "no"]
+    fast = [*args[:2], *args[4:]]  # the output does not depend on the pace
+    ref = await asyncio.create_subprocess_exec(
+        *JOB, *fast, "--step-seconds", "0", stdout=asyncio.subprocess.PIPE
+    )
+    async with stack(criu_bin, tmp_path, sims, job_args=args, restore_timeout_s=120) as st:
+        vm1 = st.tmp / "vm1"
+        env = {
+            **{k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")},
+            "SPOTGUARD_STATE_DIR": str(vm1 / "state"),
+            "SPOTGUARD_CRIU": criu_bin,
+            "SPOTGUARD_SHM_DIR": str(vm1 / "shm"),
+        }
+        rc, out, err = await _spotguard(
+            env, "park", "train", "--to", st.store, "--reason", "idle notebook", "--json"
+        )
+        assert rc == 0, err
+        parked = json.loads(out)
+        assert parked["place"] == "store" and "controller" not in parked
+        v = await wait_for(st.http, st.url, "parked", 30)
+        assert v["image_url"] == parked["where"]
+        assert v["reason"] == f"parked to {parked['where']} on i-0vm1vm1vm1vm1vm1 (idle notebook)"
+        await asyncio.sleep(1.5)  # VM 1's agent has long seen the process gone by now
+        assert (await job_view(st.http, st.url))["state"] == "parked"
+
+        admin = {**env, "SPOTGUARD_CONTROLLER_URL": st.url, "SPOTGUARD_CONTROLLER_TOKEN": TOKEN}
+        rc, out, err = await _spotguard(admin, "jobs", "unpark", "train")
+        assert rc == 0, err
+        assert out.startswith("train: launching — unpark from the parked image file://")
+        v = await wait_for(st.http, st.url, "finished", 120)
+        moves = [h["to"] for h in v["history"] if h["from"] != h["to"]]
+        assert moves == ["protected", "parked", "launching", "restoring", "protected", "finished"]
+        assert v["instance"]["instance_id"] == "i-0vm2vm2vm2vm2vm2"
+        vm2 = next(st.vms.iterdir())
+        restored = json.loads((vm2 / "state" / "jobs" / "train" / "job.json").read_text())
+        out_dir = Path(restored.get("dir", vm2 / "state" / "jobs" / "train"))
+        loop = asyncio.get_running_loop()
+        end = loop.time() + 30
+        while not (out_dir / "exit_status").exists():
+            assert loop.time() < end, "the restored job did not finish"
+            await asyncio.sleep(0.1)
+        reference, _ = await ref.communicate()
+        assert (out_dir / "stdout").read_text() == reference.decode()

@@ -16,7 +16,8 @@ from spotguard.errors import DecryptionError, ImageCorrupt, MismatchError, Store
 OLD = {"provider": "aws", "instance_id": "i-old"}
 NEW = {"provider": "aws", "instance_id": "i-new"}
 IMAGE = "file:///s/train/images/20260101T000000000000Z-aaaaaa"
-P, I, C, L, R, F, D = (  # noqa: E741 - the states' initials
+PARKED_IMAGE = "file:///s/train/images/20260102T000000000000Z-bbbbbb"
+P, I, C, L, R, F, D, W = (  # noqa: E741 - the states' initials (W: waiting, parked)
     JobState.PROTECTED,
     JobState.INTERRUPTING,
     JobState.CHECKPOINTED,
@@ -24,6 +25,7 @@ P, I, C, L, R, F, D = (  # noqa: E741 - the states' initials
     JobState.RESTORING,
     JobState.FAILED,
     JobState.FINISHED,
+    JobState.PARKED,
 )
 K = EventKind
 
@@ -31,19 +33,21 @@ K = EventKind
 EXPECTED: dict[JobState, dict[EventKind, JobState]] = {
     P: {K.STARTED: P, K.NOTICE: I, K.FROZEN: P, K.DURABLE: P, K.CHECKPOINT_FAILED: P,
         K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: P, K.RESTORED: P,
-        K.RESTORE_FAILED: P, K.JOB_FINISHED: D},
+        K.RESTORE_FAILED: P, K.JOB_FINISHED: D, K.PARKED: W},
     I: {K.STARTED: P, K.NOTICE: I, K.FROZEN: I, K.DURABLE: C, K.CHECKPOINT_FAILED: I,
         K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: I, K.RESTORED: I,
-        K.RESTORE_FAILED: I, K.JOB_FINISHED: D},
+        K.RESTORE_FAILED: I, K.JOB_FINISHED: D, K.PARKED: W},
     C: {K.STARTED: P, K.NOTICE: C, K.FROZEN: C, K.DURABLE: C, K.CHECKPOINT_FAILED: C,
         K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: C, K.RESTORED: C,
-        K.RESTORE_FAILED: C, K.JOB_FINISHED: D},
+        K.RESTORE_FAILED: C, K.JOB_FINISHED: D, K.PARKED: W},
     L: {K.STARTED: L, K.NOTICE: L, K.FROZEN: L, K.DURABLE: L, K.CHECKPOINT_FAILED: L,
         K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: L, K.RESTORED: L,
-        K.RESTORE_FAILED: L, K.JOB_FINISHED: D},
+        K.RESTORE_FAILED: L, K.JOB_FINISHED: D, K.PARKED: L},
     R: {K.STARTED: P, K.NOTICE: R, K.FROZEN: R, K.DURABLE: R, K.CHECKPOINT_FAILED: R,
         K.EXITED: L, K.READY_TO_RELAUNCH: L, K.RESTORING: R, K.RESTORED: P,
-        K.RESTORE_FAILED: L, K.JOB_FINISHED: D},
+        K.RESTORE_FAILED: L, K.JOB_FINISHED: D, K.PARKED: R},
+    # parked to a store: never relaunched by an event; its owner unparking it by hand is back
+    W: {k: W for k in EventKind} | {K.STARTED: P, K.JOB_FINISHED: D},
     F: {k: F for k in EventKind} | {K.STARTED: P},
     D: {k: D for k in EventKind} | {K.STARTED: P},
 }  # fmt: skip
@@ -61,6 +65,8 @@ def record(state: JobState) -> JobRecord:
         rec.data.epochs = 1
     if state is R:
         rec.pending = {**NEW, "state": "running", "market": "spot"}
+    if state is W:
+        rec.data.parked_image = IMAGE
     return rec
 
 
@@ -76,6 +82,7 @@ def event(kind: EventKind, instance: dict[str, Any], epoch: int, **kw: Any) -> A
         K.RESTORING: {"image_url": IMAGE},
         K.RESTORED: {"image_url": IMAGE},
         K.RESTORE_FAILED: {"image_url": IMAGE, "error": WireError.of(StoreUnavailable("x"))},
+        K.PARKED: {"image_url": PARKED_IMAGE, "image_bytes": 10, "reason": "idle for 3600 s"},
     }
     return make_event(
         kind, job="train", instance=instance, epoch=epoch, **(fields.get(kind, {}) | kw)
@@ -151,3 +158,34 @@ def test_restore_failed_is_decided_by_retryable_and_image_fault(
     assert change.record.data.terminate[-1]["instance_id"] == "i-new"
     if state is L:
         assert change.record.data.owner.epoch == 2  # the failed VM's agent is fenced off
+
+
+def test_parked_holds_the_image_and_drops_the_notice_being_handled() -> None:
+    """Parked while a notice is handled: the job's state is the parked image and no VM holds
+    the job any more, so the notice's deadline can no longer relaunch it."""
+    rec = record(I)
+    rec.deadline = 123.0
+    change = on_event(rec, event(K.PARKED, OLD, 0), Options())
+    assert change is not None
+    out = change.record
+    assert out.state is W and out.image_url == PARKED_IMAGE
+    assert (out.deadline, out.data.notice, out.data.parked_image) == (None, None, PARKED_IMAGE)
+    assert out.data.parked_reason == "idle for 3600 s"
+    assert change.reason == f"parked to {PARKED_IMAGE} on i-old (idle for 3600 s)"
+    assert change.image == (PARKED_IMAGE, 10)  # listed with the job's images
+
+
+def test_started_from_the_owner_of_a_parked_job_protects_it_again() -> None:
+    """Unparked by hand on its node: the agent there protects it again and says so."""
+    change = on_event(record(W), event(K.STARTED, OLD, 0), Options())
+    assert change is not None
+    assert change.record.state is P
+    assert change.record.data.parked_image is None
+    assert change.record.data.owner == Owner(instance_id="i-old", epoch=0)
+
+
+def test_a_second_park_of_a_parked_job_moves_to_its_new_image() -> None:
+    rec = record(W)
+    change = on_event(rec, event(K.PARKED, OLD, 0), Options())
+    assert change is not None and change.note
+    assert change.record.data.parked_image == PARKED_IMAGE

@@ -318,6 +318,9 @@ class Agent(NoticeHandling):
         if stopped_by_us(self.ledger, info):
             self._worker(info).state = "exited"
             return
+        if parking.parked_away(info, self.checkpoint_settings.state_dir):
+            self._worker(info).state = "parked"  # protected again once unparked
+            return
         newest = await self._newest_image(info.name)
         if await runs_elsewhere(
             self.ledger, info.name, newest, self.instance.instance_id, self.image_settings
@@ -394,7 +397,7 @@ class Agent(NoticeHandling):
     async def _liveness(self, worker: JobWorker) -> None:
         while worker.active:
             if worker.state == "protecting" and not worker.alive():
-                parking.gone(worker, self.checkpoint_settings.state_dir)  # finished, or parked
+                await parking.gone(worker, self.checkpoint_settings.state_dir)  # or parked
                 return
             await asyncio.sleep(LIVENESS_S)
 

@@ -1,4 +1,4 @@
-"""``spotguard controller``, ``spotguard jobs list|show`` and ``spotguard migrate``."""
+"""``spotguard controller``, ``spotguard jobs list|show|unpark`` and ``spotguard migrate``."""
 
 from __future__ import annotations
 
@@ -97,7 +97,7 @@ def _when(ts: float | None) -> str:
 
 @click.group("jobs")
 def jobs() -> None:
-    """List and show jobs known to the controller."""
+    """List and show jobs known to the controller; unpark a job parked to a store."""
 
 
 @jobs.command("list")
@@ -153,6 +153,34 @@ def jobs_show(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> N
         click.echo("images:")
         for i in v["images"]:
             click.echo(f"  {_when(i['at'])}  {i['image_url']}")
+
+
+@jobs.command("unpark")
+@click.argument("job")
+@click.option(
+    "--to",
+    "to",
+    default=None,
+    metavar="REGION|TYPE",
+    help="Bring the job back in this region or on this instance type (checked first).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the job's summary as JSON.")
+@options(ClientSettings)
+@click.pass_context
+def jobs_unpark(
+    ctx: click.Context, /, job: str, to: str | None, as_json: bool, **flags: Any
+) -> None:
+    """Bring back JOB, parked to a store, on a new instance (any node can restore it).
+
+    The controller relaunches it as it recovers an interrupted job: a new instance that
+    restores the parked image. Example: spotguard jobs unpark notebook --to g5.2xlarge
+    """
+    body = {"to": to} if to else {}
+    r = asyncio.run(_client(ctx, flags).post(f"/v1/jobs/{job}/unpark", body))
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+        return
+    click.echo(f"{r['job']}: {r['state']} — {r['reason']}")
 
 
 @click.command("migrate")

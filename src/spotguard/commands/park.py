@@ -10,7 +10,7 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import click
 
@@ -27,6 +27,9 @@ from spotguard.park.policy import ParkPolicy, webhooks
 from spotguard.park.priority import Claim
 from spotguard.park.settings import ParkSettings
 from spotguard.park.store import store_path
+
+if TYPE_CHECKING:
+    from spotguard.agent.settings import AgentSettings
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,13 @@ def _ctx(ctx: click.Context, flags: dict[str, Any]) -> _Ctx:
         cfg,
         load(NotifySettings, {}, config_file=cfg),
     )
+
+
+def _agent_settings(c: _Ctx) -> AgentSettings:
+    """This node's agent settings: where a park to a store is reported (the controller)."""
+    from spotguard.agent.settings import AgentSettings
+
+    return load(AgentSettings, {}, config_file=c.config)
 
 
 async def _notify(c: _Ctx, event: str, details: dict[str, Any]) -> None:
@@ -119,8 +129,9 @@ def park(
     """
     c = _ctx(ctx, flags)
     info = resolve_job(job, state_dir=c.cs.state_dir)
+    agent = _agent_settings(c) if core.place_of(to or c.ps.to) == "store" else None
 
-    async def go() -> record.ParkRecord:
+    async def go() -> tuple[record.ParkRecord, str | None]:
         rec = await core.park(
             info,
             to=to or c.ps.to,
@@ -137,14 +148,21 @@ def park(
         if rec.wake_on_connect:
             back += " or connect to " + ", ".join(str(a.address()) for a in rec.listen)
         await _notify(c, "parked", {"job": rec.job, "reason": reason, "comes_back": back})
-        return record.load(c.cs.state_dir, rec.job) or rec
+        told = None  # a park to a store is reported to this node's controller, if any
+        if agent is not None:
+            from spotguard.agent.parking import report_parked
 
-    rec = asyncio.run(go())
-    out = _summary(rec)
+            told = await report_parked(rec, agent, c.cs.state_dir)
+        return record.load(c.cs.state_dir, rec.job) or rec, told
+
+    rec, told = asyncio.run(go())
+    out = _summary(rec) | ({"controller": told} if told else {})
     if as_json:
         click.echo(json.dumps(out))
         return
     wake_note = f"; wakes on connect to {', '.join(out['listen'])}" if rec.wake_on_connect else ""
+    if told:
+        wake_note += f"; controller: {told}"
     click.echo(
         f"job {rec.job} parked to {rec.place} ({rec.location}): {rec.bytes / 2**20:.1f} MiB "
         f"held, {rec.gpu_bytes_freed / 2**20:.0f} MiB of GPU memory freed, "

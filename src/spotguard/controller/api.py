@@ -10,6 +10,8 @@
 ``GET /v1/jobs``                         admin   every job (summary)
 ``GET /v1/jobs/{job}``                   admin   one job: state, owner, history, images
 ``POST /v1/jobs/{job}/migrate``          admin   ``{"to": REGION|TYPE, "immediate": false}``
+``POST /v1/jobs/{job}/unpark``           admin   ``{"to": REGION|TYPE}`` (optional): relaunch a
+                                                 job parked to a store (409 when not parked)
 ``GET /healthz``                         —       ``{"ok": true, "jobs": N}``
 ``GET /metrics``                         —       Prometheus text format
 =======================================  ======  =============================================
@@ -62,6 +64,13 @@ class MigrateRequest(BaseModel):
     model_config = ConfigDict(extra="forbid")
     to: str
     immediate: bool = False
+
+
+class UnparkRequest(BaseModel):
+    """Body of ``POST /v1/jobs/{job}/unpark`` (may be empty): where to bring the job back."""
+
+    model_config = ConfigDict(extra="forbid")
+    to: str | None = None
 
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
@@ -174,6 +183,18 @@ async def migrate_job(request: web.Request) -> web.Response:
     return web.json_response(_summary(rec))
 
 
+async def unpark_job(request: web.Request) -> web.Response:
+    _admin(request)
+    raw = await request.read()
+    try:
+        req = UnparkRequest.model_validate_json(raw) if raw.strip() else UnparkRequest()
+    except ValidationError as exc:
+        return _error(400, f"malformed unpark request: {_problems(exc)}")
+    c = request.app[CONTROLLER_KEY]
+    rec = await c.unpark(request.match_info["job"], req.to)
+    return web.json_response(_summary(rec))
+
+
 async def directive(request: web.Request) -> web.Response:
     raw = request.query.get("epoch")
     if raw is not None and not raw.isdigit():
@@ -203,6 +224,7 @@ def make_app(controller: Controller) -> web.Application:
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{job}", show_job)
     app.router.add_post("/v1/jobs/{job}/migrate", migrate_job)
+    app.router.add_post("/v1/jobs/{job}/unpark", unpark_job)
     app.router.add_get("/v1/jobs/{job}/directive", directive)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)

@@ -238,6 +238,24 @@ class Controller(Reconciler):
         log.info("fleet notice for an instance no job runs on", extra={"instance_id": iid})
         return None
 
+    async def _target(self, rec: JobRecord, to: str, verb: str) -> dict[str, str]:
+        """``to`` as a launch target, ``{"region"}`` or ``{"type"}``, checked against what
+        restoring the job needs: an unknown type, a type with other GPUs or a region with no
+        matching offer is refused (:class:`PrecheckError`, :class:`NoMatchingOffer`, …)."""
+        spec = LaunchSpec.from_json(rec.spec)
+        if to in self.provider.regions() or _REGION_RE.match(to):
+            offers = await self.provider.offers(spec.retarget(region=to))
+            if not offers:
+                raise NoMatchingOffer(
+                    f"no offer in {to} can restore job {rec.name!r} ({spec.describe_gpus()})"
+                )
+            return {"region": to}
+        t = await self.provider.instance_type(to)
+        why = spec.mismatch(t) if spec.gpu_count or t.gpu_count else None
+        if why:
+            raise PrecheckError(f"cannot {verb} {rec.name!r} to {to}: GPU mismatch: {why}")
+        return {"type": to}
+
     async def migrate(self, name: str, to: str, *, immediate: bool = False) -> JobRecord:
         """Move job ``name`` to region or instance type ``to`` (validated now)."""
         rec = await self.db.get(name)
@@ -245,20 +263,7 @@ class Controller(Reconciler):
             raise JobNotFound(f"no job {name!r}")
         if rec.state in TERMINAL:
             raise ControllerError(f"job {name!r} is {rec.state.value}; nothing to migrate")
-        spec = LaunchSpec.from_json(rec.spec)
-        if to in self.provider.regions() or _REGION_RE.match(to):
-            target: dict[str, str] = {"region": to}
-            offers = await self.provider.offers(spec.retarget(region=to))
-            if not offers:
-                raise NoMatchingOffer(
-                    f"no offer in {to} can restore job {name!r} ({spec.describe_gpus()})"
-                )
-        else:
-            t = await self.provider.instance_type(to)
-            why = spec.mismatch(t) if spec.gpu_count or t.gpu_count else None
-            if why:
-                raise PrecheckError(f"cannot migrate {name!r} to {to}: GPU mismatch: {why}")
-            target = {"type": to}
+        target = await self._target(rec, to, "migrate")
 
         def fn(r: JobRecord | None) -> Change | None:
             if r is None:
@@ -279,6 +284,49 @@ class Controller(Reconciler):
 
         out, _ = await self.db.change(name, fn)
         assert out is not None
+        self._ensure_loop(name)
+        self.wake(name)
+        return out
+
+    async def unpark(self, name: str, to: str | None = None) -> JobRecord:
+        """Bring back job ``name``, parked to a store, on a new instance: the relaunch path a
+        recovery takes (a new round under a new epoch, a VM token scoped to it, an assignment
+        to restore the parked image), optionally onto region or type ``to`` (checked as
+        :meth:`migrate` checks it). A job that is not PARKED is refused
+        (:class:`ControllerError`) and left as it is.
+
+        The node the job was parked on is not terminated (other jobs may use its GPUs), and
+        the unpark opens a fresh budget of ``max_restarts``: it is a decision, not a failure.
+        """
+        rec = await self.db.get(name)
+        if rec is None:
+            raise JobNotFound(f"no job {name!r}")
+        if rec.state is not JobState.PARKED:
+            raise ControllerError(
+                f"job {name!r} is {rec.state.value}, not parked; only a job parked to a store "
+                "can be unparked through the controller"
+            )
+        target = await self._target(rec, to, "unpark") if to else None
+
+        def fn(r: JobRecord | None) -> Change | None:
+            if r is None or r.state is not JobState.PARKED:
+                return None
+            image = r.data.parked_image or r.image_url
+            if target is not None:
+                r.data.target = target
+            r.image_url = image
+            r.restarts = 0
+            r.data.bad_images, r.data.older_image = [], False
+            r.data.parked_image = r.data.parked_reason = None
+            where = f" in {' '.join(r.data.target.values())}" if r.data.target else ""
+            reason = f"unpark{where} from the parked image {image}"
+            return relaunch(r, reason, drain=False, terminate_old=False)
+
+        out, _ = await self.db.change(name, fn)
+        if out is None or out.state is not JobState.LAUNCHING:
+            state = out.state.value if out is not None else "gone"
+            raise ControllerError(f"job {name!r} is {state}, not parked; nothing to unpark")
+        log.info("unpark", extra={"job": name, "image": out.image_url, "target": target})
         self._ensure_loop(name)
         self.wake(name)
         return out

@@ -17,6 +17,8 @@ image, launch, wait, terminate.
                       RESTORE_FAILED: retryable → LAUNCHING; the image's fault → LAUNCHING
                       from an older image; else → FAILED
     any ──JOB_FINISHED──► FINISHED          max restarts, no offer → FAILED(reason)
+    PROTECTED / INTERRUPTING / CHECKPOINTED ──PARKED──► PARKED ──unpark (API)──► LAUNCHING
+                            PROTECTED ◄──STARTED (unparked by hand)──┘
 
 **One handler per (state, kind)**: :data:`HANDLERS` maps every pair to a small function;
 ``tests/controller/test_controller_machine.py`` runs each pair.
@@ -49,6 +51,7 @@ from spotguard.contracts import (
     ExitedEvent,
     NoticeEvent,
     Owner,
+    ParkedEvent,
     ReadyToRelaunchEvent,
     RestoredEvent,
     RestoreFailedEvent,
@@ -185,6 +188,7 @@ def _started(c: Ctx) -> Change:
     rec.state = JobState.PROTECTED
     rec.instance = ev.instance.model_dump() if c.iid else dict(rec.pending or rec.instance)
     rec.data.owner = Owner(instance_id=c.iid or pending, epoch=rec.data.owner.epoch)
+    rec.data.parked_image = rec.data.parked_reason = None  # unparked by hand, if it was parked
     rec.pending = None
     return c.change(f"agent protects the job on {c.where}")
 
@@ -348,6 +352,32 @@ def _checkpoint_failed(c: Ctx) -> Change:
     return c.note(f"checkpoint failed on {c.where}: {msg}")
 
 
+def _parked(c: Ctx) -> Change:
+    """The job was parked to a store: its process ended, the image holds its state. PARKED
+    is not an end and nothing relaunches it on its own (a notice pending is moot: no VM holds
+    the job any more); ``unpark`` through the API, or a STARTED from its owner (unparked by
+    hand there), brings it back."""
+    rec, ev = c.rec, c.ev
+    assert isinstance(ev, ParkedEvent)
+    again = rec.state is JobState.PARKED
+    rec.state = JobState.PARKED
+    rec.image_url = ev.image_url
+    rec.deadline = None
+    d = rec.data
+    d.parked_image, d.parked_reason = ev.image_url, ev.reason
+    d.notice, d.decision, d.fallback_now, d.action = None, None, False, None
+    rec.reason = f"parked to {ev.image_url} on {c.where}" + (f" ({ev.reason})" if ev.reason else "")
+    return c.note(rec.reason + " (again)") if again else c.change(rec.reason)
+
+
+def _parked_while_moving(c: Ctx) -> Change:
+    return c.note(f"parked on {c.where} while {c.rec.state.value}: the relaunch goes on (recorded)")
+
+
+def _while_parked(c: Ctx) -> Change:
+    return c.note(f"{c.ev.kind.value} on {c.where} while parked: nothing of it runs (recorded)")
+
+
 _BY_KIND: dict[EventKind, Handler] = {
     EventKind.NOTICE: _notice,
     EventKind.FROZEN: _record_only,
@@ -391,6 +421,10 @@ def _table() -> dict[tuple[JobState, EventKind], Handler]:
                 h = _finished_again if st in TERMINAL else _finished
             elif st in TERMINAL:
                 h = _after_end
+            elif kind is EventKind.PARKED:
+                h = _parked_while_moving if st in MOVING else _parked
+            elif st is JobState.PARKED:
+                h = _while_parked
             elif kind is EventKind.RESTORING:
                 h = _record_only
             elif st in MOVING:

@@ -45,6 +45,7 @@ class JobState(StrEnum):
     CHECKPOINTED = "checkpointed"  # a durable image exists; waiting for the VM to let go
     LAUNCHING = "launching"  # choosing an offer / launching (round token persisted first)
     RESTORING = "restoring"  # instance launched with the assignment; waiting for the agent
+    PARKED = "parked"  # parked to a store: no process, the image kept; waits for an unpark
     FAILED = "failed"  # gave up; ``reason`` says why
     FINISHED = "finished"  # the job exited by itself
 
@@ -135,6 +136,8 @@ class JobData(BaseModel):
     action: Literal["drain"] | None = None  # what the controller asks of the agent
     bad_images: list[str] = Field(default_factory=list)  # images that cannot be restored
     older_image: bool = False  # the next round restores the newest image not in bad_images
+    parked_image: str | None = None  # PARKED: the image the job was parked to
+    parked_reason: str | None = None  # PARKED: why, as the agent or the user said
 
     @model_validator(mode="before")
     @classmethod
