@@ -22,7 +22,7 @@ import pytest
 pytestmark = pytest.mark.criu
 
 SPOTGUARD = str(Path(sys.executable).with_name("spotguard"))
-SMALL = ["--steps", "40", "--step-seconds", "0.05", "--mb", "8", "--notice-at", "12"]
+SMALL = ["--steps", "120", "--step-seconds", "0.05", "--mb", "8", "--notice-at", "12"]
 
 
 def demo(
@@ -107,7 +107,7 @@ def test_demo_json_summary_on_gcp_with_the_timeline_in_order(criu_bin: str, tmp_
     ("fault", "step", "says"),
     [
         ("launch", "relaunch", "no-such-agent"),
-        ("store", "freeze", "Not a directory"),
+        ("store", "protect", "Not a directory"),  # the agent refuses to start on it
         ("restore", "restore", "is not an executable"),
     ],
 )

@@ -70,11 +70,22 @@ def _check_agent1(stack: DemoStack, step: str, *, may_end: bool = False) -> None
     if proc is None or proc.returncode is None or (may_end and proc.returncode == 0):
         return
     if proc.returncode is not None:
+        log_file = stack.vm1 / "agent.log"
         raise DemoError(
             step,
-            f"the agent on VM 1 exited with status {proc.returncode} "
-            f"(see {stack.vm1 / 'agent.log'})",
+            f"the agent on VM 1 exited with status {proc.returncode}{_last_error(log_file)} "
+            f"(see {log_file})",
         )
+
+
+def _last_error(log_file: Path) -> str:
+    """``: <the agent's last error line>`` from its log, or nothing."""
+    try:
+        lines = log_file.read_text(errors="replace").splitlines()
+    except OSError:
+        return ""
+    errors = [ln for ln in lines if "error" in ln.lower()]
+    return f": {errors[-1].strip()}" if errors else ""
 
 
 async def _inject(stack: DemoStack, opts: DemoOptions, ui: Ui) -> float:
