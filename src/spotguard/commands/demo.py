@@ -97,7 +97,8 @@ from spotguard.demo.options import CLOUDS, FAULTS, KINDS, STORES, DemoOptions
     is_flag=True,
     help="Print a machine-readable summary on stdout (progress goes to stderr).",
 )
-def demo(as_json: bool, **flags: Any) -> None:
+@click.pass_context
+def demo(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
     """Save a job from a spot interruption end to end, on this machine alone.
 
     Starts the metadata emulator, a store, the controller with the local provider, an agent on
@@ -105,10 +106,14 @@ def demo(as_json: bool, **flags: Any) -> None:
     restore; then proves the job on "VM 2" printed exactly what an uninterrupted run prints.
     Needs Linux, root and CRIU >= 4.2.1 (scripts/install-criu). Example: spotguard demo --cloud gcp
     """
+    from spotguard.cli import config
+    from spotguard.config import load
     from spotguard.demo.scenario import run_demo
     from spotguard.demo.ui import make_ui, render_report
+    from spotguard.image.settings import ImageSettings
 
     opts = DemoOptions(**flags)
+    image = load(ImageSettings, {}, config_file=config(ctx))
     progress_out = sys.stderr if as_json else sys.stdout
     ui = make_ui(progress_out, live=True)
 
@@ -116,7 +121,7 @@ def demo(as_json: bool, **flags: Any) -> None:
         task = asyncio.current_task()
         assert task is not None
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-        return await run_demo(opts, ui)
+        return await run_demo(opts, ui, image)
 
     try:
         report = asyncio.run(main())

@@ -28,7 +28,6 @@ from typing import Any
 
 from spotguard.agent.client import call
 from spotguard.checkpoint.jobs import JobInfo, exit_status, list_jobs
-from spotguard.config import load
 from spotguard.demo.options import JOB_NAME, DemoOptions
 from spotguard.demo.report import DemoReport, durable_record, first_difference, timeline
 from spotguard.demo.stack import FACTS, DemoStack
@@ -163,10 +162,9 @@ async def _finished_output(job: JobInfo, where: str) -> str:
     return (job.dir / "stdout").read_text()
 
 
-async def _image(image_url: str) -> tuple[dict[str, Any], str]:
+async def _image(image_url: str, settings: ImageSettings) -> tuple[dict[str, Any], str]:
     """The image's manifest (as JSON), after every chunk verified, and the job's output as
     the image captured it (what the job had printed when it was frozen)."""
-    settings = load(ImageSettings)
     try:
         report = await verify_image(image_url, settings=settings)
         async with ImageReader(image_url, settings=settings) as reader:
@@ -291,7 +289,7 @@ async def _protected_run(
     diff = first_difference(expected, got)
     if diff is not None:
         raise DemoError("compare", f"the job's output differs from the uninterrupted run: {diff}")
-    manifest, captured = await _image(image_url)
+    manifest, captured = await _image(image_url, stack.image)
     report.image = manifest
     report.timeline = timeline(
         t0,
@@ -318,8 +316,9 @@ async def _protected_run(
         )
 
 
-async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
-    """Run the whole scenario; the report says whether every step held (and why not)."""
+async def run_demo(opts: DemoOptions, ui: Ui, image: ImageSettings) -> DemoReport:
+    """Run the whole scenario; the report says whether every step held (and why not).
+    ``image`` are the ``[image]`` settings the command loaded."""
     started = time.monotonic()
     report = DemoReport(
         scenario={
@@ -332,7 +331,7 @@ async def run_demo(opts: DemoOptions, ui: Ui) -> DemoReport:
             "fault": opts.fault,
         }
     )
-    stack = DemoStack(opts)
+    stack = DemoStack(opts, image)
     report.workdir = str(stack.root)
     try:
         async with _logs_to(stack.root / "demo.log"), stack:

@@ -144,7 +144,7 @@ def _alive(pid: int, since: float | None = None) -> bool:
 class DemoStack:
     """The demo's processes and servers (see the module docstring)."""
 
-    def __init__(self, opts: DemoOptions) -> None:
+    def __init__(self, opts: DemoOptions, image: ImageSettings) -> None:
         self.opts = opts
         self.started = time.time()
         self.token = secrets.token_urlsafe(16)
@@ -161,6 +161,9 @@ class DemoStack:
         self.vm1 = self.root / "vm1"
         self.local_root = self.root / "local"
         self.store_url = f"file://{self.root / 'store'}"
+        #: the ``[image]`` settings loaded by ``spotguard demo`` (the controller and the
+        #: demo's own checks read the images with them, as the agents do)
+        self.image = image
         self.spotguard = ""
         self.criu = ""
         self.controller_url = ""
@@ -299,7 +302,7 @@ class DemoStack:
             }
         )
         self.server = await self._stack.enter_async_context(
-            ControllerServer(settings, provider=provider, image=ImageSettings.model_validate({}))
+            ControllerServer(settings, provider=provider, image=self.image)
         )
         self.controller_url = self.server.url
         self.client = ControllerClient(self.controller_url, self.token, timeout_s=10.0)
