@@ -113,6 +113,7 @@ FIELDS: dict[str, str] = {
     "location": "the path or URL of a parked job's image",
     "clients": "clients that connected to a parked job",
     "free_bytes": "free GPU memory in bytes",
+    "target": "where a job is moved or unparked to (a region, an instance type)",
     # garbage collection (``images gc``: the result's own fields)
     "jobs": "jobs looked at",
     "images_kept": "complete images kept",
