@@ -1,0 +1,101 @@
+"""Raw frames for chunks that do not compress (issue 19), and readers of older images."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import zstandard
+
+from spotguard.contracts import chunk_key, manifest_key
+from spotguard.image import ImageSettings, generate_key, pull_image, push_dir, verify_image
+from spotguard.image.codec import ChunkCodec, raw_frame_into, raw_frame_size
+
+CHUNK = 1 << 20
+
+
+def bf16_like(n: int) -> bytes:
+    """Half-precision-looking weights: random mantissas, a narrow band of exponents."""
+    rnd = bytearray(os.urandom(n))
+    rnd[1::2] = bytes(0x3C + (b & 0x03) for b in rnd[1::2])
+    return bytes(rnd)
+
+
+def test_raw_frame_is_a_standard_zstd_frame() -> None:
+    for n in (1, 5, 128 << 10, (128 << 10) + 1, 3 * CHUNK + 7):
+        plain = os.urandom(n)
+        out = bytearray(raw_frame_size(n))
+        frame = bytes(raw_frame_into(plain, memoryview(out)))
+        assert len(frame) == raw_frame_size(n)
+        assert zstandard.frame_content_size(frame) == n
+        assert zstandard.ZstdDecompressor().decompress(frame) == plain  # any zstd reader
+
+
+def test_sample_decides_per_chunk() -> None:
+    codec = ChunkCodec(1, raw_saving=0.03)
+    assert codec.incompressible(os.urandom(CHUNK))
+    assert not codec.incompressible(bytes(CHUNK))
+    assert not codec.incompressible(bf16_like(CHUNK))
+    half = os.urandom(CHUNK // 2) + bytes(CHUNK // 2)  # half zero pages: worth compressing
+    assert not codec.incompressible(half)
+    assert not ChunkCodec(1, raw_saving=0.0).incompressible(os.urandom(CHUNK))
+
+
+async def test_incompressible_chunks_stored_raw_and_read_back(tmp_path: Path) -> None:
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(os.urandom(2 * CHUNK) + bytes(CHUNK) + bf16_like(CHUNK))
+    store = (tmp_path / "store").as_uri()
+    s = ImageSettings(chunk_size=CHUNK, workers=2)
+    res = await push_dir(src, store, "raw", settings=s)
+    chunks = res.manifest.file("pages-1.img").chunks
+    assert [c.raw for c in chunks] == [True, True, False, False]
+    assert res.stats.chunks_raw == 2
+    assert all(c.stored_size < c.size + 4096 for c in chunks[:2])
+    assert chunks[2].stored_size < 1000 and chunks[3].stored_size < 0.95 * CHUNK
+    got = await pull_image(res.image_url, tmp_path / "d", settings=s)
+    assert (got.dest / "pages-1.img").read_bytes() == (src / "pages-1.img").read_bytes()
+    # the stored object is a plain zstd frame: what older readers decode
+    stored = (tmp_path / "store" / chunk_key("raw", chunks[0].digest)).read_bytes()
+    plain = zstandard.ZstdDecompressor().decompress(stored)
+    assert plain == (src / "pages-1.img").read_bytes()[:CHUNK]
+    # turned off: everything compressed (a random chunk then is zstd's own output)
+    off = await push_dir(
+        src, store, "off", settings=ImageSettings(chunk_size=CHUNK, workers=2, raw_saving=0.0)
+    )
+    assert not any(c.raw for c in off.manifest.file("pages-1.img").chunks[2:])
+    assert off.stats.chunks_raw == 0
+
+
+async def test_encrypted_raw_chunks_round_trip(tmp_path: Path) -> None:
+    (tmp_path / "k").write_text(generate_key().hex())
+    s = ImageSettings(chunk_size=CHUNK, workers=2, encryption_key_file=tmp_path / "k")
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages.img").write_bytes(os.urandom(CHUNK))
+    res = await push_dir(src, (tmp_path / "store").as_uri(), "enc", settings=s)
+    assert [c.raw for c in res.manifest.files[0].chunks] == [True]
+    assert (await verify_image(res.image_url, settings=s)).ok
+
+
+async def test_an_image_of_format_1_still_reads(tmp_path: Path) -> None:
+    """A manifest as builds before authenticated images wrote it: format /1, no sequence,
+    no auth, no raw flags. A host without keys reads it as before."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages.img").write_bytes(bytes(CHUNK) + os.urandom(999))
+    s = ImageSettings(chunk_size=CHUNK, workers=2)
+    res = await push_dir(src, (tmp_path / "store").as_uri(), "old", settings=s)
+    path = tmp_path / "store" / manifest_key("old", res.manifest.image_id)
+    m = json.loads(path.read_text())
+    m["format"] = "spotguard-image/1"
+    for k in ("sequence", "auth"):
+        del m[k]
+    for f in m["files"]:
+        for c in f["chunks"]:
+            del c["raw"]
+    path.write_text(json.dumps(m))
+    got = await pull_image(res.image_url, tmp_path / "d", settings=s)
+    assert got.manifest.sequence == 0
+    assert (got.dest / "pages.img").read_bytes() == (src / "pages.img").read_bytes()
