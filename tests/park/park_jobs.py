@@ -76,6 +76,26 @@ def server(port: int) -> None:
     srv.serve_forever()
 
 
+def sqlite(db: str) -> None:
+    """Keeps a SQLite database open and writes a row every 0.1 s (IPython's history does the
+    same): after a restore it must still be writable."""
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    con.execute("create table if not exists t (i integer)")
+    con.commit()
+    i = 0
+    while True:
+        try:
+            con.execute("insert into t values (?)", (i,))
+            con.commit()
+            print(f"row {i}", flush=True)
+        except sqlite3.Error as exc:
+            print(f"ERROR {exc}", flush=True)
+        i += 1
+        time.sleep(0.1)
+
+
 def busy() -> None:
     x = 0
     while True:
@@ -93,6 +113,8 @@ if __name__ == "__main__":
         pair(int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else None)
     elif what == "server":
         server(int(sys.argv[2]))
+    elif what == "sqlite":
+        sqlite(sys.argv[2])
     elif what == "busy":
         busy()
     else:

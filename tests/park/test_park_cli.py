@@ -221,3 +221,18 @@ def test_park_and_unpark_tell_the_webhooks(sg: Sg, state_dir: Path, config: Path
     assert events == [("parked", "nb", "park"), ("unparked", "nb", "park")]
     assert "idle notebook" in _Hook.got[0]["reason"]
     assert "spotguard unpark nb" in _Hook.got[0]["reason"]
+
+
+@pytest.mark.parametrize("place", ["disk", "tmpfs"])
+def test_an_open_sqlite_database_stays_writable_after_unpark(
+    sg: Sg, state_dir: Path, tmp_path: Path, place: str
+) -> None:
+    """The carried file is rewritten in place (same inode): SQLite would turn read-only."""
+    db = tmp_path / "history.sqlite"
+    ok_json(sg("run", "--name", "db", "--json", "--", sys.executable, JOBS, "sqlite", str(db)))
+    _wait(lambda: len(_lines(state_dir, "db")) >= 3, "rows to be written")
+    ok_json(sg("park", "db", "--to", place, "--json"))
+    ok_json(sg("unpark", "db", "--json"))
+    n = len(_lines(state_dir, "db"))
+    _wait(lambda: len(_lines(state_dir, "db")) >= n + 5, "rows after the unpark")
+    assert not [ln for ln in _lines(state_dir, "db") if ln.startswith("ERROR")]

@@ -221,10 +221,43 @@ def plan(entries: Iterable[CapturedFile], image_job_dir: Path, job_dir: Path) ->
     return out
 
 
+def _in_place(dest: Path) -> int | None:
+    """An fd for rewriting ``dest`` in place — a regular file with one link, opened without
+    following a link — or None (then a fresh file replaces it).
+
+    Rewriting in place keeps the file's inode: a job restored on the node it left (unpark,
+    a periodic image restored) finds the very files it had open. SQLite, for one, compares
+    the inode of its open database with the path's and turns read-only ("attempt to write a
+    readonly database") when they differ. A file with other links is never written through.
+    """
+    try:
+        fd = os.open(dest, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+        os.close(fd)
+        return None
+    return fd
+
+
 def _write(src: Path, dest: Path, e: CapturedFile) -> None:
-    """Copy ``src`` to ``dest`` through a fresh temporary file (never following a link),
-    with the entry's permission bits and, as root, its owner."""
+    """Copy ``src`` to ``dest`` — in place when it is an existing regular file of one link
+    (:func:`_in_place`), else through a fresh temporary file (never following a link) — with
+    the entry's permission bits and, as root, its owner."""
     dest.parent.mkdir(parents=True, exist_ok=True)
+    fd_in_place = _in_place(dest)
+    if fd_in_place is not None:
+        try:
+            os.ftruncate(fd_in_place, 0)
+            with src.open("rb") as f, os.fdopen(fd_in_place, "wb", closefd=False) as out:
+                shutil.copyfileobj(f, out, 1 << 20)
+            os.fchmod(fd_in_place, e.mode & PERMISSION_BITS)
+            if os.geteuid() == 0 and e.uid is not None and e.gid is not None:
+                os.fchown(fd_in_place, e.uid, e.gid)
+        finally:
+            os.close(fd_in_place)
+        return
     tmp = dest.with_name(f".{dest.name}.spotguard-tmp")
     tmp.unlink(missing_ok=True)
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
