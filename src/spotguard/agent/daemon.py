@@ -16,7 +16,9 @@ Start-up, in order (each step one log line; :mod:`spotguard.agent.startup`):
    instance is left alone (the agent stands down); a job named by name is watched after it
    ends, and protected again when it comes back (``spotguard restore`` by hand);
 6. the local API and the controller reporter; with a controller, a directive poll every
-   ``directive_poll_s`` seconds per protected job (:mod:`spotguard.agent.directives`);
+   ``directive_poll_s`` seconds per protected job (:mod:`spotguard.agent.directives`); an
+   answer saying the job is owned elsewhere makes the agent stand down for it
+   (:mod:`spotguard.agent.standdown`);
 7. watch notices (:mod:`spotguard.agent.dispatch`) and run the park policies
    (:mod:`spotguard.agent.parking`; a job parked as an image is not "finished").
 """
@@ -51,7 +53,7 @@ from . import jobspec, parking, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
 from .dispatch import NoticeHandling
-from .ledger import JobState, Ledger, newest_image, runs_elsewhere, stopped_by_us
+from .ledger import JobState, Ledger, newest_image, runs_elsewhere, stood_down, stopped_by_us
 from .metrics import AgentMetrics
 from .policy import Policy
 from .pusher import KeptPusher
@@ -99,6 +101,7 @@ class Agent(NoticeHandling):
         self.manual = ManualSource()
         self._extra_sources = list(sources) if sources is not None else None
         self.workers: dict[str, JobWorker] = {}
+        self.epochs: dict[str, int] = {}  # ownership epoch of each job an assignment gave us
         self.ledger = Ledger(self.dir / "jobs")
         self.kept = operations.kept_images_of(checkpoint)
         self.instance = InstanceFacts()
@@ -226,8 +229,9 @@ class Agent(NoticeHandling):
                 reporter=self.reporter,
                 instance=self.instance.to_json(),
             )
-            if restored is not None and restored.job not in specs:
-                specs.append(restored.job)
+            if restored is not None:  # the job is ours under the assignment's epoch
+                self.epochs[restored.job] = assignment.epoch
+                specs += [restored.job] if restored.job not in specs else []
         for spec in specs:
             self._spawn(self._protect(spec), f"protect-{spec}")
         self._poll_directives()
@@ -322,9 +326,11 @@ class Agent(NoticeHandling):
             self._worker(info).state = "parked"  # protected again once unparked
             return
         newest = await self._newest_image(info.name)
-        if await runs_elsewhere(
+        if stood_down(self.ledger, info) or await runs_elsewhere(
             self.ledger, info.name, newest, self.instance.instance_id, self.image_settings
         ):
+            self._worker(info).state = "stood_down"
+            self.ledger.put(info.name, info.pid, "stood_down")
             return
         last = newest[1] if newest is not None else None
         worker = self._worker(info, last)
@@ -391,6 +397,7 @@ class Agent(NoticeHandling):
             lambda: [w.name for w in self.workers.values() if w.active],
             self._controller_says,
             interval_s=self.settings.directive_poll_s,
+            epoch_of=self.epochs.get,
         )
         self._spawn(self.directives.run(), "directives")
 

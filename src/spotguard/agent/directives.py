@@ -3,10 +3,13 @@
 The controller answers every agent event with an ``action``; a job with nothing to report
 (no notice, no periodic checkpoint) would never hear it. So the agent asks, every
 ``directive_poll_s`` seconds, ``GET {controller}/v1/jobs/{job}/directive`` for each job it
-protects and hands the answer (``{"job", "action": "drain"|null, "reason", "state",
-"target"}``) to the same handler as event answers. A poll is only a question: a 404 (the
-controller has not seen the job yet), a refusal or an unreachable controller is logged at
-debug level and asked again next round; the reporter's own retries surface real outages.
+protects (with ``?epoch=N`` when an assignment gave the job to this agent under epoch N: an
+agent holding the fleet token is then told, too, when it no longer owns the job) and hands
+the answer (a :class:`~spotguard.contracts.Directive`: ``action``, ``reason``, ``state``,
+``target``, ``owner``, ``stand_down``) to the same handler as event answers. A poll is only
+a question: a 404 (the controller has not seen the job yet), a refusal or an unreachable
+controller is logged at debug level and asked again next round; the reporter's own retries
+surface real outages.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class DirectivePoller:
         *,
         interval_s: float,
         timeout_s: float = 5.0,
+        epoch_of: Callable[[str], int | None] | None = None,
     ) -> None:
         self.base = controller_url.rstrip("/")
         self.token = token
@@ -45,6 +49,7 @@ class DirectivePoller:
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.polls = 0
+        self.epoch_of = epoch_of  # the ownership epoch this agent holds a job under, if known
 
     async def run(self) -> None:
         """Poll until cancelled."""
@@ -60,6 +65,9 @@ class DirectivePoller:
     async def ask(self, session: aiohttp.ClientSession, job: str) -> dict[str, Any] | None:
         """The controller's directive for ``job``; None when it has none to give now."""
         url = self.base + DIRECTIVE_PATH.format(job=quote(job, safe=""))
+        epoch = self.epoch_of(job) if self.epoch_of is not None else None
+        if epoch is not None:
+            url += f"?epoch={epoch}"
         headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.polls += 1
         try:

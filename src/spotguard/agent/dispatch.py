@@ -21,10 +21,12 @@ from spotguard.notices.base import Cloud, Notice
 from spotguard.notices.bus import NoticeBus
 from spotguard.notices.manual import ManualSource
 
+from .ledger import Ledger
 from .metrics import AgentMetrics
 from .policy import Action, Policy
 from .reporter import Reporter
 from .settings import AgentSettings
+from .standdown import owned_elsewhere
 from .worker import JobWorker, Request
 
 log = logging.getLogger(__name__)
@@ -43,6 +45,7 @@ class NoticeHandling:
     _outcomes: dict[str, asyncio.Future[list[dict[str, Any]]]]
     manual: ManualSource
     settings: AgentSettings
+    ledger: Ledger
     _controller_drain: bool
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -151,8 +154,14 @@ class NoticeHandling:
             )
 
     def _controller_says(self, answer: dict[str, Any]) -> None:
-        """The controller answers each event with what it wants next; ``drain`` (a migration
-        waiting for a fresh image) starts an operator-style drain once."""
+        """The controller answers each event (and directive poll) with what it wants next:
+        an answer saying the job is owned elsewhere makes this agent stand down for it
+        (:mod:`~spotguard.agent.standdown`); ``drain`` (a migration waiting for a fresh
+        image) starts an operator-style drain once."""
+        why = owned_elsewhere(answer, self.instance.instance_id)
+        if why is not None:
+            self._stand_down(str(answer.get("job") or ""), why)
+            return
         if answer.get("action") != "drain" or self._controller_drain:
             return
         if not any(w.active for w in self.workers.values()):
@@ -168,6 +177,14 @@ class NoticeHandling:
             ),
             "controller-drain",
         )
+
+    def _stand_down(self, job: str, reason: str) -> None:
+        """Stop acting for ``job`` (owned elsewhere); the ledger keeps it for a restart."""
+        worker = self.workers.get(job)
+        if worker is not None and worker.stand_down(reason):
+            self.ledger.put(job, worker.pid, "stood_down")
+            self.metrics.failures.labels("stand_down").inc()
+            self._maybe_done()
 
     async def drain(self, reason: str, *, wait: bool, deadline_s: float | None) -> dict[str, Any]:
         """Operator drain of every protected job: a manual notice through the bus (so it is

@@ -1,10 +1,12 @@
 """What this agent last did to each job: ``{state_dir}/agent/jobs/<job>.json``.
 
 The agent writes a job's record when an exit checkpoint stopped it (``exited``, with the
-image) or left its image kept on this host (``pushing``), and when it protects it
-(``protecting``). A restarted agent reads it to tell "stopped by our own exit checkpoint" from
-"finished by itself" (a dead pid with no exit status), and to see whether the job's newest
-image in the store is one it reported (else the job runs elsewhere, and the agent stands down).
+image) or left its image kept on this host (``pushing``), when it protects it
+(``protecting``), and when it stands down for it (``stood_down``: the job is owned elsewhere,
+:mod:`spotguard.agent.standdown`). A restarted agent reads it to tell "stopped by our own
+exit checkpoint" from "finished by itself" (a dead pid with no exit status), to leave a job
+it stood down for alone, and to see whether the job's newest image in the store is one it
+reported (else the job runs elsewhere, and the agent stands down).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from spotguard.image import ImageReader, ImageSettings, latest_image
 
 log = logging.getLogger(__name__)
 
-JobState = Literal["protecting", "exited", "pushing"]
+JobState = Literal["protecting", "exited", "pushing", "stood_down"]
 
 
 class JobRecord(BaseModel):
@@ -104,6 +106,19 @@ def stopped_by_us(ledger: Ledger, info: JobInfo) -> bool:
     log.info(
         "job was stopped by this agent's exit checkpoint; nothing to protect",
         extra={"step": "protect", "job": info.name, "image": rec.image_url},
+    )
+    return True
+
+
+def stood_down(ledger: Ledger, info: JobInfo) -> bool:
+    """This agent stood down for the job under this very pid (it is owned elsewhere): a
+    restarted agent does not take it up again (a new incarnation is protected as usual)."""
+    rec = ledger.get(info.name)
+    if rec is None or rec.state != "stood_down" or rec.pid != info.pid:
+        return False
+    log.warning(
+        "this agent stood down for the job before (it is owned elsewhere); not protecting it",
+        extra={"step": "protect", "job": info.name, "pid": info.pid},
     )
     return True
 

@@ -30,16 +30,12 @@ import psutil
 from spotguard.contracts import (
     CheckpointFailedEvent,
     CheckpointMode,
-    DurableEvent,
     ExitedEvent,
     FrozenEvent,
-    GpuInfo,
-    HostInfo,
     InstanceInfo,
     JobFinishedEvent,
     NoticeInfo,
     ReadyToRelaunchEvent,
-    StepInfo,
     WireError,
 )
 from spotguard.errors import (
@@ -126,6 +122,8 @@ class JobWorker:
         self.last_notice: str | None = None  # the notice (or "periodic") it was taken for
         self.last_image_at = last_image_at
         self.state = "protecting"  # → checkpointing | exited | finished | pushing | parked
+        # | stood_down (the job is owned elsewhere: :meth:`stand_down`)
+        self.stood_down: str | None = None  # why this agent no longer acts for the job
         self.activity: dict[str, Any] | None = None
         self.pending: dict[str, Request] = {}
         self.failures = 0
@@ -241,6 +239,23 @@ class JobWorker:
         self._release_waiters({"job": self.name, "state": "parked"})
         self._wake.set()
 
+    def stand_down(self, reason: str) -> bool:
+        """The job is owned elsewhere now: stop acting for it (no checkpoint, no report). A
+        checkpoint already running finishes first (the job must not stay frozen). False
+        when the worker was not active."""
+        if not self.active or self.stood_down is not None:
+            return False
+        self.stood_down = reason
+        log.error(
+            "the job is owned by another instance now; this agent stands down for it",
+            extra={"step": "protect", "job": self.name, "pid": self.pid, "reason": reason},
+        )
+        if self.state == "protecting":
+            self.state = "stood_down"
+        self._release_waiters({"job": self.name, "state": "stood_down", "reason": reason})
+        self._wake.set()
+        return True
+
     def alive(self) -> bool:
         try:
             return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
@@ -296,7 +311,7 @@ class JobWorker:
         finally:
             self.activity = None
             if self.state == "checkpointing":
-                self.state = "protecting"
+                self.state = "protecting" if self.stood_down is None else "stood_down"
             self.idle.set()
         self._succeeded(req, result, seen)
 
@@ -395,23 +410,7 @@ class JobWorker:
                 ),
             },
         )
-        self.reporter.emit(
-            DurableEvent(
-                job=self.name,
-                instance=InstanceInfo.model_validate(result.instance.to_json() or self.instance),
-                notice=NoticeInfo.of(notice_json),
-                image_url=result.image_url,
-                image_bytes=result.bytes,
-                gpu=GpuInfo.model_validate(result.gpu.to_json()),
-                timeline=[StepInfo.model_validate(s) for s in result.timeline.to_list()],
-                mode="exit" if result.mode == "exit" else "resume",
-                stored_bytes=result.stored_bytes,
-                skipped_bytes=result.skipped_bytes,
-                freeze_seconds=result.freeze_seconds,
-                pause_seconds=result.pause_seconds,
-                host=HostInfo.model_validate(result.host.to_json()),
-            )
-        )
+        self.reporter.emit(result.durable_event(notice=notice_json, instance=self.instance))
         if action is Action.EXIT:
             self.state = "exited"
             log.info("job stopped after its checkpoint", extra={"step": "exit", "job": self.name})

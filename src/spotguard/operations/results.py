@@ -5,7 +5,9 @@ A path (:mod:`.paths`) knows two things about an image: how the job was frozen
 a kept image's record) and how the image landed in the store (:class:`Landed`). Both go into
 :meth:`CheckpointResult.of` — the only place a :class:`CheckpointResult` is built — and the
 agent reports that result as it is (``DURABLE``), keeps it as the job's last image and prints
-it from the CLI (:meth:`CheckpointResult.to_json`, :meth:`CheckpointResult.summary`).
+it from the CLI (:meth:`CheckpointResult.to_json`, :meth:`CheckpointResult.summary`). Its
+wire form, the agent's ``DURABLE`` report, is :meth:`CheckpointResult.durable_event`: one shape
+from the engine to the controller, built in one place.
 
 A restore returns the engine's :class:`~spotguard.checkpoint.engine.RestoreResult` (with the
 image URL it came from): there is one restore result, not a second copy of it here.
@@ -19,6 +21,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from spotguard.checkpoint.engine import FreezeResult, Mode, RestoreResult
+from spotguard.contracts import DurableEvent, GpuInfo, HostInfo, InstanceInfo, NoticeInfo, StepInfo
 from spotguard.facts import GpuInventory, HostFacts, InstanceFacts
 from spotguard.image import TransferStats
 from spotguard.timeline import Timeline
@@ -147,6 +150,27 @@ class CheckpointResult:
             "skipped_bytes": self.skipped_bytes,
             "mode": self.mode,
         }
+
+    def durable_event(
+        self, *, notice: dict[str, Any] | None, instance: dict[str, Any]
+    ) -> DurableEvent:
+        """The ``DURABLE`` report of this result (``notice``: the notice it was taken for;
+        ``instance``: the reporting agent's, used when the result names none)."""
+        return DurableEvent(
+            job=self.job,
+            instance=InstanceInfo.model_validate(self.instance.to_json() or instance),
+            notice=NoticeInfo.of(notice),
+            image_url=self.image_url,
+            image_bytes=self.bytes,
+            mode="exit" if self.mode == "exit" else "resume",
+            gpu=GpuInfo.model_validate(self.gpu.to_json()),
+            host=HostInfo.model_validate(self.host.to_json()),
+            timeline=[StepInfo.model_validate(s) for s in self.timeline.to_list()],
+            stored_bytes=self.stored_bytes,
+            skipped_bytes=self.skipped_bytes,
+            freeze_seconds=self.freeze_seconds,
+            pause_seconds=self.pause_seconds,
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {
