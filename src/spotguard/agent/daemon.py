@@ -16,9 +16,8 @@ Start-up, in order (each step one log line; :mod:`spotguard.agent.startup`):
    instance is left alone (the agent stands down); a job named by name is watched after it
    ends, and protected again when it comes back (``spotguard restore`` by hand);
 6. the local API and the controller reporter; with a controller, a directive poll every
-   ``directive_poll_s`` seconds per protected job (:mod:`spotguard.agent.directives`); an
-   answer saying the job is owned elsewhere makes the agent stand down for it
-   (:mod:`spotguard.agent.standdown`);
+   ``directive_poll_s`` seconds per protected job (:mod:`~spotguard.agent.directives`); a
+   job owned elsewhere: the agent stands down for it (:mod:`~spotguard.agent.standdown`);
 7. watch notices (:mod:`spotguard.agent.dispatch`) and run the park policies
    (:mod:`spotguard.agent.parking`; a job parked as an image is not "finished").
 """
