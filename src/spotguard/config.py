@@ -54,6 +54,7 @@ SETTINGS_MODULES = (
     "spotguard.agent.settings",
     "spotguard.checkpoint.settings",
     "spotguard.controller.settings",
+    "spotguard.image.delivery",
     "spotguard.image.settings",
     "spotguard.notices.fleet",
     "spotguard.notices.settings",

@@ -429,6 +429,16 @@ class EventAnswer(Directive):
     since: float = 0.0
 
 
+class KeySources(BaseModel):
+    """Where a launched VM fetches the fleet's image keys (``spotguard fetch-keys``): key
+    sources such as ``aws-secretsmanager:<arn>``, never key material."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    signing_key: str | None = None
+    verify_key: str | None = None
+
+
 class Assignment(BaseModel):
     """What a freshly launched VM's agent must do: restore ``image_url`` as job ``job``."""
 
@@ -443,6 +453,7 @@ class Assignment(BaseModel):
     attempt: int = 1
     epoch: int = Field(default=0, ge=0)  # the ownership epoch this instance reports under
     instance_hint: dict[str, JsonValue] = Field(default_factory=dict)
+    keys: KeySources | None = None  # where the VM fetches the image keys (not the keys)
 
     @field_validator("job")
     @classmethod

@@ -17,7 +17,8 @@ In the tree, ``[r]`` marks retryable classes.
 
     SpotguardError
     ├── ConfigError                 bad setting, file or flag (exit 2)
-    │   └── MissingExtra            a store/provider needs an optional extra not installed
+    │   ├── MissingExtra            a store/provider needs an optional extra not installed
+    │   └── KeyFetchError           the fleet's image keys cannot be fetched from their source
     ├── NoticeError             [r] a notice source could not be read
     │   ├── MetadataUnavailable [r] connection refused, timeout, 5xx (transient: retry)
     │   ├── MetadataMalformed       an answer that is not what the cloud documents
@@ -107,6 +108,14 @@ class MissingExtra(ConfigError):
     def __init__(self, message: str, *, extra: str) -> None:
         super().__init__(message)
         self.extra = extra
+
+
+class KeyFetchError(ConfigError):
+    """``spotguard fetch-keys``: a key source (Secrets Manager, SSM, Secret Manager) refused
+    or kept failing. Not retryable as such: the command already retried transient failures."""
+
+    exit_code = 1
+    retryable = False
 
 
 class AgentNotRunning(SpotguardError):

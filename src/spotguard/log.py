@@ -45,6 +45,8 @@ FIELDS: dict[str, str] = {
     "chunk": "a chunk's digest",
     "dir": "a directory",
     "file": "a file",
+    "key_id": "the id of an image signing or verify key (16 hex digits, never key material)",
+    "key_source": "where the fleet's image keys are fetched from (aws-secretsmanager:ARN ...)",
     "path": "a URL path or a file path within an image",
     "url": "a URL served or called",
     "mode": "a checkpoint mode (resume, exit) or an image path (stream, stage)",

@@ -30,6 +30,8 @@ import pytest
 
 from spotguard import config
 from spotguard.controller.settings import ControllerSettings
+from spotguard.image.keys import ImageKeys
+from spotguard.image.settings import ImageSettings
 from spotguard.notices.fleet import FleetSettings
 from spotguard.providers.aws import AwsSettings
 
@@ -57,6 +59,11 @@ def unit(name: str) -> dict[str, list[str]]:
     return out
 
 
+SIGNING_SOURCE = "aws-secretsmanager:arn:aws:secretsmanager:us-east-1:1:secret:d/image-signing-key"
+VERIFY_SOURCE = "aws-ssm:arn:aws:ssm:us-east-1:1:parameter/d/image-verify-key"
+VERIFY_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGb1IIvvW8ulwoXzU3UiERCgDu1b8gmmDq2hIRcDXT8y"
+
+
 def render_controller_config(tmp: Path, queue_url: str, region: str) -> str:
     """The module's ``controller_config`` output: its own template, its own arguments (from
     outputs.tf), the values tfparse resolves for the example and the queue's apply-time URL."""
@@ -73,6 +80,9 @@ def render_controller_config(tmp: Path, queue_url: str, region: str) -> str:
         "queue_url": queue_url,
         "region": region,
         "launch_template": f"{module['name']}-{{job}}",
+        "signing_key_source": SIGNING_SOURCE,
+        "verify_key_source": VERIFY_SOURCE,
+        "verify_key": VERIFY_KEY,
     }
     outputs = (AWS_MODULE / "outputs.tf").read_text()
     assert 'templatefile("${path.module}/templates/controller.toml.tftpl"' in outputs
@@ -101,7 +111,7 @@ def test_controller_config_output_holds_every_section_the_controller_reads(
         tmp_path, "https://sqs.us-east-1.amazonaws.com/1/q", "us-east-1"
     )
     data = tomllib.loads(text)
-    assert set(data) == {"controller", "fleet", "aws"}
+    assert set(data) == {"controller", "fleet", "aws", "image"}
     path = tmp_path / "spotguard.toml"
     path.write_text(text)
     for var in list(os.environ):
@@ -116,6 +126,11 @@ def test_controller_config_output_holds_every_section_the_controller_reads(
     assert config.load(FleetSettings, config_file=cfg).queue_url.endswith("/q")  # type: ignore[union-attr]
     aws = config.load(AwsSettings, config_file=cfg)
     assert aws.aws_regions == ["us-east-1"] and aws.aws_launch_template == "spotguard-demo-{job}"
+    # every VM it launches is told where the fleet's keys live; it trusts the fleet's key itself
+    assert controller.vm_signing_key_source == SIGNING_SOURCE
+    assert controller.vm_verify_key_source == VERIFY_SOURCE
+    image = config.load(ImageSettings, config_file=cfg)
+    assert ImageKeys.from_settings(image).required, "the controller must read only signed meta"
 
 
 @pytest.fixture

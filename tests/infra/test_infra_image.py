@@ -20,6 +20,8 @@ from spotguard import config
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.contracts import ASSIGNMENT_PATH, Assignment
+from spotguard.image.delivery import SIGNING_NAME, VERIFY_NAME, KeysSettings
+from spotguard.image.settings import ImageSettings
 from spotguard.notices.fleet import FleetSettings
 from spotguard.notices.settings import NoticeSettings
 
@@ -140,6 +142,7 @@ def render(cloud: str, tmp: Path, url: str | None, token: str | None, command: s
         "command": command,
         "paths": paths,
         "run_command": paths["run_command"] % (job, paths["job_script_path"]),
+        "key_sources": KEY_SOURCES[cloud],
     }
     tpl = MODULES[cloud] / "templates" / "first-boot.sh.tftpl"
     args = f"{json.dumps(str(tpl))}, jsondecode({json.dumps(json.dumps(tvars))})"
@@ -151,6 +154,18 @@ def render(cloud: str, tmp: Path, url: str | None, token: str | None, command: s
         [terraform, "console"], input=expr, cwd=tmp, capture_output=True, text=True, check=True
     )
     return base64.b64decode(out.stdout.strip().strip('"')).decode()
+
+
+KEY_SOURCES = {
+    "aws": {
+        "signing": "aws-secretsmanager:arn:aws:secretsmanager:us-east-1:1:secret:sg/signing-key",
+        "verify": "aws-ssm:arn:aws:ssm:us-east-1:1:parameter/sg/image-verify-key",
+    },
+    "gcp": {
+        "signing": "gcp-secretmanager:projects/p/secrets/sg-image-signing-key",
+        "verify": "gcp-secretmanager:projects/p/secrets/sg-image-verify-key",
+    },
+}
 
 
 def heredoc(script: str, marker: str) -> str:
@@ -191,6 +206,17 @@ def test_first_boot_script_is_valid_and_writes_a_loadable_config(
         assert "SPOTGUARD_TOKEN" not in script
     assert config.load(NoticeSettings, config_file=cfg).cloud == cloud
     assert str(config.load(CheckpointSettings, config_file=cfg).state_dir) == paths["state_dir"]
+    # Signed images by default: the agent signs with and trusts the fleet's key, which
+    # fetch-keys fetches from the sources the config names (never the key itself).
+    image = config.load(ImageSettings, config_file=cfg)
+    assert image.signing_key_file == Path(paths["signing_key"])
+    assert image.verify_key_file == Path(paths["verify_key"])
+    keys = config.load(KeysSettings, config_file=cfg)
+    assert keys.signing_key_source == KEY_SOURCES[cloud]["signing"]
+    assert keys.verify_key_source == KEY_SOURCES[cloud]["verify"]
+    assert keys.keys_dir / SIGNING_NAME == image.signing_key_file
+    assert keys.keys_dir / VERIFY_NAME == image.verify_key_file
+    assert "PRIVATE KEY" not in script and "ssh-ed25519" not in script
 
 
 # ----- systemd units and the example config -------------------------------------------------
@@ -203,6 +229,12 @@ def test_units_agree_with_the_assignment_contract() -> None:
     assert (UNITS / unit).is_file()
     assert f"ConditionPathExists=|{ASSIGNMENT_PATH}" in agent
     assert "ExecStart=/usr/local/bin/spotguard agent" in agent
+    # the keys are fetched on every start (a relaunched VM's included), before the agent runs
+    lines = agent.splitlines()
+    pre = lines.index("ExecStartPre=/usr/local/bin/spotguard fetch-keys")
+    envf = lines.index(f"EnvironmentFile=-{KeysSettings().keys_env_file}")
+    assert pre < envf < lines.index("ExecStart=/usr/local/bin/spotguard agent")
+    assert "RuntimeDirectory=spotguard" in lines and "RuntimeDirectoryMode=0700" in lines
     assert "Wants=network-online.target spotguard-doctor.service" in agent
     doctor = (UNITS / "spotguard-doctor.service").read_text()
     assert "ExecStart=/usr/local/bin/spotguard doctor" in doctor
@@ -236,7 +268,7 @@ def test_units_pass_systemd_analyze_verify(tmp_path: Path) -> None:
 def test_example_config_loads_with_every_section(monkeypatch: pytest.MonkeyPatch) -> None:
     path = ROOT / "packaging" / "spotguard.toml.example"
     data = tomllib.loads(path.read_text())
-    assert set(data) == {"agent", "notices", "checkpoint", "fleet"}
+    assert set(data) == {"agent", "notices", "checkpoint", "fleet", "image", "keys"}
     for var in ("SPOTGUARD_STORE", "SPOTGUARD_FLEET_QUEUE_URL", "SPOTGUARD_STATE_DIR"):
         monkeypatch.delenv(var, raising=False)
     agent = config.load(AgentSettings, config_file=path)
@@ -244,3 +276,10 @@ def test_example_config_loads_with_every_section(monkeypatch: pytest.MonkeyPatch
     assert config.load(FleetSettings, config_file=path).queue_url == data["fleet"]["queue_url"]
     config.load(NoticeSettings, config_file=path)
     config.load(CheckpointSettings, config_file=path)
+    for var in ("SPOTGUARD_SIGNING_KEY_FILE", "SPOTGUARD_VERIFY_KEY_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    image = config.load(ImageSettings, config_file=path)
+    keys = config.load(KeysSettings, config_file=path)
+    assert image.signing_key_file == keys.keys_dir / SIGNING_NAME
+    assert image.verify_key_file == keys.keys_dir / VERIFY_NAME
+    assert keys.signing_key_source and keys.verify_key_source

@@ -324,3 +324,53 @@ def test_every_checkov_skip_is_justified_in_place(checkov_report: list[dict[str,
     for c in skipped:
         reason = c["check_result"].get("suppress_comment", "")
         assert len(reason) >= 40, f"{c['check_id']} on {c['resource']}: justify the skip"
+
+
+# ----- the fleet's image keys (issue 15.1) -------------------------------------------------
+
+
+def test_aws_generates_an_ed25519_key_readable_by_the_agents_only(aws: dict[str, Any]) -> None:
+    (key,) = aws["tls_private_key"]
+    assert key["algorithm"] == "ED25519"
+    (secret,) = aws["aws_secretsmanager_secret"]
+    assert secret["kms_key_id"] == aws["aws_kms_key"][0]["id"]
+    (param,) = aws["aws_ssm_parameter"]
+    assert param["type"] == "String" and param["name"] == "/spotguard-demo/image-verify-key"
+    agent = {st["sid"]: st for st in policy_statements(aws, "agent")}
+    assert agent["ReadImageSigningKey"]["actions"] == ["secretsmanager:GetSecretValue"]
+    assert as_list(agent["ReadImageSigningKey"]["resources"]) == [secret["id"]]
+    assert agent["ReadImageVerifyKey"]["actions"] == ["ssm:GetParameter"]
+    assert as_list(agent["ReadImageVerifyKey"]["resources"]) == [param["id"]]
+    kms = agent["DecryptSigningKeyThroughSecretsManager"]
+    assert kms["actions"] == ["kms:Decrypt"] and kms["condition"]["variable"] == "kms:ViaService"
+    assert as_list(kms["condition"]["values"])[0].startswith("secretsmanager.")
+    # Nobody else is granted the secret: the controller's policy does not name it.
+    for st in policy_statements(aws, "controller"):
+        assert not any(a.startswith(("secretsmanager:", "ssm:")) for a in st["actions"]), st
+
+
+def test_aws_vms_are_told_where_the_keys_are_never_the_keys(aws: dict[str, Any]) -> None:
+    """The first-boot user-data names the key sources (keys.tf locals), never key material."""
+    keys_tf = (AWS_MODULE / "keys.tf").read_text()
+    assert 'signing_key_source = "aws-secretsmanager:${local.signing_key_secret_arn}"' in keys_tf
+    assert 'verify_key_source  = "aws-ssm:${aws_ssm_parameter.image_verify_key.arn}"' in keys_tf
+    lt = (AWS_MODULE / "launch_template.tf").read_text()
+    assert "signing = local.signing_key_source" in lt and "private_key" not in lt
+
+
+def test_gcp_secrets_readable_by_each_agent_account_only(gcp: dict[str, Any]) -> None:
+    (key,) = gcp["tls_private_key"]
+    assert key["algorithm"] == "ED25519"
+    secrets = {s["secret_id"]: s for s in gcp["google_secret_manager_secret"]}
+    assert set(secrets) == {"spotguard-demo-image-signing-key", "spotguard-demo-image-verify-key"}
+    members = gcp["google_secret_manager_secret_iam_member"]
+    assert sorted(name_of(m) for m in members) == ["agent_signing_key", "agent_verify_key"]
+    jobs = {job for m in members for job in m["for_each"]}
+    assert jobs == {"train-llm"}
+    for m in members:
+        assert m["role"] == "roles/secretmanager.secretAccessor"
+        assert m["member"].startswith("serviceAccount:")
+    # the members are the agents' accounts, one binding per job; never the controller's
+    keys_tf = (TERRAFORM / "gcp" / "modules" / "spotguard" / "keys.tf").read_text()
+    bound = re.findall(r'member\s+= "serviceAccount:\$\{([^}]+)\}"', keys_tf)
+    assert bound == ["google_service_account.agent[each.key].email"] * 2

@@ -93,6 +93,14 @@ class ControllerSettings(Settings):
         3, ge=1, description="Passes over all candidates before giving up for lack of capacity"
     )
     tick_s: float = Field(1.0, gt=0, description="Reconcile loop wake-up interval")
+    vm_signing_key_source: str | None = Field(
+        None,
+        description="Key source of the fleet's image signing key, handed to every VM the "
+        "controller launches (spotguard fetch-keys; a name, never the key)",
+    )
+    vm_verify_key_source: str | None = Field(
+        None, description="Key source of the fleet's public verify key, handed to every VM"
+    )
 
     def token(self) -> str:
         """The bearer token; a controller without one refuses to start."""

@@ -22,3 +22,8 @@ output "controller_config" {
   description = "TOML for the controller's config file."
   value       = module.spotguard.controller_config
 }
+
+output "image_verify_key" {
+  description = "The fleet's public image verify key."
+  value       = module.spotguard.image_verify_key
+}

@@ -50,6 +50,32 @@ data "aws_iam_policy_document" "agent" {
     }
   }
 
+  # The fleet's image keys, fetched at boot by `spotguard fetch-keys` (keys.tf): this one
+  # secret and this one parameter, nothing else in Secrets Manager or Parameter Store.
+  statement {
+    sid       = "ReadImageSigningKey"
+    actions   = ["secretsmanager:GetSecretValue"]
+    resources = [local.signing_key_secret_arn]
+  }
+
+  statement {
+    sid       = "ReadImageVerifyKey"
+    actions   = ["ssm:GetParameter"]
+    resources = [aws_ssm_parameter.image_verify_key.arn]
+  }
+
+  statement {
+    sid       = "DecryptSigningKeyThroughSecretsManager"
+    actions   = ["kms:Decrypt"]
+    resources = [aws_kms_key.this.arn]
+
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["secretsmanager.${local.region}.amazonaws.com"]
+    }
+  }
+
   # EC2 Describe* actions support no resource-level permissions: "*" is the only resource AWS
   # accepts. Read-only; the agent reads its own instance's facts (type, zone, tags).
   statement {
@@ -61,7 +87,7 @@ data "aws_iam_policy_document" "agent" {
 
 resource "aws_iam_policy" "agent" {
   name        = "${var.name}-agent"
-  description = "spotguard agent: its own job's image prefix (from the role's spotguard:job tag), describe its instance"
+  description = "spotguard agent: its own job's image prefix (from the role's spotguard:job tag), the fleet's image keys, describe its instance"
   policy      = data.aws_iam_policy_document.agent.json
   tags        = local.tags
 }

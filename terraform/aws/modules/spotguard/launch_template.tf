@@ -46,9 +46,13 @@ resource "aws_launch_template" "job" {
     store_url        = local.store_url
     controller_url   = var.controller_url
     controller_token = var.controller_token
-    command          = each.value.command
-    paths            = local.spotguard
-    run_command      = format(local.spotguard.run_command, each.key, local.spotguard.job_script_path)
+    key_sources = {
+      signing = local.signing_key_source
+      verify  = local.verify_key_source
+    }
+    command     = each.value.command
+    paths       = local.spotguard
+    run_command = format(local.spotguard.run_command, each.key, local.spotguard.job_script_path)
   }))
 
   tag_specifications {

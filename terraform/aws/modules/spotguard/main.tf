@@ -15,6 +15,8 @@ locals {
     token_path      = "/etc/spotguard/controller-token"
     job_script_path = "/etc/spotguard/job.sh"
     assignment_path = "/etc/spotguard/assignment.json"
+    signing_key     = "/etc/spotguard/signing.key"
+    verify_key      = "/etc/spotguard/signing.pub"
     state_dir       = "/var/lib/spotguard"
     agent_service   = "spotguard-agent.service"
     run_command     = "spotguard run --name %s -- /bin/bash %s"

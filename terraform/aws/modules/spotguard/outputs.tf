@@ -64,14 +64,40 @@ output "controller_instance_profile" {
 }
 
 output "controller_config" {
-  description = "TOML for the controller's /etc/spotguard/spotguard.toml: [controller] (provider aws, listen, the store, the token file), [fleet] (the queue) and [aws] (region, each job's template as the {job} pattern)."
+  description = "TOML for the controller's /etc/spotguard/spotguard.toml: [controller] (provider aws, listen, the store, the token file, the VMs' key sources), [image] (the fleet's public key), [fleet] (the queue) and [aws] (region, each job's template as the {job} pattern)."
   value = templatefile("${path.module}/templates/controller.toml.tftpl", {
-    listen          = var.controller_listen
-    advertise_url   = var.controller_url
-    store_url       = local.store_url
-    token_path      = local.spotguard.token_path
-    queue_url       = aws_sqs_queue.events.url
-    region          = local.region
-    launch_template = "${var.name}-{job}"
+    listen             = var.controller_listen
+    advertise_url      = var.controller_url
+    store_url          = local.store_url
+    token_path         = local.spotguard.token_path
+    queue_url          = aws_sqs_queue.events.url
+    region             = local.region
+    launch_template    = "${var.name}-{job}"
+    signing_key_source = local.signing_key_source
+    verify_key_source  = local.verify_key_source
+    verify_key         = local.image_verify_key
   })
+}
+
+output "image_signing_key_secret_arn" {
+  description = "Secrets Manager secret holding the fleet's image signing key (readable by the agent roles only)."
+  value       = local.signing_key_secret_arn
+}
+
+output "image_verify_key_parameter" {
+  description = "SSM parameter holding the fleet's public image verify key."
+  value       = aws_ssm_parameter.image_verify_key.name
+}
+
+output "image_verify_key" {
+  description = "The fleet's public image verify key ([image] verify_key on any host that restores or verifies images)."
+  value       = local.image_verify_key
+}
+
+output "image_key_sources" {
+  description = "Key sources for `spotguard fetch-keys` ([keys] signing_key_source / verify_key_source)."
+  value = {
+    signing_key_source = local.signing_key_source
+    verify_key_source  = local.verify_key_source
+  }
 }

@@ -208,3 +208,25 @@ variable "root_device_name" {
   type        = string
   default     = "/dev/sda1"
 }
+
+variable "image_signing_key_secret_arn" {
+  description = "Secrets Manager secret holding the fleet's Ed25519 image signing key, made outside Terraform (`spotguard images keygen`). null = Terraform generates the key pair (the private key is then in the state too). A secret encrypted with your own KMS key also needs kms:Decrypt for the agent roles."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.image_signing_key_secret_arn == null || can(regex("^arn:[^:]+:secretsmanager:[^:]+:[0-9]+:secret:.+$", var.image_signing_key_secret_arn))
+    error_message = "image_signing_key_secret_arn must be a Secrets Manager secret ARN."
+  }
+}
+
+variable "image_verify_key" {
+  description = "Public key(s) of image_signing_key_secret_arn (ssh-ed25519 lines or PEM; several during a rotation). Required with image_signing_key_secret_arn, ignored without it."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.image_verify_key == null || length(trimspace(coalesce(var.image_verify_key, " "))) > 0
+    error_message = "image_verify_key must not be empty."
+  }
+}

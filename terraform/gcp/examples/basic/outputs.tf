@@ -12,3 +12,8 @@ output "controller_service_account" {
   description = "Service account to run the controller as."
   value       = module.spotguard.controller_service_account
 }
+
+output "controller_keys_config" {
+  description = "Key settings for the controller's config file."
+  value       = module.spotguard.controller_keys_config
+}

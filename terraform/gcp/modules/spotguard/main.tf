@@ -7,6 +7,8 @@ locals {
     token_path      = "/etc/spotguard/controller-token"
     job_script_path = "/etc/spotguard/job.sh"
     assignment_path = "/etc/spotguard/assignment.json"
+    signing_key     = "/etc/spotguard/signing.key"
+    verify_key      = "/etc/spotguard/signing.pub"
     state_dir       = "/var/lib/spotguard"
     first_boot_done = "/var/lib/spotguard/first-boot.done"
     agent_service   = "spotguard-agent.service"

@@ -199,3 +199,20 @@ variable "labels" {
   type        = map(string)
   default     = {}
 }
+
+variable "image_signing_key_secret" {
+  description = "Secret Manager secret (projects/<p>/secrets/<s>) holding the fleet's Ed25519 image signing key, made outside Terraform (`spotguard images keygen`). null = Terraform generates the key pair (the private key is then in the state too)."
+  type        = string
+  default     = null
+
+  validation {
+    condition     = var.image_signing_key_secret == null || can(regex("^projects/[^/]+/secrets/[^/]+$", var.image_signing_key_secret))
+    error_message = "image_signing_key_secret must look like projects/<project>/secrets/<secret>."
+  }
+}
+
+variable "image_verify_key" {
+  description = "Public key(s) of image_signing_key_secret (ssh-ed25519 lines or PEM; several during a rotation). Required with image_signing_key_secret, ignored without it."
+  type        = string
+  default     = null
+}
