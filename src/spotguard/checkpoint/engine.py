@@ -520,6 +520,7 @@ class Engine:
                 raise GpuError(
                     f"restored tree lacks GPU processes {meta.gpu_processes} (found {by_ns})"
                 )
+            suspend.continue_stopped(list(by_ns.values()))  # the driver needs them running
             if gpu_pids:
                 with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}):
                     await self.faults.before("gpu_restore")
@@ -527,7 +528,6 @@ class Engine:
                 with tl.step("gpu_unlock", pids=gpu_pids):
                     await self.faults.before("gpu_unlock")
                     await self.gpu.unlock(gpu_pids)
-            suspend.continue_stopped(list(by_ns.values()))
             with tl.step("finish"):
                 await self.faults.before("finish")
                 job = job.with_pid(pid)

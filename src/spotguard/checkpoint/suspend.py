@@ -5,12 +5,13 @@ checkpoint API moves every GPU process's device memory into that process's own h
 and releases the GPU; SIGSTOP then stops every process of the tree. The job keeps its PIDs,
 its open files and its sockets (a client that connects meanwhile waits in the kernel's accept
 queue, it is not refused). Resume is the reverse: GPU restore (onto the same GPUs, or others
-of the same model through a UUID map) and unlock, then SIGCONT.
+of the same model through a UUID map) and unlock — after SIGCONT, since the driver does its
+work through a thread of the job's own process (a stopped process would never answer).
 
 Steps, each timed (like the engine's, which orders every operation that writes an image)::
 
     suspend: scan ─► gpu_lock ─► gpu_checkpoint ─► stop          (GPU processes in parallel)
-    resume:  gpu_restore ─► gpu_unlock ─► cont
+    resume:  cont ─► gpu_restore ─► gpu_unlock  (the driver works through a thread of the job)
 
 A failure while suspending brings the job back exactly as the engine does (GPU restored and
 unlocked, SIGCONT). A failure while resuming leaves the job suspended — its state is still in
@@ -108,10 +109,15 @@ async def resume(
     *,
     remap: Mapping[str, str] | None = None,
 ) -> Timeline:
-    """GPU state back (``remap``: image GPU UUID → this host's), unlock, SIGCONT the tree."""
+    """SIGCONT the tree, then GPU state back (``remap``: image GPU UUID → this host's) and
+    unlock; until the unlock the job's CUDA calls wait."""
     tl = Timeline()
     if not proctree.alive(job.pid):
         raise JobError(f"job {job.name!r}: process {job.pid} is gone; it cannot be resumed")
+    # The driver restores through a thread of the job's own process: the tree must run
+    # first (its CUDA calls still block until the unlock).
+    with tl.step("cont"):
+        proctree.signal_all(proctree.tree(job.pid), signal.SIGCONT)
     waiting = [p for p in gpu_pids if proctree.alive(p)]
     states = {p: await gpu.state(p) for p in waiting}
     to_restore = [p for p, s in states.items() if s is GpuState.CHECKPOINTED]
@@ -122,8 +128,6 @@ async def resume(
     if locked:
         with tl.step("gpu_unlock", pids=locked):
             await gpu.unlock(locked)
-    with tl.step("cont"):
-        proctree.signal_all(proctree.tree(job.pid), signal.SIGCONT)
     return tl
 
 
@@ -153,5 +157,6 @@ async def parked(
 
 def continue_stopped(tree: Sequence[int]) -> None:
     """SIGCONT the processes of a restored tree that CRIU brought back stopped (an image of a
-    job that was suspended in place resumes once its GPU state is back)."""
+    job that was suspended in place runs again; called before the GPU restore, which needs
+    the job's own threads)."""
     proctree.signal_all([p for p in tree if stopped(p)], signal.SIGCONT)
