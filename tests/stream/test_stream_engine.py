@@ -23,6 +23,7 @@ from stream_helpers import MIB, STEPS, wait_done, wait_lines
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, start_job
+from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import CheckpointError, ImageNotFound, StoreUnavailable
 from spotguard.image import ImageSettings
 from spotguard.image.catalog import latest_image
@@ -76,7 +77,7 @@ async def test_streamed_freeze_and_restore_match_an_uninterrupted_run(
     store = (
         f"file://{tmp_path / 'store'}" if backend == "file" else request.getfixturevalue("s3_store")
     )
-    engine = Engine(Criu(criu_bin))
+    engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
     job = await _start(job_script, tmp_path / "state", f"stream-{backend}")
     target = StreamTarget(store, work_root=tmp_path / "work", writer_options=SMALL, settings=S)
     result = await engine.freeze(job, target, Mode.EXIT)
@@ -156,7 +157,7 @@ async def test_killed_mid_stream_leaves_job_running_and_no_image(
 ) -> None:
     store_url = f"file://{tmp_path / 'store'}"
     gated = GatedStore(open_store(store_url))
-    engine = Engine(Criu(criu_bin))
+    engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
     job = await _start(job_script, tmp_path / "state", f"strike-{strike}")
     target = StreamTarget(gated, work_root=tmp_path / "work", writer_options=SMALL, settings=S)  # type: ignore[arg-type]
     freeze = asyncio.create_task(engine.freeze(job, target, Mode.EXIT))
@@ -212,7 +213,9 @@ async def test_exit_mode_upload_failing_mid_stream_never_kills_the_job(
     job = await _start(job_script, tmp_path / "state", "exit-upload-fails")
     target = StreamTarget(failing, work_root=tmp_path / "work", writer_options=SMALL, settings=S)  # type: ignore[arg-type]
     with pytest.raises((CheckpointError, StoreUnavailable)) as failed:
-        await asyncio.wait_for(Engine(Criu(criu_bin)).freeze(job, target, Mode.EXIT), 60)
+        await asyncio.wait_for(
+            Engine(Criu(criu_bin), settings=CheckpointSettings()).freeze(job, target, Mode.EXIT), 60
+        )
     # Before CRIU finished (EPIPE: CRIU fails and resumes the tree) or while it waited in
     # post-dump (the commit failed: CRIU is told to fail): either way the store is the cause.
     cause = failed.value if isinstance(failed.value, StoreUnavailable) else target.capture_error

@@ -5,7 +5,9 @@ Public surface (everything else is private to the package)::
     jobs.start_job / resolve_job / JobInfo      checkpointable jobs (``spotguard run``)
     criu.Criu                                   the CRIU driver
     cuda.GpuHook, CudaHook, NoGpu, gpu_hook, inventory
-    engine.Engine, Mode, FreezeResult, RestoreResult, Faults
+    engine.Engine, Faults                       the one place that orders freeze/restore steps
+    results.Mode, FreezeResult, RestoreResult   what they return
+    marker.FreezeMarker, MARKER                 the crash marker (operation.json)
     targets.DumpTarget, RestoreSource, DirectoryTarget, DirectorySource, StagingPlan
     meta.ImageMeta, META_NAME                   ``spotguard-image.json``
     settings.CheckpointSettings                 ``[checkpoint]`` settings
@@ -14,9 +16,10 @@ Public surface (everything else is private to the package)::
 
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import CudaHook, GpuHook, GpuState, NoGpu, gpu_hook, inventory
-from spotguard.checkpoint.engine import Engine, Faults, FreezeResult, Mode, RestoreResult
+from spotguard.checkpoint.engine import Engine, Faults
 from spotguard.checkpoint.jobs import JobInfo, resolve_job, start_job
 from spotguard.checkpoint.meta import META_NAME, ImageMeta
+from spotguard.checkpoint.results import FreezeResult, Mode, RestoreResult
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import (
     DirectorySource,

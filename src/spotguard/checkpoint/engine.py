@@ -21,9 +21,10 @@ Freeze (dump)::
 On ANY failure — an error, a timeout, cancellation — the job is brought back: every GPU
 process found checkpointed is restored, every locked one unlocked, every process sent
 SIGCONT; CRIU itself resumes a tree when a dump fails, and dies with us if we die
-(PR_SET_PDEATHSIG). An ``operation.json`` marker in the job directory lives exactly as long
-as a freeze; :meth:`Engine.recover` uses it to bring a job back after the process running
-the freeze was killed.
+(PR_SET_PDEATHSIG). An ``operation.json`` marker in the job directory (:mod:`.marker`) lives
+exactly as long as a freeze; :meth:`Engine.recover` uses it to bring a job back after the
+process running the freeze was killed. What a freeze and a restore return is in
+:mod:`.results`.
 
 Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore``
 ─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock`` ─► ``finish``.
@@ -36,14 +37,10 @@ each step).
 from __future__ import annotations
 
 import asyncio
-import enum
-import json
 import logging
 import os
 import signal
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -54,15 +51,27 @@ from spotguard.timeline import Timeline
 from . import files, nccl, proctree, scan, suspend
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
-from .jobs import JobInfo, own_mount_ns
+from .jobs import JobInfo, link_job_dir, own_mount_ns
+from .marker import MARKER, FreezeMarker
 from .meta import ImageMeta
 from .preflight import preflight, wait_pids_free
+from .results import FreezeResult, Mode, RestoreResult
 from .settings import CheckpointSettings
-from .staging import DumpTarget, RestoreSource, StagingPlan
+from .staging import DumpTarget, RestoreSource
+
+__all__ = [
+    "FREEZE_STEPS",
+    "MARKER",
+    "RESTORE_STEPS",
+    "Engine",
+    "Faults",
+    "FreezeResult",
+    "Mode",
+    "RestoreResult",
+]
 
 log = logging.getLogger(__name__)
 
-MARKER = "operation.json"
 FREEZE_STEPS = (
     "scan",
     "gpu_lock",
@@ -84,77 +93,10 @@ RESTORE_STEPS = (
 )
 
 
-class Mode(enum.StrEnum):
-    """What happens to the job after its image is complete."""
-
-    RESUME = "resume"  # leave running (periodic checkpoint, drain-and-stay)
-    EXIT = "exit"  # stop it (the machine is going away)
-
-
 class Faults(Protocol):
     """Test seam: consulted before each step; raising there fails that step."""
 
     async def before(self, step: str) -> None: ...
-
-
-@dataclass
-class FreezeResult:
-    """A completed freeze: where the image is and how long each step took."""
-
-    job: JobInfo
-    images_dir: Path
-    mode: Mode
-    timeline: Timeline
-    gpu: GpuInventory
-    host: HostFacts
-    staging: StagingPlan
-    meta: ImageMeta
-    gpu_pids: list[int] = field(default_factory=list)
-
-    @property
-    def pause_seconds(self) -> float:
-        """How long the job could not run: first GPU/CRIU step start → last resume step end."""
-        names = {"gpu_lock", "gpu_checkpoint", "criu_dump", "gpu_restore", "gpu_unlock"}
-        steps = [s for s in self.timeline.steps if s.name in names and s.end is not None]
-        if not steps:
-            return 0.0
-        return max(s.end or 0.0 for s in steps) - min(s.start for s in steps)
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "job": self.job.name,
-            "pid": self.job.pid,
-            "images_dir": str(self.images_dir),
-            "mode": str(self.mode),
-            "staging": self.staging.to_json(),
-            "gpu_pids": self.gpu_pids,
-            "pause_seconds": round(self.pause_seconds, 6),
-            "timeline": self.timeline.to_list(),
-        }
-
-
-@dataclass
-class RestoreResult:
-    """A restored job: its new host pid and the restore's timeline (``image_url``: the image
-    it came from, when that was a store URL; set by :func:`spotguard.operations.restore`)."""
-
-    job: JobInfo
-    pid: int
-    timeline: Timeline
-    meta: ImageMeta
-    gpu_pids: list[int] = field(default_factory=list)
-    image_url: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "job": self.job.name,
-            "pid": self.pid,
-            "dir": str(self.job.dir),
-            "gpu_pids": self.gpu_pids,
-            "image_url": self.image_url,
-            "gpu": self.meta.gpu.to_json(),
-            "timeline": self.timeline.to_list(),
-        }
 
 
 class _NoFaults:
@@ -181,12 +123,12 @@ class Engine:
         criu: Criu,
         gpu: GpuHook | None = None,
         *,
-        settings: CheckpointSettings | None = None,
+        settings: CheckpointSettings,
         faults: Faults | None = None,
     ) -> None:
         self.criu = criu
         self.gpu: GpuHook = gpu if gpu is not None else NoGpu()
-        self.settings = settings or CheckpointSettings()
+        self.settings = settings  # loaded once by the caller (the CLI, the agent)
         self.faults: Faults = faults or _NoFaults()
 
     # --- freeze ----------------------------------------------------------------------------
@@ -209,7 +151,8 @@ class Engine:
         if not proctree.alive(job.pid):
             raise JobError(f"job {job.name!r}: process {job.pid} is not running")
         job.dir.mkdir(parents=True, exist_ok=True)
-        self._take_marker(job, mode)
+        marker = FreezeMarker(job)
+        marker.take(str(mode))
         tree: list[int] = [job.pid]
         gpu_pids: list[int] = []
         active: list[int] = []
@@ -229,7 +172,7 @@ class Engine:
                 st.detail.update(net.to_json())
                 tree_ns = [proctree.ns_pid(p) for p in tree]
                 gpu_ns = [proctree.ns_pid(p) for p in gpu_pids]
-                self._update_marker(job, gpu_pids=active, tree=[p for p in tree if p not in held])
+                marker.update(gpu_pids=active, tree=[p for p in tree if p not in held])
                 gpu_bytes = self.gpu.memory_used(gpu_pids) if gpu_pids else 0
                 cpu_bytes = proctree.rss_bytes(tree)
                 need = 2 * gpu_bytes + cpu_bytes
@@ -317,7 +260,7 @@ class Engine:
             await asyncio.shield(self._bring_back(job, awake, active, mode))
             if started:
                 await asyncio.shield(target.abort())
-            self._clear_marker(job)
+            marker.clear()
             log.warning(
                 "freeze failed; job resumed",
                 extra={"job": job.name, "error": str(exc), "step": _failed_step(tl)},
@@ -325,7 +268,7 @@ class Engine:
             if isinstance(exc, SpotguardError | asyncio.CancelledError | KeyboardInterrupt):
                 raise
             raise CheckpointError(f"freeze of {job.name!r} failed: {exc}") from exc
-        self._clear_marker(job)
+        marker.clear()
         result = FreezeResult(job, images_dir, mode, tl, inventory, host, plan, meta, gpu_pids)
         log.info(
             "job frozen",
@@ -375,53 +318,6 @@ class Engine:
         live = [p for p in tree if proctree.alive(p)]
         proctree.signal_all(live, signal.SIGCONT)
 
-    # --- marker ----------------------------------------------------------------------------
-
-    def _marker(self, job: JobInfo) -> Path:
-        return job.dir / MARKER
-
-    def _take_marker(self, job: JobInfo, mode: Mode) -> None:
-        path = self._marker(job)
-        if path.exists():
-            try:
-                other = json.loads(path.read_text()).get("agent_pid")
-            except (OSError, ValueError):
-                other = None
-            if isinstance(other, int) and other != os.getpid() and proctree.alive(other):
-                raise JobError(f"job {job.name!r}: another freeze is in progress (pid {other})")
-        self._write_marker(
-            job,
-            {
-                "op": "freeze",
-                "mode": str(mode),
-                "agent_pid": os.getpid(),
-                "job_pid": job.pid,
-                "started": datetime.now(UTC).isoformat(),
-                "gpu_pids": [],
-                "tree": [job.pid],
-            },
-        )
-
-    def _write_marker(self, job: JobInfo, data: dict[str, Any]) -> None:
-        tmp = job.dir / f".{MARKER}.tmp"
-        tmp.write_text(json.dumps(data))
-        os.replace(tmp, self._marker(job))
-
-    def _read_marker(self, job: JobInfo) -> dict[str, Any] | None:
-        try:
-            data = json.loads(self._marker(job).read_text())
-        except (OSError, ValueError):
-            return None
-        return data if isinstance(data, dict) else None
-
-    def _update_marker(self, job: JobInfo, *, gpu_pids: list[int], tree: list[int]) -> None:
-        data = self._read_marker(job) or {}
-        data.update(gpu_pids=gpu_pids, tree=tree)
-        self._write_marker(job, data)
-
-    def _clear_marker(self, job: JobInfo) -> None:
-        self._marker(job).unlink(missing_ok=True)
-
     async def recover(self, job: JobInfo) -> bool:
         """Bring back a job left mid-freeze by a killed process (e.g. a restarted agent).
 
@@ -429,18 +325,19 @@ class Engine:
         and unlocks every GPU process, sends SIGCONT to the tree and removes the marker.
         Returns True if there was something to recover.
         """
-        data = self._read_marker(job)
-        if data is None:
+        marker = FreezeMarker(job)
+        record = marker.read()
+        if record is None:
             return False
-        other = data.get("agent_pid")
-        if isinstance(other, int) and other != os.getpid() and proctree.alive(other):
+        other = record.running_elsewhere()
+        if other is not None:
             raise JobError(f"job {job.name!r}: a freeze is still running (pid {other})")
-        tree = [int(p) for p in data.get("tree", [job.pid])]
+        tree = record.tree
         if proctree.alive(job.pid):
             tree = sorted(set(tree) | set(proctree.tree(job.pid)))
-        gpu_pids = [int(p) for p in data.get("gpu_pids", [])]
-        await self._bring_back(job, tree, gpu_pids, Mode(data.get("mode", "resume")))
-        self._clear_marker(job)
+        gpu_pids = record.gpu_pids
+        await self._bring_back(job, tree, gpu_pids, Mode(record.mode))
+        marker.clear()
         log.info(
             "recovered job after an interrupted freeze",
             extra={"job": job.name, "gpu_pids": gpu_pids},
@@ -532,7 +429,7 @@ class Engine:
                 await self.faults.before("finish")
                 job = job.with_pid(pid)
                 job.save()
-                _link_job_dir(job, state)
+                link_job_dir(job, state)
                 await source.finish()
         except BaseException as exc:
             if pid is not None and proctree.alive(pid):
@@ -557,14 +454,3 @@ def _failed_step(tl: Timeline) -> str | None:
         if not st.ok:
             return st.name
     return None
-
-
-def _link_job_dir(job: JobInfo, state_dir: Path) -> None:
-    """Make the job findable by name under this host's state dir when it lives elsewhere."""
-    local = state_dir / "jobs" / job.name
-    if local.absolute() == job.dir.absolute():
-        return
-    if local.is_symlink() or not local.exists():
-        local.parent.mkdir(parents=True, exist_ok=True)
-        local.unlink(missing_ok=True)
-        local.symlink_to(job.dir, target_is_directory=True)

@@ -207,3 +207,15 @@ def exit_status(job: JobInfo) -> int | None:
         return int((job.dir / "exit_status").read_text().strip())
     except (OSError, ValueError):
         return None
+
+
+def link_job_dir(job: JobInfo, state_dir: Path) -> None:
+    """Make the job findable by name under this host's state dir when it lives elsewhere
+    (a job restored from an image whose directory is not under ``state_dir``)."""
+    local = jobs_dir(state_dir) / job.name
+    if local.absolute() == job.dir.absolute():
+        return
+    if local.is_symlink() or not local.exists():
+        local.parent.mkdir(parents=True, exist_ok=True)
+        local.unlink(missing_ok=True)
+        local.symlink_to(job.dir, target_is_directory=True)

@@ -8,8 +8,9 @@ is an :class:`~spotguard.errors.UndumpableError` naming the pid, the process, th
 and what to do, and the job simply keeps running.
 
 Facts come from /proc (file descriptors, memory maps, environment, the socket tables of the
-process's network namespace): :class:`ProcFacts` per process, :class:`TreeFacts` for the
-tree. Rules are plain functions ``(ProcFacts) -> list[Finding]`` in :data:`RULES`; another
+process's network namespace), gathered by :mod:`.procfacts` (re-exported here):
+:class:`ProcFacts` per process, :class:`TreeFacts` for the tree. This module holds the
+judgement: rules are plain functions ``(ProcFacts) -> list[Finding]`` in :data:`RULES`; another
 part adds one with the :func:`rule` decorator (or passes its own list to :func:`check`).
 Built in:
 
@@ -32,15 +33,32 @@ them (see docs/limits.md, "Sockets").
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Literal
 
 from spotguard.errors import UndumpableError
 
-from .sockets import Endpoint, SocketFact, socket_inode, socket_table
+from .procfacts import Connection, FdFact, ProcFacts, TreeFacts, gather
+
+__all__ = [
+    "JOB_ENV_DEFAULTS",
+    "RULES",
+    "Connection",
+    "FdFact",
+    "Finding",
+    "NetworkLock",
+    "NetworkPlan",
+    "ProcFacts",
+    "Rule",
+    "TreeFacts",
+    "check",
+    "findings",
+    "gather",
+    "job_environment",
+    "network_plan",
+    "rule",
+]
 
 #: anonymous inodes CRIU 4.2 dumps (criu/files.c); any other one fails the dump
 SUPPORTED_ANON = frozenset(
@@ -64,35 +82,6 @@ NetworkLock = Literal["auto", "nftables", "iptables", "skip"]
 
 
 @dataclass(frozen=True)
-class FdFact:
-    """One open file descriptor and what /proc/<pid>/fd/<fd> points to."""
-
-    fd: int
-    target: str
-    socket: SocketFact | None = None
-
-
-@dataclass(frozen=True)
-class ProcFacts:
-    """What one process of the tree holds, read from /proc."""
-
-    pid: int
-    name: str
-    gpu: bool = False  # holds CUDA state (the GPU hook said so)
-    fds: tuple[FdFact, ...] = ()
-    maps: tuple[str, ...] = ()  # distinct mapped paths, pseudo paths like [heap] included
-    environ: Mapping[str, str] = field(default_factory=dict)
-    #: device path prefixes spotguard's CRIU plugin dumps as leftovers (Criu.leftover_prefixes)
-    plugin_devices: tuple[str, ...] = ()
-    #: device file → the size in bytes of each of its mappings
-    device_maps: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
-
-    @property
-    def sockets(self) -> list[tuple[int, SocketFact]]:
-        return [(f.fd, f.socket) for f in self.fds if f.socket is not None]
-
-
-@dataclass(frozen=True)
 class Finding:
     """Something in a process that cannot be dumped, and what to do about it."""
 
@@ -107,56 +96,6 @@ class Finding:
 
 
 Rule = Callable[[ProcFacts], list[Finding]]
-
-
-@dataclass(frozen=True)
-class Connection:
-    """A connected TCP socket of the tree; ``internal`` when its peer is in the tree too."""
-
-    pid: int
-    name: str
-    fd: int
-    local: Endpoint
-    remote: Endpoint
-    state: str
-    internal: bool
-
-    def __str__(self) -> str:
-        where = "inside the job" if self.internal else "outside the job"
-        return f"pid {self.pid} ({self.name}) fd {self.fd}: {self.local} -> {self.remote} ({where})"
-
-
-@dataclass(frozen=True)
-class TreeFacts:
-    """Every process of the tree, root first."""
-
-    procs: tuple[ProcFacts, ...]
-
-    def connections(self) -> list[Connection]:
-        """Connected TCP sockets; a peer whose endpoints mirror another tree socket is internal."""
-        pairs: set[tuple[Endpoint, Endpoint]] = set()
-        for p in self.procs:
-            for _fd, sk in p.sockets:
-                if sk.connected_tcp and sk.local and sk.remote:
-                    pairs.add((sk.local, sk.remote))
-        out = []
-        for p in self.procs:
-            for fd, sk in p.sockets:
-                if sk.connected_tcp and sk.local and sk.remote:
-                    internal = (sk.remote, sk.local) in pairs
-                    out.append(
-                        Connection(p.pid, p.name, fd, sk.local, sk.remote, sk.state, internal)
-                    )
-        return out
-
-    def to_json(self) -> dict[str, int]:
-        conns = self.connections()
-        return {
-            "processes": len(self.procs),
-            "sockets": sum(len(p.sockets) for p in self.procs),
-            "tcp_connections": len(conns),
-            "tcp_external": sum(1 for c in conns if not c.internal),
-        }
 
 
 # --- rules ------------------------------------------------------------------------------
@@ -305,110 +244,6 @@ def devices(proc: ProcFacts) -> list[Finding]:
         if found is not None:
             out.append(found)
     return out
-
-
-# --- gathering ---------------------------------------------------------------------------
-
-
-def _read_fds(pid: int) -> list[tuple[int, str]]:
-    fd_dir = Path(f"/proc/{pid}/fd")
-    out: list[tuple[int, str]] = []
-    try:
-        names = os.listdir(fd_dir)
-    except OSError:
-        return out
-    for name in names:
-        try:
-            out.append((int(name), os.readlink(fd_dir / name)))
-        except (OSError, ValueError):
-            continue
-    return sorted(out)
-
-
-def _read_maps(pid: int) -> tuple[tuple[str, ...], dict[str, tuple[int, ...]]]:
-    """Distinct mapped paths, and the size of every mapping of a device file."""
-    seen: dict[str, None] = {}
-    devices: dict[str, list[int]] = {}
-    try:
-        with open(f"/proc/{pid}/maps", errors="replace") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) == 6:
-                    path = parts[5].rstrip("\n")
-                    seen.setdefault(path, None)
-                    if path.startswith("/dev/"):
-                        start, _, end = parts[0].partition("-")
-                        devices.setdefault(path, []).append(int(end, 16) - int(start, 16))
-    except (OSError, ValueError):
-        return (), {}
-    return tuple(seen), {k: tuple(v) for k, v in devices.items()}
-
-
-def _read_environ(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
-
-
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
-def _net_ns(pid: int) -> str:
-    try:
-        return os.readlink(f"/proc/{pid}/ns/net")
-    except OSError:
-        return f"pid:{pid}"
-
-
-def _proc_facts(
-    pid: int, gpu: bool, tables: dict[str, dict[int, SocketFact]], plugin_devices: tuple[str, ...]
-) -> ProcFacts:
-    ns = _net_ns(pid)
-    fds = []
-    for fd, target in _read_fds(pid):
-        inode = socket_inode(target)
-        sk = None
-        if inode is not None:
-            if ns not in tables:
-                tables[ns] = socket_table(pid)
-            sk = tables[ns].get(inode)
-            if sk is None:  # maybe created after the table was read: read it again once
-                tables[ns] = socket_table(pid)
-                sk = tables[ns].get(inode, SocketFact(inode, "unknown"))
-        fds.append(FdFact(fd, target, sk))
-    maps, device_maps = _read_maps(pid)
-    env = _read_environ(pid)
-    return ProcFacts(pid, _name(pid), gpu, tuple(fds), maps, env, plugin_devices, device_maps)
-
-
-def gather(
-    tree: Sequence[int], gpu_pids: Iterable[int] = (), plugin_devices: Sequence[str] = ()
-) -> TreeFacts:
-    """Read the facts of every process of ``tree`` (vanished processes are left out).
-    ``plugin_devices``: device prefixes the CRIU plugin dumps (their mappings are allowed).
-
-    Blocking /proc reads (about a millisecond per process): call it in a thread.
-    """
-    gpu = set(gpu_pids)
-    tables: dict[str, dict[int, SocketFact]] = {}
-    devices = tuple(plugin_devices)
-    procs = [
-        _proc_facts(pid, pid in gpu, tables, devices)
-        for pid in tree
-        if Path(f"/proc/{pid}").exists()
-    ]
-    return TreeFacts(tuple(procs))
 
 
 def findings(facts: TreeFacts, rules: Sequence[Rule] | None = None) -> list[Finding]:

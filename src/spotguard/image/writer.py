@@ -16,49 +16,38 @@ found already stored is decoded and checked before it is trusted, since a writer
 before its sync, followed by a power loss, can leave a short chunk file behind; a damaged one is
 written again (docs/image-format.md, "Durability"). Leaving the ``async with`` block with an
 exception, or without committing, writes no manifest.
+
+This module owns the pipeline and the writer's lifecycle; files are cut into chunks by
+:mod:`spotguard.image.sink` (:class:`FileSink`, re-exported here) and the store side of the
+commit (writing marker, durability, manifest) is :mod:`spotguard.image.commit`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-import socket
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import UTC, datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from spotguard.contracts import check_job_name, chunk_key, new_image_id
-from spotguard.errors import (
-    ImageCorrupt,
-    ImageError,
-    ObjectNotFound,
-    PreconditionFailed,
-    SpotguardError,
-)
+from spotguard.errors import ImageCorrupt, ImageError, ObjectNotFound, SpotguardError
+from spotguard.image import commit
 from spotguard.image.buffers import BufferPool, Lease
 from spotguard.image.codec import ChunkCodec, Cipher, compress_bound
 from spotguard.image.history import next_sequence
 from spotguard.image.keys import ImageKeys
-from spotguard.image.manifest import (
-    WRITING_MARKER,
-    ChunkRef,
-    Codec,
-    Encryption,
-    FileEntry,
-    ImageRef,
-    Manifest,
-    Totals,
-)
+from spotguard.image.manifest import ChunkRef, Codec, FileEntry, ImageRef, Manifest
 from spotguard.image.settings import ImageSettings
+from spotguard.image.sink import SMALL_CHUNK, ChunkOwner, ChunkPipeline, FileSink
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.store import ImageStore, RetryPolicy, get_into, open_store
 from spotguard.timeline import Timeline
+
+__all__ = ["SMALL_CHUNK", "ChunkOwner", "ChunkPipeline", "FileSink", "ImageWriter", "store_for"]
 
 log = logging.getLogger(__name__)
 
@@ -76,135 +65,6 @@ def store_for(url: str, settings: ImageSettings) -> ImageStore:
         sse=settings.sse or None,
         sse_kms_key_id=settings.sse_kms_key_id or None,
     )
-
-
-def _fill(f: Any, view: memoryview) -> int:
-    """Read into ``view`` until it is full or the file ends; the bytes read."""
-    got = 0
-    while got < len(view):
-        n = f.readinto(view[got:])
-        if not n:
-            break
-        got += n
-    return got
-
-
-SMALL_CHUNK = 1 << 20
-"""Chunks below this size use plain ``bytes`` instead of pooled buffers (small CRIU files)."""
-
-
-class ChunkOwner(Protocol):
-    """Who gets a chunk's plaintext buffer back: once it is compressed or found stored
-    (``release``: reuse it), or when its chunk was cancelled (``discard``: a worker thread may
-    still read it). Called once, on the event loop; a :class:`Lease` is one."""
-
-    def release(self) -> None: ...
-
-    def discard(self) -> None: ...
-
-
-class FileSink:
-    """One file being written into an image: ``await write(data)`` then ``await close()``.
-
-    Written bytes are copied once, into a pooled chunk buffer; ``bytes`` of whole chunks (a
-    reader handing over full chunks) are used as they are.
-    """
-
-    def __init__(self, writer: ImageWriter, name: str, mode: int) -> None:
-        FileEntry(name=name, size=0)  # validates the name early
-        self.name = name
-        self.mode = mode & 0o777  # permission bits only (a reader refuses others)
-        self.size = 0
-        self.closed = False
-        self._w = writer
-        self._small = bytearray()  # the start of a chunk, until it outgrows SMALL_CHUNK
-        self._lease: Lease | None = None  # the chunk being filled, once it is not small
-        self._fill = 0
-        self._refs: list[asyncio.Task[ChunkRef]] = []
-
-    def _raise_if_closed(self) -> None:
-        if self.closed:
-            raise ImageError(f"file {self.name!r} of the image is already closed")
-
-    async def write(self, data: bytes | bytearray | memoryview) -> None:
-        """Append ``data``; full chunks go to the pipeline (this waits when it is full)."""
-        self._raise_if_closed()
-        self._w._raise_if_failed()
-        view = memoryview(data).cast("B")
-        n = len(view)
-        if n == 0:
-            return
-        self.size += n
-        cs = self._w.chunk_size
-        if not self._small and self._lease is None and isinstance(data, bytes) and n >= cs:
-            # Fast path (whole chunks as bytes): no copy, the views keep `data` alive.
-            whole = n - n % cs
-            for off in range(0, whole, cs):
-                await self._w._submit(self, view[off : off + cs])
-            view = view[whole:]
-        while len(view):
-            if self._lease is None and len(self._small) + len(view) <= SMALL_CHUNK:
-                self._small += view
-                if len(self._small) == cs:
-                    await self._flush()
-                return
-            if self._lease is None:
-                self._lease = await self._w._acquire_input()
-                self._fill = len(self._small)
-                self._lease.view[: self._fill] = self._small
-                self._small = bytearray()
-            take = min(cs - self._fill, len(view))
-            self._lease.view[self._fill : self._fill + take] = view[:take]
-            self._fill += take
-            view = view[take:]
-            if self._fill == cs:
-                await self._flush()
-
-    async def write_owned(self, data: memoryview, owner: ChunkOwner) -> bool:
-        """Take ``data`` as one whole chunk without copying it, if it starts a chunk (nothing
-        pending) and is at most a chunk; ``owner`` gets the buffer back once the chunk is
-        compressed. Returns False, touching nothing, when it does not fit: write it then.
-
-        For a producer that fills chunk-sized buffers itself (the stream capture reads CRIU's
-        pipes straight into them): the copy into a chunk buffer would be the only other
-        pass over the data on the event loop's thread."""
-        self._raise_if_closed()
-        self._w._raise_if_failed()
-        n = len(data)
-        if self._small or self._lease is not None or not SMALL_CHUNK <= n <= self._w.chunk_size:
-            return False
-        self.size += n
-        await self._w._submit(self, data, owner)
-        return True
-
-    async def _flush(self) -> None:
-        """Send the chunk collected so far."""
-        if self._lease is not None:
-            lease, fill = self._lease, self._fill
-            self._lease, self._fill = None, 0
-            await self._w._submit(self, lease.view[:fill], lease)
-        elif self._small:
-            chunk = bytes(self._small)
-            self._small = bytearray()
-            await self._w._submit(self, chunk)
-
-    async def close(self) -> None:
-        """Send the last partial chunk. The file's chunks finish in the background."""
-        if self.closed:
-            return
-        await self._flush()
-        self.closed = True
-
-    def _drop(self) -> None:
-        """The write is abandoned: give back a half-filled buffer."""
-        if self._lease is not None:
-            self._lease.release()
-            self._lease = None
-
-    def entry(self) -> FileEntry:
-        return FileEntry(
-            name=self.name, size=self.size, mode=self.mode, chunks=[t.result() for t in self._refs]
-        )
 
 
 class ImageWriter:
@@ -324,7 +184,7 @@ class ImageWriter:
         )
         # If this fails, gc removes the stale marker after the grace period.
         with contextlib.suppress(SpotguardError):
-            await asyncio.shield(self.store.delete(f"{self.ref.prefix}/{WRITING_MARKER}"))
+            await asyncio.shield(commit.remove_writing_marker(self.store, self.ref))
 
     async def _shutdown(self) -> None:
         for task in (self._heartbeat, self._sequence):
@@ -334,15 +194,13 @@ class ImageWriter:
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
         for f in self._files:
-            f._drop()
+            f.drop()
         self.buffers.close()
         if self._own_store:
             await self.store.aclose()
 
     async def _put_marker(self) -> None:
-        body = {"job": self.job, "image_id": self.image_id, "host": socket.gethostname()}
-        body["started"] = datetime.fromtimestamp(self._t0, UTC).isoformat()
-        await self.store.put(f"{self.ref.prefix}/{WRITING_MARKER}", json.dumps(body).encode())
+        await commit.put_writing_marker(self.store, self.ref, self._t0)
 
     async def _refresh_marker(self) -> None:
         """Keep the writing marker young so a concurrent gc keeps our dedup'd chunks."""
@@ -377,13 +235,13 @@ class ImageWriter:
             if st.st_size < SMALL_CHUNK:  # small file: one read, one chunk
                 await sink.write(await asyncio.to_thread(f.read))
             else:
-                await self._read_pooled(f, sink)
+                await sink.read_from(f)
         finally:
             await asyncio.to_thread(f.close)
         await sink.close()
         return FileEntry(name=sink.name, size=sink.size, mode=sink.mode)
 
-    async def _acquire_input(self) -> Lease:
+    async def acquire_input(self) -> Lease:
         """A pooled buffer for a chunk's plaintext; waits while `input_limit` are out."""
         await self._input_slots.acquire()
         try:
@@ -393,42 +251,19 @@ class ImageWriter:
             raise
         return Lease(self.buffers, buf, self._input_slots)
 
-    async def _read_pooled(self, f: Any, sink: FileSink) -> None:
-        """Read whole chunks straight into pooled buffers (``readinto``, no other copy); a
-        buffer goes back to the pool once its chunk is compressed or found already stored."""
-        cs = self.chunk_size
-        while True:
-            lease = await self._acquire_input()
-            try:
-                n = await asyncio.to_thread(_fill, f, lease.view[:cs])
-            except BaseException:
-                lease.release()
-                raise
-            if not n:
-                lease.release()
-                return
-            try:
-                sink._raise_if_closed()
-                self._raise_if_failed()
-            except BaseException:
-                lease.release()
-                raise
-            sink.size += n
-            await self._submit(sink, lease.view[:n], lease)
-            if n < cs:
-                return
-
     # --- the pipeline -------------------------------------------------------------------
-    def _raise_if_failed(self) -> None:
+    def raise_if_failed(self) -> None:
+        """Raise the first error of a chunk in the pipeline (the write is then lost)."""
         if self._error is not None:
             raise self._error
 
     async def _cpu(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
-    async def _submit(
+    async def submit_chunk(
         self, sink: FileSink, plain: bytes | memoryview, lease: ChunkOwner | None = None
     ) -> None:
+        """Start one chunk of ``sink`` through the pipeline; waits for an in-flight slot."""
         try:
             await self._sem.acquire()
         except BaseException:
@@ -442,7 +277,7 @@ class ImageWriter:
             raise self._error
         task = asyncio.create_task(self._process(plain, lease))
         self._tasks.add(task)
-        sink._refs.append(task)
+        sink.refs.append(task)
         task.add_done_callback(lambda t: self._done(t, lease))
 
     def _done(self, task: asyncio.Task[ChunkRef], lease: ChunkOwner | None) -> None:
@@ -568,90 +403,25 @@ class ImageWriter:
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
-            await self._sync_chunks()
+            await commit.sync_chunks(self.store, self.ref, self._by_addr)
         with self.timeline.step("manifest"):
-            await self._recheck_preexisting()
+            io = self.settings.io_workers
+            await commit.recheck_preexisting(self.store, self.ref, self._preexisting, io)
             assert self._sequence is not None
-            manifest = self._build(meta or {}, await self._sequence)
-            await self._write_manifest(manifest)
+            manifest = commit.build_manifest(
+                self.ref,
+                [f.entry() for f in self._files],
+                codec=Codec(level=self.level, chunk_size=self.chunk_size),
+                keys=self.keys,
+                meta=meta or {},
+                sequence=await self._sequence,
+            )
+            await commit.write_manifest(self.store, self.ref, manifest)
         self._manifest = manifest
         self.stats.finished = time.monotonic()
         try:
-            await self.store.delete(f"{self.ref.prefix}/{WRITING_MARKER}")
+            await commit.remove_writing_marker(self.store, self.ref)
         except SpotguardError as exc:
             log.warning("could not remove writing marker", extra={"error": str(exc)})
         log.info("image committed", extra={"image": self.url, **self.stats.to_json()})
         return manifest
-
-    async def _sync_chunks(self) -> None:
-        """Make every chunk the manifest will name durable, the deduplicated ones included (one
-        left unsynced by a crashed writer becomes durable here, or the manifest is not
-        written)."""
-        keys = sorted(chunk_key(self.job, a) for a in self._by_addr)
-        try:
-            await self.store.sync(keys)
-        except ObjectNotFound as exc:
-            raise ImageError(
-                f"a chunk of image {self.url} vanished before it was made durable "
-                f"(concurrent gc?): {exc}; no manifest written"
-            ) from exc
-
-    async def _recheck_preexisting(self) -> None:
-        """A chunk we skipped because it was in the store must still be there (a gc racing
-        this writer must not leave the manifest pointing at nothing)."""
-        addrs: Sequence[str] = sorted(self._preexisting)
-        sem = asyncio.Semaphore(self.settings.io_workers)
-
-        async def check(a: str) -> str | None:
-            async with sem:
-                return None if await self.store.exists(chunk_key(self.job, a)) else a
-
-        missing = [a for a in await asyncio.gather(*(check(a) for a in addrs)) if a]
-        if missing:
-            raise ImageError(
-                f"{len(missing)} deduplicated chunk(s) vanished during the write "
-                f"(concurrent gc?), e.g. {missing[0]}; no manifest written"
-            )
-
-    def _build(self, meta: dict[str, Any], sequence: int) -> Manifest:
-        """The manifest, authenticated with this writer's keys (see spotguard.image.keys)."""
-        files = [f.entry() for f in self._files]
-        unique: dict[str, int] = {}
-        for f in files:
-            for c in f.chunks:
-                unique[c.digest] = c.stored_size
-        totals = Totals(
-            files=len(files),
-            chunks=sum(len(f.chunks) for f in files),
-            unique_chunks=len(unique),
-            bytes=sum(f.size for f in files),
-            stored_bytes=sum(unique.values()),
-        )
-        enc = Encryption(key_id=self.cipher.key_id) if self.cipher else None
-        m = Manifest(
-            job=self.job,
-            image_id=self.image_id,
-            sequence=sequence,
-            codec=Codec(level=self.level, chunk_size=self.chunk_size),
-            encryption=enc,
-            files=files,
-            totals=totals,
-            meta=meta,
-        )
-        try:
-            m.auth = self.keys.sign(m.unsigned(), encrypted=enc is not None)
-        except (TypeError, ValueError) as exc:  # meta that JSON cannot carry
-            raise ImageError(f"image {self.url}: manifest cannot be serialised: {exc}") from exc
-        return m
-
-    async def _write_manifest(self, manifest: Manifest) -> None:
-        data = manifest.to_bytes()
-        try:
-            await self.store.put(self.ref.manifest_key, data, if_absent=True)
-        except PreconditionFailed as exc:
-            # A retried put whose first attempt landed looks like this: same bytes = success.
-            existing = await self.store.get(self.ref.manifest_key)
-            if existing != data:
-                raise ImageError(
-                    f"image {self.url} already exists; refusing to overwrite its manifest"
-                ) from exc
