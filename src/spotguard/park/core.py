@@ -45,7 +45,7 @@ from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import JobError, ParkError
 
-from . import record, sockets
+from . import gpu, record, sockets
 from .record import ListenAddress, ParkRecord, Place
 from .settings import ParkSettings
 
@@ -136,6 +136,8 @@ async def park(
         listen = sockets.listening(tree)
         gpu_pids = await engine.gpu.gpu_pids(tree)
         gpu_bytes = engine.gpu.memory_used(gpu_pids) if gpu_pids else 0
+        gpus = tuple((d.uuid, d.model) for d in gpu.devices()) if gpu_pids else ()
+        gpu_use = gpu.use_by_device(gpu_pids) if gpu_pids else {}
         started = time.monotonic()
         in_place: tuple[int, ...] = ()
         if place == "memory":
@@ -168,6 +170,8 @@ async def park(
             job_dir=str(job.dir),
             pid=job.pid,
             gpu_pids=in_place,
+            gpus=gpus,
+            gpu_use=gpu_use,
         )
         record.save(state, rec)
     log.info(
@@ -257,7 +261,9 @@ def check_gpu_room(rec: ParkRecord, free_bytes: Callable[[], int | None]) -> Non
         )
 
 
-async def _resume_in_place(rec: ParkRecord, engine: Engine, cs: CheckpointSettings) -> int:
+async def _resume_in_place(
+    rec: ParkRecord, engine: Engine, cs: CheckpointSettings, remap: dict[str, str] | None
+) -> int:
     """Resume a job suspended in place; a job that ended meanwhile loses its record (its
     state went with it, e.g. checkpointed and stopped by a notice) and is reported."""
     job = resolve_job(rec.job, state_dir=cs.state_dir)
@@ -267,8 +273,30 @@ async def _resume_in_place(rec: ParkRecord, engine: Engine, cs: CheckpointSettin
             f"job {rec.job!r} is no longer parked here: process {rec.pid} ended while parked "
             "(a notice checkpoints parked jobs too: look for its latest image)"
         )
-    await suspend.resume(job, engine.gpu, rec.gpu_pids)
+    await suspend.resume(job, engine.gpu, rec.gpu_pids, remap=remap)
     return rec.pid
+
+
+def place_gpus(rec: ParkRecord, host: Callable[[], list[gpu.Device]]) -> list[str] | None:
+    """The host GPUs (in the order of the GPUs it saw when parked) to bring the job back onto:
+    its own where they have room, else others of the same model (UUID remap); None when
+    nothing needs placing. :class:`ParkError` when no GPU of the model has room (the parked
+    state is kept)."""
+    if not rec.gpu_use or not rec.gpus:
+        return None
+    devices = host()
+    if not devices:
+        return None
+    image = [gpu.Device(uuid, model, 0) for uuid, model in rec.gpus]
+    chosen = gpu.choose(image, rec.gpu_use, devices)
+    if chosen is None:
+        need = max(rec.gpu_use.values())
+        models = sorted({m for _u, m in rec.gpus})
+        raise ParkError(
+            f"job {rec.job!r} needs {need >> 20} MiB on a {' / '.join(models)} GPU and none "
+            "has that much free now; the parked state is kept — unpark when a GPU has room"
+        )
+    return chosen
 
 
 def stop_waker(rec: ParkRecord, *, timeout: float = 10.0) -> None:
@@ -316,6 +344,7 @@ async def unpark(
     store: StorePath | None = None,
     gpu_free: Callable[[], int | None] = lambda: None,
     wait_lock: bool = True,
+    gpu_devices: Callable[[], list[gpu.Device]] = gpu.devices,
 ) -> Unparked:
     """Restore a parked job on this node; its record and local image go once it runs.
 
@@ -330,10 +359,18 @@ async def unpark(
         await asyncio.to_thread(stop_waker, rec)
         if rec.place != "memory":  # suspended in place, the job still holds its ports
             check_ports_free(rec)
-        check_gpu_room(rec, gpu_free)
+        chosen = place_gpus(rec, gpu_devices)
+        if chosen is None:
+            check_gpu_room(rec, gpu_free)
+        remap = None
+        if chosen is not None and chosen != [u for u, _m in rec.gpus]:
+            remap = dict(zip((u for u, _m in rec.gpus), chosen, strict=True))
+            if rec.place != "memory":  # an image restores onto the GPUs preflight is told
+                s2 = settings.model_copy(update={"restore_gpus": ",".join(chosen)})
+                engine = Engine(engine.criu, engine.gpu, settings=s2)
         started = time.monotonic()
         if rec.place == "memory":
-            pid = await _resume_in_place(rec, engine, settings)
+            pid = await _resume_in_place(rec, engine, settings, remap)
         elif rec.place == "store":
             if store is None:
                 raise ParkError("unparking from a store URL needs the store settings")

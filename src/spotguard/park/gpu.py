@@ -5,7 +5,8 @@ so the same code runs on CPU hosts (where a job's GPU side is simply idle)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
 
@@ -93,3 +94,95 @@ def utilisation(pids: Iterable[int], since_us: int) -> float:
     except pynvml.NVMLError as exc:
         log.debug("NVML utilisation failed", extra={"error": str(exc)})
     return best
+
+
+@dataclass(frozen=True)
+class Device:
+    """One GPU of this host as unpark sees it."""
+
+    uuid: str
+    model: str
+    free: int
+
+
+def devices() -> list[Device]:
+    """This host's GPUs in index order, with free memory; empty without NVML."""
+    if not _init():
+        return []
+    import pynvml
+
+    out = []
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = pynvml.nvmlDeviceGetUUID(h)
+            name = pynvml.nvmlDeviceGetName(h)
+            out.append(
+                Device(
+                    uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
+                    model=name.decode() if isinstance(name, bytes) else str(name),
+                    free=int(pynvml.nvmlDeviceGetMemoryInfo(h).free),
+                )
+            )
+    except pynvml.NVMLError:
+        return []
+    return out
+
+
+def use_by_device(pids: Iterable[int]) -> dict[str, int]:
+    """GPU UUID → bytes the processes hold on it (empty without NVML)."""
+    if not _init():
+        return {}
+    import pynvml
+
+    wanted = set(pids)
+    out: dict[str, int] = {}
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            uuid = pynvml.nvmlDeviceGetUUID(h)
+            key = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
+            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+                if p.pid in wanted and p.usedGpuMemory:
+                    out[key] = out.get(key, 0) + int(p.usedGpuMemory)
+    except pynvml.NVMLError:
+        return out
+    return out
+
+
+def choose(
+    image: Sequence[Device], use: Mapping[str, int], host: Sequence[Device]
+) -> list[str] | None:
+    """Host GPUs (UUIDs, in the image's GPU order) to bring a parked job back onto.
+
+    Each GPU the job used keeps its own GPU when that one has room for what the job held,
+    else takes another of the same model with room (the driver remaps UUIDs); GPUs the job
+    did not use are paired with what is left, so the driver gets a pair for every GPU it
+    saw. None when the GPUs the job used cannot all get room (nothing is touched then).
+    """
+    left = {d.uuid: d for d in host}
+    chosen: dict[str, str] = {}
+    # most memory first, so a big user is not crowded out by a small one
+    for img in sorted(image, key=lambda d: -use.get(d.uuid, 0)):
+        need = use.get(img.uuid, 0)
+        if not need:
+            continue
+        own = left.get(img.uuid)
+        if own is not None and own.free >= need:
+            pick = own
+        else:
+            fits = [d for d in left.values() if d.model == img.model and d.free >= need]
+            if not fits:
+                return None
+            pick = max(fits, key=lambda d: d.free)
+        chosen[img.uuid] = pick.uuid
+        del left[pick.uuid]
+    for img in image:
+        if img.uuid in chosen:
+            continue
+        same = left.get(img.uuid) or next((d for d in left.values() if d.model == img.model), None)
+        if same is None:
+            return None
+        chosen[img.uuid] = same.uuid
+        del left[same.uuid]
+    return [chosen[img.uuid] for img in image]

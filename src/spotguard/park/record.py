@@ -66,6 +66,8 @@ class ParkRecord(BaseModel):
     job_dir: str = ""
     pid: int = 0  # the job's root pid (suspended in place: it keeps it)
     gpu_pids: tuple[int, ...] = ()  # GPU processes checkpointed in place
+    gpus: tuple[tuple[str, str], ...] = ()  # the host's GPUs when parked: (uuid, model)
+    gpu_use: dict[str, int] = Field(default_factory=dict)  # GPU uuid → bytes the job held
 
     def to_json(self) -> dict[str, object]:
         return self.model_dump(mode="json")
