@@ -59,6 +59,9 @@ class SocketFact:
     state: str = ""  # TCP state name (tcp only)
     local: Endpoint | None = None
     remote: Endpoint | None = None
+    #: the kernel's rx_queue: connections waiting to be accepted (listening TCP), or bytes
+    #: received and not yet read (a connection)
+    waiting: int = 0
 
     @property
     def connected_tcp(self) -> bool:
@@ -92,7 +95,8 @@ def _inet_table(path: Path, family: str, proto: str) -> dict[int, SocketFact]:
         state = TCP_STATES.get(int(cols[3], 16), cols[3]) if proto == "tcp" else ""
         inode = int(cols[9])
         local, remote = parse_endpoint(cols[1]), parse_endpoint(cols[2])
-        out[inode] = SocketFact(inode, family, proto, state, local, remote)
+        waiting = int(cols[4].split(":")[1], 16) if ":" in cols[4] else 0
+        out[inode] = SocketFact(inode, family, proto, state, local, remote, waiting)
     return out
 
 

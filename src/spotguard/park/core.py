@@ -236,7 +236,7 @@ def check_ports_free(rec: ParkRecord) -> None:
     """Every address the job listened on can be bound again, or :class:`ParkError`."""
     for la in rec.listen:
         addr = la.address()
-        with socket.socket(addr.family, socket.SOCK_STREAM) as s:
+        with socket.socket(sockets.family_of(addr), socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
             try:
                 s.bind((addr.host, addr.port))

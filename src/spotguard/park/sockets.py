@@ -2,9 +2,10 @@
 bytes its connections have moved.
 
 Parking needs the listening addresses (wake-on-connect listens on them while the job is
-parked); the idle policy needs traffic. Both are found the same way: each fd of the tree that
-links to ``socket:[inode]`` is looked up in the kernel's socket tables
-(``/proc/<pid>/net/tcp`` and ``tcp6``, which show the job's network namespace).
+parked), the waiting clients of a job suspended in place, and, for the idle policy, traffic.
+Each fd of the tree that links to ``socket:[inode]`` is looked up in the kernel's socket
+tables, read by :mod:`spotguard.checkpoint.sockets` (the same reader the freeze preflight
+uses).
 
 Byte counters come from ``TCP_INFO`` (``tcpi_bytes_acked`` / ``tcpi_bytes_received``) on a
 duplicate of the job's socket taken with ``pidfd_getfd(2)`` (Linux 5.6+, root) and closed at
@@ -15,9 +16,7 @@ readable per process without netlink. psutil and the standard library have neith
 
 from __future__ import annotations
 
-import contextlib
 import ctypes
-import ipaddress
 import os
 import socket
 import struct
@@ -25,78 +24,29 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-_LISTEN = "0A"
-_ESTABLISHED = "01"
+from spotguard.checkpoint.sockets import Endpoint, SocketFact, socket_inode, socket_table
+
 _SYS_PIDFD_GETFD = 438  # same number on x86-64 and aarch64 (generic syscall table)
 _TCP_INFO_LEN = 232
 _BYTES_ACKED = 120  # offsetof(struct tcp_info, tcpi_bytes_acked)
 _BYTES_RECEIVED = 128  # offsetof(struct tcp_info, tcpi_bytes_received)
 
+#: a TCP address a job listens on: ``host`` is an IP literal (``0.0.0.0`` / ``::`` = all)
+Address = Endpoint
 
-@dataclass(frozen=True, order=True)
-class Address:
-    """A TCP address a job listens on: ``host`` is an IP literal (``0.0.0.0`` / ``::`` = all)."""
 
-    host: str
-    port: int
-
-    @property
-    def family(self) -> socket.AddressFamily:
-        return socket.AF_INET6 if ":" in self.host else socket.AF_INET
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
-
-    def to_json(self) -> dict[str, str | int]:
-        return {"host": self.host, "port": self.port}
+def family_of(addr: Address) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in addr.host else socket.AF_INET
 
 
 @dataclass(frozen=True)
 class SocketRef:
-    """One TCP socket of the tree: which process holds it (pid, fd), its state and address.
-
-    ``waiting`` is the kernel's ``rx_queue``: for a listening socket the connections waiting
-    to be accepted, for a connection the bytes received and not yet read.
-    """
+    """One TCP socket of the tree: which process holds it (pid, fd) and what the kernel's
+    table says of it (state, local address, ``waiting`` — its rx_queue)."""
 
     pid: int
     fd: int
-    inode: int
-    state: str
-    local: Address
-    waiting: int = 0
-
-
-def _decode(hexaddr: str) -> Address:
-    """``0100007F:1F90`` (IPv4) or 32 hex digits + port (IPv6), as the kernel prints them."""
-    host_hex, port_hex = hexaddr.split(":")
-    raw = bytes.fromhex(host_hex)
-    # the kernel prints each 32-bit word in host (little-endian) order
-    words = [raw[i : i + 4][::-1] for i in range(0, len(raw), 4)]
-    packed = b"".join(words)
-    ip = ipaddress.ip_address(packed)
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return Address(str(ip), int(port_hex, 16))
-
-
-def _table(pid: int) -> dict[int, tuple[str, Address, int]]:
-    """inode → (state, local address, rx_queue) for every TCP socket in ``pid``'s network
-    namespace."""
-    out: dict[int, tuple[str, Address, int]] = {}
-    for name in ("tcp", "tcp6"):
-        try:
-            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            cols = line.split()
-            if len(cols) < 10:
-                continue
-            with contextlib.suppress(ValueError):
-                rx = int(cols[4].split(":")[1], 16)
-                out[int(cols[9])] = (cols[3], _decode(cols[1]), rx)
-    return out
+    fact: SocketFact
 
 
 def _socket_fds(pid: int) -> list[tuple[int, int]]:
@@ -109,36 +59,37 @@ def _socket_fds(pid: int) -> list[tuple[int, int]]:
         return []
     for name in names:
         try:
-            target = os.readlink(fd_dir / name)
+            inode = socket_inode(os.readlink(fd_dir / name))
         except OSError:
             continue
-        if target.startswith("socket:["):
-            found.append((int(name), int(target[8:-1])))
+        if inode is not None:
+            found.append((int(name), inode))
     return found
 
 
 def tcp_sockets(pids: Iterable[int]) -> list[SocketRef]:
     """Every TCP socket held by the processes (one entry per holding fd)."""
     refs: list[SocketRef] = []
-    tables: dict[str, dict[int, tuple[str, Address, int]]] = {}
+    tables: dict[str, dict[int, SocketFact]] = {}
     for pid in pids:
         try:
             netns = os.readlink(f"/proc/{pid}/ns/net")
         except OSError:
             continue
         if netns not in tables:
-            tables[netns] = _table(pid)
+            tables[netns] = socket_table(pid)
         table = tables[netns]
         for fd, inode in _socket_fds(pid):
-            if inode in table:
-                state, local, waiting = table[inode]
-                refs.append(SocketRef(pid, fd, inode, state, local, waiting))
+            fact = table.get(inode)
+            if fact is not None and fact.proto == "tcp":
+                refs.append(SocketRef(pid, fd, fact))
     return refs
 
 
 def listening(pids: Iterable[int]) -> list[Address]:
     """The distinct addresses the processes listen on (TCP), sorted."""
-    return sorted({r.local for r in tcp_sockets(pids) if r.state == _LISTEN})
+    found = {r.fact.local for r in tcp_sockets(pids) if r.fact.state == "LISTEN"}
+    return sorted((a for a in found if a is not None), key=lambda a: (a.host, a.port))
 
 
 def waiting_clients(pids: Iterable[int]) -> int:
@@ -148,9 +99,7 @@ def waiting_clients(pids: Iterable[int]) -> int:
     TCP handshakes and buffers data for a stopped process, it just never reads them.
     """
     return sum(
-        1
-        for r in tcp_sockets(pids)
-        if r.waiting and (r.state == _LISTEN or r.state == _ESTABLISHED)
+        1 for r in tcp_sockets(pids) if r.fact.waiting and r.fact.state in ("LISTEN", "ESTABLISHED")
     )
 
 
@@ -192,11 +141,12 @@ def traffic(pids: Iterable[int]) -> dict[int, int]:
     """
     out: dict[int, int] = {}
     for ref in tcp_sockets(pids):
-        if ref.state == _LISTEN or ref.inode in out:
+        inode = ref.fact.inode
+        if ref.fact.state == "LISTEN" or inode in out:
             continue
         moved = _bytes_moved(ref.pid, ref.fd)
         if moved is not None:
-            out[ref.inode] = moved
+            out[inode] = moved
     return out
 
 

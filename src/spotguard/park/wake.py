@@ -48,11 +48,14 @@ class Held:
     addr: Address
 
 
-def _listen(addr: Address) -> socket.socket:
-    s = socket.socket(addr.family, socket.SOCK_STREAM)
+def _listen(addr: Address, v6only: bool) -> socket.socket:
+    family = sockets.family_of(addr)
+    s = socket.socket(family, socket.SOCK_STREAM)
     s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if addr.family == socket.AF_INET6:
-        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+    if family == socket.AF_INET6:
+        # as the job's socket most likely was (Linux's default: dual stack), unless the job
+        # also listened on the same port over IPv4
+        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
     s.bind((addr.host, addr.port))
     s.listen(128)
     s.setblocking(False)
@@ -76,7 +79,8 @@ async def wait_for_client(
 ) -> list[Held]:
     """Listen on ``addrs`` until a client connects (→ the connections held) or ``stop`` is
     set (→ no connections). The listeners are closed either way."""
-    listeners = [(_listen(a), a) for a in addrs]
+    v4_ports = {a.port for a in addrs if ":" not in a.host}
+    listeners = [(_listen(a, a.port in v4_ports), a) for a in addrs]
     loop = asyncio.get_running_loop()
     held: list[Held] = []
     woke = asyncio.Event()
