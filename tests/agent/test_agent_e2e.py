@@ -315,3 +315,26 @@ async def test_controller_asking_for_a_drain_gets_one(
     assert (notice["cloud"], notice["kind"]) == ("manual", "drain")
     assert sink.kinds("train").count("durable") == 1  # one drain, however often it is asked
     assert not proctree.alive(job.pid)
+
+
+async def test_a_notice_that_came_before_the_job_was_protected_still_applies(
+    host: Host, sink: EventSink, sim: MetadataSim, tmp_path: Path
+) -> None:
+    """A notice the agent saw before it protected the job (an agent restarted with a notice
+    posted, or a job that started after the notice) is applied once the job is protected,
+    while the notice is still live — not dropped because no job was there yet."""
+    store = f"file://{tmp_path}/store"
+    async with running_agent(host, sink, job=["train"], store=store) as agent:
+        sim.state.send("aws", "rebalance")
+        await wait_until(lambda: any(n["kind"] == "rebalance" for n in agent.notices_seen))
+        assert "train" not in agent.workers  # no job protected when the notice came
+        long_job = job_argv("--steps", "600", "--step-seconds", "0.05", "--mb", "4", "--gpu", "no")
+        info = await start_job(long_job, "train", state_dir=host.state)
+        try:
+            await wait_until(lambda: "durable" in sink.kinds("train"), 60)
+            durable = event(sink, "durable")
+            assert durable["mode"] == "resume" and durable["notice"]["kind"] == "rebalance"
+            assert proctree.alive(info.pid)
+        finally:
+            if proctree.alive(info.pid):
+                os.kill(info.pid, signal.SIGKILL)

@@ -346,6 +346,7 @@ class Agent(NoticeHandling):
                 store=self.store,
             )
         )
+        self.replay_notices(worker)  # notices that came before this job was protected
         watcher = self._spawn(self._liveness(worker), f"alive-{info.name}")
         try:
             await worker.run()

@@ -68,7 +68,9 @@ class NoticeHandling:
                     )
 
     def handle(self, notice: Notice) -> None:
-        """Count, report, decide and queue one notice (or drop a cancelled one)."""
+        """Count, report, decide and queue one notice (or drop a cancelled one). A notice
+        that asks for a checkpoint stays *live* until its deadline, so a job protected after
+        it arrived still gets it (:meth:`replay_notices`)."""
         self.metrics.notices.labels(notice.cloud.value, notice.kind.value).inc()
         self.notices_seen.append(notice.to_json())
         del self.notices_seen[:-50]
@@ -88,6 +90,11 @@ class NoticeHandling:
                 "start_at": decision.start_at.isoformat(),
             },
         )
+        live = self._live_notices()
+        if notice.cancelled or decision.action is Action.NONE:
+            live.pop(notice.id, None)
+        else:
+            live[notice.id] = notice
         jobs = [w for w in self.workers.values() if w.active]
         for w in jobs:
             self.reporter.emit(
@@ -128,6 +135,43 @@ class NoticeHandling:
                 )
             )
         self._spawn(self._after(notice, waiters), f"after-{notice.id}")
+
+    def _live_notices(self) -> dict[str, Notice]:
+        """Notices that still ask for a checkpoint (by id), kept for jobs protected later."""
+        live: dict[str, Notice] | None = getattr(self, "_live", None)
+        if live is None:
+            live = {}
+            self._live: dict[str, Notice] = live
+        return live
+
+    def replay_notices(self, worker: JobWorker) -> None:
+        """Queue on a newly protected job every live notice it has not seen: one that came
+        while no job (or not this one) was protected — an agent restarted with a notice still
+        posted, or a job that started after it. Notices past their deadline are dropped."""
+        live = self._live_notices()
+        for nid, notice in list(live.items()):
+            if notice.seconds_left() <= 0:
+                del live[nid]
+                continue
+            if nid in worker.pending:
+                continue
+            decision = self.policy.decide(notice)
+            log.info(
+                "notice applies to a job protected after it came",
+                extra={"step": "notice", "notice": nid, "job": worker.name},
+            )
+            self.reporter.emit(
+                NoticeEvent(
+                    job=worker.name,
+                    instance=InstanceInfo.model_validate(self.instance.to_json()),
+                    notice=NoticeInfo.model_validate(notice.to_json()),
+                    decision=decision.action.value,
+                    reason=decision.reason,
+                )
+            )
+            worker.submit(
+                Request(nid, decision.action, decision.start_at, decision.reason, notice=notice)
+            )
 
     async def _after(self, notice: Notice, waiters: list[asyncio.Future[dict[str, Any]]]) -> None:
         results = list(await asyncio.gather(*waiters))
