@@ -91,11 +91,11 @@ class NoticeHandling:
             },
         )
         live = self._live_notices()
+        jobs = [w for w in self.workers.values() if w.active]
         if notice.cancelled or decision.action is Action.NONE:
             live.pop(notice.id, None)
-        else:
-            live[notice.id] = notice
-        jobs = [w for w in self.workers.values() if w.active]
+        else:  # remembered with the jobs it went to: each job gets a notice once
+            live[notice.id] = (notice, {w.name for w in jobs})
         for w in jobs:
             self.reporter.emit(
                 NoticeEvent(
@@ -136,25 +136,28 @@ class NoticeHandling:
             )
         self._spawn(self._after(notice, waiters), f"after-{notice.id}")
 
-    def _live_notices(self) -> dict[str, Notice]:
-        """Notices that still ask for a checkpoint (by id), kept for jobs protected later."""
-        live: dict[str, Notice] | None = getattr(self, "_live", None)
+    def _live_notices(self) -> dict[str, tuple[Notice, set[str]]]:
+        """Notices that still ask for a checkpoint (by id) and the jobs they went to, kept
+        for jobs protected later."""
+        live: dict[str, tuple[Notice, set[str]]] | None = getattr(self, "_live", None)
         if live is None:
             live = {}
-            self._live: dict[str, Notice] = live
+            self._live: dict[str, tuple[Notice, set[str]]] = live
         return live
 
     def replay_notices(self, worker: JobWorker) -> None:
-        """Queue on a newly protected job every live notice it has not seen: one that came
-        while no job (or not this one) was protected — an agent restarted with a notice still
-        posted, or a job that started after it. Notices past their deadline are dropped."""
+        """Queue on a newly protected job every live notice it has not had: one that came
+        while this job was not protected — an agent restarted with a notice still posted, or
+        a job that started after it. A job that had the notice (and was, say, restored by
+        hand since) does not get it again. Notices past their deadline are dropped."""
         live = self._live_notices()
-        for nid, notice in list(live.items()):
+        for nid, (notice, applied) in list(live.items()):
             if notice.seconds_left() <= 0:
                 del live[nid]
                 continue
-            if nid in worker.pending:
-                continue
+            if worker.name in applied or nid in worker.pending:
+                continue  # this job had it already (e.g. restored by hand after it)
+            applied.add(worker.name)
             decision = self.policy.decide(notice)
             log.info(
                 "notice applies to a job protected after it came",
