@@ -4,6 +4,7 @@ ends exactly as an uninterrupted run (real processes, real CRIU on the engine)."
 
 from __future__ import annotations
 
+import asyncio
 import os
 import socket
 import subprocess
@@ -119,3 +120,27 @@ async def test_each_refusal_comes_before_any_gpu_lock_and_resumes_the_job(
         assert lines(job.dir / "stdout") == _expected(kind, steps)
     finally:
         server.close()
+
+
+async def test_a_process_whose_session_leader_is_outside_its_pid_namespace_is_refused(
+    settings: CheckpointSettings, criu_bin: str, state_dir: Path, tmp_path: Path
+) -> None:
+    """A process adopted by pid whose session began outside its PID namespace (a shell in
+    a container started without setsid; CI runners) cannot be dumped: CRIU fails with "A
+    session leader of N is outside of its pid namespace" even with --shell-job. The
+    preflight says so in one line, with the fix, and the process runs on untouched."""
+    outer = await asyncio.create_subprocess_exec("unshare", "--pid", "--fork", "sleep", "60")
+    try:
+        await wait_for(lambda: len(proctree.tree(outer.pid)) == 2, "the process in its namespace")
+        inner = proctree.tree(outer.pid)[1]
+        job = resolve_job(inner, state_dir=state_dir)
+        engine = Engine(Criu(criu_bin), RecordingGpu(lambda pids: []), settings=settings)
+        with pytest.raises(UndumpableError, match="session leader is outside") as err:
+            await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+        assert "setsid" in str(err.value) and "\n" not in str(err.value)
+        assert not (tmp_path / "img").exists()
+        assert proc_state(inner) in {"S", "R"}
+        assert outer.returncode is None
+    finally:
+        outer.kill()
+        await outer.wait()

@@ -6,12 +6,13 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from spotguard.checkpoint import proctree, scan, selftest_job
+from spotguard.checkpoint import procfacts, proctree, scan, selftest_job
 from spotguard.checkpoint.scan import FdFact, Finding, ProcFacts, TreeFacts
 from spotguard.checkpoint.sockets import Endpoint, SocketFact, parse_endpoint
 from spotguard.errors import PreflightError, UndumpableError
@@ -20,7 +21,8 @@ PROGS = Path(__file__).parent / "progs"
 
 
 def _start(argv: list[str]) -> subprocess.Popen[str]:
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    # a session of its own, as `spotguard run` (or `setsid`) gives a job
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, start_new_session=True)
     assert proc.stdout is not None
     proc.stdout.readline()  # the first step: the program holds what it holds
     return proc
@@ -222,3 +224,27 @@ def test_socket_fact_states() -> None:
     # /proc/net/tcp6 writes an address as four little-endian words
     assert parse_endpoint("00000000000000000000000001000000:0016") == Endpoint("::1", 22)
     assert parse_endpoint("0100007F:1F90") == Endpoint("127.0.0.1", 8080)
+
+
+def test_a_session_begun_outside_the_pid_namespace_is_found() -> None:
+    """The session rule on facts, and the fact read from real processes: one in a session of
+    its own, one whose session leader is outside its new PID namespace."""
+    p = ProcFacts(9, "sleep", session_outside=True)
+    (found,) = scan.findings(TreeFacts((p,)))
+    assert found.resource.startswith("a session whose session leader is outside")
+    assert "setsid" in found.fix
+    own = _start([sys.executable, "-c", "print('up', flush=True); import time; time.sleep(60)"])
+    outer = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"], start_new_session=True)
+    try:
+        assert not procfacts.session_outside(own.pid)
+        for _ in range(100):
+            if len(proctree.tree(outer.pid)) == 2:
+                break
+            time.sleep(0.05)
+        inner = proctree.tree(outer.pid)[1]
+        assert procfacts.session_outside(inner)
+        assert not procfacts.session_outside(outer.pid)
+    finally:
+        for proc in (own, outer):
+            proc.kill()
+            proc.wait()

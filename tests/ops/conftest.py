@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture
 def sleeper() -> Iterator[subprocess.Popen[bytes]]:
     """A real process for an agent to protect (by pid)."""
-    proc = subprocess.Popen(["sleep", "120"])
+    proc = subprocess.Popen(["sleep", "120"], start_new_session=True)  # as `setsid sleep`
     try:
         yield proc
     finally:

@@ -41,6 +41,8 @@ class ProcFacts:
     plugin_devices: tuple[str, ...] = ()
     #: device file → the size in bytes of each of its mappings
     device_maps: Mapping[str, tuple[int, ...]] = field(default_factory=dict)
+    #: its session leader is outside its PID namespace (the process sees its sid as 0)
+    session_outside: bool = False
 
     @property
     def sockets(self) -> list[tuple[int, SocketFact]]:
@@ -158,6 +160,42 @@ def _net_ns(pid: int) -> str:
         return f"pid:{pid}"
 
 
+def _ns_pids(pid: int) -> list[str]:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("NSpid:"):
+                    return line.split()[1:]
+    except OSError:
+        pass
+    return []
+
+
+def session_outside(pid: int) -> bool:
+    """Whether ``pid``'s session leader lies outside ``pid``'s own PID namespace.
+
+    CRIU refuses to dump such a process, ``--shell-job`` or not ("A session leader of N is
+    outside of its pid namespace"): a shell in a container or a CI runner that started it
+    without setsid. From here the leader is invisible (getsid gives 0), or it sits in a
+    shallower namespace, or in another namespace of the same depth.
+    """
+    try:
+        sid = os.getsid(pid)
+    except OSError:
+        return False
+    if sid == 0:
+        return True
+    depth, leader_depth = len(_ns_pids(pid)), len(_ns_pids(sid))
+    if not depth or not leader_depth:
+        return False
+    if leader_depth != depth:
+        return leader_depth < depth
+    try:
+        return os.readlink(f"/proc/{pid}/ns/pid") != os.readlink(f"/proc/{sid}/ns/pid")
+    except OSError:
+        return False
+
+
 def _proc_facts(
     pid: int, gpu: bool, tables: dict[str, dict[int, SocketFact]], plugin_devices: tuple[str, ...]
 ) -> ProcFacts:
@@ -176,7 +214,17 @@ def _proc_facts(
         fds.append(FdFact(fd, target, sk))
     maps, device_maps = _read_maps(pid)
     env = _read_environ(pid)
-    return ProcFacts(pid, _name(pid), gpu, tuple(fds), maps, env, plugin_devices, device_maps)
+    return ProcFacts(
+        pid,
+        _name(pid),
+        gpu,
+        tuple(fds),
+        maps,
+        env,
+        plugin_devices,
+        device_maps,
+        session_outside=session_outside(pid),
+    )
 
 
 def gather(

@@ -14,6 +14,7 @@ judgement: rules are plain functions ``(ProcFacts) -> list[Finding]`` in :data:`
 part adds one with the :func:`rule` decorator (or passes its own list to :func:`check`).
 Built in:
 
+* a session whose leader is outside the process's PID namespace (CRIU cannot dump it);
 * io_uring instances (``anon_inode:[io_uring]`` descriptors or mappings);
 * CUDA managed memory in a process holding CUDA state (mappings of /dev/nvidia-uvm beyond
   the context's own);
@@ -112,6 +113,26 @@ def rule(fn: Rule) -> Rule:
 
 def _anon(target: str) -> str | None:
     return target.removeprefix("anon_inode:") if target.startswith("anon_inode:") else None
+
+
+@rule
+def session_leader(proc: ProcFacts) -> list[Finding]:
+    """A process whose session leader is outside its PID namespace: CRIU fails the dump
+    ("A session leader of N is outside of its pid namespace") with or without
+    ``--shell-job``. Seen with processes adopted by pid that a container's shell or a CI
+    runner started without a session of their own."""
+    if not proc.session_outside:
+        return []
+    return [
+        Finding(
+            proc.pid,
+            proc.name,
+            "a session whose session leader is outside its PID namespace",
+            "CRIU cannot dump a process whose session leader it cannot see",
+            "start the job in a session of its own ('setsid CMD', or 'spotguard run', which "
+            "does so)",
+        )
+    ]
 
 
 @rule
