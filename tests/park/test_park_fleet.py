@@ -7,7 +7,10 @@ protects it again and the controller has it ``protected``."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import json
 import os
+import signal
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -132,3 +135,62 @@ async def test_park_to_a_store_is_reported_and_an_agent_keeps_it_parked_until_un
     finally:
         agent.request_stop()
         await asyncio.wait_for(task, 60)
+
+
+async def test_a_job_the_controller_brought_back_elsewhere_is_not_unparked_here_too(
+    config: Path, state_dir: Path, tmp_path: Path
+) -> None:
+    """Parked to a store from this node, then ``jobs unpark`` through the controller onto
+    another VM (epoch 1): unparking it here by hand as well would run the job twice. The node
+    asks the controller first, refuses in one line, drops its stale record, and the image
+    stays in the store for the VM that owns the job now."""
+    settings = ControllerSettings(
+        listen="127.0.0.1:0", state=tmp_path / "controller.db", provider="local",
+        controller_token=TOKEN, tick_s=0.05,
+    )  # fmt: skip
+    # the new VM's agent never reports: the job stays "launching" there, owned by epoch 1
+    prov = LocalProvider(
+        LocalSettings(
+            local_root=tmp_path / "local", local_gpus=False, local_agent_command=["sleep", "300"]
+        )
+    )
+    store = (tmp_path / "store").as_uri()
+    async with ControllerServer(settings, provider=prov, image=ImageSettings()) as srv:
+        try:
+            ok_json(
+                await spotguard(
+                    config, "run", "--name", "nb", "--json", "--", sys.executable, JOBS, "sleeper"
+                )
+            )
+            env = {"SPOTGUARD_CONTROLLER_URL": srv.url, "SPOTGUARD_CONTROLLER_TOKEN": TOKEN}
+            parked = ok_json(await spotguard(config, "park", "nb", "--to", store, "--json", **env))
+            assert parked["controller"] == "reported"
+            rec = record.load(state_dir, "nb")
+            assert rec is not None and rec.controller_epoch == 0
+
+            async with (
+                aiohttp.ClientSession() as s,
+                s.post(
+                    f"{srv.url}/v1/jobs/nb/unpark", headers={"Authorization": f"Bearer {TOKEN}"}
+                ) as r,
+            ):
+                assert r.status == 200, await r.text()
+            assert (await view(srv.url, "nb"))["owner"]["epoch"] == 1
+
+            res = await spotguard(config, "unpark", "nb", **env)
+            assert res.returncode != 0
+            (line,) = res.stderr.strip().splitlines()[-1:]
+            assert line.startswith("spotguard: error: job 'nb' is not unparked here:"), res.stderr
+            assert "epoch 1; this node parked it under epoch 0" in line
+            assert f"the image stays at {parked['where']}" in line
+            assert "Traceback" not in res.stderr
+            assert record.load(state_dir, "nb") is None  # the stale record is gone
+            assert (await view(srv.url, "nb"))["state"] in {"launching", "restoring"}  # untouched
+            manifest = Path(parked["where"].removeprefix("file://")) / "manifest.json"
+            assert manifest.is_file()
+            again = await spotguard(config, "unpark", "nb", **env)
+            assert again.returncode != 0 and "is not parked" in again.stderr
+        finally:
+            for vm in (tmp_path / "local" / "vms").glob("*/vm.json"):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(json.loads(vm.read_text())["pid"], signal.SIGKILL)

@@ -11,6 +11,12 @@ ParkedEvent`), whoever parked it — the agent's policies or ``spotguard park --
 controller holds it as ``parked`` (not finished) and can unpark it on any node. The event's
 id is derived from the image, so the agent and the command reporting the same park are one
 event to the controller.
+
+Before a store park is restored on this node by hand (or by a wake-on-connect client), the
+controller is asked (:func:`owned_elsewhere`): once ``spotguard jobs unpark`` has brought the
+job back on another node, the controller holds it under a later ownership epoch, and this
+node's copy must not run too. The epoch the job was parked under is kept in the park record
+(:func:`controller_epoch`), or comes from the node's assignment.
 """
 
 from __future__ import annotations
@@ -19,22 +25,28 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import aiohttp
+from pydantic import ValidationError
 
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
-from spotguard.contracts import InstanceInfo, ParkedEvent
+from spotguard.contracts import Directive, InstanceInfo, ParkedEvent
 from spotguard.errors import SpotguardError
 from spotguard.park import record, waker
 from spotguard.park.policy import ParkPolicy, webhooks
 from spotguard.park.record import ParkRecord
 from spotguard.park.store import store_path
 
+from .directives import DirectivePoller
 from .reporter import Reporter
 from .restore import read_assignment
 from .settings import AgentSettings
+from .standdown import MOVING_STATES
 from .worker import JobWorker
 
 if TYPE_CHECKING:
@@ -138,6 +150,79 @@ async def report_parked(rec: ParkRecord, settings: AgentSettings, state_dir: Pat
     return "reported" if done else "queued"
 
 
+def _assigned_epoch(settings: AgentSettings, job: str) -> int | None:
+    """The epoch this node's assignment gives ``job`` (None: no assignment for it)."""
+    with contextlib.suppress(SpotguardError):
+        got = read_assignment(settings.assignment)
+        if got is not None and got.job == job:
+            return got.epoch
+    return None
+
+
+async def ask_controller(settings: AgentSettings, job: str, epoch: int | None) -> Directive | None:
+    """The controller's directive for ``job`` as an agent of ``epoch`` sees it; None when no
+    controller is configured, it does not know the job, or it cannot be reached in time."""
+    where = controller_of(settings, job)
+    if where is None:
+        return None
+    poller = DirectivePoller(
+        where[0], where[1], jobs=list, on_answer=lambda _a: None, interval_s=REPORT_WAIT_S,
+        epoch_of=lambda _job: epoch,
+    )  # fmt: skip
+    timeout = aiohttp.ClientTimeout(total=REPORT_WAIT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        data = await poller.ask(session, job)
+    if data is None:
+        return None
+    try:
+        return Directive.model_validate(data)
+    except ValidationError:
+        return None
+
+
+async def controller_epoch(settings: AgentSettings, job: str) -> int | None:
+    """The ownership epoch the controller holds ``job`` under now (kept with a store park)."""
+    epoch = _assigned_epoch(settings, job)
+    if epoch is not None:
+        return epoch
+    answer = await ask_controller(settings, job, None)
+    return answer.owner.epoch if answer is not None else None
+
+
+def owned_elsewhere(settings: AgentSettings) -> Callable[[ParkRecord], Awaitable[str | None]]:
+    """The check :func:`spotguard.park.core.unpark` runs before restoring a store park here:
+    why the job must not come back on this node, or None. Refused when the controller says
+    this node's epoch no longer owns the job, or that it is bringing the job back now; a
+    controller that is not configured, does not know the job or cannot be reached does not
+    stop the unpark (the fencing of reports still holds)."""
+
+    async def check(rec: ParkRecord) -> str | None:
+        epoch = rec.controller_epoch
+        if epoch is None:
+            epoch = _assigned_epoch(settings, rec.job)
+        answer = await ask_controller(settings, rec.job, epoch)
+        if answer is None:
+            log.warning(
+                "the controller could not say who owns the parked job; unparking here",
+                extra={"job": rec.job},
+            )
+            return None
+        if answer.state == "parked" and not answer.stand_down:
+            return None
+        owner = answer.owner
+        on = f"on {owner.instance_id}" if owner.instance_id else "on a new instance"
+        if answer.stand_down:
+            return (
+                f"the controller brought it back {on} (epoch {owner.epoch}; this node parked "
+                f"it under epoch {epoch})"
+            )
+        if answer.state in MOVING_STATES:
+            return f"the controller is bringing it back {on} now (state {answer.state})"
+        return None
+
+    return check
+
+
 def parked_status(state_dir: Path) -> list[dict[str, Any]]:
     """The parked jobs of this node as ``status`` shows them: where, since when, why."""
     out = []
@@ -186,7 +271,7 @@ def policy_for(agent: Agent) -> ParkPolicy:
         jobs=jobs,
         busy=busy,
         start_waker=start_waker,
-        store=store_path(checkpoint, agent.image_settings, engine),
+        store=store_path(checkpoint, agent.image_settings, engine, owned_elsewhere(agent.settings)),
     )
     if agent.notifier is not None:
         policy.notify = webhooks(agent.notifier)

@@ -23,6 +23,7 @@ from spotguard.errors import ParkError
 from spotguard.image.settings import ImageSettings
 from spotguard.notify import Notifier, NotifySettings
 from spotguard.park import core, gpu, record, wake, waker
+from spotguard.park.core import StorePath
 from spotguard.park.policy import ParkPolicy, webhooks
 from spotguard.park.priority import Claim
 from spotguard.park.settings import ParkSettings
@@ -59,6 +60,17 @@ def _ctx(ctx: click.Context, flags: dict[str, Any]) -> _Ctx:
         cfg,
         load(NotifySettings, {}, config_file=cfg),
     )
+
+
+def _store_path(c: _Ctx, job: str) -> StorePath:
+    """The store path of an unpark; for a job parked to a store its controller (if this
+    node's agent settings name one) is asked first whether the job came back elsewhere."""
+    rec = record.load(c.cs.state_dir, job)
+    if rec is None or rec.place != "store":
+        return store_path(c.cs, c.image, c.engine)
+    from spotguard.agent.parking import owned_elsewhere
+
+    return store_path(c.cs, c.image, c.engine, owned_elsewhere(_agent_settings(c)))
 
 
 def _agent_settings(c: _Ctx) -> AgentSettings:
@@ -150,9 +162,16 @@ def park(
         await _notify(c, "parked", {"job": rec.job, "reason": reason, "comes_back": back})
         told = None  # a park to a store is reported to this node's controller, if any
         if agent is not None:
-            from spotguard.agent.parking import report_parked
+            from spotguard.agent.parking import controller_epoch, report_parked
 
             told = await report_parked(rec, agent, c.cs.state_dir)
+            if told == "reported":  # kept: a later epoch means it came back elsewhere
+                epoch = await controller_epoch(agent, rec.job)
+                async with record.alocked(c.cs.state_dir, rec.job):
+                    now = record.load(c.cs.state_dir, rec.job)
+                    if now is not None and epoch is not None:
+                        now = now.model_copy(update={"controller_epoch": epoch})
+                        record.save(c.cs.state_dir, now)
         return record.load(c.cs.state_dir, rec.job) or rec, told
 
     rec, told = asyncio.run(go())
@@ -185,7 +204,7 @@ def unpark(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> None
             engine=c.engine,
             settings=c.cs,
             park_settings=c.ps,
-            store=store_path(c.cs, c.image, c.engine),
+            store=_store_path(c, job),
             gpu_free=gpu.free_bytes,
         )
         await _notify(c, "unparked", {"job": done.job, "reason": f"pid {done.pid}"})
@@ -224,7 +243,7 @@ def park_wake(ctx: click.Context, /, job: str, **flags: Any) -> None:
             engine=c.engine,
             settings=c.cs,
             park_settings=c.ps,
-            store=store_path(c.cs, c.image, c.engine),
+            store=_store_path(c, job),
             gpu_free=gpu.free_bytes,
             wait_lock=False,
         )

@@ -59,12 +59,18 @@ StoreCheckpoint = Callable[[JobInfo, str], Awaitable[tuple[str, int]]]
 StoreRestore = Callable[[str], Awaitable[int]]
 
 
+OwnedElsewhere = Callable[[ParkRecord], Awaitable[str | None]]
+
+
 @dataclass(frozen=True)
 class StorePath:
     """How park reaches a store: the same checkpoint/restore composition the agent uses."""
 
     checkpoint: StoreCheckpoint
     restore: StoreRestore
+    #: asked before a store park is restored here: why the job must not come back on this
+    #: node (its controller brought it back elsewhere), or None. See ``agent.parking``.
+    owned_elsewhere: OwnedElsewhere | None = None
 
 
 _PLACES: dict[str, Place] = {"memory": "memory", "tmpfs": "tmpfs", "disk": "disk"}
@@ -335,6 +341,27 @@ class Unparked:
         }
 
 
+async def _refuse_if_owned_elsewhere(rec: ParkRecord, store: StorePath, state: Path) -> None:
+    """A job parked to a store may have been brought back on another node through the
+    controller (``spotguard jobs unpark``): restoring it here too would run it twice. When
+    the controller says so, this node's record is dropped (the image stays in the store) and
+    the unpark is refused in one line."""
+    if store.owned_elsewhere is None:
+        return
+    why = await store.owned_elsewhere(rec)
+    if why is None:
+        return
+    record.remove(state, rec.job)
+    log.warning(
+        "the parked job runs elsewhere; its park record here is dropped",
+        extra={"job": rec.job, "image": rec.location, "reason": why},
+    )
+    raise ParkError(
+        f"job {rec.job!r} is not unparked here: {why}; this node's park record is dropped "
+        f"(the image stays at {rec.location})"
+    )
+
+
 async def unpark(
     job: str,
     *,
@@ -374,6 +401,7 @@ async def unpark(
         elif rec.place == "store":
             if store is None:
                 raise ParkError("unparking from a store URL needs the store settings")
+            await _refuse_if_owned_elsewhere(rec, store, state)
             pid = await store.restore(rec.location)
         else:
             d = Path(rec.location)

@@ -68,6 +68,9 @@ class ParkRecord(BaseModel):
     gpu_pids: tuple[int, ...] = ()  # GPU processes checkpointed in place
     gpus: tuple[tuple[str, str], ...] = ()  # the host's GPUs when parked: (uuid, model)
     gpu_use: dict[str, int] = Field(default_factory=dict)  # GPU uuid → bytes the job held
+    #: parked to a store and reported: the ownership epoch the controller held the job under
+    #: then (a later epoch means the controller brought the job back elsewhere)
+    controller_epoch: int | None = None
 
     def to_json(self) -> dict[str, object]:
         return self.model_dump(mode="json")

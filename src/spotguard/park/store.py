@@ -10,11 +10,17 @@ from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.image.settings import ImageSettings
 
-from .core import StorePath
+from .core import OwnedElsewhere, StorePath
 
 
-def store_path(settings: CheckpointSettings, image: ImageSettings, engine: Engine) -> StorePath:
-    """A :class:`StorePath` over :mod:`spotguard.operations` with these settings."""
+def store_path(
+    settings: CheckpointSettings,
+    image: ImageSettings,
+    engine: Engine,
+    owned_elsewhere: OwnedElsewhere | None = None,
+) -> StorePath:
+    """A :class:`StorePath` over :mod:`spotguard.operations` with these settings;
+    ``owned_elsewhere`` is asked before a store park is restored (the controller's word)."""
 
     async def checkpoint(job: JobInfo, url: str) -> tuple[str, int]:
         res = await operations.checkpoint(
@@ -32,4 +38,4 @@ def store_path(settings: CheckpointSettings, image: ImageSettings, engine: Engin
         res = await operations.restore(url, settings=settings, engine=engine, image_settings=image)
         return res.pid
 
-    return StorePath(checkpoint, restore)
+    return StorePath(checkpoint, restore, owned_elsewhere)
