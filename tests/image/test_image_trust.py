@@ -28,6 +28,7 @@ from spotguard.errors import (
 from spotguard.image import (
     ImageReader,
     ImageSettings,
+    gc,
     generate_key,
     generate_signing_key,
     latest_image,
@@ -263,3 +264,32 @@ async def test_untrusted_errors_are_image_errors_and_not_retryable() -> None:
     for cls in (UnsignedImage, BadSignature, UntrustedSigner, ImageRollback):
         assert issubclass(cls, ImageUntrusted) and issubclass(cls, ImageError)
         assert cls.retryable is False
+
+
+async def test_gc_keeps_the_newest_authenticated_images_whatever_ids_an_attacker_writes(
+    store: str, raw: ImageStore, tmp_path: Path
+) -> None:
+    """A bucket writer puts manifests under ids that sort after every genuine image (a forged
+    one, and an old genuine one republished): gc on a host with the fleet's key still keeps
+    the newest genuine image by sequence — never deletes it for a forgery — and leaves the
+    unauthenticated manifests whole, naming them, for the operator to remove."""
+    key, pub = keys(tmp_path, "fleet")
+    agent = settings(signing_key_file=key)
+    old = await push_dir(job_dir(tmp_path / "a", 1), store, "train", settings=agent)
+    new = await push_dir(job_dir(tmp_path / "b", 2), store, "train", settings=agent)
+    m = await read_manifest(raw, "train", image_id(new.image_url))
+    m["image_id"] = "29990101T000000000000Z-forged"
+    m["meta"] = {"evil": True}  # its signature no longer holds
+    await write_manifest(raw, "train", m["image_id"], m)
+    replay = await read_manifest(raw, "train", image_id(old.image_url))
+    await write_manifest(raw, "train", "29990101T000000000000Z-replay", replay)
+    host = settings(verify_key_file=pub)
+    done = await gc(store, "train", 1, grace_s=0, settings=host)
+    assert done.images_kept == [new.image_url]
+    assert done.images_deleted == [old.image_url]
+    assert sorted(done.images_unauthenticated) == [
+        f"{store}/train/images/29990101T000000000000Z-forged",
+        f"{store}/train/images/29990101T000000000000Z-replay",
+    ]
+    assert await latest_image(store, "train", settings=host) == new.image_url
+    assert (await verify_image(new.image_url, settings=host)).ok  # every chunk still there

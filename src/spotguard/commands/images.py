@@ -160,6 +160,8 @@ def gc_cmd(
     )
     for j in result.skipped_chunks_writer_active:
         click.echo(f"job {j}: a checkpoint is being written; its chunks were left alone")
+    for url in result.images_unauthenticated:
+        click.echo(f"left alone, does not authenticate under this host's keys: {url}")
 
 
 @images.command("push")

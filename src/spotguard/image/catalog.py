@@ -4,6 +4,11 @@ gc's safety rules (docs/image-format.md has the reasoning):
 
 * it never deletes the newest complete image (``keep`` is at least 1), and deletes an old image
   by removing its manifest first — an image is either whole or absent;
+* "newest" is by authenticated sequence (:mod:`spotguard.image.history`), not by id: anyone
+  who can write to the bucket can put a manifest under an id that sorts last. Only images
+  that authenticate under this host's keys (without keys: every readable one) are ranked
+  and deleted; a manifest that does not authenticate is left whole, its chunks referenced,
+  and named in ``images_unauthenticated`` for the operator to remove;
 * it deletes a chunk only if no remaining manifest references it, it is older than the grace
   period, and no writer is active on the job (a ``writing.json`` marker younger than the grace
   period) — a writer that skipped a chunk because it was already stored must not lose it.
@@ -27,7 +32,7 @@ from spotguard.errors import (
     SpotguardError,
 )
 from spotguard.image.codec import Cipher
-from spotguard.image.history import complete_image_ids, resolve
+from spotguard.image.history import complete_image_ids, genuine_images, resolve
 from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import WRITING_MARKER, ImageRef, Manifest
 from spotguard.image.reader import ImageReader, VerifyReport
@@ -80,6 +85,7 @@ class GcResult:
     jobs: list[str] = field(default_factory=list)
     images_kept: list[str] = field(default_factory=list)
     images_deleted: list[str] = field(default_factory=list)
+    images_unauthenticated: list[str] = field(default_factory=list)
     stale_markers_deleted: int = 0
     chunks_deleted: int = 0
     bytes_freed: int = 0
@@ -93,6 +99,7 @@ class GcResult:
             "jobs": self.jobs,
             "images_kept": self.images_kept,
             "images_deleted": self.images_deleted,
+            "images_unauthenticated": self.images_unauthenticated,
             "stale_markers_deleted": self.stale_markers_deleted,
             "chunks_deleted": self.chunks_deleted,
             "bytes_freed": self.bytes_freed,
@@ -231,20 +238,52 @@ async def gc(
         )
     s = settings
     grace = timedelta(seconds=s.gc_grace_s if grace_s is None else grace_s)
+    keys = ImageKeys.from_settings(s)
     store = store_for(store_url, s)
     result = GcResult(store.url, dry_run=dry_run)
     try:
         for j in await _jobs(store, job):
             result.jobs.append(j)
-            await _gc_job(store, j, keep, grace, dry_run, result)
+            await _gc_job(store, j, keep, grace, dry_run, result, keys)
     finally:
         await store.aclose()
     log.info("gc done", extra=result.to_json())
     return result
 
 
+async def _referenced(
+    store: ImageStore, job: str, kept: list[str], untrusted: list[str], result: GcResult
+) -> set[str]:
+    """Chunks the kept images name, and those a manifest that does not authenticate names
+    (it is left whole: what it names is not gc's to judge)."""
+    referenced: set[str] = set()
+    for image_id in kept:
+        ref = ImageRef(store.url, job, image_id)
+        result.images_kept.append(ref.url)
+        referenced |= set((await _manifest(store, ref)).chunk_refs())
+    for image_id in untrusted:
+        ref = ImageRef(store.url, job, image_id)
+        result.images_unauthenticated.append(ref.url)
+        try:
+            referenced |= set((await _manifest(store, ref)).chunk_refs())
+        except SpotguardError:
+            continue
+    if untrusted:
+        log.warning(
+            "manifests that do not authenticate were left alone",
+            extra={"job": job, "images": len(untrusted)},
+        )
+    return referenced
+
+
 async def _gc_job(
-    store: ImageStore, job: str, keep: int, grace: timedelta, dry_run: bool, result: GcResult
+    store: ImageStore,
+    job: str,
+    keep: int,
+    grace: timedelta,
+    dry_run: bool,
+    result: GcResult,
+    keys: ImageKeys,
 ) -> None:
     now = datetime.now(UTC)
     prefix = image_prefix(job, "")
@@ -253,7 +292,9 @@ async def _gc_job(
     for info in listing:
         by_image.setdefault(info.key[len(prefix) :].split("/", 1)[0], []).append(info)
     complete = await complete_image_ids(store, job)
-    kept, dropped = complete[-keep:], complete[:-keep]
+    ranked = [g.image_id for g in await genuine_images(store, job, keys, complete)]
+    kept, dropped = ranked[-keep:], ranked[:-keep]
+    untrusted = sorted(set(complete) - set(ranked))
     active = False
     for image_id, objs in by_image.items():
         if image_id in complete:
@@ -274,11 +315,7 @@ async def _gc_job(
                 if o.key != ref.manifest_key:
                     await store.delete(o.key)
         result.images_deleted.append(ref.url)
-    referenced: set[str] = set()
-    for image_id in kept:
-        ref = ImageRef(store.url, job, image_id)
-        result.images_kept.append(ref.url)
-        referenced |= set((await _manifest(store, ref)).chunk_refs())
+    referenced = await _referenced(store, job, kept, untrusted, result)
     if active:
         result.skipped_chunks_writer_active.append(job)
         log.info("a writer is active: chunks of this job are not collected", extra={"job": job})
