@@ -10,6 +10,7 @@ checks the unit itself."""
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shlex
@@ -34,11 +35,13 @@ from spotguard.image.keys import ImageKeys
 from spotguard.image.settings import ImageSettings
 from spotguard.notices.fleet import FleetSettings
 from spotguard.providers.aws import AwsSettings
+from spotguard.providers.gcp import GcpSettings
 
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "packaging" / "systemd"
 AWS_MODULE = ROOT / "terraform" / "aws" / "modules" / "spotguard"
 AWS_EXAMPLE = ROOT / "terraform" / "aws" / "examples" / "basic"
+GCP_MODULE = ROOT / "terraform" / "gcp" / "modules" / "spotguard"
 UID = 65534  # the unit's DynamicUser stands for an unprivileged uid like this one
 
 
@@ -64,6 +67,27 @@ VERIFY_SOURCE = "aws-ssm:arn:aws:ssm:us-east-1:1:parameter/d/image-verify-key"
 VERIFY_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGb1IIvvW8ulwoXzU3UiERCgDu1b8gmmDq2hIRcDXT8y"
 
 
+def render_template(tmp: Path, module: Path, tvars: dict[str, Any]) -> str:
+    """``templatefile`` of the module's controller template with ``tvars`` (by ``terraform
+    console``), after checking that the module's outputs.tf passes every one of them."""
+    outputs = (module / "outputs.tf").read_text()
+    assert 'templatefile("${path.module}/templates/controller.toml.tftpl"' in outputs
+    for key in tvars:
+        assert f"    {key} " in outputs, f"outputs.tf passes no {key}"
+    tpl = module / "templates" / "controller.toml.tftpl"
+    expr = (
+        f"base64encode(templatefile({json.dumps(str(tpl))}, "
+        f"jsondecode({json.dumps(json.dumps(tvars))})))"
+    )
+    terraform = shutil.which("terraform")
+    if terraform is None:
+        pytest.fail("terraform is not installed")
+    out = subprocess.run(
+        [terraform, "console"], input=expr, cwd=tmp, capture_output=True, text=True, check=True
+    )
+    return base64.b64decode(out.stdout.strip().strip('"')).decode()
+
+
 def render_controller_config(tmp: Path, queue_url: str, region: str) -> str:
     """The module's ``controller_config`` output: its own template, its own arguments (from
     outputs.tf), the values tfparse resolves for the example and the queue's apply-time URL."""
@@ -84,24 +108,7 @@ def render_controller_config(tmp: Path, queue_url: str, region: str) -> str:
         "verify_key_source": VERIFY_SOURCE,
         "verify_key": VERIFY_KEY,
     }
-    outputs = (AWS_MODULE / "outputs.tf").read_text()
-    assert 'templatefile("${path.module}/templates/controller.toml.tftpl"' in outputs
-    for key in tvars:
-        assert f"    {key} " in outputs, f"outputs.tf passes no {key}"
-    tpl = AWS_MODULE / "templates" / "controller.toml.tftpl"
-    expr = (
-        f"base64encode(templatefile({json.dumps(str(tpl))}, "
-        f"jsondecode({json.dumps(json.dumps(tvars))})))"
-    )
-    terraform = shutil.which("terraform")
-    if terraform is None:
-        pytest.fail("terraform is not installed")
-    out = subprocess.run(
-        [terraform, "console"], input=expr, cwd=tmp, capture_output=True, text=True, check=True
-    )
-    import base64
-
-    return base64.b64decode(out.stdout.strip().strip('"')).decode()
+    return render_template(tmp, AWS_MODULE, tvars)
 
 
 def test_controller_config_output_holds_every_section_the_controller_reads(
@@ -131,6 +138,53 @@ def test_controller_config_output_holds_every_section_the_controller_reads(
     assert controller.vm_verify_key_source == VERIFY_SOURCE
     image = config.load(ImageSettings, config_file=cfg)
     assert ImageKeys.from_settings(image).required, "the controller must read only signed meta"
+
+
+@pytest.mark.parametrize("subnetwork", [None, "regions/us-central1/subnetworks/gpu"])
+def test_gcp_controller_config_output_is_a_whole_gcp_controller_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, subnetwork: str | None
+) -> None:
+    """docs/deploy-gcp.md step 3: ``terraform output controller_config`` of the GCP module is
+    the controller's whole file — provider gcp (never a silent provider=local), the bucket,
+    the token file, the key sources, the fleet's public key, and where and as whom to launch
+    each job's VMs."""
+    accounts = {"train-llm": "spotguard-1a2b3c4d5e@my-project.iam.gserviceaccount.com"}
+    tvars: dict[str, Any] = {
+        "listen": "0.0.0.0:8700",
+        "advertise_url": "https://controller.internal.example:9900",
+        "store_url": "gs://my-project-spotguard-images",
+        "token_path": "/etc/spotguard/controller-token",
+        "signing_key_source": "gcp-secretmanager:projects/my-project/secrets/k",
+        "verify_key_source": "gcp-secretmanager:projects/my-project/secrets/p",
+        "verify_key": VERIFY_KEY,
+        "project": "my-project",
+        "zones": ["us-central1-a", "us-central1-b", "us-central1-c"],
+        "image": "projects/my-project/global/images/family/spotguard",
+        "network": "global/networks/default",
+        "subnetwork": subnetwork,
+        "disk_gb": 200,
+        "termination_action": "DELETE",
+        "job_accounts": accounts,
+    }
+    text = render_template(tmp_path, GCP_MODULE, tvars)
+    assert set(tomllib.loads(text)) == {"controller", "image", "gcp"}
+    path = tmp_path / "spotguard.toml"
+    path.write_text(text)
+    for var in list(os.environ):
+        if var.startswith("SPOTGUARD_"):
+            monkeypatch.delenv(var)
+    cfg = config.ConfigFile.read(path)  # unknown sections or keys would be refused here
+    controller = config.load(ControllerSettings, config_file=cfg)
+    assert controller.provider == "gcp", "the controller must not fall back to provider=local"
+    assert controller.default_store == "gs://my-project-spotguard-images"
+    assert controller.controller_token_file == Path("/etc/spotguard/controller-token")
+    assert controller.vm_verify_key_source == "gcp-secretmanager:projects/my-project/secrets/p"
+    gcp = config.load(GcpSettings, config_file=cfg)
+    assert (gcp.gcp_project, gcp.gcp_zones) == ("my-project", tvars["zones"])
+    assert gcp.gcp_image == tvars["image"] and gcp.gcp_disk_gb == 200
+    assert gcp.gcp_subnetwork == subnetwork
+    assert gcp.gcp_job_service_accounts == accounts
+    assert ImageKeys.from_settings(config.load(ImageSettings, config_file=cfg)).required
 
 
 @pytest.fixture

@@ -275,3 +275,28 @@ async def test_attached_gpu_launch_sets_guest_accelerators(
         assert body["scheduling"]["provisioningModel"] == "STANDARD"
     finally:
         await p.aclose()
+
+
+async def test_each_job_launches_under_its_own_service_account(
+    compute: tuple[FakeCompute, str],
+) -> None:
+    """terraform/gcp gives every job its own agent service account (only it reads the job's
+    prefix and the fleet's signing key): the controller launches each job's VM as that
+    account (``gcp_job_service_accounts``), others as ``gcp_service_account``."""
+    fake, url = compute
+    p = GcpProvider(
+        GcpSettings(
+            gcp_project=PROJECT, gcp_zones=ZONES, gcp_api_endpoint=url, gcp_poll_s=0.05,
+            gcp_service_account="fallback@p.iam.gserviceaccount.com",
+            gcp_job_service_accounts={"train": "sg-1a2b@p.iam.gserviceaccount.com"},
+        )
+    )  # fmt: skip
+    try:
+        offer = (await p.offers(spec("NVIDIA L4", 1, 22)))[0]
+        for job, token in (("train", "r3-0"), ("other", "r4-0")):
+            a = Assignment(job=job, image_url=f"gs://b/{job}/images/x", store="gs://b")
+            await p.launch(offer, a, client_token=token)
+        emails = [body["serviceAccounts"][0]["email"] for _z, body, _r in fake.inserts]
+        assert emails == ["sg-1a2b@p.iam.gserviceaccount.com", "fallback@p.iam.gserviceaccount.com"]
+    finally:
+        await p.aclose()

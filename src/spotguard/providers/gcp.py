@@ -92,6 +92,13 @@ class GcpSettings(Settings):
     gcp_network: str = Field("global/networks/default", description="VPC network")
     gcp_subnetwork: str | None = Field(None, description="Subnetwork (regional) if not auto")
     gcp_service_account: str | None = Field(None, description="Service account e-mail of VMs")
+    gcp_job_service_accounts: dict[str, str] = Field(
+        default_factory=dict,
+        description=(
+            "Job name → the service account its VMs run as (terraform/gcp makes one per job); "
+            "jobs not named here use gcp_service_account"
+        ),
+    )
     gcp_disk_gb: int = Field(100, gt=0, description="Boot disk size in GB")
     gcp_termination_action: str = Field(
         "DELETE", description="What GCE does to a preempted SPOT VM: DELETE or STOP"
@@ -334,10 +341,11 @@ class GcpProvider:
             ],
             network_interfaces=[nic],
         )
-        if s.gcp_service_account:
+        account = s.gcp_job_service_accounts.get(assignment.job, s.gcp_service_account)
+        if account:
             inst.service_accounts = [
                 compute_v1.ServiceAccount(
-                    email=s.gcp_service_account,
+                    email=account,
                     scopes=["https://www.googleapis.com/auth/cloud-platform"],
                 )
             ]

@@ -17,3 +17,8 @@ output "controller_keys_config" {
   description = "Key settings for the controller's config file."
   value       = module.spotguard.controller_keys_config
 }
+
+output "controller_config" {
+  description = "The controller's whole /etc/spotguard/spotguard.toml."
+  value       = module.spotguard.controller_config
+}

@@ -47,3 +47,24 @@ output "controller_keys_config" {
     verify_key = ${jsonencode(local.image_verify_key)}
   EOT
 }
+
+output "controller_config" {
+  description = "TOML for the controller's /etc/spotguard/spotguard.toml: [controller] (provider gcp, listen, the store, the token file, the VMs' key sources), [image] (the fleet's public key) and [gcp] (project, zones, boot image, network, each job's agent service account)."
+  value = templatefile("${path.module}/templates/controller.toml.tftpl", {
+    listen             = var.controller_listen
+    advertise_url      = var.controller_url
+    store_url          = local.store_url
+    token_path         = local.spotguard.token_path
+    signing_key_source = local.signing_key_source
+    verify_key_source  = local.verify_key_source
+    verify_key         = local.image_verify_key
+    project            = var.project_id
+    zones              = var.zones != null ? var.zones : [for z in ["a", "b", "c"] : "${var.region}-${z}"]
+    image              = var.image
+    network            = length(split("/", var.network)) > 1 ? var.network : "global/networks/${var.network}"
+    subnetwork         = var.subnetwork == null ? null : (length(split("/", var.subnetwork)) > 1 ? var.subnetwork : "regions/${var.region}/subnetworks/${var.subnetwork}")
+    disk_gb            = var.boot_disk_size_gb
+    termination_action = var.termination_action
+    job_accounts       = { for job, sa in google_service_account.agent : job => sa.email }
+  })
+}

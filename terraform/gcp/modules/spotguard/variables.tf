@@ -216,3 +216,15 @@ variable "image_verify_key" {
   type        = string
   default     = null
 }
+
+variable "controller_listen" {
+  description = "HOST:PORT the controller listens on, written to controller_config ([controller] listen)."
+  type        = string
+  default     = "0.0.0.0:8700"
+}
+
+variable "zones" {
+  description = "Zones the controller launches the GPU VMs in, in failover order (controller_config [gcp] gcp_zones). null = <region>-a, -b and -c."
+  type        = list(string)
+  default     = null
+}
