@@ -1,7 +1,9 @@
-"""How the agent handles a notice: count, report, decide, queue on every active job, and
-acknowledge it (Azure) once every job's image for it is durable — or at once when the policy
-does nothing. A cancelled notice drops what is still waiting. An operator's drain and the
-controller's "drain" answer become manual notices and go the same way.
+"""How the agent handles a notice: count, report, decide, queue on every active job, push
+the jobs parked on this node's tmpfs or disk to the store (:func:`spotguard.agent.parking.
+evacuate`: they would go with the node), and acknowledge it (Azure) once every job's image for
+it is durable — or at once when the policy does nothing. A cancelled notice drops what is
+still waiting. An operator's drain and the controller's "drain" answer become manual notices
+and go the same way.
 
 :class:`NoticeHandling` holds these steps as methods of :class:`~spotguard.agent.daemon.Agent`
 (its attributes are declared below); the daemon module holds the wiring and the jobs.
@@ -12,15 +14,19 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Coroutine
+from pathlib import Path
 from typing import Any
 
+from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.contracts import InstanceInfo, NoticeEvent, NoticeInfo
 from spotguard.errors import NoticeError
 from spotguard.facts import InstanceFacts
+from spotguard.image import ImageSettings
 from spotguard.notices.base import Cloud, Notice
 from spotguard.notices.bus import NoticeBus
 from spotguard.notices.manual import ManualSource
 
+from . import parking
 from .ledger import Ledger
 from .metrics import AgentMetrics
 from .policy import Action, Policy
@@ -45,6 +51,9 @@ class NoticeHandling:
     _outcomes: dict[str, asyncio.Future[list[dict[str, Any]]]]
     manual: ManualSource
     settings: AgentSettings
+    checkpoint_settings: CheckpointSettings
+    image_settings: ImageSettings
+    store: str
     ledger: Ledger
     _controller_drain: bool
 
@@ -115,11 +124,14 @@ class NoticeHandling:
                     )
             self._settle(notice.id, [{"cancelled": True}])
             return
-        if decision.action is Action.NONE or not jobs:
+        kept = [] if decision.action is Action.NONE else parking.kept_on_node(self._state_dir)
+        if decision.action is Action.NONE or not (jobs or kept):
             self._spawn(self._acknowledge(notice), f"ack-{notice.id}")
             self._settle(notice.id, [{"job": w.name, "action": "none"} for w in jobs])
             return
-        waiters: list[asyncio.Future[dict[str, Any]]] = []
+        waiters: list[asyncio.Future[dict[str, Any]]] = [
+            self._spawn(self._evacuate(r.job), f"evacuate-{r.job}") for r in kept
+        ]
         loop = asyncio.get_running_loop()
         for w in jobs:
             fut: asyncio.Future[dict[str, Any]] = loop.create_future()
@@ -175,6 +187,26 @@ class NoticeHandling:
             worker.submit(
                 Request(nid, decision.action, decision.start_at, decision.reason, notice=notice)
             )
+
+    @property
+    def _state_dir(self) -> Path:
+        return self.checkpoint_settings.state_dir
+
+    async def _evacuate(self, job: str) -> dict[str, Any]:
+        """A job parked on this node's tmpfs or disk goes to the store before the node does."""
+        try:
+            return await parking.evacuate(
+                job,
+                store_url=self.store,
+                state_dir=self._state_dir,
+                image=self.image_settings,
+                instance=self.instance,
+                reporter=self.reporter,
+            )
+        except Exception as exc:  # noqa: BLE001 - one job's line; the notice goes on
+            self.metrics.failures.labels("evacuate").inc()
+            log.error("parked job not pushed", exc_info=exc, extra={"job": job})
+            return {"job": job, "parked": True, "error": f"{type(exc).__name__}: {exc}"}
 
     async def _after(self, notice: Notice, waiters: list[asyncio.Future[dict[str, Any]]]) -> None:
         results = list(await asyncio.gather(*waiters))

@@ -17,6 +17,9 @@ controller is asked (:func:`owned_elsewhere`): once ``spotguard jobs unpark`` ha
 job back on another node, the controller holds it under a later ownership epoch, and this
 node's copy must not run too. The epoch the job was parked under is kept in the park record
 (:func:`controller_epoch`), or comes from the node's assignment.
+
+A job parked as an image in the node's tmpfs or on its disk would go with the node: a notice
+that asks for a checkpoint has the agent push it to the store first (:func:`evacuate`).
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import asyncio
 import contextlib
 import hashlib
 import logging
+import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,8 +39,12 @@ from pydantic import ValidationError
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
+from spotguard.checkpoint.meta import META_NAME, ImageMeta
 from spotguard.contracts import Directive, InstanceInfo, ParkedEvent
 from spotguard.errors import SpotguardError
+from spotguard.facts import InstanceFacts
+from spotguard.image import ImageSettings, push_dir
+from spotguard.operations.kept import image_meta
 from spotguard.park import record, waker
 from spotguard.park.policy import ParkPolicy, webhooks
 from spotguard.park.record import ParkRecord
@@ -221,6 +229,58 @@ def owned_elsewhere(settings: AgentSettings) -> Callable[[ParkRecord], Awaitable
         return None
 
     return check
+
+
+#: parks whose state lives only on this node's memory or disk (gone with the VM)
+NODE_PLACES = ("tmpfs", "disk")
+
+
+def kept_on_node(state_dir: Path) -> list[ParkRecord]:
+    """Jobs parked as an image in this node's tmpfs or on its disk."""
+    return [r for r in record.all_records(state_dir) if r.place in NODE_PLACES]
+
+
+async def evacuate(
+    job: str,
+    *,
+    store_url: str,
+    state_dir: Path,
+    image: ImageSettings,
+    instance: InstanceFacts,
+    reporter: Reporter | None,
+) -> dict[str, Any]:
+    """A notice says this node goes: push a job parked in its tmpfs or on its disk to the
+    store as an ordinary image (manifest last; signed like any other), make the record say
+    so (``store`` and the image URL), drop the local copy, and tell the controller the job is
+    parked there, so it can be unparked on any node. The answer is the job's line in the
+    notice's results. A failed push leaves the local image and its record as they were."""
+    async with record.alocked(state_dir, job):
+        rec = record.load(state_dir, job)
+        if rec is None or rec.place not in NODE_PLACES:
+            return {"job": job, "parked": True, "skipped": "not parked on this node any more"}
+        d = Path(rec.location)
+        try:
+            meta = ImageMeta.read(d)
+            base = {"parked": True, "reason": rec.reason, "instance": instance.to_json()}
+            at = (d / META_NAME).stat().st_mtime
+            push = await push_dir(d, store_url, job, image_meta(base, meta, at), settings=image)
+        except (SpotguardError, OSError) as exc:
+            log.error(
+                "the parked job could not be pushed to the store; its image stays here",
+                extra={"step": "upload", "job": job, "image": str(d), "error": str(exc)},
+            )
+            return {"job": job, "parked": True, "error": f"{type(exc).__name__}: {exc}"}
+        moved = rec.model_copy(update={"place": "store", "location": push.image_url})
+        record.save(state_dir, moved)
+        await asyncio.to_thread(shutil.rmtree, d, True)
+    log.info(
+        "parked job pushed to the store ahead of the notice",
+        extra={"step": "upload", "job": job, "image": push.image_url},
+    )
+    ev = parked_event(moved, instance.to_json())
+    if reporter is not None and ev is not None:
+        reporter.emit(ev)
+    return {"job": job, "parked": True, "url": push.image_url, "bytes": moved.bytes}
 
 
 def parked_status(state_dir: Path) -> list[dict[str, Any]]:
