@@ -203,7 +203,7 @@ class NoticeHandling:
                 instance=self.instance,
                 reporter=self.reporter,
             )
-        except Exception as exc:  # noqa: BLE001 - one job's line; the notice goes on
+        except Exception as exc:  # one job's line in the results; the notice goes on
             self.metrics.failures.labels("evacuate").inc()
             log.error("parked job not pushed", exc_info=exc, extra={"job": job})
             return {"job": job, "parked": True, "error": f"{type(exc).__name__}: {exc}"}

@@ -156,14 +156,20 @@ async def _round_trip(criu: Criu, work: Path, network_lock: NetworkLock) -> str:
     return f"network lock {lock}, paused {frozen.pause_seconds:.2f} s"
 
 
-def _kill_leftovers(work: Path) -> None:
+async def _kill_leftovers(work: Path) -> None:
+    """Kill what is left of the self-test job and wait (up to 10 s) until it is gone: a
+    killed process takes a moment to exit, and doctor must leave nothing running."""
     job_file = work / "state" / "jobs" / JOB_NAME / "job.json"
     if not job_file.exists():
         return
+    pids: list[int] = []
     with contextlib.suppress(SpotguardError, OSError, ValueError, KeyError):
         pid = int(json.loads(job_file.read_text())["pid"])
         if proctree.alive(pid):
-            proctree.signal_all(proctree.tree(pid), signal.SIGKILL)
+            pids = proctree.tree(pid)
+            proctree.signal_all(pids, signal.SIGKILL)
+    with contextlib.suppress(TimeoutError):
+        await _wait(lambda: not any(proctree.alive(p) for p in pids), "the job to go", 10)
 
 
 async def run_selftest(criu: Criu, *, network_lock: NetworkLock = "auto") -> SelfTestResult:
@@ -181,5 +187,5 @@ async def run_selftest(criu: Criu, *, network_lock: NetworkLock = "auto") -> Sel
     except (SpotguardError, OSError, RuntimeError, TimeoutError) as exc:
         return SelfTestResult(False, f"failed: {_first_line(exc)}", advice(exc))
     finally:
-        _kill_leftovers(work)
+        await _kill_leftovers(work)
         shutil.rmtree(work, ignore_errors=True)
