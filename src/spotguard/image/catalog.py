@@ -271,7 +271,7 @@ async def _referenced(
     if untrusted:
         log.warning(
             "manifests that do not authenticate were left alone",
-            extra={"job": job, "images": len(untrusted)},
+            extra={"job": job, "what": f"{len(untrusted)} manifest(s)"},
         )
     return referenced
 
