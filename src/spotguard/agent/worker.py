@@ -27,6 +27,7 @@ from typing import Any
 
 import psutil
 
+from spotguard.checkpoint import scan
 from spotguard.contracts import (
     CheckpointFailedEvent,
     CheckpointMode,
@@ -128,6 +129,7 @@ class JobWorker:
         self.pending: dict[str, Request] = {}
         self.failures = 0
         self.checkpoints = 0
+        self.cannot_checkpoint: list[str] = []  # what the early check found (status)
         self._wake = asyncio.Event()
         self.idle = asyncio.Event()  # set while no checkpoint runs
         self.idle.set()
@@ -200,7 +202,9 @@ class JobWorker:
     # --- the loop -------------------------------------------------------------------------
 
     async def run(self) -> None:
-        """Wait for the next due request, run it; until the job is gone."""
+        """Check what no checkpoint could carry; then wait for the next due request, run it;
+        until the job is gone."""
+        await self._early_check()
         while self.active:
             req = self._next()
             timeout = None
@@ -214,6 +218,22 @@ class JobWorker:
             assert req is not None
             self.pending.pop(req.key, None)
             await self._execute(req)
+
+    async def _early_check(self) -> None:
+        """Tell the operator now, not at the notice, when the job holds something no
+        checkpoint can carry (:data:`~spotguard.checkpoint.scan.EARLY_RULES`): a log line
+        and ``cannot_checkpoint`` in status. The job stays protected: it may let go of it."""
+        try:
+            found = await asyncio.to_thread(scan.early_findings, self.pid)
+        except (OSError, psutil.Error, SpotguardError) as exc:  # a look ahead only
+            log.debug("early check failed", extra={"job": self.name, "error": str(exc)})
+            return
+        self.cannot_checkpoint = [str(f) for f in found]
+        if found:
+            log.warning(
+                "this job cannot be checkpointed as it is; a notice would not save it",
+                extra={"step": "protect", "job": self.name, "reason": "; ".join(map(str, found))},
+            )
 
     def job_ended(self) -> None:
         """The job's process is gone without us stopping it: nothing more to protect."""
@@ -451,6 +471,7 @@ class JobWorker:
             ),
             "checkpoints": self.checkpoints,
             "failures": self.failures,
+            "cannot_checkpoint": self.cannot_checkpoint,
             "next_periodic": periodic.isoformat() if periodic and self.active else None,
             "pending": [
                 {

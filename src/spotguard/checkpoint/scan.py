@@ -40,9 +40,11 @@ from typing import Literal
 
 from spotguard.errors import UndumpableError
 
+from . import proctree
 from .procfacts import Connection, FdFact, ProcFacts, TreeFacts, gather
 
 __all__ = [
+    "EARLY_RULES",
     "JOB_ENV_DEFAULTS",
     "RULES",
     "Connection",
@@ -54,6 +56,7 @@ __all__ = [
     "Rule",
     "TreeFacts",
     "check",
+    "early_findings",
     "findings",
     "gather",
     "job_environment",
@@ -265,6 +268,16 @@ def devices(proc: ProcFacts) -> list[Finding]:
         if found is not None:
             out.append(found)
     return out
+
+
+#: rules that need no GPU facts: the agent runs them when it starts protecting a job, so an
+#: operator learns at once (status, a log line) that no notice could save the job as it is
+EARLY_RULES: tuple[Rule, ...] = (session_leader, io_uring, anon_inodes, socket_families)
+
+
+def early_findings(pid: int) -> list[Finding]:
+    """What :data:`EARLY_RULES` refuse in ``pid``'s tree now (blocking /proc reads)."""
+    return findings(gather(proctree.tree(pid)), EARLY_RULES)
 
 
 def findings(facts: TreeFacts, rules: Sequence[Rule] | None = None) -> list[Finding]:

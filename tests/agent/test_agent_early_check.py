@@ -1,0 +1,64 @@
+"""The agent says at once — in status and a log line, not when a notice comes — that a job
+it protects holds something no checkpoint can carry (here: a process adopted by pid whose
+session leader is outside its PID namespace), and keeps protecting it; a job in a session of
+its own shows nothing (real processes, a real agent over its own API)."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from spotguard.agent.daemon import Agent
+from spotguard.agent.settings import AgentSettings
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.image import ImageSettings
+from spotguard.notices.settings import NoticeSettings
+
+pytestmark = pytest.mark.criu
+
+
+async def test_status_names_what_no_checkpoint_could_carry_from_the_start(
+    tmp_path: Path, criu_bin: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level("WARNING", logger="spotguard.agent.worker")
+    outer = await asyncio.create_subprocess_exec("unshare", "--pid", "--fork", "sleep", "120")
+    own = await asyncio.create_subprocess_exec("sleep", "120", start_new_session=True)
+    try:
+        for _ in range(100):
+            if len(proctree.tree(outer.pid)) == 2:
+                break
+            await asyncio.sleep(0.05)
+        inner = proctree.tree(outer.pid)[1]
+        agent = Agent(
+            AgentSettings(
+                job=[str(inner), str(own.pid)], store=(tmp_path / "store").as_uri(),
+                api_listen="127.0.0.1:0", assignment=tmp_path / "none.json",
+            ),
+            CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin),
+            NoticeSettings(cloud="none"),
+            image=ImageSettings(),
+        )  # fmt: skip
+        run = asyncio.create_task(agent.run())
+        try:
+            for _ in range(200):
+                jobs = {j["pid"]: j for j in agent.status()["jobs"]}
+                if inner in jobs and any(jobs[inner]["cannot_checkpoint"]):
+                    break
+                await asyncio.sleep(0.05)
+            jobs = {j["pid"]: j for j in agent.status()["jobs"]}
+            (why,) = jobs[inner]["cannot_checkpoint"]
+            assert why.startswith(f"pid {inner} (sleep) holds a session whose session leader")
+            assert "setsid" in why
+            assert jobs[inner]["state"] == "protecting"  # still protected: it may let go
+            assert jobs[own.pid]["cannot_checkpoint"] == []
+            assert any("cannot be checkpointed as it is" in r.getMessage() for r in caplog.records)
+        finally:
+            agent.request_stop()
+            await asyncio.wait_for(run, 60)
+    finally:
+        for proc in (outer, own):
+            proc.kill()
+            await proc.wait()
