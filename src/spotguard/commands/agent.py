@@ -205,6 +205,8 @@ def status(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
         )
         for p in j.get("pending", []):
             click.echo(f"      pending {p['notice']} {p['action']} at {p['start_at']}")
+        for why in j.get("cannot_checkpoint", []):
+            click.echo(f"      cannot be checkpointed as it is: {why}")
     if not answer["jobs"]:
         click.echo("  no job protected")
     for p in answer.get("parked", []):
