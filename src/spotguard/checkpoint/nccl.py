@@ -22,6 +22,8 @@ from pathlib import Path
 
 from spotguard.errors import UndumpableError
 
+from .procfacts import comm, read_environ
+
 #: setting → (value that keeps a job checkpointable, why)
 CHECKPOINTABLE: dict[str, tuple[str, str]] = {
     "NCCL_P2P_DISABLE": ("1", "P2P shares GPU memory between processes by CUDA IPC"),
@@ -79,20 +81,6 @@ def env_problems(env: Mapping[str, str]) -> list[EnvProblem]:
     return out
 
 
-def process_env(pid: int) -> dict[str, str]:
-    """The environment ``pid`` was started with (empty if unreadable)."""
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    env = {}
-    for item in raw.split(b"\0"):
-        key, sep, value = item.partition(b"=")
-        if sep:
-            env[key.decode(errors="replace")] = value.decode(errors="replace")
-    return env
-
-
 def uses_nccl(pid: int) -> bool:
     """True if the process has NCCL loaded."""
     try:
@@ -102,13 +90,6 @@ def uses_nccl(pid: int) -> bool:
     return "libnccl" in maps
 
 
-def _name(pid: int) -> str:
-    try:
-        return Path(f"/proc/{pid}/comm").read_text().strip()
-    except OSError:
-        return "?"
-
-
 def refuse_uncheckpointable(job: str, gpu_pids: Sequence[int]) -> None:
     """The freeze rule: raise :class:`UndumpableError` (not retryable) naming the pid, the
     process and each setting when a GPU process with NCCL loaded cannot be checkpointed."""
@@ -116,9 +97,9 @@ def refuse_uncheckpointable(job: str, gpu_pids: Sequence[int]) -> None:
     for pid in gpu_pids:
         if not uses_nccl(pid):
             continue
-        problems = env_problems(process_env(pid))
+        problems = env_problems(read_environ(pid))
         if problems:
-            found.append(f"pid {pid} ({_name(pid)}): " + "; ".join(str(p) for p in problems))
+            found.append(f"pid {pid} ({comm(pid)}): " + "; ".join(str(p) for p in problems))
     if found:
         found.append("restart it with these settings ('spotguard run' sets them)")
         raise UndumpableError(job, found)

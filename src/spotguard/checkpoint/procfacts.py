@@ -15,6 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .proctree import ns_pids
 from .sockets import Endpoint, SocketFact, socket_inode, socket_table
 
 
@@ -133,7 +134,8 @@ def _read_maps(pid: int) -> tuple[tuple[str, ...], dict[str, tuple[int, ...]]]:
     return tuple(seen), {k: tuple(v) for k, v in devices.items()}
 
 
-def _read_environ(pid: int) -> dict[str, str]:
+def read_environ(pid: int) -> dict[str, str]:
+    """The environment ``pid`` was started with (empty if unreadable)."""
     try:
         raw = Path(f"/proc/{pid}/environ").read_bytes()
     except OSError:
@@ -146,7 +148,8 @@ def _read_environ(pid: int) -> dict[str, str]:
     return env
 
 
-def _name(pid: int) -> str:
+def comm(pid: int) -> str:
+    """The process's name (``/proc/<pid>/comm``; "?" if it is gone)."""
     try:
         return Path(f"/proc/{pid}/comm").read_text().strip()
     except OSError:
@@ -158,17 +161,6 @@ def _net_ns(pid: int) -> str:
         return os.readlink(f"/proc/{pid}/ns/net")
     except OSError:
         return f"pid:{pid}"
-
-
-def _ns_pids(pid: int) -> list[str]:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("NSpid:"):
-                    return line.split()[1:]
-    except OSError:
-        pass
-    return []
 
 
 def session_outside(pid: int) -> bool:
@@ -185,7 +177,7 @@ def session_outside(pid: int) -> bool:
         return False
     if sid == 0:
         return True
-    depth, leader_depth = len(_ns_pids(pid)), len(_ns_pids(sid))
+    depth, leader_depth = len(ns_pids(pid)), len(ns_pids(sid))
     if not depth or not leader_depth:
         return False
     if leader_depth != depth:
@@ -213,10 +205,10 @@ def _proc_facts(
                 sk = tables[ns].get(inode, SocketFact(inode, "unknown"))
         fds.append(FdFact(fd, target, sk))
     maps, device_maps = _read_maps(pid)
-    env = _read_environ(pid)
+    env = read_environ(pid)
     return ProcFacts(
         pid,
-        _name(pid),
+        comm(pid),
         gpu,
         tuple(fds),
         maps,

@@ -35,15 +35,24 @@ def tree(root: int) -> list[int]:
     return [root, *(k.pid for k in kids)]
 
 
-def ns_pid(pid: int) -> int:
-    """The pid of ``pid`` inside its own (innermost) PID namespace."""
+def ns_pids(pid: int) -> list[int]:
+    """``pid`` in each PID namespace from ours to its own (``NSpid``; one entry per level,
+    so its length is the namespace depth); empty if the process is gone."""
     try:
         for line in Path(f"/proc/{pid}/status").read_text().splitlines():
             if line.startswith("NSpid:"):
-                return int(line.split()[-1])
-    except OSError as exc:
-        raise JobNotFound(f"no process {pid}") from exc
-    return pid
+                return [int(x) for x in line.split()[1:]]
+    except (OSError, ValueError):
+        return []
+    return [pid]
+
+
+def ns_pid(pid: int) -> int:
+    """The pid of ``pid`` inside its own (innermost) PID namespace."""
+    found = ns_pids(pid)
+    if not found:
+        raise JobNotFound(f"no process {pid}")
+    return found[-1]
 
 
 def host_pids_by_ns_pid(root: int) -> dict[int, int]:
