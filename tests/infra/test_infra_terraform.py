@@ -86,6 +86,32 @@ def test_every_variable_and_output_is_described_and_typed() -> None:
                 assert body.get("description"), f"{path}: output {name} has no description"
 
 
+def _module_dirs() -> list[Path]:
+    return sorted({p.parent for p in TERRAFORM.rglob("*.tf")})
+
+
+def test_every_var_and_local_reference_is_declared() -> None:
+    """What ``terraform validate`` would catch first: ``var.X`` and ``local.X`` naming nothing
+    declared in the same module (templates' arguments included, since outputs pass them)."""
+    for d in _module_dirs():
+        variables: set[str] = set()
+        local_names: set[str] = set()
+        texts = []
+        for path in sorted(d.glob("*.tf")):
+            with path.open() as f:
+                doc = hcl2.load(f)
+            for var in doc.get("variable", []):
+                variables |= {name.strip('"') for name in var}
+            for block in doc.get("locals", []):
+                local_names |= set(block)
+            texts.append((path, path.read_text()))
+        for path, text in texts:
+            for name in set(re.findall(r"\bvar\.([A-Za-z_][A-Za-z0-9_-]*)", text)):
+                assert name in variables, f"{path}: var.{name} is not declared in {d}"
+            for name in set(re.findall(r"\blocal\.([A-Za-z_][A-Za-z0-9_-]*)", text)):
+                assert name in local_names, f"{path}: local.{name} is not declared in {d}"
+
+
 # ----- values resolved by tfparse -------------------------------------------------------------
 
 
