@@ -88,6 +88,19 @@ def render_template(tmp: Path, module: Path, tvars: dict[str, Any]) -> str:
     return base64.b64decode(out.stdout.strip().strip('"')).decode()
 
 
+def read_as_the_controller(
+    tmp: Path, text: str, monkeypatch: pytest.MonkeyPatch
+) -> config.ConfigFile:
+    """``text`` as the controller reads its config file, with no SPOTGUARD_* variable to
+    help it (unknown sections or keys would be refused here)."""
+    path = tmp / "spotguard.toml"
+    path.write_text(text)
+    for var in list(os.environ):
+        if var.startswith("SPOTGUARD_"):
+            monkeypatch.delenv(var)
+    return config.ConfigFile.read(path)
+
+
 def render_controller_config(tmp: Path, queue_url: str, region: str) -> str:
     """The module's ``controller_config`` output: its own template, its own arguments (from
     outputs.tf), the values tfparse resolves for the example and the queue's apply-time URL."""
@@ -119,12 +132,7 @@ def test_controller_config_output_holds_every_section_the_controller_reads(
     )
     data = tomllib.loads(text)
     assert set(data) == {"controller", "fleet", "aws", "image"}
-    path = tmp_path / "spotguard.toml"
-    path.write_text(text)
-    for var in list(os.environ):
-        if var.startswith("SPOTGUARD_"):
-            monkeypatch.delenv(var)
-    cfg = config.ConfigFile.read(path)  # unknown sections or keys would be refused here
+    cfg = read_as_the_controller(tmp_path, text, monkeypatch)
     controller = config.load(ControllerSettings, config_file=cfg)
     assert controller.provider == "aws", "the controller must not fall back to provider=local"
     assert controller.default_store == "s3://spotguard-demo-images-123456789012-us-east-1"
@@ -168,12 +176,7 @@ def test_gcp_controller_config_output_is_a_whole_gcp_controller_file(
     }
     text = render_template(tmp_path, GCP_MODULE, tvars)
     assert set(tomllib.loads(text)) == {"controller", "image", "gcp"}
-    path = tmp_path / "spotguard.toml"
-    path.write_text(text)
-    for var in list(os.environ):
-        if var.startswith("SPOTGUARD_"):
-            monkeypatch.delenv(var)
-    cfg = config.ConfigFile.read(path)  # unknown sections or keys would be refused here
+    cfg = read_as_the_controller(tmp_path, text, monkeypatch)
     controller = config.load(ControllerSettings, config_file=cfg)
     assert controller.provider == "gcp", "the controller must not fall back to provider=local"
     assert controller.default_store == "gs://my-project-spotguard-images"
