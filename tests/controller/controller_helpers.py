@@ -72,6 +72,18 @@ class Api:
             await asyncio.sleep(0.05)
 
 
+async def held_state(api: Api, job: str, state: str, seconds: float) -> dict[str, Any]:
+    """The job's view after it stayed in ``state`` for ``seconds`` (asserted on every look)."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + seconds
+    while True:
+        view = await api.get(f"/v1/jobs/{job}")
+        assert view["state"] == state, (view["state"], view["reason"])
+        if loop.time() > end:
+            return view
+        await asyncio.sleep(0.05)
+
+
 def settings(tmp_path: Path, **kw: Any) -> ControllerSettings:
     base: dict[str, Any] = {
         "listen": "127.0.0.1:0",

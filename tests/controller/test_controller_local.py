@@ -12,7 +12,7 @@ from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
-from controller_helpers import TOKEN, VM1, Api, Factory
+from controller_helpers import TOKEN, VM1, Api, Factory, held_state
 
 from spotguard.contracts import EventKind, make_event
 from spotguard.image import ImageSettings, push_dir
@@ -342,18 +342,6 @@ async def test_directive_tells_a_polling_agent_to_drain_for_a_migration(
         assert resp.status == 401
 
 
-async def _held_state(api: Api, job: str, state: str, seconds: float) -> dict[str, Any]:
-    """The job's view after it stayed in ``state`` for ``seconds`` (asserted on every look)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    while True:
-        view = await api.get(f"/v1/jobs/{job}")
-        assert view["state"] == state, (view["state"], view["reason"])
-        if loop.time() > end:
-            return view
-        await asyncio.sleep(0.05)
-
-
 async def test_resumed_checkpoint_after_a_rebalance_never_relaunches(
     api_factory: Factory, tmp_path: Path
 ) -> None:
@@ -370,7 +358,7 @@ async def test_resumed_checkpoint_after_a_rebalance_never_relaunches(
         mode="resume",
     )  # fmt: skip
     assert r["state"] == "protected"
-    view = await _held_state(api, job, "protected", 1.0)  # well past deadline + grace
+    view = await held_state(api, job, "protected", 1.0)  # well past deadline + grace
     assert view["image_url"] == image and view["restarts"] == 0
     assert not (tmp_path / "local" / "vms").exists() or not any(
         (tmp_path / "local" / "vms").iterdir()

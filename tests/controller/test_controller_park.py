@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from controller_helpers import TOKEN, VM1, Api, Factory
+from controller_helpers import TOKEN, VM1, Api, Factory, held_state
 
 from spotguard.contracts import EventKind, make_event, token_scope
 
@@ -41,18 +41,6 @@ async def unpark(api: Api, job: str, body: Any = None) -> dict[str, Any]:
         return out
 
 
-async def held(api: Api, job: str, state: str, seconds: float) -> dict[str, Any]:
-    """The job's view after it stayed in ``state`` for ``seconds`` (asserted on every look)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + seconds
-    while True:
-        view = await api.get(f"/v1/jobs/{job}")
-        assert view["state"] == state, (view["state"], view["reason"])
-        if loop.time() > end:
-            return view
-        await asyncio.sleep(0.05)
-
-
 def vms(tmp_path: Path) -> list[Path]:
     root = tmp_path / "local" / "vms"
     return sorted(root.iterdir()) if root.exists() else []
@@ -77,7 +65,7 @@ async def test_parked_job_is_held_then_unparked_onto_a_new_local_vm(
     notice = {"id": "n1", "kind": "preempt", "deadline": "2020-01-01T00:00:00Z"}
     r = await api.event(job, EventKind.NOTICE, instance=VM1, notice=notice)
     assert r["state"] == "parked"
-    view = await held(api, job, "parked", 1.0)  # the loop never relaunches it on its own
+    view = await held_state(api, job, "parked", 1.0)  # the loop never relaunches it on its own
     assert vms(tmp_path) == []
     assert view["data"]["parked_image"] == image
     assert [i["image_url"] for i in view["images"]] == [image]
