@@ -18,9 +18,11 @@ from aiohttp import web
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.controller.settings import ControllerSettings
 from spotguard.image import ImageSettings
 from spotguard.notices.settings import NoticeSettings
 from spotguard.planner import PlannerSettings
+from spotguard.providers.local import LocalProvider, LocalSettings
 
 TOKEN = "controller-token"
 
@@ -243,3 +245,24 @@ class FlakyProxy:
         asyncio.run_coroutine_threadsafe(_stop(), self._loop).result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+
+
+def inert_fleet(tmp_path: Path, store: str, token: str) -> tuple[LocalProvider, ControllerSettings]:
+    """A local provider whose VMs run no agent (they only sleep: the job stays with the
+    controller's new owner, unreported) and the settings of a controller over it."""
+    provider = LocalProvider(
+        LocalSettings(
+            local_root=tmp_path / "local",
+            local_agent_command=[sys.executable, "-c", "import time; time.sleep(60)"],
+            local_gpus=False,
+        )
+    )
+    settings = ControllerSettings(
+        listen="127.0.0.1:0",
+        state=tmp_path / "controller.db",
+        provider="local",
+        controller_token=token,
+        default_store=store,
+        tick_s=0.05,
+    )
+    return provider, settings

@@ -13,18 +13,16 @@ import sys
 from pathlib import Path
 
 import pytest
-from agent_helpers import Host, job_argv, running_agent, wait_until
+from agent_helpers import Host, inert_fleet, job_argv, running_agent, wait_until
 
 from spotguard.agent.sources import cloud_sources
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import start_job
 from spotguard.controller.server import ControllerServer
-from spotguard.controller.settings import ControllerSettings
 from spotguard.image.settings import ImageSettings
 from spotguard.notices.factory import resolve_cloud
 from spotguard.notices.settings import NoticeSettings
 from spotguard.providers.base import InstanceRef, Market
-from spotguard.providers.local import LocalProvider, LocalSettings
 
 pytestmark = pytest.mark.criu
 
@@ -42,21 +40,7 @@ async def test_migrate_of_an_idle_job_is_drained_through_the_directive_poll(
     host: Host, tmp_path: Path
 ) -> None:
     store = f"file://{tmp_path}/store"
-    provider = LocalProvider(
-        LocalSettings(
-            local_root=tmp_path / "local",
-            local_agent_command=[sys.executable, "-c", "import time; time.sleep(60)"],
-            local_gpus=False,
-        )
-    )
-    settings = ControllerSettings(
-        listen="127.0.0.1:0",
-        state=tmp_path / "controller.db",
-        provider="local",
-        controller_token=TOKEN,
-        default_store=store,
-        tick_s=0.05,
-    )
+    provider, settings = inert_fleet(tmp_path, store, TOKEN)
     job = await start_job(job_argv("--steps", "400", "--step-seconds", "0.05", "--mb", "4",
                                    "--gpu", "no"), "train", state_dir=host.state)  # fmt: skip
     try:

@@ -14,24 +14,21 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import aiohttp
 import pytest
-from agent_helpers import EventSink, Host, job_argv, running_agent, wait_until
+from agent_helpers import EventSink, Host, inert_fleet, job_argv, running_agent, wait_until
 
 from spotguard.agent.ledger import Ledger
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import start_job
 from spotguard.contracts import Assignment, InstanceInfo, RestoredEvent
 from spotguard.controller.server import ControllerServer
-from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.tokens import TokenKeys
 from spotguard.image import ImageSettings, push_dir
 from spotguard.providers.base import InstanceRef, Market
-from spotguard.providers.local import LocalProvider, LocalSettings
 from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
@@ -71,21 +68,7 @@ async def test_an_agent_whose_job_was_relaunched_elsewhere_stands_down(
     host: Host, sim: MetadataSim, tmp_path: Path, credential: str
 ) -> None:
     store = f"file://{tmp_path}/store"
-    provider = LocalProvider(
-        LocalSettings(
-            local_root=tmp_path / "local",
-            local_agent_command=[sys.executable, "-c", "import time; time.sleep(60)"],
-            local_gpus=False,
-        )
-    )
-    settings = ControllerSettings(
-        listen="127.0.0.1:0",
-        state=tmp_path / "controller.db",
-        provider="local",
-        controller_token=TOKEN,
-        default_store=store,
-        tick_s=0.05,
-    )
+    provider, settings = inert_fleet(tmp_path, store, TOKEN)
     token = TOKEN if credential == "fleet-token" else TokenKeys(TOKEN).issue("train", 0)
     agent_kw = {
         "job": ["train"],
