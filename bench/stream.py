@@ -69,20 +69,27 @@ from spotguard.stream import StreamSource, StreamTarget
 JOB = """
 import hashlib, os, random, sys, time
 kind, size, seed, req = sys.argv[1], float(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+ngpus, rank = (int(sys.argv[5]), int(sys.argv[6])) if len(sys.argv) > 6 else (1, 0)
 if kind == "gpu":
     import torch
-    gen = torch.Generator(device="cuda")
+    if rank == 0 and ngpus > 1:  # one process per GPU, like a data-parallel job
+        import subprocess
+        kids = [subprocess.Popen([sys.executable, *sys.argv[:3], str(seed + r), req, str(ngpus),
+                                  str(r)]) for r in range(1, ngpus)]
+    dev = torch.device("cuda", rank)
+    torch.cuda.set_device(dev)
+    gen = torch.Generator(device=dev)
     gen.manual_seed(seed)
     left = int(size * (1 << 30)) // 2  # bf16 elements
     tensors = []
     while left > 0:  # 1 GiB tensors, like a model's weights and optimizer state
         k = min(left, 1 << 29)
-        t = torch.empty(k, dtype=torch.bfloat16, device="cuda")
+        t = torch.empty(k, dtype=torch.bfloat16, device=dev)
         tensors.append(t.normal_(0.0, 0.02, generator=gen))
         left -= k
-    work = torch.zeros(1 << 20, device="cuda")
+    work = torch.zeros(1 << 20, device=dev)
 
-    def checksum():
+    def own_checksum():
         h = hashlib.sha256()
         for t in tensors:
             v = t.view(torch.int16)
@@ -91,6 +98,30 @@ if kind == "gpu":
                 h.update(s.to_bytes(16, "little", signed=True))
         torch.cuda.empty_cache()  # keep the GPU state at the tensors' size
         return h.hexdigest()[:16]
+
+    def answer(name, text):  # a rank > 0 answers rank 0 through a file
+        with open(name + ".tmp", "w") as f:
+            f.write(text)
+        os.rename(name + ".tmp", name)
+
+    def other(r, want):
+        while True:
+            try:
+                with open(f"{req}.{r}") as f:
+                    got, _, s = f.read().partition(" ")
+                if got == want:
+                    return s
+            except FileNotFoundError:
+                pass
+            time.sleep(0.02)
+
+    def checksum():
+        mine = own_checksum()
+        if rank:
+            answer(f"{req}.{rank}", f"{seen} {mine}")
+            return mine
+        sums = [mine, *(other(r, seen) for r in range(1, ngpus))]
+        return hashlib.sha256(" ".join(sums).encode()).hexdigest()[:16] if ngpus > 1 else mine
 
     def step():
         work.add_(1.0)
@@ -108,8 +139,14 @@ else:
     def step():
         pass
 
-print("ready", flush=True)
 n, seen = 0, ""
+if rank:
+    answer(f"{req}.{rank}", "ready ")
+else:
+    for r in range(1, ngpus):  # each rank > 0 has its tensors
+        while not os.path.exists(f"{req}.{r}"):
+            time.sleep(0.02)
+    print("ready", flush=True)
 while True:
     step()
     n += 1
@@ -120,7 +157,9 @@ while True:
         want = ""
     if want and want != seen:
         seen = want
-        print(f"check {want} step {n} sum {checksum()}", flush=True)
+        line = f"check {want} step {n} sum {checksum()}"
+        if not rank:
+            print(line, flush=True)
     time.sleep(0.02)
 """
 GiB = 1 << 30
@@ -191,6 +230,7 @@ class Bench:
     store_url: str
     file_root: Path | None  # the file store's directory (per run), None for other stores
     notes: list[str] = field(default_factory=list)
+    gpus: int = 1  # GPU jobs: one process per GPU, each holding the size given
 
 
 # --- the job ----------------------------------------------------------------------------------
@@ -203,7 +243,7 @@ async def _start(b: Bench, name: str, size: float, seed: int) -> tuple[JobInfo, 
             "--name", name, "--state-dir", str(b.state),
             *(["--no-pid-namespace"] if b.gpu else []), "--",
             sys.executable, str(b.script), "gpu" if b.gpu else "cpu", str(size), str(seed),
-            str(req)]  # fmt: skip
+            str(req), str(b.gpus), "0"]  # fmt: skip
     done = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True)
     if done.returncode != 0:
         raise RuntimeError(f"spotguard run failed: {done.stderr.strip()[-2000:]}")
@@ -505,7 +545,9 @@ def _file_root(url: str) -> Path | None:
     return Path(urlparse(url).path) if url.startswith("file://") else None
 
 
-def _row(size: float, unit: str, kind: str, est: Estimate, pred: float, r: dict[str, Any]) -> str:
+def _row(
+    size: float, unit: str, kind: str, est: Estimate, pred: float, r: dict[str, Any], gpus: int = 1
+) -> str:
     if kind == "naive":
         stages = " + ".join(
             f"{k} {r[k]:.2f}" for k in ("gpu_checkpoint", "criu_dump", "compress", "upload")
@@ -518,7 +560,8 @@ def _row(size: float, unit: str, kind: str, est: Estimate, pred: float, r: dict[
     rs = " + ".join(f"{k} {v:.2f}" for k, v in r["restore_stages"].items())
     ok = "same" if r["check_ok"] else "DIFFERENT"
     return (
-        f"| {size:g} {unit} | {kind} | {r['image_bytes'] / GiB:.2f} | "
+        f"| {f'{gpus} x ' if gpus > 1 else ''}{size:g} {unit} | {kind} | "
+        f"{r['image_bytes'] / GiB:.2f} | "
         f"{r['stored_bytes'] / GiB:.2f} | {pred:.1f} | {r['total']:.2f} | {stages} | "
         f"{r['peak_ram'] / GiB:.2f} | {r['peak_ram'] / est.total:.2f} | "
         f"{(r['sys_peak'] + r['job_rss']) / GiB:.2f} | {r['restore']:.2f} | {rs} | "
@@ -581,6 +624,9 @@ async def main() -> int:
     ap.add_argument("--gpu", action="store_true", help="PyTorch jobs holding GPU tensors")
     ap.add_argument("--store", default="file:///var/tmp/sg-bench-store")
     ap.add_argument("--pipelines", nargs="+", default=["naive", "streamed"])
+    ap.add_argument("--gpus", type=int, default=1,
+                    help="GPU jobs: spread over this many GPUs, one process per GPU, each "
+                    "holding the size given (a data-parallel job's shape)")  # fmt: skip
     ap.add_argument("--criu", default=os.environ.get("SPOTGUARD_CRIU"))
     ap.add_argument("--json", type=Path, default=None, help="append each run as a JSON line")
     ap.add_argument(
@@ -617,7 +663,7 @@ async def main() -> int:
     hook: GpuHook = CudaHook() if args.gpu else NoGpu()
     settings = CheckpointSettings(state_dir=work / "state", criu=criu.path)
     b = Bench(Engine(criu, hook, settings=settings), args.gpu, work, work / "state", script,
-              store_url, file_root)  # fmt: skip
+              store_url, file_root, gpus=args.gpus if args.gpu else 1)  # fmt: skip
     planner = Planner(PlannerSettings(throughput_file=args.throughput or work / "tp.json"))
     where = f"{os.cpu_count()} cpus, thp {thp_status().enabled}, criu {await criu.version()}"
     if args.gpu:
@@ -636,8 +682,8 @@ async def main() -> int:
                     print(f"| {size:g} {unit} | {kind} | failed: {exc!r} |", flush=True)
                     rc = 1
                     continue
-                print(_row(size, unit, kind, est, pred, r), flush=True)
-                r.update(size=size, unit=unit, pipeline=kind)
+                print(_row(size, unit, kind, est, pred, r, b.gpus), flush=True)
+                r.update(size=size, unit=unit, pipeline=kind, gpus=b.gpus)
                 rows.append(r)
                 if args.json is not None:
                     with args.json.open("a") as f:

@@ -8,6 +8,8 @@ checkpoint speed work (H200, THP always, file store on local disk):
 * 10 GiB job: streamed ≥ 3x the naive pipeline; restore ≤ 1.2x its slowest stage
 * peak host RAM during a streamed freeze ≤ 1.3x (GPU + CPU state)
 * 8 GiB model server: park ≤ 5 s; unpark (from memory) to its first answer ≤ 3 s
+* a job on N GPUs (one process per GPU, SIZE GiB each): freeze → durable ≤ 1.3x the same
+  job on one GPU (``bench.stream --gpus N``, the multi-GPU work)
 
 A target with no measurement is listed as ``not run``. Exit status 1 when any measured target
 fails. Run: ``python -m bench.targets OUT_DIR``.
@@ -37,11 +39,26 @@ def _rows(path: Path) -> list[Row]:
     return out
 
 
-def _pick(rows: list[Row], size: float, pipeline: str) -> Row | None:
+def _pick(rows: list[Row], size: float, pipeline: str, gpus: int = 1) -> Row | None:
     return next(
-        (r for r in reversed(rows) if r.get("size") == size and r.get("pipeline") == pipeline),
+        (
+            r
+            for r in reversed(rows)
+            if r.get("size") == size and r.get("pipeline") == pipeline and r.get("gpus", 1) == gpus
+        ),
         None,
     )
+
+
+def _multi_gpu(stream: list[Row]) -> list[tuple[str, str, str, bool | None]]:
+    """N x SIZE GiB against 1 x SIZE GiB, streamed freeze → durable, for each N measured."""
+    out = []
+    for n, size in sorted({(r["gpus"], r["size"]) for r in stream if r.get("gpus", 1) > 1}):
+        multi, one = _pick(stream, size, "streamed", n), _pick(stream, size, "streamed")
+        ratio = multi["total"] / one["total"] if multi and one else None
+        name = f"{n} x {size:g} GiB vs 1 x {size:g} GiB freeze → durable"
+        out.append(_check(name, ratio, 1.3, lambda got, lim: got <= lim, "x"))
+    return out
 
 
 def _check(
@@ -90,7 +107,7 @@ def targets(out_dir: Path) -> list[tuple[str, str, str, bool | None]]:
     res.append(_check("8 GiB server park", p8 and p8["park_s"], 5, le, " s"))
     res.append(_check("8 GiB server unpark → first answer", p8 and p8["unpark_to_answer_s"], 3,
                       le, " s"))  # fmt: skip
-    return res
+    return res + _multi_gpu(stream)
 
 
 def main() -> int:

@@ -151,6 +151,14 @@ def test_spotguard_run_env_keeps_the_users_choice_and_the_rule_names_it() -> Non
     assert "NCCL_SHM_DISABLE" in {p.key for p in unset}
 
 
+def test_spotguard_run_keeps_a_jobs_ranks_on_loopback_unless_it_chose() -> None:
+    # rank connections on the VM's own address restore only where that address exists
+    env = job_env({"PATH": "/bin"})
+    assert env["NCCL_SOCKET_IFNAME"] == "lo" and env["GLOO_SOCKET_IFNAME"] == "lo"
+    assert job_env({"NCCL_SOCKET_IFNAME": "eth0"})["NCCL_SOCKET_IFNAME"] == "eth0"
+    assert env_problems({"WORLD_SIZE": "2", **job_env({"NCCL_SOCKET_IFNAME": "eth0"})}) == []
+
+
 NCCL_USER = """
 import mmap, os, sys, time
 f = open(sys.argv[1], "rb")  # a library named like NCCL, mapped as the loader would

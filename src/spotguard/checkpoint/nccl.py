@@ -38,10 +38,19 @@ CHECKPOINTABLE: dict[str, tuple[str, str]] = {
 }
 
 
+#: set by ``spotguard run`` unless the job sets them, but not judged before a freeze: the
+#: ranks of a job on one VM talk over loopback, so their connections restore on any VM (on
+#: the VM's own address, the default, CRIU can restore them only where that address exists).
+#: A job whose ranks span VMs sets its own interface (spotguard restores one VM's job).
+PORTABLE: dict[str, str] = {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+
+
 def job_env(base: Mapping[str, str]) -> dict[str, str]:
-    """``base`` plus every checkpointable setting it does not already have."""
+    """``base`` plus every checkpointable and portable setting it does not already have."""
     env = dict(base)
     for key, (value, _why) in CHECKPOINTABLE.items():
+        env.setdefault(key, value)
+    for key, value in PORTABLE.items():
         env.setdefault(key, value)
     return env
 

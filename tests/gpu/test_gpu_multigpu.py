@@ -1,0 +1,120 @@
+"""A data-parallel job on every GPU of the node (NCCL, one process per GPU), through the user's
+commands — device machine with 2+ GPUs (``scripts/gpu-tests``; skipped with fewer).
+
+The job is started with ``spotguard run`` (which sets NCCL's checkpointable transports),
+checkpointed leave-running, checkpointed with exit and restored onto its own GPUs, then
+checkpointed with exit again and restored with its GPUs swapped (the image's GPU 0 onto the
+host's GPU 1 and back, ``SPOTGUARD_RESTORE_GPUS``). Its whole output — every rank's loss and
+weight checksum at every step — must equal an uninterrupted run's, byte for byte, and the GPUs
+must hold nothing while the job is parked.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from spotguard.checkpoint import nccl, proctree
+from spotguard.checkpoint.cuda import driver_available, inventory
+from spotguard.checkpoint.scan import job_environment
+
+from .test_gpu_realjobs import JOBS, Spotguard, _free_port, gpu_mib_used, lines, wait
+
+pytestmark = [pytest.mark.gpu, pytest.mark.criu]
+
+
+@pytest.fixture(scope="module")
+def gpus() -> int:
+    if not driver_available() or inventory().count < 2:
+        pytest.skip("needs 2 or more NVIDIA GPUs with the driver checkpoint API")
+    return inventory().count
+
+
+def _gpu_of(pids: list[int]) -> dict[int, str]:
+    """Each process's pid inside the job's PID namespace (the same after a restore) → UUID of
+    the GPU it holds memory on, by NVML."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    out: dict[int, str] = {}
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        raw = pynvml.nvmlDeviceGetUUID(h)
+        uuid = str(raw.decode() if isinstance(raw, bytes) else raw)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid in pids:
+                out[proctree.ns_pid(p.pid)] = uuid
+    return out
+
+
+def test_a_ddp_job_on_every_gpu_survives_pause_exit_and_a_swapped_restore(
+    gpus: int, tmp_path: Path, criu_bin: str
+) -> None:
+    steps = 260
+    argv = [sys.executable, str(JOBS / "ddp_nccl.py"), str(steps), "0.05", str(_free_port())]
+    sg = Spotguard(tmp_path, criu_bin)
+    # the reference runs with the settings `spotguard run` gives the job
+    ref_env = nccl.job_env(job_environment(sg.env))
+    try:
+        ref = subprocess.run(argv, env=ref_env, capture_output=True, text=True, timeout=600,
+                             check=False)  # fmt: skip
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        want = ref.stdout.splitlines()
+        assert len(want) == steps
+        job = sg.run("ddp", argv)
+        out = Path(job["dir"]) / "stdout"
+        err = Path(job["dir"]) / "stderr"
+        try:
+            wait(lambda: len(lines(out)) >= 5, "the DDP job to start")
+            before = _gpu_of(proctree.tree(job["pid"]))
+            assert len(set(before.values())) == gpus, f"ranks on {before}"
+            paused = sg("checkpoint", "ddp", "--to", str(sg.root / "img-pause"), "--leave-running")
+            assert len(paused["gpu_pids"]) == gpus, paused["gpu_pids"]
+            n = len(lines(out))
+            wait(lambda: len(lines(out)) > n + 3, "the job to go on after the pause")
+
+            parked = sg("checkpoint", "ddp", "--to", str(sg.root / "img-park"))
+            wait(lambda: not proctree.alive(job["pid"]), "the job to stop")
+            assert gpu_mib_used() == 0, "GPU memory still held while parked"
+            restored = sg("restore", str(sg.root / "img-park"))
+            n = len(lines(out))
+            wait(lambda: len(lines(out)) > n + 3, "the restored job to go on")
+            same = _gpu_of(proctree.tree(restored["pid"]))
+            assert sorted(same.values()) == sorted(before.values())
+
+            again = sg("checkpoint", "ddp", "--to", str(sg.root / "img-swap"))
+            wait(lambda: not proctree.alive(restored["pid"]), "the job to stop again")
+            assert len(lines(out)) < steps, "the job ended before its second park"
+            order = ",".join(str(i) for i in reversed(range(gpus)))
+            sg.env["SPOTGUARD_RESTORE_GPUS"] = order
+            swapped = sg("restore", str(sg.root / "img-swap"))
+            del sg.env["SPOTGUARD_RESTORE_GPUS"]
+            n = len(lines(out))
+            wait(lambda: len(lines(out)) > n + 2, "the swapped job to go on")
+            moved = _gpu_of(proctree.tree(swapped["pid"]))
+            # every rank (the same process: same pid in the job's namespace) is on another GPU
+            assert sorted(moved) == sorted(before), (before, moved)
+            by_rank_before = [before[p] for p in sorted(before)]
+            by_rank_after = [moved[p] for p in sorted(moved)]
+            assert by_rank_after == list(reversed(by_rank_before)), (before, moved)
+
+            wait(lambda: (Path(job["dir"]) / "exit_status").exists(), "the job to finish", 600)
+            assert (Path(job["dir"]) / "exit_status").read_text().strip() == "0", err.read_text()
+            assert lines(out) == want
+            print(
+                f"\nddp x{gpus}: pause {paused['pause_seconds']:.2f} s ({sg.steps(paused)}); "
+                f"park: {sg.steps(parked)}; unpark: {sg.steps(restored)}; "
+                f"park again: {sg.steps(again)}; swapped unpark: {sg.steps(swapped)}; "
+                f"output byte-identical to an uninterrupted run ({len(want)} lines); "
+                f"GPUs by rank {by_rank_before} -> {by_rank_after}"
+            )
+        except BaseException:
+            print("ddp stderr:", err.read_text()[-4000:] if err.exists() else "(none)")
+            raise
+    finally:
+        sg.kill_all()
+        time.sleep(0.5)
