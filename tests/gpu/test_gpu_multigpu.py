@@ -17,12 +17,11 @@ import time
 from pathlib import Path
 
 import pytest
+from test_gpu_realjobs import JOBS, Spotguard, _free_port, gpu_mib_used, lines, wait
 
 from spotguard.checkpoint import nccl, proctree
 from spotguard.checkpoint.cuda import driver_available, inventory
 from spotguard.checkpoint.scan import job_environment
-
-from test_gpu_realjobs import JOBS, Spotguard, _free_port, gpu_mib_used, lines, wait
 
 pytestmark = [pytest.mark.gpu, pytest.mark.criu]
 
