@@ -104,6 +104,50 @@ async def test_a_driver_error_is_a_typed_error() -> None:
         await hook.lock([99], 1.0)
 
 
+class Rank(FakeProcess):
+    """A rank of a collective job as the driver answers its lock: rank 11's next ``behind``
+    locks end with NOT_READY at the driver's timeout (its submitted collective waits for a
+    peer that is locked before launching its half); pid 12 is refused outright."""
+
+    behind = 0
+    tries: list[int] = []
+
+    def lock(self, timeout_ms: int = 0) -> None:
+        Rank.tries.append(self.pid)
+        if self.pid == 11 and Rank.behind:
+            Rank.behind -= 1
+            raise CUDAError("CUDA_ERROR_NOT_READY: asynchronous operations not completed")
+        if self.pid == 12:
+            raise CUDAError("CUDA_ERROR_ILLEGAL_STATE")
+        super().lock(timeout_ms)
+
+
+def _ranks(behind: int) -> CudaHook:
+    FakeProcess.cuda = {10: "running", 11: "running", 12: "running"}
+    Rank.behind, Rank.tries = behind, []
+    drv = _Driver(process=Rank)
+    return CudaHook(driver=lambda: drv)
+
+
+async def test_ranks_locked_in_attempts_never_left_half_locked() -> None:
+    # the first two attempts find rank 11 waiting on rank 10: 10 is unlocked each time so
+    # the ranks can meet, and the third attempt locks both
+    hook = _ranks(behind=2)
+    await hook.lock([10, 11], 5.0)
+    assert FakeProcess.cuda == {10: "locked", 11: "locked", 12: "running"}
+    assert sorted(Rank.tries) == [10, 10, 10, 11, 11, 11]
+    # ranks that never meet: a typed error naming them, and neither is left locked
+    hook = _ranks(behind=10**6)
+    with pytest.raises(GpuError, match=r"GPU lock of 2 processes \(pids 10, 11\) not taken in"):
+        await hook.lock([10, 11], 0.3)
+    assert FakeProcess.cuda[10] == "running" and FakeProcess.cuda[11] == "running"
+    # any other driver error ends it at once, the others unlocked
+    hook = _ranks(behind=0)
+    with pytest.raises(GpuError, match=r"cuCheckpointProcessLock \(pid 12\).*ILLEGAL_STATE"):
+        await hook.lock([10, 12], 5.0)
+    assert FakeProcess.cuda[10] == "running" and Rank.tries.count(10) == 1
+
+
 def test_other_gpus_of_the_same_model_are_mapped_in_order() -> None:
     assert gpu_mapping(inv(2), inv(2, first=4)) == {U[0]: U[4], U[1]: U[5]}
     # the same GPUs in another order keep their own UUIDs

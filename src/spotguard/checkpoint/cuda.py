@@ -10,6 +10,15 @@ Calls are made from this (the agent's) process, naming the job's pids::
 Every call runs in a worker thread with a time limit (lock also has the driver's own
 ``timeoutMs``); calls for several processes run in parallel. A CPU-only job gets
 :class:`NoGpu`, which does nothing. :func:`gpu_hook` picks one automatically.
+
+Locking several processes that talk to each other on the GPU (the ranks of an NCCL job) can
+deadlock: a lock blocks the process's new launches and waits for the work it has submitted,
+and a rank whose submitted collective waits for a peer that has not launched its half yet
+never finishes while that peer is locked (``CUDA_ERROR_NOT_READY`` at the timeout). So the
+lock of several processes is taken in short attempts: when one does not finish, every process
+of the attempt is unlocked, the ranks run on and meet again (their next host sync), and the
+lock is tried again after a short random pause, until ``wait_s`` is spent (measured on two
+H200s: docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -19,7 +28,9 @@ import enum
 import importlib
 import logging
 import os
+import random
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from typing import Protocol, TypeVar
 
@@ -218,6 +229,15 @@ class _Driver:
         self._call("cuCheckpointProcessUnlock", pid, lambda p: p.unlock())
 
 
+#: seconds of one attempt at locking several GPU processes together
+LOCK_ATTEMPT_S = 1.0
+
+
+def _not_ready(exc: BaseException) -> bool:
+    """True for a lock that ran out of time waiting for submitted work (or our own limit)."""
+    return isinstance(exc, StepTimeout | TimeoutError) or "NOT_READY" in str(exc)
+
+
 async def _each(pids: Sequence[int], call: Callable[[int], T], what: str, limit: float) -> list[T]:
     """Run ``call(pid)`` for every pid in parallel threads; each under ``limit`` seconds.
 
@@ -260,9 +280,53 @@ class CudaHook:
         return (await _each([pid], drv.state, "GPU state", self.call_timeout))[0]
 
     async def lock(self, pids: Sequence[int], wait_s: float) -> None:
+        """Lock every process of ``pids``; several are locked together in attempts of at most
+        :data:`LOCK_ATTEMPT_S` (see the module's docstring), never left half-locked."""
         drv = self._driver()
-        ms = max(int(wait_s * 1000), 1)
-        await _each(pids, lambda p: drv.lock(p, ms), "GPU lock", wait_s + 5)
+        if len(pids) < 2:
+            ms = max(int(wait_s * 1000), 1)
+            await _each(pids, lambda p: drv.lock(p, ms), "GPU lock", wait_s + 5)
+            return
+        deadline = time.monotonic() + wait_s
+        attempt = 0
+        while True:
+            attempt += 1
+            left = max(deadline - time.monotonic(), 0.001)
+            ms = max(int(min(left, LOCK_ATTEMPT_S) * 1000), 1)
+            results = await asyncio.gather(
+                *(
+                    asyncio.wait_for(asyncio.to_thread(drv.lock, p, ms), ms / 1000 + 5)
+                    for p in pids
+                ),
+                return_exceptions=True,
+            )
+            failed = [r for r in results if isinstance(r, BaseException)]
+            if not failed:
+                if attempt > 1:
+                    log.info("GPU lock taken", extra={"pids": list(pids), "attempts": attempt})
+                return
+            await self._release(pids)
+            waiting = all(_not_ready(r) for r in failed)
+            if not waiting or time.monotonic() >= deadline:
+                if waiting:
+                    raise GpuError(
+                        f"GPU lock of {len(pids)} processes (pids {', '.join(map(str, pids))}) "
+                        f"not taken in {wait_s:.0f} s ({attempt} attempts): work each had "
+                        "submitted waited on another (ranks of one collective job that never "
+                        "met at one step); the job runs on"
+                    ) from failed[0]
+                raise failed[0]
+            await asyncio.sleep(random.uniform(0.005, 0.1))
+
+    async def _release(self, pids: Sequence[int]) -> None:
+        """Unlock every process of ``pids`` the driver reports locked (a failed attempt)."""
+        drv = self._driver()
+        states = await asyncio.gather(
+            *(asyncio.to_thread(drv.state, p) for p in pids), return_exceptions=True
+        )
+        locked = [p for p, st in zip(pids, states, strict=True) if st == GpuState.LOCKED]
+        if locked:
+            await _each(locked, drv.unlock, "GPU unlock", self.call_timeout)
 
     async def checkpoint(self, pids: Sequence[int]) -> None:
         drv = self._driver()

@@ -1,7 +1,8 @@
 """A data-parallel job on N GPUs of one node: torch.distributed with NCCL, one process per
 GPU (rank r on cuda:r), DistributedDataParallel over a small MLP. Every step the ranks
-all-gather their loss and a float64 checksum of their weights; rank 0 prints them all
-(exact hex), so the output shows every rank's state, byte for byte.
+all-gather their loss and a float64 checksum of their weights; every rank reads them on
+the host (as a training loop that logs its loss does: the ranks meet at each step) and rank 0
+prints them all (exact hex), so the output shows every rank's state, byte for byte.
 
     python ddp_nccl.py STEPS STEP_SECONDS PORT [NGPUS]
 
@@ -40,10 +41,10 @@ def run(rank: int, world: int, steps: int, pause: float, port: int) -> None:
         mine[0] = loss.detach().double()
         mine[1] = sum(p.detach().double().sum() for p in model.parameters())
         dist.all_gather(every, mine)
+        vals = " ".join(
+            f"r{r} loss {float(t[0]).hex()} w {float(t[1]).hex()}" for r, t in enumerate(every)
+        )
         if rank == 0:
-            vals = " ".join(
-                f"r{r} loss {float(t[0]).hex()} w {float(t[1]).hex()}" for r, t in enumerate(every)
-            )
             print(f"step {step} {vals}", flush=True)
         time.sleep(pause)
     dist.barrier()
