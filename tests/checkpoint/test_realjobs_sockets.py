@@ -8,6 +8,7 @@ with what an uninterrupted run prints.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import subprocess
@@ -112,3 +113,25 @@ async def test_listening_http_server_answers_the_same_after_park_and_unpark(
     assert await wait_exit(resolve_job("http", state_dir=state_dir)) == 0
     served = ["served 1 /a", "served 2 /b", "served 3 /quit"]
     assert lines(job.dir / "stdout") == ["listening", *served]
+
+
+async def test_a_deleted_shared_memory_file_it_maps_is_carried(
+    env: dict[str, str], state_dir: Path, tmp_path: Path
+) -> None:
+    # NCCL's proxy maps a deleted /dev/shm/nccl-* file of 34 MB; CRIU's default limit for
+    # such "ghost" files is 1 MiB ("Can't dump ghost file ... increase limit")
+    argv = [sys.executable, "-I", str(PROGS / "shm_ghost.py"), "120", "0.05"]
+    run = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, check=True)
+    want = run.stdout
+    out = _cli("run", "--json", "--name", "ghost", "--", *argv, env=env)
+    assert out.returncode == 0, out.stderr
+    job = resolve_job("ghost", state_dir=state_dir)
+    await wait_for(lambda: len(lines(job.dir / "stdout")) >= 5, "five steps", 60)
+    pids = proctree.tree(job.pid)
+    out = _cli("checkpoint", "ghost", "--to", str(tmp_path / "img"), env=env)
+    assert out.returncode == 0, out.stderr
+    await wait_for(lambda: not any(proctree.alive(p) for p in pids), "the job to stop")
+    out = _cli("restore", str(tmp_path / "img"), env=env)
+    assert out.returncode == 0, out.stderr
+    assert await wait_exit(resolve_job("ghost", state_dir=state_dir)) == 0
+    assert (job.dir / "stdout").read_text() == want

@@ -329,6 +329,7 @@ class Criu:
         log_file: Path | None = None,
         time_limit: float | None = None,
         mount_ns: bool = False,
+        ghost_limit: int | None = None,
     ) -> Path:
         """Dump the tree rooted at ``pid`` into ``images_dir``; returns CRIU's log path.
 
@@ -350,6 +351,8 @@ class Criu:
             args.append(f"--manage-cgroups={manage_cgroups}")
         if shell_job:
             args.append("--shell-job")
+        if ghost_limit is not None:  # deleted files the job still holds go into the image
+            args += ["--ghost-limit", str(ghost_limit)]
         args += self._plugin_args()
         if mount_ns:
             args += _MOUNT_NS_DUMP

@@ -243,6 +243,7 @@ class Engine:
                     on_frozen=on_frozen,
                     time_limit=s.criu_timeout,
                     mount_ns=meta.mount_ns,
+                    ghost_limit=s.ghost_limit,
                 )
                 if not target.stream:
                     ds.detail["bytes"] = _dir_bytes(images_dir)

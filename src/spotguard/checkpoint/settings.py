@@ -36,6 +36,15 @@ class CheckpointSettings(Settings):
     gpu_timeout: float = Field(
         default=300.0, gt=0, description="Seconds one GPU checkpoint/restore call may take"
     )
+    ghost_limit: int = Field(
+        default=4 << 30,
+        ge=0,
+        description=(
+            "Largest deleted file a job still holds open or mapped that a checkpoint carries "
+            "(criu --ghost-limit; NCCL maps a deleted /dev/shm file of ~34 MB; CRIU's own "
+            "default is 1 MiB)"
+        ),
+    )
     gpu_lock_timeout: float = Field(
         default=10.0, gt=0, description="Seconds to wait for submitted GPU work when locking"
     )
