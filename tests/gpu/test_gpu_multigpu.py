@@ -72,7 +72,8 @@ def test_a_ddp_job_on_every_gpu_survives_pause_exit_and_a_swapped_restore(
             before = _gpu_of(proctree.tree(job["pid"]))
             assert len(set(before.values())) == gpus, f"ranks on {before}"
             paused = sg("checkpoint", "ddp", "--to", str(sg.root / "img-pause"), "--leave-running")
-            assert len(paused["gpu_pids"]) == gpus, paused["gpu_pids"]
+            # every rank, and the launcher if it initialised CUDA (mp.spawn's parent does)
+            assert len(paused["gpu_pids"]) >= gpus, paused["gpu_pids"]
             n = len(lines(out))
             wait(lambda: len(lines(out)) > n + 3, "the job to go on after the pause")
 
