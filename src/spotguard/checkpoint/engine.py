@@ -48,7 +48,7 @@ from spotguard.errors import CheckpointError, CriuError, GpuError, JobError, Spo
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
-from . import files, nccl, proctree, scan, suspend
+from . import files, nccl, proctree, scan, sockets, suspend
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo, link_job_dir, own_mount_ns
@@ -352,7 +352,9 @@ class Engine:
     ) -> int:
         """``criu restore``. A job without its own PID namespace had its PIDs freed before
         (preflight step); should the kernel still refuse one ("Can't fork ... File exists"),
-        a restore from a directory is retried up to the ``pid_wait`` setting."""
+        a restore from a directory is retried up to the ``pid_wait`` setting. The same for a
+        port the image binds that connections of the job's last run, closed, still hold in
+        TIME_WAIT (restored on the same host within 60 s: an NCCL job's bootstrap listener)."""
         s = self.settings
         loop = asyncio.get_running_loop()
         start = loop.time()
@@ -369,11 +371,14 @@ class Engine:
                     mount_ns=meta.mount_ns,
                 )
             except CriuError as exc:
-                if meta.root_ns_pid == 1 or source.stream or not _pid_still_held(exc):
+                held = _pid_still_held(exc) and meta.root_ns_pid != 1
+                waiting = _port_in_time_wait(exc)
+                if source.stream or not (held or waiting) or loop.time() > deadline:
                     raise
-                if loop.time() > deadline:
-                    raise
-                log.info("a PID of the image is still held by the kernel; retrying")
+                if held:
+                    log.info("a PID of the image is still held by the kernel; retrying")
+                else:
+                    log.info("a port of the image is held by closed connections; retrying")
                 await asyncio.sleep(1.0)
 
     async def restore(
@@ -448,6 +453,12 @@ class Engine:
 
 def _pid_still_held(exc: CriuError) -> bool:
     return "Can't fork for" in exc.log_tail and "File exists" in exc.log_tail
+
+
+def _port_in_time_wait(exc: CriuError) -> bool:
+    """CRIU could not bind a socket, and closed connections on this host are in TIME_WAIT
+    (they clear within 60 s; a port held by a live socket fails the same way after the wait)."""
+    return "Address already in use" in exc.log_tail and bool(sockets.time_wait_ports())
 
 
 def _failed_step(tl: Timeline) -> str | None:

@@ -126,6 +126,24 @@ def socket_table(pid: int) -> dict[int, SocketFact]:
     return table
 
 
+def time_wait_ports(pid: int | str = "self") -> set[int]:
+    """Local ports of the TCP connections in TIME_WAIT in the network namespace of ``pid``:
+    closed connections the kernel keeps for 60 s, whose port a new socket without
+    SO_REUSEADDR cannot bind (a listener that accepted and closed connections leaves them on
+    its own port). Parsed here: TIME_WAIT entries have no inode, so the table above skips them."""
+    ports: set[int] = set()
+    for name in ("tcp", "tcp6"):
+        try:
+            lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) > 3 and int(cols[3], 16) == 6:
+                ports.add(parse_endpoint(cols[1]).port)
+    return ports
+
+
 def socket_inode(target: str) -> int | None:
     if target.startswith("socket:[") and target.endswith("]"):
         return int(target[8:-1])
