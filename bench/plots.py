@@ -181,10 +181,10 @@ def plot_streaming_gpu(md: str, out: Path) -> Path | None:
                 for j in jobs
             ]  # fmt: skip
             ax.bar([x + (i - 0.5) * 0.38 for x in range(len(jobs))], vals, 0.38, label=pipeline)
-        ax.set_xticks(range(len(jobs)), [f"{j} job" for j in jobs], fontsize=8)
+        ax.set_xticks(range(len(jobs)), [j.replace(" (", "\n(") for j in jobs], fontsize=7)
         ax.set_title(label, fontsize=9)
         ax.legend(fontsize=7)
-    fig.suptitle("Staged vs streamed checkpoint (H100, file store on local disk)", fontsize=10)
+    fig.suptitle("Staged vs streamed checkpoint of GPU jobs (newest table)", fontsize=10)
     return _save(fig, out, "streaming-gpu.png")
 
 
