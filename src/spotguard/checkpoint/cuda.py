@@ -303,7 +303,7 @@ class CudaHook:
             failed = [r for r in results if isinstance(r, BaseException)]
             if not failed:
                 if attempt > 1:
-                    log.info("GPU lock taken", extra={"pids": list(pids), "attempts": attempt})
+                    log.info("GPU lock taken", extra={"gpu_pids": list(pids), "attempt": attempt})
                 return
             await self._release(pids)
             waiting = all(_not_ready(r) for r in failed)
