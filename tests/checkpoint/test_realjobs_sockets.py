@@ -115,6 +115,24 @@ async def test_listening_http_server_answers_the_same_after_park_and_unpark(
     assert lines(job.dir / "stdout") == ["listening", *served]
 
 
+async def _park_unpark(name: str, argv: list[str], env: dict[str, str], state_dir: Path,
+                      image: Path) -> str:  # fmt: skip
+    """Run ``argv`` as a job, checkpoint it (exit) to ``image`` once it has printed five
+    steps, restore it at once on this host, wait for it to end; its whole stdout."""
+    out = _cli("run", "--json", "--name", name, "--", *argv, env=env)
+    assert out.returncode == 0, out.stderr
+    job = resolve_job(name, state_dir=state_dir)
+    await wait_for(lambda: len(lines(job.dir / "stdout")) >= 5, "five steps", 60)
+    pids = proctree.tree(job.pid)
+    out = _cli("checkpoint", name, "--to", str(image), env=env)
+    assert out.returncode == 0, out.stderr
+    await wait_for(lambda: not any(proctree.alive(p) for p in pids), "the job to stop")
+    out = _cli("restore", str(image), env=env)
+    assert out.returncode == 0, out.stderr
+    assert await wait_exit(resolve_job(name, state_dir=state_dir)) == 0
+    return (job.dir / "stdout").read_text()
+
+
 async def test_a_deleted_shared_memory_file_it_maps_is_carried(
     env: dict[str, str], state_dir: Path, tmp_path: Path
 ) -> None:
@@ -122,19 +140,7 @@ async def test_a_deleted_shared_memory_file_it_maps_is_carried(
     # such "ghost" files is 1 MiB ("Can't dump ghost file ... increase limit")
     argv = [sys.executable, "-I", str(PROGS / "shm_ghost.py"), "120", "0.05"]
     run = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, check=True)
-    want = run.stdout
-    out = _cli("run", "--json", "--name", "ghost", "--", *argv, env=env)
-    assert out.returncode == 0, out.stderr
-    job = resolve_job("ghost", state_dir=state_dir)
-    await wait_for(lambda: len(lines(job.dir / "stdout")) >= 5, "five steps", 60)
-    pids = proctree.tree(job.pid)
-    out = _cli("checkpoint", "ghost", "--to", str(tmp_path / "img"), env=env)
-    assert out.returncode == 0, out.stderr
-    await wait_for(lambda: not any(proctree.alive(p) for p in pids), "the job to stop")
-    out = _cli("restore", str(tmp_path / "img"), env=env)
-    assert out.returncode == 0, out.stderr
-    assert await wait_exit(resolve_job("ghost", state_dir=state_dir)) == 0
-    assert (job.dir / "stdout").read_text() == want
+    assert await _park_unpark("ghost", argv, env, state_dir, tmp_path / "img") == run.stdout
 
 
 async def test_a_listener_whose_closed_connections_wait_is_restored_on_the_same_host(
@@ -143,15 +149,5 @@ async def test_a_listener_whose_closed_connections_wait_is_restored_on_the_same_
     # restored within 60 s on the host it ran on: the connection it accepted and closed is in
     # TIME_WAIT on the listener's port, and binding it failed ("Address already in use")
     argv = [sys.executable, "-I", str(PROGS / "listener_closed.py"), "100", "0.05"]
-    out = _cli("run", "--json", "--name", "lsn", "--", *argv, env=env)
-    assert out.returncode == 0, out.stderr
-    job = resolve_job("lsn", state_dir=state_dir)
-    await wait_for(lambda: len(lines(job.dir / "stdout")) >= 5, "five steps", 60)
-    pids = proctree.tree(job.pid)
-    out = _cli("checkpoint", "lsn", "--to", str(tmp_path / "img"), env=env)
-    assert out.returncode == 0, out.stderr
-    await wait_for(lambda: not any(proctree.alive(p) for p in pids), "the job to stop")
-    out = _cli("restore", str(tmp_path / "img"), env=env)
-    assert out.returncode == 0, out.stderr
-    assert await wait_exit(resolve_job("lsn", state_dir=state_dir)) == 0
-    assert lines(job.dir / "stdout") == [f"step {i}" for i in range(100)]
+    got = await _park_unpark("lsn", argv, env, state_dir, tmp_path / "img")
+    assert got.splitlines() == [f"step {i}" for i in range(100)]
