@@ -53,9 +53,10 @@ from urllib.parse import urlparse
 import psutil
 import zstandard
 
+from bench.stacks import Stacks
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu
-from spotguard.checkpoint.cuda import CudaHook, GpuHook, NoGpu
+from spotguard.checkpoint.cuda import CudaHook, GpuHook, NoGpu, warm
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -231,6 +232,8 @@ class Bench:
     file_root: Path | None  # the file store's directory (per run), None for other stores
     notes: list[str] = field(default_factory=list)
     gpus: int = 1  # GPU jobs: one process per GPU, each holding the size given
+    profile: bool = False  # sample thread states and kernel stacks (bench.stacks)
+    pipe_mib: int = 0  # the capture's pipe size for CRIU's page files (0: the default)
 
 
 # --- the job ----------------------------------------------------------------------------------
@@ -470,9 +473,10 @@ async def _read_alone(url: str) -> tuple[float, int]:
 
 
 async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
-    target = StreamTarget(b.store_url, work_root=b.work, level=1, settings=ImageSettings())
+    target = StreamTarget(b.store_url, work_root=b.work, level=1, settings=ImageSettings(),
+                          pipe_bytes=b.pipe_mib << 20 if b.pipe_mib else None)  # fmt: skip
     ids = _ids(job.pid)
-    with Peak(job.pid) as peak:
+    with Peak(job.pid) as peak, _profile(b, job.pid) as prof_freeze:
         wall0 = time.time()
         t0 = time.perf_counter()
         res = await b.engine.freeze(job, target, Mode.EXIT)
@@ -514,7 +518,8 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
         t0 = time.perf_counter()
         try:
             source = StreamSource(url, settings=ImageSettings(), work_root=b.work)
-            rr = await b.engine.restore(source, state_dir=b.state)
+            with _profile(b, None) as prof_restore:
+                rr = await b.engine.restore(source, state_dir=b.state)
             break
         except CheckpointError as exc:
             if "File exists" not in str(exc) and "Can't fork" not in str(exc):
@@ -535,7 +540,19 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
         out["serve"] = source.serve_stats.to_json()
     out["pid_wait"] = waited
     out["restored_pid"] = rr.pid
+    if b.profile:
+        out["profile"] = {
+            "freeze": prof_freeze.table(f"streamed freeze of {job.name}"),
+            "restore": prof_restore.table(f"streamed restore of {job.name}"),
+        }
+        print(out["profile"]["freeze"] + "\n\n" + out["profile"]["restore"] + "\n",
+              file=sys.stderr, flush=True)  # fmt: skip
     return out
+
+
+def _profile(b: Bench, job_pid: int | None) -> contextlib.AbstractContextManager[Any]:
+    """Thread states and kernel stacks over a stage (``--profile``), else nothing."""
+    return Stacks(job_pid) if b.profile else contextlib.nullcontext()
 
 
 # --- main -------------------------------------------------------------------------------------
@@ -628,6 +645,12 @@ async def main() -> int:
                     help="GPU jobs: spread over this many GPUs, one process per GPU, each "
                     "holding the size given (a data-parallel job's shape)")  # fmt: skip
     ap.add_argument("--criu", default=os.environ.get("SPOTGUARD_CRIU"))
+    ap.add_argument("--profile", action="store_true",
+                    help="streamed runs: sample each thread's state and kernel stack in the "
+                    "freeze and the restore (bench.stacks), print where each waits")  # fmt: skip
+    ap.add_argument("--pipe-mib", type=int, default=0,
+                    help="streamed runs: the pipe size the capture sets on CRIU's page "
+                    "files, MiB (default: the capture's own)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="append each run as a JSON line")
     ap.add_argument(
         "--throughput",
@@ -663,12 +686,14 @@ async def main() -> int:
     hook: GpuHook = CudaHook() if args.gpu else NoGpu()
     settings = CheckpointSettings(state_dir=work / "state", criu=criu.path)
     b = Bench(Engine(criu, hook, settings=settings), args.gpu, work, work / "state", script,
-              store_url, file_root, gpus=args.gpus if args.gpu else 1)  # fmt: skip
+              store_url, file_root, gpus=args.gpus if args.gpu else 1,
+              profile=args.profile, pipe_mib=args.pipe_mib)  # fmt: skip
     planner = Planner(PlannerSettings(throughput_file=args.throughput or work / "tp.json"))
     where = f"{os.cpu_count()} cpus, thp {thp_status().enabled}, criu {await criu.version()}"
-    if args.gpu:
+    if args.gpu:  # loaded before the runs, as the agent does at start (startup.warm_gpu)
+        w = warm()
         inv = hook.inventory()
-        where += f", {inv.count} x {inv.model}, driver {inv.driver}"
+        where += f", {inv.count} x {inv.model}, driver {inv.driver} (loaded in {w.seconds:.2f} s)"
     print(f"# stream benchmark: store {args.store} ({store_url}), {where}", flush=True)
     print(HEAD + "\n|" + " --- |" * (HEAD.count("|") - 1), flush=True)
     rows: list[dict[str, Any]] = []

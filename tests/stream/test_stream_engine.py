@@ -147,9 +147,16 @@ def _criu_children() -> list[psutil.Process]:
     return [p for p in psutil.Process().children(recursive=True) if is_criu(p)]
 
 
-@pytest.mark.parametrize("strike", ["streamer", "criu"])
+@pytest.mark.parametrize(
+    ("strike", "pipe_mb"),
+    [("streamer", 1), ("criu", 1), ("streamer", 64)],
+    # 1 MiB pipes: CRIU is blocked mid-dump; 64 MiB: CRIU may have written everything and
+    # the capture is stopped while the engine waits for the last pieces (a typed error too)
+    ids=["streamer-mid-dump", "criu-mid-dump", "streamer-after-dump"],
+)
 async def test_killed_mid_stream_leaves_job_running_and_no_image(
     strike: str,
+    pipe_mb: int,
     criu_bin: str,
     job_script: Path,
     reference_output: str,
@@ -159,9 +166,10 @@ async def test_killed_mid_stream_leaves_job_running_and_no_image(
     gated = GatedStore(open_store(store_url))
     engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
     job = await _start(job_script, tmp_path / "state", f"strike-{strike}")
-    target = StreamTarget(gated, work_root=tmp_path / "work", writer_options=SMALL, settings=S)  # type: ignore[arg-type]
+    s = ImageSettings(pipe_mb=pipe_mb)
+    target = StreamTarget(gated, work_root=tmp_path / "work", writer_options=SMALL, settings=s)  # type: ignore[arg-type]
     freeze = asyncio.create_task(engine.freeze(job, target, Mode.EXIT))
-    await asyncio.wait_for(gated.blocked.wait(), 30)  # CRIU is now blocked mid-dump
+    await asyncio.wait_for(gated.blocked.wait(), 30)  # the store holds the image back
     image_url = target.url
     assert image_url is not None
     if strike == "streamer":
@@ -228,3 +236,51 @@ async def test_exit_mode_upload_failing_mid_stream_never_kills_the_job(
         _kill_tree(job.pid)
     assert await latest_image(store_url, job.name, settings=ImageSettings()) is None
     await failing.inner.aclose()
+
+
+PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
+
+
+@pytest.fixture
+def small_pipe_limit() -> Any:
+    """The kernel's default limit on an unprivileged pipe (1 MiB) for the test, restored after.
+
+    Without CAP_SYS_RESOURCE (containers, and the GPU machines measured) a pipe cannot grow
+    past ``fs.pipe-max-size``: every pipe of a stream was 1 MiB, and CRIU's restore waited on
+    it (docs/benchmarks.md, "Pipe sizes")."""
+    if os.geteuid() != 0 or not os.access(PIPE_MAX, os.W_OK):
+        pytest.skip("needs root and a writable fs.pipe-max-size")
+    before = PIPE_MAX.read_text()
+    PIPE_MAX.write_text(str(1 << 20))
+    yield
+    PIPE_MAX.write_text(before)
+
+
+async def test_a_stream_raises_the_pipe_limit_and_criu_gets_pipes_of_the_set_size(
+    criu_bin: str, job_script: Path, reference_output: str, tmp_path: Path, small_pipe_limit: Any
+) -> None:
+    engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
+    job = await _start(job_script, tmp_path / "state", "stream-pipes")
+    settings = ImageSettings(pipe_mb=8)
+    store = f"file://{tmp_path / 'store'}"
+    work = tmp_path / "work"
+    target = StreamTarget(store, work_root=work, writer_options=SMALL, settings=settings)
+    await engine.freeze(job, target, Mode.EXIT)
+    assert int(await asyncio.to_thread(PIPE_MAX.read_text)) == 8 << 20  # raised, not beyond
+    assert target.capture_stats is not None and target.capture_stats.pipe_bytes == 8 << 20
+    assert target.url is not None
+    source = StreamSource(target.url, settings=settings, work_root=tmp_path / "work")
+    restored = await engine.restore(source, state_dir=tmp_path / "state")
+    try:
+        assert source.serve_stats is not None and source.serve_stats.pipe_bytes == 8 << 20
+        assert await wait_done(job.dir / "stdout") == reference_output
+    finally:
+        _kill_tree(restored.pid)
+
+
+def test_a_higher_pipe_limit_is_never_lowered(small_pipe_limit: Any) -> None:
+    from spotguard.stream.pipes import ensure_pipe_max
+
+    PIPE_MAX.write_text(str(32 << 20))
+    assert ensure_pipe_max(8 << 20) == 32 << 20
+    assert int(PIPE_MAX.read_text()) == 32 << 20

@@ -198,9 +198,9 @@ class Agent(NoticeHandling):
             raise self.died
 
     async def _start(self, assignment: Any) -> None:
+        self._spawn(startup.warm_gpu(), "warm-gpu")  # the first notice must not load the driver
         await startup.recover_interrupted(self.checkpoint_settings, self._recovered)
-        for kept in self.kept.scan():
-            self.pusher.add(kept)
+        self.pusher.add_all(self.kept.scan())
         self.cloud, sources = await cloud_sources(self.notice_settings, self._extra_sources)
         self.instance = await instance_facts(self.cloud, self.notice_settings)
         log.info(

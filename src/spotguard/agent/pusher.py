@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 from tenacity import (
@@ -69,6 +69,11 @@ class KeptPusher:
 
     def status(self, job: str | None = None) -> list[dict[str, Any]]:
         return [dict(p) for p in self.pending.values() if job is None or p["job"] == job]
+
+    def add_all(self, kept: Iterable[operations.KeptImage]) -> None:
+        """Start pushing each of ``kept`` (the images a stopped agent left on this host)."""
+        for k in kept:
+            self.add(k)
 
     def add(self, kept: operations.KeptImage) -> bool:
         """Start pushing ``kept`` (False when it is being pushed already)."""

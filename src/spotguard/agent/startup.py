@@ -7,6 +7,8 @@
    at the first notice, after the job was stopped.
 3. :func:`recover_interrupted` — a job a killed agent (or CLI) left mid-freeze is brought back
    by the engine (``recover``, from the engine's ``operation.json`` marker: the one marker).
+4. :func:`warm_gpu` — the driver's checkpoint API and NVML are loaded at start, in the
+   background, so the first notice does not pay for it.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import IO
 from urllib.parse import unquote, urlparse
 
 from spotguard import operations
+from spotguard.checkpoint import cuda
 from spotguard.checkpoint.engine import MARKER
 from spotguard.checkpoint.jobs import JobInfo, list_jobs
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -134,3 +137,21 @@ async def recover_interrupted(
             on_recovered(info, time.monotonic() - t0)
             done.append(info.name)
     return done
+
+
+async def warm_gpu() -> cuda.Warmed:
+    """Load the GPU driver's checkpoint API and NVML (:func:`spotguard.checkpoint.cuda.warm`)
+    off the event loop, and say what was found: one log line. Never fails the agent: a
+    driver that cannot load now is tried again (and reported) at the first checkpoint."""
+    try:
+        w = await asyncio.to_thread(cuda.warm)
+    except Exception as exc:  # noqa: BLE001 - a warm-up must not stop the agent
+        log.warning("GPU warm-up failed", extra={"step": "start", "error": str(exc)})
+        return cuda.Warmed(False, False, 0.0, str(exc))
+    extra = {"step": "start", "gpu_driver": w.driver, "nvml": w.nvml}
+    extra["seconds"] = round(w.seconds, 3)
+    if w.driver:
+        log.info("GPU checkpoint API loaded", extra=extra)
+    else:
+        log.info("no GPU checkpoint API on this host", extra={**extra, "reason": w.reason})
+    return w

@@ -35,6 +35,13 @@ class ImageSettings(Settings):
         0, ge=0, description="Threads that hash/compress/decompress chunks (0 = one per CPU)"
     )
     io_workers: int = Field(16, ge=1, le=256, description="Parallel store requests")
+    pipe_mb: int = Field(
+        64,
+        ge=1,
+        le=1024,
+        description="Size of each pipe CRIU streams an image through (MiB); fs.pipe-max-size "
+        "is raised to it when lower (root), else pipes stay at that limit",
+    )
     max_inflight_mb: int = Field(
         1024, ge=1, description="Memory bound for chunks in flight (MiB); writers wait beyond it"
     )

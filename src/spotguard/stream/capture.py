@@ -79,6 +79,7 @@ class CaptureStats:
     last_data: float | None = None
     finished: float | None = None
     peak_buffered: int = 0  # bytes read from CRIU and not yet taken by the sink
+    pipe_bytes: int = 0  # the smallest pipe CRIU got (the kernel may refuse the size asked)
     owned: int = 0  # bytes the sink kept in the pieces they were read into (no copy)
 
     @property
@@ -91,6 +92,7 @@ class CaptureStats:
             "bytes": self.bytes,
             "peak_buffered": self.peak_buffered,
             "owned": self.owned,
+            "pipe_bytes": self.pipe_bytes,
             "seconds": None if self.finished is None else self.finished - self.started,
         }
 
@@ -181,6 +183,8 @@ class Capture(SocketService):
                 self._files.discard(t)
                 if self._first_error is not None:
                     raise self._first_error
+                if t.cancelled():  # aborted while settling: typed, not a cancellation
+                    raise StreamError("capture: stopped before every file reached the sink")
                 t.result()
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
@@ -239,10 +243,11 @@ class Capture(SocketService):
                     raise StreamError(f"capture: {exc}") from exc
                 os.set_blocking(fd, False)
                 try:
-                    protocol.set_pipe_size(fd, self.pipe_bytes)
+                    got = protocol.set_pipe_size(fd, self.pipe_bytes)
                 except OSError:
                     os.close(fd)
                     raise
+                self.stats.pipe_bytes = min(got, self.stats.pipe_bytes or got)
                 if name in self.stats.files:
                     log.info("criu writes %s again; the newer content replaces it", name)
                 self.stats.files[name] = 0

@@ -30,7 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spotguard.errors import ImageError, StreamError
-from spotguard.stream import protocol
+from spotguard.stream import pipes, protocol
 from spotguard.stream.capture import Capture, CaptureStats
 from spotguard.stream.serve import Serve, ServeStats
 from spotguard.timeline import Step, Timeline
@@ -146,6 +146,7 @@ class StreamTarget:
         work_root: Path | None = None,
         piece_bytes: int | None = None,
         buffer_bytes: int = 256 * MiB,
+        pipe_bytes: int | None = None,
         timeline: Timeline | None = None,
         writer_options: dict[str, Any] | None = None,
         meta: dict[str, Any] | None = None,
@@ -161,6 +162,7 @@ class StreamTarget:
         self.work_root = work_root
         self.piece_bytes = piece_bytes
         self.buffer_bytes = buffer_bytes
+        self.pipe_bytes = pipe_bytes
         self.timeline = timeline
         self.timeline_steps: list[Step] = []
         self.writer_options = dict(writer_options or {})
@@ -234,6 +236,7 @@ class StreamTarget:
             self._sink,
             piece_bytes=piece,
             buffer_bytes=max(self.buffer_bytes, (writer.input_limit + 2) * piece),
+            pipe_bytes=self.pipe_bytes or _pipe_bytes(self.settings),
         )
         await self._capture.start()
         inflight = writer.max_inflight * writer.chunk_size
@@ -304,7 +307,8 @@ class StreamTarget:
         log.info(
             "image durable",
             extra={"image": url, "seconds": round(done - self._t0, 3),
-                   "bytes": stats.bytes, "peak_buffered": stats.peak_buffered},
+                   "bytes": stats.bytes, "peak_buffered": stats.peak_buffered,
+                   "pipe_bytes": stats.pipe_bytes},
         )  # fmt: skip
         await self._close(None)
 
@@ -324,6 +328,14 @@ class StreamTarget:
                 await writer.__aexit__(type(exc) if exc else None, exc, None)
         if self._work is not None:
             shutil.rmtree(self._work, ignore_errors=True)
+
+
+def _pipe_bytes(settings: ImageSettings) -> int:
+    """The pipe size a stream asks for (``pipe_mb``), after raising the kernel's limit to it
+    where it is lower (:func:`spotguard.stream.pipes.ensure_pipe_max`)."""
+    want = settings.pipe_mb * MiB
+    pipes.ensure_pipe_max(want)
+    return want
 
 
 class _ReaderSource:
@@ -398,6 +410,7 @@ class StreamSource:
             self._serve = Serve(
                 self.images_dir,
                 _ReaderSource(reader, set(info.get("criu_files", [])), info.get("renames", {})),
+                pipe_bytes=_pipe_bytes(self.settings),
             )
             await self._serve.start()
         except BaseException:

@@ -15,11 +15,46 @@ import contextlib
 import ctypes
 import ctypes.util
 import errno
+import logging
 import mmap
 import os
 import select
 import threading
 from functools import cache
+from pathlib import Path
+
+log = logging.getLogger(__name__)
+
+#: the largest pipe a process without CAP_SYS_RESOURCE may ask for (the kernel's default: 1 MiB)
+PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
+
+
+def ensure_pipe_max(size: int, path: Path = PIPE_MAX) -> int:
+    """Raise the kernel's pipe size limit to ``size`` bytes if it is lower; return the limit
+    in effect (0 if it cannot be read).
+
+    Why: without CAP_SYS_RESOURCE — which root in a container, or on the GPU machines
+    measured, does not have — ``F_SETPIPE_SZ`` stops at ``fs.pipe-max-size`` (1 MiB by
+    default), and a stream's pipes stayed at 1 MiB: CRIU's restore then waited on the pipe
+    and took 2-4 s longer for a 40 GiB job (docs/benchmarks.md, "Pipe sizes"). A higher
+    limit is never lowered. Raising it needs root; where it cannot be written the limit
+    stays and one log line says what that costs."""
+    try:
+        current = int(path.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+    if current >= size:
+        return current
+    try:
+        path.write_text(str(size))
+    except OSError as exc:
+        log.info(
+            "pipes stay at fs.pipe-max-size (streams are slower)",
+            extra={"bytes": current, "error": str(exc)},
+        )
+        return current
+    log.info("raised fs.pipe-max-size for streaming", extra={"bytes": size, "previous": current})
+    return size
 
 
 async def wait_fd(fd: int, *, write: bool = False) -> None:

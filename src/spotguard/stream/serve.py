@@ -54,6 +54,7 @@ class ServeStats:
     files: dict[str, int] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     spliced: int = 0  # bytes that went into CRIU's pipes by reference (vmsplice), not copied
+    pipe_bytes: int = 0  # the smallest pipe CRIU got (the kernel may refuse the size asked)
     started: float = field(default_factory=time.time)
     finished: float | None = None
 
@@ -67,6 +68,7 @@ class ServeStats:
             "bytes": self.bytes,
             "missing": len(self.missing),
             "spliced": self.spliced,
+            "pipe_bytes": self.pipe_bytes,
             "seconds": None if self.finished is None else self.finished - self.started,
         }
 
@@ -179,7 +181,9 @@ class Serve(SocketService):
             exc: BaseException | None = None
             try:
                 os.set_blocking(fd, False)
-                protocol.set_pipe_size(fd, self.pipe_bytes)
+                got = protocol.set_pipe_size(fd, self.pipe_bytes)
+                with self._lock:
+                    self.stats.pipe_bytes = min(got, self.stats.pipe_bytes or got)
                 splice = True
                 while (data := _get(pieces, self._stop)) is not None:
                     splice = _put(fd, data, self._stop, splice=splice)
