@@ -504,6 +504,7 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
     if cs is not None:  # a full capture buffer means the writer held CRIU back, not CRIU us
         out["capture"] = {
             "peak_buffered_mib": cs.peak_buffered / 2**20,
+            "pipe_bytes": cs.pipe_bytes,
             "first_data_s": (cs.first_data or cs.started) - wall0,
             "last_data_s": (cs.last_data or cs.started) - wall0,
         }
