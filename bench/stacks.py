@@ -94,7 +94,7 @@ def _tree(root: int) -> list[int]:
 class Stacks:
     """Sample the threads of this process, its children (CRIU) and the job's tree."""
 
-    def __init__(self, job_pid: int | None = None, interval: float = 0.01) -> None:
+    def __init__(self, job_pid: int | None = None, interval: float = 0.05) -> None:
         self.job_pid = job_pid
         self.interval = interval
         self.threads: dict[int, _Thread] = {}
