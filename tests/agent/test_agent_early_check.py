@@ -21,6 +21,19 @@ from spotguard.notices.settings import NoticeSettings
 pytestmark = pytest.mark.criu
 
 
+def _agent(tmp_path: Path, criu_bin: str, pids: list[int]) -> Agent:
+    """An agent protecting ``pids``, its store and state under ``tmp_path``, no cloud."""
+    return Agent(
+        AgentSettings(
+            job=[str(p) for p in pids], store=(tmp_path / "store").as_uri(),
+            api_listen="127.0.0.1:0", assignment=tmp_path / "none.json",
+        ),
+        CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin),
+        NoticeSettings(cloud="none"),
+        image=ImageSettings(),
+    )  # fmt: skip
+
+
 async def test_status_names_what_no_checkpoint_could_carry_from_the_start(
     tmp_path: Path, criu_bin: str, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -33,15 +46,7 @@ async def test_status_names_what_no_checkpoint_could_carry_from_the_start(
                 break
             await asyncio.sleep(0.05)
         inner = proctree.tree(outer.pid)[1]
-        agent = Agent(
-            AgentSettings(
-                job=[str(inner), str(own.pid)], store=(tmp_path / "store").as_uri(),
-                api_listen="127.0.0.1:0", assignment=tmp_path / "none.json",
-            ),
-            CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin),
-            NoticeSettings(cloud="none"),
-            image=ImageSettings(),
-        )  # fmt: skip
+        agent = _agent(tmp_path, criu_bin, [inner, own.pid])
         run = asyncio.create_task(agent.run())
         try:
             for _ in range(200):
@@ -74,15 +79,7 @@ async def test_the_agent_loads_the_gpu_driver_at_start_and_says_what_it_found(
     caplog.set_level("INFO", logger="spotguard.agent.startup")
     own = await asyncio.create_subprocess_exec("sleep", "120", start_new_session=True)
     try:
-        agent = Agent(
-            AgentSettings(
-                job=[str(own.pid)], store=(tmp_path / "store").as_uri(),
-                api_listen="127.0.0.1:0", assignment=tmp_path / "none.json",
-            ),
-            CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin),
-            NoticeSettings(cloud="none"),
-            image=ImageSettings(),
-        )  # fmt: skip
+        agent = _agent(tmp_path, criu_bin, [own.pid])
         run = asyncio.create_task(agent.run())
         try:
             for _ in range(200):
