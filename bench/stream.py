@@ -508,6 +508,10 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
             "first_data_s": (cs.first_data or cs.started) - wall0,
             "last_data_s": (cs.last_data or cs.started) - wall0,
         }
+    if target.writer_stats is not None:  # where the chunk pipeline waited, summed over chunks
+        out["writer"] = target.writer_stats.to_json()
+        print(f"chunk pipeline: {out['writer']['step_seconds']} over {out['writer']['seconds']} s",
+              file=sys.stderr, flush=True)  # fmt: skip
     out["steps"] = {
         s.name: [round(s.start - wall0, 3), round(s.seconds or 0.0, 3)]
         for s in [*tl.steps, *target.timeline_steps]

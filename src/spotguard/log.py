@@ -92,6 +92,7 @@ FIELDS: dict[str, str] = {
     "need_bytes": "bytes a staging place needs",
     "peak_buffered": "most bytes held in memory at once",
     "pipe_bytes": "the size of the pipes a stream got from the kernel",
+    "step_seconds": "seconds per step of the chunk pipeline, summed over its chunks",
     "chunk_size": "an image's chunk size in bytes",
     "zstd_level": "the zstd compression level",
     "plan": "the deadline planner's predicted seconds per stage",

@@ -29,6 +29,10 @@ class TransferStats:
     chunks_skipped: int = 0
     chunks_raw: int = 0  # stored as raw frames: a sample showed they do not compress
     retries: int = 0
+    # seconds spent per step of the chunk pipeline, summed over chunks (a sum above the
+    # transfer's own seconds means that step ran for several chunks at once): where the
+    # pipeline waits — for a slot, a buffer, the CPU work or the store
+    step_seconds: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.monotonic)
     finished: float | None = None
 
@@ -48,6 +52,10 @@ class TransferStats:
         s = self.seconds
         return self.stored_bytes / s if s > 0 else 0.0
 
+    def add_step(self, step: str, since: float) -> None:
+        """Count the seconds from ``since`` (``time.perf_counter()``) into ``step``."""
+        self.step_seconds[step] = self.step_seconds.get(step, 0.0) + time.perf_counter() - since
+
     def to_json(self) -> dict[str, Any]:
         return {
             "phase": self.phase,
@@ -63,6 +71,7 @@ class TransferStats:
             "seconds": round(self.seconds, 3),
             "mb_s": round(self.rate / MIB, 1),
             "wire_mb_s": round(self.wire_rate / MIB, 1),
+            "step_seconds": {k: round(v, 3) for k, v in self.step_seconds.items()},
         }
 
 

@@ -264,8 +264,10 @@ class ImageWriter:
         self, sink: FileSink, plain: bytes | memoryview, lease: ChunkOwner | None = None
     ) -> None:
         """Start one chunk of ``sink`` through the pipeline; waits for an in-flight slot."""
+        t0 = time.perf_counter()
         try:
             await self._sem.acquire()
+            self.stats.add_step("slot", t0)
         except BaseException:
             if lease is not None:
                 lease.release()
@@ -292,7 +294,9 @@ class ImageWriter:
 
     async def _process(self, plain: bytes | memoryview, lease: ChunkOwner | None) -> ChunkRef:
         size = len(plain)
+        t0 = time.perf_counter()
         addr: str = await self._cpu(self.codec.address, plain)
+        self.stats.add_step("hash", t0)
         earlier = self._by_addr.get(addr)
         if earlier is not None:  # the same chunk twice in this image (zero pages, ...)
             if lease is not None:
@@ -305,7 +309,9 @@ class ImageWriter:
         self._by_addr[addr] = me
         key = chunk_key(self.job, addr)
         if self.dedup:
+            t0 = time.perf_counter()
             info = await self.store.stat(key)
+            self.stats.add_step("stat", t0)
             if info is not None and self.verify_stored and not await self._intact(key, addr, size):
                 info = None  # damaged: written again below (an atomic replace)
             if info is not None:
@@ -354,13 +360,19 @@ class ImageWriter:
     ) -> tuple[int, bool]:
         """Compress (or frame raw) into a pooled buffer, free the plaintext, upload straight
         from the buffer. Returns the stored size and whether the frame is raw."""
+        t0 = time.perf_counter()
         out = Lease(self.buffers, await self.buffers.acquire(), None)
+        self.stats.add_step("buffer", t0)
         reuse = True
         try:
+            t0 = time.perf_counter()
             data, raw = await self._cpu(self.codec.pack, plain, addr, out.view)
+            self.stats.add_step("pack", t0)
             if lease is not None:
                 lease.release()  # compressed: the plaintext buffer can take the next chunk
+            t0 = time.perf_counter()
             await self.store.put(key, data)
+            self.stats.add_step("put", t0)
             n = len(data)
             if isinstance(data, memoryview):
                 data.release()

@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from spotguard.image.manifest import Manifest
     from spotguard.image.reader import ImageReader
     from spotguard.image.settings import ImageSettings
+    from spotguard.image.stats import TransferStats
     from spotguard.image.writer import FileSink, ImageWriter
     from spotguard.store.base import ImageStore
 
@@ -168,6 +169,7 @@ class StreamTarget:
         self.writer_options = dict(writer_options or {})
         self.manifest: Manifest | None = None
         self.capture_stats: CaptureStats | None = None
+        self.writer_stats: TransferStats | None = None  # the chunk pipeline's, once committed
         self.capture_error: BaseException | None = None
         self.plan: StagingPlan | None = None
         self._work: Path | None = None
@@ -295,6 +297,7 @@ class StreamTarget:
                 "capture": stats.to_json(),
             }
             self.manifest = await self._writer.commit(body)
+            self.writer_stats = self._writer.stats
             done = time.time()
             url = self._writer.url
         except BaseException:
