@@ -162,7 +162,13 @@ class Capture(SocketService):
         """Wait until CRIU closed the socket and every file reached the sink; raise on any
         failure of the protocol or the sink."""
         assert self._task is not None, "Capture.start() first"
-        await self._task
+        try:
+            await self._task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            if me is not None and not me.cancelling():  # aborted, not our caller cancelled
+                raise StreamError("capture: stopped before every file reached the sink") from None
+            raise
         return self.stats
 
     async def settle(self) -> CaptureStats:
