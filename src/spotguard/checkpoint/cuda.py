@@ -323,7 +323,8 @@ class CudaHook:
         """Unlock every process of ``pids`` the driver reports locked (a failed attempt)."""
         drv = self._driver()
         states = await asyncio.gather(
-            *(asyncio.to_thread(drv.state, p) for p in pids), return_exceptions=True
+            *(asyncio.wait_for(asyncio.to_thread(drv.state, p), self.call_timeout) for p in pids),
+            return_exceptions=True,
         )
         locked = [p for p, st in zip(pids, states, strict=True) if st == GpuState.LOCKED]
         if locked:
