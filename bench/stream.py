@@ -233,7 +233,7 @@ class Bench:
     notes: list[str] = field(default_factory=list)
     gpus: int = 1  # GPU jobs: one process per GPU, each holding the size given
     profile: bool = False  # sample thread states and kernel stacks (bench.stacks)
-    pipe_mib: int = 0  # the capture's pipe size for CRIU's page files (0: the default)
+    pipe_mib: int = 0  # the streams' pipe size ([image] pipe_mb; 0: the setting's default)
 
 
 # --- the job ----------------------------------------------------------------------------------
@@ -473,8 +473,8 @@ async def _read_alone(url: str) -> tuple[float, int]:
 
 
 async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
-    target = StreamTarget(b.store_url, work_root=b.work, level=1, settings=ImageSettings(),
-                          pipe_bytes=b.pipe_mib << 20 if b.pipe_mib else None)  # fmt: skip
+    settings = ImageSettings(pipe_mb=b.pipe_mib) if b.pipe_mib else ImageSettings()
+    target = StreamTarget(b.store_url, work_root=b.work, level=1, settings=settings)
     ids = _ids(job.pid)
     with Peak(job.pid) as peak, _profile(b, job.pid) as prof_freeze:
         wall0 = time.time()
@@ -522,7 +522,7 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
     for _ in range(30):  # the engine does not retry a streamed restore: the source is used up
         t0 = time.perf_counter()
         try:
-            source = StreamSource(url, settings=ImageSettings(), work_root=b.work)
+            source = StreamSource(url, settings=settings, work_root=b.work)
             with _profile(b, None) as prof_restore:
                 rr = await b.engine.restore(source, state_dir=b.state)
             break
@@ -654,8 +654,8 @@ async def main() -> int:
                     help="streamed runs: sample each thread's state and kernel stack in the "
                     "freeze and the restore (bench.stacks), print where each waits")  # fmt: skip
     ap.add_argument("--pipe-mib", type=int, default=0,
-                    help="streamed runs: the pipe size the capture sets on CRIU's page "
-                    "files, MiB (default: the capture's own)")  # fmt: skip
+                    help="streamed runs: the streams' pipe size, MiB ([image] pipe_mb; "
+                    "default: the setting's)")  # fmt: skip
     ap.add_argument("--json", type=Path, default=None, help="append each run as a JSON line")
     ap.add_argument(
         "--throughput",

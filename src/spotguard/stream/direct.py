@@ -147,7 +147,6 @@ class StreamTarget:
         work_root: Path | None = None,
         piece_bytes: int | None = None,
         buffer_bytes: int = 256 * MiB,
-        pipe_bytes: int | None = None,
         timeline: Timeline | None = None,
         writer_options: dict[str, Any] | None = None,
         meta: dict[str, Any] | None = None,
@@ -163,7 +162,6 @@ class StreamTarget:
         self.work_root = work_root
         self.piece_bytes = piece_bytes
         self.buffer_bytes = buffer_bytes
-        self.pipe_bytes = pipe_bytes
         self.timeline = timeline
         self.timeline_steps: list[Step] = []
         self.writer_options = dict(writer_options or {})
@@ -238,7 +236,7 @@ class StreamTarget:
             self._sink,
             piece_bytes=piece,
             buffer_bytes=max(self.buffer_bytes, (writer.input_limit + 2) * piece),
-            pipe_bytes=self.pipe_bytes or _pipe_bytes(self.settings),
+            pipe_bytes=_pipe_bytes(self.settings),
         )
         await self._capture.start()
         inflight = writer.max_inflight * writer.chunk_size
