@@ -9,9 +9,19 @@ fits, which option was chosen and why — logged before the freeze. After the ru
 throughputs into the file, so the next prediction on this machine is better.
 
 Streaming overlaps the CRIU dump with compression and upload, so its prediction is the GPU
-checkpoint plus the slowest of the overlapped stages; staging adds them up. When nothing fits,
-the planner says so at once and picks the configured fallback: the fastest codec level (try
-anyway, best effort) or keep the newest periodic image (and tell the controller).
+checkpoint plus the slowest of the overlapped stages; staging adds them up.
+
+A job of several processes (one rank per GPU) is checkpointed by the driver one process per
+thread, all at once, and (with a CRIU that dumps processes in parallel) streamed one pages file
+per process at once. So each of those stages is predicted from two measured rates: the rate of
+one process (``gpu_checkpoint``, ``stream:<scheme>:L<level>``; the largest process sets the
+time) and, once a run of several processes has measured it, the host's combined rate
+(``...:host``; all processes together cannot go faster). Without a host rate the prediction is
+the single-process rate applied to every byte: serial, as it was before the host measured more.
+
+When nothing fits, the planner says so at once and picks the configured fallback: the fastest
+codec level (try anyway, best effort) or keep the newest periodic image (and tell the
+controller).
 
 Transparent huge pages speed up every stage (1.3 to 1.5 times, measured on the H100 machine);
 :func:`thp_status` reads the host setting and a job's huge-page use so reports can show it.
@@ -87,10 +97,23 @@ class Estimate:
     gpu_bytes: int = 0
     cpu_bytes: int = 0
     source: str = ""
+    processes: int = 1  # processes holding memory (ranks); 1 when unknown
+    largest_gpu: int | None = None  # GPU bytes of the process that holds the most
+    largest: int | None = None  # GPU + CPU bytes of the largest process
 
     @property
     def total(self) -> int:
         return self.gpu_bytes + self.cpu_bytes
+
+    @property
+    def largest_gpu_bytes(self) -> int:
+        """GPU bytes of the largest process (all of them where the split is unknown)."""
+        return self.gpu_bytes if self.largest_gpu is None else self.largest_gpu
+
+    @property
+    def largest_bytes(self) -> int:
+        """Bytes of the largest process's image part (the whole image where unknown)."""
+        return self.total if self.largest is None else self.largest
 
 
 @dataclass(frozen=True)
@@ -153,28 +176,46 @@ def tree_rss(pid: int) -> int:
     return total
 
 
-def gpu_bytes_of(pids: set[int]) -> int:
-    """GPU memory the given processes hold, by NVML; 0 where there is no NVML or GPU."""
+def gpu_bytes_by_pid(pids: set[int]) -> dict[int, int]:
+    """GPU memory each of the given processes holds, by NVML; empty where there is no NVML
+    or GPU."""
     try:
         import pynvml
     except ImportError:
-        return 0
+        return {}
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        return 0
-    total = 0
+        return {}
+    held: dict[int, int] = {}
     try:
         for i in range(pynvml.nvmlDeviceGetCount()):
             handle = pynvml.nvmlDeviceGetHandleByIndex(i)
             for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
                 if proc.pid in pids and proc.usedGpuMemory:
-                    total += int(proc.usedGpuMemory)
+                    held[proc.pid] = held.get(proc.pid, 0) + int(proc.usedGpuMemory)
     except pynvml.NVMLError as exc:
         log.warning("NVML could not list GPU processes: %s", exc)
     finally:
         pynvml.nvmlShutdown()
-    return total
+    return held
+
+
+def gpu_bytes_of(pids: set[int]) -> int:
+    """GPU memory the given processes hold, by NVML; 0 where there is no NVML or GPU."""
+    return sum(gpu_bytes_by_pid(pids).values())
+
+
+def _rss_by_pid(pids: set[int]) -> dict[int, int]:
+    import psutil
+
+    rss: dict[int, int] = {}
+    for pid in pids:
+        try:
+            rss[pid] = psutil.Process(pid).memory_info().rss
+        except psutil.Error:
+            continue
+    return rss
 
 
 def estimate(pid: int) -> Estimate:
@@ -182,6 +223,8 @@ def estimate(pid: int) -> Estimate:
 
     The GPU side ends up in host memory at checkpoint time and CRIU dumps both, so the image
     is about GPU bytes + RSS (measured: 98.5% GPU memory for a PyTorch trainer).
+    The largest process and the number of processes that hold memory go with it: the stages
+    that run one process per thread finish when the largest one does.
     """
     import psutil
 
@@ -190,9 +233,21 @@ def estimate(pid: int) -> Estimate:
         pids = {pid, *(c.pid for c in root.children(recursive=True))}
     except psutil.Error:
         pids = {pid}
-    gpu = gpu_bytes_of(pids)
+    gpu = gpu_bytes_by_pid(pids)
+    rss = _rss_by_pid(pids)
+    # a process counts as one of the job's "ranks" when it holds GPU memory or at least
+    # 1/16 of the largest process's memory (launchers and idle helpers do not)
+    per = {p: gpu.get(p, 0) + rss.get(p, 0) for p in pids}
+    biggest = max(per.values(), default=0)
+    ranks = [p for p, n in per.items() if gpu.get(p) or (biggest and n * 16 >= biggest)]
+    total_gpu = sum(gpu.values())
     return Estimate(
-        gpu_bytes=gpu, cpu_bytes=tree_rss(pid), source="nvml+psutil" if gpu else "psutil"
+        gpu_bytes=total_gpu,
+        cpu_bytes=sum(rss.values()),
+        source="nvml+psutil" if total_gpu else "psutil",
+        processes=max(1, len(ranks)),
+        largest_gpu=max(gpu.values(), default=0),
+        largest=biggest,
     )
 
 
@@ -212,6 +267,7 @@ class Plan:
     thp: ThpStatus | None = None
     actual: dict[str, float] | None = None
     planned_at: float = field(default_factory=time.time)
+    parallel: bool = False  # CRIU streams the processes' memory at once (one file each)
 
     def to_json(self) -> dict[str, Any]:
         d = asdict(self)
@@ -300,27 +356,57 @@ class Planner:
     def _upload(self, scheme: str) -> float:
         return self.throughput.get(f"upload:{scheme}", self.throughput["upload:s3"])
 
+    def _spread(self, key: str, rate: float, largest: int, total: int, processes: int) -> float:
+        """Seconds for a stage that runs one process per thread: the largest process at one
+        process's ``rate``, bounded below by every byte at the host's combined rate
+        (``<key>:host``) once a run of several processes measured it; serial until then."""
+        if processes <= 1 or largest >= total:
+            return total / rate
+        host = self.throughput.get(f"{key}:host")
+        if host is None:
+            return total / rate
+        return max(largest / rate, total / host)
+
     def predict(
-        self, est: Estimate, *, mode: Literal["stream", "stage"], level: int, store_url: str
+        self,
+        est: Estimate,
+        *,
+        mode: Literal["stream", "stage"],
+        level: int,
+        store_url: str,
+        parallel: bool = False,
     ) -> tuple[dict[str, float], float]:
-        """Predicted seconds per stage and in total for one option."""
+        """Predicted seconds per stage and in total for one option. ``parallel``: CRIU dumps
+        the processes' memory at once (the stream then spreads like the GPU checkpoint)."""
         scheme = _scheme(store_url)
         ratio = self.ratio.get(f"L{level}", DEFAULT_RATIO)
-        gpu = est.gpu_bytes / self.throughput["gpu_checkpoint"] if est.gpu_bytes else 0.0
+        gpu = (
+            self._spread(
+                "gpu_checkpoint",
+                self.throughput["gpu_checkpoint"],
+                est.largest_gpu_bytes,
+                est.gpu_bytes,
+                est.processes,
+            )
+            if est.gpu_bytes
+            else 0.0
+        )
         stages = {
             "gpu_checkpoint": gpu,
             "criu_dump": est.total / self.throughput["criu_dump"],
             "compress": est.total / self._compress(level),
             "upload": est.total / ratio / self._upload(scheme),
         }
-        measured = self.throughput.get(f"stream:{scheme}:L{level}")
+        key = f"stream:{scheme}:L{level}"
+        measured = self.throughput.get(key)
         if mode == "stream":
             # Overlapped: the pipeline runs at its slowest stage (or as measured before).
-            pipe = (
-                est.total / measured
-                if measured
-                else max(stages["criu_dump"], stages["compress"], stages["upload"])
-            )
+            if measured and parallel:
+                pipe = self._spread(key, measured, est.largest_bytes, est.total, est.processes)
+            elif measured:
+                pipe = est.total / measured
+            else:
+                pipe = max(stages["criu_dump"], stages["compress"], stages["upload"])
             stages["stream"] = pipe
             total = gpu + pipe
         else:
@@ -335,8 +421,10 @@ class Planner:
         store_url: str,
         stream: bool = True,
         pid: int | None = None,
+        parallel: bool = False,
     ) -> Plan:
         """Choose how to freeze: the first level that fits the deadline, else the fallback.
+        ``parallel``: the CRIU at hand dumps the job's processes at once.
 
         Logs the plan (one line, with every stage) before anything is frozen.
         """
@@ -345,11 +433,14 @@ class Planner:
         scheme = _scheme(store_url)
         candidates: list[Plan] = []
         for level in self.settings.levels:
-            stages, total = self.predict(est, mode=mode, level=level, store_url=store_url)
+            stages, total = self.predict(
+                est, mode=mode, level=level, store_url=store_url, parallel=parallel
+            )
             fits = deadline_s is None or total + self.settings.margin_s <= deadline_s
             candidates.append(
-                Plan(mode, level, scheme, est, deadline_s, stages, total, fits, "", thp)
-            )
+                Plan(mode, level, scheme, est, deadline_s, stages, total, fits, "", thp,
+                     parallel=parallel)
+            )  # fmt: skip
         chosen = next((p for p in candidates if p.fits), None)
         if chosen is not None:
             first = chosen is candidates[0]
@@ -364,7 +455,7 @@ class Planner:
             if self.settings.fallback == "periodic":
                 chosen = Plan(
                     "keep-periodic", fastest.level, scheme, est, deadline_s, fastest.stages,
-                    fastest.total_s, False, "", thp,
+                    fastest.total_s, False, "", thp, parallel=parallel,
                 )  # fmt: skip
                 chosen.reason = (
                     f"cannot be durable in time ({fastest.total_s:.1f}s needed, "
@@ -390,6 +481,7 @@ class Planner:
                 "gpu_bytes": est.gpu_bytes,
                 "fits": chosen.fits,
                 "thp": thp.enabled,
+                "processes": est.processes,
             },
         )
         return chosen
@@ -419,13 +511,25 @@ class Planner:
         streamed runs, and ``total`` (freeze start → durable) for both.
         """
         plan.actual = dict(seconds)
-        g = gpu_bytes if gpu_bytes is not None else plan.estimate.gpu_bytes
+        est = plan.estimate
+        g = gpu_bytes if gpu_bytes is not None else est.gpu_bytes
+        many = est.processes > 1
         if g and seconds.get("gpu_checkpoint"):
-            self._fold("gpu_checkpoint", g / seconds["gpu_checkpoint"])
+            s = seconds["gpu_checkpoint"]
+            # one process's rate from the largest one (they run at once); the host's from all
+            one = min(g, est.largest_gpu_bytes) if many else g
+            self._fold("gpu_checkpoint", one / s)
+            if many:
+                self._fold("gpu_checkpoint:host", g / s)
         if raw_bytes:
             if plan.mode == "stream" and seconds.get("stream"):
                 key = f"stream:{plan.store_scheme}:L{plan.level}"
-                self._fold(key, raw_bytes / seconds["stream"])
+                s = seconds["stream"]
+                if plan.parallel and many:
+                    self._fold(key, min(raw_bytes, est.largest_bytes) / s)
+                    self._fold(f"{key}:host", raw_bytes / s)
+                else:
+                    self._fold(key, raw_bytes / s)
             for stage, key in (
                 ("criu_dump", "criu_dump"),
                 ("compress", f"compress:L{plan.level}"),

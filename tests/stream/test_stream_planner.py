@@ -79,3 +79,78 @@ def test_thp_status_reads_sysfs_and_smaps(tmp_path: Path) -> None:
 def test_estimate_of_this_process_counts_its_memory() -> None:
     est = estimate(os.getpid())
     assert est.cpu_bytes > 10 << 20 and est.gpu_bytes == 0
+
+
+def test_ranks_checkpoint_at_once_once_the_host_rate_is_measured(tmp_path: Path) -> None:
+    """Eight ranks of 4 GiB: serial until a run of several processes measured the host's
+    combined rate; then the largest rank at one process's rate, bounded by the host's."""
+    p = _planner(tmp_path, smoothing=1.0)
+    one = Estimate(gpu_bytes=4 * GiB, cpu_bytes=0, processes=1)
+    eight = Estimate(
+        gpu_bytes=32 * GiB, cpu_bytes=0, processes=8, largest_gpu=4 * GiB, largest=4 * GiB
+    )
+    t1 = p.predict(one, mode="stream", level=1, store_url="file:///x")[0]["gpu_checkpoint"]
+    t8 = p.predict(eight, mode="stream", level=1, store_url="file:///x")[0]["gpu_checkpoint"]
+    assert t8 == pytest.approx(8 * t1)  # nothing measured on this host yet: serial
+    plan = p.plan(eight, deadline_s=None, store_url="file:///x", parallel=True)
+    # a measured run: all eight in 4 s (one rank's rate 1 GiB/s, the host's 8 GiB/s), the
+    # stream of 32 GiB in 8 s with one pages file per rank at once
+    p.record(
+        plan,
+        seconds={"gpu_checkpoint": 4.0, "stream": 8.0, "total": 12.0},
+        raw_bytes=32 * GiB,
+    )
+    assert p.throughput["gpu_checkpoint"] == pytest.approx(GiB)
+    assert p.throughput["gpu_checkpoint:host"] == pytest.approx(8 * GiB)
+    assert p.throughput["stream:file:L1:host"] == pytest.approx(4 * GiB)
+    stages, total = p.predict(eight, mode="stream", level=1, store_url="file:///x", parallel=True)
+    assert stages["gpu_checkpoint"] == pytest.approx(4.0)
+    assert stages["stream"] == pytest.approx(8.0)
+    assert total == pytest.approx(12.0)
+    # sixteen ranks on the same host: the host's combined rate now bounds both stages
+    sixteen = Estimate(
+        gpu_bytes=64 * GiB, cpu_bytes=0, processes=16, largest_gpu=4 * GiB, largest=4 * GiB
+    )
+    st16 = p.predict(sixteen, mode="stream", level=1, store_url="file:///x", parallel=True)[0]
+    assert st16["gpu_checkpoint"] == pytest.approx(8.0)
+    assert st16["stream"] == pytest.approx(16.0)
+    # a CRIU that dumps one process after another streams every byte at one file's rate
+    serial = p.predict(eight, mode="stream", level=1, store_url="file:///x", parallel=False)[0]
+    assert serial["stream"] == pytest.approx(32 * GiB / p.throughput["stream:file:L1"])
+
+
+def test_estimate_counts_the_ranks_of_a_launcher(tmp_path: Path) -> None:
+    """A launcher (small) with two children holding 256 MiB each: two ranks, the largest
+    ~256 MiB."""
+    import subprocess
+    import sys
+    import time
+
+    code = (
+        "b=bytearray(256<<20)\nfor i in range(0,len(b),4096): b[i]=1\nimport time\ntime.sleep(60)"
+    )
+    launcher = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import subprocess,sys\n"
+            f"ps=[subprocess.Popen([sys.executable,'-c',{code!r}]) for _ in range(2)]\n"
+            "[p.wait() for p in ps]",
+        ]
+    )
+    try:
+        deadline = time.monotonic() + 20
+        est = estimate(launcher.pid)
+        while est.cpu_bytes < 2 * (256 << 20) + (16 << 20) and time.monotonic() < deadline:
+            time.sleep(0.2)
+            est = estimate(launcher.pid)
+        assert est.processes == 2
+        assert (256 << 20) <= est.largest_bytes < (300 << 20)
+        assert est.cpu_bytes > 2 * (256 << 20)
+    finally:
+        import psutil
+
+        for c in psutil.Process(launcher.pid).children(recursive=True):
+            c.kill()
+        launcher.kill()
+        launcher.wait()
