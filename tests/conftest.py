@@ -7,22 +7,80 @@ import re
 import shutil
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterator, MutableMapping
 from pathlib import Path
 
 import pytest
 
+import sg_leftovers as leftovers
+
 REQUIRE_CRIU = os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1"
 MIN_TESTS = 1
+#: ``SPOTGUARD_*`` variables that steer the test harness itself (which CRIU, how strict, GPU
+#: test sizes, reports), not spotguard's settings: the only ones kept from the caller.
+HARNESS_VARS = frozenset(
+    {
+        "SPOTGUARD_REQUIRE_CRIU",
+        "SPOTGUARD_CRIU",
+        "SPOTGUARD_CRIU_DEBS",
+        "SPOTGUARD_TEST_TORCH_PYTHON",
+        "SPOTGUARD_PARK_TEST_MB",
+        "SPOTGUARD_FAULTS_REPORT",
+        "SPOTGUARD_GPU_PYTEST",
+        "SPOTGUARD_WHEELS",
+    }
+)
+
+
+def isolate_environment(environ: MutableMapping[str, str]) -> list[str]:
+    """Remove the caller's spotguard settings (``SPOTGUARD_STATE_DIR``, ``_STORE``, ``_CONFIG``,
+    ...) from ``environ``: a test sets what it needs, and an operator's exported variables must
+    neither fail tests nor point them at a real state dir. Returns the names removed."""
+    dropped = sorted(k for k in environ if k.startswith("SPOTGUARD_") and k not in HARNESS_VARS)
+    for key in dropped:
+        del environ[key]
+    return dropped
+
+
+# At import, before any test module (or spotguard) reads the environment.
+_DROPPED = isolate_environment(os.environ)
 
 
 def pytest_configure(config: pytest.Config) -> None:
     """Tests run the console scripts installed beside this interpreter (``spotguard``,
-    ``checkov``, ``shellcheck``), whether or not the virtualenv is activated."""
+    ``checkov``, ``shellcheck``), whether or not the virtualenv is activated. Every process the
+    tests start inherits :data:`leftovers.MARK` (checked at the end of the session)."""
     bindir = str(Path(sys.executable).parent)
     path = os.environ.get("PATH", "")
     if bindir not in path.split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + path
+    leftovers.mark_session(os.environ)
+
+
+def pytest_report_header(config: pytest.Config) -> str | None:
+    if _DROPPED:
+        return "cleared from the environment: " + ", ".join(_DROPPED)
+    return None
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fail the run if a process started by the tests outlived them (it is killed too)."""
+    if getattr(session.config, "workerinput", None) is not None:
+        return  # an xdist worker: the controller process checks once
+    left = leftovers.find(os.environ)
+    if not left:
+        return
+    lines = leftovers.kill(left)
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+    msg = f"{len(left)} process(es) started by the tests were still running (killed):"
+    if reporter is not None:
+        reporter.write_sep("=", "leftover processes", red=True)
+        reporter.write_line(msg)
+        for line in lines:
+            reporter.write_line("  " + line)
+    else:
+        print(msg, *lines, sep="\n  ", file=sys.stderr)
+    session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
