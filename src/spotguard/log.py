@@ -74,6 +74,7 @@ FIELDS: dict[str, str] = {
     # outcomes and figures
     "error": "why something failed (one line)",
     "reason": "why a decision was made",
+    "fields": "names of fields (of an agent report that this controller does not know)",
     "decision": "what the agent decided about a notice",
     "status": "an HTTP status",
     "attempt": "the attempt number of a retried call",

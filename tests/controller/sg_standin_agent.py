@@ -4,6 +4,8 @@ class>; with STANDIN_FAIL_IMAGE=<url> too, only for that image), shaped exactly 
 agent's events, over real HTTP. Then stays up like a VM would.
 With STANDIN_LOSE_FIRST=<file>, the first VM (the one that finds no such file: it creates it)
 reports RESTORING and then dies before restoring, like a spot instance taken back at once.
+With STANDIN_NO_FACTS=1 its reports name no instance, like an agent with ``cloud=none`` or an
+unreadable metadata service.
 
 It exists so the controller's side of restore-on-boot is tested independently of the agent.
 """
@@ -46,6 +48,8 @@ def main() -> int:
     url = os.environ["SPOTGUARD_CONTROLLER_URL"]
     token = os.environ["SPOTGUARD_CONTROLLER_TOKEN"]
     instance = {"provider": "local", "instance_id": os.environ["SPOTGUARD_LOCAL_VM_ID"]}
+    if os.environ.get("STANDIN_NO_FACTS"):
+        instance = {}
     detail = {"attempt": a.attempt}
     post(
         url,

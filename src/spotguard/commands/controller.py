@@ -97,7 +97,8 @@ def _when(ts: float | None) -> str:
 
 @click.group("jobs")
 def jobs() -> None:
-    """List and show jobs known to the controller; unpark a job parked to a store."""
+    """List and show jobs known to the controller; unpark a job parked to a store; retry a
+    failed job."""
 
 
 @jobs.command("list")
@@ -177,6 +178,35 @@ def jobs_unpark(
     """
     body = {"to": to} if to else {}
     r = asyncio.run(_client(ctx, flags).post(f"/v1/jobs/{job}/unpark", body))
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+        return
+    click.echo(f"{r['job']}: {r['state']} — {r['reason']}")
+
+
+@jobs.command("retry")
+@click.argument("job")
+@click.option(
+    "--to",
+    "to",
+    default=None,
+    metavar="REGION|TYPE",
+    help="Relaunch the job in this region or on this instance type (checked first).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the job's summary as JSON.")
+@options(ClientSettings)
+@click.pass_context
+def jobs_retry(
+    ctx: click.Context, /, job: str, to: str | None, as_json: bool, **flags: Any
+) -> None:
+    """Relaunch a FAILED JOB from its newest image, with a fresh restart budget.
+
+    The controller gave up on it (max restarts in a row, no capacity, a refused launch);
+    once the cause is fixed this starts a new launch round as a recovery does. Images known
+    bad stay refused. Example: spotguard jobs retry train --to g5.2xlarge
+    """
+    body = {"to": to} if to else {}
+    r = asyncio.run(_client(ctx, flags).post(f"/v1/jobs/{job}/retry", body))
     if as_json:
         click.echo(json.dumps(r, indent=2))
         return

@@ -12,6 +12,9 @@
 ``POST /v1/jobs/{job}/migrate``          admin   ``{"to": REGION|TYPE, "immediate": false}``
 ``POST /v1/jobs/{job}/unpark``           admin   ``{"to": REGION|TYPE}`` (optional): relaunch a
                                                  job parked to a store (409 when not parked)
+``POST /v1/jobs/{job}/retry``            admin   ``{"to": REGION|TYPE}`` (optional): relaunch a
+                                                 FAILED job from its newest image with a fresh
+                                                 restart budget (409 when not failed)
 ``GET /healthz``                         —       ``{"ok": true, "jobs": N}``
 ``GET /metrics``                         —       Prometheus text format
 =======================================  ======  =============================================
@@ -25,6 +28,7 @@ conflicting state or a non-owner's event, 503 state file unusable.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -33,8 +37,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from spotguard.contracts import SCHEMA, EventAnswer, InstanceInfo, parse_event
+from spotguard.contracts import SCHEMA, AnyEvent, EventAnswer, parse_event
 from spotguard.controller.core import Controller, directive_of
+from spotguard.controller.machine import instance_info
 from spotguard.controller.state import JobRecord
 from spotguard.controller.tokens import Caller
 from spotguard.errors import (
@@ -119,7 +124,7 @@ def _summary(rec: JobRecord, asker_epoch: int | None = None) -> dict[str, Any]:
     d = directive_of(rec, asker_epoch)
     answer = EventAnswer(
         **d.model_dump(),
-        instance=InstanceInfo.model_validate(rec.instance) if rec.instance else None,
+        instance=instance_info(rec.instance) if rec.instance else None,
         pending=rec.pending,
         image_url=rec.image_url,
         restarts=rec.restarts,
@@ -139,19 +144,63 @@ def _admin(request: web.Request) -> None:
         raise AuthError("this route needs the admin token; a VM token may not use it")
 
 
+_LOGGED_FIELDS: set[tuple[str, str]] = set()  # (kind, field) already logged as unexpected
+
+
+def _drop(doc: Any, path: tuple[str | int, ...]) -> None:
+    """Remove the key at ``path`` from the nested dicts/lists of ``doc`` (if it is there)."""
+    for step in path[:-1]:
+        if isinstance(doc, dict) and isinstance(step, str):
+            doc = doc.get(step)
+        elif isinstance(doc, list) and isinstance(step, int) and step < len(doc):
+            doc = doc[step]
+        else:
+            return
+    if isinstance(doc, dict):
+        doc.pop(path[-1], None)
+
+
+def parse_lenient(body: bytes) -> tuple[AnyEvent, list[str]]:
+    """An agent event from ``body``, validated at the edge: fields this controller does not
+    know (a newer agent's) are dropped and named in the second value (dotted paths); any
+    other problem raises :class:`ValidationError` as :func:`parse_event` does."""
+    try:
+        return parse_event(body), []
+    except ValidationError as first:
+        errors = first.errors()
+        extra = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
+        if not extra or len(extra) != len(errors):
+            raise
+        doc = json.loads(body)
+        ignored: list[str] = []
+        for loc in extra:
+            path = tuple(loc[1:])  # loc[0] is the union's tag (the event's kind)
+            if path:
+                _drop(doc, path)
+                ignored.append(".".join(str(x) for x in path))
+        return parse_event(json.dumps(doc)), sorted(ignored)
+
+
 async def post_event(request: web.Request) -> web.Response:
     body = await request.read()
     try:
-        ev = parse_event(body)
+        ev, ignored = parse_lenient(body)
     except ValidationError as exc:
         msg = f"malformed event: {_problems(exc)}"
         log.warning("malformed event", extra={"peer": request.remote, "error": msg})
         return _error(400, msg)
+    new = [n for n in ignored if (ev.kind.value, n) not in _LOGGED_FIELDS]
+    if new:
+        _LOGGED_FIELDS.update((ev.kind.value, n) for n in new)
+        log.warning(
+            "unexpected field in an agent report ignored (logged once per kind and field)",
+            extra={"job": ev.job, "kind": ev.kind.value, "fields": new},
+        )
     if ev.schema_version != SCHEMA:
         return _error(
             400, f"event schema {ev.schema_version}; this controller speaks schema {SCHEMA}"
         )
-    done = await request.app[CONTROLLER_KEY].handle_event(ev, _caller(request))
+    done = await request.app[CONTROLLER_KEY].handle_event(ev, _caller(request), ignored=ignored)
     epoch = _caller(request).epoch if not _caller(request).admin else ev.epoch
     out = {**_summary(done.record, epoch), "duplicate": not done.applied}
     if done.stale is not None:
@@ -195,6 +244,17 @@ async def unpark_job(request: web.Request) -> web.Response:
     return web.json_response(_summary(rec))
 
 
+async def retry_job(request: web.Request) -> web.Response:
+    _admin(request)
+    raw = await request.read()
+    try:
+        req = UnparkRequest.model_validate_json(raw) if raw.strip() else UnparkRequest()
+    except ValidationError as exc:
+        return _error(400, f"malformed retry request: {_problems(exc)}")
+    rec = await request.app[CONTROLLER_KEY].retry(request.match_info["job"], req.to)
+    return web.json_response(_summary(rec))
+
+
 async def directive(request: web.Request) -> web.Response:
     raw = request.query.get("epoch")
     if raw is not None and not raw.isdigit():
@@ -225,6 +285,7 @@ def make_app(controller: Controller) -> web.Application:
     app.router.add_get("/v1/jobs/{job}", show_job)
     app.router.add_post("/v1/jobs/{job}/migrate", migrate_job)
     app.router.add_post("/v1/jobs/{job}/unpark", unpark_job)
+    app.router.add_post("/v1/jobs/{job}/retry", retry_job)
     app.router.add_get("/v1/jobs/{job}/directive", directive)
     app.router.add_get("/healthz", healthz)
     app.router.add_get("/metrics", metrics)

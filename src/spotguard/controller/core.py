@@ -13,20 +13,19 @@ import contextlib
 import logging
 import re
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from spotguard.contracts import (
     AnyEvent,
     Directive,
-    InstanceInfo,
     NoticeEvent,
     NoticeInfo,
     Owner,
 )
-from spotguard.controller.machine import Options, on_event
-from spotguard.controller.ownership import relaunch
+from spotguard.controller.machine import Options, instance_info, on_event
+from spotguard.controller.ownership import new_epoch, relaunch
 from spotguard.controller.reconcile import Metrics, Reconciler
 from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, StateDB
@@ -170,12 +169,15 @@ class Controller(Reconciler):
 
     # ----- inputs -------------------------------------------------------------------------
 
-    async def handle_event(self, ev: AnyEvent, caller: Caller = ADMIN) -> Applied:
+    async def handle_event(
+        self, ev: AnyEvent, caller: Caller = ADMIN, *, ignored: Sequence[str] = ()
+    ) -> Applied:
         """Apply an agent event (idempotent by ``event_id``) from ``caller``.
 
         A VM token may only report for its own job (:class:`AuthError`), and its events carry
         its epoch (a different one in the body is refused). An event from a non-owner is
-        recorded and changes nothing (``Applied.stale``)."""
+        recorded and changes nothing (``Applied.stale``). ``ignored`` names fields of the
+        report that the edge dropped (unknown to this controller): recorded in the history."""
         if not caller.may_act_for(ev.job):
             raise AuthError(f"this token may not report for job {ev.job!r}")
         if not caller.admin:
@@ -188,6 +190,9 @@ class Controller(Reconciler):
 
         def fn(rec: JobRecord | None) -> Change | None:
             out = on_event(rec, ev, opts)
+            if out is not None and ignored:
+                out.detail["ignored"] = list(ignored)
+                out.note = True
             made[:] = [out] if out is not None else []
             return out
 
@@ -229,7 +234,7 @@ class Controller(Reconciler):
                 ev = NoticeEvent(
                     event_id=eid,
                     job=rec.name,
-                    instance=InstanceInfo.model_validate(rec.instance),
+                    instance=instance_info(rec.instance),
                     epoch=rec.data.owner.epoch,  # the owner's VM is the one warned
                     notice=NoticeInfo.model_validate(notice.to_json()),
                     source=notice.cloud.value,
@@ -261,6 +266,8 @@ class Controller(Reconciler):
         rec = await self.db.get(name)
         if rec is None:
             raise JobNotFound(f"no job {name!r}")
+        if rec.state is JobState.FAILED and immediate:
+            return await self.retry(name, to)  # a failed job moves by being retried there
         if rec.state in TERMINAL:
             raise ControllerError(f"job {name!r} is {rec.state.value}; nothing to migrate")
         target = await self._target(rec, to, "migrate")
@@ -316,6 +323,7 @@ class Controller(Reconciler):
                 r.data.target = target
             r.image_url = image
             r.restarts = 0
+            r.data.failed_rounds = 0
             r.data.bad_images, r.data.older_image = [], False
             r.data.parked_image = r.data.parked_reason = None
             where = f" in {' '.join(r.data.target.values())}" if r.data.target else ""
@@ -327,6 +335,48 @@ class Controller(Reconciler):
             state = out.state.value if out is not None else "gone"
             raise ControllerError(f"job {name!r} is {state}, not parked; nothing to unpark")
         log.info("unpark", extra={"job": name, "image": out.image_url, "target": target})
+        self._ensure_loop(name)
+        self.wake(name)
+        return out
+
+    async def retry(self, name: str, to: str | None = None) -> JobRecord:
+        """Relaunch FAILED job ``name`` from its newest image (``spotguard jobs retry``,
+        ``migrate --now`` of a failed job): a new round under a new epoch, as a recovery,
+        with a fresh restart budget, optionally onto region or type ``to``. Images known
+        bad stay refused. A job that is not FAILED is refused (:class:`ControllerError`)."""
+        rec = await self.db.get(name)
+        if rec is None:
+            raise JobNotFound(f"no job {name!r}")
+        if rec.state is not JobState.FAILED:
+            raise ControllerError(
+                f"job {name!r} is {rec.state.value}, not failed; only a failed job can be retried"
+            )
+        target = await self._target(rec, to, "retry") if to else None
+
+        def fn(r: JobRecord | None) -> Change | None:
+            if r is None or r.state is not JobState.FAILED:
+                return None
+            if target is not None:
+                r.data.target = target
+            r.data.failed_rounds = 0
+            r.pending = None
+            why = r.reason
+            where = f" in {' '.join(r.data.target.values())}" if r.data.target else ""
+            reason = f"retry{where} by the operator (it had failed: {why})"
+            if not r.image_url:
+                r.state = JobState.INTERRUPTING  # the loop takes the store's newest image
+                r.deadline = time.time()
+                r.data.fallback_now = True
+                r.reason = reason
+                new_epoch(r)
+                return Change(r, reason)
+            return relaunch(r, reason, drain=False, terminate_old=False)
+
+        out, _ = await self.db.change(name, fn)
+        if out is None or out.state is JobState.FAILED:
+            state = out.state.value if out is not None else "gone"
+            raise ControllerError(f"job {name!r} is {state}; nothing to retry")
+        log.info("retry", extra={"job": name, "image": out.image_url, "target": target})
         self._ensure_loop(name)
         self.wake(name)
         return out

@@ -43,12 +43,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from spotguard.contracts import (
     AnyEvent,
     CheckpointFailedEvent,
     DurableEvent,
     EventKind,
     ExitedEvent,
+    InstanceInfo,
     NoticeEvent,
     Owner,
     ParkedEvent,
@@ -142,6 +145,39 @@ def spec_from(rec: JobRecord, ev: StartedEvent | DurableEvent | RestoredEvent) -
     return spec.to_json()
 
 
+_FACT_KEYS = frozenset(InstanceInfo.model_fields)
+
+
+def instance_facts(d: dict[str, Any] | None) -> dict[str, Any]:
+    """``d`` — an agent's :class:`InstanceInfo`, a launched ``InstanceRef.to_json()`` or a
+    record written by an older controller — as instance facts: only the keys
+    :class:`InstanceInfo` knows (``market`` becomes ``spot``). A job's ``instance`` is always
+    stored in this shape, so every answer about the job can be built from it."""
+    src = dict(d or {})
+    out = {k: v for k, v in src.items() if k in _FACT_KEYS and k != "extra"}
+    if "spot" not in out and "market" in src:
+        out["spot"] = src["market"] == "spot"
+    extra = src.get("extra")
+    if isinstance(extra, dict) and "market" not in src:
+        out["extra"] = extra  # an agent's own extra facts (a provider ref's are its own)
+    return out
+
+
+def instance_info(d: dict[str, Any] | None) -> InstanceInfo:
+    """:func:`instance_facts` as an :class:`InstanceInfo` (never raises for a stored record:
+    a value of the wrong type is dropped)."""
+    facts = instance_facts(d)
+    try:
+        return InstanceInfo.model_validate(facts)
+    except ValidationError:
+        keep = {k: v for k, v in facts.items() if isinstance(v, str | bool) or v is None}
+        keep.pop("extra", None)
+        try:
+            return InstanceInfo.model_validate(keep)
+        except ValidationError:
+            return InstanceInfo(instance_id=str(facts.get("instance_id") or "") or None)
+
+
 def _seen_notice(c: Ctx, ev: NoticeEvent) -> SeenNotice | None:
     """Whether this notice (per instance, id and cancellation) was applied already; if not,
     remember it. The fleet source's ids equal the on-VM AWS source's for the same
@@ -186,7 +222,9 @@ def _started(c: Ctx) -> Change:
     if rec.state is JobState.RESTORING and ev.epoch is None and c.iid not in (None, pending):
         return c.note(f"started on {c.where}, not the instance being restored")
     rec.state = JobState.PROTECTED
-    rec.instance = ev.instance.model_dump() if c.iid else dict(rec.pending or rec.instance)
+    rec.instance = instance_facts(
+        ev.instance.model_dump() if c.iid else (rec.pending or rec.instance)
+    )
     rec.data.owner = Owner(instance_id=c.iid or pending, epoch=rec.data.owner.epoch)
     rec.data.parked_image = rec.data.parked_reason = None  # unparked by hand, if it was parked
     rec.pending = None
@@ -203,9 +241,10 @@ def _restored(c: Ctx) -> Change:
     if c.iid is not None and pending and c.iid != pending and not vouched:
         return c.note(f"restored on {c.where}, not the instance being restored")
     rec.state = JobState.PROTECTED
-    rec.instance = ev.instance.model_dump() if c.iid else dict(rec.pending or {})
+    rec.instance = instance_facts(ev.instance.model_dump() if c.iid else rec.pending)
     rec.data.launched = rec.pending
     rec.data.skip_offers = []
+    rec.data.failed_rounds = 0  # the restart budget counts failed recoveries in a row
     rec.data.owner = Owner(instance_id=c.iid or pending, epoch=rec.data.owner.epoch)
     rec.pending = None
     rec.launch_token = None

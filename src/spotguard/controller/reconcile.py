@@ -254,8 +254,13 @@ class Reconciler(ImageChoice):
                 await self._set(rec, adopt)
                 return
         else:
-            if rec.restarts >= s.max_restarts:
-                await self._set(rec, self._fail(f"max restarts ({s.max_restarts}) reached"))
+            if rec.data.failed_rounds >= s.max_restarts:
+                why = (
+                    f"max restarts ({s.max_restarts}) reached: {rec.data.failed_rounds} "
+                    "relaunch rounds in a row did not restore the job; 'spotguard jobs retry "
+                    f"{rec.name}' tries again"
+                )
+                await self._set(rec, self._fail(why))
                 return
             if rec.data.older_image:
                 older = await self._older_image(rec)
@@ -269,7 +274,9 @@ class Reconciler(ImageChoice):
                 r.launch_token = token
                 r.launch_attempt = 0
                 r.restarts += 1
-                return Change(r, f"launch round {r.restarts} (token {token})", note=True)
+                r.data.failed_rounds += 1
+                why = f"launch round {r.restarts} (token {token}; {r.data.failed_rounds} in a row)"
+                return Change(r, why, note=True)
 
             await self._set(rec, begin)
             got = await self.db.get(rec.name)
@@ -370,7 +377,8 @@ class Reconciler(ImageChoice):
     @staticmethod
     def _abandon(ref: InstanceRef, reason: str) -> Mutate:
         """A failed attempt: queue ``ref`` for termination and start a new round (counted
-        against ``max_restarts``) that tries the other offers before this one's."""
+        against ``max_restarts``, the rounds in a row without a restore) that tries the
+        other offers before this one's."""
 
         def mutate(r: JobRecord) -> Change:
             r.data.terminate = [*r.data.terminate, ref.to_json()]

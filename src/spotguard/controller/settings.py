@@ -63,7 +63,13 @@ class ControllerSettings(Settings):
     default_store: str | None = Field(
         None, description="Image store URL for jobs whose agent names none"
     )
-    max_restarts: int = Field(5, ge=0, description="Relaunches per job before giving up")
+    max_restarts: int = Field(
+        5,
+        ge=0,
+        le=1000,
+        description="Relaunch rounds in a row that do not restore a job before it is FAILED "
+        "(each successful restore resets the count; 'jobs retry' opens a new budget)",
+    )
     notice_grace_s: float = Field(
         60.0, ge=0, description="Seconds past a notice's deadline before using the newest image"
     )

@@ -130,6 +130,9 @@ class JobData(BaseModel):
     terminate: list[Ref] = Field(default_factory=list)  # instances queued for termination
     skip_offers: list[str] = Field(default_factory=list)  # offers that lost an instance
     capacity_rounds: int = 0
+    #: launch rounds in a row that did not restore the job (the restart budget: reset by a
+    #: successful restore, an unpark or a retry; ``restarts`` counts every round for life)
+    failed_rounds: int = 0
     offer: Ref | None = None  # the offer of the current launch attempt
     spec_image: str | None = None  # the image the launch spec was read from
     target: dict[str, str] | None = None  # a pending migration: {"region"} or {"type"}

@@ -1,0 +1,164 @@
+"""Ways a fleet loses a job at the controller (issue 31), over real HTTP with the local
+provider whose "VMs" run the stand-in agent (sg_standin_agent.py):
+
+* the restart budget counts relaunch rounds in a row that did not restore the job, reset by
+  each successful restore, so a multi-day job survives any number of interruptions;
+* a FAILED job can be retried from the controller (``jobs retry``, ``migrate --now``);
+* what agents send is validated at the edge: a report without instance facts (``cloud=none``)
+  or with fields this controller does not know never poisons the job's answers or
+  ``jobs list``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+from controller_helpers import TOKEN, VM1, Api, Factory
+from test_controller_park import cli
+
+from spotguard.contracts import EventKind, make_event
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def _image(tmp_path: Path, job: str, n: int = 0) -> str:
+    return f"file://{tmp_path}/store/{job}/images/20261122T00000{n}000000Z-abc12{n}"
+
+
+async def _retry(api: Api, job: str, body: Any = None) -> dict[str, Any]:
+    async with api.s.post(
+        f"{api.url}/v1/jobs/{job}/retry",
+        data=json.dumps(body) if body is not None else b"",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+    ) as r:
+        out: dict[str, Any] = await r.json()
+        out["_status"] = r.status
+        return out
+
+
+async def test_restart_budget_counts_failed_recoveries_in_a_row_not_a_lifetime(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    """max_restarts=2 and five interruptions, each followed by a good relaunch: the job is
+    protected after every one (the old code failed it at the third: "max restarts (2)")."""
+    api, _, _ = await api_factory(max_restarts=2)
+    job = "multi-day"
+    await api.event(job, EventKind.STARTED, instance=VM1)
+    where = dict(VM1)
+    for n in range(5):
+        r = await api.event(job, EventKind.EXITED, instance=where, image_url=_image(tmp_path, job))
+        assert r["state"] == "launching", (n, r.get("reason"))
+        view = await api.wait_state(job, "protected")
+        assert view["instance"]["instance_id"] != where["instance_id"]
+        where = {"provider": "local", "instance_id": view["instance"]["instance_id"]}
+        assert view["data"].get("failed_rounds", 0) == 0  # reset by the restore
+    assert view["restarts"] == 5  # every relaunch is still counted, for the record
+
+
+async def test_a_failed_job_can_be_retried_from_the_controller(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    """A job that used up its budget (first VM lost, max_restarts=1) is FAILED; ``jobs retry``
+    (the CLI, over the API) opens a fresh budget and the next VM restores it. The old
+    controller had no way back: migrate and unpark both answered 409."""
+    marker = tmp_path / "lost-once"
+    api, srv, _ = await api_factory(
+        env={"STANDIN_LOSE_FIRST": str(marker)}, liveness_s=0.1, max_restarts=1
+    )
+    job = "retry-me"
+    await api.event(job, EventKind.STARTED, instance=VM1)
+    await api.event(job, EventKind.EXITED, instance=VM1, image_url=_image(tmp_path, job))
+    view = await api.wait_state(job, "failed")
+    assert view["reason"].startswith("max restarts (1) reached")
+    rc, out, err = await cli(srv.url, "jobs", "retry", job)
+    assert rc == 0, err
+    assert out.startswith(f"{job}: launching"), out
+    view = await api.wait_state(job, "protected")
+    assert view["instance"]["instance_id"] not in (marker.read_text(), "vm-first")
+    assert any("retry" in h["reason"] for h in view["history"])
+    # a job that is not failed is refused with one line, and left as it is
+    r = await _retry(api, job)
+    assert r["_status"] == 409 and "not failed" in r["error"], r
+    rc, _, err = await cli(srv.url, "jobs", "retry", "no-such-job")
+    assert rc == 1 and err.startswith("spotguard: error:") and "Traceback" not in err
+
+
+async def test_migrate_now_brings_back_a_failed_job(api_factory: Factory, tmp_path: Path) -> None:
+    marker = tmp_path / "lost-once"
+    api, _, _ = await api_factory(
+        env={"STANDIN_LOSE_FIRST": str(marker)}, liveness_s=0.1, max_restarts=1
+    )
+    job = "mig-failed"
+    await api.event(job, EventKind.STARTED, instance=VM1)
+    await api.event(job, EventKind.EXITED, instance=VM1, image_url=_image(tmp_path, job))
+    await api.wait_state(job, "failed")
+    r = await api.migrate(job, {"to": "local", "immediate": True})
+    assert (r["_status"], r["state"]) == (200, "launching"), r
+    await api.wait_state(job, "protected")
+
+
+async def test_a_report_without_instance_facts_never_poisons_the_job(
+    api_factory: Factory, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The relaunched VM's agent runs with ``cloud=none``: its reports name no instance, so
+    the controller used to store the launched InstanceRef (provider, market, state, ...) as
+    the job's instance, and every answer for the job — and ``jobs list`` for every job —
+    became a 500 (``extra_forbidden``); the drain's reports then never arrived."""
+    api, srv, _ = await api_factory(env={"STANDIN_NO_FACTS": "1"})
+    await api.event("other", EventKind.STARTED, instance=VM1 | {"instance_id": "vm-other"})
+    job = "no-facts"
+    view = await _relaunched_then_started_without_facts(api, job, tmp_path)
+    assert view["_status"] == 200 and view["state"] == "protected"
+    listed = await api.get("/v1/jobs")
+    assert listed["_status"] == 200, listed
+    assert {j["job"] for j in listed["jobs"]} == {"other", job}
+    # the next drain from the same agent (no facts again) is applied: the job moves on
+    r = await api.event(job, EventKind.EXITED, instance={}, image_url=_image(tmp_path, job, 1))
+    assert (r["_status"], r["state"]) == (200, "launching"), r
+    rc, out, err = await cli(srv.url, "jobs", "list")
+    assert rc == 0 and job in out, err
+
+
+async def _relaunched_then_started_without_facts(
+    api: Api, job: str, tmp_path: Path
+) -> dict[str, Any]:
+    await api.event(job, EventKind.STARTED, instance=VM1)
+    await api.event(job, EventKind.EXITED, instance=VM1, image_url=_image(tmp_path, job))
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 20
+    while (view := await api.get(f"/v1/jobs/{job}")).get("state") != "protected":
+        assert loop.time() < end, view  # the stand-in restores it on a local VM
+        await asyncio.sleep(0.05)
+    r = await api.event(job, EventKind.STARTED, instance={}, pid=7)  # its agent restarted
+    assert r["_status"] == 200, r
+    return await api.get(f"/v1/jobs/{job}")
+
+
+async def test_an_unexpected_field_in_a_report_is_recorded_ignored_and_logged_once(
+    api_factory: Factory, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A newer agent adds a field the controller does not know (inside the instance facts
+    and at the top): the report is applied, the field recorded in the job's history and
+    logged once per (kind, field), never a 400 that the agent would retry for ever."""
+    api, _, _ = await api_factory()
+    job = "newer-agent"
+    ev = json.loads(make_event(job=job, kind=EventKind.STARTED, instance=VM1).model_dump_json())
+    ev["instance"]["ami"] = "ami-123"
+    ev["colour_depth"] = 24
+    caplog.set_level(logging.WARNING, logger="spotguard.controller")
+    for n in range(3):
+        ev["event_id"] = f"newer-{n}"
+        r = await api.post_raw(json.dumps(ev))
+        assert (r["_status"], r["state"]) == (200, "protected"), r
+    view = await api.get(f"/v1/jobs/{job}")
+    ignored = [h["detail"].get("ignored") for h in view["history"] if h["detail"].get("ignored")]
+    assert ignored and sorted(ignored[0]) == ["colour_depth", "instance.ami"], view["history"]
+    lines = [r for r in caplog.records if "unexpected field" in r.getMessage()]
+    assert len(lines) == 1, [r.getMessage() for r in lines]
+    listed = await api.get("/v1/jobs")
+    assert listed["_status"] == 200
