@@ -12,11 +12,16 @@ provider whose "VMs" run the stand-in agent (sg_standin_agent.py):
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import signal
+import socket
+import sys
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import pytest
 from controller_helpers import TOKEN, VM1, Api, Factory
 from test_controller_park import cli
@@ -24,6 +29,12 @@ from test_controller_park import cli
 from spotguard.contracts import EventKind, make_event
 
 pytestmark = pytest.mark.timeout(120)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def _image(tmp_path: Path, job: str, n: int = 0) -> str:
@@ -162,3 +173,52 @@ async def test_an_unexpected_field_in_a_report_is_recorded_ignored_and_logged_on
     assert len(lines) == 1, [r.getMessage() for r in lines]
     listed = await api.get("/v1/jobs")
     assert listed["_status"] == 200
+
+
+async def _serve_until_healthy(argv: list[str], url: str) -> tuple[int | None, str]:
+    """Run ``spotguard controller`` until it answers /healthz (then stop it) or exits."""
+    proc = await asyncio.create_subprocess_exec(
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+    )
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 30
+    async with aiohttp.ClientSession() as s:
+        while proc.returncode is None and loop.time() < end:
+            try:
+                async with s.get(url + "/healthz") as r:
+                    if r.status == 200:
+                        proc.send_signal(signal.SIGTERM)
+                        break
+            except aiohttp.ClientError:
+                await asyncio.sleep(0.1)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(proc.wait(), 0.05)
+    out, _ = await proc.communicate()
+    return proc.returncode, out.decode()
+
+
+async def test_an_empty_state_file_is_refused_at_start_unless_initialised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A 0-byte controller.db (a restored backup of nothing, a disk that lost the file's
+    blocks) used to start as "no jobs" without a word: every parked or launching job was
+    forgotten. It is refused with one line naming --init-state, and left as it is; with
+    --init-state it is initialised (logged) and the controller serves."""
+    state = tmp_path / "controller.db"
+    state.write_bytes(b"")
+    exe = str(Path(sys.executable).with_name("spotguard"))
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    argv = [exe, "controller", "--state", str(state), "--listen", f"127.0.0.1:{port}"]
+    monkeypatch.setenv("SPOTGUARD_CONTROLLER_TOKEN", TOKEN)
+    rc, out = await _serve_until_healthy(argv, url)
+    assert rc == 1, out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("spotguard: error: state file") and "--init-state" in last, out
+    assert "Traceback" not in out
+    assert state.read_bytes() == b""  # left as it is
+    rc, out = await _serve_until_healthy([*argv, "--init-state"], url)
+    assert rc == 0, out
+    assert "initialised" in out and state.stat().st_size > 0
+    rc, out = await _serve_until_healthy(argv, url)  # once initialised, no flag needed
+    assert rc == 0, out

@@ -33,6 +33,11 @@ class ControllerSettings(Settings):
     state: Path | None = Field(
         None, description="SQLite state file [default: STATE_DIR/controller.db]"
     )
+    init_state: bool = Field(
+        False,
+        description="Initialise the state file when it exists but is empty (0 bytes); "
+        "without it such a file is refused at start, so no job is forgotten silently",
+    )
     provider: Literal["aws", "gcp", "local"] = Field(
         "local", description="Where new instances come from"
     )
@@ -166,6 +171,8 @@ class ControllerSettings(Settings):
             raise ConfigError("tls_cert_file and tls_key_file must be set together")
         ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
         ctx.minimum_version = ssl.TLSVersion.TLSv1_2
+        for path in (cert, key):
+            _check_pem(path)
         try:
             ctx.load_cert_chain(str(cert), str(key))
         except (OSError, ssl.SSLError) as exc:
@@ -185,6 +192,22 @@ class ControllerSettings(Settings):
         host, port = self.host_port()
         scheme = "https" if self.tls_cert_file else "http"
         return f"{scheme}://{host}:{port}"
+
+
+def _check_pem(path: Path) -> None:
+    """A TLS file that holds no PEM block (absent, or the systemd unit's placeholder for a
+    missing credential): one line naming where the file goes."""
+    try:
+        head = path.read_bytes()[: 1 << 16]
+    except OSError as exc:
+        raise ConfigError(f"TLS file {path}: {exc.strerror or exc}") from exc
+    if b"-----BEGIN " not in head:
+        raise ConfigError(
+            f"TLS file {path} holds no PEM data: put the certificate and key in "
+            "/etc/spotguard/controller.crt and /etc/spotguard/controller.key (the "
+            "spotguard-controller unit loads them as credentials), or run in private-network "
+            "mode with insecure_listen = true (--insecure-listen)"
+        )
 
 
 def _loopback(host: str) -> bool:

@@ -214,16 +214,20 @@ class Change:
 class StateDB:
     """The controller's SQLite state, used from asyncio through one owning thread."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, *, init: bool = False) -> None:
         self.path = path
+        self.init = init  # an empty (0-byte) file may be initialised
         #: called on the loop with (state before, record after) when a job changes state
         self.on_transition: Callable[[JobState | None, JobRecord], None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-state")
         self._conn: sqlite3.Connection | None = None
 
     @classmethod
-    async def open(cls, path: str | Path) -> StateDB:
-        db = cls(Path(path))
+    async def open(cls, path: str | Path, *, init: bool = False) -> StateDB:
+        """Open (or create, when there is no file) the state at ``path``. An existing file
+        of 0 bytes is refused unless ``init`` (``--init-state``): a controller that lost
+        its state would forget every parked or launching job without a word."""
+        db = cls(Path(path), init=init)
         try:
             await db._run(db._open)
         except BaseException:
@@ -246,8 +250,28 @@ class StateDB:
 
     # ----- thread side ------------------------------------------------------------------
 
+    def _empty(self) -> bool:
+        """Whether the file exists with 0 bytes (and no write-ahead log holding data)."""
+        try:
+            if self.path.stat().st_size != 0:
+                return False
+        except FileNotFoundError:
+            return False
+        except OSError as exc:
+            raise StateError(f"state file {self.path} cannot be read: {exc}") from exc
+        wal = self.path.with_name(self.path.name + "-wal")
+        return not (wal.exists() and wal.stat().st_size > 0)
+
     def _open(self) -> None:
         where = f"state file {self.path}"
+        fresh = not self.path.exists()
+        empty = self._empty()
+        if empty and not self.init:
+            raise StateError(
+                f"{where} is empty (0 bytes): its jobs would be forgotten; it was left as is — "
+                "restore it from a backup, or start with --init-state (SPOTGUARD_INIT_STATE=1) "
+                "to initialise an empty state there"
+            )
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             conn = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
@@ -278,6 +302,8 @@ class StateDB:
                 conn.executescript(
                     "BEGIN;" + _SCHEMA + f"PRAGMA user_version={SCHEMA_VERSION};COMMIT;"
                 )
+                how = "created" if fresh else "initialised (it was empty; --init-state)"
+                log.warning(f"state file {how}: no jobs", extra={"path": str(self.path)})
         except sqlite3.DatabaseError as exc:
             conn.close()
             raise StateError(
