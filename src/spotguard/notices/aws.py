@@ -19,7 +19,8 @@ rebalance``                                         AWS gives no deadline, so sp
 A token comes from ``PUT /latest/api/token`` with the TTL header, is renewed before it expires
 and fetched again on a 401. IMDSv1 (no token) is used only when allowed and the token call is
 refused. A notice whose answer disappears or changes is withdrawn (yielded cancelled). A
-notice whose time is missing or unreadable is due now (:func:`~spotguard.notices.timefmt.due_time`).
+notice whose time is missing, unreadable or past is acted on now with AWS's two minutes
+(:func:`~spotguard.notices.timefmt.deadline_of`); actions are matched without regard to case.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from spotguard.errors import MetadataMalformed, MetadataUnavailable, NoticeError
 from spotguard.notices.base import Cloud, Notice, NoticeKind, stable_id
 from spotguard.notices.endpoints import aws_endpoint
 from spotguard.notices.fetch import MetadataHttp, Reply
-from spotguard.notices.timefmt import due_time
+from spotguard.notices.timefmt import deadline_of, due_time
 
 if TYPE_CHECKING:
     from spotguard.notices.settings import NoticeSettings
@@ -51,7 +52,10 @@ SCHEDULED = "/latest/meta-data/events/maintenance/scheduled"
 
 #: deadline spotguard assumes after a rebalance recommendation (AWS promises none)
 REBALANCE_GRACE = timedelta(seconds=120)
-SPOT_ACTIONS = ("terminate", "stop", "hibernate")
+SPOT_ACTIONS = ("terminate", "stop", "hibernate")  # matched without regard to case
+#: the warning AWS documents for a spot interruption: the budget of a notice whose time is
+#: missing, unreadable or past (and of a scheduled event's unreadable NotBefore)
+SPOT_WARNING = timedelta(seconds=120)
 
 
 class ImdsClient:
@@ -147,10 +151,11 @@ def _object(value: Any, what: str) -> Mapping[str, Any]:
 def instance_action(payload: Any) -> Notice:
     """``spot/instance-action`` → a preempt notice."""
     data = _object(payload, INSTANCE_ACTION)
-    action = data.get("action")
+    raw_action = data.get("action")
+    action = raw_action.strip().lower() if isinstance(raw_action, str) else raw_action
     if action not in SPOT_ACTIONS:
-        raise MetadataMalformed(f"{INSTANCE_ACTION}: unknown action {action!r}")
-    deadline = due_time(data.get("time"), f"{INSTANCE_ACTION} time")
+        raise MetadataMalformed(f"{INSTANCE_ACTION}: unknown action {raw_action!r}")
+    deadline = deadline_of(data.get("time"), f"{INSTANCE_ACTION} time", SPOT_WARNING)
     ident = stable_id(Cloud.AWS, NoticeKind.PREEMPT, data)
     return Notice(ident, Cloud.AWS, NoticeKind.PREEMPT, deadline, str(action), raw=dict(data))
 
@@ -179,7 +184,9 @@ def scheduled_events(payload: Any) -> list[Notice]:
             continue
         if state not in ("active", "canceled", "cancelled"):
             raise MetadataMalformed(f"{SCHEDULED}: event {event_id} has unknown State {state!r}")
-        deadline = due_time(event.get("NotBefore"), f"{SCHEDULED} {event_id} NotBefore")
+        deadline = deadline_of(
+            event.get("NotBefore"), f"{SCHEDULED} {event_id} NotBefore", SPOT_WARNING
+        )
         code = event.get("Code")
         notice = Notice(
             event_id,

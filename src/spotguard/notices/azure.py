@@ -23,14 +23,14 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import replace
-from datetime import UTC, datetime
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 from spotguard.errors import MetadataMalformed, MetadataUnavailable, NoticeError
 from spotguard.notices.base import Cloud, Notice, NoticeKind
 from spotguard.notices.endpoints import azure_endpoint
 from spotguard.notices.fetch import MetadataHttp, Reply
-from spotguard.notices.timefmt import due_time
+from spotguard.notices.timefmt import deadline_of
 
 if TYPE_CHECKING:
     from spotguard.notices.settings import NoticeSettings
@@ -47,6 +47,10 @@ EVENT_KINDS = {
     "Redeploy": NoticeKind.MAINTENANCE,
     "Freeze": NoticeKind.MAINTENANCE,
 }
+_TYPES = {k.lower(): k for k in EVENT_KINDS}  # EventType is matched without regard to case
+#: an event whose NotBefore is empty (it has started), unreadable or past is acted on now
+#: with the notice Azure documents for Preempt, its shortest: 30 s
+BUDGET = timedelta(seconds=30)
 
 
 def parse_document(payload: Any) -> tuple[int, list[Notice]]:
@@ -71,14 +75,11 @@ def event_notice(event: Mapping[str, Any]) -> Notice:
     event_type = event.get("EventType")
     if not isinstance(event_id, str) or not event_id:
         raise MetadataMalformed(f"{PATH}: event without EventId")
-    kind = EVENT_KINDS.get(str(event_type))
-    if kind is None:
+    name = _TYPES.get(str(event_type).strip().lower())
+    if name is None:
         raise MetadataMalformed(f"{PATH}: event {event_id} has unknown EventType {event_type!r}")
-    not_before = event.get("NotBefore")
-    deadline = (
-        due_time(not_before, f"{PATH} {event_id} NotBefore") if not_before else datetime.now(UTC)
-    )
-    return Notice(event_id, Cloud.AZURE, kind, deadline, str(event_type), raw=dict(event))
+    deadline = deadline_of(event.get("NotBefore"), f"{PATH} {event_id} NotBefore", BUDGET)
+    return Notice(event_id, Cloud.AZURE, EVENT_KINDS[name], deadline, name, raw=dict(event))
 
 
 class AzureMetadataClient:

@@ -171,8 +171,8 @@ def parse_event(event: Any, *, rebalance_window: float = _REBALANCE_WINDOW) -> l
         at = due_time(event.get("time"), f"{dtype} time", now=now)
         raw = {**facts, "instance-id": iid, "detail": detail}
         if dtype == SPOT_WARNING:
-            # an unreadable event time: the interruption is due now, not in two minutes
-            deadline = at + SPOT_WARNING_LEAD if at is not now else now
+            # an unreadable event time reads as now: act at once, with AWS's two minutes
+            deadline = at + SPOT_WARNING_LEAD
             action = detail.get("instance-action")
             if not isinstance(action, str) or not action:
                 action = "terminate"

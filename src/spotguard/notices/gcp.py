@@ -77,8 +77,8 @@ class GcpMetadataClient:
 
 
 def preempted_notice(value: str, etag: str) -> Notice | None:
-    """``instance/preempted`` → a preempt notice (None for FALSE)."""
-    value = value.strip()
+    """``instance/preempted`` → a preempt notice (None for FALSE; any case)."""
+    value = value.strip().upper()
     if value == "FALSE":
         return None
     if value != "TRUE":
@@ -96,8 +96,8 @@ def preempted_notice(value: str, etag: str) -> Notice | None:
 
 
 def maintenance_notice(value: str, etag: str) -> Notice | None:
-    """``instance/maintenance-event`` → a maintenance notice (None for NONE)."""
-    value = value.strip()
+    """``instance/maintenance-event`` → a maintenance notice (None for NONE; any case)."""
+    value = value.strip().upper()
     if value not in MAINTENANCE_VALUES:
         raise MetadataMalformed(f"{MAINTENANCE}: unknown value {value[:60]!r}")
     if value == "NONE":

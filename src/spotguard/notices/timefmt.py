@@ -6,13 +6,16 @@
 
 A notice whose time is missing or unreadable is still a notice: :func:`due_time` reads it as
 due now (and says so once in the log), so the job is protected at once instead of the notice
-being dropped as malformed.
+being dropped as malformed. A *deadline* is read by :func:`deadline_of`: missing, unreadable
+or already past, it is now plus the longest budget the cloud documents for that notice (AWS
+spot: 2 minutes; Azure Preempt: 30 s) — act at once, never with a zero budget that would
+kill the checkpoint before it writes anything.
 """
 
 from __future__ import annotations
 
 import logging
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime, parsedate_to_datetime
 
 from spotguard.errors import MetadataMalformed
@@ -60,6 +63,34 @@ def due_time(value: object, what: str, *, now: datetime | None = None) -> dateti
             _WARNED.add(key)
             log.warning("%s; treating the notice as due now", exc, extra={"step": "notice"})
         return now or datetime.now(UTC)
+
+
+def deadline_of(
+    value: object, what: str, budget: timedelta, *, now: datetime | None = None
+) -> datetime:
+    """The deadline in ``value``; when it is missing, unreadable or not in the future (a
+    skewed clock, a stale answer), ``now + budget``: the notice is acted on at once with the
+    cloud's documented budget, never a zero one. Logged once per value."""
+    now = now or datetime.now(UTC)
+    try:
+        parsed = parse_time(value, what)
+    except MetadataMalformed as exc:
+        _warn_once(what, value, f"{exc}; acting now with {budget.total_seconds():.0f} s")
+        return now + budget
+    if parsed <= now:
+        late = f"{what}: {value!r} is not in the future"
+        _warn_once(what, value, f"{late}; acting now with {budget.total_seconds():.0f} s")
+        return now + budget
+    return parsed
+
+
+def _warn_once(what: str, value: object, message: str) -> None:
+    key = (what, repr(value)[:200])
+    if key not in _WARNED:
+        if len(_WARNED) > 1000:
+            _WARNED.clear()
+        _WARNED.add(key)
+        log.warning(message, extra={"step": "notice"})
 
 
 def rfc3339(t: datetime) -> str:
