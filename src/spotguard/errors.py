@@ -33,6 +33,7 @@ In the tree, ``[r]`` marks retryable classes.
     │   ├── StreamError         [r] streaming image files between CRIU and spotguard failed
     │   └── PreflightError          freeze or restore refused before touching anything
     │       ├── MismatchError       image and host differ (names both sides)
+    │       ├── UnsafePath          a local directory is not private (another owner, a link)
     │       └── UndumpableError     the job holds what CRIU cannot dump (names pid, resource, fix)
     ├── ImageError                  checkpoint image format and content
     │   ├── ImageNotFound           no complete image (no manifest) at that place
@@ -229,6 +230,11 @@ class PreflightError(CheckpointError):
     """Freeze or restore refused before touching anything (missing CRIU, PIDs taken, ...)."""
 
     retryable = False
+
+
+class UnsafePath(PreflightError):
+    """A local path spotguard reads or writes as root is not private to it: owned by another
+    user, a symlink, or writable by others (another user created it first, or swapped it)."""
 
 
 class MismatchError(PreflightError):

@@ -53,7 +53,13 @@ def test_job_files_and_open_files_are_put_back(tmp_path: Path, jobdir: Path) -> 
         CapturedFile(str(out), 7, 0o640, open_for_writing=True),
     ]
     images = image_with(tmp_path, entries)
-    written = files.put_back(entries, images, image_job_dir=jobdir, job_dir=jobdir)
+    # open_for_writing is the image's claim: only an authenticated image may use it
+    with pytest.raises(UnsafeCarriedFile, match="not authenticated"):
+        files.put_back(entries, images, image_job_dir=jobdir, job_dir=jobdir)
+    assert not out.exists()
+    written = files.put_back(
+        entries, images, image_job_dir=jobdir, job_dir=jobdir, authenticated=True
+    )
     assert sorted(written) == sorted(Path(e.path) for e in entries)
     assert (jobdir / "stdout").read_bytes() == b"xxxxx"
     assert stat.S_IMODE((jobdir / "sub" / "state").stat().st_mode) == 0o600

@@ -37,7 +37,7 @@ import aiohttp
 from pydantic import ValidationError
 
 from spotguard import operations
-from spotguard.checkpoint import proctree
+from spotguard.checkpoint import proctree, seal
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
 from spotguard.checkpoint.meta import META_NAME, ImageMeta
 from spotguard.contracts import Directive, InstanceInfo, ParkedEvent
@@ -260,6 +260,8 @@ async def evacuate(
             return {"job": job, "parked": True, "skipped": "not parked on this node any more"}
         d = Path(rec.location)
         try:
+            # pushing signs it with the fleet's key: only what this host sealed goes
+            await asyncio.to_thread(seal.verify, d, seal.HostKey.for_state(state_dir))
             meta = ImageMeta.read(d)
             base = {"parked": True, "reason": rec.reason, "instance": instance.to_json()}
             at = (d / META_NAME).stat().st_mtime

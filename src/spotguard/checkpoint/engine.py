@@ -413,6 +413,7 @@ class Engine:
                     source.extras_dir,
                     image_job_dir=job.dir,
                     job_dir=state / "jobs" / job.name,
+                    authenticated=source.authenticated,
                 )
             with tl.step("criu_restore") as rs:
                 await self.faults.before("criu_restore")

@@ -23,13 +23,22 @@ Restore runs as root, so what it writes is limited to what the job owns (docs/se
 * no symlink on the way: nothing under the job directory, and no directory of an open file's
   path, may be a symlink (it would redirect the write);
 * permission bits only: a mode with setuid, setgid, sticky or file-type bits is refused (capture
-  never records them); owner and group are restored only for files that pass these rules.
+  never records them); owner and group are restored only for files that pass these rules;
+* ``open_for_writing`` is the image's own claim: only an authenticated image (the fleet's keys,
+  or this host's seal of a local image) may put a file outside the job's directory.
+
+The writes themselves never go by path: each file's directory is reached by a walk of
+directory fds opened ``O_NOFOLLOW|O_DIRECTORY`` (from the ``jobs`` directory for the job's
+files, from ``/`` for the others), and the file is opened relative to it, so a directory
+swapped for a symlink while restore runs cannot redirect a root write.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import secrets
 import shutil
 import stat
 from collections.abc import Iterable
@@ -37,8 +46,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from spotguard import safefs
 from spotguard.contracts import check_job_name
-from spotguard.errors import CheckpointError, ImageError, UnsafeCarriedFile
+from spotguard.errors import CheckpointError, ImageError, UnsafeCarriedFile, UnsafePath
 
 log = logging.getLogger(__name__)
 
@@ -189,9 +199,16 @@ def check_job_dir(image_job_dir: Path, job_dir: Path) -> None:
         )
 
 
-def plan(entries: Iterable[CapturedFile], image_job_dir: Path, job_dir: Path) -> list[Path]:
+def plan(
+    entries: Iterable[CapturedFile],
+    image_job_dir: Path,
+    job_dir: Path,
+    *,
+    authenticated: bool = False,
+) -> list[Path]:
     """The destination of every entry, or :class:`UnsafeCarriedFile` for the first that breaks
-    a rule (see the module doc). Touches nothing."""
+    a rule (see the module doc). Touches nothing. ``open_for_writing`` is a claim of the
+    image: honoured only when the image is ``authenticated``."""
     check_job_dir(image_job_dir, job_dir)
     out: list[Path] = []
     for e in entries:
@@ -211,6 +228,13 @@ def plan(entries: Iterable[CapturedFile], image_job_dir: Path, job_dir: Path) ->
                 f"is outside the job directory {image_job_dir} and not a file the job held "
                 "open for writing at the dump",
             )
+        if not in_job and not authenticated:
+            raise _refuse(
+                e,
+                f"is outside the job directory {image_job_dir}, and the image is not "
+                "authenticated (no key on this host): only an authenticated image may put "
+                "back the files its job held open for writing elsewhere",
+            )
         top = image_job_dir if in_job else Path("/")
         link = _symlink_between(top, dest)
         if link is not None:
@@ -221,9 +245,31 @@ def plan(entries: Iterable[CapturedFile], image_job_dir: Path, job_dir: Path) ->
     return out
 
 
-def _in_place(dest: Path) -> int | None:
-    """An fd for rewriting ``dest`` in place — a regular file with one link, opened without
-    following a link — or None (then a fresh file replaces it).
+def _walk_to(top: Path, rel: list[str], first_mode: int) -> int:
+    """An fd of the directory ``top``/``rel``, every component of ``rel`` opened relative to
+    its parent with ``O_NOFOLLOW|O_DIRECTORY`` (created where missing: ``first_mode`` for the
+    first, 0755 below); ``top`` itself is opened the same way from ``/``. A directory
+    swapped for a symlink at any moment — before or during the restore — makes the walk
+    fail: it can never lead a root write elsewhere (no check by path, then write by path)."""
+    fd = safefs.open_dir_nofollow(top)
+    try:
+        for i, name in enumerate(rel):
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, first_mode if i == 0 else 0o755, dir_fd=fd)
+            nxt = os.open(
+                name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
+            )
+            os.close(fd)
+            fd = nxt
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _in_place(dfd: int, name: str) -> int | None:
+    """An fd for rewriting ``name`` (in the directory ``dfd``) in place — a regular file with
+    one link, opened without following a link — or None (then a fresh file replaces it).
 
     Rewriting in place keeps the file's inode: a job restored on the node it left (unpark,
     a periodic image restored) finds the very files it had open. SQLite, for one, compares
@@ -231,7 +277,7 @@ def _in_place(dest: Path) -> int | None:
     readonly database") when they differ. A file with other links is never written through.
     """
     try:
-        fd = os.open(dest, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        fd = os.open(name, os.O_WRONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
     except OSError:
         return None
     st = os.fstat(fd)
@@ -241,54 +287,79 @@ def _in_place(dest: Path) -> int | None:
     return fd
 
 
-def _write(src: Path, dest: Path, e: CapturedFile) -> None:
-    """Copy ``src`` to ``dest`` — in place when it is an existing regular file of one link
-    (:func:`_in_place`), else through a fresh temporary file (never following a link) — with
-    the entry's permission bits and, as root, its owner."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd_in_place = _in_place(dest)
-    if fd_in_place is not None:
-        try:
-            os.ftruncate(fd_in_place, 0)
-            with src.open("rb") as f, os.fdopen(fd_in_place, "wb", closefd=False) as out:
-                shutil.copyfileobj(f, out, 1 << 20)
-            os.fchmod(fd_in_place, e.mode & PERMISSION_BITS)
-            if os.geteuid() == 0 and e.uid is not None and e.gid is not None:
-                os.fchown(fd_in_place, e.uid, e.gid)
-        finally:
-            os.close(fd_in_place)
-        return
-    tmp = dest.with_name(f".{dest.name}.spotguard-tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+def _fill(fd: int, src: Path, e: CapturedFile) -> None:
+    with src.open("rb") as f, os.fdopen(fd, "wb", closefd=False) as out:
+        shutil.copyfileobj(f, out, 1 << 20)
+    os.fchmod(fd, e.mode & PERMISSION_BITS)
+    if os.geteuid() == 0 and e.uid is not None and e.gid is not None:
+        os.fchown(fd, e.uid, e.gid)
+
+
+def _write(src: Path, top: Path, rel: list[str], e: CapturedFile, first_mode: int) -> int:
+    """Copy ``src`` to ``top``/``rel`` — in place when it is an existing regular file
+    of one link (:func:`_in_place`), else through a fresh temporary file of a random name
+    (``O_EXCL|O_NOFOLLOW``) renamed over it — all relative to the fd of its directory
+    (:func:`_walk_to`), with the entry's permission bits and, as root, its owner. Returns the
+    size written."""
+    name = rel[-1]
+    dfd = _walk_to(top, rel[:-1], first_mode)
     try:
-        with src.open("rb") as f, os.fdopen(fd, "wb", closefd=False) as out:
-            shutil.copyfileobj(f, out, 1 << 20)
-        os.fchmod(fd, e.mode & PERMISSION_BITS)
-        if os.geteuid() == 0 and e.uid is not None and e.gid is not None:
-            os.fchown(fd, e.uid, e.gid)
+        fd = _in_place(dfd, name)
+        if fd is not None:
+            try:
+                os.ftruncate(fd, 0)
+                _fill(fd, src, e)
+                return os.fstat(fd).st_size
+            finally:
+                os.close(fd)
+        tmp = f".{name}.{secrets.token_hex(6)}.spotguard-tmp"
+        fd = os.open(
+            tmp,
+            os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+            0o600,
+            dir_fd=dfd,
+        )
+        try:
+            _fill(fd, src, e)
+            size = os.fstat(fd).st_size
+        finally:
+            os.close(fd)
+        os.replace(tmp, name, src_dir_fd=dfd, dst_dir_fd=dfd)
+        return size
     finally:
-        os.close(fd)
-    os.replace(tmp, dest)
+        os.close(dfd)
 
 
 def put_back(
-    entries: Iterable[CapturedFile], images_dir: Path, *, image_job_dir: Path, job_dir: Path
+    entries: Iterable[CapturedFile],
+    images_dir: Path,
+    *,
+    image_job_dir: Path,
+    job_dir: Path,
+    authenticated: bool = False,
 ) -> list[Path]:
     """Write the carried files back to their paths (before ``criu restore``), after checking
     every one against the rules (module doc). ``image_job_dir`` is the job directory the
-    image records, ``job_dir`` this host's (``<state_dir>/jobs/<job>``). Returns the paths
-    written."""
+    image records, ``job_dir`` this host's (``<state_dir>/jobs/<job>``). ``authenticated``:
+    the image was authenticated (a fleet key, or this host's seal for a local image); an
+    unauthenticated one may write only in the job's directory. Returns the paths written."""
     items = list(entries)
-    dests = plan(items, image_job_dir, job_dir)
+    dests = plan(items, image_job_dir, job_dir, authenticated=authenticated)
     for e, dest in zip(items, dests, strict=True):
         src = _stored(images_dir, e.path)
+        if image_job_dir in dest.parents:  # from the (real) jobs directory: the job's own
+            top, first = Path(os.path.realpath(image_job_dir.parent)), safefs.PRIVATE_DIR
+            rel = list(dest.relative_to(image_job_dir.parent).parts)
+        else:  # every component from / without following a link
+            top, first, rel = Path("/"), 0o755, list(dest.parts[1:])
         try:
             if not src.is_file() or src.is_symlink():
                 raise CheckpointError(f"the image holds no file for {dest}")
-            _write(src, dest, e)
+            size = _write(src, top, rel, e, first)
+        except UnsafePath as exc:
+            raise _refuse(e, f"would be written through a symlink ({exc})") from exc
         except OSError as exc:
             raise CheckpointError(f"cannot restore {dest} from the image: {exc}") from exc
-        if dest.stat().st_size != e.size:
+        if size != e.size:
             raise CheckpointError(f"{dest}: image holds {e.size} bytes, wrote another size")
     return dests

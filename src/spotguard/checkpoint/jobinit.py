@@ -25,6 +25,7 @@ import ctypes
 import os
 import signal
 import sys
+import time
 
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNS = 0x00020000
@@ -67,10 +68,11 @@ def _mount_proc() -> None:
 
 
 def _redirect(job_dir: str) -> None:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC
+    # 0600 and never through a link: the job's output is its own (docs/security.md)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
     null = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(os.path.join(job_dir, "stdout"), flags, 0o644)
-    err = os.open(os.path.join(job_dir, "stderr"), flags, 0o644)
+    out = os.open(os.path.join(job_dir, "stdout"), flags, 0o600)
+    err = os.open(os.path.join(job_dir, "stderr"), flags, 0o600)
     for fd, target in ((null, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
@@ -105,8 +107,10 @@ def _init(job_dir: str, argv: list[str]) -> int:
         if pid == child:
             code = os.waitstatus_to_exitcode(status)
             code = 128 - code if code < 0 else code
-            tmp = os.path.join(job_dir, ".exit_status.tmp")
-            with open(tmp, "w") as f:
+            tmp = os.path.join(job_dir, f".exit_status.{os.getpid()}.{time.time_ns()}.tmp")
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o600)
+            with os.fdopen(fd, "w") as f:
                 f.write(f"{code}\n")
             os.replace(tmp, os.path.join(job_dir, "exit_status"))
             break

@@ -27,12 +27,14 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from spotguard import safefs
 from spotguard.contracts import check_job_name
-from spotguard.errors import ConfigError, JobError, JobNotFound
+from spotguard.errors import ConfigError, JobError, JobNotFound, UnsafePath
 
 from . import jobinit, nccl, proctree
 
 JOB_FILE = "job.json"
+_MAX_JOB_FILE = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -71,11 +73,13 @@ class JobInfo:
         return JobInfo(self.name, pid, self.dir, self.argv, self.cwd, self.created)
 
     def save(self) -> None:
-        """Write ``job.json`` atomically."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.dir / f".{JOB_FILE}.tmp"
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, self.dir / JOB_FILE)
+        """Write ``job.json`` atomically (0600), relative to the job directory's fd through a
+        fresh temporary file (:func:`spotguard.safefs.write_file`): a link planted in the
+        directory, at the name or at a temporary name, is never followed."""
+        if not self.dir.exists():
+            os.close(safefs.open_dir_nofollow(_real(self.dir), create=safefs.PRIVATE_DIR))
+        data = (json.dumps(self.to_json(), indent=2) + "\n").encode()
+        safefs.write_file(self.dir / JOB_FILE, data, mode=safefs.PRIVATE_FILE)
 
 
 def jobs_dir(state_dir: Path) -> Path:
@@ -111,12 +115,16 @@ async def start_job(
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
     jdir = jobs_dir(state_dir) / name
+    # the state dir, jobs/ and the job's directory: root's, 0700 (safefs), so no other user
+    # reads the job's output or swaps a file root writes there
+    safefs.ensure_private_dir(state_dir)
+    safefs.ensure_private_dir(jobs_dir(state_dir))
     if (jdir / JOB_FILE).exists():
         old = _read(jdir)
         if proctree.alive(old.pid):
             raise JobError(f"job {name!r} is already running (pid {old.pid})")
         shutil.rmtree(jdir)
-    jdir.mkdir(parents=True, exist_ok=True)
+    safefs.ensure_private_dir(jdir)
     workdir = str(Path(cwd) if cwd else Path.cwd())
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
@@ -141,12 +149,22 @@ async def start_job(
     return info
 
 
+def _real(d: Path) -> Path:
+    """``d`` with the links of its parent resolved (``d`` itself is never followed)."""
+    return Path(os.path.realpath(Path(os.path.abspath(d)).parent)) / d.name
+
+
 def _read(jdir: Path) -> JobInfo:
     try:
-        return JobInfo.from_json(json.loads((jdir / JOB_FILE).read_text()))
+        dfd = safefs.open_dir_nofollow(_real(jdir))
+        try:
+            data = safefs.read_at(dfd, JOB_FILE, limit=_MAX_JOB_FILE)
+        finally:
+            os.close(dfd)
+        return JobInfo.from_json(json.loads(data))
     except FileNotFoundError as exc:
         raise JobNotFound(f"no job at {jdir}") from exc
-    except (OSError, ValueError, KeyError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, UnsafePath) as exc:
         raise JobError(f"{jdir / JOB_FILE} is unreadable: {exc}") from exc
 
 

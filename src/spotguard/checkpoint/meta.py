@@ -13,14 +13,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spotguard import safefs
 from spotguard.contracts import check_job_name
-from spotguard.errors import ImageError, ImageNotFound
+from spotguard.errors import ImageError, ImageNotFound, UnsafePath
 from spotguard.facts import GpuInventory, HostFacts
 
 from .files import CapturedFile
 
 META_NAME = "spotguard-image.json"
 META_SCHEMA = 2  # 2: carried files record open_for_writing, uid and gid
+MAX_META_BYTES = 64 << 20
 
 
 @dataclass
@@ -87,19 +89,27 @@ class ImageMeta:
         )
 
     def write(self, images_dir: Path) -> Path:
+        """Write the metadata atomically (0600) relative to the images directory's fd, never
+        through a link (:func:`spotguard.safefs.write_file`)."""
         path = images_dir / META_NAME
-        tmp = images_dir / f".{META_NAME}.tmp"
-        tmp.write_text(json.dumps(self.to_json(), indent=2) + "\n")
-        os.replace(tmp, path)
+        safefs.write_file(path, (json.dumps(self.to_json(), indent=2) + "\n").encode())
         return path
 
     @classmethod
     def read(cls, images_dir: Path) -> ImageMeta:
+        """The metadata of the image in ``images_dir`` (a regular file of at most 64 MiB, not
+        followed if a link); anything unreadable or malformed is an :class:`ImageError`."""
         path = images_dir / META_NAME
+        real = Path(os.path.realpath(Path(os.path.abspath(images_dir)).parent)) / path.parent.name
         try:
-            return cls.from_json(json.loads(path.read_text()))
+            dfd = safefs.open_dir_nofollow(real)
+            try:
+                data = safefs.read_at(dfd, META_NAME, limit=MAX_META_BYTES)
+            finally:
+                os.close(dfd)
+            return cls.from_json(json.loads(data))
         except FileNotFoundError as exc:
             msg = f"{images_dir} holds no {META_NAME}: not a spotguard image"
             raise ImageNotFound(msg) from exc
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise ImageError(f"{path} is unreadable: {exc}") from exc
+        except (OSError, ValueError, KeyError, TypeError, RecursionError, UnsafePath) as exc:
+            raise ImageError(f"{path} is unreadable: {str(exc)[:200]}") from exc

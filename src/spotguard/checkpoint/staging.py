@@ -10,6 +10,7 @@ one back. The streaming targets of :mod:`spotguard.stream` implement the same pr
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -20,8 +21,10 @@ from typing import Any, Protocol
 
 import psutil
 
+from spotguard import safefs
 from spotguard.errors import CheckpointError
 
+from . import seal
 from .meta import META_NAME, ImageMeta
 
 log = logging.getLogger(__name__)
@@ -70,9 +73,12 @@ class DumpTarget(Protocol):
 
 
 class RestoreSource(Protocol):
-    """Provides one image to the engine's restore."""
+    """Provides one image to the engine's restore. ``authenticated`` (valid after
+    :meth:`start`): the image was authenticated under a key (the fleet's, or this host's for
+    a local image), so restore may honour what it asks beyond the job's own directory."""
 
     stream: bool
+    authenticated: bool
 
     @property
     def images_dir(self) -> Path: ...
@@ -131,8 +137,10 @@ class DirectoryTarget:
         shm_root: Path = Path("/dev/shm/spotguard"),
         disk_root: Path = Path("/var/lib/spotguard/staging"),
         margin: int = 512 * 1024 * 1024,
+        key: seal.HostKey | None = None,
     ) -> None:
         self._given = path
+        self.key = key
         self._dir: Path | None = path
         self._created = False
         self.shm_root = shm_root
@@ -151,18 +159,26 @@ class DirectoryTarget:
         return self.images_dir
 
     async def start(self, job: str, need_bytes: int) -> StagingPlan:
+        """Create the image directory, private to root (0700, checked owned by us and not a
+        link all the way down, :mod:`spotguard.safefs`): CRIU's files in it are 0644, so
+        only the directory keeps other users from reading the job's memory or swapping it."""
         if self._given is not None:
             d = self._given
             if (d / META_NAME).exists():
                 raise CheckpointError(f"{d} already holds an image; choose an empty directory")
             self._created = not d.exists()
-            d.mkdir(parents=True, exist_ok=True)
+            safefs.ensure_private_dir(d)
             self.plan = StagingPlan("dir", str(d), need_bytes, _free_bytes(d), "given directory")
         else:
             plan = plan_staging(need_bytes, self.shm_root, self.disk_root, self.margin)
             stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
             d = Path(plan.path) / f"{job}-{stamp}"
-            d.mkdir(parents=True)
+            root = safefs.private_dir(Path(plan.path))
+            try:
+                os.mkdir(d.name, safefs.PRIVATE_DIR, dir_fd=root)
+            finally:
+                os.close(root)
+            safefs.ensure_private_dir(d)
             self._created = True
             self.plan = plan
         self._dir = d
@@ -178,7 +194,10 @@ class DirectoryTarget:
         return self.plan
 
     async def finish(self, meta: ImageMeta) -> None:
+        """Write the metadata, then seal the directory under the host's key
+        (:mod:`.seal`): a local image restores only as it was dumped."""
         meta.write(self.images_dir)
+        await asyncio.to_thread(seal.seal, self.images_dir, self.key or seal.HostKey.default())
 
     async def abort(self) -> None:
         if self._dir is None:
@@ -190,12 +209,23 @@ class DirectoryTarget:
 
 
 class DirectorySource:
-    """An image in a local directory (as written by :class:`DirectoryTarget`)."""
+    """An image in a local directory: one written by :class:`DirectoryTarget` (its seal is
+    checked under the host's key before anything is read, and the directory must be private
+    to root), or one a store reader already authenticated and pulled (``verified_by``: the
+    reader's ``authenticated``, "" on a host without keys).
+
+    ``authenticated`` tells restore whether to honour what only an authenticated image may
+    ask (a carried file outside the job's directory, :mod:`.files`)."""
 
     stream = False
 
-    def __init__(self, path: Path) -> None:
+    def __init__(
+        self, path: Path, *, key: seal.HostKey | None = None, verified_by: str | None = None
+    ) -> None:
         self.path = path
+        self.key = key
+        self.verified_by = verified_by
+        self.authenticated = False
 
     @property
     def images_dir(self) -> Path:
@@ -206,6 +236,12 @@ class DirectorySource:
         return self.path
 
     async def start(self) -> ImageMeta:
+        safefs.ensure_private_dir(self.path)
+        if self.verified_by is None:
+            await asyncio.to_thread(seal.verify, self.path, self.key or seal.HostKey.default())
+            self.authenticated = True
+        else:
+            self.authenticated = bool(self.verified_by)
         return ImageMeta.read(self.path)
 
     async def finish(self) -> None:

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import re
 import shutil
 import time
@@ -31,9 +30,11 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from spotguard import safefs
+from spotguard.checkpoint import seal
 from spotguard.checkpoint.engine import Mode
 from spotguard.checkpoint.meta import META_NAME, ImageMeta
-from spotguard.errors import CheckpointError, ImageError
+from spotguard.errors import CheckpointError, ImageError, UnsafePath
 from spotguard.facts import GpuInventory, HostFacts, InstanceFacts
 from spotguard.image import ImageSettings, push_dir
 from spotguard.timeline import Timeline
@@ -43,6 +44,7 @@ from .results import CheckpointResult, Frozen, Landed
 log = logging.getLogger(__name__)
 
 KEPT_DIR = "kept"
+_MAX_RECORD = 16 << 20
 #: a staging directory made by DirectoryTarget: ``<job>-<UTC stamp>``
 _STAGED_NAME = re.compile(r"^(?P<job>[a-z0-9][a-z0-9._-]{0,62})-\d{8}T\d{6}\d+Z$")
 
@@ -100,18 +102,15 @@ class KeptImages:
     def __init__(self, state_dir: Path, staging_roots: Sequence[Path]) -> None:
         self.folder = state_dir / KEPT_DIR
         self.roots = list(staging_roots)
+        #: the host key staged images are sealed under (checked before a push, which signs)
+        self.key = seal.HostKey.for_state(state_dir)
 
     def _path(self, job: str, images_dir: Path) -> Path:
         return self.folder / f"{job}-{images_dir.name}.json"
 
     def _write(self, kept: KeptImage) -> None:
-        self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = self.folder / f".{kept.record.name}.tmp"
-        with tmp.open("w") as f:
-            f.write(kept.model_dump_json())
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, kept.record)
+        with safefs.opened_private_dir(self.folder) as dfd:
+            safefs.write_at(dfd, kept.record.name, kept.model_dump_json().encode())
 
     def keep(
         self,
@@ -180,10 +179,14 @@ class KeptImages:
 
     def _records(self) -> list[KeptImage]:
         out = []
+        if self.folder.is_dir():
+            safefs.ensure_private_dir(self.folder)
         for path in sorted(self.folder.glob("*.json")) if self.folder.is_dir() else []:
             try:
-                kept = KeptImage.model_validate_json(path.read_text())
-            except (OSError, ValidationError, ValueError) as exc:
+                with safefs.opened_private_dir(self.folder) as dfd:
+                    data = safefs.read_at(dfd, path.name, limit=_MAX_RECORD)
+                kept = KeptImage.model_validate_json(data)
+            except (OSError, ValidationError, ValueError, UnsafePath) as exc:
                 log.error(
                     "unreadable kept-image record left in place",
                     extra={"step": "upload", "file": str(path), "error": str(exc)[:200]},
@@ -221,14 +224,19 @@ class KeptImages:
         return found
 
     def _adopt(self, d: Path) -> KeptImage | None:
+        """A record for an orphan staged image — only one this host sealed, in a private
+        staging root: a directory planted there is logged and left alone, never pushed (a
+        push signs it with the fleet's key)."""
         try:
+            safefs.ensure_private_dir(d.parent)
+            seal.verify(d, self.key)
             meta = ImageMeta.read(d)
             job = str(meta.job["name"])
             mode = Mode(meta.mode)
             at = (d / META_NAME).stat().st_mtime
-        except (ImageError, OSError, KeyError, ValueError) as exc:
+        except (ImageError, OSError, KeyError, ValueError, UnsafePath) as exc:
             log.warning(
-                "staged image not understood; left in place",
+                "staged image not understood or not sealed by this host; left in place",
                 extra={"step": "upload", "dir": str(d), "error": str(exc)[:200]},
             )
             return None
@@ -253,6 +261,14 @@ class KeptImages:
         return kept
 
 
+def verify_kept(kept: KeptImage, images: KeptImages) -> None:
+    """The kept image is in a private staging directory and exactly as this host sealed it
+    (:mod:`spotguard.checkpoint.seal`), or :class:`~spotguard.errors.ImageUntrusted`: a
+    push signs what it uploads, so nothing else may reach it."""
+    safefs.ensure_private_dir(kept.dir.parent)
+    seal.verify(kept.dir, images.key)
+
+
 async def push_kept(
     kept: KeptImage,
     store_url: str,
@@ -275,6 +291,7 @@ async def push_kept(
             },
         )
     tl = Timeline()
+    await asyncio.to_thread(verify_kept, kept, images)
     push = await push_dir(
         kept.dir,
         store_url,

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
+from spotguard.checkpoint import seal
 from spotguard.checkpoint.engine import Engine, FreezeResult, Mode
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.meta import ImageMeta
@@ -288,7 +289,10 @@ class StagedPath:
         t0 = time.monotonic()
         target = _RecordingTarget(
             DirectoryTarget(
-                shm_root=s.shm_dir, disk_root=s.disk_staging_dir, margin=s.memory_margin
+                shm_root=s.shm_dir,
+                disk_root=s.disk_staging_dir,
+                margin=s.memory_margin,
+                key=seal.HostKey.for_state(s.state_dir),
             ),
             a,
         )

@@ -25,6 +25,7 @@ import logging
 import shutil
 from pathlib import Path
 
+from spotguard import safefs
 from spotguard.checkpoint.engine import Engine, RestoreResult
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -39,10 +40,11 @@ from .checkpoint import engine_for
 log = logging.getLogger(__name__)
 
 
-async def _open(image_url: str, image_settings: ImageSettings) -> tuple[str, Manifest]:
-    """The image's own URL (``…/latest`` resolved) and its manifest."""
+async def _open(image_url: str, image_settings: ImageSettings) -> tuple[str, Manifest, str]:
+    """The image's own URL (``…/latest`` resolved), its manifest and who authenticated it
+    ("" on a host without keys)."""
     async with ImageReader(image_url, settings=image_settings) as reader:
-        return reader.url, reader.manifest
+        return reader.url, reader.manifest, reader.authenticated
 
 
 async def _verify(url: str, image_settings: ImageSettings, tl: Timeline) -> None:
@@ -67,7 +69,7 @@ async def restore(
     """Restore the image at ``image_url`` on this host (the steps above); the job runs again
     when this returns. ``job_name``, when given, must match the image's job."""
     eng = engine or engine_for(settings)
-    resolved, manifest = await _open(image_url, image_settings)
+    resolved, manifest, authenticated = await _open(image_url, image_settings)
     if job_name is not None and manifest.job != job_name:
         raise ImageError(f"{image_url} holds job {manifest.job!r}, not {job_name!r}")
     tl = Timeline()
@@ -88,12 +90,12 @@ async def restore(
                 need, settings.shm_dir, settings.disk_staging_dir, settings.memory_margin
             )
             tl.mark("staging", mode=staging.mode, path=staging.path, reason=staging.reason)
-            await asyncio.to_thread(Path(staging.path).mkdir, parents=True, exist_ok=True)
+            await asyncio.to_thread(safefs.ensure_private_dir, Path(staging.path))
             pulled = await pull_to_tmp(resolved, staging.path, settings=image_settings, timeline=tl)
         except OSError as exc:
             raise _host_error("stage the image", exc) from exc
         pulled_dir = pulled.dest
-        source = DirectorySource(pulled.dest)
+        source = DirectorySource(pulled.dest, verified_by=authenticated)
     try:
         rr = await eng.restore(source, state_dir=settings.state_dir)
     except OSError as exc:

@@ -37,13 +37,14 @@ from pathlib import Path
 
 import psutil
 
-from spotguard.checkpoint import proctree, suspend
+from spotguard import safefs
+from spotguard.checkpoint import proctree, seal, suspend
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
-from spotguard.errors import JobError, ParkError
+from spotguard.errors import JobError, ParkError, UnsafePath
 
 from . import gpu, record, sockets
 from .record import ListenAddress, ParkRecord, Place
@@ -88,6 +89,13 @@ def place_of(to: str) -> Place:
 def _image_dir(place: Place, job: str, cs: CheckpointSettings, ps: ParkSettings) -> Path:
     base = ps.memory_dir if place == "tmpfs" else cs.state_dir / "parked" / "images"
     return base / job
+
+
+def _private_base(d: Path) -> None:
+    """The directory parked images live in must be root's and 0700 (created so at first
+    use): a directory another user created first, or swapped for a link, refuses the park
+    or unpark in one line (:class:`~spotguard.errors.UnsafePath`)."""
+    safefs.ensure_private_dir(d.parent)
 
 
 def _dir_bytes(path: Path) -> int:
@@ -159,8 +167,10 @@ async def park(
             if place == "tmpfs":
                 _check_memory_room(engine, tree, gpu_pids)
             d = _image_dir(place, job.name, settings, park_settings)
+            _private_base(d)
             _set_aside(d)
-            await engine.freeze(job, DirectoryTarget(d), Mode.EXIT)
+            target = DirectoryTarget(d, key=seal.HostKey.for_state(state))
+            await engine.freeze(job, target, Mode.EXIT)
             location, size = str(d), _dir_bytes(d)
         rec = ParkRecord(
             job=job.name,
@@ -207,11 +217,29 @@ def _set_aside(d: Path) -> None:
 
 def find_unrecorded(job: str, settings: CheckpointSettings, ps: ParkSettings) -> ParkRecord | None:
     """A complete parked image of ``job`` with no record (the park was interrupted after the
-    job stopped and before its record was written): memory first, then disk."""
+    job stopped and before its record was written): memory first, then disk. Only an image
+    this host sealed (:mod:`spotguard.checkpoint.seal`) in its private park directory counts:
+    a directory planted there is never taken for a park (it is logged and left alone)."""
     places: tuple[Place, ...] = ("tmpfs", "disk")
+    key = seal.HostKey.for_state(settings.state_dir)
     for place in places:
         d = _image_dir(place, job, settings, ps)
-        if (d / META_NAME).is_file():
+        if not (d / META_NAME).is_file():
+            continue
+        try:
+            _private_base(d)
+            safefs.ensure_private_dir(d)
+            sealed = seal.is_sealed(d, key)
+        except UnsafePath as exc:
+            log.warning("parked image directory refused", extra={"path": str(d), "error": str(exc)})
+            continue
+        if not sealed:
+            log.warning(
+                "an unsealed image in the park directory is not restored",
+                extra={"path": str(d), "job": job},
+            )
+            continue
+        if sealed:
             return ParkRecord(
                 job=job,
                 place=place,
@@ -405,9 +433,16 @@ async def unpark(
             pid = await store.restore(rec.location)
         else:
             d = Path(rec.location)
+            if d != _image_dir(rec.place, job, settings, park_settings):
+                raise ParkError(
+                    f"the park record of {job!r} names {d}, not this host's park directory "
+                    "for it; refusing to restore from there"
+                )
+            _private_base(d)
             if not (d / META_NAME).is_file():
                 raise ParkError(f"the parked state of {job!r} is missing at {d}")
-            result = await engine.restore(DirectorySource(d), state_dir=state)
+            source = DirectorySource(d, key=seal.HostKey.for_state(state))
+            result = await engine.restore(source, state_dir=state)
             pid = result.pid
             await asyncio.to_thread(shutil.rmtree, d, True)
         record.remove(state, job)

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from spotguard import safefs
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.errors import SpotguardError
@@ -42,9 +43,9 @@ class Claim:
 
 
 def write_claim(job_dir: Path, claim: Claim) -> None:
-    job_dir.mkdir(parents=True, exist_ok=True)
+    """Write ``priority.json`` into the job's directory, never through a link."""
     data = {"priority": claim.priority, "gpu_bytes": claim.gpu_bytes}
-    (job_dir / CLAIM_FILE).write_text(json.dumps(data) + "\n")
+    safefs.write_file(job_dir / CLAIM_FILE, (json.dumps(data) + "\n").encode(), mode=0o644)
 
 
 def read_claim(job_dir: Path) -> Claim:

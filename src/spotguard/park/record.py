@@ -20,8 +20,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from spotguard import safefs
 from spotguard.contracts import check_job_name
-from spotguard.errors import JobError, JobNotFound
+from spotguard.errors import JobError, JobNotFound, UnsafePath
 
 from .sockets import Address
 
@@ -80,6 +81,9 @@ def parked_dir(state_dir: Path) -> Path:
     return state_dir / "parked"
 
 
+_MAX_RECORD = 4 << 20
+
+
 def _path(state_dir: Path, job: str) -> Path:
     try:
         check_job_name(job)
@@ -89,26 +93,28 @@ def _path(state_dir: Path, job: str) -> Path:
 
 
 def save(state_dir: Path, rec: ParkRecord) -> None:
-    """Write the record atomically (0600: it names where the job's memory is)."""
+    """Write the record atomically (0600: it names where the job's memory is) into the
+    private ``parked`` directory (0700, root's; :mod:`spotguard.safefs`), never through a
+    link."""
     path = _path(state_dir, rec.job)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(rec.model_dump_json(indent=2) + "\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    with safefs.opened_private_dir(path.parent) as dfd:
+        safefs.write_at(dfd, path.name, (rec.model_dump_json(indent=2) + "\n").encode())
+
+
+def _read(path: Path) -> bytes:
+    with safefs.opened_private_dir(path.parent) as dfd:
+        return safefs.read_at(dfd, path.name, limit=_MAX_RECORD)
 
 
 def load(state_dir: Path, job: str) -> ParkRecord | None:
-    """The job's park record, or None when it is not parked."""
+    """The job's park record, or None when it is not parked. The ``parked`` directory must
+    be private to root and the record a regular file (a link is refused)."""
     path = _path(state_dir, job)
     try:
-        return ParkRecord.model_validate_json(path.read_bytes())
+        return ParkRecord.model_validate_json(_read(path))
     except FileNotFoundError:
         return None
-    except (OSError, ValidationError) as exc:
+    except (OSError, ValidationError, UnsafePath) as exc:
         raise JobError(f"park record {path} is unreadable: {exc}") from exc
 
 
@@ -123,15 +129,16 @@ def all_records(state_dir: Path) -> list[ParkRecord]:
         return []
     out = []
     for path in sorted(root.glob("*.json")):
-        with contextlib.suppress(OSError, ValidationError):
-            out.append(ParkRecord.model_validate_json(path.read_bytes()))
+        with contextlib.suppress(OSError, ValidationError, UnsafePath):
+            out.append(ParkRecord.model_validate_json(_read(path)))
     return out
 
 
 def _lock_fd(state_dir: Path, job: str) -> int:
     path = _path(state_dir, job).with_suffix(".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    with safefs.opened_private_dir(path.parent) as dfd:
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        return os.open(path.name, flags, 0o600, dir_fd=dfd)
 
 
 def _busy(job: str) -> JobError:

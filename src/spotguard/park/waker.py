@@ -8,11 +8,13 @@ every port; :func:`spawn` returns only then, so no client is refused after park 
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+from spotguard import safefs
 from spotguard.errors import ParkError
 
 from . import record
@@ -27,8 +29,10 @@ def spawn(state_dir: Path, job: str, config: str | None = None) -> int:
         argv += ["--config", config]
     argv += ["park-wake", job, "--state-dir", str(state_dir)]
     logf = record.parked_dir(state_dir) / f"{job}.wake.log"
-    logf.parent.mkdir(parents=True, exist_ok=True)
-    with logf.open("ab") as out:
+    with safefs.opened_private_dir(logf.parent) as dfd:
+        flags = os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        out_fd = os.open(logf.name, flags, 0o600, dir_fd=dfd)
+    with os.fdopen(out_fd, "ab") as out:
         proc = subprocess.Popen(
             argv, stdin=subprocess.DEVNULL, stdout=out, stderr=out, start_new_session=True
         )

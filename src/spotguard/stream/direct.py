@@ -373,6 +373,8 @@ class StreamSource:
         self._work: Path | None = None
         self._reader: ImageReader | None = None
         self._serve: Serve | None = None
+        #: the reader authenticated the image under the host's keys (see RestoreSource)
+        self.authenticated = False
 
     @property
     def images_dir(self) -> Path:
@@ -398,6 +400,7 @@ class StreamSource:
         try:
             await reader.open()
             self._reader = reader
+            self.authenticated = bool(reader.authenticated)
             info = reader.manifest.meta.get(STREAM_KEY)
             if not isinstance(info, dict):
                 raise ImageError(f"{self.image_url} was not written by a streamed dump")
