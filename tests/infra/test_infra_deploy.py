@@ -1,32 +1,20 @@
-"""Issue 17.3: docs/deploy-aws.md, followed as written, deploys. ``terraform output
-controller_config`` is rendered from the module's own template (by ``terraform console``, with
-the values tfparse resolves and a real queue on a local moto server), installed as the docs say
-(``/etc/spotguard`` 0700, root-only), and the controller is started with exactly its systemd
-unit's settings: the unit's environment, its credentials (``LoadCredential=``, as systemd
-copies them), its ``StateDirectory`` and its unprivileged user, running the unit's ExecStart
-command line. Only the listen port is moved to a free one. systemd is not PID 1 here, so this
-test does what the unit asks of systemd and ``systemd-analyze verify`` (test_infra_image)
-checks the unit itself."""
+"""Issue 17.3: ``terraform output controller_config`` of each module, rendered from the
+module's own template (by ``terraform console``, with the values tfparse resolves), is a whole
+controller file that the controller's settings classes read. Starting the controller and an
+agent from the rendered files, as the unit and the docs say (listen as rendered, TLS through
+the unit's credentials), is tests/infra/test_infra_deploy_host.py."""
 
 from __future__ import annotations
 
 import base64
 import json
 import os
-import shlex
 import shutil
-import socket
 import subprocess
-import sys
-import tempfile
-import time
 import tomllib
-import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import boto3
 import pytest
 
 from spotguard import config
@@ -114,6 +102,8 @@ def render_controller_config(tmp: Path, queue_url: str, region: str) -> str:
         "advertise_url": controller_url,
         "store_url": f"s3://{module['name']}-images-123456789012-{region}",
         "token_path": "/etc/spotguard/controller-token",
+        "tls": True,
+        "credentials_dir": "/run/credentials/spotguard-controller.service",
         "queue_url": queue_url,
         "region": region,
         "launch_template": f"{module['name']}-{{job}}",
@@ -162,6 +152,8 @@ def test_gcp_controller_config_output_is_a_whole_gcp_controller_file(
         "advertise_url": "https://controller.internal.example:9900",
         "store_url": "gs://my-project-spotguard-images",
         "token_path": "/etc/spotguard/controller-token",
+        "tls": True,
+        "credentials_dir": "/run/credentials/spotguard-controller.service",
         "signing_key_source": "gcp-secretmanager:projects/my-project/secrets/k",
         "verify_key_source": "gcp-secretmanager:projects/my-project/secrets/p",
         "verify_key": VERIFY_KEY,
@@ -188,130 +180,6 @@ def test_gcp_controller_config_output_is_a_whole_gcp_controller_file(
     assert gcp.gcp_subnetwork == subnetwork
     assert gcp.gcp_job_service_accounts == accounts
     assert ImageKeys.from_settings(config.load(ImageSettings, config_file=cfg)).required
-
-
-@pytest.fixture
-def host_root() -> Iterator[Path]:
-    """A directory standing for ``/`` that an unprivileged user may traverse."""
-    if os.geteuid() != 0:
-        pytest.skip("needs root: the controller runs as another user, as its unit says")
-    root = Path(tempfile.mkdtemp(prefix="sg-deploy-"))
-    root.chmod(0o755)
-    try:
-        yield root
-    finally:
-        shutil.rmtree(root, ignore_errors=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _as_unit_would(svc: dict[str, list[str]], root: Path, name: str) -> tuple[dict[str, str], Path]:
-    """What systemd does before ExecStart: credentials copied (0400, the service's user),
-    ``%d`` expanded, the StateDirectory created for that user, the environment set."""
-    creds = root / "run" / "credentials" / name
-    creds.mkdir(parents=True)
-    for spec in svc.get("LoadCredential", []):
-        cred_id, _, source = spec.partition(":")
-        dst = creds / cred_id
-        shutil.copyfile(root / source.lstrip("/"), dst)
-        os.chown(dst, UID, UID)
-        dst.chmod(0o400)
-    os.chown(creds, UID, UID)
-    creds.chmod(0o500)
-    env = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8"}
-    for assignment in svc.get("Environment", []):
-        key, _, value = assignment.partition("=")
-        env[key] = value.replace("%d", str(creds))
-    (state_name,) = svc["StateDirectory"]
-    state = root / "var" / "lib" / state_name
-    state.mkdir(parents=True)
-    os.chown(state, UID, UID)
-    state.chmod(0o700)
-    assert env["SPOTGUARD_STATE_DIR"] == f"/var/lib/{state_name}", "DB outside StateDirectory"
-    env["SPOTGUARD_STATE_DIR"] = str(state)
-    return env, state
-
-
-def test_the_controller_starts_with_exactly_its_units_settings(
-    host_root: Path, moto_server: str
-) -> None:
-    svc = unit("spotguard-controller.service")
-    assert svc["DynamicUser"] == ["yes"], "the unit runs unprivileged (this test as uid 65534)"
-    region = "us-east-1"
-    sqs = boto3.client(
-        "sqs",
-        endpoint_url=moto_server,
-        region_name=region,
-        aws_access_key_id="testing",
-        aws_secret_access_key="testing",
-    )
-    queue_url = sqs.create_queue(QueueName="spotguard-demo-events")["QueueUrl"]
-
-    # /etc/spotguard as docs/deploy-aws.md installs it: root-only.
-    etc = host_root / "etc" / "spotguard"
-    etc.mkdir(parents=True)
-    etc.chmod(0o700)
-    (etc / "spotguard.toml").write_text(render_controller_config(host_root, queue_url, region))
-    (etc / "spotguard.toml").chmod(0o600)
-    (etc / "controller-token").write_text("s3cr3t-fleet-token\n")
-    (etc / "controller-token").chmod(0o600)
-
-    env, state = _as_unit_would(svc, host_root, "spotguard-controller.service")
-    port = _free_port()
-    site = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
-    env |= {
-        "SPOTGUARD_LISTEN": f"127.0.0.1:{port}",  # the one change: a free port
-        "PYTHONPATH": f"{ROOT / 'src'}:{site}",
-        "AWS_ENDPOINT_URL": moto_server,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "HOME": str(state),
-    }
-    (execstart,) = svc["ExecStart"]
-    argv = shlex.split(execstart)
-    assert argv[0] == "/usr/local/bin/spotguard"
-    python = shutil.which("python3", path="/usr/bin")  # root's own interpreter is not
-    assert python, "needs /usr/bin/python3"  # readable by other users here
-    cmd = ["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", python, "-m"]
-    cmd += ["spotguard", *argv[1:]]
-    proc = subprocess.Popen(
-        cmd, env=env, cwd=state, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        ok = False
-        for _ in range(150):
-            if proc.poll() is not None:
-                break
-            try:
-                with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=1) as r:
-                    ok = r.status == 200
-                    break
-            except OSError:
-                time.sleep(0.2)
-        if not ok:
-            proc.terminate()
-            _, err = proc.communicate(timeout=10)
-            pytest.fail(f"the controller did not start as its unit says:\n{err[-3000:]}")
-        req = urllib.request.Request(
-            f"http://127.0.0.1:{port}/v1/jobs",
-            headers={"Authorization": "Bearer s3cr3t-fleet-token"},
-        )
-        with urllib.request.urlopen(req, timeout=5) as r:
-            assert json.loads(r.read())["jobs"] == []  # the token came through the credential
-        db = state / "controller.db"
-        assert db.is_file() and db.stat().st_uid == UID, "the DB is in the StateDirectory"
-    finally:
-        proc.terminate()
-        _, err = proc.communicate(timeout=30)
-    lines = [json.loads(line) for line in err.splitlines() if line.startswith("{")]
-    started = [rec for rec in lines if rec.get("msg") == "controller listening"]
-    assert started and started[0]["provider"] == "aws", err[-2000:]
-    assert any(rec.get("msg") == "watching fleet notices" for rec in lines), err[-2000:]
-    assert not any(rec.get("level") == "error" for rec in lines), err[-2000:]
 
 
 def test_the_agent_unit_keeps_its_state_in_its_state_directory() -> None:

@@ -138,7 +138,7 @@ def render(cloud: str, tmp: Path, url: str | None, token: str | None, command: s
         "job": job,
         "store_url": f"{'s3' if cloud == 'aws' else 'gs'}://bucket-x",
         "controller_url": url,
-        "controller_token": token,
+        "job_token": token,
         "command": command,
         "paths": paths,
         "run_command": paths["run_command"] % (job, paths["job_script_path"]),
@@ -181,7 +181,7 @@ def test_first_boot_script_is_valid_and_writes_a_loadable_config(
 ) -> None:
     command = "cd /opt/train && exec python3 train.py --lr '1e-4' \"$EXTRA\""
     url = "https://controller.example:9900" if with_controller else None
-    token = "s3cr3t-token" if with_controller else None
+    token = "sgvm1.train-llm.0.bWFjLW9mLXRoZS12bS10b2tlbg" if with_controller else None
     script = render(cloud, tmp_path, url, token, command)
     path = tmp_path / "first-boot.sh"
     path.write_text(script)

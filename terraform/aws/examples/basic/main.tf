@@ -27,7 +27,8 @@ module "spotguard" {
   instance_type      = "g6.xlarge"
   security_group_ids = var.security_group_ids
   controller_url     = var.controller_url
-  controller_token   = var.controller_token
+  job_tokens         = var.job_tokens
+  controller_tls     = var.controller_tls
 
   jobs = {
     "train-llm" = {

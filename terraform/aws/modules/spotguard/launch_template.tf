@@ -42,10 +42,10 @@ resource "aws_launch_template" "job" {
   }
 
   user_data = base64encode(templatefile("${path.module}/templates/first-boot.sh.tftpl", {
-    job              = each.key
-    store_url        = local.store_url
-    controller_url   = var.controller_url
-    controller_token = var.controller_token
+    job            = each.key
+    store_url      = local.store_url
+    controller_url = var.controller_url
+    job_token      = lookup(var.job_tokens, each.key, null)
     key_sources = {
       signing = local.signing_key_source
       verify  = local.verify_key_source
@@ -66,4 +66,11 @@ resource "aws_launch_template" "job" {
   }
 
   tags = merge(local.tags, { "${local.spotguard.tag_job}" = each.key })
+
+  lifecycle {
+    precondition {
+      condition     = var.controller_url == null || contains(nonsensitive(keys(var.job_tokens)), each.key)
+      error_message = "controller_url is set but job_tokens has no token for this job: run `spotguard controller --issue-token <job>` on the controller host and add it to job_tokens."
+    }
+  }
 }

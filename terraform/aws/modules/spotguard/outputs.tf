@@ -70,6 +70,8 @@ output "controller_config" {
     advertise_url      = var.controller_url
     store_url          = local.store_url
     token_path         = local.spotguard.token_path
+    tls                = var.controller_tls
+    credentials_dir    = local.spotguard.credentials_dir
     queue_url          = aws_sqs_queue.events.url
     region             = local.region
     launch_template    = "${var.name}-{job}"

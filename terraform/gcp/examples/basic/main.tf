@@ -22,13 +22,14 @@ provider "google" {
 module "spotguard" {
   source = "../../modules/spotguard"
 
-  project_id       = var.project_id
-  region           = var.region
-  name             = "spotguard-demo"
-  image            = var.image
-  machine_type     = "g2-standard-8"
-  controller_url   = var.controller_url
-  controller_token = var.controller_token
+  project_id     = var.project_id
+  region         = var.region
+  name           = "spotguard-demo"
+  image          = var.image
+  machine_type   = "g2-standard-8"
+  controller_url = var.controller_url
+  job_tokens     = var.job_tokens
+  controller_tls = var.controller_tls
 
   jobs = {
     "train-llm" = {

@@ -22,9 +22,15 @@ variable "controller_url" {
   default     = "https://controller.internal.example:9900"
 }
 
-variable "controller_token" {
-  description = "Bearer token agents present to the controller."
-  type        = string
-  default     = null
+variable "job_tokens" {
+  description = "VM token of each job's first VM (`spotguard controller --issue-token <job>` on the controller host), by job name."
+  type        = map(string)
+  default     = {}
   sensitive   = true
+}
+
+variable "controller_tls" {
+  description = "HTTPS controller (certificate in /etc/spotguard/controller.crt and .key); false = private-network mode (plain HTTP)."
+  type        = bool
+  default     = true
 }

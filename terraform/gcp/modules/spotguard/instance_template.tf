@@ -65,10 +65,10 @@ resource "google_compute_instance_template" "job" {
     enable-oslogin         = "TRUE"
     serial-port-enable     = "FALSE"
     startup-script = templatefile("${path.module}/templates/first-boot.sh.tftpl", {
-      job              = each.key
-      store_url        = local.store_url
-      controller_url   = var.controller_url
-      controller_token = var.controller_token
+      job            = each.key
+      store_url      = local.store_url
+      controller_url = var.controller_url
+      job_token      = lookup(var.job_tokens, each.key, null)
       key_sources = {
         signing = local.signing_key_source
         verify  = local.verify_key_source
@@ -81,5 +81,10 @@ resource "google_compute_instance_template" "job" {
 
   lifecycle {
     create_before_destroy = true
+
+    precondition {
+      condition     = var.controller_url == null || contains(nonsensitive(keys(var.job_tokens)), each.key)
+      error_message = "controller_url is set but job_tokens has no token for this job: run `spotguard controller --issue-token <job>` on the controller host and add it to job_tokens."
+    }
   }
 }

@@ -2,9 +2,13 @@ locals {
   # What the machine image (ami/, packaging/) and the agent (src/spotguard) agree on.
   # These names appear nowhere else in this module: change them here only.
   spotguard = {
-    etc_dir         = "/etc/spotguard"
-    config_path     = "/etc/spotguard/spotguard.toml"
-    token_path      = "/etc/spotguard/controller-token"
+    etc_dir       = "/etc/spotguard"
+    config_path   = "/etc/spotguard/spotguard.toml"
+    token_path    = "/etc/spotguard/controller-token"
+    tls_cert_path = "/etc/spotguard/controller.crt"
+    tls_key_path  = "/etc/spotguard/controller.key"
+    # where systemd puts the controller unit's credentials (LoadCredential=)
+    credentials_dir = "/run/credentials/spotguard-controller.service"
     job_script_path = "/etc/spotguard/job.sh"
     assignment_path = "/etc/spotguard/assignment.json"
     signing_key     = "/etc/spotguard/signing.key"

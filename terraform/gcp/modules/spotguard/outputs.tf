@@ -55,6 +55,8 @@ output "controller_config" {
     advertise_url      = var.controller_url
     store_url          = local.store_url
     token_path         = local.spotguard.token_path
+    tls                = var.controller_tls
+    credentials_dir    = local.spotguard.credentials_dir
     signing_key_source = local.signing_key_source
     verify_key_source  = local.verify_key_source
     verify_key         = local.image_verify_key

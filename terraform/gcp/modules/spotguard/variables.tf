@@ -136,11 +136,34 @@ variable "controller_url" {
   default     = null
 }
 
+variable "job_tokens" {
+  description = "VM token of each job's first VM, by job name: `spotguard controller --issue-token JOB` on the controller host prints it (scoped to that one job; the controller gives every VM it relaunches a new one). Written to /etc/spotguard/controller-token (mode 0600) by that job's startup script only. Required for every job when controller_url is set. Never the admin token."
+  type        = map(string)
+  default     = {}
+  sensitive   = true
+
+  validation {
+    condition     = alltrue([for job, token in var.job_tokens : startswith(token, "sgvm1.${job}.")])
+    error_message = "Each job_tokens value must be that job's VM token (sgvm1.<job>.<epoch>.<mac>, from `spotguard controller --issue-token <job>`), never the admin token."
+  }
+}
+
 variable "controller_token" {
-  description = "Bearer token the agents present to the controller. Written to /etc/spotguard/controller-token (mode 0600) by the startup script."
+  description = "Removed: one admin token in every VM's user data let any VM act for every job. Set job_tokens instead. Must stay null."
   type        = string
   default     = null
   sensitive   = true
+
+  validation {
+    condition     = var.controller_token == null
+    error_message = "controller_token is no longer accepted (the admin token must not reach the VMs): issue one token per job with `spotguard controller --issue-token <job>` and set job_tokens."
+  }
+}
+
+variable "controller_tls" {
+  description = "Serve the controller over HTTPS (controller_config names the certificate and key the unit loads from /etc/spotguard/controller.crt and controller.key as credentials). false = private-network mode: plain HTTP with insecure_listen = true, only on a network you trust or behind a TLS proxy."
+  type        = bool
+  default     = true
 }
 
 variable "bucket_name" {

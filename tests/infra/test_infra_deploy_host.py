@@ -1,0 +1,84 @@
+"""Issue 28.1 / 28.4: docs/deploy-aws.md followed as written reaches a running controller and
+agent — from the module's own rendered templates, with ``listen = "0.0.0.0:8700"`` as rendered
+(never rewritten), TLS through the unit's credentials (or the private-network mode), and a
+per-job VM token issued by ``spotguard controller --issue-token`` in the first-boot user-data
+(never the admin token). The host is tests/infra/deploy_host.py inside its own mount, network
+and PID namespaces (overlays on /etc and /var/lib, loopback only)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+HOST = Path(__file__).with_name("deploy_host.py")
+
+
+def deploy(tmp_path: Path, mode: str) -> dict[str, Any]:
+    if os.geteuid() != 0:
+        pytest.skip("needs root (namespaces, overlays, CRIU)")
+    for tool in ("unshare", "setpriv", "ip", "openssl", "terraform"):
+        if shutil.which(tool) is None:
+            pytest.fail(f"{tool} is not installed")
+    tmp_path.chmod(0o755)
+    cmd = ["unshare", "-m", "-n", "-p", "-f", "--mount-proc", "--propagation", "private"]
+    proc = subprocess.run(
+        [*cmd, sys.executable, str(HOST), str(tmp_path), mode],
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    report_file = tmp_path / "report.json"
+    assert report_file.is_file(), proc.stdout + proc.stderr
+    report: dict[str, Any] = json.loads(report_file.read_text())
+    assert "error" not in report, json.dumps(report, indent=2)[-8000:]
+    return report
+
+
+def log_lines(text: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in text.splitlines() if line.startswith("{")]
+
+
+@pytest.mark.parametrize("mode", ["tls", "private"])
+def test_the_documented_aws_deploy_runs_a_controller_and_an_agent(
+    tmp_path: Path, mode: str
+) -> None:
+    report = deploy(tmp_path, mode)
+    config = tomllib.loads(report["controller_config"])["controller"]
+    assert config["listen"] == "0.0.0.0:8700"
+    if mode == "tls":
+        assert config["tls_cert_file"].startswith("/run/credentials/spotguard-controller.service/")
+        assert "insecure_listen" not in config
+    else:
+        assert config["insecure_listen"] is True and "tls_cert_file" not in config
+    ctl = log_lines(report["controller_log"])
+    (listening,) = [r for r in ctl if r.get("msg") == "controller listening"]
+    scheme = "https" if mode == "tls" else "http"
+    assert listening["url"] == f"{scheme}://0.0.0.0:8700", listening
+
+    # the VM holds its own job's token, and nothing of the admin token
+    token = report["token"]
+    assert token.startswith("sgvm1.train-llm.0."), token
+    assert report["token_file"] == token
+    assert "admin-token-never-on-a-vm" not in report["user_data"]
+    assert "enable --now spotguard-agent.service" in report["systemctl"]
+
+    # the agent protects the job the first boot started with `spotguard run`
+    jobs = {j["job"]: j for j in report["status"].get("jobs", [])}
+    assert jobs["train-llm"]["state"] == "protecting", report["status"]
+    assert report["status"]["agent"]["controller"] == f"{scheme}://127.0.0.1:8700/v1/events"
+
+    # the controller heard the agent (its VM token, over HTTPS in TLS mode): a checkpoint
+    # after the rebalance notice, its image recorded
+    job = report["job"]
+    assert job.get("name") == "train-llm", json.dumps(report, indent=1)[-6000:]
+    assert job.get("image_url", "").startswith("s3://"), job
+    assert job["state"] == "protected" and job["owner"]["epoch"] == 0, job
+    assert not [r for r in ctl if r.get("level") == "error"], report["controller_log"][-3000:]
