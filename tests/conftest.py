@@ -44,6 +44,9 @@ def isolate_environment(environ: MutableMapping[str, str]) -> list[str]:
 
 # At import, before any test module (or spotguard) reads the environment.
 _DROPPED = isolate_environment(os.environ)
+# The agents the tests start leave the host's transparent huge page mode as it is (a host
+# setting that the agent sets to 'always' by default; tests of it use their own sysfs tree).
+os.environ["SPOTGUARD_TRANSPARENT_HUGEPAGES"] = "keep"
 
 
 def pytest_configure(config: pytest.Config) -> None:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.planner import Estimate, Planner, PlannerSettings, estimate, thp_status
+from spotguard.planner import (
+    Estimate,
+    Planner,
+    PlannerSettings,
+    estimate,
+    set_thp,
+    thp_status,
+)
 
 GiB = 1 << 30
 
@@ -154,3 +161,30 @@ def test_estimate_counts_the_ranks_of_a_launcher(tmp_path: Path) -> None:
             c.kill()
         launcher.kill()
         launcher.wait()
+
+
+def test_set_thp_writes_the_mode_once_and_keep_leaves_it(tmp_path: Path) -> None:
+    thp = tmp_path / "sys/kernel/mm/transparent_hugepage"
+    thp.mkdir(parents=True)
+    enabled = thp / "enabled"
+    enabled.write_text("always [madvise] never\n")
+    assert set_thp("keep", sys_root=tmp_path).enabled == "madvise"
+    assert enabled.read_text() == "always [madvise] never\n"
+    set_thp("always", sys_root=tmp_path)
+    assert enabled.read_text() == "always"  # what the kernel is given; it shows [always]
+    enabled.write_text("[always] madvise never\n")
+    assert set_thp("always", sys_root=tmp_path).enabled == "always"
+    assert enabled.read_text() == "[always] madvise never\n"  # already so: not written
+
+
+def test_set_thp_that_cannot_write_keeps_the_mode_and_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    thp = tmp_path / "sys/kernel/mm/transparent_hugepage"
+    thp.mkdir(parents=True)
+    # readable, but no one (root included) may write it: like sysfs in a container
+    (thp / "enabled").symlink_to("/proc/version")
+    caplog.set_level("WARNING")
+    before = set_thp("keep", sys_root=tmp_path).enabled
+    assert set_thp("always", sys_root=tmp_path).enabled == before != "always"
+    assert "stay as the host has them" in caplog.text

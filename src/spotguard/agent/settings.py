@@ -9,7 +9,7 @@ what is the agent's own.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, ClassVar
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator
 from pydantic_settings import NoDecode
@@ -98,6 +98,15 @@ class AgentSettings(Settings):
         description=(
             "Longest wait, in seconds, between attempts to push a kept staged image "
             "(exit mode, store unreachable) until it is durable"
+        ),
+    )
+
+    transparent_hugepages: Literal["always", "madvise", "never", "keep"] = Field(
+        "always",
+        description=(
+            "The host's transparent huge page mode, set at agent start: 'always' makes the "
+            "driver's GPU checkpoint and CRIU's restore page-in faster (docs/limits.md); "
+            "'keep' leaves it as the VM came"
         ),
     )
 

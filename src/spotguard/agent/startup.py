@@ -8,7 +8,8 @@
 3. :func:`recover_interrupted` — a job a killed agent (or CLI) left mid-freeze is brought back
    by the engine (``recover``, from the engine's ``operation.json`` marker: the one marker).
 4. :func:`warm_gpu` — the driver's checkpoint API and NVML are loaded at start, in the
-   background, so the first notice does not pay for it.
+   background, so the first notice does not pay for it; the host's transparent huge page mode
+   is set first (``[agent] transparent_hugepages``, :func:`spotguard.planner.set_thp`).
 """
 
 from __future__ import annotations
@@ -139,10 +140,14 @@ async def recover_interrupted(
     return done
 
 
-async def warm_gpu() -> cuda.Warmed:
+async def warm_gpu(thp: str = "keep") -> cuda.Warmed:
     """Load the GPU driver's checkpoint API and NVML (:func:`spotguard.checkpoint.cuda.warm`)
     off the event loop, and say what was found: one log line. Never fails the agent: a
-    driver that cannot load now is tried again (and reported) at the first checkpoint."""
+    driver that cannot load now is tried again (and reported) at the first checkpoint.
+    ``thp``: the transparent huge page mode to set on the host first (``keep``: none)."""
+    from spotguard.planner import set_thp
+
+    await asyncio.to_thread(set_thp, thp)
     try:
         w = await asyncio.to_thread(cuda.warm)
     except Exception as exc:  # noqa: BLE001 - a warm-up must not stop the agent
