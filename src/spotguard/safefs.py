@@ -49,7 +49,9 @@ def _parts(path: Path) -> list[str]:
     return [c for c in p.parts[1:] if c]
 
 
-def _open_child(parent: int, name: str, where: str) -> int:
+def open_subdir(parent: int, name: str, where: str) -> int:
+    """``name`` in the directory ``parent``, opened ``O_NOFOLLOW|O_DIRECTORY``; a link (or
+    anything not a directory) there raises :class:`UnsafePath` naming ``where``."""
     try:
         return os.open(name, _DIR_FLAGS, dir_fd=parent)
     except OSError as exc:
@@ -109,7 +111,7 @@ def private_dir(path: Path, *, mode: int = PRIVATE_DIR, private_from: Path | Non
             ours = i >= own_from
             with contextlib.suppress(FileExistsError):
                 os.mkdir(name, mode if ours else PRIVATE_DIR, dir_fd=fd)
-            child = _open_child(fd, name, str(where))
+            child = open_subdir(fd, name, str(where))
             os.close(fd)
             fd = child
             if ours:
@@ -151,7 +153,7 @@ def open_dir_nofollow(path: Path, *, create: int | None = None) -> int:
             if create is not None:
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(name, create, dir_fd=fd)
-            child = _open_child(fd, name, str(where))
+            child = open_subdir(fd, name, str(where))
             os.close(fd)
             fd = child
         return fd

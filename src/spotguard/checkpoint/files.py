@@ -256,9 +256,7 @@ def _walk_to(top: Path, rel: list[str], first_mode: int) -> int:
         for i, name in enumerate(rel):
             with contextlib.suppress(FileExistsError):
                 os.mkdir(name, first_mode if i == 0 else 0o755, dir_fd=fd)
-            nxt = os.open(
-                name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=fd
-            )
+            nxt = safefs.open_subdir(fd, name, str(top.joinpath(*rel[: i + 1])))
             os.close(fd)
             fd = nxt
         return fd
