@@ -48,7 +48,7 @@ from spotguard.notify import Notifier
 from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
 
-from . import jobspec, parking, startup
+from . import discovery, jobspec, parking, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
 from .dispatch import NoticeHandling
@@ -234,6 +234,7 @@ class Agent(NoticeHandling):
                 specs += [restored.job] if restored.job not in specs else []
         for spec in specs:
             self._spawn(self._protect(spec), f"protect-{spec}")
+        self._spawn(discovery.watch_for(self, specs), "discover")
         self._poll_directives()
         self.bus = NoticeBus([*sources, self.manual], backoff_max=self.notice_settings.backoff_max)
         self._spawn(self._watch(self.bus), "notices")
@@ -489,6 +490,7 @@ class Agent(NoticeHandling):
                 "instance": self.instance.to_json(),
                 "kept_images": self.pusher.status(),
                 "directive_polls": self.directives.polls if self.directives else 0,
+                "discover": self.settings.discover_jobs,
             },
             "jobs": [
                 {**w.status(), "kept": self.pusher.status(w.name)} for w in self.workers.values()

@@ -40,6 +40,14 @@ class AgentSettings(Settings):
         "file:///var/lib/spotguard/images",
         description="Image store URL (s3://bucket/prefix, gs://bucket/prefix, file:///dir)",
     )
+    discover_jobs: bool = Field(
+        True,
+        description="Also protect every job 'spotguard run' starts in the state dir (a job "
+        "run with --no-protect excepted), without naming it in job",
+    )
+    discover_interval_s: float = Field(
+        2.0, gt=0, description="Seconds between looks for new 'spotguard run' jobs"
+    )
     controller_url: str | None = Field(
         None, description="Controller to report to (optional: the agent works alone)"
     )

@@ -12,6 +12,7 @@ from typing import Any
 import click
 
 from spotguard import operations
+from spotguard.agent import discovery
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import gpu_hook
 from spotguard.checkpoint.engine import Engine, Mode
@@ -21,7 +22,7 @@ from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.cli import config
 from spotguard.config import load, options
-from spotguard.errors import JobError
+from spotguard.errors import JobError, SpotguardError
 from spotguard.image.settings import ImageSettings
 from spotguard.planner import PlannerSettings
 
@@ -55,6 +56,13 @@ def _steps(timeline: list[dict[str, Any]]) -> str:
     ),
 )
 @click.option(
+    "--no-protect",
+    "no_protect",
+    is_flag=True,
+    help="Do not let the running agent protect this job (it protects every other job "
+    "'spotguard run' starts).",
+)
+@click.option(
     "--priority",
     type=int,
     default=None,
@@ -77,6 +85,7 @@ def run(
     name: str | None,
     as_json: bool,
     pid_namespace: bool,
+    no_protect: bool,
     priority: int | None,
     gpu_memory: str | None,
     command: tuple[str, ...],
@@ -110,12 +119,35 @@ def run(
         from spotguard.park.priority import write_claim
 
         write_claim(job.dir, claim)
+    if no_protect:
+        discovery.mark_unprotected(job.dir)
+    agent = _local_agent(ctx, s.state_dir)
+    protection = discovery.protector(agent, opted=no_protect)
     if as_json:
-        out = {"job": job.name, "pid": job.pid, "dir": str(job.dir)}
+        out: dict[str, Any] = {"job": job.name, "pid": job.pid, "dir": str(job.dir)}
+        out["protected_by"] = (
+            agent["agent"]["pid"]
+            if agent is not None and agent["agent"].get("discover") and not no_protect
+            else None
+        )
         click.echo(json.dumps({**out, "parked": parked} if claim is not None else out))
     else:
         made = f" (parked for room: {', '.join(parked)})" if parked else ""
         click.echo(f"job {job.name} started: pid {job.pid}, output in {job.dir}{made}")
+        click.echo(f"job {job.name} is {protection}")
+
+
+def _local_agent(ctx: click.Context, state_dir: Path) -> dict[str, Any] | None:
+    """The local agent's status answer, or None when no agent answers (as root, the API
+    token is read from the state dir, as ``spotguard status`` does)."""
+    from spotguard.agent.client import call
+    from spotguard.commands.agent import _api
+
+    try:
+        listen, token = _api(ctx, {"state_dir": state_dir})
+        return asyncio.run(call(listen, token, "GET", "/status", timeout_s=5.0))
+    except SpotguardError:
+        return None
 
 
 @click.command("checkpoint")
