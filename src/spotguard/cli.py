@@ -70,7 +70,7 @@ HELP = {
     "unpark": "Bring a parked job back on this node; it continues where it stopped.",
     "logs": "Print a job's output (stdout and stderr); -f follows it.",
     "install": "Link spotguard into /usr/local/bin, install its systemd units and config.",
-    "install-criu": "Install CRIU >= 4.0 (the installer shipped with this package).",
+    "install-criu": "Install CRIU >= 4.2.1 (the installer shipped with this package).",
     "fetch-keys": "Fetch the fleet's image signing and verify keys onto this VM (at boot).",
 }
 

@@ -154,9 +154,9 @@ def install(root: Path, force: bool, doctor: bool) -> None:
 @click.option("--print-path", is_flag=True, help="Print the installer's path and exit.")
 @click.pass_context
 def install_criu(ctx: click.Context, print_path: bool) -> None:
-    """Install CRIU >= 4.0 with the installer shipped in this package (scripts/install-criu).
+    """Install CRIU >= 4.2.1 with the installer shipped in this package (scripts/install-criu).
 
-    It uses a criu >= 4.0 on PATH, or unpacks Debian's into /opt/spotguard/criu without
+    It uses a criu >= 4.2.1 on PATH, or unpacks Debian's into /opt/spotguard/criu without
     touching the host's packages; its last line is the path of a working criu.
     """
     script = data_file("install-criu")

@@ -33,7 +33,7 @@ variable "jobs" {
 }
 
 variable "ami_id" {
-  description = "Machine image built from ami/spotguard.pkr.hcl (NVIDIA driver >= 570, CRIU >= 4, spotguard)."
+  description = "Machine image built from ami/spotguard.pkr.hcl (NVIDIA driver >= 570, CRIU >= 4.2.1, spotguard)."
   type        = string
 
   validation {

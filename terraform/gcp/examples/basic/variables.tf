@@ -19,7 +19,7 @@ variable "image" {
 variable "controller_url" {
   description = "URL of the spotguard controller the agents report to."
   type        = string
-  default     = "https://controller.internal.example:9900"
+  default     = "https://controller.internal.example:8700"
 }
 
 variable "job_tokens" {
