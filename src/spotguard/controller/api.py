@@ -28,7 +28,6 @@ conflicting state or a non-owner's event, 503 state file unusable.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any
@@ -37,9 +36,9 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from spotguard.contracts import SCHEMA, AnyEvent, EventAnswer, parse_event
+from spotguard.contracts import SCHEMA, EventAnswer
 from spotguard.controller.core import Controller, directive_of
-from spotguard.controller.machine import instance_info
+from spotguard.controller.edge import LOGGED_FIELDS, instance_info, parse_lenient
 from spotguard.controller.state import JobRecord
 from spotguard.controller.tokens import Caller
 from spotguard.errors import (
@@ -144,43 +143,6 @@ def _admin(request: web.Request) -> None:
         raise AuthError("this route needs the admin token; a VM token may not use it")
 
 
-_LOGGED_FIELDS: set[tuple[str, str]] = set()  # (kind, field) already logged as unexpected
-
-
-def _drop(doc: Any, path: tuple[str | int, ...]) -> None:
-    """Remove the key at ``path`` from the nested dicts/lists of ``doc`` (if it is there)."""
-    for step in path[:-1]:
-        if isinstance(doc, dict) and isinstance(step, str):
-            doc = doc.get(step)
-        elif isinstance(doc, list) and isinstance(step, int) and step < len(doc):
-            doc = doc[step]
-        else:
-            return
-    if isinstance(doc, dict):
-        doc.pop(path[-1], None)
-
-
-def parse_lenient(body: bytes) -> tuple[AnyEvent, list[str]]:
-    """An agent event from ``body``, validated at the edge: fields this controller does not
-    know (a newer agent's) are dropped and named in the second value (dotted paths); any
-    other problem raises :class:`ValidationError` as :func:`parse_event` does."""
-    try:
-        return parse_event(body), []
-    except ValidationError as first:
-        errors = first.errors()
-        extra = [e["loc"] for e in errors if e["type"] == "extra_forbidden"]
-        if not extra or len(extra) != len(errors):
-            raise
-        doc = json.loads(body)
-        ignored: list[str] = []
-        for loc in extra:
-            path = tuple(loc[1:])  # loc[0] is the union's tag (the event's kind)
-            if path:
-                _drop(doc, path)
-                ignored.append(".".join(str(x) for x in path))
-        return parse_event(json.dumps(doc)), sorted(ignored)
-
-
 async def post_event(request: web.Request) -> web.Response:
     body = await request.read()
     try:
@@ -189,9 +151,9 @@ async def post_event(request: web.Request) -> web.Response:
         msg = f"malformed event: {_problems(exc)}"
         log.warning("malformed event", extra={"peer": request.remote, "error": msg})
         return _error(400, msg)
-    new = [n for n in ignored if (ev.kind.value, n) not in _LOGGED_FIELDS]
+    new = [n for n in ignored if (ev.kind.value, n) not in LOGGED_FIELDS]
     if new:
-        _LOGGED_FIELDS.update((ev.kind.value, n) for n in new)
+        LOGGED_FIELDS.update((ev.kind.value, n) for n in new)
         log.warning(
             "unexpected field in an agent report ignored (logged once per kind and field)",
             extra={"job": ev.job, "kind": ev.kind.value, "fields": new},

@@ -24,7 +24,8 @@ from spotguard.contracts import (
     NoticeInfo,
     Owner,
 )
-from spotguard.controller.machine import Options, instance_info, on_event
+from spotguard.controller.edge import instance_info
+from spotguard.controller.machine import Options, on_event
 from spotguard.controller.ownership import new_epoch, relaunch
 from spotguard.controller.reconcile import Metrics, Reconciler
 from spotguard.controller.settings import ControllerSettings

@@ -43,15 +43,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import ValidationError
-
 from spotguard.contracts import (
     AnyEvent,
     CheckpointFailedEvent,
     DurableEvent,
     EventKind,
     ExitedEvent,
-    InstanceInfo,
     NoticeEvent,
     Owner,
     ParkedEvent,
@@ -60,6 +57,7 @@ from spotguard.contracts import (
     RestoreFailedEvent,
     StartedEvent,
 )
+from spotguard.controller.edge import instance_facts
 from spotguard.controller.ownership import MOVING, iid_of, new_epoch, relaunch, stale
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, SeenNotice
 from spotguard.facts import GpuInventory, InstanceFacts
@@ -143,39 +141,6 @@ def spec_from(rec: JobRecord, ev: StartedEvent | DurableEvent | RestoredEvent) -
         need,
     )
     return spec.to_json()
-
-
-_FACT_KEYS = frozenset(InstanceInfo.model_fields)
-
-
-def instance_facts(d: dict[str, Any] | None) -> dict[str, Any]:
-    """``d`` — an agent's :class:`InstanceInfo`, a launched ``InstanceRef.to_json()`` or a
-    record written by an older controller — as instance facts: only the keys
-    :class:`InstanceInfo` knows (``market`` becomes ``spot``). A job's ``instance`` is always
-    stored in this shape, so every answer about the job can be built from it."""
-    src = dict(d or {})
-    out = {k: v for k, v in src.items() if k in _FACT_KEYS and k != "extra"}
-    if "spot" not in out and "market" in src:
-        out["spot"] = src["market"] == "spot"
-    extra = src.get("extra")
-    if isinstance(extra, dict) and "market" not in src:
-        out["extra"] = extra  # an agent's own extra facts (a provider ref's are its own)
-    return out
-
-
-def instance_info(d: dict[str, Any] | None) -> InstanceInfo:
-    """:func:`instance_facts` as an :class:`InstanceInfo` (never raises for a stored record:
-    a value of the wrong type is dropped)."""
-    facts = instance_facts(d)
-    try:
-        return InstanceInfo.model_validate(facts)
-    except ValidationError:
-        keep = {k: v for k, v in facts.items() if isinstance(v, str | bool) or v is None}
-        keep.pop("extra", None)
-        try:
-            return InstanceInfo.model_validate(keep)
-        except ValidationError:
-            return InstanceInfo(instance_id=str(facts.get("instance_id") or "") or None)
 
 
 def _seen_notice(c: Ctx, ev: NoticeEvent) -> SeenNotice | None:
