@@ -39,8 +39,9 @@ from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
 
+import annotated_types
 import click
-from pydantic import ValidationError
+from pydantic import ValidationError, ValidationInfo, field_validator
 from pydantic.fields import FieldInfo
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
@@ -67,6 +68,13 @@ SETTINGS_MODULES = (
     "spotguard.simulator.settings",
 )
 
+#: The largest number a setting may hold unless its field sets its own upper bound (``le`` or
+#: ``lt``): beyond these a value is a mistake (``1e308`` seconds), and the arithmetic done
+#: with it overflows (``timedelta``, ``asyncio.sleep``, C integers). Infinity and NaN are
+#: refused everywhere (``allow_inf_nan``).
+FLOAT_LIMIT = 1e9  # seconds: about 31 years
+INT_LIMIT = 2**53  # bytes: 8 PiB
+
 S = TypeVar("S", bound="Settings")
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -78,8 +86,28 @@ class Settings(BaseSettings):
     #: every group defined so far, by section (several groups may share one section)
     registry: ClassVar[dict[str, list[type[Settings]]]] = {}
     model_config = SettingsConfigDict(
-        env_prefix="SPOTGUARD_", extra="forbid", frozen=True, validate_default=True
+        env_prefix="SPOTGUARD_",
+        extra="forbid",
+        frozen=True,
+        validate_default=True,
+        allow_inf_nan=False,
     )
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse a number past :data:`FLOAT_LIMIT` / :data:`INT_LIMIT` in a field that sets
+        no upper bound of its own (bounded where it is parsed, not where it overflows)."""
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            return value
+        limit = FLOAT_LIMIT if isinstance(value, float) else INT_LIMIT
+        field = cls.model_fields.get(info.field_name or "")
+        own = field is not None and any(
+            isinstance(m, annotated_types.Le | annotated_types.Lt) for m in field.metadata
+        )
+        if not own and abs(value) > limit:
+            raise ValueError(f"{value!r} is out of range (at most {limit:g})")
+        return value
 
     @classmethod
     def settings_customise_sources(

@@ -28,10 +28,10 @@ from typing import Any, Protocol
 
 from aiohttp import web
 
-from spotguard.errors import ConfigError
+from spotguard.errors import ConfigError, SpotguardError
 
 from .metrics import CONTENT_TYPE, AgentMetrics
-from .settings import parse_listen
+from .settings import DRAIN_DEADLINE_MAX, parse_listen
 
 log = logging.getLogger(__name__)
 
@@ -154,15 +154,24 @@ class AgentApi:
             return web.json_response({"error": "body must be a JSON object"}, status=400)
         reason = str(body.get("reason") or "operator drain")
         deadline = body.get("deadline_s")
-        if deadline is not None and not isinstance(deadline, int | float):
-            return web.json_response({"error": "deadline_s must be a number"}, status=400)
-        if deadline is not None and not deadline > 0:
-            return web.json_response({"error": "deadline_s must be positive"}, status=400)
-        result = await self.controls.drain(
-            reason,
-            wait=bool(body.get("wait", False)),
-            deadline_s=float(deadline) if deadline is not None else None,
+        bad = deadline is not None and (
+            isinstance(deadline, bool)
+            or not isinstance(deadline, int | float)
+            or not 0 < deadline <= DRAIN_DEADLINE_MAX
         )
+        if bad:
+            msg = f"deadline_s must be a number of seconds in (0, {DRAIN_DEADLINE_MAX:g}]"
+            log.warning("drain refused", extra={"step": "api", "error": f"{msg}: {deadline!r}"})
+            return web.json_response({"error": f"{msg}, got {deadline!r}"}, status=400)
+        try:
+            result = await self.controls.drain(
+                reason,
+                wait=bool(body.get("wait", False)),
+                deadline_s=float(deadline) if deadline is not None else None,
+            )
+        except SpotguardError as exc:  # a typed refusal is one JSON line, never a 500
+            log.warning("drain refused", extra={"step": "api", "error": str(exc)})
+            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
         return web.json_response(result, status=200 if body.get("wait") else 202, dumps=_dumps)
 
 

@@ -216,6 +216,14 @@ class NoticeHandling:
         self._maybe_done()
 
     def _settle(self, notice_id: str, results: list[dict[str, Any]]) -> None:
+        """The outcome of notice ``notice_id`` is known. An operator drain ends with it: it
+        asked to vacate the node *now*, so it is no longer live — a job started (or restored
+        by hand) afterwards is not stopped by it, whether the drain wrote an image or not.
+        A cloud's notice stays live until its deadline (the VM really goes away)."""
+        live = self._live_notices().get(notice_id)
+        if live is not None and live[0].cloud is Cloud.MANUAL:
+            del self._live_notices()[notice_id]
+            self.manual.settle(notice_id)
         fut = self._outcomes.get(notice_id)
         if fut is not None and not fut.done():
             fut.set_result(results)

@@ -24,6 +24,11 @@ from .policy import Action, Policy
 DEFAULT_LISTEN = "127.0.0.1:9901"
 
 
+#: The longest deadline an operator drain may have (``drain --deadline``, the API's
+#: ``deadline_s``, ``drain_deadline``): a day; more is a mistake, not a plan.
+DRAIN_DEADLINE_MAX = 86400.0
+
+
 class AgentSettings(Settings):
     """``[agent]``: which jobs to protect, where images go, whom to tell, how to react."""
 
@@ -84,7 +89,10 @@ class AgentSettings(Settings):
         300.0, ge=0, description="Seconds before a maintenance deadline to start the checkpoint"
     )
     drain_deadline: float = Field(
-        120.0, gt=0, description="Deadline in seconds given to an operator drain"
+        120.0,
+        gt=0,
+        le=DRAIN_DEADLINE_MAX,
+        description="Deadline in seconds given to an operator drain",
     )
     assignment: Path = Field(
         Path(ASSIGNMENT_PATH), description="Assignment file read at start (restore this image)"

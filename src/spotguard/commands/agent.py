@@ -24,7 +24,7 @@ from typing import Any
 import click
 
 from spotguard.agent.api import TOKEN_FILE
-from spotguard.agent.settings import AgentSettings, parse_listen, read_secret
+from spotguard.agent.settings import DRAIN_DEADLINE_MAX, AgentSettings, parse_listen, read_secret
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.cli import config, config_file
 from spotguard.commands.joblogs import logs
@@ -123,7 +123,12 @@ def _api(ctx: click.Context, flags: dict[str, Any]) -> tuple[str, str]:
 
 @click.command("drain")
 @click.option("--reason", default="operator drain", show_default=True, help="Why (logged).")
-@click.option("--deadline", type=float, default=None, help="Seconds the node may take.")
+@click.option(
+    "--deadline",
+    type=click.FloatRange(0, DRAIN_DEADLINE_MAX, min_open=True),
+    default=None,
+    help="Seconds the node may take (at most a day).",
+)
 @click.option("--wait/--no-wait", default=True, show_default=True, help="Wait for the images.")
 @click.option("--json", "as_json", is_flag=True, help="Print the agent's answer as JSON.")
 @options(AgentSettings, exclude=_API_ONLY)

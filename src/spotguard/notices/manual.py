@@ -55,6 +55,10 @@ class ManualSource:
         await self._queue.put(cancelled)
         return cancelled
 
+    def settle(self, notice_id: str) -> None:
+        """A drain ran its course (its outcome is known): no longer active, nothing queued."""
+        self._active.pop(notice_id, None)
+
     def active(self) -> list[Notice]:
         """Drains requested and not cancelled."""
         return list(self._active.values())
