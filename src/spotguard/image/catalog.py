@@ -34,7 +34,7 @@ from spotguard.errors import (
 from spotguard.image.codec import Cipher
 from spotguard.image.history import complete_image_ids, genuine_images, resolve
 from spotguard.image.keys import ImageKeys
-from spotguard.image.manifest import WRITING_MARKER, ImageRef, Manifest
+from spotguard.image.manifest import WRITING_MARKER, ImageRef, Manifest, fetch_manifest
 from spotguard.image.reader import ImageReader, VerifyReport
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn
@@ -125,7 +125,7 @@ async def _jobs(store: ImageStore, job: str | None) -> list[str]:
 
 
 async def _manifest(store: ImageStore, ref: ImageRef) -> Manifest:
-    return Manifest.from_bytes(await store.get(ref.manifest_key), ref.url)
+    return (await fetch_manifest(store, ref.manifest_key, ref.url))[0]
 
 
 async def latest_image(

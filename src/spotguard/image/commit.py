@@ -31,6 +31,7 @@ from spotguard.image.manifest import (
     Totals,
 )
 from spotguard.store import ImageStore
+from spotguard.store.base import get_capped
 
 
 async def put_writing_marker(store: ImageStore, ref: ImageRef, started: float) -> None:
@@ -124,7 +125,7 @@ async def write_manifest(store: ImageStore, ref: ImageRef, manifest: Manifest) -
     try:
         await store.put(ref.manifest_key, data, if_absent=True)
     except PreconditionFailed as exc:
-        existing = await store.get(ref.manifest_key)
+        existing = await get_capped(store, ref.manifest_key, len(data))
         if existing != data:
             raise ImageError(
                 f"image {ref.url} already exists; refusing to overwrite its manifest"

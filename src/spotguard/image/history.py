@@ -23,7 +23,7 @@ from spotguard.errors import (
     UnsignedImage,
 )
 from spotguard.image.keys import ImageKeys
-from spotguard.image.manifest import ImageRef, Manifest
+from spotguard.image.manifest import ImageRef, Manifest, fetch_manifest
 from spotguard.store import ImageStore
 
 log = logging.getLogger(__name__)
@@ -64,7 +64,7 @@ async def genuine_images(
         where = ImageRef(store.url, job, image_id).url
         async with sem:
             try:
-                m, raw = Manifest.parse(await store.get(manifest_key(job, image_id)), where)
+                m, raw = await fetch_manifest(store, manifest_key(job, image_id), where)
                 keys.authenticate(raw, m, where)
             except (ImageError, ObjectNotFound) as exc:
                 log.debug("image skipped", extra={"image": where, "error": str(exc)})

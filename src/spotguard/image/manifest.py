@@ -6,7 +6,9 @@ See docs/image-format.md for the format this model writes.
 
 from __future__ import annotations
 
+import itertools
 import json
+import re
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
@@ -15,6 +17,13 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from spotguard.contracts import check_job_name, image_prefix, manifest_key
 from spotguard.errors import ConfigError, ImageError
+from spotguard.store.base import ImageStore, get_capped
+
+#: bounds on what is read from a store before it is parsed (a 40 GiB image's manifest is
+#: about 2 MB; the deepest genuine nesting is under 10 levels)
+MAX_MANIFEST_BYTES = 64 << 20
+MAX_DEPTH = 64
+MAX_CHUNK_BYTES = 1 << 30
 
 FORMAT = "spotguard-image/2"
 READABLE = ("spotguard-image/1", FORMAT)  # /1: no sequence, no auth, no raw frames
@@ -28,7 +37,7 @@ class ChunkRef(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
     digest: str = Field(pattern=r"^[0-9a-f]{64}$")
-    size: int = Field(gt=0)
+    size: int = Field(gt=0, le=MAX_CHUNK_BYTES)
     stored_size: int = Field(ge=0)
     raw: bool = False  # stored as a raw (uncompressed) zstd frame: it did not compress
 
@@ -144,11 +153,25 @@ class Manifest(BaseModel):
 
     @classmethod
     def parse(cls, data: bytes, where: str) -> tuple[Manifest, dict[str, Any]]:
-        """The manifest and the JSON data it was parsed from (what authentication checks)."""
+        """The manifest and the JSON data it was parsed from (what authentication checks).
+
+        Anyone who can write the store can put anything at a manifest's key, so the bytes are
+        bounded before they are parsed: at most :data:`MAX_MANIFEST_BYTES` (callers read them
+        with that cap, :func:`read_manifest`) and :data:`MAX_DEPTH` levels of nesting; every
+        failure is an :class:`ImageError` (never ``RecursionError`` or ``MemoryError``)."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ImageError(
+                f"manifest of {where} is larger than {MAX_MANIFEST_BYTES} bytes: refused unread"
+            )
+        depth = json_depth(data)
+        if depth > MAX_DEPTH:
+            raise ImageError(
+                f"manifest of {where} nests {depth}+ levels deep (at most {MAX_DEPTH}): refused"
+            )
         try:
             raw = json.loads(data)
-        except (ValueError, UnicodeDecodeError) as exc:
-            raise ImageError(f"manifest of {where} is not JSON: {exc}") from exc
+        except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+            raise ImageError(f"manifest of {where} is not JSON: {str(exc)[:200]}") from exc
         fmt = raw.get("format") if isinstance(raw, dict) else None
         if fmt not in READABLE:
             raise ImageError(
@@ -156,8 +179,41 @@ class Manifest(BaseModel):
             )
         try:
             return cls.model_validate(raw), raw
-        except ValidationError as exc:
-            raise ImageError(f"manifest of {where} is malformed: {exc}") from exc
+        except (ValidationError, RecursionError, ValueError, TypeError) as exc:
+            first = str(exc).splitlines()
+            raise ImageError(
+                f"manifest of {where} is malformed: {' '.join(first[:3])[:300]}"
+            ) from exc
+
+
+_STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+_NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
+_STEP = {0x5B: 1, 0x7B: 1, 0x5D: -1, 0x7D: -1}
+
+
+def json_depth(data: bytes) -> int:
+    """How deep ``data``'s arrays and objects nest (counted outside strings): checked before
+    ``json.loads``, whose recursion a few hundred thousand ``[`` would exhaust, and before
+    anything walks the parsed value (validation, canonical re-serialisation)."""
+    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKET)
+    return max(itertools.accumulate(_STEP[b] for b in brackets), default=0)
+
+
+async def fetch_manifest(
+    store: ImageStore, key: str, where: str
+) -> tuple[Manifest, dict[str, Any]]:
+    """Read the manifest at ``key`` with a cap (:data:`MAX_MANIFEST_BYTES`: a larger object is
+    never read whole) and parse it (:meth:`Manifest.parse`). Raises the store's errors
+    (:class:`~spotguard.errors.ObjectNotFound`) and :class:`ImageError`."""
+    data = await get_capped(store, key, MAX_MANIFEST_BYTES)
+    return Manifest.parse(data, where)
+
+
+def max_stored_chunk(size: int) -> int:
+    """The most bytes a stored chunk of ``size`` plaintext bytes can take (zstd's bound,
+    a raw frame's header, AES-GCM's nonce and tag): a larger object at its address is
+    refused after reading that much, never read whole."""
+    return size + (size >> 7) + 4096
 
 
 @dataclass(frozen=True)

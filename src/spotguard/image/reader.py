@@ -28,11 +28,18 @@ from spotguard.image.buffers import Lease, OwnedChunk
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
 from spotguard.image.history import refuse_rollback, resolve
 from spotguard.image.keys import ImageKeys
-from spotguard.image.manifest import ChunkRef, ImageRef, Manifest
+from spotguard.image.manifest import (
+    ChunkRef,
+    ImageRef,
+    Manifest,
+    fetch_manifest,
+    max_stored_chunk,
+)
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.image.writer import store_for
 from spotguard.store import ImageStore, get_into
+from spotguard.store.base import get_capped
 
 T = TypeVar("T")
 
@@ -120,12 +127,11 @@ class ImageReader:
         latest = self.ref.image_id == "latest"
         self.ref = await resolve(self.store, self.ref, self.keys)
         try:
-            data = await self.store.get(self.ref.manifest_key)
+            m, raw = await fetch_manifest(self.store, self.ref.manifest_key, self.ref.url)
         except ObjectNotFound as exc:
             raise ImageNotFound(
                 f"no complete image at {self.ref.url} (no manifest: never committed or deleted)"
             ) from exc
-        m, raw = Manifest.parse(data, self.ref.url)
         check_cipher(m.encryption.key_id if m.encryption else None, self._cipher, self.url)
         self.authenticated = self.keys.authenticate(raw, m, self.ref.url)
         if m.job != self.ref.job or m.image_id != self.ref.image_id:
@@ -169,14 +175,28 @@ class ImageReader:
         names = [f.name for f in self.manifest.files if any(c.digest == addr for c in f.chunks)]
         return ", ".join(names[:3]) + (" …" if len(names) > 3 else "")
 
-    async def _fetch_decode(self, ref: ChunkRef) -> bytes:
+    async def _get_stored(self, ref: ChunkRef) -> bytes:
+        """The stored bytes of a chunk, read with a cap (:func:`max_stored_chunk`): a larger
+        object at its address (anyone who writes the store can put one) is refused as
+        corrupt after that many bytes, never read whole."""
         key = chunk_key(self.ref.job, ref.digest)
+        limit = max_stored_chunk(ref.size)
         try:
-            stored = await self.store.get(key)
+            stored = await get_capped(self.store, key, limit)
         except ObjectNotFound as exc:
             raise ImageCorrupt(
                 f"chunk {ref.digest} is missing from the store", chunk=ref.digest
             ) from exc
+        if len(stored) > limit:
+            raise ImageCorrupt(
+                f"chunk {ref.digest} is stored as more than {limit} bytes, more than "
+                f"{ref.size} bytes can take: not read further",
+                chunk=ref.digest,
+            )
+        return stored
+
+    async def _fetch_decode(self, ref: ChunkRef) -> bytes:
+        stored = await self._get_stored(ref)
         loop = asyncio.get_running_loop()
         plain: bytes = await loop.run_in_executor(
             self._pool, self.codec.decode, stored, ref.digest, ref.size
@@ -280,13 +300,7 @@ class ImageReader:
                     drop(r)
 
     async def _fetch_decode_owned(self, ref: ChunkRef) -> OwnedChunk:
-        key = chunk_key(self.ref.job, ref.digest)
-        try:
-            stored = await self.store.get(key)
-        except ObjectNotFound as exc:
-            raise ImageCorrupt(
-                f"chunk {ref.digest} is missing from the store", chunk=ref.digest
-            ) from exc
+        stored = await self._get_stored(ref)
         out = OwnedChunk(ref.size)
         try:
             loop = asyncio.get_running_loop()

@@ -140,6 +140,12 @@ class BlockingStore:
         override this, the others hand back a view of fresh bytes."""
         return memoryview(self._get(key))
 
+    def _get_capped(self, key: str, limit: int) -> bytes:
+        """At most ``limit + 1`` bytes of the object (more than ``limit`` tells the caller it
+        is too large, without reading it whole); the backends override this with a bounded
+        read, this fallback reads it whole."""
+        return self._get(key)[: limit + 1]
+
     def _stat(self, key: str) -> ObjectInfo | None:
         raise NotImplementedError
 
@@ -199,6 +205,11 @@ class BlockingStore:
         """The object's bytes; :class:`ObjectNotFound` when absent."""
         return await self._call("get", key, lambda: self._get(key))
 
+    async def get_capped(self, key: str, limit: int) -> bytes:
+        """The object's bytes, at most ``limit + 1`` of them (never more in memory): an object
+        in a store anyone may write is read with a cap (manifests, chunks)."""
+        return await self._call("get", key, lambda: self._get_capped(key, limit))
+
     async def get_into(self, key: str, buf: memoryview) -> memoryview:
         """The object's bytes, read into ``buf`` (a view of it) when they fit, else a view of
         new bytes; :class:`ObjectNotFound` when absent."""
@@ -241,6 +252,16 @@ class BlockingStore:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}({self.url!r})"
+
+
+async def get_capped(store: ImageStore, key: str, limit: int) -> bytes:
+    """``store.get_capped`` where the store has it (every :class:`BlockingStore`), else
+    ``store.get`` cut to ``limit + 1`` bytes: more than ``limit`` means too large."""
+    method = getattr(store, "get_capped", None)
+    if method is not None:
+        data: bytes = await method(key, limit)
+        return data
+    return (await store.get(key))[: limit + 1]
 
 
 async def get_into(store: ImageStore, key: str, buf: memoryview) -> memoryview:

@@ -87,6 +87,19 @@ class GcsStore(BlockingStore):
         data: bytes = blob.download_as_bytes(retry=None, checksum="crc32c", timeout=self._timeout)
         return data
 
+    def _get_capped(self, key: str, limit: int) -> bytes:
+        info = self._stat(key)
+        if info is None:
+            return self._get(key)  # raises the backend's not-found, mapped as usual
+        if info.size == 0:
+            return b""
+        # a ranged read: never more than limit + 1 bytes, even if the object grew meanwhile
+        blob = self.bucket.blob(self._k(key))
+        data: bytes = blob.download_as_bytes(
+            start=0, end=limit, retry=None, checksum=None, timeout=self._timeout
+        )
+        return data
+
     def _stat(self, key: str) -> ObjectInfo | None:
         blob = self.bucket.get_blob(self._k(key), retry=None, timeout=self._timeout)
         if blob is None:

@@ -248,14 +248,24 @@ class S3Store(BlockingStore):
         finally:
             body.close()
 
+    def _get_capped(self, key: str, limit: int) -> bytes:
+        r = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
+        body = r["Body"]
+        try:
+            data: bytes = body.read(limit + 1)
+            return data
+        finally:
+            body.close()
+
     def _get_into(self, key: str, buf: memoryview) -> memoryview:
         r = self.client.get_object(Bucket=self.bucket, Key=self._k(key))
         body = r["Body"]
         try:
             size = r.get("ContentLength")
             if not isinstance(size, int) or size > len(buf):
-                # no Content-Length (a chunked answer): read to the end of the body
-                return memoryview(body.read())
+                # no Content-Length (a chunked answer), or larger than the caller can use:
+                # read one byte more than fits, never the whole of an oversized object
+                return memoryview(body.read(len(buf) + 1))
             got = 0
             while got < size:
                 n = body.readinto(cast(Any, buf[got:size]))
