@@ -29,6 +29,7 @@ In the tree, ``[r]`` marks retryable classes.
     ├── CheckpointError         [r] freezing or restoring a process tree
     │   ├── CriuError           [r] CRIU failed; carries the command, exit code and log tail
     │   ├── GpuError            [r] the driver checkpoint API or NVML failed
+    │   ├── NcclError           [r] releasing or rebuilding a job's NCCL communicators failed
     │   ├── StepTimeout         [r] a step ran past its time limit
     │   ├── StreamError         [r] streaming image files between CRIU and spotguard failed
     │   └── PreflightError          freeze or restore refused before touching anything
@@ -210,6 +211,13 @@ class CriuError(CheckpointError):
 
 class GpuError(CheckpointError):
     """The NVIDIA driver checkpoint API or NVML failed."""
+
+    retryable = True
+
+
+class NcclError(CheckpointError):
+    """Releasing or rebuilding a job's NCCL communicators (spotguard's NCCL shim) failed: a
+    rank did not quiesce in time, or the shim answered with an error."""
 
     retryable = True
 

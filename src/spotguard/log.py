@@ -111,6 +111,7 @@ FIELDS: dict[str, str] = {
     "criu": "the CRIU binary and version",
     "gpus": "GPUs an image needs",
     "gpu_pids": "processes holding a GPU",
+    "communicators": "NCCL communicators released or rebuilt",
     "images_dir": "an image directory",
     "staging": "a staging directory",
     "before_freeze": "whether a failure came before the freeze",

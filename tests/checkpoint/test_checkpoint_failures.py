@@ -52,7 +52,8 @@ async def assert_running_and_unlocked(pid: int, stdout: Path, gpu: RecordingGpu)
 
 def _cases() -> list[tuple[str, Mode]]:
     out = [(s, Mode.RESUME) for s in FREEZE_STEPS]
-    out += [(s, Mode.EXIT) for s in FREEZE_STEPS if s not in ("gpu_restore", "gpu_unlock")]
+    resume_only = ("gpu_restore", "gpu_unlock", "nccl_rebuild")
+    out += [(s, Mode.EXIT) for s in FREEZE_STEPS if s not in resume_only]
     return out
 
 
@@ -75,7 +76,7 @@ async def test_failure_before_each_step_resumes_the_job(
     await assert_running_and_unlocked(job.pid, job.dir / "stdout", gpu)
     assert not (target / META_NAME).exists()
     assert not (job.dir / "operation.json").exists()
-    if step not in ("scan", "gpu_lock"):
+    if step not in ("scan", "nccl_release", "gpu_lock"):
         assert ("lock", job.pid) in gpu.calls
 
 

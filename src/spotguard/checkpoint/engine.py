@@ -2,14 +2,19 @@
 
 Freeze (dump)::
 
-    scan ─► gpu_lock ─► gpu_checkpoint ─► criu_dump ─────────────────────────► resume ─► finish
-          (all GPU processes in parallel)  └ capture_files (tree frozen)      gpu_restore
-                                             └ finish, then exit (EXIT mode)  + gpu_unlock
+    scan ─► nccl_release ─► gpu_lock ─► gpu_checkpoint ─► criu_dump ──────────► resume ─► finish
+                          (all GPU processes in parallel)  └ capture_files      gpu_restore
+                                                           └ finish, then exit + gpu_unlock
+                                                             (EXIT mode)       + nccl_rebuild
 
 * ``scan``: the tree's pids, which of them hold GPU state, memory → staging plan (tmpfs or
   disk, decided up front, logged, in the result); the freeze preflight (:mod:`.scan`)
   refuses a tree CRIU cannot dump before anything is locked or frozen, and plans the TCP
   options (``--tcp-established``, network lock) from the sockets it holds.
+* ``nccl_release``: processes with spotguard's NCCL shim (``spotguard run``) quiesce and
+  release their NCCL communicators, all ranks at once, so that nothing NCCL shares between
+  processes or GPUs exists when the driver checkpoints (:mod:`.ncclctl`); ``nccl_rebuild``
+  builds them again after the resume, and after a restore. Nothing to do for other jobs.
 * GPU lock and checkpoint run for every GPU process at once; the driver must release the GPU
   before CRIU freezes the tree (it does its work through a thread of the job itself).
 * ``criu_dump`` freezes and dumps the tree; while it is still frozen, ``capture_files``
@@ -27,7 +32,8 @@ process running the freeze was killed. What a freeze and a restore return is in
 :mod:`.results`.
 
 Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore``
-─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock`` ─► ``finish``.
+─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock`` ─► ``nccl_rebuild`` ─►
+``finish``.
 
 Every step is timed in a :class:`~spotguard.timeline.Timeline`, which goes into the result
 and the image's metadata. Tests inject failures through :class:`Faults` (consulted before
@@ -48,7 +54,7 @@ from spotguard.errors import CheckpointError, CriuError, GpuError, JobError, Spo
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
-from . import files, nccl, proctree, scan, sockets, suspend
+from . import files, nccl, ncclctl, proctree, scan, sockets, suspend
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo, link_job_dir, own_mount_ns
@@ -74,12 +80,14 @@ log = logging.getLogger(__name__)
 
 FREEZE_STEPS = (
     "scan",
+    "nccl_release",
     "gpu_lock",
     "gpu_checkpoint",
     "criu_dump",
     "capture_files",
     "gpu_restore",
     "gpu_unlock",
+    "nccl_rebuild",
     "finish",
 )
 RESTORE_STEPS = (
@@ -89,6 +97,7 @@ RESTORE_STEPS = (
     "criu_restore",
     "gpu_restore",
     "gpu_unlock",
+    "nccl_rebuild",
     "finish",
 )
 
@@ -125,11 +134,13 @@ class Engine:
         *,
         settings: CheckpointSettings,
         faults: Faults | None = None,
+        nccl: ncclctl.NcclControl | None = None,
     ) -> None:
         self.criu = criu
         self.gpu: GpuHook = gpu if gpu is not None else NoGpu()
         self.settings = settings  # loaded once by the caller (the CLI, the agent)
         self.faults: Faults = faults or _NoFaults()
+        self.nccl = nccl or ncclctl.NcclControl(call_timeout=settings.gpu_timeout)
 
     # --- freeze ----------------------------------------------------------------------------
 
@@ -158,6 +169,7 @@ class Engine:
         active: list[int] = []
         held: list[int] = []
         started = False
+        nccl_touched = False
         try:
             with tl.step("scan") as st:
                 await self.faults.before("scan")
@@ -187,6 +199,12 @@ class Engine:
             tl.mark("staging", mode=plan.mode, path=plan.path, reason=plan.reason)
             images_dir = target.images_dir
             criu_version = await self.criu.version()
+            awake = [p for p in tree if p not in held]
+            with tl.step("nccl_release") as ns:
+                await self.faults.before("nccl_release")
+                nccl_touched = True
+                released = await self.nccl.release(job.name, awake, s.gpu_lock_timeout)
+                ns.detail.update(released.to_json())
             if active:
                 with tl.step("gpu_lock", pids=active):
                     await self.faults.before("gpu_lock")
@@ -255,10 +273,13 @@ class Engine:
                     with tl.step("gpu_unlock", pids=active):
                         await self.faults.before("gpu_unlock")
                         await self.gpu.unlock(active)
+                with tl.step("nccl_rebuild") as rb:
+                    await self.faults.before("nccl_rebuild")
+                    rb.detail.update((await self.nccl.rebuild(job.name, awake)).to_json())
                 await finish()
         except BaseException as exc:
             awake = [p for p in tree if p not in held]
-            await asyncio.shield(self._bring_back(job, awake, active, mode))
+            await asyncio.shield(self._bring_back(job, awake, active, mode, nccl_touched))
             if started:
                 await asyncio.shield(target.abort())
             marker.clear()
@@ -301,9 +322,15 @@ class Engine:
         )
 
     async def _bring_back(
-        self, job: JobInfo, tree: Sequence[int], gpu_pids: Sequence[int], mode: Mode
+        self,
+        job: JobInfo,
+        tree: Sequence[int],
+        gpu_pids: Sequence[int],
+        mode: Mode,
+        nccl_touched: bool = True,
     ) -> None:
-        """Make every GPU process running and unlocked again and every process runnable."""
+        """Make every GPU process running and unlocked again and every process runnable,
+        then (``nccl_touched``) open NCCL's gates and rebuild released communicators."""
         for pid in gpu_pids:
             if not proctree.alive(pid):
                 continue
@@ -318,6 +345,8 @@ class Engine:
                 log.error("could not bring GPU state back", extra={"pid": pid, "error": str(exc)})
         live = [p for p in tree if proctree.alive(p)]
         proctree.signal_all(live, signal.SIGCONT)
+        if nccl_touched and live:
+            await self.nccl.bring_back(job.name, live)
 
     async def recover(self, job: JobInfo) -> bool:
         """Bring back a job left mid-freeze by a killed process (e.g. a restarted agent).
@@ -407,6 +436,7 @@ class Engine:
                     ps.detail["pid_wait_s"] = await wait_pids_free(meta.pids, s.pid_wait)
             with tl.step("put_files", files=len(meta.files)):
                 await self.faults.before("put_files")
+                await asyncio.to_thread(ncclctl.prepare_restore, job.name)
                 await asyncio.to_thread(
                     files.put_back,
                     meta.files,
@@ -432,6 +462,10 @@ class Engine:
                 with tl.step("gpu_unlock", pids=gpu_pids):
                     await self.faults.before("gpu_unlock")
                     await self.gpu.unlock(gpu_pids)
+            with tl.step("nccl_rebuild") as rb:
+                await self.faults.before("nccl_rebuild")
+                tree = list(by_ns.values())
+                rb.detail.update((await self.nccl.rebuild(job.name, tree)).to_json())
             with tl.step("finish"):
                 await self.faults.before("finish")
                 job = job.with_pid(pid)

@@ -31,7 +31,7 @@ from spotguard import safefs
 from spotguard.contracts import check_job_name
 from spotguard.errors import ConfigError, JobError, JobNotFound, UnsafePath
 
-from . import jobinit, nccl, proctree
+from . import jobinit, nccl, ncclctl, proctree
 
 JOB_FILE = "job.json"
 _MAX_JOB_FILE = 1 << 20
@@ -99,14 +99,18 @@ async def start_job(
     cwd: str | Path | None = None,
     env: dict[str, str] | None = None,
     pid_namespace: bool = True,
+    nccl_shim: Path | None = None,
 ) -> JobInfo:
     """Start ``argv`` as a checkpointable job and return its :class:`JobInfo`.
 
     Own session, own PID and mount namespaces (a private /proc, so CUDA initialises in
     there), stdin from /dev/null, stdout/stderr appended to files in the job directory, and
-    the settings that keep NCCL checkpointable (:mod:`.nccl`) where ``env`` (default: ours)
-    does not set them. A name already used by a live job is refused. ``pid_namespace=False``
-    starts it in the host's namespaces: restore then needs its exact PIDs free.
+    NCCL made checkpointable (:mod:`.nccl`): with ``nccl_shim`` (an installed shim) it is
+    preloaded and given the job's control directory (:func:`.ncclctl.control_dir`, created
+    root only), and NCCL keeps its transports; without, the settings that turn off what the
+    driver cannot capture, where ``env`` (default: ours) does not set them. A name already
+    used by a live job is refused. ``pid_namespace=False`` starts it in the host's
+    namespaces: restore then needs its exact PIDs free.
     """
     if not argv:
         raise ConfigError("no command given (usage: spotguard run [--name N] -- CMD ...)")
@@ -126,6 +130,12 @@ async def start_job(
         shutil.rmtree(jdir)
     safefs.ensure_private_dir(jdir)
     workdir = str(Path(cwd) if cwd else Path.cwd())
+    base = os.environ if env is None else env
+    if nccl_shim is not None:
+        ncclctl.prepare_restore(name)  # the control directory, empty, root only
+        job_env = nccl.release_env(base, nccl_shim, ncclctl.control_dir(name))
+    else:
+        job_env = nccl.job_env(base)
     proc = await asyncio.create_subprocess_exec(
         sys.executable,
         "-I",
@@ -138,7 +148,7 @@ async def start_job(
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         cwd=workdir,
-        env=nccl.job_env(os.environ if env is None else env),
+        env=job_env,
         start_new_session=True,
     )
     out, err = await proc.communicate()

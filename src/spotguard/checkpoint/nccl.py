@@ -1,6 +1,15 @@
 """What a GPU job's communication libraries must be told so that the driver checkpoint API
 can capture it — set by ``spotguard run``, checked before every freeze.
 
+Two ways (setting ``[checkpoint] nccl``, ``spotguard run --nccl``):
+
+* ``release`` (the default where spotguard's NCCL shim is installed): :func:`release_env`
+  preloads the shim (``LD_PRELOAD``) and names the job's control directory; NCCL keeps its
+  own transport choices, and the engine releases the communicators before every freeze and
+  rebuilds them after (:mod:`.ncclctl`). Processes with the shim loaded are not judged here.
+* ``restrict`` (or no shim installed): the transports the driver cannot capture are turned
+  off, as below.
+
 The driver checkpoint API (r580) cannot capture memory shared between processes or GPUs:
 CUDA IPC / cuMem handles (NCCL's P2P transport), host memory one process maps for another
 (NCCL's SHM transport, whose cuMem host path hangs a restore), NVLink multicast objects
@@ -22,6 +31,7 @@ from pathlib import Path
 
 from spotguard.errors import UndumpableError
 
+from .ncclctl import ENV_CTL, shim_loaded
 from .procfacts import comm, read_environ
 
 #: setting → (value that keeps a job checkpointable, why)
@@ -50,6 +60,19 @@ def job_env(base: Mapping[str, str]) -> dict[str, str]:
     env = dict(base)
     for key, (value, _why) in CHECKPOINTABLE.items():
         env.setdefault(key, value)
+    for key, value in PORTABLE.items():
+        env.setdefault(key, value)
+    return env
+
+
+def release_env(base: Mapping[str, str], shim: Path, control: Path) -> dict[str, str]:
+    """``base`` with spotguard's NCCL shim preloaded (first in ``LD_PRELOAD``), its control
+    directory named, and the portable settings it does not have; NCCL's transports are left
+    to NCCL (and to whatever ``base`` sets, e.g. the machine's own ``NCCL_NVLS_ENABLE``)."""
+    env = dict(base)
+    preload = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p != str(shim)]
+    env["LD_PRELOAD"] = " ".join([str(shim), *preload])
+    env[ENV_CTL] = str(control)
     for key, value in PORTABLE.items():
         env.setdefault(key, value)
     return env
@@ -101,10 +124,12 @@ def uses_nccl(pid: int) -> bool:
 
 def refuse_uncheckpointable(job: str, gpu_pids: Sequence[int]) -> None:
     """The freeze rule: raise :class:`UndumpableError` (not retryable) naming the pid, the
-    process and each setting when a GPU process with NCCL loaded cannot be checkpointed."""
+    process and each setting when a GPU process with NCCL loaded cannot be checkpointed.
+    A process with spotguard's NCCL shim loaded is not judged: its communicators are released
+    before the freeze instead."""
     found = []
     for pid in gpu_pids:
-        if not uses_nccl(pid):
+        if not uses_nccl(pid) or shim_loaded(pid):
             continue
         problems = env_problems(read_environ(pid))
         if problems:

@@ -21,7 +21,17 @@ from .meta import ImageMeta
 from .staging import StagingPlan
 
 #: the steps whose span is the job's pause (first one's start → last one's end)
-PAUSE_STEPS = frozenset({"gpu_lock", "gpu_checkpoint", "criu_dump", "gpu_restore", "gpu_unlock"})
+PAUSE_STEPS = frozenset(
+    {
+        "nccl_release",
+        "gpu_lock",
+        "gpu_checkpoint",
+        "criu_dump",
+        "gpu_restore",
+        "gpu_unlock",
+        "nccl_rebuild",
+    }
+)
 
 
 class Mode(enum.StrEnum):

@@ -79,6 +79,19 @@ class CheckpointSettings(Settings):
             "UUIDs where present, else the first ones)"
         ),
     )
+    nccl: Literal["release", "restrict"] = Field(
+        default="release",
+        description=(
+            "NCCL jobs started by 'spotguard run': release (NCCL keeps its fast transports; "
+            "spotguard's NCCL shim releases the communicators before each freeze and rebuilds "
+            "them after; needs scripts/install-nccl-shim, else restrict) or restrict (NCCL's "
+            "P2P, SHM, NVLS and RDMA transports off, as the driver needs without the shim)"
+        ),
+    )
+    nccl_shim: Path = Field(
+        default=Path("/opt/spotguard/nccl-shim/lib/libspotguard_nccl.so"),
+        description="spotguard's NCCL shim, as scripts/install-nccl-shim installs it",
+    )
     shm_dir: Path = Field(
         default=Path("/dev/shm/spotguard"), description="Staging directory in memory (tmpfs)"
     )

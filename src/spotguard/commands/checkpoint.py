@@ -26,7 +26,7 @@ from spotguard.errors import JobError, SpotguardError
 from spotguard.image.settings import ImageSettings
 from spotguard.planner import PlannerSettings
 
-_RUN_ONLY = ("state_dir",)
+_RUN_ONLY = ("state_dir", "nccl", "nccl_shim")
 _ENGINE_EXCLUDE: tuple[str, ...] = ()
 
 
@@ -93,11 +93,14 @@ def run(
 ) -> None:
     """Start COMMAND as a job that can be checkpointed and restored elsewhere.
 
-    The job gets its own session, PID and mount namespaces, stdin from /dev/null, the
-    settings that keep NCCL checkpointable (NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1,
-    NCCL_NVLS_ENABLE=0, ... where not set), USE_LIBUV=0 unless set (PyTorch's TCPStore then
-    holds no io_uring, which CRIU cannot dump), and its output in
-    <state_dir>/jobs/<name>/stdout and stderr. Example: spotguard run --name t -- python t.py
+    The job gets its own session, PID and mount namespaces, stdin from /dev/null, NCCL
+    made checkpointable — --nccl release (default): spotguard's NCCL shim preloaded, NCCL
+    keeps its fast transports and its communicators are released before each freeze and
+    rebuilt after (needs scripts/install-nccl-shim; without it, restrict); --nccl restrict:
+    NCCL_P2P_DISABLE=1, NCCL_SHM_DISABLE=1, NCCL_NVLS_ENABLE=0, ... where not set —,
+    USE_LIBUV=0 unless set (PyTorch's TCPStore then holds no io_uring, which CRIU cannot
+    dump), and its output in <state_dir>/jobs/<name>/stdout and stderr.
+    Example: spotguard run --name t -- python t.py
     """
     if os.geteuid() != 0:
         raise JobError(
@@ -112,8 +115,22 @@ def run(
 
         claim, parked = make_room(ctx, s, priority or 0, gpu_memory, name or command[0])
     env = job_environment(os.environ)
+    shim = s.nccl_shim if s.nccl == "release" and s.nccl_shim.is_file() else None
+    if s.nccl == "release" and shim is None:
+        click.echo(
+            f"spotguard run: no NCCL shim at {s.nccl_shim} (scripts/install-nccl-shim): NCCL's "
+            "fast transports are turned off for this job (--nccl restrict)",
+            err=True,
+        )
     job = asyncio.run(
-        start_job(list(command), name, state_dir=s.state_dir, env=env, pid_namespace=pid_namespace)
+        start_job(
+            list(command),
+            name,
+            state_dir=s.state_dir,
+            env=env,
+            pid_namespace=pid_namespace,
+            nccl_shim=shim,
+        )
     )
     if claim is not None:
         from spotguard.park.priority import write_claim

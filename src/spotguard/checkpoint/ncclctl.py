@@ -1,0 +1,432 @@
+"""The agent's side of the NCCL shim: release a job's NCCL communicators before the GPU lock
+and rebuild them after the restore or the resume, so NCCL keeps its fast transports.
+
+Why: the driver checkpoint API cannot capture what NCCL's P2P, SHM and NVLS transports share
+between processes and GPUs. ``spotguard run`` preloads spotguard's NCCL shim
+(``packaging/nccl-shim``, built by ``scripts/install-nccl-shim``): the job's communicators
+are the shim's handles, and each process that has one listens on a unix socket,
+``$SPOTGUARD_NCCL_CTL/<pid>.sock`` (``<pid>`` as the process sees itself; the directory is
+:func:`control_dir`, root only). This module speaks to those sockets (one request line, one
+JSON answer; the shim's source documents the commands):
+
+* :meth:`NcclControl.release` — every rank of the job at once: refuse what cannot be released
+  (:class:`~spotguard.errors.UndumpableError`, naming it: collectives captured in CUDA graphs,
+  buffers registered with ``ncclCommRegister``, windows, ``ncclMemAlloc`` memory, the device
+  API, communicators with ranks outside the job), close every gate (``quiesce``), let ranks
+  that are behind their peers issue what they owe (``drain``) until every rank of every
+  communicator has issued the same operations and none is inside NCCL, then ``release``
+  (``ncclCommFinalize`` + ``ncclCommDestroy``). A rank that does not get there within the
+  lock timeout fails the checkpoint in one line (:class:`~spotguard.errors.NcclError`); every
+  gate is opened again and the job runs on.
+* :meth:`NcclControl.rebuild` — the agent is the rendezvous: for each communicator (its group
+  key) it asks one member for a fresh ``ncclUniqueId`` and hands it to every member, which
+  create their communicators again concurrently with the recorded rank, size, device and
+  configuration, and open their gates.
+* :meth:`NcclControl.bring_back` — after a failed freeze: gates opened, released
+  communicators rebuilt.
+
+Processes without the shim are untouched (``spotguard run --nccl restrict`` jobs, jobs adopted
+by pid): the freeze preflight judges their NCCL settings (:mod:`.nccl`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from spotguard.errors import NcclError, UndumpableError
+
+from .procfacts import comm, read_environ
+from .proctree import ns_pids
+
+__all__ = [
+    "CTL_ROOT",
+    "ENV_CTL",
+    "SHIM_FILE",
+    "Comm",
+    "Member",
+    "NcclControl",
+    "Outcome",
+    "control_dir",
+    "prepare_restore",
+    "shim_loaded",
+]
+
+log = logging.getLogger(__name__)
+
+#: the shim's file name (what /proc/<pid>/maps shows of a process that has it loaded)
+SHIM_FILE = "libspotguard_nccl.so"
+#: where each job's control directory lives (root only; tmpfs)
+CTL_ROOT = Path("/run/spotguard/nccl")
+#: the job's environment variable naming its control directory
+ENV_CTL = "SPOTGUARD_NCCL_CTL"
+#: longest single drain round: ranks' new counts are exchanged this often
+DRAIN_ROUND_S = 0.5
+
+
+def control_dir(job: str) -> Path:
+    """The control directory of job ``job`` (the same on every VM it is restored on)."""
+    return CTL_ROOT / job
+
+
+def shim_loaded(pid: int) -> bool:
+    """True if the process has spotguard's NCCL shim mapped."""
+    try:
+        return SHIM_FILE in Path(f"/proc/{pid}/maps").read_text(errors="replace")
+    except OSError:
+        return False
+
+
+def _socket_of(pid: int) -> Path | None:
+    """The process's control socket, if it has one (it opens it with its first communicator)."""
+    where = read_environ(pid).get(ENV_CTL)
+    inner = ns_pids(pid)
+    if not where or not inner:
+        return None
+    sock = Path(where) / f"{inner[-1]}.sock"
+    return sock if sock.exists() else None
+
+
+def prepare_restore(job: str) -> None:
+    """Before ``criu restore``: the job's control directory exists (root only) and holds no
+    socket left by the job's last run (the restored processes bind theirs again)."""
+    d = control_dir(job)
+    d.mkdir(parents=True, exist_ok=True, mode=0o700)
+    d.chmod(0o700)
+    for stale in d.glob("*.sock"):
+        stale.unlink(missing_ok=True)
+
+
+@dataclass(frozen=True)
+class Comm:
+    """One communicator of one process, as its shim reports it."""
+
+    id: int
+    key: str
+    rank: int
+    nranks: int
+    dev: int
+    ops: int
+    send: dict[int, int] = field(default_factory=dict)
+    recv: dict[int, int] = field(default_factory=dict)
+    captured: int = 0
+    registered: int = 0
+    windows: int = 0
+    devapi: int = 0
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Comm:
+        return cls(
+            id=int(d["id"]),
+            key=str(d["key"]),
+            rank=int(d["rank"]),
+            nranks=int(d["nranks"]),
+            dev=int(d["dev"]),
+            ops=int(d["ops"]),
+            send={int(p): int(n) for p, n in d.get("send", [])},
+            recv={int(p): int(n) for p, n in d.get("recv", [])},
+            captured=int(d.get("captured", 0)),
+            registered=int(d.get("registered", 0)),
+            windows=int(d.get("windows", 0)),
+            devapi=int(d.get("devapi", 0)),
+        )
+
+    def refusals(self) -> list[tuple[str, str]]:
+        """What keeps it from being released: (what, what to do)."""
+        out = []
+        if self.captured:
+            out.append(
+                (
+                    f"NCCL collectives captured in a CUDA graph ({self.captured} calls on a "
+                    "capturing stream)",
+                    "a graph replays the communicator's resources, which a release destroys: "
+                    "do not capture NCCL calls, or run the job with 'spotguard run --nccl "
+                    "restrict'",
+                )
+            )
+        if self.registered:
+            out.append(
+                (
+                    f"{self.registered} user buffers registered with ncclCommRegister",
+                    "deregister them before a checkpoint, or run with 'spotguard run --nccl "
+                    "restrict' (PyTorch: TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=0)",
+                )
+            )
+        if self.windows:
+            out.append(
+                (
+                    f"{self.windows} NCCL memory windows (ncclCommWindowRegister)",
+                    "release them before a checkpoint, or run with 'spotguard run --nccl "
+                    "restrict' (PyTorch: no NCCL symmetric memory)",
+                )
+            )
+        if self.devapi:
+            out.append(
+                (
+                    "NCCL's device API (ncclDevCommCreate)",
+                    "device communicators cannot be rebuilt: run with 'spotguard run --nccl "
+                    "restrict'",
+                )
+            )
+        return out
+
+
+@dataclass(frozen=True)
+class Member:
+    """A process of the job with communicators, and its last report."""
+
+    pid: int
+    sock: Path
+    state: str
+    inflight: int
+    memalloc: int
+    comms: tuple[Comm, ...]
+
+    @classmethod
+    def from_json(cls, pid: int, sock: Path, d: dict[str, Any]) -> Member:
+        return cls(
+            pid,
+            sock,
+            str(d["state"]),
+            int(d.get("inflight", 0)),
+            int(d.get("memalloc", 0)),
+            tuple(Comm.from_json(c) for c in d.get("comms", [])),
+        )
+
+    def label(self, c: Comm | None = None) -> str:
+        who = f"pid {self.pid} ({comm(self.pid)})"
+        if c is None:
+            return who
+        return f"{who}, rank {c.rank} of {c.nranks} of communicator {c.key[:8]}"
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What a release or a rebuild did: communicators, processes, seconds."""
+
+    communicators: int = 0
+    pids: tuple[int, ...] = ()
+    seconds: float = 0.0
+
+    def to_json(self) -> dict[str, object]:
+        return {"communicators": self.communicators, "pids": list(self.pids)}
+
+
+async def _ask(pid: int, sock: Path, line: str, limit: float) -> dict[str, Any]:
+    """Send one command to a process's shim and return its answer (NcclError on failure)."""
+    what = line.split(" ", 1)[0]
+    try:
+        async with asyncio.timeout(limit):
+            reader, writer = await asyncio.open_unix_connection(str(sock))
+            try:
+                writer.write(line.encode() + b"\n")
+                await writer.drain()
+                raw = await reader.read()
+            finally:
+                writer.close()
+    except TimeoutError as exc:
+        raise NcclError(f"pid {pid}: NCCL shim did not answer {what!r} in {limit:.0f} s") from exc
+    except OSError as exc:
+        raise NcclError(f"pid {pid}: NCCL shim unreachable at {sock}: {exc}") from exc
+    try:
+        data: dict[str, Any] = json.loads(raw)
+    except ValueError as exc:
+        raise NcclError(f"pid {pid}: NCCL shim answered {what!r} with {raw[:200]!r}") from exc
+    if "error" in data:
+        raise NcclError(f"pid {pid} ({comm(pid)}): NCCL shim {what}: {data['error']}")
+    return data
+
+
+def _groups(members: Iterable[Member]) -> dict[str, list[tuple[Member, Comm]]]:
+    out: dict[str, list[tuple[Member, Comm]]] = {}
+    for m in members:
+        for c in m.comms:
+            out.setdefault(c.key, []).append((m, c))
+    return out
+
+
+def targets(members: Sequence[Member]) -> dict[int, list[str]]:
+    """Per pid, the drain targets that bring it level with its peers: every member of a
+    communicator issues as many collectives as the one furthest ahead, and as many sends to
+    (receives from) each peer as that peer posted receives from (sends to) it. Only targets
+    above a process's own counts are listed; empty lists everywhere mean all are level."""
+    out: dict[int, list[str]] = {m.pid: [] for m in members}
+    for members_of in _groups(members).values():
+        top = max(c.ops for _, c in members_of)
+        by_rank = {c.rank: c for _, c in members_of}
+        for m, c in members_of:
+            if c.ops < top:
+                out[m.pid].append(f"c{c.id}={top}")
+            for peer, peer_c in by_rank.items():
+                want_send = peer_c.recv.get(c.rank, 0)
+                want_recv = peer_c.send.get(c.rank, 0)
+                if want_send > c.send.get(peer, 0):
+                    out[m.pid].append(f"s{c.id}.{peer}={want_send}")
+                if want_recv > c.recv.get(peer, 0):
+                    out[m.pid].append(f"r{c.id}.{peer}={want_recv}")
+    return out
+
+
+def _level(members: Sequence[Member]) -> bool:
+    return all(m.inflight == 0 for m in members) and not any(targets(members).values())
+
+
+def _stuck(members: Sequence[Member]) -> str:
+    owed = targets(members)
+    parts = []
+    for m in members:
+        if m.inflight:
+            parts.append(f"{m.label()} is inside an NCCL call")
+        elif owed[m.pid]:
+            parts.append(f"{m.label()} is behind its peers ({len(owed[m.pid])} counts)")
+    return "; ".join(parts) or "the ranks' counts kept moving"
+
+
+class NcclControl:
+    """Release, rebuild and bring back a job's NCCL communicators through the shim."""
+
+    def __init__(self, call_timeout: float = 300.0) -> None:
+        self.call_timeout = call_timeout
+
+    async def members(self, tree: Iterable[int]) -> list[Member]:
+        """The processes of ``tree`` whose shim has communicators, with their reports."""
+        found = [(p, s) for p in tree if shim_loaded(p) and (s := _socket_of(p)) is not None]
+        answers = await asyncio.gather(*(_ask(p, s, "state", 10.0) for p, s in found))
+        return [
+            Member.from_json(p, s, a)
+            for (p, s), a in zip(found, answers, strict=True)
+            if a["comms"]
+        ]
+
+    async def _all(
+        self, members: Sequence[Member], lines: dict[int, str], t: float
+    ) -> list[Member]:
+        answers = await asyncio.gather(*(_ask(m.pid, m.sock, lines[m.pid], t) for m in members))
+        return [Member.from_json(m.pid, m.sock, a) for m, a in zip(members, answers, strict=True)]
+
+    def _refuse(self, job: str, members: Sequence[Member]) -> None:
+        found = []
+        for m in members:
+            found += [
+                f"{m.label(c)} holds {what}: {fix}" for c in m.comms for what, fix in c.refusals()
+            ]
+            if m.memalloc:
+                found.append(
+                    f"{m.label()} holds {m.memalloc} buffers from ncclMemAlloc: NCCL's "
+                    "allocator's memory cannot be carried by a release; free them before a "
+                    "checkpoint, or run with 'spotguard run --nccl restrict'"
+                )
+        for key, members_of in _groups(members).items():
+            nranks = members_of[0][1].nranks
+            ranks = sorted({c.rank for _, c in members_of})
+            if len(ranks) != nranks:
+                found.append(
+                    f"communicator {key[:8]} has {len(ranks)} of its {nranks} ranks in this job "
+                    f"(ranks {', '.join(map(str, ranks))}): spotguard rebuilds communicators "
+                    "whose ranks all run in the job it checkpoints"
+                )
+        if found:
+            raise UndumpableError(job, found)
+
+    async def release(self, job: str, tree: Sequence[int], wait_s: float) -> Outcome:
+        """Quiesce every rank at once and release every communicator of ``tree``'s
+        processes; see the module's docstring. On failure every gate is open again."""
+        t0 = time.monotonic()
+        members = await self.members(tree)
+        if not members:
+            return Outcome()
+        self._refuse(job, members)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + wait_s
+        try:
+            members = await self._all(members, {m.pid: "quiesce" for m in members}, 10.0)
+            while not _level(members):
+                left = deadline - loop.time()
+                if left <= 0:
+                    raise NcclError(
+                        f"NCCL ranks of job {job!r} did not quiesce in {wait_s:.0f} s: "
+                        f"{_stuck(members)}; the job runs on"
+                    )
+                ms = max(int(min(left, DRAIN_ROUND_S) * 1000), 1)
+                owed = targets(members)
+                lines = {m.pid: " ".join(["drain", str(ms), *owed[m.pid]]) for m in members}
+                members = await self._all(members, lines, ms / 1000 + 10.0)
+            ms = int(self.call_timeout * 1000)
+            done = await asyncio.gather(
+                *(_ask(m.pid, m.sock, f"release {ms}", self.call_timeout + 5) for m in members)
+            )
+        except BaseException:
+            await asyncio.shield(self.bring_back(job, tree))
+            raise
+        out = Outcome(
+            sum(int(d.get("released", 0)) for d in done),
+            tuple(m.pid for m in members),
+            time.monotonic() - t0,
+        )
+        log.info(
+            "NCCL communicators released",
+            extra={
+                "job": job,
+                "communicators": out.communicators,
+                "gpu_pids": list(out.pids),
+                "seconds": round(out.seconds, 3),
+            },
+        )
+        return out
+
+    async def rebuild(self, job: str, tree: Sequence[int]) -> Outcome:
+        """Create every released communicator of ``tree``'s processes again (the agent is
+        the rendezvous: one fresh ncclUniqueId per communicator, from one of its members)."""
+        t0 = time.monotonic()
+        members = [m for m in await self.members(tree) if m.state == "released"]
+        if not members:
+            return Outcome()
+        groups = _groups(members)
+        givers = {key: min(mc, key=lambda x: x[1].rank)[0] for key, mc in groups.items()}
+        uids = await asyncio.gather(
+            *(_ask(g.pid, g.sock, "uid", self.call_timeout) for g in givers.values())
+        )
+        uid_of = {key: str(u["uid"]) for key, u in zip(givers, uids, strict=True)}
+        ms = int(self.call_timeout * 1000)
+        lines = {
+            m.pid: " ".join(["rebuild", str(ms), *(f"{c.id}={uid_of[c.key]}" for c in m.comms)])
+            for m in members
+        }
+        done = await asyncio.gather(
+            *(_ask(m.pid, m.sock, lines[m.pid], self.call_timeout + 5) for m in members)
+        )
+        out = Outcome(
+            sum(int(d.get("rebuilt", 0)) for d in done),
+            tuple(m.pid for m in members),
+            time.monotonic() - t0,
+        )
+        log.info(
+            "NCCL communicators rebuilt",
+            extra={
+                "job": job,
+                "communicators": out.communicators,
+                "gpu_pids": list(out.pids),
+                "seconds": round(out.seconds, 3),
+            },
+        )
+        return out
+
+    async def bring_back(self, job: str, tree: Sequence[int]) -> None:
+        """After a failed freeze: open every closed gate and rebuild what was released.
+        Never raises (it runs on the failure path); what fails is logged."""
+        try:
+            members = await self.members(tree)
+            closed = [m for m in members if m.state in ("closed", "draining")]
+            await self._all(closed, {m.pid: "reopen" for m in closed}, 10.0)
+            if any(m.state == "released" for m in members):
+                await self.rebuild(job, tree)
+        except (NcclError, OSError) as exc:
+            log.error(
+                "could not bring NCCL communicators back", extra={"job": job, "error": str(exc)}
+            )
