@@ -18,6 +18,7 @@ import logging
 import signal
 import socket
 import sys
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
 
@@ -222,3 +223,38 @@ async def test_an_empty_state_file_is_refused_at_start_unless_initialised(
     assert "initialised" in out and state.stat().st_size > 0
     rc, out = await _serve_until_healthy(argv, url)  # once initialised, no flag needed
     assert rc == 0, out
+
+
+async def test_the_older_image_after_a_corrupt_one_is_chosen_by_sequence_not_by_clock(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    """The job's first image was written on a VM whose clock ran a day ahead (its id says
+    tomorrow), the second on a good clock. The second cannot be restored: the older image
+    by the store's authenticated sequence is the first. The old controller compared ids
+    (wall clocks), found nothing "older" than today's and failed the job."""
+    from test_controller_fencing import post, write_image
+
+    from spotguard.contracts import new_image_id
+    from spotguard.image import ImageSettings, push_dir
+
+    src = tmp_path / "img-fast-clock"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(b"\x01" * 4096)
+    tomorrow = new_image_id(datetime.now(UTC) + timedelta(days=1))
+    first = (
+        await push_dir(
+            src, f"file://{tmp_path}/store", "skewed", {}, image_id=tomorrow,
+            settings=ImageSettings(),
+        )
+    ).image_url  # fmt: skip
+    second = await write_image(tmp_path, "skewed", 2)
+    assert second.rsplit("/", 1)[-1] < first.rsplit("/", 1)[-1]  # ids say the reverse
+    api, _, _ = await api_factory(
+        env={"STANDIN_FAIL": "ImageCorrupt", "STANDIN_FAIL_IMAGE": second}, max_restarts=5
+    )
+    vm1 = {"provider": "local", "instance_id": "vm1"}
+    await post(api, TOKEN, "skewed", EventKind.STARTED, instance=vm1)
+    await post(api, TOKEN, "skewed", EventKind.EXITED, instance=vm1, image_url=second)
+    view = await api.wait_state("skewed", "protected", within=30)
+    assert view["image_url"] == first
+    assert any(f"falling back to the older image {first}" in h["reason"] for h in view["history"])

@@ -123,10 +123,17 @@ def stood_down(ledger: Ledger, info: JobInfo) -> bool:
     return True
 
 
+#: how far in the future an image's id may be before it counts as a skewed clock's
+FUTURE_SLACK_S = 5.0
+
+
 async def newest_image(
     store: str, job: str, image_settings: ImageSettings
 ) -> tuple[str, float] | None:
-    """The newest complete image of ``job`` and when it was taken (from its sortable id)."""
+    """The newest complete image of ``job`` (by the store's authenticated sequence) and when
+    it was taken (from its id). An id is the wall clock of the VM that wrote it: one dated
+    in the future (a fast clock) counts as taken now — else periodic checkpoints would wait
+    for that date and the image's age would read 0 until then — and says so in the log."""
     url = await latest_image(store, job, settings=image_settings)
     if url is None:
         return None
@@ -135,7 +142,16 @@ async def newest_image(
         at = datetime.strptime(image_id.split("-", 1)[0], "%Y%m%dT%H%M%S%fZ")
     except ValueError:
         return None
-    return url, at.replace(tzinfo=UTC).timestamp()
+    taken = at.replace(tzinfo=UTC).timestamp()
+    now = time.time()
+    if taken > now + FUTURE_SLACK_S:
+        log.warning(
+            "the job's newest image is dated in the future (the clock of the VM that wrote "
+            "it was ahead); counting it as taken now",
+            extra={"job": job, "image": url, "seconds": round(taken - now, 3)},
+        )
+        taken = now
+    return url, taken
 
 
 async def runs_elsewhere(

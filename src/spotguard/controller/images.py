@@ -139,9 +139,11 @@ class ImageChoice:
         than every image known bad becomes the one to restore, or the job FAILS saying
         there is none (never a round for an image that can never restore)."""
         bad = rec.data.bad_images
-        oldest_bad = min(u.rsplit("/", 1)[-1] for u in bad) if bad else "~"
-        urls, why = await self._images(rec)
-        older = [u for u in urls if u not in bad and u.rsplit("/", 1)[-1] < oldest_bad]
+        urls, why = await self._images(rec)  # oldest authenticated sequence first
+        # "older" by the store's sequence, never by ids (wall clocks of possibly skewed VMs);
+        # a bad image the store does not list (missing) cuts nothing
+        cut = min((urls.index(u) for u in bad if u in urls), default=len(urls))
+        older = [u for u in urls[:cut] if u not in bad]
         if not older:
             reason = (
                 f"image {rec.image_url} cannot be restored and no older complete image exists "
