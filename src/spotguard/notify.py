@@ -251,13 +251,18 @@ class Notifier:
         error = ""
         for attempt in range(ATTEMPTS):
             try:
-                async with self._session.post(url, json=data) as resp:
+                # never a redirect: a webhook answering 30x must not send the job's events (or
+                # the POST itself) on to another host, e.g. the instance metadata endpoint
+                async with self._session.post(url, json=data, allow_redirects=False) as resp:
                     if resp.status < 300:
                         self.sent += 1
                         return
                     error = f"HTTP {resp.status}"
+                    if 300 <= resp.status < 400:
+                        error += " (a redirect: webhooks never follow one)"
+                        break
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                error = str(exc) or type(exc).__name__
+                error = (str(exc) or type(exc).__name__).replace(url, _redact(url))
             if attempt + 1 < ATTEMPTS:
                 await asyncio.sleep(2**attempt)
         self.failed += 1
@@ -274,8 +279,15 @@ class Notifier:
 
 
 def _redact(url: str) -> str:
-    """A webhook URL without its path (Slack's path is the secret)."""
+    """A webhook URL for the logs: scheme, host and port only — never its ``user:password``
+    nor its path (Slack's path is the secret)."""
     from urllib.parse import urlparse
 
     p = urlparse(url)
-    return f"{p.scheme}://{p.netloc}/…"
+    try:
+        port = f":{p.port}" if p.port else ""
+    except ValueError:
+        port = ""
+    host = p.hostname or "?"
+    host = f"[{host}]" if ":" in host else host
+    return f"{p.scheme}://{host}{port}/…"
