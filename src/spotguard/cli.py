@@ -47,6 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "logs": ("agent", "logs"),
     "install": ("install", "install"),
     "install-criu": ("install", "install_criu"),
+    "install-nccl-shim": ("install", "install_nccl_shim"),
     "fetch-keys": ("keys", "fetch_keys_cmd"),
 }
 
@@ -71,6 +72,7 @@ HELP = {
     "logs": "Print a job's output (stdout and stderr); -f follows it.",
     "install": "Link spotguard into /usr/local/bin, install its systemd units and config.",
     "install-criu": "Install CRIU >= 4.2.1 (the installer shipped with this package).",
+    "install-nccl-shim": "Build spotguard's NCCL shim (NCCL keeps its fast transports).",
     "fetch-keys": "Fetch the fleet's image signing and verify keys onto this VM (at boot).",
 }
 

@@ -1,5 +1,5 @@
 """Files shipped inside the package: the systemd units, the example config, the Grafana
-dashboard, the install script and the CRIU installer.
+dashboard, the install script, the CRIU installer and the NCCL shim's installer and sources.
 
 The wheel carries them under ``spotguard/_data/`` (``[tool.hatch.build.targets.wheel.
 force-include]`` in pyproject.toml maps them from ``packaging/`` and ``scripts/`` — the same
@@ -27,6 +27,8 @@ _SOURCES = {
     "grafana": _REPO / "packaging" / "grafana",
     "install-criu": _REPO / "scripts" / "install-criu",
     "install.sh": _REPO / "packaging" / "install.sh",
+    "install-nccl-shim": _REPO / "scripts" / "install-nccl-shim",
+    "nccl-shim": _REPO / "packaging" / "nccl-shim",
 }
 
 

@@ -10,7 +10,9 @@ first: a dedicated virtualenv under ``/opt/spotguard/venv``). In order:
    is never touched) and ``/var/lib/spotguard`` (0700);
 4. with systemd running: ``daemon-reload`` and ``enable spotguard-doctor.service`` (the
    agent is enabled once its config exists; the controller where it runs);
-5. ``spotguard doctor``'s checks, printed with their fixes.
+5. spotguard's NCCL shim, built against the jobs' nccl.h (``install-nccl-shim``; a host
+   without a compiler or nccl.h is told so, and NCCL jobs run with restricted transports);
+6. ``spotguard doctor``'s checks, printed with their fixes.
 
 ``--root DIR`` installs under DIR instead of ``/`` (for images and tests; no systemctl).
 
@@ -32,7 +34,7 @@ import click
 from spotguard.errors import ConfigError, SpotguardError
 from spotguard.packaged import UNITS, data_file
 
-__all__ = ["install", "install_criu"]
+__all__ = ["install", "install_criu", "install_nccl_shim"]
 
 
 def _under(root: Path, path: str) -> Path:
@@ -102,6 +104,22 @@ def _systemd() -> list[str]:
     return ["systemd: daemon reloaded, spotguard-doctor.service enabled"]
 
 
+def _run_installer(name: str, args: list[str], capture: bool) -> subprocess.CompletedProcess[str]:
+    bash = shutil.which("bash") or "/bin/bash"
+    return subprocess.run(
+        [bash, str(data_file(name)), *args], capture_output=capture, text=True, check=False
+    )
+
+
+def _nccl_shim() -> str:
+    """Build the NCCL shim; never fails the install (one line saying what happened)."""
+    done = _run_installer("install-nccl-shim", [], capture=True)
+    if done.returncode == 0:
+        return f"NCCL shim {done.stdout.strip().splitlines()[-1]}"
+    why = (done.stderr.strip().splitlines() or ["failed"])[-1].removeprefix("install-nccl-shim: ")
+    return f"NCCL shim not built ({why}): NCCL jobs run with restricted transports"
+
+
 def _doctor() -> None:
     from spotguard.checkpoint.doctor import run_checks
 
@@ -136,6 +154,7 @@ def install(root: Path, force: bool, doctor: bool) -> None:
         steps += _files(root)
         if system:
             steps += _systemd()
+            steps.append(_nccl_shim())
     except OSError as exc:
         raise SpotguardError(f"install failed: {exc}") from exc
     for step in steps:
@@ -169,3 +188,25 @@ def install_criu(ctx: click.Context, print_path: bool) -> None:
     code = subprocess.run([bash, str(script), *ctx.args], check=False).returncode
     if code != 0:
         raise SpotguardError(f"the CRIU installer {script} failed (exit {code}); its log is above")
+
+
+@click.command(
+    "install-nccl-shim",
+    context_settings={"ignore_unknown_options": True, "allow_extra_args": True},
+)
+@click.option("--print-path", is_flag=True, help="Print the installer's path and exit.")
+@click.pass_context
+def install_nccl_shim(ctx: click.Context, print_path: bool) -> None:
+    """Build spotguard's NCCL shim against the nccl.h of the NCCL the jobs load (PyTorch's
+    wheel; PYTHON=... names the jobs' interpreter) into /opt/spotguard/nccl-shim, so that
+    'spotguard run' keeps NCCL's fast transports (scripts/install-nccl-shim).
+    """
+    script = data_file("install-nccl-shim")
+    if print_path:
+        click.echo(str(script))
+        return
+    if os.geteuid() != 0:
+        raise ConfigError("spotguard install-nccl-shim installs under /opt: run it with sudo")
+    code = _run_installer("install-nccl-shim", list(ctx.args), capture=False).returncode
+    if code != 0:
+        raise SpotguardError(f"the NCCL shim installer {script} failed (exit {code}); see above")
