@@ -52,7 +52,9 @@ def test_push_list_verify_pull_gc_and_errors(tmp_path: Path) -> None:
     assert pulled.returncode == 0, pulled.stderr
     assert (tmp_path / "dest" / "out" / "stdout").read_text() == "hello\n"
 
-    gcd = json.loads(sg("images", "gc", str(store), "--keep", "1", "--json").stdout)
+    gcd = json.loads(
+        sg("images", "gc", str(store), "--keep", "1", "--trust-store", "--json").stdout
+    )
     assert len(gcd["images_deleted"]) == 1 and gcd["images_kept"] == [url]
 
     # one corrupt chunk: verify names it, exits non-zero, and prints no traceback

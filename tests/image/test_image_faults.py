@@ -133,6 +133,6 @@ async def test_writer_killed_mid_upload_previous_image_still_restores(
     t2, n2, crc2, _ = counter_job.wait_for(lambda s: s[1] > n + 3)
     assert (t2, crc2) == (token, crc) and n2 > n
 
-    swept = await gc(s3_bucket, "counter", 1, grace_s=0, settings=S)
+    swept = await gc(s3_bucket, "counter", 1, grace_s=0, settings=S, trust_store=True)
     assert swept.stale_markers_deleted == 1 and swept.chunks_deleted > 0
     assert [i.complete for i in await list_images(s3_bucket, "counter", settings=S)] == [True]

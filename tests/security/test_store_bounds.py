@@ -115,3 +115,37 @@ def test_a_1_gib_object_at_a_chunk_address_is_never_read_whole(
         assert code != 0, argv
         assert rss_kib < 400 * 1024, f"{argv}: peak RSS {rss_kib >> 10} MiB"
         assert "Traceback" not in res.stdout and "corrupt" in res.stdout, res.stdout
+
+
+FORGE = r"""
+import json, os, sys
+src, dest = sys.argv[1:3]
+m = json.load(open(src))
+m["image_id"] = os.path.basename(os.path.dirname(dest))
+m["sequence"] = 99
+m["auth"] = []
+os.makedirs(os.path.dirname(dest))
+json.dump(m, open(dest, "w"))
+"""
+
+
+def test_gc_without_keys_deletes_nothing_it_cannot_authenticate(
+    attacker: Attacker, world: Path
+) -> None:
+    """On a host without keys, a manifest a bucket writer forged (newest id and sequence)
+    would pass for the newest image and gc would delete the genuine one: gc refuses in one
+    line and deletes nothing (``--trust-store`` is the operator saying the store is theirs)."""
+    store = world / "store"
+    store.mkdir()
+    url = f"file://{store}"
+    push = asyncio.run(push_dir(_image_dir(world), url, "j1", settings=ImageSettings()))
+    genuine = next((store / "j1" / "images").glob("*/manifest.json"))
+    _give(store / "j1", attacker)
+    forged = store / "j1" / "images" / "29990101T000000000000Z" / "manifest.json"
+    attacker.python(FORGE, str(genuine), str(forged))
+    res = _sg("images", "gc", url, "--keep", "1")
+    assert res.returncode == 2 and "nothing deleted" in res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "Traceback" not in res.stderr
+    assert genuine.exists() and forged.exists()
+    res = _sg("images", "verify", push.image_url)
+    assert res.returncode == 0, res.stderr

@@ -141,15 +141,29 @@ def verify_cmd(image_url: str, as_json: bool, **flags: Any) -> None:
 @click.option("--keep", type=click.IntRange(min=1), required=True, help="Complete images to keep.")
 @click.option("--job", help="Only this job (default: every job in the store).")
 @click.option("--dry-run", is_flag=True, help="Report what would be deleted; delete nothing.")
+@click.option(
+    "--trust-store",
+    is_flag=True,
+    help="On a host without image keys: delete by sequence anyway (only where no one else can "
+    "write the store; without keys gc otherwise deletes nothing).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 @config.options(ImageSettings, exclude=_GC_EXCLUDE)
 def gc_cmd(
-    store_url: str, keep: int, job: str | None, dry_run: bool, as_json: bool, **flags: Any
+    store_url: str,
+    keep: int,
+    job: str | None,
+    dry_run: bool,
+    trust_store: bool,
+    as_json: bool,
+    **flags: Any,
 ) -> None:
     """Delete all but the newest KEEP complete images per job and unreferenced chunks."""
     settings = _settings(flags)
     _existing(store_url)
-    result = asyncio.run(gc(store_url, job, keep, dry_run=dry_run, settings=settings))
+    result = asyncio.run(
+        gc(store_url, job, keep, dry_run=dry_run, settings=settings, trust_store=trust_store)
+    )
     if as_json:
         _emit(result.to_json())
         return

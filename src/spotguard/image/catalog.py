@@ -229,9 +229,15 @@ async def gc(
     grace_s: float | None = None,
     dry_run: bool = False,
     settings: ImageSettings,
+    trust_store: bool = False,
 ) -> GcResult:
     """Delete all but the newest ``keep`` complete images of ``job`` (every job when None),
-    stale writing markers, and chunks no remaining image references (see the module doc)."""
+    stale writing markers, and chunks no remaining image references (see the module doc).
+
+    On a host without any image key nothing can be authenticated, so a manifest planted in
+    the store would pass for the newest image and the genuine ones be deleted: gc then
+    deletes nothing (:class:`ConfigError`) unless ``trust_store`` says the store is trusted
+    (a single machine, the demo); ``dry_run`` still reports."""
     if keep < 1:
         raise ConfigError(
             "gc --keep must be at least 1: the newest complete image is never deleted"
@@ -239,6 +245,12 @@ async def gc(
     s = settings
     grace = timedelta(seconds=s.gc_grace_s if grace_s is None else grace_s)
     keys = ImageKeys.from_settings(s)
+    if not keys.required and not trust_store and not dry_run:
+        raise ConfigError(
+            "images gc deletes only images it can authenticate, and this host holds no image "
+            "key (verify_key_file / encryption_key_file): nothing deleted; set a key, or pass "
+            "--trust-store where no one else can write the store"
+        )
     store = store_for(store_url, s)
     result = GcResult(store.url, dry_run=dry_run)
     try:
