@@ -54,7 +54,7 @@ from spotguard.errors import CheckpointError, CriuError, GpuError, JobError, Spo
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
-from . import files, nccl, ncclctl, proctree, scan, sockets, suspend
+from . import files, nccl, ncclctl, procfacts, proctree, scan, sockets, suspend
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo, link_job_dir, own_mount_ns
@@ -173,7 +173,8 @@ class Engine:
         try:
             with tl.step("scan") as st:
                 await self.faults.before("scan")
-                tree = proctree.tree(job.pid)
+                # children that exit while the tree is read are left out (a forking job)
+                tree, tree_ns = procfacts.live_tree(job.pid)
                 gpu_pids = await self.gpu.gpu_pids(tree)
                 # a job suspended in place (parked): its GPU state is already in host memory
                 # and its tree stopped; the driver steps skip those, bring-back keeps them so
@@ -182,8 +183,8 @@ class Engine:
                 nccl.refuse_uncheckpointable(job.name, gpu_pids)
                 net = await self._preflight(job, tree, gpu_pids, tcp)
                 st.detail.update(net.to_json())
-                tree_ns = [proctree.ns_pid(p) for p in tree]
-                gpu_ns = [proctree.ns_pid(p) for p in gpu_pids]
+                ns_of = dict(zip(tree, tree_ns, strict=True))
+                gpu_ns = [ns_of.get(p) or proctree.ns_pid(p) for p in gpu_pids]
                 marker.update(gpu_pids=active, tree=[p for p in tree if p not in held])
                 gpu_bytes = self.gpu.memory_used(gpu_pids) if gpu_pids else 0
                 cpu_bytes = proctree.rss_bytes(tree)

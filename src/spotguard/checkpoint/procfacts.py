@@ -15,6 +15,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from spotguard.errors import JobNotFound
+
+from . import proctree
 from .proctree import ns_pids
 from .sockets import Endpoint, SocketFact, socket_inode, socket_table
 
@@ -219,10 +222,29 @@ def _proc_facts(
     )
 
 
+def live_tree(root: int) -> tuple[list[int], list[int]]:
+    """``root``'s tree as (host pids, pids in their own namespace), root first, leaving out
+    the processes that exit while it is read — a job that forks short-lived children (a
+    shell loop) always has some. Such a process is not part of any dump: CRIU freezes the
+    tree itself and dumps what exists then. Raises :class:`JobNotFound` only when ``root``
+    itself is gone."""
+    host: list[int] = []
+    inner: list[int] = []
+    for pid in proctree.tree(root):
+        found = ns_pids(pid)
+        if found:
+            host.append(pid)
+            inner.append(found[-1])
+        elif pid == root:
+            raise JobNotFound(f"no process {root}")
+    return host, inner
+
+
 def gather(
     tree: Sequence[int], gpu_pids: Iterable[int] = (), plugin_devices: Sequence[str] = ()
 ) -> TreeFacts:
-    """Read the facts of every process of ``tree`` (vanished processes are left out).
+    """Read the facts of every process of ``tree``. A process that vanished before or while
+    it was read is left out (what was read of it may be partial: no fds, no maps).
     ``plugin_devices``: device prefixes the CRIU plugin dumps (their mappings are allowed).
 
     Blocking /proc reads (about a millisecond per process): call it in a thread.
@@ -230,9 +252,11 @@ def gather(
     gpu = set(gpu_pids)
     tables: dict[str, dict[int, SocketFact]] = {}
     devices = tuple(plugin_devices)
-    procs = [
-        _proc_facts(pid, pid in gpu, tables, devices)
-        for pid in tree
-        if Path(f"/proc/{pid}").exists()
-    ]
+    procs = []
+    for pid in tree:
+        if not Path(f"/proc/{pid}").exists():
+            continue
+        facts = _proc_facts(pid, pid in gpu, tables, devices)
+        if Path(f"/proc/{pid}").exists():  # still there: what was read is whole
+            procs.append(facts)
     return TreeFacts(tuple(procs))
