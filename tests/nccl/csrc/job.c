@@ -104,8 +104,10 @@ static int run_rank(int rank, int nranks, ncclUniqueId id, int steps, int step_m
     CHECK(ncclCommDeregister(world, handle));
   CHECK(ncclCommDestroy(half));
   CHECK(ncclCommDestroy(world));
-  if (rank == 0)
+  if (rank == 0) {
     printf("done\n");
+    fflush(stdout); /* the rank ends with _exit */
+  }
   return 0;
 }
 

@@ -1,0 +1,152 @@
+"""NCCL communicators released before a freeze and rebuilt after, with real processes and real
+CRIU: a 4-rank job (a world communicator and a split of it, collectives at every step, a
+watchdog thread asking for errors) runs under spotguard's shim on a fake NCCL (CPU)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from ckpt_helpers import Launch, lines, wait_exit, wait_for
+
+from conftest import Built
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import JobInfo
+from spotguard.checkpoint.ncclctl import ENV_CTL, control_dir, shim_loaded
+from spotguard.checkpoint.procfacts import read_environ
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
+from spotguard.errors import NcclError, UndumpableError
+
+pytestmark = pytest.mark.criu
+
+RANKS, STEPS, STEP_MS = 4, 400, 10
+
+
+def _settings(tmp_path: Path, criu_bin: str, lock_s: float = 10.0) -> CheckpointSettings:
+    return CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin,
+                              shm_dir=tmp_path / "shm", criu_timeout=60,
+                              gpu_lock_timeout=lock_s)  # fmt: skip
+
+
+def _reference(built: Built, tmp_path: Path, *flags: str) -> list[str]:
+    """The job's output uninterrupted and without the shim (the fake NCCL alone)."""
+    work = tmp_path / "ref"
+    work.mkdir()
+    done = subprocess.run([str(built.job), str(RANKS), str(STEPS), "0", *flags],
+                          env=built.env(work), capture_output=True, text=True, timeout=120,
+                          check=True)  # fmt: skip
+    return done.stdout.splitlines()
+
+
+def _step(result_timeline: list[dict[str, Any]], name: str) -> dict[str, Any]:
+    """The detail of step ``name``."""
+    found: dict[str, Any] = next(s for s in result_timeline if s["name"] == name)["detail"]
+    return found
+
+
+def _log_count(tmp_path: Path, what: str) -> int:
+    log = tmp_path / "nccl.log"
+    return sum(1 for line in lines(log) if line.split()[1] == what)
+
+
+async def _running(job: JobInfo) -> None:
+    out = job.dir / "stdout"
+    n = len(lines(out))
+    await wait_for(lambda: len(lines(out)) > n + 3, f"job {job.name} to go on")
+
+
+async def test_communicators_are_released_and_rebuilt_through_pause_exit_and_restore(
+    built: Built, launch_shim: Launch, criu_bin: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    want = _reference(built, tmp_path)
+    assert len(want) == STEPS + 1
+    job = await launch_shim([str(built.job), str(RANKS), str(STEPS), str(STEP_MS)], "ranks")
+    out = job.dir / "stdout"
+    await wait_for(lambda: len(lines(out)) > 5, "the job's first steps")
+    ranks = [p for p in proctree.tree(job.pid) if shim_loaded(p)]
+    assert len(ranks) == RANKS + 1  # the launcher has it loaded too (no communicator)
+    env = read_environ(ranks[-1])
+    assert env["LD_PRELOAD"].split()[0] == str(built.shim)
+    assert env[ENV_CTL] == str(control_dir("ranks"))
+    assert "NCCL_P2P_DISABLE" not in env  # NCCL keeps its own transport choices
+    engine = Engine(Criu(criu_bin), settings=_settings(tmp_path, criu_bin))
+    caplog.set_level(logging.INFO, logger="spotguard.checkpoint.ncclctl")
+
+    paused = await engine.freeze(job, DirectoryTarget(tmp_path / "img-pause"), Mode.RESUME)
+    timeline = paused.timeline.to_list()
+    assert _step(timeline, "nccl_release")["communicators"] == 2 * RANKS
+    assert _step(timeline, "nccl_rebuild")["communicators"] == 2 * RANKS
+    assert _log_count(tmp_path, "finalize") == 2 * RANKS
+    assert _log_count(tmp_path, "destroy") == 2 * RANKS
+    # the world once by the job; world and split again by the rebuild, from fresh ids
+    assert _log_count(tmp_path, "init") == RANKS + 2 * RANKS
+    assert _log_count(tmp_path, "split") == RANKS
+    await _running(job)
+
+    parked = await engine.freeze(job, DirectoryTarget(tmp_path / "img-park"), Mode.EXIT)
+    assert _step(parked.timeline.to_list(), "nccl_release")["communicators"] == 2 * RANKS
+    await wait_for(lambda: not proctree.alive(job.pid), "the job to stop")
+    restored = await engine.restore(DirectorySource(tmp_path / "img-park"))
+    assert _step(restored.timeline.to_list(), "nccl_rebuild")["communicators"] == 2 * RANKS
+    assert await wait_exit(restored.job, 120) == 0, (job.dir / "stderr").read_text()
+    assert lines(out) == want
+    msgs = [r for r in caplog.records if r.getMessage().startswith("NCCL communicators")]
+    assert [r.getMessage() for r in msgs] == [
+        "NCCL communicators released",
+        "NCCL communicators rebuilt",
+        "NCCL communicators released",
+        "NCCL communicators rebuilt",
+    ]
+    assert all(getattr(r, "communicators") == 2 * RANKS for r in msgs)  # noqa: B009
+
+
+async def test_a_rank_stuck_inside_a_collective_fails_the_checkpoint_and_the_job_runs_on(
+    built: Built, launch_shim: Launch, criu_bin: str, tmp_path: Path
+) -> None:
+    want = _reference(built, tmp_path)
+    hold = tmp_path / "hold"
+    env = built.env(tmp_path, FAKE_NCCL_HOLD=str(hold), FAKE_NCCL_HOLD_RANK="1")
+    argv = [str(built.job), str(RANKS), str(STEPS // 2), str(STEP_MS)]
+    job = await launch_shim(argv, "stuck", env)
+    out = job.dir / "stdout"
+    await wait_for(lambda: len(lines(out)) > 5, "the job's first steps")
+    hold.touch()  # rank 1 stays inside its next collective; its peers wait inside theirs
+    engine = Engine(Criu(criu_bin), settings=_settings(tmp_path, criu_bin, lock_s=2))
+    with pytest.raises(NcclError) as err:
+        await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    text = str(err.value)
+    assert "\n" not in text
+    assert "did not quiesce in 2 s" in text and "inside an NCCL call" in text, text
+    assert "the job runs on" in text
+    assert not (tmp_path / "img" / "spotguard-image.json").exists()
+    hold.unlink()
+    assert await wait_exit(job, 120) == 0, (job.dir / "stderr").read_text()
+    assert lines(out) == [*want[: STEPS // 2], "done"]
+    assert _log_count(tmp_path, "finalize") == 0  # nothing was released
+
+
+@pytest.mark.parametrize(
+    ("flag", "named"),
+    [("--register", "ncclCommRegister"), ("--capture", "captured in a CUDA graph")],
+)
+async def test_what_cannot_be_released_is_refused_by_name(
+    flag: str, named: str, built: Built, launch_shim: Launch, criu_bin: str, tmp_path: Path
+) -> None:
+    argv = [str(built.job), str(RANKS), "150", str(STEP_MS), flag]
+    job = await launch_shim(argv, f"refused{flag.replace('-', '')}")
+    out = job.dir / "stdout"
+    await wait_for(lambda: len(lines(out)) > 3, "the job's first steps")
+    engine = Engine(Criu(criu_bin), settings=_settings(tmp_path, criu_bin))
+    with pytest.raises(UndumpableError, match=named) as err:
+        await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    assert "rank 0 of 4" in str(err.value)
+    assert "--nccl restrict" in str(err.value)
+    await _running(job)
+    assert await wait_exit(job, 120) == 0
+    assert _log_count(tmp_path, "finalize") == 0
