@@ -24,6 +24,14 @@ required plugin") instead of reopening real devices. The devices the plugin trea
 leftovers are path prefixes in CRIU's environment, ``SPOTGUARD_CRIU_LEFTOVER_DEVICES``
 (default ``/dev/nvidia``).
 
+Parallel memory (``--page-workers N``, a patch scripts/install-criu applies to Debian's CRIU,
+packaging/criu-patches): a dump writes the pages of up to N processes at once and a restore
+populates each process's memory with up to N threads while its pages are read in. Given to
+every dump and restore when the running CRIU has it (``criu --help`` lists it; probed once per
+binary), with N = the setting ``page_workers`` (default: the machine's CPUs; 0 or 1 turns it
+off; ``SPOTGUARD_CRIU_PAGE_WORKERS`` in the environment is the default where the caller gives
+none). A CRIU without it is used as it is, and one log line says so.
+
 A caller can run code while the tree is still frozen, after CRIU has written the image and
 before it resumes or kills the tree (``on_frozen``): CRIU's ``post-dump`` action script
 signals over a FIFO and waits for our answer. The engine uses it to snapshot the job's output
@@ -65,6 +73,11 @@ LEFTOVER_DEVICES_ENV = "SPOTGUARD_CRIU_LEFTOVER_DEVICES"
 DEFAULT_LEFTOVER_DEVICES = "/dev/nvidia"
 _HARMLESS = ("RLIMIT_NOFILE", "kdat", "Unable to get $HOME")
 _PR_SET_PDEATHSIG = 1
+#: environment default for :class:`Criu`'s ``page_workers`` (0 or 1: off)
+PAGE_WORKERS_ENV = "SPOTGUARD_CRIU_PAGE_WORKERS"
+PAGE_WORKERS_FLAG = "--page-workers"
+#: (realpath, mtime) -> whether that criu binary has --page-workers
+_PAGE_WORKERS_PROBED: dict[tuple[str, float], bool] = {}
 #: a job in its own mount namespace (``spotguard run``'s jobs: a private /proc for their PID
 #: namespace): every mount that is the host's own (/, /dev, /sys, ...) is recorded as an
 #: external bind (``mnt[]`` = detect them), not dumped by content; restore rebuilds the
@@ -96,6 +109,43 @@ def _version_of(path: str) -> str | None:
         return None
     m = re.search(r"Version:\s*(\S+)", out)
     return m.group(1) if m else None
+
+
+def has_page_workers(path: str) -> bool:
+    """Whether the criu at ``path`` has ``--page-workers`` (its ``--help`` lists it); probed
+    once per binary (a reinstalled one is probed again)."""
+    real = os.path.realpath(path)
+    try:
+        key = (real, os.stat(real).st_mtime)
+    except OSError:
+        return False
+    if key not in _PAGE_WORKERS_PROBED:
+        try:
+            out = subprocess.run(
+                [path, "--help"], capture_output=True, text=True, timeout=10, check=False
+            )
+            text = out.stdout + out.stderr
+        except (OSError, subprocess.SubprocessError):
+            text = ""
+        _PAGE_WORKERS_PROBED[key] = PAGE_WORKERS_FLAG in text
+        if PAGE_WORKERS_FLAG not in text:
+            log.info(
+                "%s has no %s: processes are dumped and restored one after another "
+                "(scripts/install-criu builds the patched criu)",
+                path,
+                PAGE_WORKERS_FLAG,
+            )
+    return _PAGE_WORKERS_PROBED[key]
+
+
+def default_page_workers() -> int:
+    """``SPOTGUARD_CRIU_PAGE_WORKERS`` if set (a bad value is a clear error), else the CPUs."""
+    raw = os.environ.get(PAGE_WORKERS_ENV, "").strip()
+    if not raw:
+        return os.cpu_count() or 1
+    if not raw.isdigit() or int(raw) > 1024:
+        raise PreflightError(f"{PAGE_WORKERS_ENV}={raw!r}: expected a number of threads, 0-1024")
+    return int(raw)
 
 
 def parse_version(version: str | None) -> tuple[int, ...]:
@@ -225,15 +275,24 @@ class Criu:
         timeout: float = 600.0,
         plugins: Path | Literal["auto"] | None = "auto",
         leftover_devices: Sequence[str] | None = None,
+        page_workers: int | None = None,
+        log_level: int = 2,
+        log_dir: Path | None = None,
     ) -> None:
         """``plugins``: the ``--libdir`` to give CRIU; ``"auto"`` finds the installed one,
         ``None`` runs CRIU with no plugins at all. ``leftover_devices``: device path prefixes
         the plugin treats as leftovers (None: CRIU's environment decides, default
-        ``/dev/nvidia``)."""
+        ``/dev/nvidia``). ``page_workers``: threads moving memory pages (see module doc;
+        None: :func:`default_page_workers`; 0 or 1: one process after another). ``log_level``:
+        CRIU's ``-v`` (4: per-task timings, for tests and benchmarks); ``log_dir``: where its
+        logs go when the caller names none (default: the images directory)."""
         self.path = find_criu(path)
         self.timeout = timeout
         self.plugin_dir = find_plugin_dir(self.path) if plugins == "auto" else plugins
         self.leftover_devices = list(leftover_devices) if leftover_devices is not None else None
+        self.page_workers = default_page_workers() if page_workers is None else page_workers
+        self.log_level = log_level
+        self.log_dir = log_dir
         self._no_plugins: Path | None = None
         self._version: str | None = None
         self._locks: frozenset[str] | None = None
@@ -263,6 +322,14 @@ class Criu:
                 weakref.finalize(self, shutil.rmtree, self._no_plugins, True)
             libdir = self._no_plugins
         return ["--libdir", str(libdir)]
+
+    async def page_worker_args(self) -> list[str]:
+        """``--page-workers N`` when it is on and this CRIU has it, else nothing."""
+        if self.page_workers < 2:
+            return []
+        if not await asyncio.to_thread(has_page_workers, self.path):
+            return []
+        return [PAGE_WORKERS_FLAG, str(self.page_workers)]
 
     def _env(self, extra: dict[str, str] | None = None) -> dict[str, str]:
         env = dict(os.environ)
@@ -336,8 +403,9 @@ class Criu:
         ``on_frozen`` runs after the image is written and before CRIU resumes or kills the
         tree; if it raises, CRIU is told to fail and leaves the tree running.
         """
-        log_path = log_file or images_dir / "criu-dump.log"
-        args = ["dump", "-t", str(pid), "-D", str(images_dir), "-o", str(log_path), "-v2"]
+        log_path = log_file or (self.log_dir or images_dir) / "criu-dump.log"
+        args = ["dump", "-t", str(pid), "-D", str(images_dir), "-o", str(log_path)]
+        args.append(f"-v{self.log_level}")
         args += ["--ext-unix-sk", "--file-locks"]
         if leave_running:
             args.append("--leave-running")
@@ -354,6 +422,7 @@ class Criu:
         if ghost_limit is not None:  # deleted files the job still holds go into the image
             args += ["--ghost-limit", str(ghost_limit)]
         args += self._plugin_args()
+        args += await self.page_worker_args()
         if mount_ns:
             args += _MOUNT_NS_DUMP
         hook = _FrozenHook(on_frozen) if on_frozen else None
@@ -395,7 +464,7 @@ class Criu:
         ``--tcp-established`` is always given: an image without connected TCP sockets is
         unaffected, one with them (the dump decided) cannot be restored without it."""
         work = Path(tempfile.mkdtemp(prefix="spotguard-restore-"))
-        log_path = log_file or work / "criu-restore.log"
+        log_path = log_file or (self.log_dir or work) / "criu-restore.log"
         pidfile = work / "pid"
         args = [
             "restore",
@@ -403,7 +472,7 @@ class Criu:
             str(images_dir),
             "-o",
             str(log_path),
-            "-v2",
+            f"-v{self.log_level}",
             "--restore-detached",
             "--pidfile",
             str(pidfile),
@@ -418,6 +487,7 @@ class Criu:
         if shell_job:
             args.append("--shell-job")
         args += self._plugin_args()
+        args += await self.page_worker_args()
         if mount_ns:
             args += _MOUNT_NS_RESTORE
         try:

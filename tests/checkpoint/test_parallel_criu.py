@@ -1,0 +1,192 @@
+"""CRIU's ``--page-workers`` (packaging/criu-patches): the processes of a job are dumped and
+restored in parallel, byte-identical, with real processes and the patched CRIU.
+
+The job is the N-rank stand-in (bench/ranks_job.py): a launcher with exec'd ranks, each
+holding distinct memory (half random, half zero pages) and reporting its SHA-1 before the
+checkpoint and on request after it. CRIU's own log (``-v4``) proves the overlap: a rank's
+pages were still being written when the next rank's writer started.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from ckpt_helpers import wait_for
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.criu import PAGE_WORKERS_FLAG, Criu, has_page_workers
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import JobInfo, start_job
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
+from spotguard.image import ImageSettings
+from spotguard.stream import StreamSource, StreamTarget
+
+pytestmark = [
+    pytest.mark.criu,
+    pytest.mark.filterwarnings("ignore:The 'initial' parameter is deprecated:DeprecationWarning"),
+]
+
+REPO = Path(__file__).resolve().parents[2]
+RANKS = 3
+MIB = 160
+WORKERS = RANKS + 2  # no rank waits for a free writer: all may overlap
+_TS = r"^\((\d+\.\d+)\)\s+"
+_START = re.compile(_TS + r"Writing pages of (\d+) in the background")
+_END = re.compile(_TS + r"Wrote pages of (\d+)$")
+
+
+@pytest.fixture
+def parallel_criu(criu_bin: str, tmp_path: Path) -> Criu:
+    if not has_page_workers(criu_bin):
+        pytest.fail(f"{criu_bin} has no {PAGE_WORKERS_FLAG}: run scripts/install-criu")
+    (tmp_path / "logs").mkdir()
+    return Criu(criu_bin, page_workers=WORKERS, log_level=4, log_dir=tmp_path / "logs")
+
+
+async def _start(tmp_path: Path, name: str) -> tuple[JobInfo, Path]:
+    out = tmp_path / "out"
+    argv = [sys.executable, str(REPO / "bench" / "ranks_job.py"), "launcher"]
+    argv += ["--ranks", str(RANKS), "--mib", str(MIB), "--out", str(out)]
+    job = await start_job(argv, name, state_dir=tmp_path / "state")
+    await wait_for(
+        lambda: len(list(out.glob("rank-*.sum"))) == RANKS, "the ranks to fill their memory", 120
+    )
+    return job, out
+
+
+async def _verify(out: Path, gen: int) -> None:
+    """Every rank hashes its memory again: it must equal the hash from before the dump."""
+    (out / f"verify-{gen}").touch()
+    await wait_for(
+        lambda: all((out / f"rank-{i}.sum-{gen}").exists() for i in range(RANKS)),
+        f"the ranks to answer verify-{gen}",
+        60,
+    )
+    for i in range(RANKS):
+        before = (out / f"rank-{i}.sum").read_text()
+        after = (out / f"rank-{i}.sum-{gen}").read_text()
+        assert after == before, f"rank {i}: memory differs after the checkpoint"
+
+
+def _writes(log: Path) -> dict[int, tuple[float, float]]:
+    """(start, end) of every task's page writer, from CRIU's dump log."""
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    for line in log.read_text(errors="replace").splitlines():
+        if m := _START.match(line):
+            start[int(m.group(2))] = float(m.group(1))
+        elif m := _END.match(line):
+            end[int(m.group(2))] = float(m.group(1))
+    assert set(start) == set(end), f"writers started {sorted(start)}, ended {sorted(end)}"
+    return {pid: (start[pid], end[pid]) for pid in start}
+
+
+def _assert_ranks_overlapped(log: Path) -> None:
+    writes = _writes(log)
+    # the tree is dumped parents first: the ranks are the last RANKS tasks
+    ranks = sorted(writes.values())[-RANKS:]
+    assert len(ranks) == RANKS, writes
+    # a rank's pages were still being written when the next rank's writer started (on a
+    # loaded 2-core machine the later ranks' parasites may take longer than a write)
+    overlapped = any(ranks[i + 1][0] < ranks[i][1] for i in range(RANKS - 1))
+    assert overlapped, f"the ranks' pages were written one after another: {ranks}"
+
+
+def _assert_prefaulted(log: Path) -> None:
+    text = log.read_text(errors="replace")
+    assert len(re.findall(r"Prefaulting \d+ MiB", text)) >= RANKS, "no rank was prefaulted"
+    assert "Prefault stopped early" not in text
+
+
+async def _kill(*pids: int) -> None:
+    for pid in pids:
+        if proctree.alive(pid):
+            proctree.signal_all([pid], 9)
+            await wait_for(lambda p=pid: not proctree.alive(p), "the job to die", 30)
+
+
+async def test_ranks_dumped_in_parallel_restore_byte_identical(
+    parallel_criu: Criu, settings: CheckpointSettings, tmp_path: Path
+) -> None:
+    engine = Engine(parallel_criu, settings=settings)
+    job, out = await _start(tmp_path, "ranks-dir")
+    pids = [job.pid]
+    try:
+        result = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+        _assert_ranks_overlapped(tmp_path / "logs" / "criu-dump.log")
+        restored = await engine.restore(DirectorySource(result.images_dir))
+        pids.append(restored.pid)
+        _assert_prefaulted(tmp_path / "logs" / "criu-restore.log")
+        await _verify(out, 1)
+    finally:
+        await _kill(*pids)
+
+
+async def test_leave_running_dump_in_parallel_keeps_the_job_identical(
+    parallel_criu: Criu, settings: CheckpointSettings, tmp_path: Path
+) -> None:
+    engine = Engine(parallel_criu, settings=settings)
+    job, out = await _start(tmp_path, "ranks-resume")
+    pids = [job.pid]
+    try:
+        result = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.RESUME)
+        _assert_ranks_overlapped(tmp_path / "logs" / "criu-dump.log")
+        await _verify(out, 1)  # the job went on, memory untouched
+        await _kill(job.pid)
+        restored = await engine.restore(DirectorySource(result.images_dir))
+        pids.append(restored.pid)
+        await _verify(out, 2)  # and the image holds the same memory
+    finally:
+        await _kill(*pids)
+
+
+async def test_streamed_ranks_dumped_in_parallel_restore_byte_identical(
+    parallel_criu: Criu, settings: CheckpointSettings, tmp_path: Path
+) -> None:
+    engine = Engine(parallel_criu, settings=settings)
+    job, out = await _start(tmp_path, "ranks-stream")
+    pids = [job.pid]
+    store = f"file://{tmp_path / 'store'}"
+    s = ImageSettings()
+    try:
+        target = StreamTarget(store, work_root=tmp_path / "work", settings=s)
+        await engine.freeze(job, target, Mode.EXIT)
+        assert target.url is not None and target.capture_stats is not None
+        assert target.capture_stats.bytes >= RANKS * MIB << 20
+        _assert_ranks_overlapped(tmp_path / "logs" / "criu-dump.log")
+        source = StreamSource(target.url, settings=s, work_root=tmp_path / "work")
+        pids.append((await engine.restore(source)).pid)
+        assert source.serve_stats is not None
+        assert source.serve_stats.bytes == target.capture_stats.bytes
+        _assert_prefaulted(tmp_path / "logs" / "criu-restore.log")
+        await _verify(out, 1)
+    finally:
+        await _kill(*pids)
+
+
+async def test_the_flag_is_given_only_when_on_and_known(criu_bin: str, tmp_path: Path) -> None:
+    """On with N >= 2 and a CRIU that lists it; off with 0/1; a CRIU without it (Debian's
+    binary, a fake here) is used as it is."""
+    assert await Criu(criu_bin, page_workers=3).page_worker_args() == [PAGE_WORKERS_FLAG, "3"]
+    assert await Criu(criu_bin, page_workers=1).page_worker_args() == []
+    old = tmp_path / "criu"
+    old.write_text("#!/bin/sh\necho 'Version: 4.2.1'\necho '  --stream  dump/restore ...'\n")
+    old.chmod(0o755)
+    assert not has_page_workers(str(old))
+    assert await Criu(str(old), page_workers=8, plugins=None).page_worker_args() == []
+
+
+def test_a_bad_environment_value_is_a_clear_error(
+    criu_bin: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from spotguard.errors import PreflightError
+
+    monkeypatch.setenv("SPOTGUARD_CRIU_PAGE_WORKERS", "many")
+    with pytest.raises(PreflightError, match="SPOTGUARD_CRIU_PAGE_WORKERS='many'"):
+        Criu(criu_bin)
+    monkeypatch.setenv("SPOTGUARD_CRIU_PAGE_WORKERS", "0")
+    assert Criu(criu_bin).page_workers == 0
