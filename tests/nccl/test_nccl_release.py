@@ -62,7 +62,11 @@ async def _running(job: JobInfo) -> None:
 
 
 async def test_communicators_are_released_and_rebuilt_through_pause_exit_and_restore(
-    built: Built, launch_shim: Launch, criu_bin: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+    built: Built,
+    launch_shim: Launch,
+    criu_bin: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     want = _reference(built, tmp_path)
     assert len(want) == STEPS + 1
@@ -70,7 +74,7 @@ async def test_communicators_are_released_and_rebuilt_through_pause_exit_and_res
     out = job.dir / "stdout"
     await wait_for(lambda: len(lines(out)) > 5, "the job's first steps")
     ranks = [p for p in proctree.tree(job.pid) if shim_loaded(p)]
-    assert len(ranks) == RANKS + 1  # the launcher has it loaded too (no communicator)
+    assert len(ranks) == RANKS + 2  # the job's init and the launcher too (no communicator)
     env = read_environ(ranks[-1])
     assert env["LD_PRELOAD"].split()[0] == str(built.shim)
     assert env[ENV_CTL] == str(control_dir("ranks"))
