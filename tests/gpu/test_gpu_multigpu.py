@@ -1,8 +1,10 @@
 """A data-parallel job on every GPU of the node (NCCL, one process per GPU), through the user's
 commands — device machine with 2+ GPUs (``scripts/gpu-tests``; skipped with fewer).
 
-The job is started with ``spotguard run`` (which sets NCCL's checkpointable transports),
-checkpointed leave-running, checkpointed with exit and restored onto its own GPUs, then
+The job is started with ``spotguard run`` with NCCL's default transports (P2P/NVLink and
+shared memory on; NVLink multicast as the machine sets it): spotguard's NCCL shim releases
+every rank's communicators before each freeze and rebuilds them after. It is checkpointed
+leave-running, checkpointed with exit and restored onto its own GPUs, then
 checkpointed with exit again and restored with its GPUs swapped (the image's GPU 0 onto the
 host's GPU 1 and back, ``SPOTGUARD_RESTORE_GPUS``). Its whole output — every rank's loss and
 weight checksum at every step — must equal an uninterrupted run's, byte for byte, and the GPUs
@@ -17,9 +19,10 @@ import time
 from pathlib import Path
 
 import pytest
+from test_gpu_nccl import installed_shim, nccl_step
 from test_gpu_realjobs import JOBS, Spotguard, _free_port, gpu_mib_used, lines, wait
 
-from spotguard.checkpoint import nccl, proctree
+from spotguard.checkpoint import proctree
 from spotguard.checkpoint.cuda import driver_available, inventory
 from spotguard.checkpoint.scan import job_environment
 
@@ -55,9 +58,10 @@ def test_a_ddp_job_on_every_gpu_survives_pause_exit_and_a_swapped_restore(
 ) -> None:
     steps = 260
     argv = [sys.executable, str(JOBS / "ddp_nccl.py"), str(steps), "0.05", str(_free_port())]
-    sg = Spotguard(tmp_path, criu_bin)
-    # the reference runs with the settings `spotguard run` gives the job
-    ref_env = nccl.job_env(job_environment(sg.env))
+    shim = installed_shim()
+    sg = Spotguard(tmp_path, criu_bin, {"SPOTGUARD_NCCL_SHIM": str(shim)})
+    # the reference runs with NCCL's own transport choices, as the protected job does
+    ref_env = job_environment(sg.env)
     try:
         ref = subprocess.run(argv, env=ref_env, capture_output=True, text=True, timeout=600,
                              check=False)  # fmt: skip
@@ -74,13 +78,17 @@ def test_a_ddp_job_on_every_gpu_survives_pause_exit_and_a_swapped_restore(
             paused = sg("checkpoint", "ddp", "--to", str(sg.root / "img-pause"), "--leave-running")
             # every rank, and the launcher if it initialised CUDA (mp.spawn's parent does)
             assert len(paused["gpu_pids"]) >= gpus, paused["gpu_pids"]
+            assert nccl_step(paused, "nccl_release") >= gpus, paused["timeline"]
+            assert nccl_step(paused, "nccl_rebuild") == nccl_step(paused, "nccl_release")
             n = len(lines(out))
             wait(lambda: len(lines(out)) > n + 3, "the job to go on after the pause")
 
             parked = sg("checkpoint", "ddp", "--to", str(sg.root / "img-park"))
             wait(lambda: not proctree.alive(job["pid"]), "the job to stop")
             assert gpu_mib_used() == 0, "GPU memory still held while parked"
+            assert nccl_step(parked, "nccl_release") >= gpus
             restored = sg("restore", str(sg.root / "img-park"))
+            assert nccl_step(restored, "nccl_rebuild") >= gpus
             n = len(lines(out))
             wait(lambda: len(lines(out)) > n + 3, "the restored job to go on")
             same = _gpu_of(proctree.tree(restored["pid"]))
@@ -92,6 +100,7 @@ def test_a_ddp_job_on_every_gpu_survives_pause_exit_and_a_swapped_restore(
             order = ",".join(str(i) for i in reversed(range(gpus)))
             sg.env["SPOTGUARD_RESTORE_GPUS"] = order
             swapped = sg("restore", str(sg.root / "img-swap"))
+            assert nccl_step(swapped, "nccl_rebuild") >= gpus
             del sg.env["SPOTGUARD_RESTORE_GPUS"]
             n = len(lines(out))
             wait(lambda: len(lines(out)) > n + 2, "the swapped job to go on")
