@@ -10,7 +10,9 @@ pages were still being written when the next rank's writer started.
 from __future__ import annotations
 
 import re
+import signal
 import sys
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -102,11 +104,15 @@ def _assert_prefaulted(log: Path) -> None:
     assert "Prefault stopped early" not in text
 
 
+def _dead(pid: int) -> bool:
+    return not proctree.alive(pid)
+
+
 async def _kill(*pids: int) -> None:
     for pid in pids:
         if proctree.alive(pid):
-            proctree.signal_all([pid], 9)
-            await wait_for(lambda p=pid: not proctree.alive(p), "the job to die", 30)
+            proctree.signal_all([pid], signal.SIGKILL)
+            await wait_for(partial(_dead, pid), "the job to die", 30)
 
 
 async def test_ranks_dumped_in_parallel_restore_byte_identical(

@@ -1,0 +1,194 @@
+"""N-rank stand-in: a launcher with N exec'd ranks, each holding GiB of CPU memory, frozen to a
+file store (streamed), restored, and paused in leave-running mode; with CRIU's
+``--page-workers`` (packaging/criu-patches) and without it.
+
+What CRIU sees on an N-GPU node once the driver has moved each rank's GPU memory into host
+memory (bench/ranks_job.py: half random, half zero pages, distinct per rank). For every N:
+
+1. leave-running freeze (``Mode.RESUME``): the pause is how long CRIU held the job frozen
+   (the ``criu_dump`` step); the job's memory is then checked unchanged;
+2. exit freeze (``Mode.EXIT``): seconds from the freeze call until the image is durable;
+3. restore from the store (``StreamSource``): seconds until the job runs; every rank's memory
+   checked byte-identical (SHA-1 before the freeze == after the restore).
+
+The table gives each figure, its ratio to N=1 of the same mode and PASS/FAIL against issue 25's
+target (N <= 1.5 x N=1, for every N > 1 of the parallel mode). The store goes under ``--store``
+(default /dev/shm: tmpfs, as measured in the issue), a fresh directory per run.
+
+    python -m bench.ranks --gib 0.25 --ranks 1 2                  # a 2-core machine
+    python -m bench.ranks --gib 4 --ranks 1 4 8 --json out.jsonl  # the 16-core GPU machine
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import shutil
+import signal
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.criu import Criu, has_page_workers
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import JobInfo, start_job
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.image import ImageSettings
+from spotguard.stream import StreamSource, StreamTarget
+
+JOB = Path(__file__).resolve().parent / "ranks_job.py"
+TARGET_RATIO = 1.5
+FIGURES = ("durable_s", "restore_s", "pause_s")
+
+
+async def _wait(cond: Any, what: str, limit: float) -> None:
+    end = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > end:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+async def _verify(out: Path, ranks: int, gen: int) -> bool:
+    (out / f"verify-{gen}").touch()
+    await _wait(
+        lambda: all((out / f"rank-{i}.sum-{gen}").exists() for i in range(ranks)),
+        f"verify-{gen}",
+        600,
+    )
+    return all(
+        (out / f"rank-{i}.sum").read_text() == (out / f"rank-{i}.sum-{gen}").read_text()
+        for i in range(ranks)
+    )
+
+
+def _kill(pid: int) -> None:
+    with contextlib.suppress(Exception):
+        if proctree.alive(pid):
+            proctree.signal_all([pid], signal.SIGKILL)
+
+
+async def one_run(
+    ranks: int, gib: float, workers: int, store_root: Path, work: Path, criu: str | None
+) -> dict[str, Any]:
+    """One job of ``ranks`` ranks: pause (leave-running), durable (exit), restore."""
+    mib = int(gib * 1024)
+    out = work / "out"
+    argv = [sys.executable, str(JOB), "launcher", "--ranks", str(ranks), "--mib", str(mib)]
+    job: JobInfo = await start_job([*argv, "--out", str(out)], f"ranks-{ranks}", state_dir=work)
+    pids = [job.pid]
+    settings = CheckpointSettings(state_dir=work / "state", criu_timeout=900)
+    engine = Engine(Criu(criu, page_workers=workers), settings=settings)
+    image = ImageSettings()
+    row: dict[str, Any] = {"ranks": ranks, "gib": gib, "page_workers": workers}
+    stores = [store_root / f"sg-ranks-{uuid.uuid4().hex[:8]}" for _ in range(2)]
+    try:
+        await _wait(lambda: len(list(out.glob("rank-*.sum"))) == ranks, "the ranks", 1200)
+        resumed = await engine.freeze(
+            job, StreamTarget(f"file://{stores[0]}", work_root=work, settings=image), Mode.RESUME
+        )
+        row["pause_s"] = resumed.timeline.seconds("criu_dump")
+        row["identical_after_pause"] = await _verify(out, ranks, 1)
+        shutil.rmtree(stores[0], ignore_errors=True)
+
+        target = StreamTarget(f"file://{stores[1]}", work_root=work, settings=image)
+        t0 = time.monotonic()
+        await engine.freeze(job, target, Mode.EXIT)
+        row["durable_s"] = time.monotonic() - t0
+        assert target.url is not None
+        if target.capture_stats is not None:
+            row["bytes"] = target.capture_stats.bytes
+        t0 = time.monotonic()
+        restored = await engine.restore(
+            StreamSource(target.url, settings=image, work_root=work), state_dir=work / "state"
+        )
+        row["restore_s"] = time.monotonic() - t0
+        pids.append(restored.pid)
+        row["identical_after_restore"] = await _verify(out, ranks, 2)
+    finally:
+        for pid in pids:
+            _kill(pid)
+        for s in stores:
+            shutil.rmtree(s, ignore_errors=True)
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    """Markdown table: figures, ratio to N=1 of the same mode, PASS/FAIL for parallel N>1."""
+    base = {(r["page_workers"] > 1, f): r.get(f) for r in rows if r["ranks"] == 1 for f in FIGURES}
+    lines = [
+        "| mode | N | GiB/rank | durable s | restore s | pause s | ratio to N=1 (d/r/p) | "
+        "identical | target N <= 1.5 x N=1 |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        par = r["page_workers"] > 1
+        ratios = []
+        for f in FIGURES:
+            b = base.get((par, f))
+            ratios.append(r[f] / b if b and r.get(f) is not None else None)
+        ok = r.get("identical_after_pause") and r.get("identical_after_restore")
+        if r["ranks"] == 1 or not par:
+            verdict = "—"
+        else:
+            verdict = "PASS" if all(x is not None and x <= TARGET_RATIO for x in ratios) else "FAIL"
+        mode = f"parallel ({r['page_workers']})" if par else "serial"
+        lines.append(
+            f"| {mode} | {r['ranks']} | {r['gib']:g} | {r['durable_s']:.2f} | "
+            f"{r['restore_s']:.2f} | {r['pause_s']:.2f} | "
+            + "/".join("-" if x is None else f"{x:.2f}" for x in ratios)
+            + f" | {'yes' if ok else 'NO'} | {verdict} |"
+        )
+    return "\n".join(lines)
+
+
+async def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--gib", type=float, default=0.25, help="GiB of memory per rank")
+    p.add_argument("--ranks", type=int, nargs="+", default=[1, 2], help="values of N")
+    p.add_argument("--store", type=Path, default=Path("/dev/shm"), help="store parent dir")
+    p.add_argument("--criu", default=None, help="criu binary (default: as spotguard finds it)")
+    p.add_argument(
+        "--workers", type=int, default=0, help="--page-workers N (default: the machine's CPUs)"
+    )
+    p.add_argument(
+        "--modes", nargs="+", choices=["serial", "parallel"], default=["serial", "parallel"]
+    )
+    p.add_argument("--json", type=Path, help="append one JSON line per run")
+    a = p.parse_args()
+    probe = Criu(a.criu, page_workers=a.workers or None)
+    workers = max(probe.page_workers, 2)
+    if "parallel" in a.modes and not has_page_workers(probe.path):
+        print(f"{probe.path} has no --page-workers: scripts/install-criu builds it", flush=True)
+        a.modes = [m for m in a.modes if m != "parallel"]
+    print(f"criu {probe.path} ({await probe.version()}), page workers {workers}", flush=True)
+    rows: list[dict[str, Any]] = []
+    failed = False
+    for mode in a.modes:
+        for n in sorted(a.ranks):
+            with tempfile.TemporaryDirectory(prefix="sg-ranks-") as tmp:
+                w = workers if mode == "parallel" else 0
+                try:
+                    row = await one_run(n, a.gib, w, a.store, Path(tmp), probe.path)
+                except Exception as exc:  # noqa: BLE001 - reported per row, the others go on
+                    print(f"{mode} N={n}: failed: {exc}", flush=True)
+                    failed = True
+                    continue
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            if a.json:
+                with a.json.open("a") as f:
+                    f.write(json.dumps({"bench": "ranks", **row}) + "\n")
+    print(table(rows), flush=True)
+    bad = any(not (r["identical_after_pause"] and r["identical_after_restore"]) for r in rows)
+    return 1 if failed or bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(asyncio.run(main()))
