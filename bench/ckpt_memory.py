@@ -8,12 +8,17 @@ pages — transparent or shmem — and flags), the time of the checkpoint and of
 the job's page faults over each (``/proc/PID/stat``: minor faults, over all its threads).
 
     python -m bench.ckpt_memory --gib 4          # on a GPU machine, as root
+    python -m bench.ckpt_memory --gib 40 --preload /tmp/hostmem_prefault.so
+
+``--preload`` starts the job with that library preloaded (the prefault experiment:
+bench/hostmem_prefault.c), ``--trace`` asks it for one line per large mapping.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import subprocess
 import sys
 import time
@@ -65,13 +70,22 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--gib", type=float, default=4.0)
     ap.add_argument("--top", type=int, default=6)
+    ap.add_argument("--preload", default="", help="library preloaded into the job")
+    ap.add_argument("--trace", action="store_true", help="SPOTGUARD_HOSTMEM_TRACE=1")
     args = ap.parse_args()
     w = warm()
     if not w.driver:
         print(f"no GPU checkpoint API: {w.reason}", file=sys.stderr)
         return 1
     hook = CudaHook()
-    job = subprocess.Popen([sys.executable, "-c", JOB, str(args.gib)], stdout=subprocess.PIPE)
+    env = dict(os.environ)
+    if args.preload:
+        env["LD_PRELOAD"] = args.preload
+    if args.trace:
+        env["SPOTGUARD_HOSTMEM_TRACE"] = "1"
+    job = subprocess.Popen(
+        [sys.executable, "-c", JOB, str(args.gib)], stdout=subprocess.PIPE, env=env
+    )
     try:
         assert job.stdout is not None
         if job.stdout.readline().strip() != b"ready":
@@ -80,7 +94,10 @@ def main() -> int:
         pid = job.pid
         thp = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text().strip()
         shmem = Path("/sys/kernel/mm/transparent_hugepage/shmem_enabled").read_text().strip()
-        print(f"# {args.gib:g} GiB on the GPU; thp {thp}; shmem_enabled {shmem}")
+        print(
+            f"# {args.gib:g} GiB on the GPU; thp {thp}; shmem_enabled {shmem}; "
+            f"preload {args.preload or '-'}"
+        )
         f0 = _faults(pid)
         t0 = time.perf_counter()
         asyncio.run(hook.lock([pid], 10.0))
