@@ -14,6 +14,7 @@ import asyncio
 import json
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -35,7 +36,7 @@ from agent_helpers import (
 from spotguard import operations
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
-from spotguard.checkpoint import proctree
+from spotguard.checkpoint import proctree, seal
 from spotguard.checkpoint.engine import Mode
 from spotguard.checkpoint.jobs import start_job
 from spotguard.checkpoint.meta import ImageMeta
@@ -208,6 +209,11 @@ async def test_staged_image_without_a_record_is_adopted_and_pushed(
         staging={"mode": "tmpfs"},
         timeline=[],
     ).write(staged)
+    # complete images are sealed by this host (an agent killed after its dump left it);
+    # a copy without the seal — planted, or from elsewhere — is never adopted (pushing signs)
+    planted = host.shm / "train-20261123T101700123456Z"
+    shutil.copytree(staged, planted)
+    seal.seal(staged, seal.HostKey.for_state(host.state))
     partial = host.shm / "train-20261123T101600123456Z"  # a dump that never completed
     partial.mkdir()
     (partial / "core-1.img").write_bytes(b"x")
@@ -224,6 +230,7 @@ async def test_staged_image_without_a_record_is_adopted_and_pushed(
     assert await latest_image(store, "train", settings=ImageSettings()) == result.image_url
     assert not staged.exists() and not kept.record.exists()
     assert partial.is_dir() and unrelated.is_dir()  # what it cannot account for stays
+    assert planted.is_dir()
     assert images.scan() == []
 
 
