@@ -11,10 +11,8 @@ Freeze (dump)::
   disk, decided up front, logged, in the result); the freeze preflight (:mod:`.scan`)
   refuses a tree CRIU cannot dump before anything is locked or frozen, and plans the TCP
   options (``--tcp-established``, network lock) from the sockets it holds.
-* ``nccl_release``: processes with spotguard's NCCL shim (``spotguard run``) quiesce and
-  release their NCCL communicators, all ranks at once, so that nothing NCCL shares between
-  processes or GPUs exists when the driver checkpoints (:mod:`.ncclctl`); ``nccl_rebuild``
-  builds them again after the resume, and after a restore. Nothing to do for other jobs.
+* ``nccl_release`` / ``nccl_rebuild``: NCCL communicators of processes with spotguard's shim
+  released (all ranks at once) before the GPU lock, rebuilt after resume/restore (:mod:`.ncclctl`).
 * GPU lock and checkpoint run for every GPU process at once; the driver must release the GPU
   before CRIU freezes the tree (it does its work through a thread of the job itself).
 * ``criu_dump`` freezes and dumps the tree; while it is still frozen, ``capture_files``
@@ -32,8 +30,7 @@ process running the freeze was killed. What a freeze and a restore return is in
 :mod:`.results`.
 
 Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore``
-─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock`` ─► ``nccl_rebuild`` ─►
-``finish``.
+─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock`` ─► ``nccl_rebuild`` ─► finish.
 
 Every step is timed in a :class:`~spotguard.timeline.Timeline`, which goes into the result
 and the image's metadata. Tests inject failures through :class:`Faults` (consulted before
@@ -328,10 +325,10 @@ class Engine:
         tree: Sequence[int],
         gpu_pids: Sequence[int],
         mode: Mode,
-        nccl_touched: bool = True,
+        reopen_nccl: bool = True,
     ) -> None:
         """Make every GPU process running and unlocked again and every process runnable,
-        then (``nccl_touched``) open NCCL's gates and rebuild released communicators."""
+        then (``reopen_nccl``) open NCCL's gates and rebuild released communicators."""
         for pid in gpu_pids:
             if not proctree.alive(pid):
                 continue
@@ -346,7 +343,7 @@ class Engine:
                 log.error("could not bring GPU state back", extra={"pid": pid, "error": str(exc)})
         live = [p for p in tree if proctree.alive(p)]
         proctree.signal_all(live, signal.SIGCONT)
-        if nccl_touched and live:
+        if reopen_nccl and live:
             await self.nccl.bring_back(job.name, live)
 
     async def recover(self, job: JobInfo) -> bool:
@@ -465,8 +462,7 @@ class Engine:
                     await self.gpu.unlock(gpu_pids)
             with tl.step("nccl_rebuild") as rb:
                 await self.faults.before("nccl_rebuild")
-                tree = list(by_ns.values())
-                rb.detail.update((await self.nccl.rebuild(job.name, tree)).to_json())
+                rb.detail.update((await self.nccl.rebuild(job.name, [*by_ns.values()])).to_json())
             with tl.step("finish"):
                 await self.faults.before("finish")
                 job = job.with_pid(pid)
