@@ -48,11 +48,11 @@ from spotguard.notify import Notifier
 from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
 
-from . import discovery, jobspec, parking, startup
+from . import discovery, jobspec, journal, parking, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
 from .dispatch import NoticeHandling
-from .ledger import JobState, Ledger, newest_image, runs_elsewhere, stood_down, stopped_by_us
+from .ledger import Ledger, newest_image, runs_elsewhere, stood_down, stopped_by_us
 from .metrics import AgentMetrics
 from .policy import Policy
 from .pusher import KeptPusher
@@ -320,7 +320,10 @@ class Agent(NoticeHandling):
             # Stopped by an exit whose image still waits for the store: nothing to protect.
             self._worker(info).state = "pushing"
             return
-        if stopped_by_us(self.ledger, info):
+        if stopped_by_us(self.ledger, info) or await journal.report_unrecorded_exit(
+            info, ledger=self.ledger, store=self.store, instance=self.instance.to_json(),
+            settings=self.image_settings, reporter=self.reporter,
+        ):  # fmt: skip
             self._worker(info).state = "exited"
             return
         if parking.parked_away(info, self.checkpoint_settings.state_dir):
@@ -428,28 +431,17 @@ class Agent(NoticeHandling):
         meta: dict[str, Any],
         on_frozen: operations.OnFrozen,
     ) -> operations.CheckpointResult:
-        try:
-            result = await operations.checkpoint(
-                info,
-                self.store,
-                mode=mode,
-                settings=self.checkpoint_settings,
-                image_settings=self.image_settings,
-                planner_settings=self.planner_settings,
-                deadline=deadline,
-                instance=self.instance,
-                meta=meta,
-                on_frozen=on_frozen,
-            )
-        except operations.ImageKept as exc:
-            # The job was stopped and its image is kept here: push it until it lands.
-            self.ledger.put(info.name, info.pid, "pushing")
-            self.pusher.add(exc.kept)
-            raise
-        state: JobState = "exited" if result.mode == "exit" else "protecting"
-        self.ledger.put(
-            info.name, info.pid, state, image_url=result.image_url, image_at=result.frozen_at
-        )
+        with journal.checkpointing(self.ledger, info, mode) as outcome:  # intent, outcome
+            try:
+                result = await operations.checkpoint(
+                    info, self.store, mode=mode, settings=self.checkpoint_settings,
+                    image_settings=self.image_settings, planner_settings=self.planner_settings,
+                    deadline=deadline, instance=self.instance, meta=meta, on_frozen=on_frozen,
+                )  # fmt: skip
+            except operations.ImageKept as exc:  # stopped, image kept here: push it
+                self.pusher.add(exc.kept)
+                raise
+            outcome(result)
         return result
 
     async def _restore(self, image_url: str, job: str) -> operations.RestoreResult:

@@ -27,7 +27,9 @@ from spotguard.image import ImageReader, ImageSettings, latest_image
 
 log = logging.getLogger(__name__)
 
-JobState = Literal["protecting", "exited", "pushing", "stood_down"]
+#: ``exiting`` is an intent, journaled before an exit checkpoint may stop the job: an agent
+#: killed before the outcome (``exited``/``pushing``) finds it, with the job's image
+JobState = Literal["protecting", "exiting", "exited", "pushing", "stood_down"]
 
 
 class JobRecord(BaseModel):
@@ -108,6 +110,53 @@ def stopped_by_us(ledger: Ledger, info: JobInfo) -> bool:
         extra={"step": "protect", "job": info.name, "image": rec.image_url},
     )
     return True
+
+
+async def exit_unrecorded(
+    ledger: Ledger, info: JobInfo, store: str, instance_id: str | None, settings: ImageSettings
+) -> tuple[str | None, float | None] | None:
+    """An exit checkpoint of this very incarnation that stopped the job without the agent
+    recording it (killed the instant the job stopped): the job is dead with no exit status,
+    the record for its pid says ``protecting`` or ``exiting``, and the store's newest image
+    is an exit image of that pid from this instance. Returns (image URL, frozen_at); with
+    an ``exiting`` intent and no such image, (None, None): stopped by us, no image — the
+    controller then falls back to the newest image. None: not stopped by us."""
+    if proctree.alive(info.pid) or exit_status(info) is not None:
+        return None
+    rec = ledger.get(info.name)
+    if rec is None or rec.pid != info.pid or rec.state not in ("protecting", "exiting"):
+        return None
+    none: tuple[str | None, float | None] | None = (None, None) if rec.state == "exiting" else None
+    try:
+        url = await latest_image(store, info.name, settings=settings)
+        if url is None or url == rec.image_url:
+            return none
+        async with ImageReader(url, settings=settings) as reader:
+            meta = reader.manifest.meta
+    except SpotguardError as exc:
+        log.warning(
+            "cannot read the job's newest image", extra={"job": info.name, "error": str(exc)}
+        )
+        return none
+    job, inst = meta.get("job") or {}, meta.get("instance") or {}
+    other = inst.get("instance_id") if isinstance(inst, dict) else None
+    mine = other is None or instance_id is None or other == instance_id
+    if meta.get("mode") != "exit" or not isinstance(job, dict) or job.get("pid") != info.pid:
+        return none
+    if not mine:
+        return none
+    frozen = meta.get("frozen_at")
+    if isinstance(frozen, str):
+        try:
+            frozen = datetime.fromisoformat(frozen).timestamp()
+        except ValueError:
+            frozen = None
+    log.warning(
+        "the job was stopped by this agent's exit checkpoint and the agent stopped before "
+        "recording it; reporting its image",
+        extra={"step": "recover", "job": info.name, "image": url},
+    )
+    return url, float(frozen) if isinstance(frozen, int | float) else None
 
 
 def stood_down(ledger: Ledger, info: JobInfo) -> bool:

@@ -25,6 +25,7 @@ from pydantic import ValidationError
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import RestoreResult
+from spotguard.checkpoint.jobs import JOB_FILE, JobInfo, resolve_job
 from spotguard.contracts import (
     Assignment,
     GpuInfo,
@@ -93,10 +94,27 @@ def _load(dirpath: Path, key: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+def _restored_meanwhile(a: Assignment, rec: dict[str, Any], state_dir: Path) -> JobInfo | None:
+    """The job a restore brought back although its outcome was never recorded: job
+    ``a.job`` runs, and its ``job.json`` was written after the restore's intent was."""
+    started = rec.get("started")
+    try:
+        info = resolve_job(a.job, state_dir=state_dir)
+        written = (info.dir / JOB_FILE).stat().st_mtime
+    except (SpotguardError, OSError):
+        return None
+    if not proctree.alive(info.pid):
+        return None
+    if not isinstance(started, int | float) or written < started - 1.0:
+        return None  # an older incarnation's record, not this restore's
+    return info
+
+
 async def restore_assignment(
     assignment: Assignment,
     *,
     records: Path,
+    state_dir: Path | None = None,
     restore: Callable[[str, str], Awaitable[RestoreResult]],
     reporter: Reporter,
     instance: dict[str, Any],
@@ -104,8 +122,11 @@ async def restore_assignment(
     """Restore ``assignment``'s job unless that already happened; report each step.
 
     ``restore(image_url, job)`` is :func:`spotguard.operations.restore` bound to this host's
-    settings. Returns the running job, or None when the restore failed (reported as
-    RESTORE_FAILED with the error's type) or had failed before.
+    settings. The intent (``restoring``) is recorded before CRIU runs and the outcome after;
+    an agent stopped in between finds the restored job (``state_dir``'s jobs; default: the
+    state dir above ``records``) instead of restoring it twice. Returns the running job, or
+    None when the restore failed (reported as RESTORE_FAILED with the error's type) or had
+    failed before.
     """
     key = _key(assignment)
     rec = _load(records, key)
@@ -132,6 +153,26 @@ async def restore_assignment(
         if state == "restoring" and isinstance(pid, int) and proctree.alive(pid):
             _record(records, key, {**base, "state": "restored", "pid": pid})
             return Restored(assignment.job, pid, assignment.image_url)
+        found = _restored_meanwhile(assignment, rec, state_dir or records.parent.parent)
+        if state == "restoring" and found is not None:
+            # The intent was recorded, the outcome not: the agent was stopped after CRIU
+            # brought the job back. Restoring again would run it twice.
+            log.warning(
+                "the assigned restore had completed when the agent stopped; not restoring again",
+                extra={"step": "restore", "job": assignment.job, "pid": found.pid},
+            )
+            _record(records, key, {**base, "state": "restored", "pid": found.pid})
+            reporter.emit(
+                RestoredEvent(
+                    job=assignment.job,
+                    instance=InstanceInfo.model_validate(instance),
+                    image_url=assignment.image_url,
+                    attempt=assignment.attempt,
+                    pid=found.pid,
+                )
+            )
+            return Restored(assignment.job, found.pid, assignment.image_url)
+    # the intent, journaled before CRIU runs (with the time: what it restores is newer)
     _record(records, key, {**base, "state": "restoring", "started": time.time()})
     where = InstanceInfo.model_validate(instance)
     reporter.emit(

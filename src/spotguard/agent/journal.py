@@ -1,0 +1,79 @@
+"""Every agent step that ends a job's process is journaled before it acts (the intent), then
+its outcome, in the agent's ledger (:mod:`spotguard.agent.ledger`): a restart at any instant
+finds out what happened instead of guessing.
+
+* :func:`checkpointing` — around an agent checkpoint: an exit checkpoint writes ``exiting``
+  before the engine may stop the job; then ``exited`` (image durable), ``pushing`` (image
+  kept on the host) or, when the checkpoint failed and the job runs on, ``protecting``.
+* :func:`report_unrecorded_exit` — at protect time: a dead job that this agent's exit
+  checkpoint stopped while the outcome was never recorded (killed the instant CRIU stopped
+  the job) is reported with its image (``durable`` + ``exited``), so the controller
+  relaunches it, never as finished by itself.
+
+Assignment restores journal the same way (``restoring`` before CRIU, then ``restored``;
+:mod:`spotguard.agent.restore`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from spotguard import operations
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.jobs import JobInfo
+from spotguard.contracts import DurableEvent, ExitedEvent, InstanceInfo
+from spotguard.image import ImageSettings
+
+from .ledger import JobState, Ledger, exit_unrecorded
+from .reporter import Reporter
+
+
+@contextmanager
+def checkpointing(
+    ledger: Ledger, info: JobInfo, mode: str
+) -> Iterator[Callable[[operations.CheckpointResult], None]]:
+    """Journal one checkpoint of ``info``: the intent now, the outcome when the block ends
+    (call the yielded function with the result on success)."""
+    if mode == "exit":
+        ledger.put(info.name, info.pid, "exiting")
+
+    def done(result: operations.CheckpointResult) -> None:
+        state: JobState = "exited" if result.mode == "exit" else "protecting"
+        ledger.put(
+            info.name, info.pid, state, image_url=result.image_url, image_at=result.frozen_at
+        )
+
+    try:
+        yield done
+    except operations.ImageKept:
+        ledger.put(info.name, info.pid, "pushing")  # stopped; its image waits for the store
+        raise
+    except BaseException:
+        if mode == "exit" and proctree.alive(info.pid):
+            ledger.put(info.name, info.pid, "protecting")  # the engine brought it back
+        raise
+
+
+async def report_unrecorded_exit(
+    info: JobInfo,
+    *,
+    ledger: Ledger,
+    store: str,
+    instance: dict[str, Any],
+    settings: ImageSettings,
+    reporter: Reporter,
+) -> bool:
+    """Whether ``info`` was stopped by an exit checkpoint whose outcome was never recorded;
+    if so, record it and report its image (see the module doc)."""
+    where = InstanceInfo.model_validate(instance)
+    found = await exit_unrecorded(ledger, info, store, where.instance_id, settings)
+    if found is None:
+        return False
+    url, frozen_at = found
+    ledger.put(info.name, info.pid, "exited", image_url=url, image_at=frozen_at)
+    if url is not None:
+        reporter.emit(DurableEvent(job=info.name, instance=where, image_url=url, mode="exit"))
+    reporter.emit(ExitedEvent(job=info.name, instance=where, image_url=url))
+    return True

@@ -1,0 +1,125 @@
+"""The agent killed at the worst instants (issue 31, items 3 and 4), with real CRIU, real jobs
+and a real ``file://`` store. Each test builds, with the same operations the agent runs, the
+exact state such a kill leaves on the host, then starts the agent again:
+
+* killed the instant its exit checkpoint stopped the job, before its own record said so: the
+  image is committed in the store, the job is dead with no exit status, the agent's record
+  still says ``protecting``. The old agent reported "the job runs on", then ``job_finished``:
+  the controller marked the job FINISHED with a complete exit image unused. Now the image is
+  reported (``durable`` + ``exited``) so the controller relaunches the job.
+* killed between an assignment's restore and its ``restored`` record: the record says
+  ``restoring`` (the intent) and the restored job runs. The old agent restored a second
+  time — two copies running, both appending to the job's output. Now it finds the restored
+  job and reports it ``restored`` once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+from agent_helpers import EventSink, Host, job_argv, running_agent, wait_until
+
+from spotguard import operations
+from spotguard.agent.restore import _key, _record
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.jobs import resolve_job, start_job
+from spotguard.contracts import Assignment
+from spotguard.image import ImageSettings
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(180)]
+
+STEPS = "4007"  # a step count no other test uses: finds this job's processes in /proc
+LONG_JOB = job_argv("--steps", STEPS, "--step-seconds", "0.05", "--mb", "4", "--gpu", "no")
+
+
+def _copies() -> list[int]:
+    """Pids of every running copy of the sample job with our step count."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            argv = (Path("/proc") / entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if b"spotguard.demo.job" in argv and STEPS.encode() in argv:
+            found.append(int(entry))
+    return found
+
+
+async def test_agent_killed_when_its_exit_checkpoint_stopped_the_job_reports_the_image(
+    host: Host, sink: EventSink, tmp_path: Path
+) -> None:
+    store = f"file://{tmp_path}/store"
+    job = await start_job(LONG_JOB, "train", state_dir=host.state)
+    try:
+        async with running_agent(host, sink, cloud="none", job=["train"], store=store):
+            await wait_until(lambda: "started" in sink.kinds("train"), 30)
+        # What the killed agent's checkpoint did before it could write its record:
+        result = await operations.checkpoint(
+            job, store, mode="exit", settings=host.checkpoint_settings(),
+            image_settings=ImageSettings(),
+        )  # fmt: skip
+        assert not proctree.alive(job.pid)
+        sink.events.clear()
+        async with running_agent(host, sink, cloud="none", job=["train"], store=store) as agent:
+            await wait_until(lambda: "exited" in sink.kinds("train"), 30)
+            await asyncio.sleep(2.5)  # more than the liveness check's period
+            assert agent.workers["train"].state == "exited"
+        kinds = sink.kinds("train")
+        assert "job_finished" not in kinds and "started" not in kinds, kinds
+        durable = next(e for e in sink.events if e["kind"] == "durable")
+        exited = next(e for e in sink.events if e["kind"] == "exited")
+        assert durable["image_url"] == exited["image_url"] == result.image_url
+        assert durable["mode"] == "exit"
+    finally:
+        if proctree.alive(job.pid):
+            os.kill(job.pid, signal.SIGKILL)
+
+
+async def test_agent_killed_between_a_restore_and_its_record_does_not_restore_twice(
+    host: Host, sink: EventSink, tmp_path: Path
+) -> None:
+    store = f"file://{tmp_path}/store"
+    job = await start_job(LONG_JOB, "train", state_dir=host.state)
+    restored = 0
+    try:
+        image = await operations.checkpoint(
+            job, store, mode="exit", settings=host.checkpoint_settings(),
+            image_settings=ImageSettings(),
+        )  # fmt: skip
+        assert not proctree.alive(job.pid)
+        a = Assignment(job="train", image_url=image.image_url, store=store, controller_url=sink.url)
+        path = tmp_path / "assignment.json"
+        path.write_text(a.user_data())
+        records = host.state / "agent" / "assignments"
+        # What the killed agent had done: its intent recorded, then the restore itself.
+        base = {"job": a.job, "image_url": a.image_url, "attempt": a.attempt}
+        _record(records, _key(a), {**base, "state": "restoring", "started": time.time()})
+        done = await operations.restore(
+            a.image_url, settings=host.checkpoint_settings(), image_settings=ImageSettings(),
+            job_name="train",
+        )  # fmt: skip
+        restored = done.pid
+        assert _copies() and proctree.alive(restored)
+        before = sorted(_copies())
+        async with running_agent(
+            host, sink, cloud="none", store=store, assignment=path
+        ) as agent:  # fmt: skip
+            await wait_until(lambda: "restored" in sink.kinds("train"), 60)
+            await asyncio.sleep(2.0)
+            assert sorted(_copies()) == before, "the job was restored a second time"
+            assert agent.workers["train"].pid == restored
+        [event] = [e for e in sink.events if e["kind"] == "restored"]
+        assert event["pid"] == restored
+        assert "restoring" not in sink.kinds("train")  # no second attempt began
+        assert resolve_job("train", state_dir=host.state).pid == restored
+    finally:
+        for pid in (job.pid, restored, *_copies()):
+            if pid and proctree.alive(pid):
+                os.kill(pid, signal.SIGKILL)
