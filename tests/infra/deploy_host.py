@@ -344,7 +344,7 @@ def main(work: Path, mode: str) -> dict[str, Any]:
         wait_http(f"{sim_url}/latest/meta-data/instance-id", None, sim)
         agent = start_agent(work, sim_url, endpoint)
         status: dict[str, Any] = {}
-        for _ in range(150):
+        for _ in range(300):
             out = subprocess.run(
                 [str(BIN / "spotguard"), "status", "--json"], capture_output=True, text=True
             )
@@ -358,7 +358,7 @@ def main(work: Path, mode: str) -> dict[str, Any]:
         sh(str(BIN / "spotguard"), "notice", "--sim", sim_url, "send", "--cloud", "aws",
            "--kind", "rebalance")  # fmt: skip
         job: dict[str, Any] = {}
-        for _ in range(300):
+        for _ in range(600):  # up to 2 minutes on a loaded host
             try:
                 job = admin_get(f"{url}/v1/jobs/{JOB}", ctx)
             except OSError:

@@ -72,6 +72,7 @@ def test_the_documented_aws_deploy_runs_a_controller_and_an_agent(
 
     # the agent protects the job the first boot started with `spotguard run`
     jobs = {j["job"]: j for j in report["status"].get("jobs", [])}
+    assert "train-llm" in jobs, json.dumps(report, indent=1)[-6000:]
     assert jobs["train-llm"]["state"] == "protecting", report["status"]
     assert report["status"]["agent"]["controller"] == f"{scheme}://127.0.0.1:8700/v1/events"
 
@@ -81,4 +82,5 @@ def test_the_documented_aws_deploy_runs_a_controller_and_an_agent(
     assert job.get("name") == "train-llm", json.dumps(report, indent=1)[-6000:]
     assert job.get("image_url", "").startswith("s3://"), job
     assert job["state"] == "protected" and job["owner"]["epoch"] == 0, job
-    assert not [r for r in ctl if r.get("level") == "error"], report["controller_log"][-3000:]
+    errors = [r for r in ctl if r.get("level") == "error"]
+    assert not errors, json.dumps(errors, indent=1)[-3000:]
