@@ -10,8 +10,13 @@ the record; the engine decides when.
 
 Format (JSON, written atomically)::
 
-    {"op": "freeze", "mode": "exit", "agent_pid": 812, "job_pid": 4410,
-     "started": "2025-05-01T12:00:00+00:00", "gpu_pids": [4412], "tree": [4410, 4412]}
+    {"op": "freeze", "mode": "exit", "agent_pid": 812, "agent_start": 1534822,
+     "job_pid": 4410, "started": "2025-05-01T12:00:00+00:00", "gpu_pids": [4412],
+     "tree": [4410, 4412]}
+
+``agent_start`` is the writer's start time (clock ticks after boot, ``/proc/PID/stat``): with
+``agent_pid`` the writer's identity, so a marker whose writer died and whose pid was given to
+another process is recognised as stale, not as a freeze still in progress.
 """
 
 from __future__ import annotations
@@ -25,8 +30,8 @@ from typing import Any
 
 from spotguard.errors import JobError
 
-from . import proctree
 from .jobs import JobInfo
+from .procfacts import same_process, start_time
 
 MARKER = "operation.json"
 
@@ -46,11 +51,13 @@ class MarkerRecord:
     gpu_pids: list[int] = field(default_factory=list)
     tree: list[int] = field(default_factory=list)
     op: str = "freeze"
+    agent_start: int | None = None  # the writer's start time (its identity with the pid)
 
     @classmethod
     def from_json(cls, data: dict[str, Any], job: JobInfo) -> MarkerRecord:
         """Lenient: a field a marker lacks takes the value a bring-back can still use."""
         agent = data.get("agent_pid")
+        agent_start = data.get("agent_start")
         return cls(
             mode=str(data.get("mode", "resume")),
             agent_pid=agent if isinstance(agent, int) else None,
@@ -59,14 +66,15 @@ class MarkerRecord:
             gpu_pids=_ints(data.get("gpu_pids"), []),
             tree=_ints(data.get("tree"), [job.pid]),
             op=str(data.get("op", "freeze")),
+            agent_start=agent_start if isinstance(agent_start, int) else None,
         )
 
     def running_elsewhere(self) -> int | None:
         """The pid of another live process that wrote this marker (its freeze still runs)."""
         other = self.agent_pid
-        if other is not None and other != os.getpid() and proctree.alive(other):
-            return other
-        return None
+        if other is None or other == os.getpid():
+            return None
+        return other if same_process(other, self.agent_start) else None
 
 
 class FreezeMarker:
@@ -90,6 +98,7 @@ class FreezeMarker:
                 started=datetime.now(UTC).isoformat(),
                 gpu_pids=[],
                 tree=[self.job.pid],
+                agent_start=start_time("self"),
             )
         )
 

@@ -222,6 +222,24 @@ def _proc_facts(
     )
 
 
+def start_time(pid: int | str) -> int | None:
+    """When ``pid`` started, in clock ticks after boot (``/proc/PID/stat`` field 22): with
+    the pid, a process's identity — a pid given to another process after the first one
+    ended has another start time. None when the process is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def same_process(pid: int, started: int | None) -> bool:
+    """Whether ``pid`` is alive and is the process that had start time ``started`` (a
+    record without a start time, written by an older spotguard: alive is all we know)."""
+    now = start_time(pid)
+    return now is not None and proctree.alive(pid) and (started is None or now == started)
+
+
 def live_tree(root: int) -> tuple[list[int], list[int]]:
     """``root``'s tree as (host pids, pids in their own namespace), root first, leaving out
     the processes that exit while it is read — a job that forks short-lived children (a
