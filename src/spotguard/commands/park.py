@@ -245,8 +245,7 @@ def park_wake(ctx: click.Context, /, job: str, **flags: Any) -> None:
             park_settings=c.ps,
             store=_store_path(c, job),
             gpu_free=gpu.free_bytes,
-            wait_lock=False,
-        )
+        )  # waits for an unpark under way, then finds the job running: see wake.serve
 
     if rec.place == "memory":
         from spotguard.checkpoint import proctree
@@ -256,7 +255,11 @@ def park_wake(ctx: click.Context, /, job: str, **flags: Any) -> None:
 
         asyncio.run(wake.serve_in_place(tree, wake_job, ready=ready))
     else:
-        asyncio.run(wake.serve(addrs, wake_job, ready=ready))
+
+        def parked() -> bool:
+            return record.load(c.cs.state_dir, job) is not None
+
+        asyncio.run(wake.serve(addrs, wake_job, parked=parked, ready=ready))
 
 
 def parked_rows(state_dir: Path) -> list[dict[str, Any]]:

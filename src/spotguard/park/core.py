@@ -24,6 +24,7 @@ missing.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import errno
 import logging
 import os
@@ -266,12 +267,19 @@ def _holder(addr: sockets.Address) -> str:
     return ""
 
 
-def check_ports_free(rec: ParkRecord) -> None:
-    """Every address the job listened on can be bound again, or :class:`ParkError`."""
+def check_ports_free(rec: ParkRecord, *, held_by_waker: bool = False) -> None:
+    """Every address the job listened on can be bound again, or :class:`ParkError`.
+
+    ``held_by_waker``: the job's wake-on-connect listener holds the ports (root's sockets,
+    ``SO_REUSEPORT``; :mod:`.wake`): the probe sets ``SO_REUSEPORT`` too, as CRIU does when
+    it binds the job's socket, so it passes beside the listener and fails on any other
+    holder — another user's socket, or one of root's without ``SO_REUSEPORT``."""
     for la in rec.listen:
         addr = la.address()
         with socket.socket(sockets.family_of(addr), socket.SOCK_STREAM) as s:
             s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if held_by_waker:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
             try:
                 s.bind((addr.host, addr.port))
             except OSError as exc:
@@ -333,20 +341,24 @@ def place_gpus(rec: ParkRecord, host: Callable[[], list[gpu.Device]]) -> list[st
     return chosen
 
 
-def stop_waker(rec: ParkRecord, *, timeout: float = 10.0) -> None:
-    """Stop the job's wake-on-connect listener (it releases the ports) unless it is us."""
+def _waker_alive(rec: ParkRecord) -> bool:
+    """Whether the job's wake-on-connect listener runs (it holds the job's ports), us
+    included."""
+    return rec.waker_pid is not None and (
+        rec.waker_pid == os.getpid() or proctree.alive(rec.waker_pid)
+    )
+
+
+def stop_waker(rec: ParkRecord) -> None:
+    """Tell the job's wake-on-connect listener that the job runs again (SIGTERM), unless it
+    is us. Sent once the restored job listens beside it (:mod:`.wake`): it then hands the
+    clients it accepted to the job, lets go of the ports and exits on its own — not waited
+    for, as it may be relaying a long connection."""
     pid = rec.waker_pid
     if pid is None or pid == os.getpid() or not proctree.alive(pid):
         return
-    try:
+    with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while proctree.alive(pid) and time.monotonic() < deadline:
-        time.sleep(0.02)
-    if proctree.alive(pid):
-        raise ParkError(f"the wake-on-connect listener of {rec.job!r} (pid {pid}) did not stop")
 
 
 @dataclass(frozen=True)
@@ -390,6 +402,38 @@ async def _refuse_if_owned_elsewhere(rec: ParkRecord, store: StorePath, state: P
     )
 
 
+async def _bring_back(
+    rec: ParkRecord,
+    engine: Engine,
+    settings: CheckpointSettings,
+    park_settings: ParkSettings,
+    store: StorePath | None,
+    remap: dict[str, str] | None,
+) -> int:
+    """Resume or restore the job from wherever it is parked; the running job's pid."""
+    job, state = rec.job, settings.state_dir
+    if rec.place == "memory":
+        return await _resume_in_place(rec, engine, settings, remap)
+    if rec.place == "store":
+        if store is None:
+            raise ParkError("unparking from a store URL needs the store settings")
+        await _refuse_if_owned_elsewhere(rec, store, state)
+        return await store.restore(rec.location)
+    d = Path(rec.location)
+    if d != _image_dir(rec.place, job, settings, park_settings):
+        raise ParkError(
+            f"the park record of {job!r} names {d}, not this host's park directory "
+            "for it; refusing to restore from there"
+        )
+    _private_base(d)
+    if not (d / META_NAME).is_file():
+        raise ParkError(f"the parked state of {job!r} is missing at {d}")
+    source = DirectorySource(d, key=seal.HostKey.for_state(state))
+    result = await engine.restore(source, state_dir=state)
+    await asyncio.to_thread(shutil.rmtree, d, True)
+    return result.pid
+
+
 async def unpark(
     job: str,
     *,
@@ -403,17 +447,20 @@ async def unpark(
 ) -> Unparked:
     """Restore a parked job on this node; its record and local image go once it runs.
 
-    ``wait_lock=False`` refuses at once when another park/unpark of the job is under way
-    (the wake-on-connect listener uses it: the unpark that holds the lock is stopping it).
+    ``wait_lock=False`` refuses at once when another park/unpark of the job is under way.
+    A wake-on-connect listener of the job keeps holding its ports through the restore and is
+    told to go only once the job runs (:mod:`.wake`): there is no moment when the port is
+    free for another user to bind.
     """
     state = settings.state_dir
     async with record.alocked(state, job, wait=wait_lock):
         rec = record.load(state, job) or find_unrecorded(job, settings, park_settings)
         if rec is None:
             raise ParkError(f"job {job!r} is not parked")
-        await asyncio.to_thread(stop_waker, rec)
+        # a wake-on-connect listener keeps the ports until the restored job holds them (no
+        # gap another user could bind in); it is told to go once the job runs
         if rec.place != "memory":  # suspended in place, the job still holds its ports
-            check_ports_free(rec)
+            check_ports_free(rec, held_by_waker=_waker_alive(rec))
         chosen = place_gpus(rec, gpu_devices)
         if chosen is None:
             check_gpu_room(rec, gpu_free)
@@ -424,28 +471,14 @@ async def unpark(
                 s2 = settings.model_copy(update={"restore_gpus": ",".join(chosen)})
                 engine = Engine(engine.criu, engine.gpu, settings=s2)
         started = time.monotonic()
-        if rec.place == "memory":
-            pid = await _resume_in_place(rec, engine, settings, remap)
-        elif rec.place == "store":
-            if store is None:
-                raise ParkError("unparking from a store URL needs the store settings")
-            await _refuse_if_owned_elsewhere(rec, store, state)
-            pid = await store.restore(rec.location)
-        else:
-            d = Path(rec.location)
-            if d != _image_dir(rec.place, job, settings, park_settings):
-                raise ParkError(
-                    f"the park record of {job!r} names {d}, not this host's park directory "
-                    "for it; refusing to restore from there"
-                )
-            _private_base(d)
-            if not (d / META_NAME).is_file():
-                raise ParkError(f"the parked state of {job!r} is missing at {d}")
-            source = DirectorySource(d, key=seal.HostKey.for_state(state))
-            result = await engine.restore(source, state_dir=state)
-            pid = result.pid
-            await asyncio.to_thread(shutil.rmtree, d, True)
+        try:
+            pid = await _bring_back(rec, engine, settings, park_settings, store, remap)
+        except BaseException:
+            if record.load(state, job) is None:  # the record was dropped: not parked here
+                stop_waker(rec)
+            raise
         record.remove(state, job)
+        stop_waker(rec)
     done = Unparked(job, pid, rec.place, rec.location, round(time.monotonic() - started, 3))
     log.info(
         "job unparked",

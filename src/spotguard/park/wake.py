@@ -5,27 +5,51 @@ queues and wakes the job when a client waits; the job then accepts it itself.
 
 A job parked as an image has no sockets any more. A listener process (``spotguard park-wake
 JOB``, started detached by ``park --wake-on-connect``) binds every TCP address the job had.
-When a client connects, it accepts every connection waiting, closes its listeners (the
-restored job binds the same ports), unparks the job and then relays each held connection to
-the job, byte for byte, until either side closes. The client sees a slower first answer,
-not a refused connection. Later clients reach the job directly.
+When a client connects, it unparks the job **while still holding the ports**, and only once
+the restored job listens does it let go of them and relay each connection it accepted to the
+job, byte for byte, until either side closes. Later clients reach the job directly.
 
-The one gap: a connection that arrives after the listeners close and before CRIU has
-re-created the job's listening socket (early in the restore, before memory is loaded) is
-refused. CRIU cannot hand an inet socket to a restored process (``--inherit-fd`` covers
-pipes, files and unix sockets), so the listener cannot simply pass its socket on.
+Holding the port through the restore (no gap another local user could bind in): CRIU 4.2
+cannot hand an inet socket to a restored process (``--inherit-fd`` is honoured only for
+files, pipes, unix sockets, memfds and ttys: ``criu/sk-inet.c``'s file ops have no ``name``
+and ``open_inet_sk`` never looks the inherited fds up), so the listener cannot pass its
+socket on. Instead it relies on the kernel's ``SO_REUSEPORT`` rules:
+
+* its sockets are root's and bound with ``SO_REUSEPORT``; CRIU, which runs as root, creates
+  the job's socket before it restores the job's credentials and sets ``SO_REUSEADDR`` and
+  ``SO_REUSEPORT`` on every inet socket before binding it (``open_inet_sk``; the job's own
+  values come back once all are bound). So CRIU's bind succeeds beside ours, and its
+  ``listen`` joins our reuseport group;
+* the kernel lets a socket share a port only with sockets of the same owner that all set
+  ``SO_REUSEPORT`` (``inet_bind_conflict``): any bind by another user fails, with or without
+  ``SO_REUSEADDR``/``SO_REUSEPORT``, on the address or on ``0.0.0.0``, at every moment;
+* a classic BPF program on our socket (``SO_ATTACH_REUSEPORT_CBPF``, "pick member 1")
+  steers every new connection to the job's socket as soon as it is in the group (member 0
+  is ours; with us alone the index is out of range and the kernel picks us). It is detached
+  before we close, so the job's group is left as CRIU made it.
+
+Then the listener accepts what is still in its own queue (handshakes begun before the job's
+socket existed, for up to :data:`SETTLE_MAX_S`), closes its sockets and relays. A client never
+sees a refused connection, and no other user can take the port from park-wake's start to the
+job's restored socket.
 
 If the unpark fails, the held connections are closed, the state stays parked, and the
-listener binds again and waits for the next client.
+listener keeps the ports and waits for the next client. When someone else unparks the job
+(``spotguard unpark``, the agent), it waits on the job's park lock, then finds the job running
+and hands its clients to it the same way; that unpark stops the listener (SIGTERM) once the job
+runs, and the listener hands over whatever it accepted before exiting.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import ctypes
 import logging
 import signal
 import socket
+import struct
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -38,6 +62,14 @@ log = logging.getLogger(__name__)
 
 _CONNECT_TRIES = 300  # x 0.05 s: how long to wait for the restored job to accept
 _CHUNK = 256 * 1024
+#: accept what is left in our queue until it stays empty this long, at most SETTLE_MAX_S
+SETTLE_QUIET_S = 0.05
+SETTLE_MAX_S = 1.0
+_SO_ATTACH_REUSEPORT_CBPF = 51  # <asm-generic/socket.h>
+_SO_DETACH_REUSEPORT_BPF = 68
+_BPF_RET_K = 0x06  # BPF_RET | BPF_K
+#: the steering program: "the group's member 1" (the job's socket, once CRIU has made it)
+_STEER = struct.pack("HBBI", _BPF_RET_K, 0, 0, 1)
 
 
 @dataclass
@@ -48,67 +80,106 @@ class Held:
     addr: Address
 
 
+def _steer_to_job(s: socket.socket) -> None:
+    """Attach the steering program to ``s``'s reuseport group (see the module doc)."""
+    code = ctypes.create_string_buffer(_STEER, len(_STEER))
+    prog = struct.pack("HP", 1, ctypes.addressof(code))  # struct sock_fprog (native layout)
+    s.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_REUSEPORT_CBPF, prog)
+
+
 def _listen(addr: Address, v6only: bool) -> socket.socket:
+    """A root-owned ``SO_REUSEPORT`` listener on ``addr`` that the restored job's socket can
+    join (and no other user's socket can)."""
     family = sockets.family_of(addr)
     s = socket.socket(family, socket.SOCK_STREAM)
-    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    if family == socket.AF_INET6:
-        # as the job's socket most likely was (Linux's default: dual stack), unless the job
-        # also listened on the same port over IPv4
-        s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
-    s.bind((addr.host, addr.port))
-    s.listen(128)
-    s.setblocking(False)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if family == socket.AF_INET6:
+            # as the job's socket most likely was (Linux's default: dual stack), unless the
+            # job also listened on the same port over IPv4
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1 if v6only else 0)
+        s.bind((addr.host, addr.port))
+        s.listen(128)
+        _steer_to_job(s)
+        s.setblocking(False)
+    except OSError:
+        s.close()
+        raise
     return s
 
 
-def _accept_waiting(listener: socket.socket, addr: Address, held: list[Held]) -> None:
-    while True:
+class Listeners:
+    """The sockets holding a parked job's addresses, from park-wake's start until the restored
+    job listens on them."""
+
+    def __init__(self, addrs: Sequence[Address]) -> None:
+        v4_ports = {a.port for a in addrs if ":" not in a.host}
+        self.socks: list[tuple[socket.socket, Address]] = []
         try:
-            conn, _peer = listener.accept()
-        except (BlockingIOError, InterruptedError):
-            return
+            for a in addrs:
+                self.socks.append((_listen(a, a.port in v4_ports), a))
         except OSError:
-            return
-        conn.setblocking(False)
-        held.append(Held(conn, addr))
+            self.close()
+            raise
+
+    def accept_waiting(self, held: list[Held]) -> int:
+        """Accept every connection waiting on any of the sockets into ``held``; how many."""
+        n = 0
+        for listener, addr in self.socks:
+            while True:
+                try:
+                    conn, _peer = listener.accept()
+                except OSError:  # BlockingIOError: the queue is empty
+                    break
+                conn.setblocking(False)
+                held.append(Held(conn, addr))
+                n += 1
+        return n
+
+    async def settle(self, held: list[Held]) -> None:
+        """Take what is left in our queues (the job's socket gets every new connection now):
+        until they stay empty for :data:`SETTLE_QUIET_S`, at most :data:`SETTLE_MAX_S`."""
+        end = time.monotonic() + SETTLE_MAX_S
+        quiet_since = time.monotonic()
+        while time.monotonic() < end:
+            if self.accept_waiting(held):
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= SETTLE_QUIET_S:
+                return
+            await asyncio.sleep(0.01)
+
+    def close(self) -> None:
+        """Detach the steering program (the group stays the job's alone), then close."""
+        for listener, _addr in self.socks:
+            with contextlib.suppress(OSError):
+                listener.setsockopt(socket.SOL_SOCKET, _SO_DETACH_REUSEPORT_BPF, 0)
+            listener.close()
+        self.socks = []
 
 
-async def wait_for_client(
-    addrs: Sequence[Address], stop: asyncio.Event, ready: Callable[[], None] | None = None
-) -> list[Held]:
-    """Listen on ``addrs`` until a client connects (→ the connections held) or ``stop`` is
-    set (→ no connections). The listeners are closed either way."""
-    v4_ports = {a.port for a in addrs if ":" not in a.host}
-    listeners = [(_listen(a, a.port in v4_ports), a) for a in addrs]
+async def wait_for_client(listeners: Listeners, held: list[Held], stop: asyncio.Event) -> None:
+    """Accept into ``held`` until a client connects or ``stop`` is set; the sockets stay
+    open."""
     loop = asyncio.get_running_loop()
-    held: list[Held] = []
     woke = asyncio.Event()
 
-    def on_readable(listener: socket.socket, addr: Address) -> None:
-        _accept_waiting(listener, addr, held)
-        if held:
+    def on_readable() -> None:
+        if listeners.accept_waiting(held):
             woke.set()
 
+    if listeners.accept_waiting(held):
+        return
     try:
-        for listener, addr in listeners:
-            loop.add_reader(listener.fileno(), on_readable, listener, addr)
-        if ready is not None:
-            ready()
+        for listener, _addr in listeners.socks:
+            loop.add_reader(listener.fileno(), on_readable)
         waits = {asyncio.ensure_future(woke.wait()), asyncio.ensure_future(stop.wait())}
         _done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         for p in pending:
             p.cancel()
-        if woke.is_set():
-            for listener, addr in listeners:  # take whoever is still in the backlog
-                _accept_waiting(listener, addr, held)
     finally:
-        for listener, _addr in listeners:
+        for listener, _addr in listeners.socks:
             loop.remove_reader(listener.fileno())
-            listener.close()
-    if stop.is_set() and not woke.is_set():
-        return []
-    return held
 
 
 def _target(addr: Address) -> tuple[str, int]:
@@ -152,44 +223,74 @@ async def relay(h: Held) -> None:
             await w.wait_closed()
 
 
+async def _hand_over(listeners: Listeners, held: list[Held]) -> None:
+    """The job listens now: take what is left in our queues, let go of the ports, relay."""
+    await listeners.settle(held)
+    listeners.close()
+    await asyncio.gather(*(relay(h) for h in held))
+    held.clear()
+
+
+def _drop(held: list[Held]) -> None:
+    for h in held:
+        h.conn.close()
+    held.clear()
+
+
 async def serve(
     addrs: Sequence[Address],
     wake: Callable[[], Awaitable[object]],
     *,
+    parked: Callable[[], bool] = lambda: True,
     ready: Callable[[], None] | None = None,
     retry_s: float = 5.0,
 ) -> bool:
     """Hold ``addrs`` until a client connects, then ``wake()`` the job and relay the clients.
 
-    Returns True once the job was woken and every held client relayed; False when stopped
-    (SIGTERM/SIGINT) before any client came. A signal during ``wake`` does not interrupt it
-    (an unpark is never cut in half); ``wake`` should refuse at once when another unpark of
-    the job holds its lock, and then the signal that came with that unpark ends the listener.
+    ``parked()`` says whether the job is still parked (its record exists): when it is not,
+    after a failed ``wake`` or a stop, someone else unparked it, and the clients held are
+    handed to the job. Returns True once the job runs and every held client was relayed;
+    False when stopped (SIGTERM/SIGINT) while the job is still parked. A signal during
+    ``wake`` does not interrupt it (an unpark is never cut in half). ``wake`` should wait for
+    another unpark of the job that holds its lock (and then find it no longer parked).
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    listeners = Listeners(addrs)
+    held: list[Held] = []
     try:
+        if ready is not None:
+            ready()
         while True:
-            held = await wait_for_client(addrs, stop, ready)
-            ready = None
-            if not held:
-                return False
+            await wait_for_client(listeners, held, stop)
+            if stop.is_set():
+                if parked():
+                    return False
+                log.info("the job was unparked by another command; handing its clients over")
+                await _hand_over(listeners, held)
+                return True
             log.info("a client connected to a parked job; unparking", extra={"clients": len(held)})
             try:
                 await wake()
             except SpotguardError as exc:
+                if not parked():
+                    log.info("the job was unparked meanwhile; handing its clients over")
+                    await _hand_over(listeners, held)
+                    return True
                 log.error("unpark on connect failed; still parked", extra={"error": str(exc)})
-                for h in held:
-                    h.conn.close()
-                if stop.is_set():
+                _drop(held)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), retry_s)
+                if stop.is_set() and parked():
                     return False
-                await asyncio.sleep(retry_s)
                 continue
-            await asyncio.gather(*(relay(h) for h in held))
+            await _hand_over(listeners, held)
             return True
     finally:
+        _drop(held)
+        listeners.close()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(sig)
 

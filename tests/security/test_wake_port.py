@@ -1,0 +1,277 @@
+"""A local user against wake-on-connect (issue 27, case 4): the port of a job parked as an
+image must never be free while it comes back. Real job, real CRIU, a real unprivileged user.
+
+Before the fix, the wake listener closed its sockets before CRIU re-created the job's: a user
+looping on ``bind`` took the port in that gap, its service answered the job's clients, and the
+restore failed (the unpark stalled until the listener's retries ran out). Now the listener's
+sockets are root's and ``SO_REUSEPORT``: CRIU's restored listening socket (also root's, and
+bound with ``SO_REUSEPORT`` by CRIU) joins them, so the port is held by one or the other at
+every moment, and the listener hands its waiting clients over only once the job listens."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+from sec_helpers import SYSTEM_PYTHON, Attacker
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.jobs import list_jobs
+from spotguard.park import record
+
+pytestmark = pytest.mark.criu
+
+JOBS = str(Path(__file__).parent.parent / "park" / "park_jobs.py")
+
+#: the other user: binds the port (every way an ordinary user can) as fast as it can; once it
+#: has it, it answers every client with "attacker" for 3 s
+SQUAT = r"""
+import socket, sys, time
+port = int(sys.argv[1])
+print("ready", flush=True)
+ANSWER = b"HTTP/1.1 200 OK\r\nContent-Length: 8\r\nConnection: close\r\n\r\nattacker"
+tries = 0
+while True:
+    for host, reuseport in (("127.0.0.1", False), ("0.0.0.0", False), ("127.0.0.1", True)):
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if reuseport:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        tries += 1
+        try:
+            s.bind((host, port))
+            s.listen(16)
+        except OSError:
+            s.close()
+            continue
+        print("BOUND", host, reuseport, flush=True)
+        s.settimeout(0.1)
+        until = time.monotonic() + 3
+        while time.monotonic() < until:
+            try:
+                c, _ = s.accept()
+            except OSError:
+                continue
+            c.recv(4096)
+            c.sendall(ANSWER)
+            c.close()
+        s.close()
+    if tries % 3000 == 0:
+        print("tries", tries, flush=True)
+"""
+
+
+@pytest.fixture
+def state_dir(tmp_path: Path) -> Path:
+    return tmp_path / "state"
+
+
+@pytest.fixture
+def sg(tmp_path: Path, state_dir: Path, criu_bin: str) -> Iterator[Callable[..., object]]:
+    """``spotguard --config <this test's config> ARGS`` (never raises on a non-zero exit);
+    afterwards every job and listener the test left is killed."""
+    cfg = tmp_path / "spotguard.toml"
+    cfg.write_text(
+        f'[checkpoint]\nstate_dir = "{state_dir}"\ncriu = "{criu_bin}"\n'
+        f'shm_dir = "{tmp_path / "shm"}"\ncriu_timeout = 60\n'
+        f'[park]\nmemory_dir = "{tmp_path / "shm" / "parked"}"\n'
+    )
+
+    def run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "spotguard", "--config", str(cfg), *args],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+
+    yield run
+    for rec in record.all_records(state_dir):
+        if rec.waker_pid and proctree.alive(rec.waker_pid):
+            os.kill(rec.waker_pid, signal.SIGKILL)
+    for job in list_jobs(state_dir):
+        if proctree.alive(job.pid):
+            proctree.signal_all([job.pid], signal.SIGKILL)
+
+
+@pytest.fixture
+def port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _lines(state_dir: Path, job: str) -> list[str]:
+    p = state_dir / "jobs" / job / "stdout"
+    return p.read_text().splitlines() if p.exists() else []
+
+
+def _wait(cond: Callable[[], object], what: str, limit: float = 60.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.02)
+
+
+def _lock_taken(state_dir: Path, job: str) -> bool:
+    """Whether a park or unpark of ``job`` holds its park lock now."""
+    path = record.parked_dir(state_dir) / f"{job}.lock"
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+def _get(port: int, timeout: float = 60.0) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/next", timeout=timeout) as r:
+        return str(r.read().decode())
+
+
+class _Clients:
+    """Clients started one after another while the job comes back; what each was answered."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.answers: list[str] = []
+        self.threads: list[threading.Thread] = []
+
+    def start(self) -> None:
+        def one() -> None:
+            try:
+                self.answers.append(_get(self.port))
+            except OSError as exc:
+                self.answers.append(f"failed: {exc}")
+
+        t = threading.Thread(target=one)
+        t.start()
+        self.threads.append(t)
+
+    def join(self) -> list[str]:
+        for t in self.threads:
+            t.join(90)
+        return self.answers
+
+
+@pytest.fixture
+def squatter(attacker: Attacker) -> Iterator[Callable[[int], list[str]]]:
+    """Start the other user's bind loop on a port; call the result again to stop it and get
+    what it printed."""
+    procs = []
+
+    def start(port: int) -> list[str]:
+        if procs:
+            procs[0].terminate()
+            out, _err = procs[0].communicate(timeout=10)
+            return out.splitlines()
+        p = attacker.popen(SQUAT, str(port))
+        procs.append(p)
+        assert p.stdout is not None
+        assert p.stdout.readline().strip() == "ready", p.stderr.read() if p.stderr else ""
+        return []
+
+    yield start
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert SYSTEM_PYTHON  # the loop runs in the system interpreter, not ours
+
+
+def _parked_server(sg: Callable[..., object], state_dir: Path, port: int, *, wake: bool) -> int:
+    """A real HTTP job holding a counter, answered once, parked to tmpfs; the listener's pid."""
+    res = sg("run", "--name", "web", "--json", "--", sys.executable, JOBS, "server", str(port))
+    assert res.returncode == 0, res.stderr  # type: ignore[attr-defined]
+    _wait(lambda: any("listening" in ln for ln in _lines(state_dir, "web")), "the server")
+    assert _get(port) == "1"
+    args = ["park", "web", "--to", "tmpfs", "--json"] + (["--wake-on-connect"] if wake else [])
+    res = sg(*args)
+    assert res.returncode == 0, res.stderr  # type: ignore[attr-defined]
+    rec = record.load(state_dir, "web")
+    assert rec is not None and rec.place == "tmpfs"
+    return rec.waker_pid or 0
+
+
+def test_another_user_never_gets_the_port_while_a_client_wakes_the_job(
+    sg: Callable[..., object],
+    state_dir: Path,
+    port: int,
+    squatter: Callable[[int], list[str]],
+) -> None:
+    waker = _parked_server(sg, state_dir, port, wake=True)
+    assert waker and proctree.alive(waker)
+    squatter(port)
+    time.sleep(0.5)  # the loop is running: the listener holds the port, every bind fails
+    clients = _Clients(port)
+    started = time.monotonic()
+    clients.start()  # the knock
+    while record.load(state_dir, "web") is not None and time.monotonic() - started < 60:
+        clients.start()  # more clients while the job comes back
+        time.sleep(0.03)
+    answers = clients.join()
+    took = time.monotonic() - started
+    time.sleep(0.5)
+    attacker_saw = squatter(port)
+    tries = [ln for ln in attacker_saw if ln.startswith("tries")]
+    print(f"woken in {took:.2f} s, {len(answers)} clients, {tries[-1:]} binds refused")
+    assert not [ln for ln in attacker_saw if ln.startswith("BOUND")], attacker_saw
+    assert tries  # it did try, thousands of times
+    # every client, the knock and those that came during the wake, got the job's answer:
+    # the job's counter, each number once, in some order
+    assert sorted(int(a) for a in answers) == list(range(2, 2 + len(answers))), answers
+    assert took < 20, f"the unpark took {took:.1f} s"
+    _wait(lambda: not proctree.alive(waker), "the listener to exit", 30)
+    assert _get(port) == str(2 + len(answers))  # later clients reach the job directly
+
+
+def test_another_user_never_gets_the_port_during_spotguard_unpark(
+    sg: Callable[..., object],
+    state_dir: Path,
+    port: int,
+    squatter: Callable[[int], list[str]],
+) -> None:
+    waker = _parked_server(sg, state_dir, port, wake=True)
+    squatter(port)
+    time.sleep(0.5)
+    clients = _Clients(port)
+    done: list[object] = []
+    unpark = threading.Thread(target=lambda: done.append(sg("unpark", "web", "--json")))
+    started = time.monotonic()
+    unpark.start()
+    # clients only once spotguard unpark holds the job's park lock (a client before that
+    # would wake the job through the listener: the other test)
+    _wait(lambda: _lock_taken(state_dir, "web") or not unpark.is_alive(), "the unpark's lock")
+    while unpark.is_alive():
+        clients.start()  # clients while spotguard unpark restores the job
+        time.sleep(0.1)
+    unpark.join()
+    assert clients.threads, "the unpark was over before a client could connect"
+    res = done[0]
+    assert res.returncode == 0, res.stderr  # type: ignore[attr-defined]
+    took = time.monotonic() - started
+    answers = clients.join()
+    time.sleep(0.5)
+    attacker_saw = squatter(port)
+    print(f"unparked in {took:.2f} s, {len(answers)} clients during it")
+    assert not [ln for ln in attacker_saw if ln.startswith("BOUND")], attacker_saw
+    assert sorted(int(a) for a in answers) == list(range(2, 2 + len(answers))), answers
+    assert took < 20, f"the unpark took {took:.1f} s"
+    _wait(lambda: not proctree.alive(waker), "the listener to exit", 30)
