@@ -9,6 +9,7 @@ pages were still being written when the next rank's writer started.
 
 from __future__ import annotations
 
+import asyncio
 import re
 import signal
 import sys
@@ -196,3 +197,52 @@ def test_a_bad_environment_value_is_a_clear_error(
         Criu(criu_bin)
     monkeypatch.setenv("SPOTGUARD_CRIU_PAGE_WORKERS", "0")
     assert Criu(criu_bin).page_workers == 0
+
+
+PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
+
+
+async def test_a_large_task_never_runs_criu_out_of_descriptors(
+    criu_bin: str, settings: CheckpointSettings, tmp_path: Path
+) -> None:
+    """One rank holding 640 MiB, dumped with page workers by a CRIU limited to 256 open files
+    (a 40 GiB task failed on the GPU machine: 'Can't make pipe for page-pipe: Too many open
+    files'). With fs.pipe-max-size at 64 MiB its pages are held in a dozen big pipes and
+    written in the background; at 1 MiB (the GPU machines' default) they would need hundreds
+    of descriptors, so the task is written in chunks. Both restore byte-identical."""
+    if not has_page_workers(criu_bin):
+        pytest.fail(f"{criu_bin} has no {PAGE_WORKERS_FLAG}: run scripts/install-criu")
+    wrapper = tmp_path / "criu-256"
+    wrapper.write_text(f'#!/bin/sh\nulimit -n 256 || exit 1\nexec {criu_bin} "$@"\n')
+    wrapper.chmod(0o755)
+    before = await asyncio.to_thread(PIPE_MAX.read_text)
+    global RANKS
+    ranks, RANKS = RANKS, 1
+    try:
+        for gen, (pipe_max, how) in enumerate(
+            [(64 << 20, "in the background"), (1 << 20, "written in chunks")], start=1
+        ):
+            await asyncio.to_thread(PIPE_MAX.write_text, str(pipe_max))
+            logs = tmp_path / f"logs-{gen}"
+            logs.mkdir()
+            criu = Criu(str(wrapper), page_workers=4, log_level=4, log_dir=logs)
+            engine = Engine(criu, settings=settings)
+            out = tmp_path / f"out-{gen}"
+            argv = [sys.executable, str(REPO / "bench" / "ranks_job.py"), "launcher"]
+            argv += ["--ranks", "1", "--mib", "640", "--out", str(out)]
+            job = await start_job(argv, f"big-{gen}", state_dir=tmp_path / f"state-{gen}")
+            pids = [job.pid]
+            try:
+                await wait_for(lambda o=out: (o / "rank-0.sum").exists(), "the rank", 120)
+                result = await engine.freeze(
+                    job, DirectoryTarget(tmp_path / f"img-{gen}"), Mode.EXIT
+                )
+                assert how in (logs / "criu-dump.log").read_text(errors="replace")
+                restored = await engine.restore(DirectorySource(result.images_dir))
+                pids.append(restored.pid)
+                await _verify(out, 1)
+            finally:
+                await _kill(*pids)
+    finally:
+        RANKS = ranks
+        await asyncio.to_thread(PIPE_MAX.write_text, before)
