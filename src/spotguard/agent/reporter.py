@@ -41,6 +41,7 @@ from spotguard.contracts import AnyEvent, token_scope
 from spotguard.errors import AuthError, ControllerError
 
 from .metrics import AgentMetrics
+from .settings import check_controller_url
 
 log = logging.getLogger(__name__)
 
@@ -69,6 +70,8 @@ class Reporter:
         on_answer: Callable[[dict[str, Any]], None] | None = None,
         on_emit: Callable[[AnyEvent], None] | None = None,
     ) -> None:
+        if controller_url:  # from the settings or an assignment: https, or loopback http
+            check_controller_url(controller_url)
         self.url = controller_url.rstrip("/") + EVENTS_PATH if controller_url else None
         self.token = token
         self.scope = token_scope(token) if token else None  # (job, epoch) of a VM token

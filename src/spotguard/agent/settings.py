@@ -8,10 +8,14 @@ what is the agent's own.
 
 from __future__ import annotations
 
+import ipaddress
+import logging
+import os
 from pathlib import Path
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal, Self
+from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from spotguard.config import Settings
@@ -22,6 +26,16 @@ from spotguard.notices.base import NoticeKind
 from .policy import Action, Policy
 
 DEFAULT_LISTEN = "127.0.0.1:9901"
+
+log = logging.getLogger(__name__)
+
+#: logged once per process when the controller token is given inline (flag or config file)
+INLINE_TOKEN_WARNING = (
+    "controller token given inline: --controller-token is visible in ps to every user of "
+    "this host, and a config file may be readable by others; use --controller-token-file "
+    "(or SPOTGUARD_CONTROLLER_TOKEN_FILE) or SPOTGUARD_CONTROLLER_TOKEN instead"
+)
+_warned_inline_token = False
 
 
 #: The longest deadline an operator drain may have (``drain --deadline``, the API's
@@ -54,9 +68,15 @@ class AgentSettings(Settings):
         2.0, gt=0, description="Seconds between looks for new 'spotguard run' jobs"
     )
     controller_url: str | None = Field(
-        None, description="Controller to report to (optional: the agent works alone)"
+        None,
+        description="Controller to report to (optional: the agent works alone); https://, "
+        "or http:// only to a loopback address",
     )
-    controller_token: str | None = Field(None, description="Bearer token for the controller")
+    controller_token: str | None = Field(
+        None,
+        description="Bearer token for the controller, inline: visible in ps (a warning is "
+        "logged); prefer controller_token_file or SPOTGUARD_CONTROLLER_TOKEN",
+    )
     controller_token_file: Path | None = Field(
         None, description="File holding the controller token (instead of controller_token)"
     )
@@ -135,6 +155,26 @@ class AgentSettings(Settings):
             return list(v)
         return v
 
+    @field_validator("controller_url")
+    @classmethod
+    def _controller_url(cls, v: str | None) -> str | None:
+        if v:
+            try:
+                check_controller_url(v)
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        return v
+
+    @model_validator(mode="after")
+    def _inline_token(self) -> Self:
+        """A token from the flag or the config file (not the environment) is logged once."""
+        global _warned_inline_token
+        from_env = os.environ.get(self.env_name("controller_token"))
+        if self.controller_token and self.controller_token != from_env and not _warned_inline_token:
+            _warned_inline_token = True
+            log.warning(INLINE_TOKEN_WARNING)
+        return self
+
     @field_validator("api_listen")
     @classmethod
     def _listen(cls, v: str) -> str:
@@ -157,6 +197,39 @@ class AgentSettings(Settings):
     def controller_bearer(self) -> str | None:
         """The controller token, from the setting or its file."""
         return read_secret(self.controller_token, self.controller_token_file, "controller_token")
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def check_controller_url(url: str) -> str:
+    """``url`` if an agent may send its token there, else :class:`ConfigError`: https to any
+    host, plain http only to this host (a loopback address). Plain http across a network
+    hands the bearer token (and every event) to whoever can watch the traffic."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname
+    except ValueError:
+        host = None
+        parts = urlsplit("")
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigError(
+            f"controller URL {url!r} is not an http(s) URL: use https://HOST[:PORT] "
+            "(http:// only to a loopback address)"
+        )
+    if parts.scheme == "http" and not _loopback(host):
+        raise ConfigError(
+            f"controller URL {url} is plain HTTP to {host}, not this host: the agent's token "
+            "and events would cross the network in clear; use https:// (the controller's "
+            "--tls-cert-file, or a TLS proxy in front of it), or a loopback address"
+        )
+    return url
 
 
 def read_secret(value: str | None, path: Path | None, name: str) -> str | None:
