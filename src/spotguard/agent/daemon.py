@@ -198,7 +198,6 @@ class Agent(NoticeHandling):
             raise self.died
 
     async def _start(self, assignment: Any) -> None:
-        # the first notice must not load the driver
         self._spawn(startup.warm_gpu(self.settings.transparent_hugepages), "warm-gpu")
         await startup.recover_interrupted(self.checkpoint_settings, self._recovered)
         self.pusher.add_all(self.kept.scan())
