@@ -188,6 +188,33 @@ def plot_streaming_gpu(md: str, out: Path) -> Path | None:
     return _save(fig, out, "streaming-gpu.png")
 
 
+def plot_ranks(md: str, out: Path) -> Path | None:
+    """The newest N-rank table under Streaming (``mode``, ``N`` and ``durable s`` columns, cells
+    like ``1 / 8``): N=1 and the largest N, serial against parallel, for each figure."""
+    found = [t for t in tables(md, "Streaming") if t and {"mode", "N", "durable s"} <= set(t[0])]
+    if not found:
+        print("skipped ranks: no N-rank table under '## Streaming'")
+        return None
+    rows = found[-1]
+    newest = rows[-1].get("call", "")
+    rows = [r for r in rows if r.get("call", "") == newest]
+    metrics = [("durable s", "freeze → durable, s"), ("restore s", "restore, s"),
+               ("pause s", "leave-running pause, s")]  # fmt: skip
+    fig, axes = plt.subplots(1, len(metrics), figsize=(11, 3.4))
+    for ax, (col, label) in zip(axes, metrics, strict=True):
+        for i, row in enumerate(rows):
+            ns = [n.strip() for n in row["N"].split("/")]
+            vals = [num(v) or 0.0 for v in row[col].replace("*", "").split("/")]
+            xs = [x + (i - 0.5) * 0.38 for x in range(len(ns))]
+            ax.bar(xs, vals, 0.38, label=row["mode"].split(",")[0])
+            ax.set_xticks(range(len(ns)), [f"N={n}" for n in ns], fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle("A job of N ranks x 4 GiB: CRIU serial vs --page-workers (newest table)",
+                 fontsize=10)  # fmt: skip
+    return _save(fig, out, "ranks.png")
+
+
 def plot_demo(demo_json: Path, out: Path) -> Path | None:
     report = json.loads(demo_json.read_text())
     rows = [r for r in report.get("timeline", []) if r.get("at") is not None]
@@ -227,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_transfer(md, args.out, args.transfer_json),
         plot_streaming(md, args.out),
         plot_streaming_gpu(md, args.out),
+        plot_ranks(md, args.out),
     ]
     if args.demo_json is not None:
         made.append(plot_demo(args.demo_json, args.out))
