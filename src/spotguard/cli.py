@@ -155,15 +155,40 @@ def _unavailable(name: str, why: str) -> click.Command:
     "--log-level",
     envvar="SPOTGUARD_LOG_LEVEL",
     type=click.Choice(log.LEVELS, case_sensitive=False),
-    default="info",
-    show_default=True,
-    help="Log level. [env: SPOTGUARD_LOG_LEVEL]",
+    default=None,
+    help="Log level. [env: SPOTGUARD_LOG_LEVEL] [default: warning; info for agent, "
+    "controller, metadata-sim, notices, demo]",
+)
+@click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    help="Log INFO lines too (as --log-level info; also accepted after a command).",
 )
 @click.pass_context
-def main(ctx: click.Context, config: str | None, log_format: str, log_level: str) -> None:
+def main(
+    ctx: click.Context, config: str | None, log_format: str, log_level: str | None, verbose: bool
+) -> None:
     """spotguard — keep GPU jobs alive through spot interruptions and node drains."""
-    log.setup("json" if log_format == "json" else "text", log_level)
+    level = log_level or log.default_level(ctx.invoked_subcommand, verbose=verbose)
+    log.setup("json" if log_format == "json" else "text", level)
     ctx.obj = {"config": config}
+
+
+def _verbose(ctx: click.Context, param: click.Parameter, value: bool) -> None:
+    if value:
+        log.verbose()
+
+
+#: ``-v/--verbose`` on an interactive command (``spotguard park JOB --verbose``)
+verbose_option = click.option(
+    "-v",
+    "--verbose",
+    is_flag=True,
+    expose_value=False,
+    callback=_verbose,
+    help="Log INFO lines too (steps, timings) on stderr.",
+)
 
 
 def config_file(ctx: click.Context) -> str | None:

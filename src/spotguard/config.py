@@ -280,21 +280,26 @@ def _click_type(annotation: Any) -> tuple[Any, bool, bool]:
     return str, False, False
 
 
-def options(cls: type[Settings], *, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
+def options(
+    cls: type[Settings], *, exclude: tuple[str, ...] = (), hidden: tuple[str, ...] = ()
+) -> Callable[[F], F]:
     """Decorator adding one click option per field of ``cls`` (default ``None`` = not given,
-    so the file and environment still apply)."""
+    so the file and environment still apply); those in ``hidden`` are accepted but left out
+    of ``--help`` (advanced settings a command's help points to the docs for)."""
 
     def decorate(fn: F) -> F:
         for name, info in reversed(list(cls.model_fields.items())):
             if name in exclude:
                 continue
-            fn = _option(cls, name, info)(fn)
+            fn = _option(cls, name, info, hidden=name in hidden)(fn)
         return fn
 
     return decorate
 
 
-def _option(cls: type[Settings], name: str, info: FieldInfo) -> Callable[[F], F]:
+def _option(
+    cls: type[Settings], name: str, info: FieldInfo, *, hidden: bool = False
+) -> Callable[[F], F]:
     ctype, is_flag, multiple = _click_type(info.annotation)
     flag = "--" + name.replace("_", "-")
     default = info.get_default(call_default_factory=True)
@@ -303,5 +308,7 @@ def _option(cls: type[Settings], name: str, info: FieldInfo) -> Callable[[F], F]
     help_text = f"{help_text}.{shown} [env: {cls.env_name(name)}]"
     if is_flag:
         decls = [f"{flag}/--no-{flag[2:]}"]
-        return click.option(*decls, name, default=None, help=help_text)
-    return click.option(flag, name, type=ctype, default=None, multiple=multiple, help=help_text)
+        return click.option(*decls, name, default=None, help=help_text, hidden=hidden)
+    return click.option(
+        flag, name, type=ctype, default=None, multiple=multiple, help=help_text, hidden=hidden
+    )

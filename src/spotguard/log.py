@@ -23,6 +23,26 @@ from typing import Any, Literal
 #: the levels ``--log-level`` accepts
 LEVELS = ("debug", "info", "warning", "error", "critical")
 
+#: commands that run as services (systemd units, the demo's log file, the wake listener):
+#: they log INFO by default; every other command is interactive and logs warnings only, so
+#: its result line is all an operator sees unless ``--verbose`` or ``--log-level`` asks
+SERVICES = frozenset({"agent", "controller", "metadata-sim", "notices", "park-wake", "demo"})
+
+
+def default_level(command: str | None, *, verbose: bool = False) -> str:
+    """The log level of ``spotguard COMMAND`` when ``--log-level`` is not given: ``info`` for
+    a service or with ``--verbose``, else ``warning``."""
+    return "info" if verbose or command in SERVICES else "warning"
+
+
+def verbose() -> None:
+    """``--verbose`` after a command: INFO lines too (a level already lower, such as
+    ``--log-level debug``, is kept)."""
+    root = logging.getLogger()
+    if root.getEffectiveLevel() > logging.INFO:
+        root.setLevel(logging.INFO)
+
+
 #: keys every JSON line has (or may have) of its own; no extra field may use them
 RESERVED = frozenset({"ts", "time", "level", "logger", "msg", "message", "exception"})
 

@@ -21,6 +21,7 @@ from spotguard.checkpoint.scan import job_environment
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.cli import config
+from spotguard.commands.common import ADVANCED, checkpoint_options
 from spotguard.config import load, options
 from spotguard.errors import JobError, SpotguardError
 from spotguard.image.settings import ImageSettings
@@ -167,7 +168,7 @@ def _local_agent(ctx: click.Context, state_dir: Path) -> dict[str, Any] | None:
         return None
 
 
-@click.command("checkpoint")
+@click.command("checkpoint", epilog=ADVANCED)
 @click.argument("job")
 @click.option(
     "--to",
@@ -180,7 +181,7 @@ def _local_agent(ctx: click.Context, state_dir: Path) -> dict[str, Any] | None:
 )
 @click.option("--leave-running", is_flag=True, help="Keep the job running after the dump.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@options(CheckpointSettings)
+@checkpoint_options()
 @click.pass_context
 def checkpoint(
     ctx: click.Context, /, job: str, to: str, leave_running: bool, as_json: bool, **flags: Any
@@ -216,10 +217,10 @@ def checkpoint(
         )
 
 
-@click.command("restore")
+@click.command("restore", epilog=ADVANCED)
 @click.argument("image")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@options(CheckpointSettings, exclude=("stream",))  # how an image was written decides
+@checkpoint_options(exclude=("stream",))  # how an image was written decides
 @click.pass_context
 def restore(ctx: click.Context, /, image: str, as_json: bool, **flags: Any) -> None:
     """Restore the job whose image is in the directory or at the store URL IMAGE

@@ -10,6 +10,7 @@ import sys
 import click
 
 from spotguard.checkpoint.doctor import run_checks
+from spotguard.cli import verbose_option
 
 
 @click.command("doctor")
@@ -25,6 +26,7 @@ from spotguard.checkpoint.doctor import run_checks
     default=True,
     help="Park and unpark a small job with sockets on this host (default; a few seconds).",
 )
+@verbose_option
 def doctor(criu_path: str | None, as_json: bool, self_test: bool) -> None:
     """Check what checkpoints need on this host; exit 1 if CPU checkpoints cannot work."""
     checks = asyncio.run(run_checks(criu_path, self_test=self_test))

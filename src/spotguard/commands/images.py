@@ -22,7 +22,7 @@ from urllib.parse import unquote, urlparse
 import click
 
 from spotguard import config
-from spotguard.cli import config_file
+from spotguard.cli import config_file, verbose_option
 from spotguard.errors import ImageCorrupt, StoreError
 from spotguard.image import (
     ImageSettings,
@@ -84,6 +84,7 @@ def images() -> None:
 
 
 @images.command("list")
+@verbose_option
 @click.argument("store_url")
 @click.option("--job", help="Only this job's images.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
@@ -107,6 +108,7 @@ def list_cmd(store_url: str, job: str | None, as_json: bool) -> None:
 
 
 @images.command("verify")
+@verbose_option
 @click.argument("image_url")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 @config.options(ImageSettings, exclude=_VERIFY_EXCLUDE)
@@ -137,6 +139,7 @@ def verify_cmd(image_url: str, as_json: bool, **flags: Any) -> None:
 
 
 @images.command("gc")
+@verbose_option
 @click.argument("store_url")
 @click.option("--keep", type=click.IntRange(min=1), required=True, help="Complete images to keep.")
 @click.option("--job", help="Only this job (default: every job in the store).")
@@ -179,6 +182,7 @@ def gc_cmd(
 
 
 @images.command("push")
+@verbose_option
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.argument("store_url")
 @click.option("--job", required=True, help="Job name the image belongs to.")
@@ -203,6 +207,7 @@ def push_cmd(directory: str, store_url: str, job: str, as_json: bool, **flags: A
 
 
 @images.command("pull")
+@verbose_option
 @click.argument("image_url")
 @click.argument("dest_dir", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")

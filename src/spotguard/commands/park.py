@@ -18,6 +18,7 @@ from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import list_jobs, resolve_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.cli import config_file
+from spotguard.commands.common import ADVANCED, checkpoint_options
 from spotguard.config import load, options
 from spotguard.errors import ParkError
 from spotguard.image.settings import ImageSettings
@@ -104,7 +105,7 @@ def _summary(rec: record.ParkRecord) -> dict[str, Any]:
     }
 
 
-@click.command("park")
+@click.command("park", epilog=ADVANCED)
 @click.argument("job")
 @click.option(
     "--to",
@@ -122,7 +123,7 @@ def _summary(rec: record.ParkRecord) -> dict[str, Any]:
 )
 @click.option("--reason", default="", help="Why (shown in status and notifications).")
 @click.option("--json", "as_json", is_flag=True, help="Print where, bytes, GPU memory freed, time.")
-@options(CheckpointSettings, exclude=("stream",))
+@checkpoint_options(exclude=("stream",))
 @click.pass_context
 def park(
     ctx: click.Context,
@@ -189,10 +190,10 @@ def park(
     )
 
 
-@click.command("unpark")
+@click.command("unpark", epilog=ADVANCED)
 @click.argument("job")
 @click.option("--json", "as_json", is_flag=True, help="Print the restored job as JSON.")
-@options(CheckpointSettings, exclude=("stream",))
+@checkpoint_options(exclude=("stream",))
 @click.pass_context
 def unpark(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> None:
     """Bring a parked JOB back on this node; it continues where it stopped."""

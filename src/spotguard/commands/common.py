@@ -1,0 +1,35 @@
+"""What several commands share: the ``[checkpoint]`` settings as flags, the few an operator
+reaches for shown in ``--help`` and the advanced CRIU ones accepted but pointed to in the docs
+(``park --help`` listed some fifteen CRIU flags before the park's own)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.cli import verbose_option
+from spotguard.config import options
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: the ``[checkpoint]`` settings every checkpointing command shows in its help
+SHOWN = ("state_dir", "criu")
+
+#: the epilog of a command whose advanced CRIU flags are hidden
+ADVANCED = (
+    "Advanced CRIU and staging settings (--criu-timeout, --gpu-timeout, --ghost-limit, "
+    "--tcp-established, --network-lock, --shm-dir, ...) are accepted too and are best set once "
+    "in [checkpoint] of the config: docs/agent.md, Configuration."
+)
+
+
+def checkpoint_options(*, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
+    """``[checkpoint]`` flags (advanced ones hidden, see :data:`ADVANCED`) and ``--verbose``."""
+    hidden = tuple(n for n in CheckpointSettings.model_fields if n not in SHOWN)
+    opts = options(CheckpointSettings, exclude=exclude, hidden=hidden)
+
+    def decorate(fn: F) -> F:
+        return verbose_option(opts(fn))
+
+    return decorate
