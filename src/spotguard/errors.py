@@ -60,6 +60,8 @@ In the tree, ``[r]`` marks retryable classes.
     ├── ControllerError         [r] the controller API or its state
     │   ├── AuthError               missing or wrong token
     │   ├── NotOwner                the sender no longer owns the job (fenced: stand down)
+    │   ├── EventTooLarge           an agent event over the controller's size limit (413)
+    │   ├── EventRateLimited    [r] too many events or bytes from one token for one job (429)
     │   └── StateError          [r] the state file is unreadable or inconsistent
     └── DemoError                   ``spotguard demo``: a link of the chain did not hold (names it)
 """
@@ -402,6 +404,24 @@ class NotOwner(ControllerError):
     relaunched elsewhere. Stand down; never retried."""
 
     retryable = False
+
+
+class EventTooLarge(ControllerError):
+    """An agent event larger than the controller takes (``MAX_EVENT_BYTES``): refused with
+    413 before it is parsed or stored; never retried."""
+
+    retryable = False
+
+
+class EventRateLimited(ControllerError):
+    """One token sent more events (or bytes) for one job than the controller takes in its
+    window: refused with 429 and ``Retry-After``; retried later."""
+
+    retryable = True
+
+    def __init__(self, message: str, retry_after: int) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
 
 
 class StateError(ControllerError):

@@ -23,12 +23,24 @@
 (:mod:`spotguard.controller.tokens`); "admin" routes only the admin token. Errors are JSON
 ``{"error": "..."}``: 401 missing/wrong token, 403 a token that may not act there, 400
 malformed body or bad request (unknown instance type, GPU mismatch), 404 unknown job, 409
-conflicting state or a non-owner's event, 503 state file unusable.
+conflicting state or a non-owner's event, 413 an event over :data:`MAX_EVENT_BYTES`
+(``EventTooLarge``), 429 too many events or bytes from one token for one job
+(``EventRateLimited``, with ``Retry-After``), 503 state file unusable. The 413 and 429
+answers also carry the error's ``code``.
+
+What one token can make the controller store is capped (every event is kept in the state
+file): an event's body is read up to :data:`MAX_EVENT_BYTES` and refused past it, before it
+is parsed; and each (job, token) pair may send :data:`EVENTS_PER_WINDOW` events and
+:data:`EVENT_BYTES_PER_WINDOW` bytes per :data:`EVENT_WINDOW_S` seconds (a sliding window,
+in memory). An agent's reporter retries a 429 with backoff and drops a 413 (logged).
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import time
+from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -45,6 +57,8 @@ from spotguard.errors import (
     AuthError,
     ConfigError,
     ControllerError,
+    EventRateLimited,
+    EventTooLarge,
     JobNotFound,
     NoMatchingOffer,
     PrecheckError,
@@ -60,6 +74,82 @@ CONTROLLER_KEY: web.AppKey[Controller] = web.AppKey("controller", Controller)
 CALLER: web.RequestKey[Caller] = web.RequestKey("caller", Caller)  # the verified caller
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+#: the largest agent event taken, in bytes of its JSON body (real events are a few KiB: a
+#: CRIU failure's log tail is the largest)
+MAX_EVENT_BYTES = 256 * 1024
+#: per (job, token): at most this many events and bytes in any EVENT_WINDOW_S seconds
+EVENT_WINDOW_S = 60
+EVENTS_PER_WINDOW = 120
+EVENT_BYTES_PER_WINDOW = 2 * 1024 * 1024
+_READ_CHUNK = 64 * 1024
+
+
+class EventLimiter:
+    """Sliding-window caps on what one token may make the controller store for one job."""
+
+    def __init__(
+        self,
+        window_s: float = EVENT_WINDOW_S,
+        events: int = EVENTS_PER_WINDOW,
+        nbytes: int = EVENT_BYTES_PER_WINDOW,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.window_s, self.events, self.nbytes, self.clock = window_s, events, nbytes, clock
+        self.seen: dict[tuple[str, str], deque[tuple[float, int]]] = {}
+        self.warned: dict[tuple[str, str], float] = {}  # one log line per key and window
+
+    def take(self, key: tuple[str, str], size: int) -> None:
+        """Count one event of ``size`` bytes for ``key``, or :class:`EventRateLimited`."""
+        now = self.clock()
+        q = self.seen.setdefault(key, deque())
+        while q and q[0][0] <= now - self.window_s:
+            q.popleft()
+        over = None
+        if len(q) >= self.events:
+            over = f"{self.events} events"
+        elif sum(b for _t, b in q) + size > self.nbytes:
+            over = f"{self.nbytes} bytes of events"
+        if over is None:
+            q.append((now, size))
+            if len(self.seen) > 1024:  # forget keys whose window is empty
+                self.seen = {k: v for k, v in self.seen.items() if v}
+            return
+        retry = max(1, math.ceil(q[0][0] + self.window_s - now)) if q else 1
+        if self.warned.get(key, 0.0) <= now - self.window_s:
+            self.warned[key] = now
+            log.warning(
+                "events refused: over the limit of one token for one job",
+                extra={"job": key[0], "token": key[1], "limit": over},
+            )
+        raise EventRateLimited(
+            f"job {key[0]!r}: this token sent more than {over} in {self.window_s:.0f} s; "
+            f"retry in {retry} s",
+            retry,
+        )
+
+
+LIMITER_KEY: web.AppKey[EventLimiter] = web.AppKey("event_limiter", EventLimiter)
+
+
+async def _read_event(request: web.Request) -> bytes:
+    """The event's body, read up to :data:`MAX_EVENT_BYTES`; :class:`EventTooLarge` past it
+    (announced by Content-Length or not), before anything is parsed."""
+    declared = request.content_length
+    if declared is not None and declared > MAX_EVENT_BYTES:
+        raise EventTooLarge(
+            f"event of {declared} bytes; the controller takes events of {MAX_EVENT_BYTES} "
+            "bytes at most"
+        )
+    body = bytearray()
+    while chunk := await request.content.read(_READ_CHUNK):
+        body += chunk
+        if len(body) > MAX_EVENT_BYTES:
+            raise EventTooLarge(
+                f"event of more than {MAX_EVENT_BYTES} bytes; the controller takes events of "
+                f"{MAX_EVENT_BYTES} bytes at most"
+            )
+    return bytes(body)
 
 
 class MigrateRequest(BaseModel):
@@ -79,6 +169,11 @@ class UnparkRequest(BaseModel):
 
 def _error(status: int, message: str, **headers: str) -> web.Response:
     return web.json_response({"error": message}, status=status, headers=headers or None)
+
+
+def _typed(status: int, exc: SpotguardError, **headers: str) -> web.Response:
+    body = {"error": f"{type(exc).__name__}: {exc}", "code": exc.code}
+    return web.json_response(body, status=status, headers=headers or None)
 
 
 def _problems(exc: ValidationError) -> str:
@@ -110,6 +205,11 @@ async def auth_and_errors(request: web.Request, handler: Handler) -> web.StreamR
         return _error(404, str(exc))
     except (UnknownInstanceType, NoMatchingOffer, PrecheckError, ConfigError) as exc:
         return _error(400, f"{type(exc).__name__}: {exc}")
+    except EventTooLarge as exc:
+        log.warning("event refused: too large", extra={"peer": request.remote, "error": str(exc)})
+        return _typed(413, exc)
+    except EventRateLimited as exc:
+        return _typed(429, exc, **{"Retry-After": str(exc.retry_after)})
     except StateError as exc:
         log.error("state unusable", extra={"error": str(exc)})
         return _error(503, str(exc))
@@ -144,7 +244,7 @@ def _admin(request: web.Request) -> None:
 
 
 async def post_event(request: web.Request) -> web.Response:
-    body = await request.read()
+    body = await _read_event(request)
     try:
         ev, ignored = parse_lenient(body)
     except ValidationError as exc:
@@ -162,7 +262,11 @@ async def post_event(request: web.Request) -> web.Response:
         return _error(
             400, f"event schema {ev.schema_version}; this controller speaks schema {SCHEMA}"
         )
-    done = await request.app[CONTROLLER_KEY].handle_event(ev, _caller(request), ignored=ignored)
+    caller = _caller(request)
+    if caller.may_act_for(ev.job):  # else refused below (403), nothing stored
+        who = "admin" if caller.admin else f"vm-epoch-{caller.epoch}"
+        request.app[LIMITER_KEY].take((ev.job, who), len(body))
+    done = await request.app[CONTROLLER_KEY].handle_event(ev, caller, ignored=ignored)
     epoch = _caller(request).epoch if not _caller(request).admin else ev.epoch
     out = {**_summary(done.record, epoch), "duplicate": not done.applied}
     if done.stale is not None:
@@ -242,6 +346,7 @@ def make_app(controller: Controller) -> web.Application:
     """The aiohttp application serving ``controller`` (callers verified by its keys)."""
     app = web.Application(middlewares=[auth_and_errors], client_max_size=4 * 1024 * 1024)
     app[CONTROLLER_KEY] = controller
+    app[LIMITER_KEY] = EventLimiter()
     app.router.add_post("/v1/events", post_event)
     app.router.add_get("/v1/jobs", list_jobs)
     app.router.add_get("/v1/jobs/{job}", show_job)
