@@ -120,7 +120,7 @@ class EventLimiter:
             self.warned[key] = now
             log.warning(
                 "events refused: over the limit of one token for one job",
-                extra={"job": key[0], "token": key[1], "limit": over},
+                extra={"job": key[0], "vm": key[1], "reason": f"over {over} per window"},
             )
         raise EventRateLimited(
             f"job {key[0]!r}: this token sent more than {over} in {self.window_s:.0f} s; "

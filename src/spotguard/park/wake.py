@@ -81,10 +81,15 @@ class Held:
 
 
 def _steer_to_job(s: socket.socket) -> None:
-    """Attach the steering program to ``s``'s reuseport group (see the module doc)."""
+    """Attach the steering program to ``s``'s reuseport group (see the module doc). Best
+    effort: without it the kernel spreads new connections over the listener and the job's
+    socket while the job comes back, and the listener relays those it gets."""
     code = ctypes.create_string_buffer(_STEER, len(_STEER))
     prog = struct.pack("HP", 1, ctypes.addressof(code))  # struct sock_fprog (native layout)
-    s.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_REUSEPORT_CBPF, prog)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, _SO_ATTACH_REUSEPORT_CBPF, prog)
+    except OSError as exc:
+        log.warning("cannot steer connections to the restored job", extra={"error": str(exc)})
 
 
 def _listen(addr: Address, v6only: bool) -> socket.socket:
