@@ -151,6 +151,7 @@ FIELDS: dict[str, str] = {
     "chunks_deleted": "chunks deleted",
     "bytes_freed": "bytes freed",
     "chunks_kept_young": "unreferenced chunks kept for being younger than the grace",
+    "chunks_kept_referenced": "chunks kept because a kept image uses them",
     "chunk_gc_skipped_writer_active": "chunk collection skipped while a writer was active",
     "dry_run": "whether nothing was deleted",
 }

@@ -2,9 +2,12 @@
 make the fleet's signing key (``keygen``).
 
 Every subcommand prints a human summary, or with ``--json`` nothing but one JSON document on
-stdout. Transfers show a progress bar (bytes, rate, ETA) when stderr is a terminal. Sizes are
-binary units, and an image's size is its manifest's (:mod:`spotguard.progress`): ``list``,
-``verify`` and ``pull`` print the same figure for the same image.
+stdout. ``list``, ``verify`` and ``gc`` work on the agent's store (``[agent] store``,
+``SPOTGUARD_STORE``) when no store URL is given, and ``verify`` takes a job name for that
+job's latest image there. Transfers show a progress bar (bytes, rate, ETA) when stderr is a
+terminal. Sizes are binary units, and an image's size is its manifest's
+(:mod:`spotguard.progress`): ``list``, ``verify`` and ``pull`` print the same figure for the
+same image.
 
 Exit status: 0; 1 a failure (a missing store or image, a corrupt chunk: one line on stderr);
 2 bad usage or configuration (a store whose extra is not installed included).
@@ -21,8 +24,9 @@ from urllib.parse import unquote, urlparse
 
 import click
 
-from spotguard import config
+from spotguard import cli, config
 from spotguard.cli import config_file, verbose_option
+from spotguard.contracts import check_job_name
 from spotguard.errors import ImageCorrupt, StoreError
 from spotguard.image import (
     ImageSettings,
@@ -47,6 +51,16 @@ _VERIFY_EXCLUDE = tuple(
 
 def _settings(flags: dict[str, Any]) -> ImageSettings:
     return config.load(ImageSettings, flags, config_file=config_file(click.get_current_context()))
+
+
+def _store(store_url: str | None) -> str:
+    """STORE_URL, else the store this node's agent writes to (``[agent] store``)."""
+    if store_url:
+        return store_url
+    from spotguard.agent.settings import AgentSettings
+
+    ctx = click.get_current_context()
+    return config.load(AgentSettings, {}, config_file=cli.config(ctx)).store
 
 
 def _emit(data: Any) -> None:
@@ -85,12 +99,13 @@ def images() -> None:
 
 @images.command("list")
 @verbose_option
-@click.argument("store_url")
+@click.argument("store_url", required=False)
 @click.option("--job", help="Only this job's images.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
-def list_cmd(store_url: str, job: str | None, as_json: bool) -> None:
-    """List the images in STORE_URL (newest last per job)."""
+def list_cmd(store_url: str | None, job: str | None, as_json: bool) -> None:
+    """List the images in STORE_URL (default: [agent] store), oldest first per job."""
     settings = _settings({})
+    store_url = _store(store_url)
     _existing(store_url)
     infos = asyncio.run(list_images(store_url, job, settings=settings))
     if as_json:
@@ -99,38 +114,76 @@ def list_cmd(store_url: str, job: str | None, as_json: bool) -> None:
     if not infos:
         click.echo(f"no images in {store_url}")
         return
+    click.echo(f"{'JOB':20} {'IMAGE':32} {'SEQ':5} {'SIZE':32} STATE")
     for i in infos:
         state = "complete" if i.complete else "INCOMPLETE (being written or abandoned)"
         size = fmt_image_size(i.bytes, i.stored_bytes) if i.complete else ""
         lock = " encrypted" if i.encrypted else ""
-        seq = f"seq {i.sequence:<5}" if i.complete else " " * 9
-        click.echo(f"{i.job:20} {i.image_id:32} {seq} {size:32} {state}{lock}")
+        seq = str(i.sequence) if i.complete else "-"
+        click.echo(f"{i.job:20} {i.image_id:32} {seq:5} {size:32} {state}{lock}")
+
+
+def _to_verify(image: str | None, settings: ImageSettings) -> list[str]:
+    """The image URLs ``verify IMAGE`` means: IMAGE itself, a job's latest image in the
+    agent's store, or (no IMAGE) every job's latest image there."""
+    if image and "/" in image:  # a URL or a path (job names have no slash)
+        return [image]
+    store = _store(None).rstrip("/")
+    if image:
+        try:
+            return [f"{store}/{check_job_name(image)}/images/latest"]
+        except ValueError as exc:
+            raise click.BadParameter(
+                f"{exc}; give an image URL (…/JOB/images/ID) or a job of {store}",
+                param_hint="IMAGE",
+            ) from exc
+    _existing(store)
+    infos = asyncio.run(list_images(store, settings=settings))
+    jobs = dict.fromkeys(i.job for i in infos if i.complete)
+    if not jobs:
+        raise StoreError(f"no complete image in {store} ([agent] store) to verify")
+    return [f"{store}/{j}/images/latest" for j in jobs]
+
+
+def _reason(bad: dict[str, Any]) -> str:
+    """Why a chunk is corrupt, without the chunk's and image's names the error repeats."""
+    error = str(bad["error"])
+    return error.rsplit(" is corrupt: ", 1)[-1]
 
 
 @images.command("verify")
 @verbose_option
-@click.argument("image_url")
+@click.argument("image", required=False)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 @config.options(ImageSettings, exclude=_VERIFY_EXCLUDE)
-def verify_cmd(image_url: str, as_json: bool, **flags: Any) -> None:
-    """Fetch and check every chunk of IMAGE_URL (…/JOB/images/ID or …/images/latest)."""
+def verify_cmd(image: str | None, as_json: bool, **flags: Any) -> None:
+    """Fetch and check every chunk of IMAGE: a URL (…/JOB/images/ID or …/images/latest), a
+    job name (its latest image in [agent] store), or nothing (every job's latest there)."""
     settings = _settings(flags)
-    with _progress("verify", as_json) as progress:
-        report = asyncio.run(
-            verify_image(image_url, settings=settings, progress=progress, raise_on_error=False)
-        )
+    reports = []
+    for url in _to_verify(image, settings):
+        with _progress("verify", as_json) as progress:
+            reports.append(
+                asyncio.run(
+                    verify_image(url, settings=settings, progress=progress, raise_on_error=False)
+                )
+            )
     if as_json:
-        _emit(report.to_json())
-    elif report.ok:
-        size = fmt_image_size(*asyncio.run(_totals(report.image_url, settings)))
-        by = f"; authenticated by {report.authenticated}" if report.authenticated else ""
-        click.echo(
-            f"ok: {report.image_url}: {size}; {report.chunks} distinct chunks "
-            f"({fmt_bytes(report.bytes)}) verified{by}"
-        )
-    for bad in report.bad:
-        click.echo(f"corrupt chunk {bad['chunk']} in {bad['files']}: {bad['error']}", err=True)
-    if not report.ok:
+        _emit(reports[0].to_json() if image else [r.to_json() for r in reports])
+    for report in reports:
+        if report.ok and not as_json:
+            size = fmt_image_size(*asyncio.run(_totals(report.image_url, settings)))
+            by = f"; authenticated by {report.authenticated}" if report.authenticated else ""
+            click.echo(
+                f"ok: {report.image_url}: {size}; {report.chunks} distinct chunks "
+                f"({fmt_bytes(report.bytes)}) verified{by}"
+            )
+        for bad in report.bad:
+            where = ", ".join(bad["files"]) if isinstance(bad["files"], list) else bad["files"]
+            click.echo(f"corrupt chunk {bad['chunk'][:12]} in {where}: {_reason(bad)}", err=True)
+    failed = [r for r in reports if not r.ok]
+    if failed:
+        report = failed[0]
         raise ImageCorrupt(
             f"image {report.image_url} has {len(report.bad)} corrupt chunk(s), "
             f"first {report.bad[0]['chunk']}",
@@ -140,7 +193,7 @@ def verify_cmd(image_url: str, as_json: bool, **flags: Any) -> None:
 
 @images.command("gc")
 @verbose_option
-@click.argument("store_url")
+@click.argument("store_url", required=False)
 @click.option("--keep", type=click.IntRange(min=1), required=True, help="Complete images to keep.")
 @click.option("--job", help="Only this job (default: every job in the store).")
 @click.option("--dry-run", is_flag=True, help="Report what would be deleted; delete nothing.")
@@ -153,7 +206,7 @@ def verify_cmd(image_url: str, as_json: bool, **flags: Any) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 @config.options(ImageSettings, exclude=_GC_EXCLUDE)
 def gc_cmd(
-    store_url: str,
+    store_url: str | None,
     keep: int,
     job: str | None,
     dry_run: bool,
@@ -161,8 +214,10 @@ def gc_cmd(
     as_json: bool,
     **flags: Any,
 ) -> None:
-    """Delete all but the newest KEEP complete images per job and unreferenced chunks."""
+    """Delete all but the newest KEEP complete images per job in STORE_URL (default: [agent]
+    store) and the chunks no kept image uses."""
     settings = _settings(flags)
+    store_url = _store(store_url)
     _existing(store_url)
     result = asyncio.run(
         gc(store_url, job, keep, dry_run=dry_run, settings=settings, trust_store=trust_store)
@@ -174,11 +229,28 @@ def gc_cmd(
     click.echo(
         f"{verb} {len(result.images_deleted)} image(s), {result.chunks_deleted} chunk(s) "
         f"({fmt_bytes(result.bytes_freed)}); kept {len(result.images_kept)} image(s)"
+        f"{_chunks_kept(result, settings)}"
     )
     for j in result.skipped_chunks_writer_active:
         click.echo(f"job {j}: a checkpoint is being written; its chunks were left alone")
     for url in result.images_unauthenticated:
         click.echo(f"left alone, does not authenticate under this host's keys: {url}")
+
+
+def _chunks_kept(result: Any, settings: ImageSettings) -> str:
+    """Why chunks stayed: used by a kept image, or unused but younger than the grace."""
+    why = []
+    if result.chunks_kept_referenced:
+        why.append(
+            f"{result.chunks_kept_referenced} used by the {len(result.images_kept)} kept image(s)"
+        )
+    if result.chunks_kept_young:
+        why.append(
+            f"{result.chunks_kept_young} unused but younger than gc_grace_s "
+            f"({settings.gc_grace_s:.0f} s; --gc-grace-s 0 deletes them)"
+        )
+    kept = result.chunks_kept_referenced + result.chunks_kept_young
+    return f" and {kept} chunk(s): {', '.join(why)}" if why else ""
 
 
 @images.command("push")

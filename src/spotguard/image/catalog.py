@@ -90,6 +90,7 @@ class GcResult:
     chunks_deleted: int = 0
     bytes_freed: int = 0
     chunks_kept_young: int = 0
+    chunks_kept_referenced: int = 0
     skipped_chunks_writer_active: list[str] = field(default_factory=list)
     dry_run: bool = False
 
@@ -104,6 +105,7 @@ class GcResult:
             "chunks_deleted": self.chunks_deleted,
             "bytes_freed": self.bytes_freed,
             "chunks_kept_young": self.chunks_kept_young,
+            "chunks_kept_referenced": self.chunks_kept_referenced,
             "chunk_gc_skipped_writer_active": self.skipped_chunks_writer_active,
             "dry_run": self.dry_run,
         }
@@ -350,6 +352,7 @@ async def _gc_job(
     for o in await store.list(chunk_prefix):
         addr = o.key.rsplit("/", 1)[-1]
         if addr in referenced:
+            result.chunks_kept_referenced += 1
             continue
         if now - o.modified < grace:
             result.chunks_kept_young += 1

@@ -247,13 +247,13 @@ class ImageReader:
         self.refetches += 1
         log.warning(
             "chunk failed verification, fetching it again",
-            extra={"image": self.url, "chunk": ref.digest, "error": str(err)},
+            extra={"image": self.url, "chunk": ref.digest, "error": _why(err, ref)},
         )
 
     def _corrupt(self, ref: ChunkRef, exc: ImageCorrupt) -> ImageCorrupt:
         return ImageCorrupt(
             f"image {self.url}: chunk {ref.digest} (in {self._where(ref.digest)}) "
-            f"is corrupt: {exc}",
+            f"is corrupt: {_why(exc, ref)}",
             chunk=ref.digest,
         )
 
@@ -357,3 +357,8 @@ def chunk_plan(manifest: Manifest) -> dict[str, list[tuple[str, int, ChunkRef]]]
             plan.setdefault(c.digest, []).append((f.name, off, c))
             off += c.size
     return plan
+
+
+def _why(err: ImageCorrupt, ref: ChunkRef) -> str:
+    """An error about a chunk without its leading ``chunk <digest>`` (the line names it)."""
+    return str(err).removeprefix(f"chunk {ref.digest} ")
