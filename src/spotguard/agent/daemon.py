@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from typing import IO, Any
 
 from spotguard import operations
+from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.contracts import CheckpointFailedEvent, InstanceInfo, StartedEvent, WireError
@@ -48,11 +49,11 @@ from spotguard.notify import Notifier
 from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
 
-from . import discovery, jobspec, journal, parking, startup
+from . import discovery, identity, jobspec, journal, parking, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
 from .dispatch import NoticeHandling
-from .ledger import Ledger, newest_image, runs_elsewhere, stood_down, stopped_by_us
+from .ledger import Ledger, newest_image, runs_elsewhere, stood_down
 from .metrics import AgentMetrics
 from .policy import Policy
 from .pusher import KeptPusher
@@ -319,13 +320,14 @@ class Agent(NoticeHandling):
             # Stopped by an exit whose image still waits for the store: nothing to protect.
             self._worker(info).state = "pushing"
             return
-        if stopped_by_us(self.ledger, info) or await journal.report_unrecorded_exit(
+        ident = identity.of_job(info, self.ledger.get(info.name))  # None: its process is gone
+        if await journal.ended_by_us(
             info, ledger=self.ledger, store=self.store, instance=self.instance.to_json(),
-            settings=self.image_settings, reporter=self.reporter,
+            settings=self.image_settings, reporter=self.reporter, alive=ident is not None,
         ):  # fmt: skip
             self._worker(info).state = "exited"
             return
-        if parking.parked_away(info, self.checkpoint_settings.state_dir):
+        if ident is None and parking.is_parked(self.checkpoint_settings.state_dir, info.name):
             self._worker(info).state = "parked"  # protected again once unparked
             return
         newest = await self._newest_image(info.name)
@@ -335,21 +337,19 @@ class Agent(NoticeHandling):
             self._worker(info).state = "stood_down"
             self.ledger.put(info.name, info.pid, "stood_down")
             return
+        if ident is None and proctree.alive(info.pid):  # a stranger was given the job's pid
+            self._worker(info).job_ended()
+            return
         last = newest[1] if newest is not None else None
-        worker = self._worker(info, last)
+        worker = self._worker(info, last, ident)
         log.info(
             "protecting job",
             extra={"step": "protect", "job": info.name, "pid": info.pid, "dir": str(info.dir)},
         )
-        self.ledger.put(info.name, info.pid, "protecting")
-        self.reporter.emit(
-            StartedEvent(
-                job=info.name,
-                instance=InstanceInfo.model_validate(self.instance.to_json()),
-                pid=info.pid,
-                store=self.store,
-            )
-        )
+        self.ledger.put(info.name, info.pid, "protecting", ident=ident)
+        where = InstanceInfo.model_validate(self.instance.to_json())
+        started = StartedEvent(job=info.name, instance=where, pid=info.pid, store=self.store)
+        self.reporter.emit(started)
         self.replay_notices(worker)  # notices that came before this job was protected
         watcher = self._spawn(self._liveness(worker), f"alive-{info.name}")
         try:
@@ -357,7 +357,9 @@ class Agent(NoticeHandling):
         finally:
             watcher.cancel()
 
-    def _worker(self, info: JobInfo, last_image_at: float | None = None) -> JobWorker:
+    def _worker(
+        self, info: JobInfo, last: float | None = None, ident: identity.Identity | None = None
+    ) -> JobWorker:  # ident: the job's process (pid and start time), None: pid only
         worker = JobWorker(
             info.name,
             info.pid,
@@ -368,7 +370,8 @@ class Agent(NoticeHandling):
             metrics=self.metrics,
             instance=self.instance.to_json(),
             periodic_interval=self.settings.periodic_interval,
-            last_image_at=last_image_at,
+            last_image_at=last,
+            ident=ident,
         )
         self.workers[info.name] = worker
         return worker
@@ -430,7 +433,8 @@ class Agent(NoticeHandling):
         meta: dict[str, Any],
         on_frozen: operations.OnFrozen,
     ) -> operations.CheckpointResult:
-        with journal.checkpointing(self.ledger, info, mode) as outcome:  # intent, outcome
+        alive = self.workers[info.name].alive
+        with journal.checkpointing(self.ledger, info, mode, alive) as outcome:  # intent, outcome
             try:
                 result = await operations.checkpoint(
                     info, self.store, mode=mode, settings=self.checkpoint_settings,

@@ -21,21 +21,21 @@ from contextlib import contextmanager
 from typing import Any
 
 from spotguard import operations
-from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.contracts import DurableEvent, ExitedEvent, InstanceInfo
 from spotguard.image import ImageSettings
 
-from .ledger import JobState, Ledger, exit_unrecorded
+from .ledger import JobState, Ledger, exit_unrecorded, stopped_by_us
 from .reporter import Reporter
 
 
 @contextmanager
 def checkpointing(
-    ledger: Ledger, info: JobInfo, mode: str
+    ledger: Ledger, info: JobInfo, mode: str, alive: Callable[[], bool]
 ) -> Iterator[Callable[[operations.CheckpointResult], None]]:
     """Journal one checkpoint of ``info``: the intent now, the outcome when the block ends
-    (call the yielded function with the result on success)."""
+    (call the yielded function with the result on success). ``alive``: whether the job's
+    own process runs (by identity)."""
     if mode == "exit":
         ledger.put(info.name, info.pid, "exiting")
 
@@ -51,9 +51,30 @@ def checkpointing(
         ledger.put(info.name, info.pid, "pushing")  # stopped; its image waits for the store
         raise
     except BaseException:
-        if mode == "exit" and proctree.alive(info.pid):
+        if mode == "exit" and alive():
             ledger.put(info.name, info.pid, "protecting")  # the engine brought it back
         raise
+
+
+async def ended_by_us(
+    info: JobInfo,
+    *,
+    ledger: Ledger,
+    store: str,
+    instance: dict[str, Any],
+    settings: ImageSettings,
+    reporter: Reporter,
+    alive: bool,
+) -> bool:
+    """Whether ``info`` is a dead job this agent's exit checkpoint stopped: recorded
+    (:func:`~spotguard.agent.ledger.stopped_by_us`) or not (:func:`report_unrecorded_exit`).
+    ``alive``: whether the job's own process runs (by identity, not by pid alone)."""
+    if stopped_by_us(ledger, info, alive):
+        return True
+    return await report_unrecorded_exit(
+        info, ledger=ledger, store=store, instance=instance, settings=settings,
+        reporter=reporter, alive=alive,
+    )  # fmt: skip
 
 
 async def report_unrecorded_exit(
@@ -64,11 +85,13 @@ async def report_unrecorded_exit(
     instance: dict[str, Any],
     settings: ImageSettings,
     reporter: Reporter,
+    alive: bool,
 ) -> bool:
     """Whether ``info`` was stopped by an exit checkpoint whose outcome was never recorded;
-    if so, record it and report its image (see the module doc)."""
+    if so, record it and report its image (see the module doc). ``alive``: whether the
+    job's own process runs (by identity)."""
     where = InstanceInfo.model_validate(instance)
-    found = await exit_unrecorded(ledger, info, store, where.instance_id, settings)
+    found = await exit_unrecorded(ledger, info, store, where.instance_id, settings, alive)
     if found is None:
         return False
     url, frozen_at = found

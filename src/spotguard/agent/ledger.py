@@ -20,10 +20,11 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, exit_status
 from spotguard.errors import SpotguardError
 from spotguard.image import ImageReader, ImageSettings, latest_image
+
+from .identity import Identity
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +44,9 @@ class JobRecord(BaseModel):
     image_url: str | None = None
     image_at: float | None = None  # when that image's state was in host memory
     updated: float = 0.0
+    # the job's identity with ``pid`` (:mod:`spotguard.agent.identity`): start time, boot
+    start: int | None = None
+    boot: str | None = None
 
 
 class Ledger:
@@ -72,12 +76,17 @@ class Ledger:
         *,
         image_url: str | None = None,
         image_at: float | None = None,
+        ident: Identity | None = None,
     ) -> None:
-        """Record ``state`` (keeping the last image when none is given); best effort — a
-        failure is logged (the job's image and the controller's record still hold)."""
+        """Record ``state`` (keeping the last image when none is given, and the identity
+        recorded for this pid when ``ident`` is None); best effort — a failure is logged
+        (the job's image and the controller's record still hold)."""
         old = self.get(job)
         if image_url is None and old is not None:
             image_url, image_at = old.image_url, old.image_at
+        start, boot = (ident.start, ident.boot) if ident is not None else (None, None)
+        if ident is None and old is not None and old.pid == pid:
+            start, boot = old.start, old.boot
         rec = JobRecord(
             job=job,
             pid=pid,
@@ -85,6 +94,8 @@ class Ledger:
             image_url=image_url,
             image_at=image_at,
             updated=time.time(),
+            start=start,
+            boot=boot,
         )
         try:
             self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -97,10 +108,11 @@ class Ledger:
             )
 
 
-def stopped_by_us(ledger: Ledger, info: JobInfo) -> bool:
-    """A dead job with no exit status that this agent's exit checkpoint stopped (its record
-    says so): not "finished by itself"."""
-    if proctree.alive(info.pid) or exit_status(info) is not None:
+def stopped_by_us(ledger: Ledger, info: JobInfo, alive: bool) -> bool:
+    """A dead job (``alive``: whether the job's own process runs, by identity) with no exit
+    status that this agent's exit checkpoint stopped (its record says so): not "finished by
+    itself"."""
+    if alive or exit_status(info) is not None:
         return False
     rec = ledger.get(info.name)
     if rec is None or rec.pid != info.pid or rec.state not in ("exited", "pushing"):
@@ -113,15 +125,21 @@ def stopped_by_us(ledger: Ledger, info: JobInfo) -> bool:
 
 
 async def exit_unrecorded(
-    ledger: Ledger, info: JobInfo, store: str, instance_id: str | None, settings: ImageSettings
+    ledger: Ledger,
+    info: JobInfo,
+    store: str,
+    instance_id: str | None,
+    settings: ImageSettings,
+    alive: bool,
 ) -> tuple[str | None, float | None] | None:
     """An exit checkpoint of this very incarnation that stopped the job without the agent
     recording it (killed the instant the job stopped): the job is dead with no exit status,
     the record for its pid says ``protecting`` or ``exiting``, and the store's newest image
     is an exit image of that pid from this instance. Returns (image URL, frozen_at); with
     an ``exiting`` intent and no such image, (None, None): stopped by us, no image — the
-    controller then falls back to the newest image. None: not stopped by us."""
-    if proctree.alive(info.pid) or exit_status(info) is not None:
+    controller then falls back to the newest image. None: not stopped by us. ``alive``:
+    whether the job's own process runs (by identity, not by pid alone)."""
+    if alive or exit_status(info) is not None:
         return None
     rec = ledger.get(info.name)
     if rec is None or rec.pid != info.pid or rec.state not in ("protecting", "exiting"):

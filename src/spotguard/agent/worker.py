@@ -50,6 +50,7 @@ from spotguard.errors import (
 from spotguard.notices.base import Notice, NoticeKind
 from spotguard.operations import CheckpointResult, ImageKept
 
+from .identity import Identity
 from .metrics import AgentMetrics
 from .policy import Action
 from .reporter import Reporter
@@ -111,9 +112,11 @@ class JobWorker:
         instance: dict[str, Any],
         periodic_interval: float = 0.0,
         last_image_at: float | None = None,
+        ident: Identity | None = None,
     ) -> None:
         self.name = name
         self.pid = pid
+        self.ident = ident  # the job's process: pid and start time (alive() compares it)
         self.checkpointer = checkpointer
         self.reporter = reporter
         self.metrics = metrics
@@ -277,6 +280,10 @@ class JobWorker:
         return True
 
     def alive(self) -> bool:
+        """Whether the job's own process runs: by identity (pid and start time) when the
+        agent recorded it, so a stranger given the job's pid is never taken for the job."""
+        if self.ident is not None:
+            return self.ident.alive()
         try:
             return psutil.Process(self.pid).status() != psutil.STATUS_ZOMBIE
         except psutil.Error:
@@ -290,6 +297,10 @@ class JobWorker:
         self.pending.clear()
 
     async def _execute(self, req: Request) -> None:
+        if not self.alive():  # gone since the last liveness look (its pid may be another's)
+            self.pending[req.key] = req  # its waiters hear "finished" with the others
+            self.job_ended()
+            return
         mode: CheckpointMode = "exit" if req.action is Action.EXIT else "resume"
         notice_json = req.notice.to_json() if req.notice else None
         seen = req.notice.received_at.timestamp() if req.notice else time.time()
