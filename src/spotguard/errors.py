@@ -439,3 +439,14 @@ class DemoError(SpotguardError):
         super().__init__(f"{step}: {message}")
         self.step = step
         self.reason = message
+
+
+def without_type(message: str) -> str:
+    """``"PreflightError: criu … is not an executable"`` → ``"criu … is not an executable"``:
+    a message that crossed an API or a report with its error type in front (for machines),
+    as a person reads it. Only the names of this module's errors are taken off."""
+    head, sep, rest = message.partition(": ")
+    cls = globals().get(head) if sep else None
+    if isinstance(cls, type) and issubclass(cls, SpotguardError):
+        return rest
+    return message

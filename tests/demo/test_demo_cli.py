@@ -121,6 +121,8 @@ def test_a_broken_link_fails_loudly_and_leaves_nothing_running(
     assert failed, r.stdout
     assert f"demo FAILED at {step}:" in failed[0]
     assert says in r.stdout
+    # a sentence, not a Python dict of the agent's report nor an error type's name
+    assert "{'" not in failed[0] and "Error:" not in failed[0], failed[0]
     assert "PROOF" not in r.stdout
     assert "work dir kept for inspection" in r.stdout
     assert leftovers(run) == []

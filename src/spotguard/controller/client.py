@@ -8,7 +8,7 @@ from typing import Any
 
 import aiohttp
 
-from spotguard.errors import AuthError, ControllerError, JobNotFound
+from spotguard.errors import AuthError, ControllerError, JobNotFound, without_type
 
 
 class ControllerClient:
@@ -52,10 +52,13 @@ class ControllerClient:
                 status = r.status
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise ControllerError(f"controller at {self.url} unreachable: {exc!r}") from exc
+        error = without_type(str(data.get("error")))  # read by people: no type name
         if status in (401, 403):
-            raise AuthError(f"controller refused the token: {data.get('error')}")
+            raise AuthError(f"controller refused the token: {error}")
         if status == 404:
-            raise JobNotFound(str(data.get("error")))
+            raise JobNotFound(error)
+        if status in (400, 409):
+            raise ControllerError(f"the controller refused: {error}")
         if status >= 400:
-            raise ControllerError(f"controller answered {status}: {data.get('error')}")
+            raise ControllerError(f"the controller failed (HTTP {status}): {error}")
         return data

@@ -19,7 +19,7 @@ from typing import Any
 from spotguard.controller.client import ControllerClient
 from spotguard.demo.report import MIB
 from spotguard.demo.ui import Ui
-from spotguard.errors import DemoError, JobNotFound, SpotguardError
+from spotguard.errors import DemoError, JobNotFound, SpotguardError, without_type
 from spotguard.store import open_store
 
 View = dict[str, Any]
@@ -88,8 +88,7 @@ class Follower:
 
     def _failed(self, row: dict[str, Any], step: str) -> None:
         ev = _event(row)
-        err = str((row.get("detail") or {}).get("error") or row.get("reason") or "no reason")
-        first = err.splitlines()[0] if err else err
+        first = _readable((row.get("detail") or {}).get("error") or row.get("reason"))
         if ev == "checkpoint_failed":
             raise DemoError("freeze", f"the checkpoint failed on {self._where(row)}: {first}")
         if ev == "restore_failed":
@@ -162,3 +161,12 @@ async def store_bytes(store_url: str, prefix: str, ui: Ui, stop: asyncio.Event) 
                 await asyncio.wait_for(stop.wait(), 0.25)
     finally:
         await store.aclose()
+
+
+def _readable(error: Any) -> str:
+    """An agent's reported error (a WireError's fields, or text) as one line a person reads:
+    its message, without the error type in front."""
+    if isinstance(error, dict):
+        error = error.get("message") or error.get("code")
+    text = str(error or "no reason").strip()
+    return without_type(text.splitlines()[0] if text else "no reason")
