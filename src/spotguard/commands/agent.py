@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import signal
 import socket
 from pathlib import Path
@@ -36,6 +37,8 @@ from spotguard.notices.settings import NoticeSettings
 from spotguard.notify import Notifier, NotifySettings
 from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
+
+log = logging.getLogger(__name__)
 
 __all__ = ["agent", "drain", "logs", "status"]
 
@@ -200,22 +203,55 @@ def status(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
         f"agent pid {a['pid']} cloud {a['cloud'] or 'none'} store {a['store']} "
         f"controller {a['controller'] or '-'} (reports pending: {a['reports_pending']})"
     )
-    for j in answer["jobs"]:
-        last = j.get("last_image") or {}
+    parked = answer.get("parked", [])
+    jobs = [j for j in answer["jobs"] if j["job"] not in {p["job"] for p in parked}]
+    unknown = [j["job"] for j in jobs if not j.get("last_image")]
+    in_store = _store_images(ctx, a["store"], unknown) if unknown else {}
+    for j in jobs:
         act = j.get("activity") or {}
         click.echo(
             f"  {j['job']:24} pid {j['pid']:<8} {j['state']:13} "
-            f"last image {last.get('url', '-')} ({last.get('frozen_at', 'never')})"
+            f"{_last_image(j.get('last_image'), in_store.get(j['job']))}"
             + (f" now: {act.get('step')} for {act.get('notice')}" if act else "")
         )
         for p in j.get("pending", []):
             click.echo(f"      pending {p['notice']} {p['action']} at {p['start_at']}")
         for why in j.get("cannot_checkpoint", []):
             click.echo(f"      cannot be checkpointed as it is: {why}")
-    if not answer["jobs"]:
+    if not jobs and not parked:
         click.echo("  no job protected")
-    for p in answer.get("parked", []):
+    for p in parked:  # one row per parked job (the agent also lists it among its jobs)
         click.echo(
             f"  {p['job']:24} parked in {p['place']} ({p['where']}) since {p['since']}"
             + (f": {p['reason']}" if p["reason"] else "")
         )
+
+
+def _last_image(last: dict[str, Any] | None, in_store: str | None) -> str:
+    """The status row's image: the agent's newest, else the newest in the store."""
+    if last:
+        return f"last image {last.get('url', '-')} ({last.get('frozen_at', '?')})"
+    if in_store:
+        return f"last image {in_store} (in the store)"
+    return "no image yet"
+
+
+def _store_images(ctx: click.Context, store: str, jobs: list[str]) -> dict[str, str]:
+    """The newest image in the store of each of ``jobs`` the agent wrote none of (written
+    before it started, or by ``spotguard checkpoint``); none where the store does not answer
+    within a few seconds (status never hangs on it)."""
+    from spotguard.image.catalog import latest_image
+
+    settings = load(ImageSettings, {}, config_file=config(ctx))
+
+    async def one(job: str) -> str | None:
+        try:
+            return await asyncio.wait_for(latest_image(store, job, settings=settings), 5.0)
+        except (SpotguardError, TimeoutError, ValueError) as exc:
+            log.debug("no store image for status", extra={"job": job, "error": str(exc)})
+            return None
+
+    async def every() -> list[str | None]:
+        return await asyncio.gather(*(one(j) for j in jobs))
+
+    return {j: url for j, url in zip(jobs, asyncio.run(every()), strict=True) if url}
