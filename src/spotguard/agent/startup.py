@@ -30,6 +30,7 @@ from spotguard import operations
 from spotguard.checkpoint import cuda
 from spotguard.checkpoint.engine import MARKER
 from spotguard.checkpoint.jobs import JobInfo, list_jobs
+from spotguard.checkpoint.marker import fallback_markers
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import ConfigError, SpotguardError
 from spotguard.image import ImageSettings
@@ -116,6 +117,10 @@ def _jobs_with_a_marker(settings: CheckpointSettings) -> list[JobInfo]:
         except (OSError, ValueError, TypeError, AttributeError):
             pid = 0
         jobs[name] = JobInfo(name=name, pid=pid, dir=marker.parent)
+    for jdir, data in fallback_markers():  # markers the job's directory could not take
+        job_pid = data.get("job_pid")
+        if jdir.parent == root and jdir.name not in jobs and isinstance(job_pid, int):
+            jobs[jdir.name] = JobInfo(name=jdir.name, pid=job_pid, dir=jdir)
     return list(jobs.values())
 
 

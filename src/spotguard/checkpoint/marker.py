@@ -17,23 +17,38 @@ Format (JSON, written atomically)::
 ``agent_start`` is the writer's start time (clock ticks after boot, ``/proc/PID/stat``): with
 ``agent_pid`` the writer's identity, so a marker whose writer died and whose pid was given to
 another process is recognised as stale, not as a freeze still in progress.
+
+A job directory that cannot be written (the state dir full of the job's own output, or
+read-only) never aborts a checkpoint here: the marker then goes to :data:`FALLBACK_DIR`
+(``/run/spotguard/markers``, root's, in memory; one file per job directory, naming it, so
+:func:`fallback_markers` lets a restarted agent find it), and when that cannot be written
+either the freeze goes on without one (an error line: a freeze killed midway is then not
+brought back by a restarted agent). The image is what matters; the marker is a record.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from spotguard.errors import JobError
+from spotguard import safefs
+from spotguard.errors import JobError, UnsafePath
 
 from .jobs import JobInfo
 from .procfacts import same_process, start_time
 
 MARKER = "operation.json"
+#: where a marker goes when the job's directory cannot be written (root's, in memory)
+FALLBACK_DIR = Path("/run/spotguard/markers")
+
+log = logging.getLogger(__name__)
 
 
 def _ints(value: Any, default: list[int]) -> list[int]:
@@ -77,12 +92,33 @@ class MarkerRecord:
         return other if same_process(other, self.agent_start) else None
 
 
+def fallback_path(job_dir: Path) -> Path:
+    """Where the marker of the job in ``job_dir`` goes when that directory cannot be
+    written (named after the directory: two state dirs may hold jobs of one name)."""
+    digest = hashlib.sha256(str(os.path.abspath(job_dir)).encode()).hexdigest()[:16]
+    return FALLBACK_DIR / f"{job_dir.name}-{digest}.json"
+
+
+def fallback_markers() -> list[tuple[Path, dict[str, Any]]]:
+    """Every marker in :data:`FALLBACK_DIR`: (its job's directory, its record)."""
+    out = []
+    for path in sorted(FALLBACK_DIR.glob("*.json")) if FALLBACK_DIR.is_dir() else []:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(data, dict) and isinstance(data.get("dir"), str):
+            out.append((Path(data["dir"]), data))
+    return out
+
+
 class FreezeMarker:
-    """The marker of one job (``<job dir>/operation.json``)."""
+    """The marker of one job (``<job dir>/operation.json``, else :func:`fallback_path`)."""
 
     def __init__(self, job: JobInfo) -> None:
         self.job = job
         self.path: Path = job.dir / MARKER
+        self.fallback: Path = fallback_path(job.dir)
 
     def take(self, mode: str) -> None:
         """Claim the job for a freeze; :class:`JobError` if another live process holds it."""
@@ -108,17 +144,57 @@ class FreezeMarker:
         self._write(replace(current, gpu_pids=gpu_pids, tree=tree))
 
     def read(self) -> MarkerRecord | None:
-        """The record, or None when there is none (or it cannot be read)."""
-        try:
-            data = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            return None
-        return MarkerRecord.from_json(data, self.job) if isinstance(data, dict) else None
+        """The record, or None when there is none (or it cannot be read). The fallback
+        first: it exists only while the job directory could not be written."""
+        for path in (self.fallback, self.path):
+            try:
+                data = json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+            if isinstance(data, dict):
+                return MarkerRecord.from_json(data, self.job)
+        return None
 
     def clear(self) -> None:
-        self.path.unlink(missing_ok=True)
+        for path in (self.fallback, self.path):
+            try:
+                path.unlink(missing_ok=True)
+            except OSError as exc:  # a read-only job directory: the marker stays, logged
+                log.warning(
+                    "cannot remove the freeze marker",
+                    extra={"job": self.job.name, "file": str(path), "error": str(exc)},
+                )
 
     def _write(self, record: MarkerRecord) -> None:
-        tmp = self.job.dir / f".{MARKER}.tmp"
-        tmp.write_text(json.dumps(asdict(record)))
-        os.replace(tmp, self.path)
+        """Write the record atomically into the job directory; where that fails, into the
+        fallback; where both fail, log and go on (see the module doc)."""
+        data = json.dumps(asdict(record))
+        try:
+            tmp = self.job.dir / f".{MARKER}.tmp"
+            try:
+                tmp.write_text(data)
+                os.replace(tmp, self.path)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    tmp.unlink(missing_ok=True)
+                raise
+            with contextlib.suppress(OSError):
+                self.fallback.unlink(missing_ok=True)
+            return
+        except OSError as exc:
+            first = exc
+        body = {**json.loads(data), "job": self.job.name, "dir": str(self.job.dir)}
+        try:
+            safefs.ensure_private_dir(FALLBACK_DIR)
+            safefs.write_file(self.fallback, json.dumps(body).encode())
+        except (OSError, UnsafePath) as exc:
+            log.error(
+                "cannot write the freeze marker anywhere; freezing without one (a freeze "
+                "killed midway is then not brought back by a restarted agent)",
+                extra={"job": self.job.name, "file": str(self.path), "error": str(exc)},
+            )
+            return
+        log.warning(
+            "cannot write the freeze marker in the job's directory; it is kept in memory",
+            extra={"job": self.job.name, "file": str(self.fallback), "error": str(first)},
+        )

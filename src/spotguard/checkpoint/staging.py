@@ -11,6 +11,7 @@ one back. The streaming targets of :mod:`spotguard.stream` implement the same pr
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import shutil
@@ -103,8 +104,11 @@ def _free_bytes(path: Path) -> int:
     return st.f_bavail * st.f_frsize
 
 
-def plan_staging(need_bytes: int, shm_root: Path, disk_root: Path, margin: int) -> StagingPlan:
-    """tmpfs when available RAM and the tmpfs both hold ``need_bytes`` + ``margin``, else disk.
+def plan_staging(
+    need_bytes: int, shm_root: Path, disk_root: Path, margin: int, *, memory: bool = True
+) -> StagingPlan:
+    """tmpfs when available RAM and the tmpfs both hold ``need_bytes`` + ``margin``, else disk
+    (always disk with ``memory=False``: a dump into the tmpfs ran out of room).
 
     ``need_bytes`` is the host memory the freeze adds: for a GPU job about 2 x GPU state (the
     copy in the process, then the image) + the CPU memory image.
@@ -112,11 +116,13 @@ def plan_staging(need_bytes: int, shm_root: Path, disk_root: Path, margin: int) 
     ram = int(psutil.virtual_memory().available)
     shm = _free_bytes(shm_root)
     free = min(ram, shm)
-    if need_bytes + margin <= free:
+    if memory and need_bytes + margin <= free:
         reason = f"fits in memory: need {need_bytes} + margin {margin} <= free {free}"
         return StagingPlan("tmpfs", str(shm_root), need_bytes, free, reason)
     disk_free = _free_bytes(disk_root)
     reason = f"memory too small: need {need_bytes} + margin {margin} > free {free}"
+    if not memory:
+        reason = f"the in-memory staging ran out of room (free now {free})"
     if need_bytes > disk_free:
         raise CheckpointError(
             f"no room to stage the image: need {need_bytes} bytes, memory has {free}, "
@@ -138,8 +144,10 @@ class DirectoryTarget:
         disk_root: Path = Path("/var/lib/spotguard/staging"),
         margin: int = 512 * 1024 * 1024,
         key: seal.HostKey | None = None,
+        memory: bool = True,
     ) -> None:
         self._given = path
+        self.memory = memory  # False: never the tmpfs (a dump there ran out of room)
         self.key = key
         self._dir: Path | None = path
         self._created = False
@@ -170,7 +178,9 @@ class DirectoryTarget:
             safefs.ensure_private_dir(d)
             self.plan = StagingPlan("dir", str(d), need_bytes, _free_bytes(d), "given directory")
         else:
-            plan = plan_staging(need_bytes, self.shm_root, self.disk_root, self.margin)
+            plan = plan_staging(
+                need_bytes, self.shm_root, self.disk_root, self.margin, memory=self.memory
+            )
             stamp = datetime.now(UTC).strftime("%Y%m%dT%H%M%S%fZ")
             d = Path(plan.path) / f"{job}-{stamp}"
             root = safefs.private_dir(Path(plan.path))
@@ -206,6 +216,17 @@ class DirectoryTarget:
             shutil.rmtree(self._dir, ignore_errors=True)
         else:
             (self._dir / META_NAME).unlink(missing_ok=True)
+
+    def ran_out_of_memory_room(self, exc: BaseException) -> bool:
+        """Whether a dump staged in the tmpfs failed for lack of room there (ENOSPC named by
+        the failure, or the tmpfs holds less than the image now that the dump's files are
+        gone): disk staging may still take it."""
+        if self.plan is None or self.plan.mode != "tmpfs":
+            return False
+        text = f"{exc} {exc.__cause__ or ''}"
+        if "No space left" in text or getattr(exc, "errno", None) == errno.ENOSPC:
+            return True
+        return _free_bytes(self.shm_root) < self.plan.need_bytes + self.margin
 
 
 class DirectorySource:

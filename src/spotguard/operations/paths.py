@@ -23,6 +23,11 @@ the staged path runs after the streamed one when
    ``exit`` mode. The engine raised, and its contract is that a failed freeze leaves the job
    running; a staged copy can then wait on this host for the store.
 
+Within the staged path, a dump staged in the tmpfs that runs out of room there (``ENOSPC``,
+or the tmpfs now holds less than the image: something else filled it) is done again staged
+on disk (``disk_staging_dir``) while the deadline leaves time; the engine brought the job
+back, so nothing was stopped.
+
 The streamed path's errors are its own typed errors: a CRIU failure caused by the store (CRIU
 only sees its pipe close) is raised as the store's error.
 """
@@ -32,6 +37,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import shutil
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -256,22 +262,49 @@ class _RecordingTarget:
     async def finish(self, meta: ImageMeta) -> None:
         await self.inner.finish(meta)
         a, now = self.attempt, time.time()
-        self.kept = await asyncio.to_thread(
-            a.kept.keep,
-            job=a.job.name,
-            images_dir=self.inner.images_dir,
-            store_url=a.store_url,
-            mode=a.mode,
-            meta=image_meta(a.meta, meta, now),
-            level=a.level,
-            frozen_at=now,
-        )
+        fields: dict[str, Any] = {
+            "job": a.job.name,
+            "images_dir": self.inner.images_dir,
+            "store_url": a.store_url,
+            "mode": a.mode,
+            "meta": image_meta(a.meta, meta, now),
+            "level": a.level,
+            "frozen_at": now,
+        }
+        try:
+            self.kept = await asyncio.to_thread(a.kept.keep, **fields)
+        except CheckpointError as exc:
+            # A state dir that cannot be written (full, read-only) never costs the image:
+            # the sealed staged copy is adopted from its staging root by a restarted agent.
+            log.warning(
+                "cannot record the staged image; going on without the record",
+                extra={"job": a.job.name, "step": "freeze", "error": str(exc)},
+            )
+            self.kept = KeptImage(
+                record=a.kept.folder / f"{a.job.name}-{self.inner.images_dir.name}.json",
+                dir=fields.pop("images_dir"),
+                kept_at=now,
+                **fields,
+            )
 
     async def abort(self) -> None:
         if self.kept is not None:
             self.kept.record.unlink(missing_ok=True)
             self.kept = None
         await self.inner.abort()
+
+
+async def _release(a: Attempt, kept: KeptImage) -> None:
+    """Drop a staged copy no longer needed; a record that cannot be removed (a read-only
+    state dir) is logged, never a failed checkpoint (the next agent finds it pushed)."""
+    try:
+        await a.kept.release(kept)
+    except OSError as exc:
+        log.warning(
+            "cannot remove the staged image's record",
+            extra={"job": a.job.name, "file": str(kept.record), "error": str(exc)},
+        )
+        await asyncio.to_thread(shutil.rmtree, kept.dir, True)
 
 
 class StagedPath:
@@ -284,19 +317,42 @@ class StagedPath:
     async def prepare(self, a: Attempt) -> None:
         return None
 
-    async def run(self, a: Attempt) -> CheckpointResult:
+    @staticmethod
+    def _target(a: Attempt, *, memory: bool = True) -> _RecordingTarget:
         s = a.settings
-        t0 = time.monotonic()
-        target = _RecordingTarget(
-            DirectoryTarget(
-                shm_root=s.shm_dir,
-                disk_root=s.disk_staging_dir,
-                margin=s.memory_margin,
-                key=seal.HostKey.for_state(s.state_dir),
-            ),
-            a,
+        inner = DirectoryTarget(
+            shm_root=s.shm_dir,
+            disk_root=s.disk_staging_dir,
+            margin=s.memory_margin,
+            key=seal.HostKey.for_state(s.state_dir),
+            memory=memory,
         )
-        fr = await a.engine.freeze(a.job, target, a.mode)
+        return _RecordingTarget(inner, a)
+
+    async def _freeze(self, a: Attempt, t0: float) -> tuple[FreezeResult, _RecordingTarget]:
+        """The engine's freeze into a staging directory; one that ran out of room in the
+        tmpfs is done again on disk while the deadline leaves time (the engine brought the
+        job back: nothing was stopped)."""
+        target = self._target(a)
+        try:
+            return await a.engine.freeze(a.job, target, a.mode), target
+        except (CheckpointError, OSError) as exc:
+            left = None if a.budget_s is None else a.budget_s - (time.monotonic() - t0)
+            if not target.inner.ran_out_of_memory_room(exc) or (left is not None and left <= 0):
+                raise
+            log.warning(
+                "the in-memory staging ran out of room during the dump; staging on disk",
+                extra={
+                    "job": a.job.name, "step": "freeze", "dir": str(a.settings.disk_staging_dir),
+                    "error": str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                },
+            )  # fmt: skip
+        target = self._target(a, memory=False)
+        return await a.engine.freeze(a.job, target, a.mode), target
+
+    async def run(self, a: Attempt) -> CheckpointResult:
+        t0 = time.monotonic()
+        fr, target = await self._freeze(a, t0)
         frozen = a.frozen(fr)
         assert target.kept is not None  # finish() ran: the freeze succeeded
         kept = a.kept.update(
@@ -317,7 +373,7 @@ class StagedPath:
         except (Exception, asyncio.CancelledError) as exc:
             await self._not_pushed(a, kept, exc)
             raise
-        await a.kept.release(kept)
+        await _release(a, kept)
         return CheckpointResult.of(
             frozen, Landed(push.image_url, push.stats, fr.timeline, time.time(), False)
         )
@@ -331,7 +387,7 @@ class StagedPath:
         if isinstance(exc, asyncio.CancelledError):
             return  # the record stays: the next agent pushes the image
         if a.mode is not Mode.EXIT:
-            await a.kept.release(kept)
+            await _release(a, kept)
             if isinstance(exc, SpotguardError):
                 return
             kind = StepTimeout if late else CheckpointError
