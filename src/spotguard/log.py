@@ -154,6 +154,7 @@ FIELDS: dict[str, str] = {
     "chunks_kept_referenced": "chunks kept because a kept image uses them",
     "chunk_gc_skipped_writer_active": "chunk collection skipped while a writer was active",
     "dry_run": "whether nothing was deleted",
+    "pending": "how many deliveries were still pending (webhooks dropped at shutdown)",
 }
 
 _STD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}
