@@ -13,6 +13,8 @@ Settings (``[notify]``, ``SPOTGUARD_*``): ``webhook_url`` (a list: each gets the
 
 Delivery never blocks or fails the caller: :meth:`Notifier.notify` queues a task; a failed POST
 is retried (3 attempts, 1 s then 2 s apart) and then logged (``step: notify``) and counted. A
+job's notifications go out one after the other in the order they happened (``durable`` is
+never posted before its ``frozen`` is delivered or given up); other jobs' do not wait. A
 notification is a courtesy, not the record: the controller's history and the agent's reports
 are. :meth:`Notifier.aclose` lets queued notifications go out before a daemon exits.
 """
@@ -201,6 +203,7 @@ class Notifier:
         self.sent = 0
         self.failed = 0
         self._tasks: set[asyncio.Task[None]] = set()
+        self._last: dict[str, asyncio.Task[None]] = {}  # per job: the newest, to queue behind
         self._session: aiohttp.ClientSession | None = None
 
     @property
@@ -212,9 +215,18 @@ class Notifier:
         needs a running event loop (the daemons' own)."""
         if not self.enabled or n.event not in self.settings.notify_events:
             return
-        task = asyncio.get_running_loop().create_task(self._deliver(n), name=f"notify-{n.event}")
+        before = self._last.get(n.job)
+        task = asyncio.get_running_loop().create_task(
+            self._deliver(n, after=before), name=f"notify-{n.event}"
+        )
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        self._last[n.job] = task
+        task.add_done_callback(lambda t: self._done(n.job, t))
+
+    def _done(self, job: str, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if self._last.get(job) is task:
+            del self._last[job]
 
     def controller_transition(self, before: StrEnum | None, rec: JobView) -> None:
         """:meth:`notify` for a controller job's state change (the state DB calls this)."""
@@ -229,16 +241,24 @@ class Notifier:
             self.notify(n)
 
     async def aclose(self, timeout_s: float = 10.0) -> None:
-        """Let queued notifications go out (at most ``timeout_s``), then close."""
+        """Let queued notifications go out (at most ``timeout_s``), then close; those still
+        pending are dropped with one log line saying how many."""
         if self._tasks:
             await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        if self._tasks:
+            log.warning(
+                "webhook deliveries still pending at shutdown were dropped",
+                extra={"step": "stop", "pending": len(self._tasks), "seconds": timeout_s},
+            )
         for task in list(self._tasks):
             task.cancel()
         if self._session is not None:
             await self._session.close()
             self._session = None
 
-    async def _deliver(self, n: Notification) -> None:
+    async def _deliver(self, n: Notification, after: asyncio.Task[None] | None = None) -> None:
+        if after is not None:  # the job's previous notification first (delivered or given up)
+            await asyncio.wait([after])
         body = n.model_dump(mode="json")
         posts = [(url, body) for url in self.settings.webhook_url]
         posts += [(url, slack_message(n)) for url in self.settings.slack_webhook_url]

@@ -3,8 +3,8 @@
 1. :func:`lock_state_dir` — one agent per state dir: a second one is refused with a clear
    message (two agents on one state dir would both report on, and checkpoint, the same jobs).
 2. :func:`check_store` — the store URL is usable here (a bucket named, the SDK of its scheme
-   installed, a ``file://`` directory creatable): the agent refuses to start rather than fail
-   at the first notice, after the job was stopped.
+   installed, the bucket there and readable, a ``file://`` directory creatable): the agent
+   refuses to start rather than fail at the first notice, after the job was stopped.
 3. :func:`recover_interrupted` — a job a killed agent (or CLI) left mid-freeze is brought back
    by the engine (``recover``, from the engine's ``operation.json`` marker: the one marker).
 4. :func:`warm_gpu` — the driver's checkpoint API and NVML are loaded at start, in the
@@ -32,7 +32,7 @@ from spotguard.checkpoint.engine import MARKER
 from spotguard.checkpoint.jobs import JobInfo, list_jobs
 from spotguard.checkpoint.marker import fallback_markers
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.errors import ConfigError, SpotguardError
+from spotguard.errors import ConfigError, SpotguardError, StoreError, StoreUnavailable
 from spotguard.image import ImageSettings
 from spotguard.image.keys import ImageKeys
 from spotguard.store import open_store
@@ -79,6 +79,29 @@ def _writable_dir(url: str, root: Path) -> None:
         raise ConfigError(f"store {url}: {root} is not writable")
 
 
+#: how long the start-up look at a bucket may take (a store down now is only a warning)
+BUCKET_CHECK_S = 15.0
+
+
+async def _bucket_exists(url: str) -> None:
+    """One listing of an unused prefix: a bucket that does not exist, or that these
+    credentials may not read, is a :class:`ConfigError` now, not a failed image at the first
+    notice; a store that does not answer now (it may come back) is a warning."""
+    store = open_store(url)
+    try:
+        async with asyncio.timeout(BUCKET_CHECK_S):
+            await store.list(".spotguard-start-check/")
+    except (StoreUnavailable, TimeoutError) as exc:
+        log.warning(
+            "the store does not answer now; going on (images wait for it)",
+            extra={"step": "start", "store": url, "error": str(exc) or "timed out"},
+        )
+    except StoreError as exc:
+        raise ConfigError(f"store {url}: {exc}") from exc
+    finally:
+        await store.aclose()
+
+
 def _module_present(name: str) -> bool:
     try:
         return importlib.util.find_spec(name) is not None
@@ -98,6 +121,7 @@ async def check_store(url: str, image: ImageSettings) -> None:
                 f"store {url} needs {module}, which is not installed: "
                 f"pip install 'spotguard[{extra}]'"
             )
+        await _bucket_exists(url)
     elif scheme in ("", "file"):
         await asyncio.to_thread(_writable_dir, url, Path(unquote(urlparse(url).path) or url))
     ImageKeys.from_settings(image)  # an unreadable key is a ConfigError now, not at a notice
