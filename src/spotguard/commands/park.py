@@ -239,7 +239,7 @@ def park_wake(ctx: click.Context, /, job: str, **flags: Any) -> None:
                 record.save(c.cs.state_dir, now.model_copy(update={"waker_pid": os.getpid()}))
 
     async def wake_job() -> None:
-        await core.unpark(
+        done = await core.unpark(
             job,
             engine=c.engine,
             settings=c.cs,
@@ -247,6 +247,10 @@ def park_wake(ctx: click.Context, /, job: str, **flags: Any) -> None:
             store=_store_path(c, job),
             gpu_free=gpu.free_bytes,
         )  # waits for an unpark under way, then finds the job running: see wake.serve
+        # woken by a client: the webhooks hear it as from 'spotguard unpark' (an unpark by
+        # hand that came first raised above, and sent its own)
+        reason = f"pid {done.pid}, woken by a client connecting"
+        await _notify(c, "unparked", {"job": done.job, "reason": reason})
 
     if rec.place == "memory":
         from spotguard.checkpoint import proctree
