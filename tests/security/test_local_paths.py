@@ -176,3 +176,34 @@ def test_spotguard_run_keeps_its_state_dir_and_the_jobs_output_private(
         assert res.returncode != 0 and "the-output" not in res.stdout
     finally:
         os.kill(int(info["pid"]), signal.SIGKILL)
+
+
+def test_a_job_link_is_followed_only_where_only_root_could_have_made_it(
+    attacker: Attacker, world: Path
+) -> None:
+    """A job restored from another host's directory is found under this state dir through the
+    link ``link_job_dir`` makes. Such a link is followed in a jobs directory only root can
+    write; the same link in a directory another user can write (or a link the user owns) is
+    never followed."""
+    from spotguard.checkpoint.jobs import link_job_dir, resolve_job
+    from spotguard.errors import JobError
+
+    elsewhere = world / "vm1" / "jobs" / "j1"
+    elsewhere.mkdir(parents=True)
+    elsewhere.parent.parent.chmod(0o700)
+    JobInfo("j1", 4242, elsewhere).save()
+    state = world / "vm2"
+    link_job_dir(JobInfo("j1", 4242, elsewhere), state)
+    jobs = state / "jobs"
+    jobs.chmod(0o700)
+    assert resolve_job("j1", state_dir=state).pid == 4242
+    jobs.chmod(0o777)  # another user could have put the link there
+    with pytest.raises(JobError, match="symlink"):
+        resolve_job("j1", state_dir=state)
+    jobs.chmod(0o700)
+    (jobs / "j1").unlink()
+    os.chown(jobs, attacker.uid, attacker.gid)
+    attacker.run("ln", "-s", str(elsewhere), str(jobs / "j1"))
+    os.chown(jobs, 0, 0)
+    with pytest.raises(JobError, match="symlink"):
+        resolve_job("j1", state_dir=state)

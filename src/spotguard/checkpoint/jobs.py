@@ -20,6 +20,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import sys
 import uuid
 from dataclasses import dataclass, field
@@ -160,8 +161,23 @@ async def start_job(
 
 
 def _real(d: Path) -> Path:
-    """``d`` with the links of its parent resolved (``d`` itself is never followed)."""
-    return Path(os.path.realpath(Path(os.path.abspath(d)).parent)) / d.name
+    """``d`` with the links of its parent resolved. ``d`` itself is followed only where it is
+    the link :func:`link_job_dir` makes for a job restored from another host's directory: a
+    link owned by root in a jobs directory that only root can write (so no other user can have
+    put it there, or swap it); anything else is never followed, and the caller's
+    ``O_NOFOLLOW`` open refuses it."""
+    d = Path(os.path.realpath(Path(os.path.abspath(d)).parent)) / d.name
+    try:
+        st = os.lstat(d)
+        if not stat.S_ISLNK(st.st_mode) or st.st_uid != 0:
+            return d
+        parent = os.stat(d.parent)
+        if parent.st_uid != 0 or parent.st_mode & 0o022:
+            return d
+        target = Path(os.path.abspath(d.parent / os.readlink(d)))
+    except OSError:
+        return d
+    return Path(os.path.realpath(target.parent)) / target.name
 
 
 def _read(jdir: Path) -> JobInfo:
