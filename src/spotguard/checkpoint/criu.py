@@ -49,10 +49,8 @@ import contextlib
 import ctypes
 import logging
 import os
-import re
 import shutil
 import signal
-import subprocess
 import tempfile
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
@@ -61,23 +59,48 @@ from typing import Literal
 
 from spotguard.errors import CriuError, PreflightError, StepTimeout
 
+from .criufind import (
+    DEFAULT_LEFTOVER_DEVICES,
+    HARMLESS,
+    INSTALLED,
+    LEFTOVER_DEVICES_ENV,
+    MIN_VERSION,
+    MIN_VERSION_TEXT,
+    PAGE_WORKERS_ENV,
+    PAGE_WORKERS_FLAG,
+    PLUGIN_NAME,
+    default_page_workers,
+    find_criu,
+    find_plugin_dir,
+    has_page_workers,
+    log_tail,
+    parse_version,
+    version_of,
+    version_ok,
+)
+
+__all__ = [
+    "DEFAULT_LEFTOVER_DEVICES",
+    "INSTALLED",
+    "LEFTOVER_DEVICES_ENV",
+    "MIN_VERSION",
+    "MIN_VERSION_TEXT",
+    "PAGE_WORKERS_ENV",
+    "PAGE_WORKERS_FLAG",
+    "PLUGIN_NAME",
+    "Criu",
+    "default_page_workers",
+    "find_criu",
+    "find_plugin_dir",
+    "has_page_workers",
+    "log_tail",
+    "parse_version",
+    "version_ok",
+]
+
 log = logging.getLogger(__name__)
 
-INSTALLED = "/opt/spotguard/criu/bin/criu"
-#: 4.1.1 cannot dump inet sockets on kernels >= 6.16; scripts/install-criu installs >= this
-MIN_VERSION = (4, 2, 1)
-MIN_VERSION_TEXT = ".".join(map(str, MIN_VERSION))
-PLUGIN_NAME = "spotguard_nvleftover"
-#: CRIU's environment variable the plugin reads: ``:``-separated device path prefixes
-LEFTOVER_DEVICES_ENV = "SPOTGUARD_CRIU_LEFTOVER_DEVICES"
-DEFAULT_LEFTOVER_DEVICES = "/dev/nvidia"
-_HARMLESS = ("RLIMIT_NOFILE", "kdat", "Unable to get $HOME")
 _PR_SET_PDEATHSIG = 1
-#: environment default for :class:`Criu`'s ``page_workers`` (0 or 1: off)
-PAGE_WORKERS_ENV = "SPOTGUARD_CRIU_PAGE_WORKERS"
-PAGE_WORKERS_FLAG = "--page-workers"
-#: (realpath, mtime) -> whether that criu binary has --page-workers
-_PAGE_WORKERS_PROBED: dict[tuple[str, float], bool] = {}
 #: a job in its own mount namespace (``spotguard run``'s jobs: a private /proc for their PID
 #: namespace): every mount that is the host's own (/, /dev, /sys, ...) is recorded as an
 #: external bind (``mnt[]`` = detect them), not dumped by content; restore rebuilds the
@@ -98,113 +121,6 @@ read -r reply < "$SPOTGUARD_HOOK_ACK" || exit 1
 def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-def _version_of(path: str) -> str | None:
-    try:
-        out = subprocess.run(
-            [path, "--version"], capture_output=True, text=True, timeout=10, check=False
-        ).stdout
-    except (OSError, subprocess.SubprocessError):
-        return None
-    m = re.search(r"Version:\s*(\S+)", out)
-    return m.group(1) if m else None
-
-
-def has_page_workers(path: str) -> bool:
-    """Whether the criu at ``path`` has ``--page-workers`` (its ``--help`` lists it); probed
-    once per binary (a reinstalled one is probed again)."""
-    real = os.path.realpath(path)
-    try:
-        key = (real, os.stat(real).st_mtime)
-    except OSError:
-        return False
-    if key not in _PAGE_WORKERS_PROBED:
-        try:
-            out = subprocess.run(
-                [path, "--help"], capture_output=True, text=True, timeout=10, check=False
-            )
-            text = out.stdout + out.stderr
-        except (OSError, subprocess.SubprocessError):
-            text = ""
-        _PAGE_WORKERS_PROBED[key] = PAGE_WORKERS_FLAG in text
-        if PAGE_WORKERS_FLAG not in text:
-            log.info(
-                "%s has no %s: processes are dumped and restored one after another "
-                "(scripts/install-criu builds the patched criu)",
-                path,
-                PAGE_WORKERS_FLAG,
-            )
-    return _PAGE_WORKERS_PROBED[key]
-
-
-def default_page_workers() -> int:
-    """``SPOTGUARD_CRIU_PAGE_WORKERS`` if set (a bad value is a clear error), else the CPUs."""
-    raw = os.environ.get(PAGE_WORKERS_ENV, "").strip()
-    if not raw:
-        return os.cpu_count() or 1
-    if not raw.isdigit() or int(raw) > 1024:
-        raise PreflightError(f"{PAGE_WORKERS_ENV}={raw!r}: expected a number of threads, 0-1024")
-    return int(raw)
-
-
-def parse_version(version: str | None) -> tuple[int, ...]:
-    """``"4.2.1"`` -> ``(4, 2, 1)``; anything unparsable -> ``()`` (older than every version)."""
-    parts: list[int] = []
-    for piece in (version or "").split("-")[0].split("."):
-        if not piece.isdigit():
-            break
-        parts.append(int(piece))
-    return tuple(parts)
-
-
-def version_ok(version: str | None) -> bool:
-    """True if ``version`` is at least :data:`MIN_VERSION` (what spotguard needs)."""
-    return parse_version(version) >= MIN_VERSION
-
-
-def find_criu(explicit: str | None = None) -> str:
-    """The CRIU to run: ``explicit`` (setting ``criu`` / SPOTGUARD_CRIU), else ``criu`` on
-    PATH if >= 4.2.1, else the one scripts/install-criu installs (if >= 4.2.1)."""
-    if explicit:
-        if not os.access(explicit, os.X_OK):
-            raise PreflightError(f"criu {explicit!r} is not an executable (setting criu)")
-        return explicit
-    seen: list[str] = []
-    for cand in (shutil.which("criu"), INSTALLED):
-        if cand and os.access(cand, os.X_OK):
-            version = _version_of(cand)
-            if version_ok(version):
-                return cand
-            seen.append(f"{cand} is {version or 'of unknown version'}")
-    found = f" ({'; '.join(seen)})" if seen else ""
-    raise PreflightError(
-        f"no CRIU >= {MIN_VERSION_TEXT} found{found}: run: sudo spotguard install-criu "
-        "(or set SPOTGUARD_CRIU)"
-    )
-
-
-def find_plugin_dir(criu_path: str) -> Path | None:
-    """The plugin directory scripts/install-criu fills next to ``criu_path`` (symlinks such
-    as /usr/local/sbin/criu followed), if it holds spotguard's plugin."""
-    for path in (Path(criu_path), Path(os.path.realpath(criu_path))):
-        plugins = path.parent.parent / "lib" / "criu" / "plugins"
-        if (plugins / f"{PLUGIN_NAME}.so").is_file():
-            return plugins
-    return None
-
-
-def log_tail(path: Path, lines: int = 25) -> str:
-    """The last useful lines of a CRIU log: error lines first, harmless noise dropped."""
-    try:
-        text = path.read_text(errors="replace").splitlines()
-    except OSError:
-        return ""
-    useful = [ln for ln in text if not any(h in ln for h in _HARMLESS)]
-    errors = [ln for ln in useful if "Error" in ln or "error" in ln]
-    tail = useful[-lines:]
-    head = [ln for ln in errors[-8:] if ln not in tail]
-    return "\n".join([*head, *tail])
 
 
 class _FrozenHook:
@@ -341,7 +257,7 @@ class Criu:
     async def version(self) -> str:
         """CRIU's version string, e.g. ``4.2.1``."""
         if self._version is None:
-            v = await asyncio.to_thread(_version_of, self.path)
+            v = await asyncio.to_thread(version_of, self.path)
             if v is None:
                 raise PreflightError(f"{self.path} --version gave no version")
             self._version = v
@@ -356,7 +272,7 @@ class Criu:
         text = "\n".join(
             ln
             for ln in out.decode(errors="replace").splitlines()
-            if not any(h in ln for h in _HARMLESS)
+            if not any(h in ln for h in HARMLESS)
         )
         return proc.returncode == 0, text
 
