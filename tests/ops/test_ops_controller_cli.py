@@ -99,3 +99,48 @@ def test_without_type_takes_off_spotguard_error_names_only() -> None:
     assert without_type("ControllerError: job 'a' is failed") == "job 'a' is failed"
     assert without_type("note: not a type") == "note: not a type"
     assert without_type("KeyError: 'x'") == "KeyError: 'x'"  # not one of spotguard's
+
+
+def test_a_job_view_is_one_snapshot_while_events_are_applied(controller: str) -> None:
+    """``GET /v1/jobs/JOB`` (what ``jobs show`` and the demo read) read the job, then its
+    history, then its images, each on its own: an image made durable in between showed in the
+    history with the job's ``image_url`` still the one before (the demo under load: "the
+    image  does not verify: '' is not an image URL")."""
+    import threading
+
+    post_event(controller, "snap", EventKind.STARTED)
+    stop = threading.Event()
+    torn: list[str] = []
+
+    def watch() -> None:
+        req = urllib.request.Request(controller + "/v1/jobs/snap",
+                                     headers={"Authorization": f"Bearer {TOKEN}"})  # fmt: skip
+        while not stop.is_set():
+            with urllib.request.urlopen(req, timeout=10) as r:
+                view = json.loads(r.read())
+            images = [i["image_url"] for i in view["images"]]
+            durable = [h for h in view["history"] if "is durable" in h["reason"]]
+            if len(durable) != len(images) or (images and view["image_url"] != images[-1]):
+                torn.append(f"image_url {view['image_url']!r}, {len(durable)} durable rows, "
+                            f"images {images[-1:]}")  # fmt: skip
+
+    watchers = [threading.Thread(target=watch) for _ in range(2)]
+    for w in watchers:
+        w.start()
+    try:
+        for i in range(100):  # under the 120 events a minute one job may send
+            url = f"file:///s/snap/images/{i:04d}"
+            ev = make_event(job="snap", kind=EventKind.DURABLE, instance=VM1, mode="resume",
+                            image_url=url)  # fmt: skip
+            req = urllib.request.Request(
+                controller + "/v1/events",
+                data=ev.model_dump_json().encode(),
+                method="POST",
+                headers={"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"},
+            )
+            urllib.request.urlopen(req, timeout=10).close()
+    finally:
+        stop.set()
+        for w in watchers:
+            w.join()
+    assert torn == [], f"{len(torn)} torn views, first: {torn[0]}"

@@ -412,13 +412,13 @@ class Controller(Reconciler):
 
     async def view(self, name: str) -> dict[str, Any]:
         """A job with its history timeline, current instance and images (for the API/CLI)."""
-        rec = await self.db.get(name)
+        rec, history, images = await self.db.snapshot(name)  # one instant: never torn
         if rec is None:
             raise JobNotFound(f"no job {name!r}")
         out = rec.to_json()
         out["owner"] = rec.data.owner.model_dump()
-        out["history"] = await self.db.history(name)
-        out["images"] = await self.db.images(name)
+        out["history"] = history
+        out["images"] = images
         return out
 
 

@@ -423,33 +423,41 @@ class StateDB:
         return await self._run(q)
 
     async def history(self, name: str, limit: int = 200) -> list[dict[str, Any]]:
-        def q() -> list[dict[str, Any]]:
-            rows = self.conn.execute(
-                "SELECT at, from_state, to_state, reason, detail FROM history "
-                "WHERE job=? ORDER BY id DESC LIMIT ?",
-                (name, limit),
-            ).fetchall()
-            return [
-                {
-                    "at": r["at"],
-                    "from": r["from_state"],
-                    "to": r["to_state"],
-                    "reason": r["reason"],
-                    "detail": json.loads(r["detail"]),
-                }
-                for r in reversed(rows)
-            ]
-
-        return await self._run(q)
+        return await self._run(lambda: self._history(name, limit))
 
     async def images(self, name: str) -> list[dict[str, Any]]:
-        def q() -> list[dict[str, Any]]:
-            rows = self.conn.execute(
-                "SELECT image_url, at, bytes FROM images WHERE job=? ORDER BY at", (name,)
-            ).fetchall()
-            return [dict(r) for r in rows]
+        return await self._run(lambda: self._images(name))
 
-        return await self._run(q)
+    async def snapshot(
+        self, name: str
+    ) -> tuple[JobRecord | None, list[dict[str, Any]], list[dict[str, Any]]]:
+        """The job, its history and its images read at one instant (one thread call, so no
+        change is applied in between): a view never shows an image in its history that its
+        ``image_url`` does not have yet."""
+        return await self._run(lambda: (self._row(name), self._history(name), self._images(name)))
+
+    def _history(self, name: str, limit: int = 200) -> list[dict[str, Any]]:
+        rows = self.conn.execute(
+            "SELECT at, from_state, to_state, reason, detail FROM history "
+            "WHERE job=? ORDER BY id DESC LIMIT ?",
+            (name, limit),
+        ).fetchall()
+        return [
+            {
+                "at": r["at"],
+                "from": r["from_state"],
+                "to": r["to_state"],
+                "reason": r["reason"],
+                "detail": json.loads(r["detail"]),
+            }
+            for r in reversed(rows)
+        ]
+
+    def _images(self, name: str) -> list[dict[str, Any]]:
+        rows = self.conn.execute(
+            "SELECT image_url, at, bytes FROM images WHERE job=? ORDER BY at", (name,)
+        ).fetchall()
+        return [dict(r) for r in rows]
 
 
 def _record(row: sqlite3.Row) -> JobRecord:

@@ -7,6 +7,8 @@ timestamped line and progress at most once a second. Both end with :func:`render
 
 from __future__ import annotations
 
+import io
+import shutil
 import time
 from typing import IO, Protocol
 
@@ -103,8 +105,18 @@ def _seconds(v: float | None) -> str:
 
 
 def render_report(report: DemoReport, out: IO[str]) -> None:
-    """The timeline table, then the proof (or the one reason it failed)."""
-    console = Console(file=out, highlight=False, width=None if out.isatty() else 120)
+    """The timeline table, then the proof (or the one reason it failed); no line ends in
+    spaces (rich pads a table's cells to its width)."""
+    tty = out.isatty()
+    buf = io.StringIO()
+    width = shutil.get_terminal_size().columns if tty else 120
+    console = Console(file=buf, highlight=False, width=width, force_terminal=tty)
+    _render(report, console)
+    out.write("".join(line.rstrip() + "\n" for line in buf.getvalue().splitlines()))
+    out.flush()
+
+
+def _render(report: DemoReport, console: Console) -> None:
     if report.timeline:
         table = Table(
             title="timeline (seconds since the notice)",

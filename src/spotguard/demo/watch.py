@@ -118,12 +118,15 @@ class Follower:
     ) -> View:
         """Poll until ``done(view)``; a failure sign, or ``within`` seconds passing, raises
         :class:`DemoError`."""
-        self.ui.waiting(waiting)
         end = time.monotonic() + within
+        announced = False
         while True:
-            view = await self.refresh(step)
+            view = await self.refresh(step)  # announces what already happened first
             if done(view):
                 return view
+            if not announced:  # a wait that is already over is not announced after the fact
+                self.ui.waiting(waiting)
+                announced = True
             if view.get("state") == "finished":
                 raise DemoError(step, f"the job finished before this happened: {waiting}")
             for check in self.checks:
@@ -154,7 +157,7 @@ async def store_bytes(store_url: str, prefix: str, ui: Ui, stop: asyncio.Event) 
                 total = sum(o.size for o in await store.list(prefix))
             except SpotguardError:
                 total = 0
-            if total:
+            if total >= MIB / 10:  # a figure that reads "0.0 MiB" says nothing yet
                 rate = total / MIB / max(time.monotonic() - t0, 1e-3)
                 ui.progress(f"{total / MIB:.1f} MiB in the store ({rate:.1f} MiB/s)")
             with contextlib.suppress(TimeoutError):
