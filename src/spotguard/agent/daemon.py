@@ -186,7 +186,8 @@ class Agent(NoticeHandling):
                     )
                 if assignment.store and self.store == AgentSettings.model_fields["store"].default:
                     self.store = self.pusher.store_url = assignment.store
-            await startup.check_store(self.store, self.image_settings)
+            self.store = await startup.check_store(self.store, self.image_settings)
+            self.pusher.store_url = self.store  # a file:// store's links resolved, once
             await self.reporter.start()
             try:
                 await self._start(assignment)

@@ -115,6 +115,8 @@ class KeptPusher:
             status["next_attempt"] = time.time() + wait
             self.metrics.failures.labels("upload").inc()
             n = state.attempt_number
+            if exc is not None and not isinstance(exc, SpotguardError | OSError) and n == 1:
+                log.error("kept image push failed unexpectedly; retrying", exc_info=exc)
             if n in (1, 5) or n % 20 == 0:
                 log.warning(
                     "kept image not pushed yet; retrying",
@@ -127,8 +129,8 @@ class KeptPusher:
                     },
                 )
 
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type((SpotguardError, OSError)),
+        retrying = AsyncRetrying(  # any failure: an unexpected one must not end the pushes
+            retry=retry_if_exception_type(Exception),
             wait=wait_exponential(multiplier=self.first_backoff_s, max=self.max_backoff_s),
             stop=stop_never,
             before_sleep=before_sleep,

@@ -3,8 +3,9 @@
 1. :func:`lock_state_dir` — one agent per state dir: a second one is refused with a clear
    message (two agents on one state dir would both report on, and checkpoint, the same jobs).
 2. :func:`check_store` — the store URL is usable here (a bucket named, the SDK of its scheme
-   installed, the bucket there and readable, a ``file://`` directory creatable): the agent
-   refuses to start rather than fail at the first notice, after the job was stopped.
+   installed, the bucket there and readable, a ``file://`` directory creatable, its symlinks
+   resolved once and logged): the agent refuses to start rather than fail at the first
+   notice, after the job was stopped.
 3. :func:`recover_interrupted` — a job a killed agent (or CLI) left mid-freeze is brought back
    by the engine (``recover``, from the engine's ``operation.json`` marker: the one marker).
 4. :func:`warm_gpu` — the driver's checkpoint API and NVML are loaded at start, in the
@@ -36,6 +37,7 @@ from spotguard.errors import ConfigError, SpotguardError, StoreError, StoreUnava
 from spotguard.image import ImageSettings
 from spotguard.image.keys import ImageKeys
 from spotguard.store import open_store
+from spotguard.store.base import RetryPolicy
 
 log = logging.getLogger(__name__)
 
@@ -80,14 +82,14 @@ def _writable_dir(url: str, root: Path) -> None:
 
 
 #: how long the start-up look at a bucket may take (a store down now is only a warning)
-BUCKET_CHECK_S = 15.0
+BUCKET_CHECK_S = 5.0
 
 
 async def _bucket_exists(url: str) -> None:
     """One listing of an unused prefix: a bucket that does not exist, or that these
     credentials may not read, is a :class:`ConfigError` now, not a failed image at the first
     notice; a store that does not answer now (it may come back) is a warning."""
-    store = open_store(url)
+    store = open_store(url, retry=RetryPolicy(attempts=1, timeout=BUCKET_CHECK_S))
     try:
         async with asyncio.timeout(BUCKET_CHECK_S):
             await store.list(".spotguard-start-check/")
@@ -109,8 +111,9 @@ def _module_present(name: str) -> bool:
         return False
 
 
-async def check_store(url: str, image: ImageSettings) -> None:
-    """Refuse a store the agent could not write an image to (see the module docstring)."""
+async def check_store(url: str, image: ImageSettings) -> str:
+    """Refuse a store the agent could not write an image to (see the module docstring);
+    returns the URL the agent uses from now on (:func:`resolved_store`)."""
     store = open_store(url)  # ConfigError for an unknown scheme or a URL without a bucket
     await store.aclose()
     scheme = urlparse(url).scheme.lower()
@@ -124,7 +127,24 @@ async def check_store(url: str, image: ImageSettings) -> None:
         await _bucket_exists(url)
     elif scheme in ("", "file"):
         await asyncio.to_thread(_writable_dir, url, Path(unquote(urlparse(url).path) or url))
+        url = resolved_store(url)
     ImageKeys.from_settings(image)  # an unreadable key is a ConfigError now, not at a notice
+    return url
+
+
+def resolved_store(url: str) -> str:
+    """A ``file://`` store's URL with every symlink on its path (the root or a parent)
+    followed, once, at start (logged when it differs): images and kept pushes then go to
+    that directory whatever the link points to later."""
+    given = Path(unquote(urlparse(url).path) or url).absolute()
+    real = Path(os.path.realpath(given))
+    if real == given:
+        return url
+    log.info(
+        "the file store is reached through a symlink; using its real path",
+        extra={"step": "start", "store": url, "path": str(real)},
+    )
+    return real.as_uri()
 
 
 def _jobs_with_a_marker(settings: CheckpointSettings) -> list[JobInfo]:

@@ -80,10 +80,14 @@ class FileStore(BlockingStore):
         self.root = Path(root).absolute()
         super().__init__(self.root.as_uri(), io_workers=io_workers, retry=retry)
         self.fsync = fsync
+        # The root with every link on the way followed, once: objects are named under it
+        # (a root reached through a symlink — itself or a parent — lists and writes as any
+        # other); the URL keeps the path as given.
+        self.real = Path(os.path.realpath(self.root))
 
     def _path(self, key: str) -> Path:
-        p = (self.root / key).resolve()
-        if p != self.root and self.root.resolve() not in p.parents:
+        p = (self.real / key).resolve()
+        if p != self.real and self.real not in p.parents:
             raise StoreError(f"key {key!r} escapes the store root {self.root}")
         return p
 
@@ -124,7 +128,7 @@ class FileStore(BlockingStore):
             os.close(fd)
 
     def _fsync_folder(self, key: str) -> None:
-        _fsync_dir(self._path(key) if key else self.root)
+        _fsync_dir(self._path(key) if key else self.real)
 
     async def sync(self, keys: Sequence[str]) -> None:
         """fsync every file at ``keys`` and every distinct directory holding one, concurrently
@@ -166,7 +170,7 @@ class FileStore(BlockingStore):
     def _list(self, prefix: str) -> list[ObjectInfo]:
         # Walk the deepest directory the prefix names, then filter by the full prefix.
         base = prefix.rsplit("/", 1)[0] if "/" in prefix else ""
-        start = self._path(base) if base else self.root
+        start = self._path(base) if base else self.real
         out: list[ObjectInfo] = []
         if not start.is_dir():
             return out
@@ -175,7 +179,7 @@ class FileStore(BlockingStore):
                 if name.startswith(_TMP_PREFIX):
                     continue
                 full = Path(dirpath) / name
-                key = full.relative_to(self.root).as_posix()
+                key = full.relative_to(self.real).as_posix()
                 if not key.startswith(prefix):
                     continue
                 try:
@@ -186,7 +190,7 @@ class FileStore(BlockingStore):
         return out
 
     def _list_dirs(self, prefix: str) -> list[str]:
-        start = self._path(prefix) if prefix else self.root
+        start = self._path(prefix) if prefix else self.real
         if not start.is_dir():
             return []
         return [e.name for e in os.scandir(start) if e.is_dir()]
