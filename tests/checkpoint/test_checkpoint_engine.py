@@ -43,8 +43,10 @@ async def test_leave_running_then_exit_then_restore_matches_uninterrupted_run(
     await progresses(stdout)
     assert [s.name for s in first.timeline.steps if s.name != "staging"] == [
         "scan",
+        "nccl_release",  # no process with the NCCL shim: nothing released
         "criu_dump",
         "capture_files",
+        "nccl_rebuild",
         "finish",
     ]
     meta = ImageMeta.read(first.images_dir)

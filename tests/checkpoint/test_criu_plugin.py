@@ -36,7 +36,7 @@ from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import CriuError
-from spotguard.image import ImageSettings
+from spotguard.image import ImageSettings, generate_signing_key
 from spotguard.image.catalog import latest_image
 from spotguard.stream import StreamSource, StreamTarget
 
@@ -249,19 +249,24 @@ async def test_leftover_references_go_through_a_streamed_image(
     job, work = await _start(launch, tmp_path, loop_device, "map", "leftover-stream")
     engine = _engine(settings, criu_bin, loop_device, "auto")
     store = f"file://{tmp_path / 'store'}"
-    target = StreamTarget(store, work_root=tmp_path / "stream-work", settings=ImageSettings())
+    # signed: the job's worker log lives outside its directory, which only an authenticated
+    # image may put back (docs/security.md)
+    private, public = generate_signing_key()
+    (tmp_path / "k").write_bytes(private)
+    (tmp_path / "k.pub").write_bytes(public)
+    agent = ImageSettings(signing_key_file=tmp_path / "k")
+    host = ImageSettings(verify_key_file=tmp_path / "k.pub")
+    target = StreamTarget(store, work_root=tmp_path / "stream-work", settings=agent)
     await engine.freeze(job, target, Mode.EXIT)
     await wait_for(lambda: not proctree.alive(job.pid), "the job to be stopped")
-    url = await latest_image(store, job.name, settings=ImageSettings())
+    url = await latest_image(store, job.name, settings=host)
     assert url is not None
 
     without = _engine(settings, criu_bin, loop_device, None)
     with pytest.raises(CriuError, match=f"Missing required plugin: {PLUGIN_NAME}"):
-        await without.restore(
-            StreamSource(url, work_root=tmp_path / "stream-work", settings=ImageSettings())
-        )
+        await without.restore(StreamSource(url, work_root=tmp_path / "stream-work", settings=host))
     restored = await engine.restore(
-        StreamSource(url, work_root=tmp_path / "stream-work", settings=ImageSettings())
+        StreamSource(url, work_root=tmp_path / "stream-work", settings=host)
     )
     assert await wait_exit(restored.job) == 0
     assert _worker_counted_exactly(work) == PLACEHOLDER
