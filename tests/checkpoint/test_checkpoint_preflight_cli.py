@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import DEMO, Launch, lines, wait_exit, wait_for
 
-from spotguard.checkpoint import proctree
+from spotguard.checkpoint import proctree, seal
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import NoGpu, inventory
 from spotguard.checkpoint.engine import Engine, Mode
@@ -34,9 +34,12 @@ async def _image(engine: Engine, launch: Launch, tmp_path: Path, name: str) -> P
 
 
 def _edit(images: Path, **changes: object) -> None:
+    """The image as another host would have written it: its metadata changed, then sealed
+    again (local images are sealed under the host's key and refused when altered)."""
     meta = json.loads((images / META_NAME).read_text())
     meta.update(changes)
     (images / META_NAME).write_text(json.dumps(meta))
+    seal.seal(images, seal.HostKey.default())
 
 
 async def test_newer_criu_in_image_is_refused_naming_both_versions(
