@@ -53,7 +53,9 @@ async def test_spot_warning_through_eventbridge_becomes_preempt_notice(
     fleet_queue: tuple[str, Any],
 ) -> None:
     url, events = fleet_queue
-    when = datetime(2026, 11, 22, 10, 0, 0, tzinfo=UTC)
+    # a warning sent now: the VM's instance-action time (two minutes later) is in the future,
+    # so the agent reads the same deadline (a past one would be "act now", notices/timefmt.py)
+    when = datetime.now(UTC).replace(microsecond=0)
     put(
         events,
         "aws.ec2",
@@ -79,7 +81,8 @@ async def test_spot_warning_through_eventbridge_becomes_preempt_notice(
     assert notice.raw["region"] == "us-east-1"
     assert notice.raw["account"] == ACCOUNT
     # The agent on that VM would read this from IMDS; both must carry the same id.
-    on_vm = aws.instance_action({"action": "stop", "time": "2026-11-22T10:02:00Z"})
+    stop_at = (when + timedelta(seconds=120)).strftime("%Y-%m-%dT%H:%M:%SZ")
+    on_vm = aws.instance_action({"action": "stop", "time": stop_at})
     assert (notice.id, notice.deadline, notice.action) == (on_vm.id, on_vm.deadline, on_vm.action)
     assert not notice.cancelled
     assert queue_depth(url) == 0

@@ -211,8 +211,11 @@ class BlockingStore:
         return await self._call("get", key, lambda: self._get_capped(key, limit))
 
     async def get_into(self, key: str, buf: memoryview) -> memoryview:
-        """The object's bytes, read into ``buf`` (a view of it) when they fit, else a view of
-        new bytes; :class:`ObjectNotFound` when absent."""
+        """The object's bytes, read into ``buf`` (a view of it) when they fit; an object
+        larger than ``buf`` (or of unknown length that does not fit) gives ``len(buf) + 1`` new
+        bytes, never the whole object: more than fits tells the caller it is not what it
+        expected (a chunk is read into a buffer of its largest stored size).
+        :class:`ObjectNotFound` when absent."""
         return await self._call("get", key, lambda: self._get_into(key, buf))
 
     async def stat(self, key: str) -> ObjectInfo | None:
