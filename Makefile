@@ -26,6 +26,10 @@ demo: venv criu
 test: venv criu lint typecheck
 	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
 
+## The fast tier: no CRIU, no GPU (tests needing CRIU are marked criu by tests/conftest.py).
+unit: venv
+	$(BIN)/pytest -m "not criu and not gpu" $(PYTEST_ARGS)
+
 lint: venv
 	$(BIN)/ruff check src tests bench
 	$(BIN)/ruff format --check src tests bench

@@ -60,6 +60,14 @@ def pytest_configure(config: pytest.Config) -> None:
     leftovers.mark_session(os.environ)
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that needs CRIU (the ``criu_bin`` fixture, directly or through another fixture)
+    is marked ``criu``: ``make unit`` (``-m "not criu and not gpu"``) leaves it out."""
+    for item in items:
+        if "criu_bin" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.criu)
+
+
 def pytest_report_header(config: pytest.Config) -> str | None:
     if _DROPPED:
         return "cleared from the environment: " + ", ".join(_DROPPED)
