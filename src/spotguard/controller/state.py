@@ -200,6 +200,7 @@ class Change:
     an event that repeats news already applied under another event id (the same notice from
     the agent and from the fleet queue): it is recorded, and the caller is told it changed
     nothing. ``stale`` says why an event came from a non-owner (fencing): recorded, ignored.
+    A change of state makes ``reason`` the job's reason (``jobs list``, webhooks).
     """
 
     record: JobRecord
@@ -359,8 +360,8 @@ class StateDB:
             now = time.time()
             rec.updated_at = now
             moved = before is None or before.state != rec.state
-            if moved:
-                rec.since = now
+            if moved:  # the job's reason is its current state's: never an earlier one's
+                rec.since, rec.reason = now, change.reason
             _write(c, rec, insert=before is None)
             if moved or change.note:
                 c.execute(
