@@ -9,7 +9,8 @@ park and unpark it as often as it likes before it ends.
 ``server PORT``: an HTTP server holding a counter in memory; ``GET /next`` answers the next
 number, ``GET /ping`` answers ``pong`` without touching the counter.
 
-``busy``: burns CPU. ``sleeper``: does nothing at all.
+``busy``: burns CPU. ``sleeper``: does nothing at all. ``big MIB``: holds MIB MiB of
+non-zero memory (so a dump of it takes seconds) and prints once it does.
 """
 
 from __future__ import annotations
@@ -102,6 +103,13 @@ def busy() -> None:
         x = (x * 31 + 7) % 1000003
 
 
+def big(mib: int) -> None:
+    block = os.urandom(1 << 20)
+    held = [bytearray(block) for _ in range(mib)]  # every page written: CRIU dumps them all
+    print(f"holding {len(held)} MiB", flush=True)
+    sleeper()
+
+
 def sleeper() -> None:
     while True:
         time.sleep(3600)
@@ -117,5 +125,7 @@ if __name__ == "__main__":
         sqlite(sys.argv[2])
     elif what == "busy":
         busy()
+    elif what == "big":
+        big(int(sys.argv[2]))
     else:
         sleeper()

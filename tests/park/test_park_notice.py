@@ -6,6 +6,8 @@ process that is gone."""
 from __future__ import annotations
 
 import asyncio
+import fcntl
+import os
 import sys
 import time
 from pathlib import Path
@@ -123,3 +125,77 @@ async def test_a_notice_pushes_a_job_parked_on_the_node_to_the_store(
         assert time.monotonic() < deadline, "the unparked job does not run"
         await asyncio.sleep(0.05)
     assert _lines(state_dir) == EXPECTED
+
+
+def _park_dumping(state_dir: Path, job: str) -> bool:
+    """A park of ``job`` holds its park lock and CRIU has started writing its image."""
+    lock = state_dir / "parked" / f"{job}.lock"
+    images = state_dir / "parked" / "images" / job
+    if not lock.exists() or not images.is_dir() or not any(images.glob("pages-*.img")):
+        return False
+    fd = os.open(lock, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
+async def test_a_notice_during_a_park_to_disk_carries_the_parked_image_to_the_store(
+    sg: Sg, state_dir: Path, tmp_path: Path, criu_bin: str
+) -> None:
+    """Issue 31 (13): a notice that comes while ``spotguard park --to disk`` dumps the job
+    (another freeze is in progress) waits for the park, within the notice's deadline, then
+    pushes the parked image to the store: the VM's disk is not where the job's state stays.
+    Before, the notice's checkpoint was refused and never retried, and the image stayed on
+    the node's disk."""
+    ok_json(sg("run", "--name", "big", "--json", "--", sys.executable, JOBS, "big", "700"))
+    out = state_dir / "jobs" / "big" / "stdout"
+    deadline = time.monotonic() + 60
+    while not (out.exists() and "holding" in out.read_text()):
+        assert time.monotonic() < deadline, "the job does not start"
+        await asyncio.sleep(0.1)
+    store = (tmp_path / "store").as_uri()
+    agent = Agent(
+        AgentSettings(job=["big"], store=store, api_listen="127.0.0.1:0",
+                      assignment=tmp_path / "no-assignment.json"),
+        CheckpointSettings(state_dir=state_dir, criu=criu_bin, shm_dir=tmp_path / "shm",
+                           criu_timeout=120),
+        NoticeSettings(cloud="none"),
+        image=ImageSettings(),
+    )  # fmt: skip
+    task = asyncio.create_task(agent.run())
+    park = None
+    try:
+        deadline = time.monotonic() + 30
+        while (w := agent.workers.get("big")) is None or w.state != "protecting":
+            assert time.monotonic() < deadline, "the agent does not protect the job"
+            await asyncio.sleep(0.05)
+        park = asyncio.create_task(asyncio.to_thread(sg, "park", "big", "--to", "disk", "--json"))
+        deadline = time.monotonic() + 60
+        while not await asyncio.to_thread(_park_dumping, state_dir, "big"):
+            assert not park.done(), f"the park ended before the notice: {park.result()}"
+            assert time.monotonic() < deadline, "the park does not start dumping"
+            await asyncio.sleep(0.02)
+        started = time.monotonic()
+        answer = await asyncio.wait_for(
+            agent.drain("host maintenance", wait=True, deadline_s=120), 130
+        )
+        took = time.monotonic() - started
+        parked = ok_json(await park)
+        assert parked["place"] == "disk"  # the park itself finished as asked
+        (line,) = answer["results"]
+        assert line["job"] == "big" and str(line.get("url", "")).startswith(store), line
+        assert took < 120, f"the image was durable only after {took:.1f}s"
+    finally:
+        agent.request_stop()
+        await asyncio.wait_for(task, 60)
+        if park is not None:
+            await asyncio.wait_for(park, 120)
+    rec = record.load(state_dir, "big")
+    assert rec is not None and (rec.place, rec.location) == ("store", line["url"])
+    assert not await asyncio.to_thread(Path(parked["where"]).exists)  # the node's copy is gone
+    back = ok_json(sg("unpark", "big", "--json"))  # the store's image is whole: it restores
+    assert back["place"] == "store" and proctree.alive(back["pid"])

@@ -12,8 +12,10 @@ and go the same way.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 from collections.abc import Coroutine
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -132,21 +134,36 @@ class NoticeHandling:
         waiters: list[asyncio.Future[dict[str, Any]]] = [
             self._spawn(self._evacuate(r.job), f"evacuate-{r.job}") for r in kept
         ]
-        loop = asyncio.get_running_loop()
         for w in jobs:
-            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
-            waiters.append(fut)
-            w.submit(
-                Request(
-                    notice.id,
-                    decision.action,
-                    decision.start_at,
-                    decision.reason,
-                    notice=notice,
-                    waiters=[fut],
-                )
-            )
+            req = Request(notice.id, decision.action, decision.start_at, decision.reason,
+                          notice=notice)  # fmt: skip
+            waiters.append(self._spawn(self._notice_checkpoint(w, req), f"notice-{w.name}"))
         self._spawn(self._after(notice, waiters), f"after-{notice.id}")
+
+    async def _notice_checkpoint(self, worker: JobWorker, req: Request) -> dict[str, Any]:
+        """The notice's checkpoint of one job, and its line in the results. A park of the
+        job under way when the notice came (the checkpoint is refused, or the job's process
+        goes away in it) is waited for within the notice's deadline and its image carried to
+        the store (:func:`~spotguard.agent.parking.after_park`); a park that left the job's
+        process (failed, or suspended in place) has the job checkpointed once more."""
+        loop = asyncio.get_running_loop()
+        result: dict[str, Any] = {}
+        for attempt in range(2):
+            fut: asyncio.Future[dict[str, Any]] = loop.create_future()
+            if attempt:
+                req = dataclasses.replace(req, start_at=datetime.now(UTC))
+            worker.submit(dataclasses.replace(req, waiters=[fut]))
+            result = await fut
+            notice = req.notice
+            if notice is None:
+                return result
+            after = await parking.after_park(
+                worker.name, result, seconds_left=notice.seconds_left,
+                carry=self._evacuate, state_dir=self._state_dir,
+            )  # fmt: skip
+            if after is not None:
+                return after
+        return result
 
     def _live_notices(self) -> dict[str, tuple[Notice, set[str]]]:
         """Notices that still ask for a checkpoint (by id) and the jobs they went to, kept

@@ -285,6 +285,56 @@ async def evacuate(
     return {"job": job, "parked": True, "url": push.image_url, "bytes": moved.bytes}
 
 
+async def after_park(
+    job: str,
+    result: dict[str, Any],
+    *,
+    seconds_left: Callable[[], float],
+    carry: Callable[[str], Awaitable[dict[str, Any]]],
+    state_dir: Path,
+) -> dict[str, Any] | None:
+    """A notice's checkpoint of ``job`` made no image (``result``: refused because a park
+    was dumping the job — "another freeze is in progress" — or the job's process went away
+    in a park): when a park of the job is under way or ended in a park on this node, wait
+    for it (its park lock) within the notice's deadline, then ``carry`` the parked image to
+    the store (:func:`evacuate`). The answer is the job's line in the notice's results, or
+    None when no park was involved or the park left the job running (the caller checkpoints
+    it again)."""
+    if not ("error" in result or result.get("skipped") or result.get("state") == "parked"):
+        return result  # an image was made, or the notice was cancelled
+    if not record.held(state_dir, job) and not _parked_on_node(state_dir, job):
+        return result
+    log.info(
+        "a park of the job is under way at the notice; waiting for it",
+        extra={"step": "notice", "job": job, "seconds_left": round(seconds_left(), 3)},
+    )
+    try:
+        async with asyncio.timeout(max(0.0, seconds_left())):
+            async with record.alocked(state_dir, job):
+                rec = record.load(state_dir, job)
+    except TimeoutError:
+        log.error(
+            "the park under way did not end within the notice's deadline",
+            extra={"step": "notice", "job": job},
+        )
+        return {"job": job, "parked": True, "error": "a park under way outlasted the notice"}
+    except SpotguardError as exc:
+        return {"job": job, "error": f"{type(exc).__name__}: {exc}"}
+    if rec is None or rec.place == "memory":
+        return None  # the park failed (the job runs) or kept the job's process: checkpoint it
+    if rec.place == "store":
+        return {"job": job, "parked": True, "url": rec.location, "bytes": rec.bytes}
+    return await carry(job)
+
+
+def _parked_on_node(state_dir: Path, job: str) -> bool:
+    try:
+        rec = record.load(state_dir, job)
+    except SpotguardError:
+        return False
+    return rec is not None and rec.place in NODE_PLACES
+
+
 def parked_status(state_dir: Path) -> list[dict[str, Any]]:
     """The parked jobs of this node as ``status`` shows them: where, since when, why."""
     out = []

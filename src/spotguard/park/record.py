@@ -159,6 +159,23 @@ def locked(state_dir: Path, job: str, *, wait: bool = True) -> Iterator[None]:
         os.close(fd)
 
 
+def held(state_dir: Path, job: str) -> bool:
+    """True while another park/unpark of ``job`` holds its lock (a look, not a hold)."""
+    if not _path(state_dir, job).parent.is_dir():
+        return False
+    try:
+        fd = _lock_fd(state_dir, job)
+    except (OSError, UnsafePath):
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 @contextlib.asynccontextmanager
 async def alocked(state_dir: Path, job: str, *, wait: bool = True) -> AsyncIterator[None]:
     """:func:`locked` for the event loop: waits by polling, never blocking the loop."""
