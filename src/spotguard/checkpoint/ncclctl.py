@@ -35,7 +35,7 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -288,6 +288,28 @@ def _stuck(members: Sequence[Member]) -> str:
     return "; ".join(parts) or "the ranks' counts kept moving"
 
 
+def _outcome(
+    job: str, what: str, done: Sequence[Mapping[str, Any]], members: Sequence[Member], t0: float
+) -> Outcome:
+    """What a release or rebuild did (``what``: the answers' count field), logged in one line:
+    the done-means check reads "NCCL communicators released" / "rebuilt" from the log."""
+    out = Outcome(
+        sum(int(d.get(what, 0)) for d in done),
+        tuple(m.pid for m in members),
+        time.monotonic() - t0,
+    )
+    log.info(
+        f"NCCL communicators {what}",
+        extra={
+            "job": job,
+            "communicators": out.communicators,
+            "gpu_pids": list(out.pids),
+            "seconds": round(out.seconds, 3),
+        },
+    )
+    return out
+
+
 class NcclControl:
     """Release, rebuild and bring back a job's NCCL communicators through the shim."""
 
@@ -364,21 +386,7 @@ class NcclControl:
         except BaseException:
             await asyncio.shield(self.bring_back(job, tree))
             raise
-        out = Outcome(
-            sum(int(d.get("released", 0)) for d in done),
-            tuple(m.pid for m in members),
-            time.monotonic() - t0,
-        )
-        log.info(
-            "NCCL communicators released",
-            extra={
-                "job": job,
-                "communicators": out.communicators,
-                "gpu_pids": list(out.pids),
-                "seconds": round(out.seconds, 3),
-            },
-        )
-        return out
+        return _outcome(job, "released", done, members, t0)
 
     async def rebuild(self, job: str, tree: Sequence[int]) -> Outcome:
         """Create every released communicator of ``tree``'s processes again (the agent is
@@ -401,21 +409,7 @@ class NcclControl:
         done = await asyncio.gather(
             *(_ask(m.pid, m.sock, lines[m.pid], self.call_timeout + 5) for m in members)
         )
-        out = Outcome(
-            sum(int(d.get("rebuilt", 0)) for d in done),
-            tuple(m.pid for m in members),
-            time.monotonic() - t0,
-        )
-        log.info(
-            "NCCL communicators rebuilt",
-            extra={
-                "job": job,
-                "communicators": out.communicators,
-                "gpu_pids": list(out.pids),
-                "seconds": round(out.seconds, 3),
-            },
-        )
-        return out
+        return _outcome(job, "rebuilt", done, members, t0)
 
     async def bring_back(self, job: str, tree: Sequence[int]) -> None:
         """After a failed freeze: open every closed gate and rebuild what was released.
