@@ -156,6 +156,19 @@ def jobs_show(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> N
             click.echo(f"  {_when(i['at'])}  {i['image_url']}")
 
 
+def _relaunch(
+    ctx: click.Context, flags: dict[str, Any], job: str, action: str, to: str | None, as_json: bool
+) -> None:
+    """POST /v1/jobs/JOB/ACTION (``unpark``, ``retry``: a new launch round, optionally ``to`` a
+    region or instance type) and print the job's summary."""
+    body = {"to": to} if to else {}
+    r = asyncio.run(_client(ctx, flags).post(f"/v1/jobs/{job}/{action}", body))
+    if as_json:
+        click.echo(json.dumps(r, indent=2))
+        return
+    click.echo(f"{r['job']}: {r['state']} — {r['reason']}")
+
+
 @jobs.command("unpark")
 @click.argument("job")
 @click.option(
@@ -176,12 +189,7 @@ def jobs_unpark(
     The controller relaunches it as it recovers an interrupted job: a new instance that
     restores the parked image. Example: spotguard jobs unpark notebook --to g5.2xlarge
     """
-    body = {"to": to} if to else {}
-    r = asyncio.run(_client(ctx, flags).post(f"/v1/jobs/{job}/unpark", body))
-    if as_json:
-        click.echo(json.dumps(r, indent=2))
-        return
-    click.echo(f"{r['job']}: {r['state']} — {r['reason']}")
+    _relaunch(ctx, flags, job, "unpark", to, as_json)
 
 
 @jobs.command("retry")
@@ -205,12 +213,7 @@ def jobs_retry(
     once the cause is fixed this starts a new launch round as a recovery does. Images known
     bad stay refused. Example: spotguard jobs retry train --to g5.2xlarge
     """
-    body = {"to": to} if to else {}
-    r = asyncio.run(_client(ctx, flags).post(f"/v1/jobs/{job}/retry", body))
-    if as_json:
-        click.echo(json.dumps(r, indent=2))
-        return
-    click.echo(f"{r['job']}: {r['state']} — {r['reason']}")
+    _relaunch(ctx, flags, job, "retry", to, as_json)
 
 
 @click.command("migrate")
