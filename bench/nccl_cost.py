@@ -17,7 +17,8 @@ ranks then keep all-reducing while this process releases and rebuilds their comm
 ``--cycles`` times through the shim's control sockets, as the agent does around a freeze:
 the pause it adds (median seconds of the release and of the rebuild).
 
-    python -m bench.nccl_cost [--gpus N] [--steps 30] [--cycles 5] [--shim PATH] [--json]
+    python -m bench.nccl_cost [--gpus N] [--steps 30] [--cycles 5] [--repeat 3] [--shim PATH]
+                            [--json]
 """
 
 from __future__ import annotations
@@ -146,6 +147,28 @@ def measure(env: dict[str, str], world: int, steps: int, cycles: int = 0) -> dic
     return out
 
 
+def _interleaved(
+    configs: dict[str, tuple[dict[str, str], int]], world: int, steps: int, repeat: int
+) -> dict[str, dict[str, Any]]:
+    """Every configuration ``repeat`` times, in turn (A B C A B C ...), so that a drift of the
+    machine (clocks, temperature) weighs on all alike; per configuration the median of the
+    runs, with each run's step time kept (``step_runs_s``). Release/rebuild cycles are timed in
+    the first run only."""
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in configs}
+    for i in range(repeat):
+        for name, (env, cycles) in configs.items():
+            runs[name].append(measure(env, world, steps, cycles if i == 0 else 0))
+    out: dict[str, dict[str, Any]] = {}
+    for name, rs in runs.items():
+        r = dict(rs[0])
+        r["allreduce_s"] = statistics.median(x["allreduce_s"] for x in rs)
+        r["step_s"] = statistics.median(x["step_s"] for x in rs)
+        r["busbw_gbs"] = statistics.median(x["busbw_gbs"] for x in rs)
+        r["step_runs_s"] = [x["step_s"] for x in rs]
+        out[name] = r
+    return out
+
+
 def main() -> int:
     import torch
 
@@ -153,6 +176,8 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--cycles", type=int, default=5, help="release/rebuild cycles timed")
+    ap.add_argument("--repeat", type=int, default=3,
+                    help="runs of every configuration, interleaved (the table: their median)")
     ap.add_argument("--shim", type=Path, default=CheckpointSettings().nccl_shim)
     ap.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = ap.parse_args()
@@ -171,16 +196,20 @@ def main() -> int:
     else:
         print(f"nccl_cost: no NCCL shim at {args.shim}: that configuration is skipped")
     configs["spotguard run --nccl restrict"] = (nccl.job_env(job_environment(base_env)), 0)
-    res = {name: measure(env, args.gpus, args.steps, n) for name, (env, n) in configs.items()}
+    res = _interleaved(configs, args.gpus, args.steps, max(args.repeat, 1))
     base = res["NCCL defaults (NVLS off)"]
     print(f"# NCCL settings cost: {args.gpus} x {torch.cuda.get_device_name(0)}, "
           f"torch {torch.__version__}, NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, "
-          f"{base['params'] / 1e6:.0f} M parameters (bf16), medians of {args.steps}")  # fmt: skip
+          f"{base['params'] / 1e6:.0f} M parameters (bf16), medians of {args.steps} steps; "
+          f"each configuration run {args.repeat} times interleaved: median of the runs "
+          "(their range)")  # fmt: skip
     print("| settings | all_reduce 256 MiB ms | bus GB/s | DDP step ms | step vs defaults |")
     print("| --- | --- | --- | --- | --- |")
     for name, r in res.items():
-        print(f"| {name} | {r['allreduce_s'] * 1e3:.1f} | {r['busbw_gbs']:.1f} | "
-              f"{r['step_s'] * 1e3:.1f} | {r['step_s'] / base['step_s']:.2f}x |")  # fmt: skip
+        lo, hi = min(r["step_runs_s"]), max(r["step_runs_s"])
+        print(f"| {name} | {r['allreduce_s'] * 1e3:.2f} | {r['busbw_gbs']:.1f} | "
+              f"{r['step_s'] * 1e3:.2f} ({lo * 1e3:.2f}-{hi * 1e3:.2f}) | "
+              f"{r['step_s'] / base['step_s']:.3f}x |")  # fmt: skip
     for name, r in res.items():
         if "release_s" in r:
             print(f"{name}: release {r['release_s']:.3f} s, rebuild {r['rebuild_s']:.3f} s "

@@ -708,9 +708,14 @@ static void cmd_release(buf_t *out, char *args) {
   comm_fn_t destroy = REAL(comm_fn_t, ncclCommDestroy);
   const char *failed = NULL;
   ncclResult_t rc = ncclSuccess;
+  /* NCCL's finalize and destroy end by setting the caller's device back: a control thread
+   * that never chose one would make device 0 current, which since CUDA 12 creates a primary
+   * context there (~500 MiB of GPU 0 in every other rank, and one more context to
+   * checkpoint). Each call runs with its communicator's own device current. */
   for (int i = 0; reals && i < n && !failed; i++) {
     if (!reals[i])
       continue;
+    use_device(v[i]->dev);
     rc = finalize ? finalize((ncclComm_t)reals[i]) : ncclInternalError;
     if (rc == ncclInProgress)
       rc = settle(reals[i], until);
@@ -718,6 +723,8 @@ static void cmd_release(buf_t *out, char *args) {
       failed = "ncclCommFinalize";
   }
   for (int i = 0; reals && i < n && !failed; i++) {
+    if (reals[i])
+      use_device(v[i]->dev);
     if (reals[i] && (rc = destroy ? destroy((ncclComm_t)reals[i]) : ncclInternalError))
       failed = "ncclCommDestroy";
   }
@@ -741,6 +748,11 @@ static const char HEX[] = "0123456789abcdef";
 static void cmd_uid(buf_t *out) {
   typedef ncclResult_t (*uid_fn_t)(ncclUniqueId *);
   ncclUniqueId id;
+  /* on a device this process already uses (see cmd_release): never a new context on 0 */
+  pthread_mutex_lock(&mu);
+  int dev = comms ? comms->dev : -1;
+  pthread_mutex_unlock(&mu);
+  use_device(dev);
   uid_fn_t get = REAL(uid_fn_t, ncclGetUniqueId);
   ncclResult_t rc = get ? get(&id) : ncclInternalError;
   if (rc != ncclSuccess) {

@@ -217,6 +217,13 @@ class GpuError(CheckpointError):
     retryable = True
 
 
+class GpuUnsupportedError(GpuError):
+    """The driver refused to checkpoint a process's GPU state (CUDA_ERROR_NOT_SUPPORTED:
+    managed memory, CUDA IPC): the same process fails the same way, so not retryable."""
+
+    retryable = False
+
+
 class NcclError(CheckpointError):
     """Releasing or rebuilding a job's NCCL communicators (spotguard's NCCL shim) failed: a
     rank did not quiesce in time, or the shim answered with an error."""

@@ -16,7 +16,7 @@ import pytest
 from spotguard.checkpoint.cuda import CudaHook, _Driver
 from spotguard.checkpoint.nccl import env_problems, job_env, refuse_uncheckpointable
 from spotguard.checkpoint.preflight import gpu_mapping
-from spotguard.errors import GpuError, MismatchError, PreflightError
+from spotguard.errors import GpuError, GpuUnsupportedError, MismatchError, PreflightError
 from spotguard.facts import GpuDevice, GpuInventory
 
 H100 = "NVIDIA H100 80GB HBM3"
@@ -73,6 +73,26 @@ def hook() -> CudaHook:
     FakeProcess.restored = []
     drv = _Driver(process=FakeProcess)
     return CudaHook(driver=lambda: drv)
+
+
+async def test_a_checkpoint_the_driver_does_not_support_is_a_clear_final_error(
+    hook: CudaHook,
+) -> None:
+    # the driver answers CUDA_ERROR_NOT_SUPPORTED for managed memory or CUDA IPC it cannot
+    # move: not worth a retry; the message says what to change
+    def refuse(self: FakeProcess) -> None:
+        raise CUDAError("CUDA_ERROR_NOT_SUPPORTED: operation not supported")
+
+    FakeProcess.cuda[10] = "locked"
+    saved = FakeProcess.checkpoint
+    FakeProcess.checkpoint = refuse  # type: ignore[method-assign]
+    try:
+        with pytest.raises(GpuUnsupportedError) as err:
+            await hook.checkpoint([10])
+    finally:
+        FakeProcess.checkpoint = saved  # type: ignore[method-assign]
+    assert not err.value.retryable
+    assert "pid 10" in str(err.value) and "managed" in str(err.value)
 
 
 async def test_gpu_processes_are_those_the_driver_knows(hook: CudaHook) -> None:

@@ -177,6 +177,22 @@ def test_cuda_managed_memory_is_refused_in_a_gpu_process() -> None:
     assert "cudaMallocManaged" in found.fix
 
 
+def test_a_rank_mapping_a_peer_gpu_may_hold_one_uvm_range_per_gpu_it_opened() -> None:
+    # measured on 2 x H100 (driver 580, NCCL 2.28 with P2P over NVLink): after its
+    # communicator is destroyed, the rank holding /dev/nvidia0 and /dev/nvidia1 keeps a second
+    # 2 MiB /dev/nvidia-uvm range, and the driver checkpoints it; managed memory beyond one
+    # range per GPU is still refused here (and anything else the driver refuses, it says so)
+    two_gpus = (FdFact(3, "/dev/nvidiactl"), FdFact(4, "/dev/nvidia0"), FdFact(5, "/dev/nvidia1"))
+    peer = {"/dev/nvidia-uvm": (2 << 20, 2 << 20)}
+    assert scan.managed_memory(_proc(gpu=True, device_maps=peer, fds=two_gpus)) == []
+    one_gpu = (FdFact(3, "/dev/nvidiactl"), FdFact(4, "/dev/nvidia0"), FdFact(6, "/dev/nvidia0"))
+    (found,) = scan.managed_memory(_proc(gpu=True, device_maps=peer, fds=one_gpu))
+    assert found.resource == "CUDA managed memory (2 MiB mapped through /dev/nvidia-uvm)"
+    big = {"/dev/nvidia-uvm": (2 << 20, 2 << 20, 64 << 20)}
+    (found,) = scan.managed_memory(_proc(gpu=True, device_maps=big, fds=two_gpus))
+    assert found.resource == "CUDA managed memory (64 MiB mapped through /dev/nvidia-uvm)"
+
+
 def test_device_mapping_sizes_are_read_from_proc(procs: list[subprocess.Popen[str]]) -> None:
     code = (
         "import mmap, time\n"

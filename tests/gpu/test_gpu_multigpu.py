@@ -38,19 +38,23 @@ def gpus() -> int:
 
 def _gpu_of(pids: list[int]) -> dict[int, str]:
     """Each process's pid inside the job's PID namespace (the same after a restore) → UUID of
-    the GPU it holds memory on, by NVML."""
+    the one GPU it holds memory on, by NVML. A rank holding memory on a second GPU fails: a
+    context made there by a stray current device (~500 MiB each, on a node of eight)."""
     import pynvml
 
     pynvml.nvmlInit()
-    out: dict[int, str] = {}
+    held: dict[int, dict[str, int]] = {}
     for i in range(pynvml.nvmlDeviceGetCount()):
         h = pynvml.nvmlDeviceGetHandleByIndex(i)
         raw = pynvml.nvmlDeviceGetUUID(h)
         uuid = str(raw.decode() if isinstance(raw, bytes) else raw)
         for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
             if p.pid in pids:
-                out[proctree.ns_pid(p.pid)] = uuid
-    return out
+                used = int(p.usedGpuMemory or 0)
+                held.setdefault(proctree.ns_pid(p.pid), {})[uuid] = used
+    print(f"GPU memory by process (ns pid → UUID → bytes): {held}")
+    assert all(len(by) == 1 for by in held.values()), f"a rank holds memory on 2 GPUs: {held}"
+    return {pid: next(iter(by)) for pid, by in held.items()}
 
 
 def test_a_ddp_job_on_every_gpu_survives_pause_exit_and_a_swapped_restore(
@@ -82,6 +86,7 @@ def test_a_ddp_job_on_every_gpu_survives_pause_exit_and_a_swapped_restore(
             assert nccl_step(paused, "nccl_rebuild") == nccl_step(paused, "nccl_release")
             n = len(lines(out))
             wait(lambda: len(lines(out)) > n + 3, "the job to go on after the pause")
+            assert _gpu_of(proctree.tree(job["pid"])) == before, "ranks moved by the pause"
 
             parked = sg("checkpoint", "ddp", "--to", str(sg.root / "img-park"))
             wait(lambda: not proctree.alive(job["pid"]), "the job to stop")

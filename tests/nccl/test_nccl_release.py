@@ -88,6 +88,8 @@ async def test_communicators_are_released_and_rebuilt_through_pause_exit_and_res
     assert _step(timeline, "nccl_rebuild")["communicators"] == 2 * RANKS
     assert _log_count(tmp_path, "finalize") == 2 * RANKS
     assert _log_count(tmp_path, "destroy") == 2 * RANKS
+    # each with its communicator's device current, never a new context on another GPU
+    assert _log_count(tmp_path, "wrong-device") == 0
     # the world once by the job; world and split again by the rebuild, from fresh ids
     assert _log_count(tmp_path, "init") == RANKS + 2 * RANKS
     assert _log_count(tmp_path, "split") == RANKS

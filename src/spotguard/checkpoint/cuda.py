@@ -35,8 +35,10 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from spotguard.errors import GpuError, StepTimeout
+from spotguard.errors import GpuError, GpuUnsupportedError, StepTimeout
 from spotguard.facts import GpuDevice, GpuInventory
+
+from .scan import MANAGED_FIX
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -220,7 +222,20 @@ class _Driver:
         self._call("cuCheckpointProcessLock", pid, lambda p: p.lock(timeout_ms))
 
     def checkpoint(self, pid: int) -> None:
-        self._call("cuCheckpointProcessCheckpoint", pid, lambda p: p.checkpoint())
+        """Move ``pid``'s GPU memory to host memory. The driver's CUDA_ERROR_NOT_SUPPORTED
+        (managed memory, CUDA IPC it cannot move; the process stays locked, which the
+        engine undoes) is final: :class:`GpuUnsupportedError` with what to change."""
+        try:
+            self._call("cuCheckpointProcessCheckpoint", pid, lambda p: p.checkpoint())
+        except GpuError as exc:
+            if "CUDA_ERROR_NOT_SUPPORTED" not in str(exc):
+                raise
+            raise GpuUnsupportedError(
+                f"the NVIDIA driver cannot checkpoint the GPU state of pid {pid} "
+                "(CUDA_ERROR_NOT_SUPPORTED): it holds CUDA managed (unified) memory or memory "
+                f"shared with another process (CUDA IPC); {MANAGED_FIX}, and start NCCL jobs "
+                "with 'spotguard run'"
+            ) from exc
 
     def restore(self, pid: int, remap: Mapping[str, str] | None) -> None:
         mapping = {driver_uuid(o): driver_uuid(n) for o, n in (remap or {}).items()} or None

@@ -34,6 +34,7 @@ them (see docs/limits.md, "Sockets").
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -159,8 +160,11 @@ def io_uring(proc: ProcFacts) -> list[Finding]:
     ]
 
 
-#: what a CUDA context maps of /dev/nvidia-uvm by itself: one 2 MiB range (driver 580, H100)
-UVM_BASE_MAPS = (2 << 20,)
+#: what a CUDA context maps of /dev/nvidia-uvm by itself, per GPU device node the process has
+#: open: one 2 MiB range (driver 580, H100); a rank that mapped a peer GPU (NCCL P2P over
+#: NVLink) keeps a second one once its communicator is destroyed, which the driver checkpoints
+UVM_RANGE_PER_GPU = 2 << 20
+_GPU_NODE = re.compile(r"^/dev/nvidia\d+$")
 
 
 @rule
@@ -168,22 +172,33 @@ def managed_memory(proc: ProcFacts) -> list[Finding]:
     """CUDA managed (unified) memory in a process holding CUDA state: every
     cudaMallocManaged range is one more mapping of /dev/nvidia-uvm beside the context's own
     2 MiB, and the driver refuses to checkpoint it (cuCheckpointProcessCheckpoint returns
-    CUDA_ERROR_NOT_SUPPORTED [801] and leaves the process locked; measured, driver 580)."""
+    CUDA_ERROR_NOT_SUPPORTED [801] and leaves the process locked; measured, driver 580).
+    Allowed: one 2 MiB range per GPU device node the process holds open. A small managed
+    range within that allowance passes here; the driver's 801 then ends the freeze with the
+    same advice (:meth:`spotguard.checkpoint.cuda._Driver.checkpoint`) and the job resumes."""
     sizes = proc.device_maps.get("/dev/nvidia-uvm", ())
-    only_context = len(sizes) <= len(UVM_BASE_MAPS) and sum(sizes) <= sum(UVM_BASE_MAPS)
+    gpus = max(len({f.target for f in proc.fds if _GPU_NODE.match(f.target)}), 1)
+    allowed = gpus * UVM_RANGE_PER_GPU
+    only_context = len(sizes) <= gpus and sum(sizes) <= allowed
     if not proc.gpu or only_context:
         return []
-    managed = max(sum(sizes) - sum(UVM_BASE_MAPS), 0)
+    # more ranges than GPUs but no more bytes: the smallest range is the managed one
+    managed = sum(sizes) - allowed if sum(sizes) > allowed else min(sizes)
     return [
         Finding(
             proc.pid,
             proc.name,
             f"CUDA managed memory ({managed >> 20} MiB mapped through /dev/nvidia-uvm)",
             "the NVIDIA driver cannot checkpoint managed (unified) memory",
-            "allocate with cudaMalloc instead of cudaMallocManaged (in PyTorch: no managed-"
-            "memory allocator)",
+            MANAGED_FIX,
         )
     ]
+
+
+MANAGED_FIX = (
+    "allocate with cudaMalloc instead of cudaMallocManaged (in PyTorch: no managed-memory "
+    "allocator)"
+)
 
 
 @rule

@@ -216,12 +216,23 @@ ncclResult_t ncclCommSplit(ncclComm_t comm, int color, int key, ncclComm_t *newc
   return rc;
 }
 
+/* Real NCCL ends finalize and destroy by making the caller's device current again, and the
+ * runtime creates a context on device 0 for a thread that had none: called from any device
+ * but the communicator's own, this costs a context on another GPU. Logged as such. */
+static void check_device(const struct ncclComm *c) {
+  int cur = -1;
+  if (cuCtxGetDevice(&cur) != 0 || cur != c->dev)
+    flog(c, "wrong-device");
+}
+
 ncclResult_t ncclCommFinalize(ncclComm_t comm) {
+  check_device(comm);
   flog(comm, "finalize");
   return ncclSuccess;
 }
 
 ncclResult_t ncclCommDestroy(ncclComm_t comm) {
+  check_device(comm);
   flog(comm, "destroy");
   free(comm);
   return ncclSuccess;
