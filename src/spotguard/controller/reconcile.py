@@ -430,6 +430,7 @@ class Reconciler(ImageChoice):
         cur = await self.provider.describe(ref)
         if cur.state in (InstanceState.TERMINATED, InstanceState.STOPPED):
             why = f"instance {ref.instance_id} is {cur.state.value} before the job was restored"
+            why += f": {cur.state_reason}" if cur.state_reason else ""  # the provider's why
             log.warning("instance lost while restoring", extra={"job": rec.name, "reason": why})
             await self._set(rec, self._abandon(ref, why))
 

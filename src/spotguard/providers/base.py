@@ -178,6 +178,9 @@ class InstanceRef:
     launch_token: str | None = None
     state: InstanceState = InstanceState.PENDING
     extra: dict[str, Any] = field(default_factory=dict)
+    #: why the instance stopped or ended, in one line, where the provider can tell (the local
+    #: provider: the agent's exit status and its last error line); None: unknown or running
+    state_reason: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)

@@ -14,7 +14,8 @@ The agent is started as ``local_agent_command`` (default ``spotguard agent``) in
 process group with ``SPOTGUARD_ASSIGNMENT``, ``SPOTGUARD_STATE_DIR``,
 ``SPOTGUARD_CONTROLLER_URL``, ``SPOTGUARD_CONTROLLER_TOKEN``, ``SPOTGUARD_LOCAL_VM_ID``,
 ``SPOTGUARD_STORE`` (the assignment's store) and ``local_env``. ``terminate`` kills the process
-group; ``describe`` checks the process is alive.
+group; ``describe`` checks the process is alive and, once it ended by itself, says why
+(``state_reason``: its exit status and the last error line of its ``agent.log``).
 The same client token always names the same VM, so a repeated launch starts nothing new.
 """
 
@@ -128,6 +129,36 @@ def _write_private(path: Path, text: str) -> None:
         f.write(text)
 
 
+#: how much of a VM's agent.log is read for the line that says why it ended
+_LOG_TAIL_BYTES = 16 * 1024
+_REASON_CHARS = 400
+
+
+def ended_reason(code: int | None, log_path: Path) -> str:
+    """Why a local VM's agent ended, in one line: its exit status (when this provider started
+    it, so the status is known) and its last error line (``spotguard: error: ...``, else the
+    log's last line), so the controller records the real reason for a failed relaunch."""
+    if code is None:
+        head = "the agent exited"
+    elif code < 0:
+        head = f"the agent was killed by signal {-code}"
+    else:
+        head = f"the agent exited with status {code}"
+    try:
+        with log_path.open("rb") as f:
+            f.seek(max(0, f.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return head
+    lines = [" ".join(ln.split()) for ln in tail.splitlines()]
+    lines = [ln for ln in lines if ln]
+    errors = [ln for ln in lines if ln.startswith("spotguard: error:")]
+    last = (errors or lines or [""])[-1]
+    if len(last) > _REASON_CHARS:
+        last = last[: _REASON_CHARS - 1] + "…"
+    return f"{head}: {last}" if last else head
+
+
 class LocalProvider:
     """Sandboxes on this machine behind :class:`~spotguard.providers.base.CloudProvider`."""
 
@@ -200,8 +231,13 @@ class LocalProvider:
 
     def _ref(self, vm: dict[str, Any]) -> InstanceRef:
         state = InstanceState.RUNNING if self._alive(vm) else InstanceState.TERMINATED
+        why = None
         if vm.get("terminated"):
             state = InstanceState.TERMINATED
+        elif state is InstanceState.TERMINATED:  # ended by itself: say why
+            proc = self._procs.get(vm["id"])
+            code = proc.returncode if proc is not None else None
+            why = ended_reason(code, self._dir(vm["id"]) / "agent.log")
         return InstanceRef(
             provider=self.name,
             instance_id=vm["id"],
@@ -212,6 +248,7 @@ class LocalProvider:
             launch_token=vm.get("launch_token"),
             state=state,
             extra={"dir": str(self._dir(vm["id"])), "pid": vm.get("pid")},
+            state_reason=why,
         )
 
     async def launch(
@@ -278,7 +315,8 @@ class LocalProvider:
     async def wait_ready(self, ref: InstanceRef, timeout_s: float) -> InstanceRef:
         cur = await self.describe(ref)
         if cur.state is not InstanceState.RUNNING:
-            raise ProviderError(f"local VM {ref.instance_id} is not running (see its agent.log)")
+            why = f": {cur.state_reason}" if cur.state_reason else " (see its agent.log)"
+            raise ProviderError(f"local VM {ref.instance_id} is not running{why}")
         return cur
 
     async def describe(self, ref: InstanceRef) -> InstanceRef:
