@@ -427,6 +427,7 @@ class EventAnswer(Directive):
     image_url: str | None = None
     restarts: int = 0
     since: float = 0.0
+    error: str | None = None  # why the event was refused (409 to a non-owner)
 
 
 class KeySources(BaseModel):

@@ -58,7 +58,9 @@ In the tree, ``[r]`` marks retryable classes.
     ├── AgentNotRunning         [r] nothing answers on the local agent's API (exit 3)
     ├── AgentTaskDied               one of the agent's tasks raised: the agent stops (exit 1)
     ├── ControllerError         [r] the controller API or its state
-    │   ├── AuthError               missing or wrong token
+    │   ├── AuthError               missing or wrong token; a token that may not act there
+    │   │   └── TokenRejected       [r] the controller does not know the token (401): retried
+    │   ├── ControllerRefused       the controller refused a request for good (400, 409, 4xx)
     │   ├── NotOwner                the sender no longer owns the job (fenced: stand down)
     │   ├── EventTooLarge           an agent event over the controller's size limit (413)
     │   ├── EventRateLimited    [r] too many events or bytes from one token for one job (429)
@@ -402,6 +404,20 @@ class ControllerError(SpotguardError):
 
 class AuthError(ControllerError):
     """Missing or wrong bearer token."""
+
+    retryable = False
+
+
+class TokenRejected(AuthError):
+    """The controller does not know the bearer token (401): a wrong one, or one the
+    controller is being restarted or rotated to. An agent's reports retry it slowly."""
+
+    retryable = True
+
+
+class ControllerRefused(ControllerError):
+    """The controller refused a request for good (400 malformed or impossible, 409 a
+    conflicting state, another 4xx): the same request cannot succeed; never resent."""
 
     retryable = False
 
