@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import resource
 import shutil
 import signal
 import sys
@@ -98,9 +99,12 @@ async def one_run(
         shutil.rmtree(stores[0], ignore_errors=True)
 
         target = StreamTarget(f"file://{stores[1]}", work_root=work, settings=image)
-        t0 = time.monotonic()
-        await engine.freeze(job, target, Mode.EXIT)
+        t0, cpu0 = time.monotonic(), _cpu()
+        frozen = await engine.freeze(job, target, Mode.EXIT)
         row["durable_s"] = time.monotonic() - t0
+        row["profile"] = _profile(frozen.timeline.to_list(), cpu0, target, row["durable_s"])
+        print(f"ranks {ranks} x {gib} GiB, page workers {workers}: {row['profile']}",
+              file=sys.stderr, flush=True)  # fmt: skip
         assert target.url is not None
         if target.capture_stats is not None:
             row["bytes"] = target.capture_stats.bytes
@@ -117,6 +121,33 @@ async def one_run(
         for s in stores:
             shutil.rmtree(s, ignore_errors=True)
     return row
+
+
+def _cpu() -> tuple[float, float]:
+    """CPU seconds (user + system) of this process and of its waited-for children (CRIU)."""
+    me = resource.getrusage(resource.RUSAGE_SELF)
+    kids = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return me.ru_utime + me.ru_stime, kids.ru_utime + kids.ru_stime
+
+
+def _profile(
+    timeline: list[dict[str, Any]], cpu0: tuple[float, float], target: Any, wall: float
+) -> dict[str, Any]:
+    """Where an exit freeze's time went: its steps, the CPU seconds spotguard's process and
+    CRIU (children) used over it (cores busy = CPU / wall), and the chunk pipeline's summed
+    waits per stage."""
+    me, kids = _cpu()
+    out: dict[str, Any] = {
+        "steps": {t["name"]: round(t["seconds"] or 0.0, 3) for t in timeline if t.get("seconds")},
+        "cpu_spotguard_s": round(me - cpu0[0], 2),
+        "cpu_criu_s": round(kids - cpu0[1], 2),
+        "cores_busy": round((me - cpu0[0] + kids - cpu0[1]) / max(wall, 1e-9), 1),
+    }
+    if target.writer_stats is not None:
+        w = target.writer_stats.to_json()
+        out["writer_stage_s"] = w.get("step_seconds")
+        out["chunks_raw"] = w.get("chunks_raw")
+    return out
 
 
 def table(rows: list[dict[str, Any]]) -> str:

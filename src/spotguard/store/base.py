@@ -186,6 +186,21 @@ class BlockingStore:
                 extra={"op": what, "key": key, "attempt": state.attempt_number, "error": str(err)},
             )
 
+        # The first attempt runs bare: building tenacity's machinery for every call (two or
+        # three per chunk) cost more CPU than the call itself on a fast store. A transient
+        # failure enters the retry loop as its attempt 1, with the same backoff and log lines.
+        try:
+            return await once()
+        except StoreUnavailable as exc:
+            if self.retry.attempts <= 1:
+                raise
+            failed: list[StoreUnavailable] = [exc]
+
+        async def again() -> T:
+            if failed:
+                raise failed.pop()
+            return await once()
+
         retrying = AsyncRetrying(
             retry=retry_if_exception_type(StoreUnavailable),
             stop=stop_after_attempt(max(1, self.retry.attempts)),
@@ -195,7 +210,7 @@ class BlockingStore:
             before_sleep=before_sleep,
             reraise=True,
         )
-        return await retrying(once)
+        return await retrying(again)
 
     async def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
         """Write ``data`` at ``key`` atomically (``if_absent``: only if nothing is there)."""
