@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from spotguard.checkpoint import proctree
-from spotguard.checkpoint.jobs import JOB_FILE, JobInfo, resolve_job
+from spotguard.checkpoint.jobs import JOB_FILE, JobInfo, jobs_dir, resolve_job
 from spotguard.errors import JobNotFound, SpotguardError
 
 log = logging.getLogger(__name__)
@@ -81,13 +81,37 @@ def incarnation(info: JobInfo) -> Incarnation | None:
     return info.pid, st.st_ino, st.st_mtime_ns
 
 
+#: how often the ``job.json`` of a job that ended is looked at (one ``stat``): a wake, an
+#: unpark or a restore writes it anew, and the agent protects (and shows) the new pid at once
+LOOK_S = 0.1
+
+
+def _stamp(path: Path) -> tuple[int, int] | None:
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return st.st_ino, st.st_mtime_ns
+
+
 async def comes_back(
     spec: str, seen: Incarnation | None, state_dir: Path, period_s: float
 ) -> JobInfo:
-    """Wait (looking every ``period_s`` seconds) until the job ``spec`` runs again as another
-    incarnation than ``seen``: restored by hand (``spotguard restore``) or by an assignment."""
+    """Wait until the job ``spec`` runs again as another incarnation than ``seen``: restored
+    by hand (``spotguard restore``), unparked or woken by a client, or by an assignment.
+    Its ``job.json`` is looked at every :data:`LOOK_S` and the job resolved as soon as that
+    file is not the one ``seen`` had (a job woken from a park showed its old pid for up to
+    ``period_s`` before); the job is resolved every ``period_s`` in any case."""
+    loop = asyncio.get_running_loop()
+    marker = jobs_dir(state_dir) / spec.strip() / JOB_FILE
+    old = seen[1:] if seen is not None else None
+    full_at = loop.time() + period_s
     while True:
-        await asyncio.sleep(period_s)
+        await asyncio.sleep(LOOK_S)
+        now = _stamp(marker)
+        if now == old and loop.time() < full_at:
+            continue
+        old, full_at = now, loop.time() + period_s  # this file is looked at once
         with contextlib.suppress(SpotguardError):
             info = resolve(spec, state_dir=state_dir)
             if incarnation(info) != seen and proctree.alive(info.pid):
