@@ -12,6 +12,7 @@ import click
 
 from spotguard.cli import config_file
 from spotguard.config import load, options
+from spotguard.contracts import EventAnswer
 from spotguard.controller.client import ControllerClient
 from spotguard.controller.settings import ClientSettings, ControllerSettings
 from spotguard.notices.fleet import FleetSettings
@@ -89,6 +90,11 @@ def _client(ctx: click.Context, flags: dict[str, Any]) -> ControllerClient:
     return ControllerClient(s.controller_url, s.bearer(), ca_file=s.controller_ca_file)
 
 
+def _said(answer: EventAnswer) -> dict[str, Any]:
+    """A job's summary as the controller sent it (the fields it sent, for ``--json``)."""
+    return answer.model_dump(mode="json", exclude_unset=True)
+
+
 def _when(ts: float | None) -> str:
     if not ts:
         return "-"
@@ -107,18 +113,18 @@ def jobs() -> None:
 @click.pass_context
 def jobs_list(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
     """Every job: state, where it runs, restarts, newest image."""
-    data = asyncio.run(_client(ctx, flags).get("/v1/jobs"))
+    rows = asyncio.run(_client(ctx, flags).jobs())
     if as_json:
-        click.echo(json.dumps(data, indent=2))
+        click.echo(json.dumps({"jobs": [_said(j) for j in rows]}, indent=2))
         return
-    rows = data.get("jobs", [])
     if not rows:
         click.echo("no jobs")
         return
     click.echo(f"{'JOB':24} {'STATE':13} {'INSTANCE':24} {'RESTARTS':>8}  REASON")
     for j in rows:
-        inst = (j.get("pending") or j.get("instance") or {}).get("instance_id") or "-"
-        click.echo(f"{j['job']:24} {j['state']:13} {inst:24} {j['restarts']:>8}  {j['reason']}")
+        where = j.pending or (j.instance.model_dump() if j.instance else {})
+        inst = where.get("instance_id") or "-"
+        click.echo(f"{j.job:24} {j.state:13} {inst!s:24} {j.restarts:>8}  {j.reason}")
 
 
 @jobs.command("show")
@@ -128,7 +134,7 @@ def jobs_list(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
 @click.pass_context
 def jobs_show(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> None:
     """One job: state, history timeline, current instance, images."""
-    v = asyncio.run(_client(ctx, flags).get(f"/v1/jobs/{job}"))
+    v = asyncio.run(_client(ctx, flags).job(job))
     if as_json:
         click.echo(json.dumps(v, indent=2))
         return
@@ -159,14 +165,15 @@ def jobs_show(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> N
 def _relaunch(
     ctx: click.Context, flags: dict[str, Any], job: str, action: str, to: str | None, as_json: bool
 ) -> None:
-    """POST /v1/jobs/JOB/ACTION (``unpark``, ``retry``: a new launch round, optionally ``to`` a
-    region or instance type) and print the job's summary."""
-    body = {"to": to} if to else {}
-    r = asyncio.run(_client(ctx, flags).post(f"/v1/jobs/{job}/{action}", body))
+    """Ask the controller for a new launch round of JOB (``unpark``, ``retry``), optionally
+    ``to`` a region or instance type, and print the job's summary."""
+    client = _client(ctx, flags)
+    call = client.unpark if action == "unpark" else client.retry
+    r = asyncio.run(call(job, to))
     if as_json:
-        click.echo(json.dumps(r, indent=2))
+        click.echo(json.dumps(_said(r), indent=2))
         return
-    click.echo(f"{r['job']}: {r['state']} — {r['reason']}")
+    click.echo(f"{r.job}: {r.state} — {r.reason}")
 
 
 @jobs.command("unpark")
@@ -229,6 +236,5 @@ def jobs_retry(
 @click.pass_context
 def migrate(ctx: click.Context, /, job: str, to: str, immediate: bool, **flags: Any) -> None:
     """Move JOB to another region or instance type (bursting, rightsizing)."""
-    body = {"to": to, "immediate": immediate}
-    r = asyncio.run(_client(ctx, flags).post(f"/v1/jobs/{job}/migrate", body))
-    click.echo(f"{r['job']}: {r['state']} — {r['reason']}")
+    r = asyncio.run(_client(ctx, flags).migrate(job, to, immediate=immediate))
+    click.echo(f"{r.job}: {r.state} — {r.reason}")

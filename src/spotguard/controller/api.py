@@ -19,6 +19,8 @@
 ``GET /metrics``                         —       Prometheus text format
 =======================================  ======  =============================================
 
+The paths are declared once, in :mod:`spotguard.controller.routes` (shared with the client).
+
 "VM" routes take the admin token or a VM token scoped to that job
 (:mod:`spotguard.controller.tokens`); "admin" routes only the admin token. Errors are JSON
 ``{"error": "..."}``: 401 missing/wrong token, 403 a token that may not act there, 400
@@ -49,6 +51,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from spotguard.contracts import SCHEMA, EventAnswer
+from spotguard.controller import routes
 from spotguard.controller.core import Controller, directive_of
 from spotguard.controller.edge import LOGGED_FIELDS, instance_info, parse_lenient
 from spotguard.controller.state import JobRecord
@@ -187,7 +190,7 @@ def _problems(exc: ValidationError) -> str:
 @web.middleware
 async def auth_and_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
     """Bearer token on /v1/*; typed errors → JSON answers (never a traceback)."""
-    if request.path.startswith("/v1/"):
+    if request.path.startswith(routes.API_PREFIX):
         header = request.headers.get("Authorization", "")
         if not header.startswith("Bearer ") or not header[7:].strip():
             return _error(401, "missing bearer token", **{"WWW-Authenticate": "Bearer"})
@@ -347,13 +350,13 @@ def make_app(controller: Controller) -> web.Application:
     app = web.Application(middlewares=[auth_and_errors], client_max_size=4 * 1024 * 1024)
     app[CONTROLLER_KEY] = controller
     app[LIMITER_KEY] = EventLimiter()
-    app.router.add_post("/v1/events", post_event)
-    app.router.add_get("/v1/jobs", list_jobs)
-    app.router.add_get("/v1/jobs/{job}", show_job)
-    app.router.add_post("/v1/jobs/{job}/migrate", migrate_job)
-    app.router.add_post("/v1/jobs/{job}/unpark", unpark_job)
-    app.router.add_post("/v1/jobs/{job}/retry", retry_job)
-    app.router.add_get("/v1/jobs/{job}/directive", directive)
-    app.router.add_get("/healthz", healthz)
-    app.router.add_get("/metrics", metrics)
+    app.router.add_post(routes.EVENTS, post_event)
+    app.router.add_get(routes.JOBS, list_jobs)
+    app.router.add_get(routes.JOB, show_job)
+    app.router.add_post(routes.MIGRATE, migrate_job)
+    app.router.add_post(routes.UNPARK, unpark_job)
+    app.router.add_post(routes.RETRY, retry_job)
+    app.router.add_get(routes.DIRECTIVE, directive)
+    app.router.add_get(routes.HEALTHZ, healthz)
+    app.router.add_get(routes.METRICS, metrics)
     return app

@@ -1,18 +1,126 @@
-"""A small client of the controller API, for the CLI (``jobs``, ``migrate``)."""
+"""The one client of the controller's HTTP API, for everything that talks to it: the agent's
+reports (:mod:`spotguard.agent.reporter`) and directive polls (:mod:`spotguard.agent.
+directives`), the park side asking who owns a parked job (:mod:`spotguard.agent.parking`),
+and the CLI (``jobs``, ``migrate``).
+
+Paths come from :mod:`spotguard.controller.routes`; answers are the wire models
+(:class:`~spotguard.contracts.EventAnswer`, :class:`~spotguard.contracts.Directive`), read
+leniently: a field this side does not know (a newer controller's) is dropped and logged once,
+as the controller's edge does with agents' events. Every failure is typed:
+
+=================================  ==========================================================
+unreachable, timeout, other 5xx    :class:`ControllerError` (retryable)
+503 (the state file)               :class:`StateError` (retryable)
+401 (an unknown token)             :class:`TokenRejected` (retryable: a token being rotated)
+403 (may not act there)            :class:`AuthError`
+404                                :class:`JobNotFound`
+413                                :class:`EventTooLarge`
+429                                :class:`EventRateLimited` (retryable, ``retry_after``)
+400, 409, other 4xx                :class:`ControllerRefused`
+=================================  ==========================================================
+
+One client may serve many requests over one connection pool (``async with client:``, as the
+reporter and the directive poll do); outside such a block each request opens its own.
+"""
 
 from __future__ import annotations
 
+import json
+import logging
 import ssl
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self, TypeVar
 
 import aiohttp
+from pydantic import BaseModel, ValidationError
 
-from spotguard.errors import AuthError, ControllerError, JobNotFound, without_type
+from spotguard.contracts import Directive, EventAnswer
+from spotguard.controller import routes
+from spotguard.errors import (
+    AuthError,
+    ControllerError,
+    ControllerRefused,
+    EventRateLimited,
+    EventTooLarge,
+    JobNotFound,
+    SpotguardError,
+    StateError,
+    TokenRejected,
+    without_type,
+)
+
+log = logging.getLogger(__name__)
+
+M = TypeVar("M", bound=BaseModel)
+
+#: (model, field) pairs of answers already logged as carrying an unknown field
+_LOGGED: set[tuple[str, str]] = set()
+
+
+def read_answer(model: type[M], data: object) -> M | None:
+    """``data`` (a decoded JSON answer) as ``model``; fields ``model`` does not know are
+    dropped (logged once per field); None when it is not such an answer at all."""
+    if not isinstance(data, dict):
+        return None
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        problems = exc.errors()
+    unknown = {str(e["loc"][0]) for e in problems if e["type"] == "extra_forbidden"}
+    if len(unknown) != len(problems) or any(len(e["loc"]) != 1 for e in problems):
+        return None
+    new = sorted(f for f in unknown if (model.__name__, f) not in _LOGGED)
+    if new:
+        _LOGGED.update((model.__name__, f) for f in new)
+        log.warning(
+            "unknown field in the controller's answer ignored (logged once per field)",
+            extra={"kind": model.__name__, "fields": new},
+        )
+    try:
+        return model.model_validate({k: v for k, v in data.items() if k not in unknown})
+    except ValidationError:
+        return None
+
+
+@dataclass(frozen=True)
+class Reply:
+    """One answer of the controller: its status, its JSON decoded (None when it is not
+    JSON), its text, and ``Retry-After`` in seconds (0 when not given)."""
+
+    status: int
+    data: object
+    text: str
+    retry_after: int = 0
+
+
+def error_for(reply: Reply) -> SpotguardError:
+    """The typed error of an answer whose status is 400 or more."""
+    status, data = reply.status, reply.data
+    said = data.get("error") if isinstance(data, dict) else None
+    error = without_type(str(said)) if said is not None else reply.text[:200]  # for people
+    if status == 401:
+        return TokenRejected(f"controller refused the token: {error}")
+    if status == 403:
+        return AuthError(f"controller refused the token: {error}")
+    if status == 404:
+        return JobNotFound(error)
+    if status == 413:
+        return EventTooLarge(f"the controller refused: {error}")
+    if status == 429:
+        return EventRateLimited(f"the controller refused: {error}", reply.retry_after or 1)
+    if status == 503:
+        return StateError(f"the controller failed (HTTP {status}): {error}")
+    if status >= 500:
+        return ControllerError(f"the controller failed (HTTP {status}): {error}")
+    if status in (400, 409):
+        return ControllerRefused(f"the controller refused: {error}")
+    return ControllerRefused(f"the controller refused (HTTP {status}): {error}")
 
 
 class ControllerClient:
-    """``GET``/``POST`` JSON to the controller with the bearer token; errors are typed."""
+    """The controller at ``url`` as typed calls, with the bearer ``token``."""
 
     def __init__(
         self,
@@ -31,34 +139,141 @@ class ControllerClient:
                 self.ssl = ssl.create_default_context(cafile=str(ca_file))
             except (OSError, ssl.SSLError) as exc:
                 raise ControllerError(f"CA file {ca_file} unusable: {exc}") from exc
+        self._session: aiohttp.ClientSession | None = None
+
+    async def __aenter__(self) -> Self:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(timeout=self.timeout)
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    # --- the agent ------------------------------------------------------------------------
+
+    async def send_event(self, body: bytes) -> EventAnswer | None:
+        """``POST`` one agent event (its JSON). The controller's answer — also when it
+        refused the event as a non-owner's (409 with ``stand_down``) — or None when the
+        answer is not an :class:`EventAnswer` (the event was taken all the same)."""
+        headers = {"Content-Type": "application/json"}
+        reply = await self._request("POST", routes.EVENTS, data=body, headers=headers)
+        if reply.status < 300 or reply.status == 409:  # 409: the job moved on, or we lost it
+            return read_answer(EventAnswer, reply.data)
+        raise error_for(reply)
+
+    async def directive(self, job: str, epoch: int | None = None) -> Directive:
+        """What the controller wants from ``job``'s agent now, asked as an agent of
+        ``epoch`` (None: by the token's own epoch, or as the admin)."""
+        path = routes.path(routes.DIRECTIVE, job)
+        if epoch is not None:
+            path += f"?epoch={epoch}"
+        data = await self._json("GET", path)
+        if isinstance(data, dict):
+            data.setdefault("job", job)
+        answer = read_answer(Directive, data)
+        if answer is None:
+            raise ControllerError(f"the controller's directive for {job!r} is not understood")
+        return answer
+
+    # --- the CLI (admin token) ------------------------------------------------------------
+
+    async def jobs(self) -> list[EventAnswer]:
+        """Every job the controller knows, as its summary."""
+        data = await self._json("GET", routes.JOBS)
+        rows = data.get("jobs") if isinstance(data, dict) else None
+        out = [read_answer(EventAnswer, row) for row in rows or []]
+        return [a for a in out if a is not None]
+
+    async def job(self, job: str) -> dict[str, Any]:
+        """One job as the controller shows it: state, owner, history, images."""
+        data = await self._json("GET", routes.path(routes.JOB, job))
+        if not isinstance(data, dict):
+            raise ControllerError(f"the controller's view of {job!r} is not understood")
+        return data
+
+    async def migrate(self, job: str, to: str, *, immediate: bool) -> EventAnswer:
+        """Move ``job`` to the region or instance type ``to`` (now: from its newest image)."""
+        body = {"to": to, "immediate": immediate}
+        return self._summary(await self._json("POST", routes.path(routes.MIGRATE, job), body))
+
+    async def unpark(self, job: str, to: str | None = None) -> EventAnswer:
+        """Relaunch ``job``, parked to a store, optionally ``to`` a region or instance type."""
+        body = {"to": to} if to else {}
+        return self._summary(await self._json("POST", routes.path(routes.UNPARK, job), body))
+
+    async def retry(self, job: str, to: str | None = None) -> EventAnswer:
+        """Relaunch the failed ``job`` from its newest image with a fresh restart budget."""
+        body = {"to": to} if to else {}
+        return self._summary(await self._json("POST", routes.path(routes.RETRY, job), body))
+
+    # --- any route ------------------------------------------------------------------------
 
     async def get(self, path: str) -> dict[str, Any]:
-        return await self._call("GET", path, None)
+        """``GET`` a route (see :mod:`~spotguard.controller.routes`) as a JSON object."""
+        data = await self._json("GET", path)
+        return data if isinstance(data, dict) else {"value": data}
 
     async def post(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        return await self._call("POST", path, body)
+        """``POST`` ``body`` to a route as a JSON object."""
+        data = await self._json("POST", path, body)
+        return data if isinstance(data, dict) else {"value": data}
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
+    # --- plumbing -------------------------------------------------------------------------
+
+    @staticmethod
+    def _summary(data: object) -> EventAnswer:
+        answer = read_answer(EventAnswer, data)
+        if answer is None:
+            raise ControllerError("the controller's answer is not a job summary")
+        return answer
+
+    async def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> object:
+        """The decoded answer of a request that must succeed (else its typed error)."""
+        reply = await self._request(method, path, body=body)
+        if reply.status >= 400:
+            raise error_for(reply)
+        return reply.data
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        body: dict[str, Any] | None = None,
+        data: bytes | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> Reply:
+        """One request (``body`` as JSON, or ``data`` as is). Unreachable, a timeout or a
+        TLS failure is a retryable :class:`ControllerError`."""
+        sent = dict(headers or {})
+        if self.token:
+            sent["Authorization"] = f"Bearer {self.token}"
+        own = self._session is None
+        session = self._session or aiohttp.ClientSession(timeout=self.timeout)
         try:
-            async with (
-                aiohttp.ClientSession(timeout=self.timeout) as s,
-                s.request(method, self.url + path, json=body, headers=headers, ssl=self.ssl) as r,
-            ):
-                try:
-                    data: dict[str, Any] = await r.json(content_type=None)
-                except ValueError:
-                    data = {"error": (await r.text())[:200]}
+            async with session.request(
+                method, self.url + path, json=body, data=data, headers=sent, ssl=self.ssl
+            ) as r:
+                text = await r.text()
                 status = r.status
-        except (aiohttp.ClientError, TimeoutError) as exc:
+                wait = r.headers.get("Retry-After", "")
+        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
             raise ControllerError(f"controller at {self.url} unreachable: {exc!r}") from exc
-        error = without_type(str(data.get("error")))  # read by people: no type name
-        if status in (401, 403):
-            raise AuthError(f"controller refused the token: {error}")
-        if status == 404:
-            raise JobNotFound(error)
-        if status in (400, 409):
-            raise ControllerError(f"the controller refused: {error}")
-        if status >= 400:
-            raise ControllerError(f"the controller failed (HTTP {status}): {error}")
-        return data
+        finally:
+            if own:
+                await session.close()
+        try:
+            decoded: object = json.loads(text) if text else None
+        except ValueError:
+            decoded = None
+        return Reply(status, decoded, text, int(wait) if wait.isdigit() else 0)

@@ -1,0 +1,39 @@
+"""The controller's HTTP routes, declared once: the server (:mod:`spotguard.controller.api`)
+registers these templates and every client (:mod:`spotguard.controller.client`: the agent's
+reports and directive polls, the CLI) fills them in with :func:`path`. What each route takes
+and answers is in :mod:`spotguard.controller.api`."""
+
+from __future__ import annotations
+
+from urllib.parse import quote
+
+#: ``POST``: an agent event; answers an EventAnswer
+EVENTS = "/v1/events"
+#: ``GET``: every job's summary
+JOBS = "/v1/jobs"
+#: ``GET``: one job (state, owner, history, images)
+JOB = "/v1/jobs/{job}"
+#: ``POST``: move a job to another region or instance type
+MIGRATE = "/v1/jobs/{job}/migrate"
+#: ``POST``: relaunch a job parked to a store
+UNPARK = "/v1/jobs/{job}/unpark"
+#: ``POST``: relaunch a failed job from its newest image
+RETRY = "/v1/jobs/{job}/retry"
+#: ``GET``: what the controller wants from a job's agent now (``?epoch=N``)
+DIRECTIVE = "/v1/jobs/{job}/directive"
+#: ``GET``: liveness, no token
+HEALTHZ = "/healthz"
+#: ``GET``: Prometheus text, no token
+METRICS = "/metrics"
+
+#: routes that take a bearer token (the others are open)
+API_PREFIX = "/v1/"
+
+
+def path(route: str, job: str | None = None) -> str:
+    """``route`` with its ``{job}`` filled in (quoted: a job name is one path segment)."""
+    if "{job}" not in route:
+        return route
+    if job is None:
+        raise ValueError(f"route {route} needs a job")
+    return route.format(job=quote(job, safe=""))
