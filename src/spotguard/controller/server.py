@@ -55,7 +55,9 @@ class ControllerServer:
         self.scheme = "https" if tls is not None else "http"
         strategy = get_strategy(s.strategy)
         host, port = s.host_port()
-        self.db = await StateDB.open(s.state_path(), init=s.init_state)
+        self.db = await StateDB.open(
+            s.state_path(), init=s.init_state, retention=s.event_retention()
+        )
         if self.notifier is not None:
             self.db.on_transition = self.notifier.controller_transition
         try:

@@ -18,6 +18,7 @@ from spotguard.errors import ConfigError
 if TYPE_CHECKING:
     import ssl
 
+    from spotguard.controller.retention import EventRetention
     from spotguard.controller.tokens import TokenKeys
 
 
@@ -112,6 +113,21 @@ class ControllerSettings(Settings):
     vm_verify_key_source: str | None = Field(
         None, description="Key source of the fleet's public verify key, handed to every VM"
     )
+    events_keep: int = Field(
+        1000,
+        ge=10,
+        description="Newest agent event ids the state remembers per job (a retried report is "
+        "applied once); older ones are forgotten",
+    )
+    events_keep_bytes: int = Field(
+        4 << 20,
+        ge=0,
+        description="Bytes of agent event bodies the state keeps per job, newest first; older "
+        "events keep their id without their body",
+    )
+    events_keep_days: float = Field(
+        30.0, gt=0, description="Days after which an agent event is deleted from the state"
+    )
 
     def token(self) -> str:
         """The bearer token; a controller without one refuses to start."""
@@ -128,6 +144,12 @@ class ControllerSettings(Settings):
             "the controller needs a token (its admin token): --controller-token-file, "
             "SPOTGUARD_CONTROLLER_TOKEN_FILE or SPOTGUARD_CONTROLLER_TOKEN"
         )
+
+    def event_retention(self) -> EventRetention:
+        """How much of each job's event log the state keeps (the ``events_keep*`` settings)."""
+        from spotguard.controller.retention import EventRetention
+
+        return EventRetention(self.events_keep, self.events_keep_bytes, self.events_keep_days)
 
     def state_path(self) -> Path:
         """The SQLite file: ``state``, else ``controller.db`` in ``state_dir`` (so the unit's

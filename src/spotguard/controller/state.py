@@ -5,6 +5,9 @@ launch round token, restarts, ...), ``history`` (every transition with time, rea
 detail), ``events`` (agent event ids already applied, so a retried report is a no-op) and
 ``images`` (durable images reported per job).
 
+``events`` is bounded per job (:mod:`spotguard.controller.retention`, applied with every
+insert): old ids are forgotten and old bodies dropped, so no token grows the file for ever.
+
 All access goes through one dedicated thread that owns the connection; a change is a pure
 function applied to the job's row inside one transaction (:meth:`StateDB.change`), so a
 transition, its history row and the event id that caused it are written together or not at
@@ -29,6 +32,7 @@ from typing import Any, Literal, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
 from spotguard.contracts import Decision, NoticeInfo, Owner
+from spotguard.controller.retention import EventRetention, prune_events, upgrade_events
 from spotguard.errors import StateError
 
 log = logging.getLogger(__name__)
@@ -86,8 +90,11 @@ CREATE TABLE IF NOT EXISTS events (
     job TEXT NOT NULL,
     kind TEXT NOT NULL,
     received REAL NOT NULL,
-    body TEXT NOT NULL
+    body TEXT NOT NULL,
+    size INTEGER NOT NULL DEFAULT 0
 );
+CREATE INDEX IF NOT EXISTS events_job ON events(job, size);
+CREATE INDEX IF NOT EXISTS events_received ON events(received);
 CREATE TABLE IF NOT EXISTS images (
     job TEXT NOT NULL,
     image_url TEXT NOT NULL,
@@ -98,6 +105,7 @@ CREATE TABLE IF NOT EXISTS images (
 """
 
 _JSON_COLS = ("spec", "instance", "pending", "data")
+
 
 Ref = dict[str, JsonValue]  # an InstanceRef.to_json() or an agent's InstanceFacts
 
@@ -215,20 +223,37 @@ class Change:
 class StateDB:
     """The controller's SQLite state, used from asyncio through one owning thread."""
 
-    def __init__(self, path: Path, *, init: bool = False) -> None:
+    def __init__(
+        self,
+        path: Path,
+        *,
+        init: bool = False,
+        retention: EventRetention | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.path = path
         self.init = init  # an empty (0-byte) file may be initialised
+        self.retention = retention if retention is not None else EventRetention()
+        self.clock = clock  # wall time of rows (received, at, updated_at)
         #: called on the loop with (state before, record after) when a job changes state
         self.on_transition: Callable[[JobState | None, JobRecord], None] | None = None
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="spotguard-state")
         self._conn: sqlite3.Connection | None = None
 
     @classmethod
-    async def open(cls, path: str | Path, *, init: bool = False) -> StateDB:
+    async def open(
+        cls,
+        path: str | Path,
+        *,
+        init: bool = False,
+        retention: EventRetention | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> StateDB:
         """Open (or create, when there is no file) the state at ``path``. An existing file
         of 0 bytes is refused unless ``init`` (``--init-state``): a controller that lost
-        its state would forget every parked or launching job without a word."""
-        db = cls(Path(path), init=init)
+        its state would forget every parked or launching job without a word. ``retention``
+        bounds the ``events`` table (default :class:`EventRetention`)."""
+        db = cls(Path(path), init=init, retention=retention, clock=clock)
         try:
             await db._run(db._open)
         except BaseException:
@@ -305,6 +330,7 @@ class StateDB:
                 )
                 how = "created" if fresh else "initialised (it was empty; --init-state)"
                 log.warning(f"state file {how}: no jobs", extra={"path": str(self.path)})
+            upgrade_events(conn, self.retention, self.clock())
         except sqlite3.DatabaseError as exc:
             conn.close()
             raise StateError(
@@ -348,16 +374,18 @@ class StateDB:
                     return self._row(name), False
             before = self._row(name)
             change = fn(before.copy() if before is not None else None)
+            now = self.clock()
             if event is not None:
                 c.execute(
-                    "INSERT INTO events(event_id, job, kind, received, body) VALUES (?,?,?,?,?)",
-                    (event[0], name, event[1], time.time(), event[2]),
+                    "INSERT INTO events(event_id, job, kind, received, body, size) "
+                    "VALUES (?,?,?,?,?,?)",
+                    (event[0], name, event[1], now, event[2], len(event[2].encode())),
                 )
+                prune_events(c, name, self.retention, now)
             if change is None:
                 c.execute("COMMIT")
                 return before, event is not None
             rec = change.record
-            now = time.time()
             rec.updated_at = now
             moved = before is None or before.state != rec.state
             if moved:  # the job's reason is its current state's: never an earlier one's
