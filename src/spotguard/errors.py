@@ -29,13 +29,16 @@ In the tree, ``[r]`` marks retryable classes.
     ├── CheckpointError         [r] freezing or restoring a process tree
     │   ├── CriuError           [r] CRIU failed; carries the command, exit code and log tail
     │   ├── GpuError            [r] the driver checkpoint API or NVML failed
+    │   │   └── GpuUnsupportedError the driver refused (managed memory, CUDA IPC): not retryable
     │   ├── NcclError           [r] releasing or rebuilding a job's NCCL communicators failed
     │   ├── StepTimeout         [r] a step ran past its time limit
     │   ├── StreamError         [r] streaming image files between CRIU and spotguard failed
+    │   ├── ContainerError      [r] the container runtime (podman) failed; names the command
     │   └── PreflightError          freeze or restore refused before touching anything
     │       ├── MismatchError       image and host differ (names both sides)
     │       ├── UnsafePath          a local directory is not private (another owner, a link)
-    │       └── UndumpableError     the job holds what CRIU cannot dump (names pid, resource, fix)
+    │       ├── UndumpableError     the job holds what CRIU cannot dump (names pid, resource, fix)
+    │       └── MissingMount    [r] a container's bind mount or volume is absent on this host
     ├── ImageError                  checkpoint image format and content
     │   ├── ImageNotFound           no complete image (no manifest) at that place
     │   ├── ImageCorrupt            a chunk failed verification (names the chunk)
@@ -245,6 +248,13 @@ class StreamError(CheckpointError):
     retryable = True
 
 
+class ContainerError(CheckpointError):
+    """The container runtime failed a step (``podman container checkpoint``, ``restore``, ...):
+    the message names the command and carries the tail of what it said."""
+
+    retryable = True
+
+
 class PreflightError(CheckpointError):
     """Freeze or restore refused before touching anything (missing CRIU, PIDs taken, ...)."""
 
@@ -283,6 +293,14 @@ class UndumpableError(PreflightError):
         self.findings = list(findings)
         listed = "; ".join(str(f) for f in self.findings)
         super().__init__(f"cannot checkpoint job {job!r}: {listed} (the job keeps running)")
+
+
+class MissingMount(PreflightError):
+    """A container image names a bind mount source or a volume that this host lacks: they
+    are the job's data, never carried in the image, so restore refuses before creating
+    anything (another host that has them may restore it)."""
+
+    retryable = True
 
 
 class ImageError(SpotguardError):
