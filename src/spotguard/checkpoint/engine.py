@@ -29,6 +29,11 @@ exactly as long as a freeze; :meth:`Engine.recover` uses it to bring a job back 
 process running the freeze was killed. What a freeze and a restore return is in
 :mod:`.results`.
 
+Suspend in place (park ``--to memory``: no image) is the engine's third mode,
+:meth:`Engine.suspend` / :meth:`Engine.resume`, with its steps in :mod:`.suspend`
+(``scan ─► gpu_lock ─► gpu_checkpoint ─► stop ─► record``), under the same marker, faults
+seam, bring-back and recovery.
+
 Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore``
 ─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock`` ─► ``nccl_rebuild`` ─► finish.
 
@@ -43,15 +48,15 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Protocol
 
-from spotguard.errors import CheckpointError, CriuError, GpuError, JobError, SpotguardError
+from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
-from . import files, nccl, ncclctl, procfacts, proctree, scan, sockets, suspend
+from . import files, nccl, ncclctl, procfacts, proctree, restart, scan, suspend
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo, link_job_dir, own_mount_ns
@@ -60,7 +65,8 @@ from .meta import ImageMeta
 from .preflight import preflight, wait_pids_free
 from .results import FreezeResult, Mode, RestoreResult
 from .settings import CheckpointSettings
-from .staging import DumpTarget, RestoreSource
+from .staging import DumpTarget, RestoreSource, dir_bytes
+from .suspend import OnResumed, OnSuspended, Suspended
 
 __all__ = [
     "FREEZE_STEPS",
@@ -108,17 +114,6 @@ class Faults(Protocol):
 class _NoFaults:
     async def before(self, step: str) -> None:
         return None
-
-
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, names in os.walk(path):
-        for n in names:
-            try:
-                total += (Path(root) / n).lstat().st_size
-            except OSError:
-                continue
-    return total
 
 
 class Engine:
@@ -262,7 +257,7 @@ class Engine:
                     ghost_limit=s.ghost_limit,
                 )
                 if not target.stream:
-                    ds.detail["bytes"] = _dir_bytes(images_dir)
+                    ds.detail["bytes"] = dir_bytes(images_dir)
             if mode is Mode.RESUME:
                 if active:
                     with tl.step("gpu_restore", pids=active):
@@ -277,7 +272,7 @@ class Engine:
                 await finish()
         except BaseException as exc:
             awake = [p for p in tree if p not in held]
-            await asyncio.shield(self._bring_back(job, awake, active, mode, nccl_touched))
+            await asyncio.shield(self.bring_back(job, awake, active, reopen_nccl=nccl_touched))
             if started:
                 await asyncio.shield(target.abort())
             marker.clear()
@@ -319,16 +314,17 @@ class Engine:
             force=force_tcp,
         )
 
-    async def _bring_back(
+    async def bring_back(
         self,
         job: JobInfo,
         tree: Sequence[int],
         gpu_pids: Sequence[int],
-        mode: Mode,
+        *,
         reopen_nccl: bool = True,
     ) -> None:
         """Make every GPU process running and unlocked again and every process runnable,
-        then (``reopen_nccl``) open NCCL's gates and rebuild released communicators."""
+        then (``reopen_nccl``) open NCCL's gates and rebuild released communicators. The
+        one bring-back: a failed freeze or suspend, and :meth:`recover`."""
         for pid in gpu_pids:
             if not proctree.alive(pid):
                 continue
@@ -347,11 +343,13 @@ class Engine:
             await self.nccl.bring_back(job.name, live)
 
     async def recover(self, job: JobInfo) -> bool:
-        """Bring back a job left mid-freeze by a killed process (e.g. a restarted agent).
+        """Bring back a job left mid-freeze, mid-suspend or mid-resume by a killed process
+        (e.g. a restarted agent, the next park command).
 
-        Reads the job's marker; if the freeze that wrote it is no longer running, restores
-        and unlocks every GPU process, sends SIGCONT to the tree and removes the marker.
-        Returns True if there was something to recover.
+        Reads the job's marker; if the operation that wrote it is no longer running, restores
+        and unlocks every GPU process, sends SIGCONT to the tree and removes the marker. A
+        suspend whose record exists had completed (the job stays suspended); a resume's
+        record is removed once the job runs. Returns True if there was something to recover.
         """
         marker = FreezeMarker(job)
         record = marker.read()
@@ -360,58 +358,63 @@ class Engine:
         other = record.running_elsewhere()
         if other is not None:
             raise JobError(f"job {job.name!r}: a freeze is still running (pid {other})")
+        kept = Path(record.record) if record.record else None
+        if record.op == "suspend" and kept is not None and kept.exists():
+            marker.clear()  # killed after its commit: the job is suspended and recorded
+            log.info("an interrupted suspend had completed", extra={"job": job.name})
+            return False
         tree = record.tree
         if proctree.alive(job.pid):
             tree = sorted(set(tree) | set(proctree.tree(job.pid)))
         gpu_pids = record.gpu_pids
-        await self._bring_back(job, tree, gpu_pids, Mode(record.mode))
+        await self.bring_back(job, tree, gpu_pids, reopen_nccl=record.op == "freeze")
+        if record.op == "resume" and kept is not None:
+            kept.unlink(missing_ok=True)  # the job runs: it is no longer suspended
         marker.clear()
         log.info(
             "recovered job after an interrupted freeze",
-            extra={"job": job.name, "gpu_pids": gpu_pids},
+            extra={"job": job.name, "gpu_pids": gpu_pids, "step": record.op},
         )
         return True
 
+    # --- suspend in place (the steps: :mod:`.suspend`) -------------------------------------
+
+    async def suspend(
+        self,
+        job: JobInfo,
+        *,
+        record: Path | None = None,
+        commit: OnSuspended | None = None,
+    ) -> Suspended:
+        """Suspend ``job`` in place (GPU state into its host memory, tree stopped), then
+        ``commit`` while the crash marker is held (``record``: the file ``commit`` writes, by
+        which :meth:`recover` knows the suspend completed). On failure the job runs again."""
+        return await suspend.suspend(self, job, record=record, commit=commit)
+
+    async def resume(
+        self,
+        job: JobInfo,
+        gpu_pids: Sequence[int],
+        *,
+        remap: Mapping[str, str] | None = None,
+        record: Path | None = None,
+        commit: OnResumed | None = None,
+    ) -> Timeline:
+        """Resume a job suspended in place, then ``commit`` (``record``: the file it removes,
+        which :meth:`recover` removes after finishing a resume killed midway)."""
+        return await suspend.resume(self, job, gpu_pids, remap=remap, record=record, commit=commit)
+
     # --- restore ---------------------------------------------------------------------------
 
-    async def _criu_restore(
-        self, source: RestoreSource, meta: ImageMeta, detail: dict[str, Any]
-    ) -> int:
-        """``criu restore``. A job without its own PID namespace had its PIDs freed before
-        (preflight step); should the kernel still refuse one ("Can't fork ... File exists"),
-        a restore from a directory is retried up to the ``pid_wait`` setting. The same for a
-        port the image binds that connections of the job's last run, closed, still hold in
-        TIME_WAIT (restored on the same host within 60 s: an NCCL job's bootstrap listener)."""
-        s = self.settings
-        loop = asyncio.get_running_loop()
-        start = loop.time()
-        deadline = start + s.pid_wait
-        while True:
-            attempt = loop.time()
-            detail["retry_wait_s"] = attempt - start
-            try:
-                return await self.criu.restore(
-                    source.images_dir,
-                    stream=source.stream,
-                    manage_cgroups=s.manage_cgroups,
-                    time_limit=s.criu_timeout,
-                    mount_ns=meta.mount_ns,
-                )
-            except CriuError as exc:
-                held = _pid_still_held(exc) and meta.root_ns_pid != 1
-                waiting = _port_in_time_wait(exc)
-                if source.stream or not (held or waiting) or loop.time() > deadline:
-                    raise
-                if held:
-                    log.info("a PID of the image is still held by the kernel; retrying")
-                else:
-                    log.info("a port of the image is held by closed connections; retrying")
-                await asyncio.sleep(1.0)
-
     async def restore(
-        self, source: RestoreSource, *, state_dir: Path | None = None
+        self,
+        source: RestoreSource,
+        *,
+        state_dir: Path | None = None,
+        restore_gpus: str | None = None,
     ) -> RestoreResult:
-        """Restore the image from ``source``; the job runs again when this returns."""
+        """Restore the image from ``source``; the job runs again when this returns.
+        ``restore_gpus``: this restore's GPUs (the setting's syntax), over the setting."""
         tl = Timeline()
         s = self.settings
         state = state_dir or s.state_dir
@@ -426,7 +429,7 @@ class Engine:
             with tl.step("preflight") as ps:
                 await self.faults.before("preflight")
                 remap = await preflight(
-                    meta, self.criu, self.gpu, state, restore_gpus=s.restore_gpus
+                    meta, self.criu, self.gpu, state, restore_gpus=restore_gpus or s.restore_gpus
                 )
                 if meta.root_ns_pid != 1:
                     # no own PID namespace: its exact PIDs must be free (a job killed a
@@ -445,7 +448,7 @@ class Engine:
                 )
             with tl.step("criu_restore") as rs:
                 await self.faults.before("criu_restore")
-                pid = await self._criu_restore(source, meta, rs.detail)
+                pid = await restart.criu_restore(self.criu, source, meta, self.settings, rs.detail)
             by_ns = proctree.host_pids_by_ns_pid(pid)
             gpu_pids = [by_ns[n] for n in meta.gpu_processes if n in by_ns]
             if len(gpu_pids) != len(meta.gpu_processes):
@@ -481,16 +484,6 @@ class Engine:
             raise CheckpointError(f"restore failed: {exc}") from exc
         log.info("job restored", extra={"job": job.name, "pid": pid, "gpu_pids": gpu_pids})
         return RestoreResult(job, pid, tl, meta, gpu_pids)
-
-
-def _pid_still_held(exc: CriuError) -> bool:
-    return "Can't fork for" in exc.log_tail and "File exists" in exc.log_tail
-
-
-def _port_in_time_wait(exc: CriuError) -> bool:
-    """CRIU could not bind a socket, and closed connections on this host are in TIME_WAIT
-    (they clear within 60 s; a port held by a live socket fails the same way after the wait)."""
-    return "Address already in use" in exc.log_tail and bool(sockets.time_wait_ports())
 
 
 def _failed_step(tl: Timeline) -> str | None:

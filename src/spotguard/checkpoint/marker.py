@@ -12,7 +12,10 @@ Format (JSON, written atomically)::
 
     {"op": "freeze", "mode": "exit", "agent_pid": 812, "agent_start": 1534822,
      "job_pid": 4410, "started": "2025-05-01T12:00:00+00:00", "gpu_pids": [4412],
-     "tree": [4410, 4412]}
+     "tree": [4410, 4412], "record": null}
+
+``op`` is ``freeze`` (an image), or ``suspend`` / ``resume`` (park in place: no image); for
+those ``record`` names the file that records the job as suspended (park's record).
 
 ``agent_start`` is the writer's start time (clock ticks after boot, ``/proc/PID/stat``): with
 ``agent_pid`` the writer's identity, so a marker whose writer died and whose pid was given to
@@ -67,6 +70,10 @@ class MarkerRecord:
     tree: list[int] = field(default_factory=list)
     op: str = "freeze"
     agent_start: int | None = None  # the writer's start time (its identity with the pid)
+    #: in-place operations (``suspend``, ``resume``): the file that records the job as
+    #: suspended (park's record) — a suspend is complete once it exists, a resume once it
+    #: is gone (see :meth:`~spotguard.checkpoint.engine.Engine.recover`)
+    record: str | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any], job: JobInfo) -> MarkerRecord:
@@ -82,6 +89,7 @@ class MarkerRecord:
             tree=_ints(data.get("tree"), [job.pid]),
             op=str(data.get("op", "freeze")),
             agent_start=agent_start if isinstance(agent_start, int) else None,
+            record=str(data["record"]) if isinstance(data.get("record"), str) else None,
         )
 
     def running_elsewhere(self) -> int | None:
@@ -120,8 +128,10 @@ class FreezeMarker:
         self.path: Path = job.dir / MARKER
         self.fallback: Path = fallback_path(job.dir)
 
-    def take(self, mode: str) -> None:
-        """Claim the job for a freeze; :class:`JobError` if another live process holds it."""
+    def take(self, mode: str, *, op: str = "freeze", record: Path | None = None) -> None:
+        """Claim the job for a freeze (``op``: or an in-place ``suspend`` / ``resume``, with
+        the ``record`` file that says the job is suspended); :class:`JobError` if another
+        live process holds it."""
         current = self.read()
         other = current.running_elsewhere() if current is not None else None
         if other is not None:
@@ -135,6 +145,8 @@ class FreezeMarker:
                 gpu_pids=[],
                 tree=[self.job.pid],
                 agent_start=start_time("self"),
+                op=op,
+                record=str(record) if record is not None else None,
             )
         )
 

@@ -96,6 +96,18 @@ class RestoreSource(Protocol):
     async def abort(self) -> None: ...
 
 
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (an image directory's size; unreadable ones skipped)."""
+    total = 0
+    for root, _dirs, names in os.walk(path):
+        for n in names:
+            try:
+                total += (Path(root) / n).lstat().st_size
+            except OSError:
+                continue
+    return total
+
+
 def _free_bytes(path: Path) -> int:
     probe = path
     while not probe.exists():

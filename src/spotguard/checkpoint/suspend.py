@@ -1,4 +1,5 @@
-"""Suspend in place: free a job's GPU and CPU without writing an image, and resume it.
+"""Suspend in place: the engine's third mode — free a job's GPU and CPU without writing an
+image, and resume it.
 
 The fastest way to park a job on the node it runs on is to write nothing at all: the driver
 checkpoint API moves every GPU process's device memory into that process's own host memory
@@ -8,14 +9,24 @@ queue, it is not refused). Resume is the reverse: GPU restore (onto the same GPU
 of the same model through a UUID map) and unlock — after SIGCONT, since the driver does its
 work through a thread of the job's own process (a stopped process would never answer).
 
-Steps, each timed (like the engine's, which orders every operation that writes an image)::
+:class:`~spotguard.checkpoint.engine.Engine` runs these (``Engine.suspend`` /
+``Engine.resume``: this module holds their step order, the engine's faults seam is consulted
+before each step, as for a freeze)::
 
-    suspend: scan ─► gpu_lock ─► gpu_checkpoint ─► stop          (GPU processes in parallel)
-    resume:  cont ─► gpu_restore ─► gpu_unlock  (the driver works through a thread of the job)
+    suspend: scan ─► gpu_lock ─► gpu_checkpoint ─► stop ─► record   (GPU processes in parallel)
+    resume:  cont ─► gpu_restore ─► gpu_unlock ─► record  (the driver works through a thread
+                                                           of the job)
 
-A failure while suspending brings the job back exactly as the engine does (GPU restored and
-unlocked, SIGCONT). A failure while resuming leaves the job suspended — its state is still in
-its host memory — and raises, so a later resume can try again.
+Both take the engine's crash marker (``operation.json``, :mod:`.marker`, ``op`` ``suspend`` /
+``resume``) before touching the job and clear it only after ``record`` — the caller's commit
+(park writes its park record there, or removes it) — so a process killed at any instant
+leaves a marker that :meth:`~spotguard.checkpoint.engine.Engine.recover` (a restarted agent)
+acts on: the job brought back running (GPU restored and unlocked, SIGCONT), and for a resume
+the record file removed; a suspend whose record was written is complete and stays suspended.
+
+A failure while suspending brings the job back exactly as a freeze does. A failure while
+resuming leaves the record (the job's GPU state is still in its host memory) and raises, so a
+later resume can try again.
 
 A suspended job can still be checkpointed (a notice while it is parked): the engine skips the
 driver steps for processes already checkpointed, and an image of it resumes when restored.
@@ -26,8 +37,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from spotguard.errors import JobError, SpotguardError
 from spotguard.timeline import Timeline
@@ -35,8 +48,15 @@ from spotguard.timeline import Timeline
 from . import proctree
 from .cuda import GpuHook, GpuState
 from .jobs import JobInfo
+from .marker import FreezeMarker
+
+if TYPE_CHECKING:
+    from .engine import Engine
 
 log = logging.getLogger(__name__)
+
+SUSPEND_STEPS = ("scan", "gpu_lock", "gpu_checkpoint", "stop", "record")
+RESUME_STEPS = ("cont", "gpu_restore", "gpu_unlock", "record")
 
 
 @dataclass
@@ -55,79 +75,107 @@ class Suspended:
         return self.timeline.span()
 
 
-async def _bring_back(gpu: GpuHook, tree: Sequence[int], gpu_pids: Sequence[int]) -> None:
-    for pid in gpu_pids:
-        if not proctree.alive(pid):
-            continue
-        try:
-            st = await gpu.state(pid)
-            if st is GpuState.CHECKPOINTED:
-                await gpu.restore([pid])
-                st = GpuState.LOCKED
-            if st is GpuState.LOCKED:
-                await gpu.unlock([pid])
-        except (SpotguardError, OSError) as exc:
-            log.error("could not bring GPU state back", extra={"pid": pid, "error": str(exc)})
-    proctree.signal_all([p for p in tree if proctree.alive(p)], signal.SIGCONT)
+#: the caller's commit, run as the last step while the marker is held (park: its record)
+OnSuspended = Callable[[Suspended], Awaitable[None]]
+OnResumed = Callable[[], Awaitable[None]]
 
 
-async def suspend(job: JobInfo, gpu: GpuHook, *, lock_timeout: float) -> Suspended:
-    """Move the job's GPU state into its host memory, release the GPU and stop the tree."""
+async def suspend(
+    eng: Engine, job: JobInfo, *, record: Path | None, commit: OnSuspended | None
+) -> Suspended:
+    """Move the job's GPU state into its host memory, release the GPU, stop the tree, then
+    ``commit``; the marker lives from before the first step to after ``commit``."""
     if not proctree.alive(job.pid):
         raise JobError(f"job {job.name!r}: process {job.pid} is not running")
     tl = Timeline()
+    gpu, faults = eng.gpu, eng.faults
     tree: list[int] = [job.pid]
     gpu_pids: list[int] = []
+    job.dir.mkdir(parents=True, exist_ok=True)
+    marker = FreezeMarker(job)
+    marker.take("suspend", op="suspend", record=record)
     try:
         with tl.step("scan") as st:
+            await faults.before("scan")
             tree = proctree.tree(job.pid)
             gpu_pids = await gpu.gpu_pids(tree)
+            marker.update(gpu_pids=gpu_pids, tree=tree)
             gpu_bytes = gpu.memory_used(gpu_pids) if gpu_pids else 0
             cpu_bytes = proctree.rss_bytes(tree)
             st.detail.update(pids=len(tree), gpu_pids=len(gpu_pids), gpu_bytes=gpu_bytes)
         if gpu_pids:
             with tl.step("gpu_lock", pids=gpu_pids):
-                await gpu.lock(gpu_pids, lock_timeout)
+                await faults.before("gpu_lock")
+                await gpu.lock(gpu_pids, eng.settings.gpu_lock_timeout)
             with tl.step("gpu_checkpoint", pids=gpu_pids):
+                await faults.before("gpu_checkpoint")
                 await gpu.checkpoint(gpu_pids)
         with tl.step("stop"):
+            await faults.before("stop")
             # the tree as it is now (a process may have forked meanwhile), root last so that
-            # a reaper never sees a half-stopped family
-            tree = proctree.tree(job.pid)
+            # a reaper never sees a half-stopped family; the marker first names them all
+            now = proctree.tree(job.pid)
+            tree = sorted(set(tree) | set(now))
+            marker.update(gpu_pids=gpu_pids, tree=tree)
+            tree = now
             proctree.signal_all(reversed(tree), signal.SIGSTOP)
+        done = Suspended(job, tree, gpu_pids, gpu_bytes, cpu_bytes, tl)
+        with tl.step("record"):
+            await faults.before("record")
+            if commit is not None:
+                await commit(done)
     except BaseException as exc:
-        await asyncio.shield(_bring_back(gpu, tree, gpu_pids))
+        await asyncio.shield(eng.bring_back(job, tree, gpu_pids, reopen_nccl=False))
+        marker.clear()
         log.warning("suspend failed; job resumed", extra={"job": job.name, "error": str(exc)})
         raise
-    return Suspended(job, tree, gpu_pids, gpu_bytes, cpu_bytes, tl)
+    marker.clear()
+    return done
 
 
 async def resume(
+    eng: Engine,
     job: JobInfo,
-    gpu: GpuHook,
     gpu_pids: Sequence[int],
     *,
-    remap: Mapping[str, str] | None = None,
+    remap: Mapping[str, str] | None,
+    record: Path | None,
+    commit: OnResumed | None,
 ) -> Timeline:
     """SIGCONT the tree, then GPU state back (``remap``: image GPU UUID → this host's) and
-    unlock; until the unlock the job's CUDA calls wait."""
+    unlock (until the unlock the job's CUDA calls wait), then ``commit``."""
     tl = Timeline()
+    gpu, faults = eng.gpu, eng.faults
     if not proctree.alive(job.pid):
         raise JobError(f"job {job.name!r}: process {job.pid} is gone; it cannot be resumed")
-    # The driver restores through a thread of the job's own process: the tree must run
-    # first (its CUDA calls still block until the unlock).
-    with tl.step("cont"):
-        proctree.signal_all(proctree.tree(job.pid), signal.SIGCONT)
-    waiting = [p for p in gpu_pids if proctree.alive(p)]
-    states = {p: await gpu.state(p) for p in waiting}
-    to_restore = [p for p, s in states.items() if s is GpuState.CHECKPOINTED]
-    if to_restore:
-        with tl.step("gpu_restore", pids=to_restore):
-            await gpu.restore(to_restore, remap)
-    locked = [p for p in waiting if p in to_restore or states[p] is GpuState.LOCKED]
-    if locked:
-        with tl.step("gpu_unlock", pids=locked):
-            await gpu.unlock(locked)
+    marker = FreezeMarker(job)
+    marker.take("resume", op="resume", record=record)
+    tree = proctree.tree(job.pid)
+    marker.update(gpu_pids=[p for p in gpu_pids if proctree.alive(p)], tree=tree)
+    try:
+        # The driver restores through a thread of the job's own process: the tree must run
+        # first (its CUDA calls still block until the unlock).
+        with tl.step("cont"):
+            await faults.before("cont")
+            proctree.signal_all(tree, signal.SIGCONT)
+        waiting = [p for p in gpu_pids if proctree.alive(p)]
+        states = {p: await gpu.state(p) for p in waiting}
+        to_restore = [p for p, s in states.items() if s is GpuState.CHECKPOINTED]
+        if to_restore:
+            with tl.step("gpu_restore", pids=to_restore):
+                await faults.before("gpu_restore")
+                await gpu.restore(to_restore, remap)
+        locked = [p for p in waiting if p in to_restore or states[p] is GpuState.LOCKED]
+        if locked:
+            with tl.step("gpu_unlock", pids=locked):
+                await faults.before("gpu_unlock")
+                await gpu.unlock(locked)
+        with tl.step("record"):
+            await faults.before("record")
+            if commit is not None:
+                await commit()
+    finally:
+        marker.clear()  # a failure leaves the record: a later resume tries again
     return tl
 
 

@@ -11,9 +11,13 @@ Where the state goes (``--to``):
 * a store URL: an ordinary image in the store, which any node can restore.
 
 Then a park record (:mod:`.record`). Unpark resumes in place or restores the image on this
-node. The engine (or the suspend module) orders every step, so their guarantees hold here
-too: a failed park leaves the job running (nothing is recorded), a failed unpark leaves the
-state where it was (the record stays, the job can be unparked again).
+node. The engine park is given orders every step — suspend in place is one of its modes
+(``Engine.suspend`` / ``resume``), and the record is written (or, for a resume, removed) as
+its last step, under its crash marker — so its guarantees hold here too: a failed park
+leaves the job running (nothing is recorded), a failed unpark leaves the state where it was
+(the record stays, the job can be unparked again), and a park or unpark killed midway is
+brought back by the engine's ``recover`` (a restarted agent), a partial image of a killed
+park to tmpfs or disk removed by the next park or unpark (:mod:`.local`).
 
 Before touching anything, unpark checks what would make the restore fail late: the ports the
 job listened on must be free (images only), and the GPUs must have room for the memory it
@@ -38,16 +42,16 @@ from pathlib import Path
 
 import psutil
 
-from spotguard import safefs
 from spotguard.checkpoint import proctree, seal, suspend
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
-from spotguard.errors import JobError, ParkError, UnsafePath
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget, dir_bytes
+from spotguard.errors import JobError, ParkError
 
 from . import gpu, record, sockets
+from .local import clear_partial, find_unrecorded, image_dir, private_base, set_aside
 from .record import ListenAddress, ParkRecord, Place
 from .settings import ParkSettings
 
@@ -85,29 +89,6 @@ def place_of(to: str) -> Place:
     if to.startswith(URL_SCHEMES):
         return "store"
     raise ParkError(f"--to {to!r}: use memory, tmpfs, disk or a store URL (s3://, gs://, file://)")
-
-
-def _image_dir(place: Place, job: str, cs: CheckpointSettings, ps: ParkSettings) -> Path:
-    base = ps.memory_dir if place == "tmpfs" else cs.state_dir / "parked" / "images"
-    return base / job
-
-
-def _private_base(d: Path) -> None:
-    """The directory parked images live in must be root's and 0700 (created so at first
-    use): a directory another user created first, or swapped for a link, refuses the park
-    or unpark in one line (:class:`~spotguard.errors.UnsafePath`)."""
-    safefs.ensure_private_dir(d.parent)
-
-
-def _dir_bytes(path: Path) -> int:
-    total = 0
-    for root, _dirs, names in os.walk(path):
-        for n in names:
-            try:
-                total += (Path(root) / n).lstat().st_size
-            except OSError:
-                continue
-    return total
 
 
 def _check_memory_room(engine: Engine, tree: list[int], gpu_pids: list[int]) -> None:
@@ -151,53 +132,47 @@ async def park(
         listen = sockets.listening(tree)
         gpu_pids = await engine.gpu.gpu_pids(tree)
         gpu_bytes = engine.gpu.memory_used(gpu_pids) if gpu_pids else 0
-        gpus = tuple((d.uuid, d.model) for d in gpu.devices()) if gpu_pids else ()
-        gpu_use = gpu.use_by_device(gpu_pids) if gpu_pids else {}
         started = time.monotonic()
-        in_place: tuple[int, ...] = ()
+
+        def parked(location: str, size: int, in_place: tuple[int, ...] = ()) -> ParkRecord:
+            return ParkRecord(
+                job=job.name,
+                place=place,
+                location=location,
+                reason=reason,
+                bytes=size,
+                gpu_bytes_freed=gpu_bytes,
+                park_seconds=round(time.monotonic() - started, 3),
+                listen=tuple(ListenAddress.of(a) for a in listen),
+                wake_on_connect=wake_on_connect and bool(listen),
+                priority=priority,
+                job_dir=str(job.dir),
+                pid=job.pid,
+                gpu_pids=in_place,
+                gpus=tuple((d.uuid, d.model) for d in gpu.devices()) if gpu_pids else (),
+                gpu_use=gpu.use_by_device(gpu_pids) if gpu_pids else {},
+            )
+
         if place == "memory":
-            sus = await suspend.suspend(job, engine.gpu, lock_timeout=settings.gpu_lock_timeout)
-            in_place = tuple(sus.gpu_pids)
-            location = f"in place (pid {job.pid})"
-            size = proctree.rss_bytes(sus.tree)
-        elif place == "store":
-            if store is None:
-                raise ParkError("parking to a store URL needs the store settings")
-            location, size = await store.checkpoint(job, to)
+            rec = await _suspend(job, engine, state, parked)
         else:
-            if place == "tmpfs":
-                _check_memory_room(engine, tree, gpu_pids)
-            d = _image_dir(place, job.name, settings, park_settings)
-            _private_base(d)
-            _set_aside(d)
-            target = DirectoryTarget(d, key=seal.HostKey.for_state(state))
-            await engine.freeze(job, target, Mode.EXIT)
-            location, size = str(d), _dir_bytes(d)
-        rec = ParkRecord(
-            job=job.name,
-            place=place,
-            location=location,
-            reason=reason,
-            bytes=size,
-            gpu_bytes_freed=gpu_bytes,
-            park_seconds=round(time.monotonic() - started, 3),
-            listen=tuple(ListenAddress.of(a) for a in listen),
-            wake_on_connect=wake_on_connect and bool(listen),
-            priority=priority,
-            job_dir=str(job.dir),
-            pid=job.pid,
-            gpu_pids=in_place,
-            gpus=gpus,
-            gpu_use=gpu_use,
-        )
-        record.save(state, rec)
+            if place == "store":
+                if store is None:
+                    raise ParkError("parking to a store URL needs the store settings")
+                location, size = await store.checkpoint(job, to)
+            else:
+                if place == "tmpfs":
+                    _check_memory_room(engine, tree, gpu_pids)
+                location, size = await _freeze_here(job, place, engine, settings, park_settings)
+            rec = parked(location, size)
+            record.save(state, rec)
     log.info(
         "job parked",
         extra={
             "job": job.name,
             "place": place,
-            "location": location,
-            "bytes": size,
+            "location": rec.location,
+            "bytes": rec.bytes,
             "gpu_bytes": gpu_bytes,
             "seconds": rec.park_seconds,
             "reason": reason,
@@ -206,49 +181,35 @@ async def park(
     return rec
 
 
-def _set_aside(d: Path) -> None:
-    """Never delete what might be a job's only state: an old directory is renamed, not
-    removed (a complete image there with no record is a park that crashed before its record
-    was written; :func:`find_unrecorded` finds it)."""
-    if d.exists():
-        aside = d.with_name(f"{d.name}.old-{int(time.time())}")
-        d.rename(aside)
-        log.warning("moved an earlier parked image aside", extra={"path": str(aside)})
+async def _suspend(
+    job: JobInfo, engine: Engine, state: Path, parked: Callable[..., ParkRecord]
+) -> ParkRecord:
+    """Suspend the job in place through the engine; its record is written as the engine's
+    last step, under its crash marker (a park killed before the record is undone by the
+    engine's ``recover``; one killed after it is complete)."""
+    out: list[ParkRecord] = []
+
+    async def commit(sus: suspend.Suspended) -> None:
+        rec = parked(f"in place (pid {job.pid})", proctree.rss_bytes(sus.tree), tuple(sus.gpu_pids))
+        record.save(state, rec)
+        out.append(rec)
+
+    await engine.suspend(job, record=record.path(state, job.name), commit=commit)
+    return out[0]
 
 
-def find_unrecorded(job: str, settings: CheckpointSettings, ps: ParkSettings) -> ParkRecord | None:
-    """A complete parked image of ``job`` with no record (the park was interrupted after the
-    job stopped and before its record was written): memory first, then disk. Only an image
-    this host sealed (:mod:`spotguard.checkpoint.seal`) in its private park directory counts:
-    a directory planted there is never taken for a park (it is logged and left alone)."""
-    places: tuple[Place, ...] = ("tmpfs", "disk")
-    key = seal.HostKey.for_state(settings.state_dir)
-    for place in places:
-        d = _image_dir(place, job, settings, ps)
-        if not (d / META_NAME).is_file():
-            continue
-        try:
-            _private_base(d)
-            safefs.ensure_private_dir(d)
-            sealed = seal.is_sealed(d, key)
-        except UnsafePath as exc:
-            log.warning("parked image directory refused", extra={"path": str(d), "error": str(exc)})
-            continue
-        if not sealed:
-            log.warning(
-                "an unsealed image in the park directory is not restored",
-                extra={"path": str(d), "job": job},
-            )
-            continue
-        if sealed:
-            return ParkRecord(
-                job=job,
-                place=place,
-                location=str(d),
-                reason="found after an interrupted park",
-                bytes=_dir_bytes(d),
-            )
-    return None
+async def _freeze_here(
+    job: JobInfo, place: Place, engine: Engine, cs: CheckpointSettings, ps: ParkSettings
+) -> tuple[str, int]:
+    """An exit-mode image of the job in this node's tmpfs or disk: (where, bytes). What a
+    killed park left there before is cleared first (:func:`.local.clear_partial`)."""
+    d = image_dir(place, job.name, cs, ps)
+    private_base(d)
+    clear_partial(d)
+    set_aside(d)
+    target = DirectoryTarget(d, key=seal.HostKey.for_state(cs.state_dir))
+    await engine.freeze(job, target, Mode.EXIT)
+    return str(d), dir_bytes(d)
 
 
 def _holder(addr: sockets.Address) -> str:
@@ -315,7 +276,12 @@ async def _resume_in_place(
             f"job {rec.job!r} is no longer parked here: process {rec.pid} ended while parked "
             "(a notice checkpoints parked jobs too: look for its latest image)"
         )
-    await suspend.resume(job, engine.gpu, rec.gpu_pids, remap=remap)
+    path = record.path(cs.state_dir, rec.job)
+
+    async def commit() -> None:  # under the engine's marker: a killed resume is finished
+        record.remove(cs.state_dir, rec.job)
+
+    await engine.resume(job, rec.gpu_pids, remap=remap, record=path, commit=commit)
     return rec.pid
 
 
@@ -409,8 +375,10 @@ async def _bring_back(
     park_settings: ParkSettings,
     store: StorePath | None,
     remap: dict[str, str] | None,
+    chosen: list[str] | None,
 ) -> int:
-    """Resume or restore the job from wherever it is parked; the running job's pid."""
+    """Resume or restore the job from wherever it is parked; the running job's pid. An
+    image restores onto the GPUs ``chosen`` when they differ from its own (``remap``)."""
     job, state = rec.job, settings.state_dir
     if rec.place == "memory":
         return await _resume_in_place(rec, engine, settings, remap)
@@ -420,16 +388,17 @@ async def _bring_back(
         await _refuse_if_owned_elsewhere(rec, store, state)
         return await store.restore(rec.location)
     d = Path(rec.location)
-    if d != _image_dir(rec.place, job, settings, park_settings):
+    if d != image_dir(rec.place, job, settings, park_settings):
         raise ParkError(
             f"the park record of {job!r} names {d}, not this host's park directory "
             "for it; refusing to restore from there"
         )
-    _private_base(d)
+    private_base(d)
     if not (d / META_NAME).is_file():
         raise ParkError(f"the parked state of {job!r} is missing at {d}")
     source = DirectorySource(d, key=seal.HostKey.for_state(state))
-    result = await engine.restore(source, state_dir=state)
+    gpus = ",".join(chosen) if remap is not None and chosen is not None else None
+    result = await engine.restore(source, state_dir=state, restore_gpus=gpus)
     await asyncio.to_thread(shutil.rmtree, d, True)
     return result.pid
 
@@ -467,12 +436,9 @@ async def unpark(
         remap = None
         if chosen is not None and chosen != [u for u, _m in rec.gpus]:
             remap = dict(zip((u for u, _m in rec.gpus), chosen, strict=True))
-            if rec.place != "memory":  # an image restores onto the GPUs preflight is told
-                s2 = settings.model_copy(update={"restore_gpus": ",".join(chosen)})
-                engine = Engine(engine.criu, engine.gpu, settings=s2)
         started = time.monotonic()
         try:
-            pid = await _bring_back(rec, engine, settings, park_settings, store, remap)
+            pid = await _bring_back(rec, engine, settings, park_settings, store, remap, chosen)
         except BaseException:
             if record.load(state, job) is None:  # the record was dropped: not parked here
                 stop_waker(rec)

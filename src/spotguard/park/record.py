@@ -92,6 +92,12 @@ def _path(state_dir: Path, job: str) -> Path:
     return parked_dir(state_dir) / f"{job}.json"
 
 
+def path(state_dir: Path, job: str) -> Path:
+    """Where the job's record is (the engine's crash marker names it for an in-place park:
+    a suspend is complete once it exists, a resume once it is gone)."""
+    return _path(state_dir, job)
+
+
 def save(state_dir: Path, rec: ParkRecord) -> None:
     """Write the record atomically (0600: it names where the job's memory is) into the
     private ``parked`` directory (0700, root's; :mod:`spotguard.safefs`), never through a

@@ -1,0 +1,266 @@
+"""kill -9 of the process running a park or an unpark (issue 31 item 12), with real CRIU, a
+real job and the GPU stand-in of :mod:`sg_gpu_standin` (the driver's state machine, kept in a
+file so it outlives the killed process, as the driver's state does).
+
+A child process runs ``park.core.park`` / ``unpark`` with the engine it is given — the
+engine's ``Faults`` seam, or the GPU stand-in, pausing at one instant — and the test SIGKILLs
+it there. Then the engine's ``recover`` (what a restarted agent runs at start-up) must find
+the job and bring it back running: never left stopped, GPU-locked or GPU-checkpointed, no park
+record naming a job that runs. What a killed park to tmpfs or disk wrote (a partial image) is
+cleaned by the next park or unpark, never kept for ever.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+import textwrap
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+from sg_gpu_standin import FileGpu
+
+from spotguard.agent import startup
+from spotguard.checkpoint import proctree, suspend
+from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.engine import MARKER, Engine
+from spotguard.checkpoint.jobs import JobInfo, list_jobs, start_job
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.park import core, record
+from spotguard.park.settings import ParkSettings
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(120)]
+
+DEMO = [sys.executable, "-m", "spotguard.demo.job", "--gpu", "no", "--mb", "4"]
+LONG = [*DEMO, "--steps", "100000", "--step-seconds", "0.02"]
+HERE = str(Path(__file__).parent)
+
+CHILD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from pathlib import Path
+    sys.path.insert(0, sys.argv[1])
+    from sg_gpu_standin import FileGpu, PauseAt
+    from spotguard.checkpoint.criu import Criu
+    from spotguard.checkpoint.engine import Engine
+    from spotguard.checkpoint.jobs import resolve_job
+    from spotguard.checkpoint.settings import CheckpointSettings
+    from spotguard.park import core
+    from spotguard.park.settings import ParkSettings
+
+    async def main():
+        here, state, shm, criu, job, gpufile, gpu, op, to, pause = sys.argv[1:11]
+        s = CheckpointSettings(state_dir=Path(state), shm_dir=Path(shm), criu=criu,
+                               criu_timeout=60)
+        ps = ParkSettings(memory_dir=Path(shm) / "parked")
+        after = pause.removeprefix("gpu:") if pause.startswith("gpu:") else None
+        step = pause.removeprefix("step:") if pause.startswith("step:") else None
+        hook = FileGpu(Path(gpufile), with_gpu=gpu == "gpu", pause_after=after)
+        eng = Engine(Criu(criu), hook, settings=s, faults=PauseAt(step))
+        if op == "park":
+            info = resolve_job(job, state_dir=s.state_dir)
+            await core.park(info, to=to, engine=eng, settings=s, park_settings=ps)
+        else:
+            await core.unpark(job, engine=eng, settings=s, park_settings=ps)
+        print("finished", flush=True)
+
+    asyncio.run(main())
+    """
+)
+
+
+@pytest.fixture
+def settings(tmp_path: Path, criu_bin: str) -> CheckpointSettings:
+    return CheckpointSettings(
+        state_dir=tmp_path / "state", shm_dir=tmp_path / "shm", criu=criu_bin, criu_timeout=60
+    )
+
+
+@pytest.fixture
+def park_settings(tmp_path: Path) -> ParkSettings:
+    return ParkSettings(memory_dir=tmp_path / "shm" / "parked")
+
+
+@pytest.fixture
+async def job(settings: CheckpointSettings) -> AsyncIterator[JobInfo]:
+    j = await start_job(LONG, "victim", state_dir=settings.state_dir)
+    await _grows(j.dir / "stdout", 3)
+    yield j
+    for k in list_jobs(settings.state_dir):
+        if proctree.alive(k.pid):
+            proctree.signal_all([k.pid], signal.SIGKILL)
+
+
+def _lines(p: Path) -> int:
+    return len(p.read_text().splitlines()) if p.exists() else 0
+
+
+async def _grows(p: Path, more: int, limit: float = 30.0) -> None:
+    start = _lines(p)
+    deadline = time.monotonic() + limit
+    while _lines(p) < start + more:
+        assert time.monotonic() < deadline, f"{p} stopped growing"
+        await asyncio.sleep(0.05)
+
+
+async def _kill_at(
+    settings: CheckpointSettings,
+    job: JobInfo,
+    gpufile: Path,
+    *,
+    gpu: str,
+    op: str,
+    pause: str,
+    to: str = "memory",
+) -> None:
+    """Run the park/unpark in a child until it reaches ``pause``, then SIGKILL it."""
+    child = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-c",
+        CHILD,
+        HERE,
+        str(settings.state_dir),
+        str(settings.shm_dir),
+        str(settings.criu),
+        job.name,
+        str(gpufile),
+        gpu,
+        op,
+        to,
+        pause,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    assert child.stdout is not None and child.stderr is not None
+    want = f"after {pause[4:]}" if pause.startswith("gpu:") else f"at {pause[5:]}"
+    try:
+        line = await asyncio.wait_for(child.stdout.readline(), 60)
+    except TimeoutError:
+        child.kill()
+        raise
+    if line.decode().strip() != want:
+        child.kill()
+        await child.wait()
+        err = (await child.stderr.read())[-2000:]
+        pytest.fail(f"the {op} never reached {pause!r} (got {line!r}): {err!r}")
+    os.kill(child.pid, signal.SIGKILL)
+    await child.wait()
+
+
+async def _runs_again(job: JobInfo, hook: FileGpu, state_dir: Path) -> None:
+    """The job runs: alive, no process stopped, nothing locked or checkpointed on the
+    (stand-in) GPU, its output growing, and no park record says otherwise."""
+    assert proctree.alive(job.pid), "the job died with the park"
+    assert not any(suspend.stopped(p) for p in proctree.tree(job.pid)), "left stopped"
+    assert hook.stuck_now() == {}, "left GPU-locked or GPU-checkpointed"
+    assert record.load(state_dir, job.name) is None, "a park record names a running job"
+    assert not (job.dir / MARKER).exists()
+    await _grows(job.dir / "stdout", 3)
+
+
+def _engine(settings: CheckpointSettings, hook: FileGpu) -> Engine:
+    return Engine(Criu(settings.criu), hook, settings=settings)
+
+
+@pytest.mark.parametrize(
+    ("gpu", "pause"),
+    [
+        ("gpu", "gpu:checkpoint"),  # GPU state moved into host memory, the tree not stopped yet
+        ("gpu", "step:record"),  # GPU checkpointed and the tree stopped, no park record yet
+        ("cpu", "step:record"),  # a CPU job stopped, no park record yet
+    ],
+)
+async def test_a_park_in_place_killed_after_the_freeze_is_brought_back_by_recover(
+    settings: CheckpointSettings,
+    park_settings: ParkSettings,
+    job: JobInfo,
+    tmp_path: Path,
+    gpu: str,
+    pause: str,
+) -> None:
+    gpufile = tmp_path / "gpu.json"
+    await _kill_at(settings, job, gpufile, gpu=gpu, op="park", pause=pause)
+    hook = FileGpu(gpufile, with_gpu=gpu == "gpu")
+    if gpu == "gpu":
+        assert hook.stuck_now() == {job.pid: suspend.GpuState.CHECKPOINTED}
+    assert (job.dir / MARKER).exists(), "no crash marker: nothing would recover the job"
+
+    if gpu == "gpu":  # the engine's recover with the GPU stand-in
+        assert await _engine(settings, hook).recover(job) is True
+    else:  # what a restarted agent runs at start-up
+        seen: list[str] = []
+        done = await startup.recover_interrupted(settings, lambda j, _s: seen.append(j.name))
+        assert done == [job.name] and seen == [job.name]
+    assert await _engine(settings, hook).recover(job) is False
+    await _runs_again(job, hook, settings.state_dir)
+    # and it parks and unparks as before (no lock, marker or record left in the way)
+    eng = _engine(settings, hook)
+    rec = await core.park(
+        job, to="memory", engine=eng, settings=settings, park_settings=park_settings
+    )
+    assert all(suspend.stopped(p) for p in proctree.tree(job.pid))
+    assert rec.gpu_pids == ((job.pid,) if gpu == "gpu" else ())
+    await core.unpark(job.name, engine=eng, settings=settings, park_settings=park_settings)
+    await _runs_again(job, hook, settings.state_dir)
+
+
+@pytest.mark.parametrize(
+    "pause",
+    [
+        "gpu:restore",  # the tree continued, GPU state back but still locked
+        "step:record",  # running and unlocked, the park record not removed yet
+    ],
+)
+async def test_an_unpark_in_place_killed_midway_is_finished_by_recover(
+    settings: CheckpointSettings,
+    park_settings: ParkSettings,
+    job: JobInfo,
+    tmp_path: Path,
+    pause: str,
+) -> None:
+    gpufile = tmp_path / "gpu.json"
+    hook = FileGpu(gpufile)
+    eng = _engine(settings, hook)
+    await core.park(job, to="memory", engine=eng, settings=settings, park_settings=park_settings)
+    await _kill_at(settings, job, gpufile, gpu="gpu", op="unpark", pause=pause)
+    assert (job.dir / MARKER).exists(), "no crash marker: nothing would finish the unpark"
+
+    assert await _engine(settings, hook).recover(job) is True
+    assert await _engine(settings, hook).recover(job) is False
+    await _runs_again(job, hook, settings.state_dir)
+
+
+@pytest.mark.parametrize("to", ["tmpfs", "disk"])
+async def test_a_park_to_an_image_killed_midway_leaves_no_partial_image(
+    settings: CheckpointSettings,
+    park_settings: ParkSettings,
+    job: JobInfo,
+    tmp_path: Path,
+    to: str,
+) -> None:
+    gpufile = tmp_path / "gpu.json"
+    hook = FileGpu(gpufile, with_gpu=False)
+    # CRIU has written the image and the tree is frozen; the image is not complete yet
+    await _kill_at(settings, job, gpufile, gpu="cpu", op="park", pause="step:capture_files", to=to)
+    assert await _engine(settings, hook).recover(job) is True
+    await _runs_again(job, hook, settings.state_dir)
+    base = park_settings.memory_dir if to == "tmpfs" else settings.state_dir / "parked" / "images"
+    assert (base / job.name).is_dir()  # what the killed park left
+
+    # the next command cleans it: an unpark says "not parked", a park starts afresh
+    with pytest.raises(core.ParkError, match="is not parked"):
+        await core.unpark(job.name, engine=_engine(settings, hook), settings=settings,
+                          park_settings=park_settings)  # fmt: skip
+    assert not (base / job.name).exists(), "the partial image was kept"
+    await _kill_at(settings, job, gpufile, gpu="cpu", op="park", pause="step:capture_files", to=to)
+    assert await _engine(settings, hook).recover(job) is True
+    eng = _engine(settings, hook)
+    rec = await core.park(job, to=to, engine=eng, settings=settings, park_settings=park_settings)
+    assert sorted(p.name for p in base.iterdir()) == [job.name], "a partial image was kept"
+    assert not proctree.alive(job.pid)
+    done = await core.unpark(job.name, engine=eng, settings=settings, park_settings=park_settings)
+    assert proctree.alive(done.pid) and rec.place == to
