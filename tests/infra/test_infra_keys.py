@@ -280,17 +280,19 @@ def test_gcp_secret_manager_sources_with_transient_failures_retried(
 
 
 def test_the_controller_names_the_key_sources_in_every_assignment() -> None:
-    """What the Terraform controller_config sets ([controller] vm_*_key_source) reaches the
-    assignment of each VM the controller launches; without it, assignments carry no keys."""
-    from types import SimpleNamespace
+    """What the Terraform controller_config sets ([controller] vm_*_key_source, or a job's own
+    in vm_*_key_sources) reaches the assignment of each VM the controller launches (the
+    reconciler builds it with ``settings.vm_key_sources(job)``); without it, no keys."""
+    import inspect
 
     from spotguard.controller.reconcile import Reconciler
     from spotguard.controller.settings import ControllerSettings
 
+    assert "self.settings.vm_key_sources(rec.name)" in inspect.getsource(Reconciler)
     s = ControllerSettings(
         vm_signing_key_source="aws-secretsmanager:arn:aws:secretsmanager:r:1:secret:k",
         vm_verify_key_source="aws-ssm:arn:aws:ssm:r:1:parameter/v",
     )
-    got = Reconciler._key_sources(SimpleNamespace(settings=s))  # type: ignore[arg-type]
+    got = s.vm_key_sources("j")
     assert got == KeySources(signing_key=s.vm_signing_key_source, verify_key=s.vm_verify_key_source)
-    assert Reconciler._key_sources(SimpleNamespace(settings=ControllerSettings())) is None  # type: ignore[arg-type]
+    assert ControllerSettings().vm_key_sources("j") is None

@@ -22,7 +22,10 @@ log = logging.getLogger(__name__)
 
 
 @click.command("controller")
-@options(ControllerSettings, exclude=("state", "controller_token"))
+@options(
+    ControllerSettings,
+    exclude=("state", "controller_token", "vm_signing_key_sources", "vm_verify_key_sources"),
+)
 @options(FleetSettings)
 @click.option(
     "--state",

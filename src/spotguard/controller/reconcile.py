@@ -34,7 +34,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge
 
-from spotguard.contracts import Assignment, KeySources
+from spotguard.contracts import Assignment
 from spotguard.controller.images import ImageChoice, Mutate, store_of
 from spotguard.controller.ownership import new_epoch, relaunch
 from spotguard.controller.settings import ControllerSettings
@@ -228,15 +228,8 @@ class Reconciler(ImageChoice):
             attempt=rec.restarts,
             epoch=epoch,
             instance_hint=offer_hint,
-            keys=self._key_sources(),
+            keys=self.settings.vm_key_sources(rec.name),
         )
-
-    def _key_sources(self) -> KeySources | None:
-        """Where the VM fetches the fleet's image keys (None: the fleet has none)."""
-        s = self.settings
-        if s.vm_signing_key_source is None and s.vm_verify_key_source is None:
-            return None
-        return KeySources(signing_key=s.vm_signing_key_source, verify_key=s.vm_verify_key_source)
 
     async def _launch_round(self, rec: JobRecord) -> None:
         s = self.settings

@@ -18,6 +18,7 @@ from spotguard.errors import ConfigError
 if TYPE_CHECKING:
     import ssl
 
+    from spotguard.contracts import KeySources
     from spotguard.controller.retention import EventRetention
     from spotguard.controller.tokens import TokenKeys
 
@@ -113,6 +114,16 @@ class ControllerSettings(Settings):
     vm_verify_key_source: str | None = Field(
         None, description="Key source of the fleet's public verify key, handed to every VM"
     )
+    vm_signing_key_sources: dict[str, str] = Field(
+        default_factory=dict,
+        description="Key source of each job's own signing key (job → source), handed to the "
+        "VMs of that job only; a job not named gets vm_signing_key_source",
+    )
+    vm_verify_key_sources: dict[str, str] = Field(
+        default_factory=dict,
+        description="Key source of each job's verify key(s) (job → source); a job not named "
+        "gets vm_verify_key_source",
+    )
     events_keep: int = Field(
         1000,
         ge=10,
@@ -144,6 +155,17 @@ class ControllerSettings(Settings):
             "the controller needs a token (its admin token): --controller-token-file, "
             "SPOTGUARD_CONTROLLER_TOKEN_FILE or SPOTGUARD_CONTROLLER_TOKEN"
         )
+
+    def vm_key_sources(self, job: str) -> KeySources | None:
+        """Where a VM of ``job`` fetches its image keys (None: the fleet has none): the
+        job's own sources, else the fleet's."""
+        from spotguard.contracts import KeySources
+
+        signing = self.vm_signing_key_sources.get(job, self.vm_signing_key_source)
+        verify = self.vm_verify_key_sources.get(job, self.vm_verify_key_source)
+        if signing is None and verify is None:
+            return None
+        return KeySources(signing_key=signing, verify_key=verify)
 
     def event_retention(self) -> EventRetention:
         """How much of each job's event log the state keeps (the ``events_keep*`` settings)."""

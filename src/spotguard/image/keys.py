@@ -11,6 +11,11 @@ hashes), so the one check covers every byte.
   (``signing_key_file``); restoring hosts hold only public keys (``verify_key_file`` /
   ``verify_key``), so a restoring host cannot forge an image. A host that trusts a key restores
   only images signed by it.
+* **Per-job keys**: a verify key line may be bound to one job (``job=<name> ssh-ed25519 …``):
+  that key then authenticates only manifests whose (signed) ``job`` is that job. Deployed
+  fleets give every job its own signing key (only that job's VMs can read it) and the
+  controller every job's public key, each bound to its job, so one VM's key cannot forge an
+  image of another job for any host.
 * **Encryption implies authentication** (``hmac-sha256``): an encrypted image's manifest
   carries an HMAC-SHA256 under a subkey of the encryption key; a host holding an encryption
   key refuses plaintext images and images whose MAC fails. Every holder of that key can
@@ -140,10 +145,20 @@ def _public_line(line: str, where: str) -> Ed25519PublicKey:
     return key
 
 
+JOB_SCOPE: Final = "job="
+
+
 def parse_verify_keys(text: str, where: str) -> list[Ed25519PublicKey]:
     """Ed25519 public keys: PEM blocks, ``ssh-ed25519 …`` lines, or 32 bytes as hex/base64
-    (one per line or separated by commas); blank lines and ``#`` comments are skipped."""
-    keys: list[Ed25519PublicKey] = []
+    (one per line or separated by commas); blank lines and ``#`` comments are skipped. A line
+    may be bound to a job (``job=<name> <key>``): see :func:`parse_scoped_verify_keys`."""
+    return [k for k, _ in parse_scoped_verify_keys(text, where)]
+
+
+def parse_scoped_verify_keys(text: str, where: str) -> list[tuple[Ed25519PublicKey, str | None]]:
+    """The keys of :func:`parse_verify_keys`, each with the job it is bound to (``None``: a
+    key trusted for every job, as PEM blocks always are)."""
+    keys: list[tuple[Ed25519PublicKey, str | None]] = []
     rest: list[str] = []
     while "-----BEGIN PUBLIC KEY-----" in text:
         start = text.index("-----BEGIN PUBLIC KEY-----")
@@ -157,15 +172,24 @@ def parse_verify_keys(text: str, where: str) -> list[Ed25519PublicKey]:
             raise ConfigError(f"bad PEM public key in {where}: {exc}") from exc
         if not isinstance(key, Ed25519PublicKey):
             raise ConfigError(f"public key in {where} is a {type(key).__name__}, not Ed25519")
-        keys.append(key)
+        keys.append((key, None))
         rest.append(text[:start])
         text = text[end:]
     rest.append(text)
     for chunk in rest:
         for line in chunk.replace(",", "\n").splitlines():
             line = line.split("#", 1)[0].strip()
-            if line:
-                keys.append(_public_line(line, where))
+            if not line:
+                continue
+            job: str | None = None
+            if line.startswith(JOB_SCOPE):
+                scope, _, line = line.partition(" ")
+                job, line = scope[len(JOB_SCOPE) :], line.strip()
+                if not job or not line:
+                    raise ConfigError(
+                        f"verify key {scope!r} in {where}: expected job=<name> <public key>"
+                    )
+            keys.append((_public_line(line, where), job))
     return keys
 
 
@@ -181,6 +205,20 @@ def generate_signing_key() -> tuple[bytes, bytes]:
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
     )
     return pem, pub
+
+
+def _scopes(publics: Sequence[tuple[Ed25519PublicKey, str | None]]) -> dict[str, frozenset[str]]:
+    """key id → jobs, for keys given only with a job; a key given once without one serves
+    every job (it is left out)."""
+    jobs: dict[str, set[str]] = {}
+    anyjob: set[str] = set()
+    for k, job in publics:
+        kid = key_id(k)
+        if job is None:
+            anyjob.add(kid)
+        else:
+            jobs.setdefault(kid, set()).add(job)
+    return {kid: frozenset(js) for kid, js in jobs.items() if kid not in anyjob}
 
 
 def _read(path: Path, what: str) -> bytes:
@@ -204,6 +242,8 @@ class ImageKeys:
     signer: Signer | None = None
     trusted: Mapping[str, Ed25519PublicKey] = field(default_factory=dict)
     allow_rollback: bool = False
+    #: key id → the jobs it may authenticate; a trusted key absent here serves every job
+    scopes: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
     @classmethod
     def from_settings(cls, s: ImageSettings) -> ImageKeys:
@@ -218,19 +258,20 @@ class ImageKeys:
             signer = parse_signing_key(
                 s.signing_key.get_secret_value().encode(), "SPOTGUARD_SIGNING_KEY"
             )
-        publics: list[Ed25519PublicKey] = []
+        publics: list[tuple[Ed25519PublicKey, str | None]] = []
         if s.verify_key_file is not None:
             text = _read(s.verify_key_file, "verify key file").decode(errors="replace")
-            publics += parse_verify_keys(text, str(s.verify_key_file))
+            publics += parse_scoped_verify_keys(text, str(s.verify_key_file))
         if s.verify_key:
-            publics += parse_verify_keys(s.verify_key, "verify_key")
+            publics += parse_scoped_verify_keys(s.verify_key, "verify_key")
         if signer is not None:
-            publics.append(signer.public)
-        return cls(cipher, signer, {key_id(k): k for k in publics}, s.allow_rollback)
+            publics.append((signer.public, None))
+        trusted = {key_id(k): k for k, _ in publics}
+        return cls(cipher, signer, trusted, s.allow_rollback, _scopes(publics))
 
     def with_cipher(self, cipher: Cipher | None) -> ImageKeys:
         """These keys with another encryption key (an explicit ``cipher=`` argument)."""
-        return ImageKeys(cipher, self.signer, self.trusted, self.allow_rollback)
+        return ImageKeys(cipher, self.signer, self.trusted, self.allow_rollback, self.scopes)
 
     @property
     def required(self) -> bool:
@@ -261,19 +302,31 @@ class ImageKeys:
             )
         payload = canonical(raw)
         if self.trusted:
-            return self._signature(m.auth, payload, where)
+            return self._signature(m.auth, payload, where, m.job)
         if self.cipher is not None:
             return self._mac(m.auth, payload, where)
         return ""
 
-    def _signature(self, auth: Sequence[Signature], payload: bytes, where: str) -> str:
+    def _for_job(self, kid: str, job: str) -> bool:
+        """Whether trusted key ``kid`` may authenticate an image of ``job``."""
+        scope = self.scopes.get(kid)
+        return scope is None or job in scope
+
+    def _signature(self, auth: Sequence[Signature], payload: bytes, where: str, job: str) -> str:
         ids = ", ".join(sorted(self.trusted))
         sigs = [a for a in auth if a.alg == ED25519]
         if not sigs:
             raise UnsignedImage(
                 f"image {where} is not signed; this host restores only images signed by key {ids}"
             )
-        known = [a for a in sigs if a.key_id in self.trusted]
+        known = [a for a in sigs if a.key_id in self.trusted and self._for_job(a.key_id, job)]
+        other = [a for a in sigs if a.key_id in self.trusted and a not in known]
+        if not known and other:
+            k = other[0].key_id
+            raise UntrustedSigner(
+                f"image {where} of job {job!r} is signed by key {k}, which this host trusts "
+                f"only for job(s) {', '.join(sorted(self.scopes[k]))}: another job's key"
+            )
         if not known:
             by = ", ".join(a.key_id for a in sigs)
             raise UntrustedSigner(
