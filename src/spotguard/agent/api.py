@@ -6,6 +6,8 @@ route           token   answer
 ``GET /healthz``  no    ``{"ok": true}`` while the agent's loop runs
 ``GET /metrics``  no    Prometheus text (see :mod:`spotguard.agent.metrics`)
 ``GET /status``   yes   jobs, last images, current activity, pending notices
+``GET /ui``       no    the read-only web page (:mod:`spotguard.webui`); its data comes
+                        from ``/status``, with the token
 ``POST /drain``   yes   body ``{"reason": str, "wait": bool, "deadline_s": float|null}``:
                         checkpoint every job and stop it (operator drain); with ``wait``
                         the answer comes once the images are durable
@@ -29,6 +31,8 @@ from typing import Any, Protocol
 from aiohttp import web
 
 from spotguard.errors import ConfigError, SpotguardError
+from spotguard.webui import add_routes as add_ui
+from spotguard.webui import is_ui_path
 
 from .metrics import CONTENT_TYPE, AgentMetrics
 from .settings import DRAIN_DEADLINE_MAX, parse_listen
@@ -85,6 +89,7 @@ class AgentApi:
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/status", self._status)
         app.router.add_post("/drain", self._drain)
+        add_ui(app, "agent")
         return app
 
     async def start(self) -> None:
@@ -126,7 +131,7 @@ class AgentApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path in ("/healthz", "/metrics"):
+        if request.path in ("/healthz", "/metrics") or is_ui_path(request.path):
             result: web.StreamResponse = await handler(request)
             return result
         given = request.headers.get("Authorization", "")

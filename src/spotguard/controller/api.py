@@ -17,6 +17,8 @@
                                                  restart budget (409 when not failed)
 ``GET /healthz``                         —       ``{"ok": true, "jobs": N}``
 ``GET /metrics``                         —       Prometheus text format
+``GET /ui``                              —       the read-only web page (:mod:`spotguard.webui`;
+                                                 its data comes from the admin routes above)
 =======================================  ======  =============================================
 
 The paths are declared once, in :mod:`spotguard.controller.routes` (shared with the client).
@@ -70,6 +72,7 @@ from spotguard.errors import (
     StateError,
     UnknownInstanceType,
 )
+from spotguard.webui import add_routes as add_ui
 
 log = logging.getLogger(__name__)
 
@@ -359,4 +362,5 @@ def make_app(controller: Controller) -> web.Application:
     app.router.add_get(routes.DIRECTIVE, directive)
     app.router.add_get(routes.HEALTHZ, healthz)
     app.router.add_get(routes.METRICS, metrics)
+    add_ui(app, "controller")  # GET /ui: the read-only page over this API (spotguard.webui)
     return app
