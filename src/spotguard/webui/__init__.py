@@ -65,6 +65,7 @@ Page = Literal["controller", "agent"]
 _ASSETS = {
     "ui.js": "text/javascript",
     "ui.css": "text/css",
+    "favicon.svg": "image/svg+xml",
 }
 
 
