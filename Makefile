@@ -1,11 +1,12 @@
-# Every target bootstraps what it needs: a virtualenv in .venv and CRIU >= 4.2.1.
+# Every target bootstraps what it needs: a virtualenv in .venv, CRIU >= 4.2.1 and (for the
+# web page tests) Chromium.
 VENV    ?= .venv
 PYTHON  ?= python3
 BIN      = $(VENV)/bin
 STAMP    = $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck unit gpu-test bench criu venv clean
+.PHONY: demo test lint typecheck unit gpu-test bench criu chromium venv clean
 
 venv: $(STAMP)
 
@@ -18,12 +19,16 @@ $(STAMP): pyproject.toml
 criu:
 	@scripts/install-criu >/dev/null
 
+## Debian's chromium for tests/ui; when it cannot be installed those tests skip, saying why.
+chromium:
+	-@scripts/install-chromium >/dev/null
+
 ## The main job on the embedded default: no cloud account needed.
 demo: venv criu
 	$(BIN)/spotguard demo
 
 ## The whole test suite (lint, types, tests). This is what CI runs.
-test: venv criu lint typecheck
+test: venv criu chromium lint typecheck
 	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
 
 ## The fast tier: no CRIU, no GPU (tests needing CRIU are marked criu by tests/conftest.py).
