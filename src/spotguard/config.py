@@ -54,6 +54,7 @@ DEFAULT_CONFIG_PATHS = (Path("/etc/spotguard/spotguard.toml"),)
 SETTINGS_MODULES = (
     "spotguard.agent.settings",
     "spotguard.checkpoint.settings",
+    "spotguard.container.settings",
     "spotguard.controller.settings",
     "spotguard.image.delivery",
     "spotguard.image.settings",

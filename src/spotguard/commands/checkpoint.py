@@ -23,6 +23,8 @@ from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.cli import config
 from spotguard.commands.common import ADVANCED, checkpoint_options
 from spotguard.config import load, options
+from spotguard.container import cli as container_cli
+from spotguard.container.spec import is_container_job
 from spotguard.errors import JobError, SpotguardError
 from spotguard.image.settings import ImageSettings
 from spotguard.planner import PlannerSettings
@@ -78,6 +80,7 @@ def _steps(timeline: list[dict[str, Any]]) -> str:
     CheckpointSettings,
     exclude=tuple(n for n in CheckpointSettings.model_fields if n not in _RUN_ONLY),
 )
+@container_cli.run_options
 @click.argument("command", nargs=-1, required=True, type=click.UNPROCESSED)
 @click.pass_context
 def run(
@@ -102,7 +105,14 @@ def run(
     USE_LIBUV=0 unless set (PyTorch's TCPStore then holds no io_uring, which CRIU cannot
     dump), and its output in <state_dir>/jobs/<name>/stdout and stderr.
     Example: spotguard run --name t -- python t.py
+
+    With --container podman:NAME, COMMAND is IMAGE [ARGS...]: a podman container that
+    `spotguard checkpoint podman:NAME` can checkpoint (docs/containers.md).
     """
+    mine = container_cli.split_run_flags(flags)
+    if mine["container"] is not None:
+        container_cli.run(ctx, mine, command, _settings(ctx, flags).criu, as_json)
+        return
     if os.geteuid() != 0:
         raise JobError(
             "spotguard run needs root (the job's PID namespace and CRIU require it): "
@@ -186,8 +196,21 @@ def _local_agent(ctx: click.Context, state_dir: Path) -> dict[str, Any] | None:
 def checkpoint(
     ctx: click.Context, /, job: str, to: str, leave_running: bool, as_json: bool, **flags: Any
 ) -> None:
-    """Freeze JOB (a pid or a job name) — CPU and GPU — into the directory or store URL --to."""
+    """Freeze JOB (a pid, a job name, or a container: podman:NAME) — CPU and GPU — into the
+    directory or store URL --to."""
     s = _settings(ctx, flags)
+    if is_container_job(job):
+        container_cli.checkpoint(
+            ctx,
+            job,
+            to,
+            leave_running=leave_running,
+            as_json=as_json,
+            state_dir=s.state_dir,
+            criu=s.criu,
+            tcp_established=s.tcp_established,
+        )
+        return
     info = resolve_job(job, state_dir=s.state_dir)
     mode = Mode.RESUME if leave_running else Mode.EXIT
     if operations.is_url(to):
@@ -220,11 +243,17 @@ def checkpoint(
 @click.command("restore", epilog=ADVANCED)
 @click.argument("image")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option(
+    "--name", default=None, help="A container image: the new container's name (default: its own)."
+)
 @checkpoint_options(exclude=("stream",))  # how an image was written decides
 @click.pass_context
-def restore(ctx: click.Context, /, image: str, as_json: bool, **flags: Any) -> None:
+def restore(
+    ctx: click.Context, /, image: str, as_json: bool, name: str | None, **flags: Any
+) -> None:
     """Restore the job whose image is in the directory or at the store URL IMAGE
-    (``…/images/latest`` works); it continues where it stopped."""
+    (``…/images/latest`` works); it continues where it stopped. A container's image (from
+    ``checkpoint podman:NAME``) is restored as a new container of the same name."""
     if not image.strip():
         raise click.BadParameter(
             "is empty: give an image directory or a store URL (…/JOB/images/latest)",
@@ -232,6 +261,10 @@ def restore(ctx: click.Context, /, image: str, as_json: bool, **flags: Any) -> N
         )
     s = _settings(ctx, flags)
     if operations.is_url(image):
+        if container_cli.restore(
+            ctx, image, name=name, as_json=as_json, state_dir=s.state_dir, criu=s.criu
+        ):
+            return
         settings = load(ImageSettings, {}, config_file=config(ctx))
         pulled = asyncio.run(operations.restore(image, settings=s, image_settings=settings))
         if as_json:
@@ -242,6 +275,8 @@ def restore(ctx: click.Context, /, image: str, as_json: bool, **flags: Any) -> N
                 f"{_steps(pulled.timeline.to_list())}"
             )
         return
+    if name is not None:
+        raise click.BadParameter("is for a container image in a store", param_hint="--name")
     path = Path(image)
     if not path.is_dir():
         raise click.BadParameter(f"directory {image!r} does not exist", param_hint="IMAGE")

@@ -1,0 +1,43 @@
+"""Jobs in containers: a podman container checkpointed and restored like a process.
+
+A job named ``podman:NAME`` is a container. Its checkpoint is podman's own (``podman container
+checkpoint --export``: runc drives spotguard's CRIU over the container's process tree, podman
+adds the writable layer and its config), carried into the store as a spotguard image — chunked,
+zstd, BLAKE3, signed manifest last — whose meta records the container's config (typed:
+:class:`~spotguard.container.spec.ContainerImage`). Restore verifies the whole image and checks
+the host (image, mounts, devices) before ``podman container restore --import`` creates the new
+container. docs/ARCHITECTURE.md, "Containers", says which piece is podman's and which is ours.
+
+Modules: ``spec`` (names and the typed record), ``podman`` (the one way podman is run),
+``start`` (``spotguard run --container``), ``checkpoint``, ``restore``, ``settings``.
+"""
+
+from __future__ import annotations
+
+from spotguard.container.checkpoint import ContainerCheckpoint, checkpoint_container
+from spotguard.container.podman import Podman
+from spotguard.container.restore import ContainerRestore, restore_container
+from spotguard.container.settings import ContainerSettings
+from spotguard.container.spec import (
+    ContainerConfig,
+    ContainerImage,
+    ContainerRef,
+    is_container_image,
+    is_container_job,
+)
+from spotguard.container.start import start_container
+
+__all__ = [
+    "ContainerCheckpoint",
+    "ContainerConfig",
+    "ContainerImage",
+    "ContainerRef",
+    "ContainerRestore",
+    "ContainerSettings",
+    "Podman",
+    "checkpoint_container",
+    "is_container_image",
+    "is_container_job",
+    "restore_container",
+    "start_container",
+]

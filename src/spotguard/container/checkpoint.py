@@ -1,0 +1,159 @@
+"""Checkpoint a podman container into a store as one spotguard image.
+
+Order (each step timed in the result's timeline)::
+
+    inspect (running? config, image digest) ─► podman container checkpoint --export
+      (CRIU through runc: process tree, writable layer, podman's config; into a private temp
+      file) ─► image writer (chunks → BLAKE3 → zstd → store, signed manifest LAST, with the
+      typed ContainerImage record in its meta) ─► exit mode: remove the container
+
+In exit mode podman stops the container at the checkpoint and keeps CRIU's files
+(``--keep``): if the image cannot be made durable the container is restored in place from
+them, so a failed checkpoint never leaves the job stopped. ``--leave-running`` keeps it
+running throughout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from spotguard import safefs
+from spotguard.container.podman import Podman
+from spotguard.container.spec import (
+    ARCHIVE_NAME,
+    ContainerConfig,
+    ContainerImage,
+    ContainerRef,
+)
+from spotguard.errors import JobError, JobNotFound, SpotguardError
+from spotguard.image.settings import ImageSettings
+from spotguard.image.writer import ImageWriter
+from spotguard.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ContainerCheckpoint:
+    """What a container checkpoint did."""
+
+    container: str  # podman:NAME
+    job: str
+    image_url: str
+    mode: str  # exit | resume
+    bytes: int  # the runtime's archive
+    stored_bytes: int  # written to the store (compressed, not already there)
+    timeline: Timeline
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "container": self.container,
+            "job": self.job,
+            "image": self.image_url,
+            "mode": self.mode,
+            "bytes": self.bytes,
+            "stored_bytes": self.stored_bytes,
+            "timeline": self.timeline.to_list(),
+        }
+
+
+def work_dir(state_dir: Path) -> Path:
+    """A fresh private directory for a runtime archive, under ``state_dir``."""
+    base = safefs.ensure_private_dir(state_dir / "containers")
+    return Path(tempfile.mkdtemp(prefix="ckpt-", dir=base))
+
+
+async def inspect_running(podman: Podman, ref: ContainerRef) -> ContainerConfig:
+    """The container's config; JobNotFound when there is no such container, JobError when
+    it is not running."""
+    ctr = await podman.inspect(ref.name)
+    if ctr is None:
+        raise JobNotFound(f"no podman container {ref.name!r} on this host")
+    status = str((ctr.get("State") or {}).get("Status", "unknown"))
+    if status != "running":
+        raise JobError(f"container {ref} is {status}, not running: nothing to checkpoint")
+    image = await podman.image_inspect(str(ctr.get("Image", "")))
+    return ContainerConfig.from_inspect(ctr, image)
+
+
+async def checkpoint_container(
+    ref: ContainerRef,
+    store_url: str,
+    *,
+    podman: Podman,
+    image_settings: ImageSettings,
+    state_dir: Path,
+    leave_running: bool = False,
+    tcp_established: bool = False,
+) -> ContainerCheckpoint:
+    """Checkpoint the running container ``ref`` into a new image of ``ref.job`` in the store
+    at ``store_url`` (exit mode: the container is removed once the image is durable)."""
+    tl = Timeline()
+    mode: Literal["exit", "resume"] = "resume" if leave_running else "exit"
+    with tl.step("inspect"):
+        config = await inspect_running(podman, ref)
+        version = await podman.version()
+        graph_root, run_root = await podman.storage_roots()
+    tmp = await asyncio.to_thread(work_dir, state_dir)
+    try:
+        archive = tmp / ARCHIVE_NAME
+        args = ["container", "checkpoint", ref.name, "--export", str(archive)]
+        args += ["--compress", "none", "--ignore-volumes"]
+        args.append("--leave-running" if leave_running else "--keep")
+        if tcp_established:
+            args.append("--tcp-established")
+        with tl.step("podman checkpoint", mode=mode):
+            await podman.run(*args, what=f"checkpointing {ref}")
+        try:
+            record = ContainerImage(
+                runtime_version=version,
+                criu_version=podman.criu_version(),
+                mode=mode,
+                archive_bytes=archive.stat().st_size,
+                config=config,
+                graph_root=graph_root,
+                run_root=run_root,
+            )
+            writer = ImageWriter(store_url, ref.job, settings=image_settings, timeline=tl)
+            with tl.step("push", image=writer.url):
+                async with writer:
+                    await writer.add_file(archive, ARCHIVE_NAME)
+                    await writer.commit(record.to_meta())
+        except BaseException:
+            if not leave_running:
+                await _bring_back(podman, ref)
+            raise
+    finally:
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+    log.info("container checkpointed", extra={"job": ref.job, "image": writer.url, "mode": mode})
+    if not leave_running:
+        with tl.step("remove"):
+            await podman.run("container", "rm", ref.name, what=f"removing {ref} (image durable)")
+    return ContainerCheckpoint(
+        container=str(ref),
+        job=ref.job,
+        image_url=writer.url,
+        mode=mode,
+        bytes=record.archive_bytes,
+        stored_bytes=writer.stats.stored_bytes,
+        timeline=tl,
+    )
+
+
+async def _bring_back(podman: Podman, ref: ContainerRef) -> None:
+    """Restore the container in place from the checkpoint podman kept (exit mode, the image
+    not durable); logged, never raised over the error that brought us here."""
+    try:
+        await podman.run("container", "restore", ref.name, what=f"bringing {ref} back")
+        log.warning("container restored in place after a failed checkpoint", extra={"job": ref.job})
+    except SpotguardError as exc:
+        log.error(
+            "container could not be brought back after a failed checkpoint",
+            extra={"job": ref.job, "error": str(exc)},
+        )

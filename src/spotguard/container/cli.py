@@ -1,0 +1,175 @@
+"""The CLI's container side: ``spotguard run --container``, ``checkpoint podman:NAME`` and
+``restore`` of a container image. ``commands/checkpoint.py`` hands over to these when a job
+name is a container's (``podman:NAME``) or an image is a container image; settings are loaded
+here, at the edge (``[container]``, ``[checkpoint]`` state_dir, ``[image]``)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import click
+
+from spotguard.cli import config
+from spotguard.config import load
+from spotguard.container.checkpoint import checkpoint_container
+from spotguard.container.podman import Podman
+from spotguard.container.restore import restore_container
+from spotguard.container.settings import ContainerSettings
+from spotguard.container.spec import ContainerRef, is_container_image
+from spotguard.container.start import start_container
+from spotguard.errors import ConfigError, ImageError
+from spotguard.image.reader import ImageReader
+from spotguard.image.settings import ImageSettings
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: the options ``spotguard run`` takes for a container (popped before its own settings)
+RUN_KEYS = ("container", "volume", "env", "network", "device")
+
+
+def run_options(fn: F) -> F:
+    """``--container`` and the few ``podman run`` options spotguard passes on."""
+    opts = [
+        click.option(
+            "--container",
+            "container",
+            default=None,
+            metavar="podman:NAME",
+            help="Start a container instead: COMMAND is IMAGE [ARGS...] (docs/containers.md).",
+        ),
+        click.option(
+            "-v", "--volume", "volume", multiple=True, help="With --container: a bind mount."
+        ),
+        click.option("-e", "--env", "env", multiple=True, help="With --container: NAME=VALUE."),
+        click.option(
+            "--network", "network", default=None, help="With --container: network (none)."
+        ),
+        click.option("--device", "device", multiple=True, help="With --container: a device."),
+    ]
+    for o in reversed(opts):
+        fn = o(fn)
+    return fn
+
+
+def split_run_flags(flags: dict[str, Any]) -> dict[str, Any]:
+    """Remove the container options from ``run``'s flags; refuse them without --container."""
+    mine = {k: flags.pop(k, None) for k in RUN_KEYS}
+    if mine["container"] is None and any(mine[k] for k in RUN_KEYS[1:]):
+        raise ConfigError("--volume, --env, --network and --device go with --container")
+    return mine
+
+
+def podman_for(ctx: click.Context, criu: str | None) -> Podman:
+    return Podman.from_settings(load(ContainerSettings, {}, config_file=config(ctx)), criu=criu)
+
+
+def run(
+    ctx: click.Context,
+    mine: dict[str, Any],
+    command: tuple[str, ...],
+    criu: str | None,
+    as_json: bool,
+) -> None:
+    """``spotguard run --container podman:NAME -- IMAGE ARGS``."""
+    ref = ContainerRef.parse(mine["container"])
+    image, *args = command
+    podman = podman_for(ctx, criu)
+    cid = asyncio.run(
+        start_container(
+            ref,
+            image,
+            args,
+            podman=podman,
+            volumes=mine["volume"] or (),
+            env=mine["env"] or (),
+            devices=mine["device"] or (),
+            network=mine["network"] or "none",
+        )
+    )
+    if as_json:
+        click.echo(json.dumps({"job": str(ref), "id": cid}))
+    else:
+        click.echo(f"container {ref} started ({cid[:12]}): checkpoint it as {ref}")
+
+
+def checkpoint(
+    ctx: click.Context,
+    job: str,
+    to: str,
+    *,
+    leave_running: bool,
+    as_json: bool,
+    state_dir: Path,
+    criu: str | None,
+    tcp_established: bool,
+) -> None:
+    """``spotguard checkpoint podman:NAME --to STORE_URL``."""
+    from spotguard import operations
+
+    ref = ContainerRef.parse(job)
+    if not operations.is_url(to):
+        raise ConfigError(
+            f"a container is checkpointed to a store URL (file:///DIR, s3://, gs://), not {to!r}"
+        )
+    image = load(ImageSettings, {}, config_file=config(ctx))
+    result = asyncio.run(
+        checkpoint_container(
+            ref,
+            to,
+            podman=podman_for(ctx, criu),
+            image_settings=image,
+            state_dir=state_dir,
+            leave_running=leave_running,
+            tcp_established=tcp_established,
+        )
+    )
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+    else:
+        click.echo(
+            f"container {ref} checkpointed to {result.image_url} ({result.mode}); "
+            f"{result.bytes} bytes, {result.stored_bytes} stored"
+        )
+
+
+async def _container_image(url: str, settings: ImageSettings) -> str | None:
+    """The resolved URL of the image at ``url`` if it is a container image, else None."""
+    async with ImageReader(url, settings=settings) as reader:
+        return reader.url if is_container_image(reader.manifest.meta) else None
+
+
+def restore(
+    ctx: click.Context,
+    url: str,
+    *,
+    name: str | None,
+    as_json: bool,
+    state_dir: Path,
+    criu: str | None,
+) -> bool:
+    """Restore ``url`` as a container if it is a container image; False when it is not (the
+    caller restores a process). ``--name`` is only for container images."""
+    settings = load(ImageSettings, {}, config_file=config(ctx))
+    resolved = asyncio.run(_container_image(url, settings))
+    if resolved is None:
+        if name is not None:
+            raise ImageError(f"{url} holds a process, not a container: --name does not apply")
+        return False
+    result = asyncio.run(
+        restore_container(
+            resolved,
+            podman=podman_for(ctx, criu),
+            image_settings=settings,
+            state_dir=state_dir,
+            name=name,
+        )
+    )
+    if as_json:
+        click.echo(json.dumps(result.to_json()))
+    else:
+        click.echo(f"container {result.container} restored from {resolved} ({result.id[:12]})")
+    return True

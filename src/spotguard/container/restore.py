@@ -1,0 +1,169 @@
+"""Restore a container image from a store into a new podman container.
+
+Nothing the image says is trusted before it is verified, and nothing is created before the
+host is checked::
+
+    pull (manifest authenticated, every chunk fetched, BLAKE3-checked and decompressed into a
+    private temp dir: a flipped byte stops here) ─► the ContainerImage record (typed) and the
+    archive (exactly the one file, of the recorded size) ─► preflight: the name is free, the
+    image is here with the same ID (or pulled by digest), every bind mount source, volume and
+    device exists; podman's recorded storage paths moved to this host's where they differ
+    (archive.py) ─► podman container restore --import (new container, same name) ─► inspect
+
+Bind mounts and volumes are the job's data and are never carried: a missing one is a
+:class:`~spotguard.errors.MissingMount` naming it, before podman is called.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from spotguard.container.archive import relocate
+from spotguard.container.checkpoint import work_dir
+from spotguard.container.podman import Podman
+from spotguard.container.spec import ContainerImage
+from spotguard.errors import (
+    ImageError,
+    MismatchError,
+    MissingMount,
+    PreflightError,
+    SpotguardError,
+)
+from spotguard.image.settings import ImageSettings
+from spotguard.image.transfer import pull_dir
+from spotguard.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class ContainerRestore:
+    """What a container restore did."""
+
+    container: str  # podman:NAME
+    id: str
+    image_url: str
+    timeline: Timeline
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "container": self.container,
+            "id": self.id,
+            "image": self.image_url,
+            "timeline": self.timeline.to_list(),
+        }
+
+
+async def restore_container(
+    image_url: str,
+    *,
+    podman: Podman,
+    image_settings: ImageSettings,
+    state_dir: Path,
+    name: str | None = None,
+) -> ContainerRestore:
+    """Restore the container image at ``image_url`` as a new container named ``name``
+    (default: the checkpointed container's name)."""
+    tl = Timeline()
+    tmp = await asyncio.to_thread(work_dir, state_dir)
+    try:
+        with tl.step("pull", image=image_url):
+            manifest = await pull_dir(image_url, tmp, settings=image_settings, timeline=tl)
+        record = ContainerImage.from_meta(manifest.meta, image_url)
+        archive = _archive(tmp, record, [f.name for f in manifest.files], image_url)
+        target = name or record.config.name
+        with tl.step("preflight"):
+            await preflight(podman, record, target)
+            graph_root, run_root = await podman.storage_roots()
+            moves = {record.graph_root: graph_root, record.run_root: run_root}
+            moved = await asyncio.to_thread(relocate, archive, moves)
+            if moved:
+                log.info("podman storage paths moved", extra={"what": ", ".join(moved)})
+        with tl.step("podman restore"):
+            await podman.run(
+                "container",
+                "restore",
+                "--import",
+                str(archive),
+                "--name",
+                target,
+                what=f"restoring podman:{target} from {image_url}",
+            )
+    finally:
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+    ctr = await podman.inspect(target)
+    cid = str((ctr or {}).get("Id", ""))
+    log.info("container restored", extra={"image": image_url, "job": f"podman:{target}"})
+    return ContainerRestore(f"podman:{target}", cid, image_url, tl)
+
+
+def _archive(tmp: Path, record: ContainerImage, names: list[str], where: str) -> Path:
+    """The runtime archive pulled into ``tmp``: the image must hold exactly that one file,
+    of the size the record says."""
+    if names != [record.archive]:
+        raise ImageError(f"{where}: a container image holds {record.archive} only, not {names}")
+    path = tmp / record.archive
+    size = path.stat().st_size
+    if size != record.archive_bytes:
+        raise ImageError(
+            f"{where}: {record.archive} is {size} bytes, the record says {record.archive_bytes}"
+        )
+    return path
+
+
+async def preflight(podman: Podman, record: ContainerImage, name: str) -> None:
+    """Refuse, before anything is created, what would make the restore fail or differ."""
+    if await podman.exists("container", name):
+        raise PreflightError(
+            f"a container named {name!r} exists on this host: remove it (podman rm) or restore "
+            "under another name (--name)"
+        )
+    await _image_here(podman, record)
+    cfg = record.config
+    for m in cfg.mounts:
+        if m.type == "bind" and not await asyncio.to_thread(os.path.exists, m.source):
+            raise MissingMount(
+                f"bind mount {m.source} (at {m.destination} in podman:{cfg.name}) does not "
+                "exist on this host: bind mounts are the job's data and are not carried in the "
+                "image; create or mount it, then restore again"
+            )
+        if m.type == "volume" and m.name and not await podman.exists("volume", m.name):
+            raise MissingMount(
+                f"volume {m.name} (at {m.destination} in podman:{cfg.name}) does not exist on "
+                "this host: volumes are not carried in the image; create it, then restore again"
+            )
+    for d in cfg.devices:
+        if not await asyncio.to_thread(os.path.exists, d.host_path):
+            raise MissingMount(f"device {d.host_path} of podman:{cfg.name} is not on this host")
+
+
+async def _image_here(podman: Podman, record: ContainerImage) -> None:
+    """The container's image must be here with the recorded ID (the writable layer applies
+    to exactly that image); pulled by digest where the reference can be pulled."""
+    cfg = record.config
+    have = await podman.image_inspect(cfg.image_id)
+    if have is not None:
+        return
+    named = await podman.image_inspect(cfg.image)
+    if named is not None:
+        raise MismatchError("container image " + cfg.image, cfg.image_id, named.get("Id"))
+    pullable = [d for d in cfg.repo_digests if not d.startswith("localhost/")]
+    for ref in pullable:
+        try:
+            await podman.run("pull", "--quiet", ref, what=f"pulling {ref}")
+        except SpotguardError as exc:
+            log.warning("image pull failed", extra={"image": ref, "error": str(exc)})
+            continue
+        if await podman.image_inspect(cfg.image_id) is not None:
+            return
+    tried = f" (pull of {', '.join(pullable)} failed)" if pullable else ""
+    raise PreflightError(
+        f"the container's image {cfg.image} ({cfg.image_id[:12]}) is not on this host and "
+        f"cannot be pulled{tried}: load or pull it, then restore again"
+    )

@@ -1,0 +1,58 @@
+"""Container settings: ``[container]`` keys, ``SPOTGUARD_CONTAINER_*`` env vars.
+
+Which podman and runc spotguard drives for container jobs (``podman:NAME``) and, where a host
+keeps containers somewhere else than podman's default, its storage (``--root`` /
+``--runroot``: the tests always give private ones, so no container runtime configured on the
+host is touched).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import ClassVar
+
+from pydantic import Field
+from pydantic_settings import SettingsConfigDict
+
+from spotguard.config import Settings
+
+#: where scripts/install-podman puts podman, conmon and runc
+PREFIX = Path("/opt/spotguard/podman")
+
+
+class ContainerSettings(Settings):
+    """``[container]``: the runtime spotguard checkpoints and restores containers with."""
+
+    section: ClassVar[str] = "container"
+    model_config = SettingsConfigDict(
+        env_prefix="SPOTGUARD_CONTAINER_", extra="forbid", frozen=True, validate_default=True
+    )
+
+    podman: str | None = Field(
+        default=None,
+        description=(
+            "podman executable (default: podman on PATH, else /opt/spotguard/podman/bin/podman "
+            "from scripts/install-podman)"
+        ),
+    )
+    runc: str | None = Field(
+        default=None,
+        description=(
+            "runc executable podman runs containers with, told to use spotguard's CRIU "
+            "(default: the prefix's runc, else runc on PATH)"
+        ),
+    )
+    root: Path | None = Field(
+        default=None, description="podman --root: container storage (default: podman's own)"
+    )
+    runroot: Path | None = Field(
+        default=None, description="podman --runroot: runtime state (default: podman's own)"
+    )
+    runtime_dir: Path = Field(
+        default=Path("/run/spotguard/podman"),
+        description=(
+            "Where spotguard writes its runc wrapper and CRIU configuration; the same path on "
+            "every host, since a restored container names them"
+        ),
+    )
+    timeout: float = Field(default=600.0, gt=0, description="Seconds one podman command may take")

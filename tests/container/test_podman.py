@@ -1,0 +1,170 @@
+"""A podman container checkpointed to a store and restored as a new container on another
+"VM", with real podman, runc and CRIU (issue 29): the output continues byte-identically; a
+damaged image or a missing bind mount is refused before podman is asked to restore."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from podman_helpers import IMAGE, Vm
+
+from spotguard.container import ContainerImage, ContainerRef, Podman
+from spotguard.container.checkpoint import checkpoint_container
+from spotguard.container.restore import restore_container
+from spotguard.container.start import start_container
+from spotguard.errors import ImageCorrupt, MissingMount
+from spotguard.image import ImageReader, ImageSettings
+
+LINES = 40
+#: the job: one line per step into its bind-mounted output, holding the file open
+JOB = f"exec >>/data/out; i=0; while [ $i -lt {LINES} ]; do echo $i; i=$((i+1)); sleep 0.1; done"
+EXPECTED = "".join(f"{i}\n" for i in range(LINES))
+
+
+def _cli(vm: Vm, *args: str) -> dict[str, object]:
+    out = subprocess.run(
+        ["spotguard", args[0], "--json", *args[1:]],
+        env=vm.cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=180,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "Traceback" not in out.stderr, out.stderr
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _wait_lines(path: Path, n: int, timeout: float = 30.0) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if path.exists() and path.read_text().count("\n") >= n:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{path} did not reach {n} lines")
+
+
+def _data_dir(vm: Vm, name: str) -> Path:
+    d = vm.state_dir.parent / name
+    d.mkdir(parents=True)
+    return d
+
+
+def test_container_checkpointed_removed_and_restored_on_another_vm_continues_identically(
+    vms: tuple[Vm, Vm],
+) -> None:
+    vm1, vm2 = vms
+    ref_dir, job_dir = _data_dir(vm1, "ref"), _data_dir(vm1, "job")
+    for name, d in (("ref", ref_dir), ("ctr", job_dir)):
+        started = _cli(
+            vm1, "run", "--container", f"podman:{name}", "-v", f"{d}:/data",
+            "--", IMAGE, "/bin/sh", "-c", JOB,
+        )  # fmt: skip
+        assert started["job"] == f"podman:{name}"
+    _wait_lines(job_dir / "out", 8)
+    store = f"file://{vm1.state_dir.parent / 'store'}"
+    ck = _cli(vm1, "checkpoint", "podman:ctr", "--to", store)
+    assert ck["mode"] == "exit" and ck["job"] == "podman-ctr", ck
+    at_checkpoint = (job_dir / "out").read_text()
+    assert 8 <= at_checkpoint.count("\n") < LINES
+    # exit mode: the container is gone from VM 1 once its image is durable
+    assert not asyncio.run(vm1.podman.exists("container", "ctr"))
+    time.sleep(0.5)
+    assert (job_dir / "out").read_text() == at_checkpoint  # stopped, not running elsewhere
+
+    url = f"{store}/podman-ctr/images/latest"
+    record = asyncio.run(_record(url))
+    assert record.config.name == "ctr" and record.config.image == IMAGE
+    assert record.config.network_mode == "none"
+    assert [(m.type, m.source, m.destination) for m in record.config.mounts] == [
+        ("bind", str(job_dir), "/data")
+    ]
+    assert record.criu_version.startswith("4.")
+
+    back = _cli(vm2, "restore", url)
+    assert back["container"] == "podman:ctr" and back["id"]
+    vm2.podman_cmd("wait", "ctr")
+    vm1.podman_cmd("wait", "ref")
+    assert (ref_dir / "out").read_text() == EXPECTED
+    assert (job_dir / "out").read_text() == (ref_dir / "out").read_text()
+
+
+async def _record(url: str) -> ContainerImage:
+    async with ImageReader(url, settings=ImageSettings()) as r:
+        return ContainerImage.from_meta(r.manifest.meta, url)
+
+
+def _logged(vm: Vm, tmp: Path) -> tuple[Podman, Path]:
+    """VM's podman behind a wrapper that records each command line (real podman runs)."""
+    log = tmp / "podman-calls.log"
+    wrapper = tmp / "podman-logged"
+    wrapper.write_text(f'#!/bin/sh\necho "$*" >>{log}\nexec {vm.podman.binary} "$@"\n')
+    wrapper.chmod(0o755)
+    p = vm.podman
+    return Podman(str(wrapper), p.runc, p.criu, p.root, p.runroot, p.runtime_dir, p.timeout), log
+
+
+async def _checkpoint_sleeper(vm: Vm, data: Path, store: str) -> str:
+    ref = ContainerRef.parse("podman:sleeper")
+    await start_container(
+        ref, IMAGE, ["/bin/sh", "-c", JOB], podman=vm.podman, volumes=[f"{data}:/data"]
+    )
+    await asyncio.to_thread(_wait_lines, data / "out", 2)
+    done = await checkpoint_container(
+        ref, store, podman=vm.podman, image_settings=ImageSettings(), state_dir=vm.state_dir
+    )
+    return done.image_url
+
+
+def _restores(log: Path) -> list[str]:
+    calls = log.read_text().splitlines() if log.exists() else []
+    return [c for c in calls if " restore" in c]
+
+
+def test_a_flipped_byte_in_a_chunk_is_refused_before_podman_restores(
+    vms: tuple[Vm, Vm], tmp_path: Path
+) -> None:
+    vm1, vm2 = vms
+    store_dir = vm1.state_dir.parent / "store"
+    url = asyncio.run(_checkpoint_sleeper(vm1, _data_dir(vm1, "d"), f"file://{store_dir}"))
+    chunks = sorted((store_dir / "podman-sleeper" / "chunks").rglob("*"))
+    victim = max((c for c in chunks if c.is_file()), key=lambda c: c.stat().st_size)
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    victim.write_bytes(bytes(data))
+    podman, log = _logged(vm2, tmp_path)
+    with pytest.raises(ImageCorrupt, match=victim.name):
+        asyncio.run(
+            restore_container(
+                url, podman=podman, image_settings=ImageSettings(), state_dir=vm2.state_dir
+            )
+        )
+    assert _restores(log) == [] and not log.exists(), "podman was called"
+    assert not asyncio.run(vm2.podman.exists("container", "sleeper"))
+    leftovers = list((vm2.state_dir / "containers").iterdir())
+    assert leftovers == [], leftovers  # the pulled archive is removed
+
+
+def test_a_missing_bind_mount_is_refused_by_name_before_podman_restores(
+    vms: tuple[Vm, Vm], tmp_path: Path
+) -> None:
+    vm1, vm2 = vms
+    data = _data_dir(vm1, "gone")
+    url = asyncio.run(_checkpoint_sleeper(vm1, data, f"file://{vm1.state_dir.parent / 'store'}"))
+    os.rename(data, data.with_name("elsewhere"))
+    podman, log = _logged(vm2, tmp_path)
+    with pytest.raises(MissingMount, match=f"bind mount {data} .* does not exist"):
+        asyncio.run(
+            restore_container(
+                url, podman=podman, image_settings=ImageSettings(), state_dir=vm2.state_dir
+            )
+        )
+    assert _restores(log) == [], "podman was asked to restore"
+    assert not asyncio.run(vm2.podman.exists("container", "sleeper"))
