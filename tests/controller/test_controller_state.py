@@ -160,7 +160,7 @@ async def test_restart_mid_launch_adopts_the_vm_of_the_persisted_round(tmp_path:
     assert rec is not None
     assert rec.launch_token == "deadbeef"
     offer = (await local.offers(LaunchSpec.from_json(rec.spec)))[0]
-    vm = await local.launch(offer, first._assignment(rec, {}), client_token="deadbeef-0")
+    vm = await local.launch(offer, first.reconciler.assignment(rec, {}), client_token="deadbeef-0")
 
     second = Controller(settings, db, local, image=ImageSettings.model_validate({}))
     await second.start()

@@ -3,7 +3,9 @@
 Events change a job's state at once (:mod:`spotguard.controller.machine`, fenced by ownership
 epoch); each job's loop then does what takes time (:mod:`spotguard.controller.reconcile`).
 This module holds the inputs — agent events, fleet notices, migrations, directive polls — and
-the lifecycle.
+the lifecycle. The :class:`Controller` holds a :class:`~spotguard.controller.reconcile.
+Reconciler` (which holds the :class:`~spotguard.controller.images.ImageChoice`) and talks to
+it through ``ensure``, ``wake``, ``hear``, ``update_gauges``, ``start`` and ``stop``.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from spotguard.contracts import (
 )
 from spotguard.controller.edge import instance_info
 from spotguard.controller.machine import Options, on_event
+from spotguard.controller.metrics import Metrics
 from spotguard.controller.ownership import new_epoch, relaunch
-from spotguard.controller.reconcile import Metrics, Reconciler
+from spotguard.controller.reconcile import Reconciler, report_crash
 from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, StateDB
 from spotguard.controller.strategies import Strategy, get_strategy
@@ -64,15 +67,9 @@ class Applied:
     stale: str | None = None
 
 
-def _report_crash(task: asyncio.Task[None]) -> None:
-    """Log a job loop that died of an unexpected error (the next event restarts it)."""
-    if not task.cancelled() and task.exception() is not None:
-        exc = task.exception()
-        log.error("job loop crashed", extra={"task": task.get_name(), "error": repr(exc)})
-
-
-class Controller(Reconciler):
-    """Owns the state DB, the provider, the strategy and one loop task per live job.
+class Controller:
+    """Owns the state DB, the provider, the strategy, the notice sources and the
+    :class:`~spotguard.controller.reconcile.Reconciler` that runs one loop per live job.
 
     ``image`` settings are those of the controller host (reading manifests and listing
     images); ``keys`` verify callers and issue VM tokens (default: from ``settings``).
@@ -96,52 +93,63 @@ class Controller(Reconciler):
         self.keys = keys or settings.token_keys()
         self.strategy = strategy or get_strategy(settings.strategy)
         self.metrics = Metrics()
+        self.reconciler = Reconciler(
+            settings,
+            db,
+            provider,
+            strategy=self.strategy,
+            metrics=self.metrics,
+            image_settings=image,
+            keys=self.keys,
+            public_url=settings.public_url(),
+        )
         self._sources: list[NoticeSource] = list(sources)
-        self._loops: dict[str, asyncio.Task[None]] = {}
-        self._wake: dict[str, asyncio.Event] = {}
         self._source_tasks: list[asyncio.Task[None]] = []
-        self._checked: dict[str, float] = {}  # "<job>:<instance>" → last liveness check
-        self._heard: dict[str, float] = {}  # job → when its agent last reported or polled
-        self._running = False
-        #: What new instances report to (the server sets the bound port when listening on :0).
-        self.public_url = settings.public_url()
+
+    @property
+    def public_url(self) -> str:
+        """What new instances report to (the server sets the bound port when on :0)."""
+        return self.reconciler.public_url
+
+    @public_url.setter
+    def public_url(self, url: str) -> None:
+        self.reconciler.public_url = url
 
     # ----- lifecycle ----------------------------------------------------------------------
 
     async def start(self) -> None:
         """Resume every job that is not finished or failed, and start the notice sources."""
-        self._running = True
+        self.reconciler.start()
         for rec in await self.db.jobs():
             if rec.state not in TERMINAL or rec.data.terminate:
                 log.info("resuming job", extra={"job": rec.name, "state": rec.state.value})
-                self._ensure_loop(rec.name)
+                self.reconciler.ensure(rec.name)
         for src in self._sources:
             self._start_source(src)
-        await self._update_gauges()
+        await self.reconciler.update_gauges()
 
     async def stop(self) -> None:
-        self._running = False
-        tasks = [*self._loops.values(), *self._source_tasks]
+        tasks = list(self._source_tasks)
         for t in tasks:
             t.cancel()
+        await self.reconciler.stop()
         for t in tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await t
         for src in self._sources:
             with contextlib.suppress(NoticeError):
                 await src.aclose()
-        self._loops.clear()
         self._source_tasks.clear()
 
     def add_source(self, source: NoticeSource) -> None:
         """Treat ``source``'s notices (e.g. fleet-wide SQS) like agent NOTICE reports."""
         self._sources.append(source)
-        if self._running:
+        if self.reconciler.running:
             self._start_source(source)
 
     def _start_source(self, source: NoticeSource) -> None:
         task = asyncio.create_task(self._watch(source), name=f"source:{source.name}")
-        task.add_done_callback(_report_crash)
+        task.add_done_callback(report_crash)
         self._source_tasks.append(task)
 
     async def _watch(self, source: NoticeSource) -> None:
@@ -155,18 +163,11 @@ class Controller(Reconciler):
         except SpotguardError as exc:
             log.warning("fleet notice not applied", extra={"notice": notice.id, "error": str(exc)})
 
-    def _ensure_loop(self, name: str) -> None:
-        task = self._loops.get(name)
-        if task is None or task.done():
-            self._wake.setdefault(name, asyncio.Event())
-            task = asyncio.create_task(self._loop(name), name=f"job:{name}")
-            task.add_done_callback(_report_crash)
-            self._loops[name] = task
-
-    def wake(self, name: str) -> None:
-        ev = self._wake.get(name)
-        if ev is not None:
-            ev.set()
+    def _wake(self, name: str) -> None:
+        """Job ``name`` changed: its loop (started if need be) takes its next step now."""
+        if self.reconciler.running:
+            self.reconciler.ensure(name)
+            self.reconciler.wake(name)
 
     # ----- inputs -------------------------------------------------------------------------
 
@@ -215,10 +216,8 @@ class Controller(Reconciler):
         else:
             self.metrics.duplicates.labels(ev.kind.value).inc()
             log.info("duplicate event", extra=extra)
-        if self._running:
-            self._ensure_loop(ev.job)
-            self.wake(ev.job)
-        await self._update_gauges()
+        self._wake(ev.job)
+        await self.reconciler.update_gauges()
         return Applied(rec, applied and stale is None, stale)
 
     async def handle_notice(self, notice: Notice) -> JobRecord | None:
@@ -292,8 +291,7 @@ class Controller(Reconciler):
 
         out, _ = await self.db.change(name, fn)
         assert out is not None
-        self._ensure_loop(name)
-        self.wake(name)
+        self._wake(name)
         return out
 
     async def unpark(self, name: str, to: str | None = None) -> JobRecord:
@@ -336,8 +334,7 @@ class Controller(Reconciler):
             state = out.state.value if out is not None else "gone"
             raise ControllerError(f"job {name!r} is {state}, not parked; nothing to unpark")
         log.info("unpark", extra={"job": name, "image": out.image_url, "target": target})
-        self._ensure_loop(name)
-        self.wake(name)
+        self._wake(name)
         return out
 
     async def retry(self, name: str, to: str | None = None) -> JobRecord:
@@ -378,8 +375,7 @@ class Controller(Reconciler):
             state = out.state.value if out is not None else "gone"
             raise ControllerError(f"job {name!r} is {state}; nothing to retry")
         log.info("retry", extra={"job": name, "image": out.image_url, "target": target})
-        self._ensure_loop(name)
-        self.wake(name)
+        self._wake(name)
         return out
 
     async def directive(
@@ -408,7 +404,7 @@ class Controller(Reconciler):
         instance, or a directive poll): a job heard from after its notice's deadline still
         runs, so a resumed checkpoint must not be relaunched."""
         if instance_id is None or instance_id == rec.instance.get("instance_id"):
-            self._heard[rec.name] = time.time()
+            self.reconciler.hear(rec.name)
 
     async def view(self, name: str) -> dict[str, Any]:
         """A job with its history timeline, current instance and images (for the API/CLI)."""

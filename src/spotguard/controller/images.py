@@ -2,14 +2,17 @@
 no report named one, the newest *older* complete image when one could not be restored (its
 fault: ``ImageCorrupt``, a missing image), and the launch spec read from the manifest.
 
-A mixin of :class:`~spotguard.controller.reconcile.Reconciler`; every choice is persisted
-through its ``_set`` (one transaction, a history line saying why).
+:class:`ImageChoice` is a collaborator the :class:`~spotguard.controller.reconcile.Reconciler`
+holds: it gets the settings it reads and one narrow way to write, a :class:`Persist` (the
+reconciler's ``set``: one transaction, only while the job is still where it was, a history
+line saying why).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from spotguard.controller.imagefacts import image_spec
 from spotguard.controller.ownership import relaunch
@@ -35,21 +38,40 @@ def store_of(rec: JobRecord, default: str | None) -> str | None:
     return None
 
 
-class ImageChoice:
-    """Image choices of the reconcile loop (see the module doc)."""
+class Persist(Protocol):
+    """Persist ``mutate(record)`` if the job is still in ``expect`` (default: the state
+    ``rec`` is in) and in the same launch round; the record after it, or None."""
 
-    settings: ControllerSettings
-    image_settings: ImageSettings
-
-    async def _set(
+    async def __call__(
         self, rec: JobRecord, mutate: Mutate, *, expect: JobState | None = None
-    ) -> JobRecord | None:
-        raise NotImplementedError
+    ) -> JobRecord | None: ...
 
-    def _fail(self, reason: str) -> Mutate:
-        raise NotImplementedError
 
-    async def _images(self, rec: JobRecord) -> tuple[list[str], str]:
+def failed(reason: str) -> Mutate:
+    """A change to FAILED saying ``reason`` (logged)."""
+
+    def mutate(r: JobRecord) -> Change:
+        r.state = JobState.FAILED
+        r.reason = reason
+        log.error("job failed", extra={"job": r.name, "reason": reason})
+        return Change(r, reason)
+
+    return mutate
+
+
+class ImageChoice:
+    """Image choices of the reconcile loop (see the module doc): what it reads (the
+    controller's settings, the controller host's image settings) and how it writes
+    (``persist``) are given, nothing else."""
+
+    def __init__(
+        self, settings: ControllerSettings, image_settings: ImageSettings, persist: Persist
+    ) -> None:
+        self.settings = settings
+        self.image_settings = image_settings
+        self.persist = persist
+
+    async def images(self, rec: JobRecord) -> tuple[list[str], str]:
         """URLs of the job's complete (and, with keys, authenticated) images in its store,
         oldest sequence first — and, when there are none, why (no store known, store
         unreadable, nothing there)."""
@@ -74,11 +96,13 @@ class ImageChoice:
             return [], f"store {store_url}: {exc}"
         return urls, f"store {store_url} holds no complete image of {rec.name}"
 
-    async def _fallback(self, rec: JobRecord) -> None:
-        urls, why = await self._images(rec)
+    async def fallback(self, rec: JobRecord) -> None:
+        """No durable image reported after a notice that ended the VM: relaunch from the
+        store's newest complete image, or FAIL saying why there is none."""
+        urls, why = await self.images(rec)
         url = urls[-1] if urls else None
         if url is None:
-            await self._set(rec, self._fail(f"no durable image after the notice and {why}"))
+            await self.persist(rec, failed(f"no durable image after the notice and {why}"))
             return
         chosen = url
 
@@ -92,9 +116,9 @@ class ImageChoice:
                 terminate_old=self.settings.terminate_old,
             )
 
-        await self._set(rec, mutate)
+        await self.persist(rec, mutate)
 
-    async def _spec_from_image(self, rec: JobRecord) -> JobRecord:
+    async def spec_from_image(self, rec: JobRecord) -> JobRecord:
         """Before a round: the launch spec from the image's manifest, once per image.
 
         The manifest's GPU facts describe what restoring that image needs, so they win over
@@ -115,7 +139,7 @@ class ImageChoice:
                 r.data.spec_image = url
                 return Change(r, msg, note=True)
 
-            return await self._set(rec, keep) or rec
+            return await self.persist(rec, keep) or rec
 
         def adopt(r: JobRecord) -> Change:
             r.data.spec_image = url
@@ -132,14 +156,14 @@ class ImageChoice:
                 note=True,
             )
 
-        return await self._set(rec, adopt) or rec
+        return await self.persist(rec, adopt) or rec
 
-    async def _older_image(self, rec: JobRecord) -> JobRecord | None:
+    async def older_image(self, rec: JobRecord) -> JobRecord | None:
         """After a restore failed for the image's fault: the newest complete image older
         than every image known bad becomes the one to restore, or the job FAILS saying
         there is none (never a round for an image that can never restore)."""
         bad = rec.data.bad_images
-        urls, why = await self._images(rec)  # oldest authenticated sequence first
+        urls, why = await self.images(rec)  # oldest authenticated sequence first
         # "older" by the store's sequence, never by ids (wall clocks of possibly skewed VMs);
         # a bad image the store does not list (missing) cuts nothing
         cut = min((urls.index(u) for u in bad if u in urls), default=len(urls))
@@ -149,7 +173,7 @@ class ImageChoice:
                 f"image {rec.image_url} cannot be restored and no older complete image exists "
                 f"({why if not urls else f'{len(urls)} complete, none older'})"
             )
-            await self._set(rec, self._fail(reason))
+            await self.persist(rec, failed(reason))
             return None
         chosen = older[-1]
 
@@ -163,4 +187,4 @@ class ImageChoice:
                 r, r.reason, {"image_url": chosen, "bad_images": r.data.bad_images}, note=True
             )
 
-        return await self._set(rec, adopt)
+        return await self.persist(rec, adopt)

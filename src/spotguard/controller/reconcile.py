@@ -20,6 +20,13 @@ wake-up, persisting before every side effect.
   RESTORED → terminate it and start a new round (a new epoch).
 
 Old instances queued for termination are terminated by the loop, whatever the state.
+
+:class:`Reconciler` owns the loops (one task per job: ``ensure``, ``wake``, ``stop``) and
+holds its collaborators: the state DB, the provider, the strategy, the metrics, the token
+keys, and :class:`~spotguard.controller.images.ImageChoice` (given ``persist`` as its only
+way to write). The :class:`~spotguard.controller.core.Controller` holds the reconciler and
+tells it which jobs to look at now (``ensure``, ``wake``) and when a job's agent was heard
+(``hear``).
 """
 
 from __future__ import annotations
@@ -32,10 +39,9 @@ import time
 import uuid
 from typing import Any
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-
 from spotguard.contracts import Assignment
-from spotguard.controller.images import ImageChoice, Mutate, store_of
+from spotguard.controller.images import ImageChoice, Mutate, failed, store_of
+from spotguard.controller.metrics import Metrics
 from spotguard.controller.ownership import new_epoch, relaunch
 from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, StateDB
@@ -60,38 +66,6 @@ from spotguard.providers.base import (
 )
 
 log = logging.getLogger(__name__)
-
-
-class Metrics:
-    """Prometheus metrics of one controller (own registry, so several can live in a process)."""
-
-    def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        self.events = Counter(
-            "spotguard_controller_events", "Agent events applied", ["kind"], registry=self.registry
-        )
-        self.launches = Counter(
-            "spotguard_controller_launches",
-            "Launch attempts by outcome",
-            ["outcome"],
-            registry=self.registry,
-        )
-        self.duplicates = Counter(
-            "spotguard_controller_duplicate_events",
-            "Events that repeated news already applied (retried reports; a notice reported "
-            "by both the agent and the fleet queue)",
-            ["kind"],
-            registry=self.registry,
-        )
-        self.stale = Counter(
-            "spotguard_controller_stale_events",
-            "Events from a sender that no longer owns the job (recorded and ignored)",
-            ["kind"],
-            registry=self.registry,
-        )
-        self.jobs = Gauge(
-            "spotguard_controller_jobs", "Jobs by state", ["state"], registry=self.registry
-        )
 
 
 def _ref_of(d: dict[str, Any], provider: str) -> InstanceRef | None:
@@ -122,22 +96,83 @@ def _runs_on(why: str) -> Mutate:
     return mutate
 
 
-class Reconciler(ImageChoice):
-    """The per-job loops of a controller (see the module doc). :class:`Controller` adds the
-    inputs (events, notices, migrations) and the lifecycle."""
+def report_crash(task: asyncio.Task[None]) -> None:
+    """Log a task that died of an unexpected error (a job's loop: the next event restarts
+    it; a notice source)."""
+    if not task.cancelled() and task.exception() is not None:
+        exc = task.exception()
+        log.error("job loop crashed", extra={"task": task.get_name(), "error": repr(exc)})
 
-    settings: ControllerSettings
-    db: StateDB
-    provider: CloudProvider
-    strategy: Strategy
-    metrics: Metrics
-    image_settings: ImageSettings
-    keys: TokenKeys
-    public_url: str
-    _running: bool
-    _wake: dict[str, asyncio.Event]
-    _checked: dict[str, float]  # "<job>:<instance>" → last liveness check
-    _heard: dict[str, float]  # job → when its agent last reported or polled
+
+class Reconciler:
+    """The per-job loops of a controller (see the module doc)."""
+
+    def __init__(
+        self,
+        settings: ControllerSettings,
+        db: StateDB,
+        provider: CloudProvider,
+        *,
+        strategy: Strategy,
+        metrics: Metrics,
+        image_settings: ImageSettings,
+        keys: TokenKeys,
+        public_url: str,
+    ) -> None:
+        self.settings = settings
+        self.db = db
+        self.provider = provider
+        self.strategy = strategy
+        self.metrics = metrics
+        self.keys = keys
+        #: what new instances report to (the server sets the bound port when on :0)
+        self.public_url = public_url
+        self.image_choice = ImageChoice(settings, image_settings, self.persist)
+        self._running = False
+        self._loops: dict[str, asyncio.Task[None]] = {}
+        self._wake: dict[str, asyncio.Event] = {}
+        self._checked: dict[str, float] = {}  # "<job>:<instance>" → last liveness check
+        self._heard: dict[str, float] = {}  # job → when its agent last reported or polled
+
+    # ----- what the controller asks of it --------------------------------------------------
+
+    def start(self) -> None:
+        """Let loops run (:meth:`ensure` starts one per job)."""
+        self._running = True
+
+    @property
+    def running(self) -> bool:
+        return self._running
+
+    def ensure(self, name: str) -> None:
+        """Start job ``name``'s loop unless it runs."""
+        task = self._loops.get(name)
+        if task is None or task.done():
+            self._wake.setdefault(name, asyncio.Event())
+            task = asyncio.create_task(self._loop(name), name=f"job:{name}")
+            task.add_done_callback(report_crash)
+            self._loops[name] = task
+
+    def wake(self, name: str) -> None:
+        """Let job ``name``'s loop take its next step now, not at the next tick."""
+        ev = self._wake.get(name)
+        if ev is not None:
+            ev.set()
+
+    def hear(self, name: str) -> None:
+        """The job's agent spoke just now (an event from its instance, a directive poll)."""
+        self._heard[name] = time.time()
+
+    async def stop(self) -> None:
+        """Stop every loop (each persists before it acts: a restart resumes from the DB)."""
+        self._running = False
+        loops = list(self._loops.values())
+        for t in loops:
+            t.cancel()
+        for t in loops:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._loops.clear()
 
     async def _loop(self, name: str) -> None:
         wake = self._wake.setdefault(name, asyncio.Event())
@@ -154,7 +189,7 @@ class Reconciler(ImageChoice):
             except SpotguardError as exc:
                 # Typed and expected (provider down, state write failed): log, retry next tick.
                 log.warning("reconcile step failed", extra={"job": name, "error": str(exc)})
-            await self._update_gauges()
+            await self.update_gauges()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(wake.wait(), self.settings.tick_s)
 
@@ -165,17 +200,18 @@ class Reconciler(ImageChoice):
             at_once = rec.data.fallback_now
             due = (rec.deadline or now) + (0 if at_once else s.notice_grace_s)
             if now >= due and (at_once or rec.data.ends_vm()):
-                await self._fallback(rec)
+                await self.image_choice.fallback(rec)
             elif now >= due:
-                await self._set(rec, _runs_on("the notice's deadline passed; nothing stopped it"))
+                why = "the notice's deadline passed; nothing stopped it"
+                await self.persist(rec, _runs_on(why))
         elif rec.state is JobState.CHECKPOINTED:
             deadline = rec.deadline
             if deadline is not None and self._heard.get(rec.name, 0.0) > deadline:
-                await self._set(
+                await self.persist(
                     rec, _runs_on("its agent reported after the notice's deadline; it runs on")
                 )
             elif deadline is not None and now >= deadline + s.notice_grace_s:
-                await self._set(
+                await self.persist(
                     rec,
                     lambda r: relaunch(
                         r,
@@ -189,7 +225,7 @@ class Reconciler(ImageChoice):
         elif rec.state is JobState.RESTORING:
             await self._restoring(rec)
 
-    async def _set(
+    async def persist(
         self, rec: JobRecord, mutate: Mutate, *, expect: JobState | None = None
     ) -> JobRecord | None:
         """Persist ``mutate(record) -> Change | None`` if the job is still in ``expect``."""
@@ -205,16 +241,9 @@ class Reconciler(ImageChoice):
         out, _ = await self.db.change(rec.name, fn)
         return out
 
-    def _fail(self, reason: str) -> Mutate:
-        def mutate(r: JobRecord) -> Change:
-            r.state = JobState.FAILED
-            r.reason = reason
-            log.error("job failed", extra={"job": r.name, "reason": reason})
-            return Change(r, reason)
-
-        return mutate
-
-    def _assignment(self, rec: JobRecord, offer_hint: dict[str, Any]) -> Assignment:
+    def assignment(self, rec: JobRecord, offer_hint: dict[str, Any]) -> Assignment:
+        """The assignment a launched VM gets: the image, the store, and a VM token scoped to
+        the job's current epoch."""
         store = store_of(rec, self.settings.default_store)
         if rec.image_url is None or store is None:
             raise PrecheckError(f"job {rec.name!r} has no image to restore")
@@ -244,7 +273,7 @@ class Reconciler(ImageChoice):
                     r.reason = f"found {ref.instance_id} launched in round {ref.launch_token}"
                     return Change(r, r.reason, {"instance": ref.to_json()})
 
-                await self._set(rec, adopt)
+                await self.persist(rec, adopt)
                 return
         else:
             if rec.data.failed_rounds >= s.max_restarts:
@@ -253,14 +282,14 @@ class Reconciler(ImageChoice):
                     "relaunch rounds in a row did not restore the job; 'spotguard jobs retry "
                     f"{rec.name}' tries again"
                 )
-                await self._set(rec, self._fail(why))
+                await self.persist(rec, failed(why))
                 return
             if rec.data.older_image:
-                older = await self._older_image(rec)
+                older = await self.image_choice.older_image(rec)
                 if older is None:
                     return
                 rec = older
-            rec = await self._spec_from_image(rec)
+            rec = await self.image_choice.spec_from_image(rec)
             token = uuid.uuid4().hex[:16]
 
             def begin(r: JobRecord) -> Change:
@@ -271,7 +300,7 @@ class Reconciler(ImageChoice):
                 why = f"launch round {r.restarts} (token {token}; {r.data.failed_rounds} in a row)"
                 return Change(r, why, note=True)
 
-            await self._set(rec, begin)
+            await self.persist(rec, begin)
             got = await self.db.get(rec.name)
             if got is None or got.launch_token != token:
                 return
@@ -283,7 +312,7 @@ class Reconciler(ImageChoice):
         try:
             offers = await self.provider.offers(spec)
         except (PrecheckError, UnknownInstanceType) as exc:
-            await self._set(rec, self._fail(str(exc)))
+            await self.persist(rec, failed(str(exc)))
             return
         cands = self.strategy.candidates(
             spec,
@@ -298,7 +327,7 @@ class Reconciler(ImageChoice):
         if not cands:
             where = target.get("region") or ", ".join(self.provider.regions())
             why = f"no offer matches {spec.describe_gpus()} anywhere in {where}"
-            await self._set(rec, self._fail(str(NoMatchingOffer(why))))
+            await self.persist(rec, failed(str(NoMatchingOffer(why))))
             return
         round_token = rec.launch_token
         assert round_token is not None
@@ -308,9 +337,9 @@ class Reconciler(ImageChoice):
         # Every candidate lacked capacity.
         rounds = rec.data.capacity_rounds + 1
         if rounds >= s.capacity_rounds:
-            await self._set(
+            await self.persist(
                 rec,
-                self._fail(f"no capacity in any of {len(cands)} offers after {rounds} passes"),
+                failed(f"no capacity in any of {len(cands)} offers after {rounds} passes"),
             )
             return
 
@@ -319,7 +348,7 @@ class Reconciler(ImageChoice):
             r.launch_attempt = 0
             return Change(r, f"no capacity anywhere (pass {rounds}); retrying later", note=True)
 
-        await self._set(rec, again)
+        await self.persist(rec, again)
         await asyncio.sleep(s.capacity_retry_s)
 
     async def _attempt(self, rec: JobRecord, token: str, i: int, offer: Offer, n: int) -> bool:
@@ -330,26 +359,26 @@ class Reconciler(ImageChoice):
             r.data.offer = offer.to_json()
             return Change(r, f"attempt {i + 1}/{n}: {offer.label()}", note=True)
 
-        if await self._set(rec, attempt) is None:
+        if await self.persist(rec, attempt) is None:
             return False  # the job moved on meanwhile
         hint = {**offer.to_json(), "launch_token": token}
         try:
             ref = await self.provider.launch(
-                offer, self._assignment(rec, hint), client_token=f"{token}-{i}"
+                offer, self.assignment(rec, hint), client_token=f"{token}-{i}"
             )
         except CapacityError as exc:
             self.metrics.launches.labels("capacity").inc()
             msg = f"no capacity: {offer.label()}: {exc}"
-            await self._set(rec, lambda r: Change(r, msg, note=True))
+            await self.persist(rec, lambda r: Change(r, msg, note=True))
             return True
         except (PrecheckError, UnknownInstanceType) as exc:
             self.metrics.launches.labels("precheck").inc()
-            await self._set(rec, self._fail(f"launch refused: {exc}"))
+            await self.persist(rec, failed(f"launch refused: {exc}"))
             return False
         except ProviderError as exc:
             self.metrics.launches.labels("error").inc()
             msg = f"launch error (retrying): {exc}"
-            await self._set(rec, lambda r: Change(r, msg, note=True))
+            await self.persist(rec, lambda r: Change(r, msg, note=True))
             return False
         self.metrics.launches.labels("launched").inc()
 
@@ -362,7 +391,7 @@ class Reconciler(ImageChoice):
             r.reason = f"launched {ref.instance_id} ({offer.label()}); assignment delivered"
             return Change(r, r.reason, {"instance": ref.to_json()})
 
-        if await self._set(rec, up) is None:
+        if await self.persist(rec, up) is None:
             log.warning("job moved on during launch; terminating", extra={"job": rec.name})
             await self.provider.terminate(ref)
         return False
@@ -398,18 +427,18 @@ class Reconciler(ImageChoice):
                 ready = await self.provider.wait_ready(ref, s.ready_timeout_s)
             except ProviderError as exc:
                 why = f"instance {ref.instance_id} did not come up: {exc}"
-                await self._set(rec, self._abandon(ref, why))
+                await self.persist(rec, self._abandon(ref, why))
                 return
 
             def running(r: JobRecord) -> Change:
                 r.pending = ready.to_json()
                 return Change(r, f"instance {ready.instance_id} is running", note=True)
 
-            await self._set(rec, running)
+            await self.persist(rec, running)
             return
         if time.time() > rec.since + s.restore_timeout_s:
             why = f"no restore report from {ref.instance_id} in {s.restore_timeout_s}s"
-            await self._set(rec, self._abandon(ref, why))
+            await self.persist(rec, self._abandon(ref, why))
             return
         # Liveness: a spot instance can be taken back (or a local VM die) before its agent
         # restored the job; nobody would report that, so ask the provider now and then.
@@ -425,7 +454,7 @@ class Reconciler(ImageChoice):
             why = f"instance {ref.instance_id} is {cur.state.value} before the job was restored"
             why += f": {cur.state_reason}" if cur.state_reason else ""  # the provider's why
             log.warning("instance lost while restoring", extra={"job": rec.name, "reason": why})
-            await self._set(rec, self._abandon(ref, why))
+            await self.persist(rec, self._abandon(ref, why))
 
     async def _terminate_queued(self, rec: JobRecord) -> None:
         queued = list(rec.data.terminate)
@@ -451,7 +480,8 @@ class Reconciler(ImageChoice):
 
         await self.db.change(rec.name, clear)
 
-    async def _update_gauges(self) -> None:
+    async def update_gauges(self) -> None:
+        """Jobs by state, into the metrics."""
         counts: dict[str, int] = {s.value: 0 for s in JobState}
         for rec in await self.db.jobs():
             counts[rec.state.value] += 1
