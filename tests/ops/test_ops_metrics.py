@@ -14,6 +14,7 @@ import asyncio
 import json
 import re
 import subprocess
+import tempfile
 from pathlib import Path
 
 import aiohttp
@@ -45,7 +46,9 @@ def agent_scrape() -> str:
     m.checkpoints.labels("train", "exit").inc()
     m.failures.labels("upload").inc()
     m.image_durable("train", 1.0)
-    return m.render().decode()
+    with tempfile.TemporaryDirectory() as state_dir:  # the parked-job gauges (no park: 0)
+        m.count_parked(Path(state_dir))
+        return m.render().decode()
 
 
 def controller_scrape() -> str:
@@ -156,3 +159,4 @@ def test_every_dashboard_panel_queries_existing_metrics_and_labels() -> None:
         for name in _metric_names(str(var.get("query", ""))):
             assert name in scraped, f"variable {var['name']}: no metric {name}"
     assert "spotguard_protected_jobs" in used and "spotguard_build_info" in used
+    assert {"spotguard_parked_jobs", "spotguard_parked_bytes"} <= used  # the park panels
