@@ -130,10 +130,10 @@ def aws_fixtures(endpoint: str, verify_key: str, signing_key: str) -> dict[str, 
     queue = boto3.client("sqs", **kw).create_queue(QueueName="spotguard-demo-events")["QueueUrl"]
     boto3.client("s3", **kw).create_bucket(Bucket=BUCKET)
     secret = boto3.client("secretsmanager", **kw).create_secret(
-        Name=f"spotguard-demo/{JOB}/image-signing-key", SecretString=signing_key
+        Name=f"spotguard-demo/image-signing-key/{JOB}", SecretString=signing_key
     )["ARN"]
     ssm = boto3.client("ssm", **kw)
-    name = f"/spotguard-demo/{JOB}/image-verify-key"
+    name = f"/spotguard-demo/image-verify-key/{JOB}"
     ssm.put_parameter(Name=name, Value=verify_key, Type="String")
     param = ssm.get_parameter(Name=name)["Parameter"]["ARN"]
     return {
@@ -309,9 +309,10 @@ def main(work: Path, mode: str) -> dict[str, Any]:
             "queue_url": aws["queue"],
             "region": REGION,
             "launch_template": "spotguard-demo-{job}",
-            "signing_key_source": aws["signing"],
-            "verify_key_source": aws["verify"],
+            "signing_key_sources": {JOB: aws["signing"]},
+            "verify_key_sources": {JOB: aws["verify"]},
             "verify_key": aws["verify_key"],
+            "subnets": {},
         },
         work,
     )

@@ -53,6 +53,7 @@ def unit(name: str) -> dict[str, list[str]]:
 SIGNING_SOURCE = "aws-secretsmanager:arn:aws:secretsmanager:us-east-1:1:secret:d/image-signing-key"
 VERIFY_SOURCE = "aws-ssm:arn:aws:ssm:us-east-1:1:parameter/d/image-verify-key"
 VERIFY_KEY = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIGb1IIvvW8ulwoXzU3UiERCgDu1b8gmmDq2hIRcDXT8y"
+VERIFY_KEY_2 = "ssh-ed25519 AAAAC3NzaC1lZDI1NTE5AAAAIJ3kL6x8cG0hVq3H1pyrKa0q9i0w7a1GJb0M8e6V9nM2"
 
 
 def render_template(tmp: Path, module: Path, tvars: dict[str, Any]) -> str:
@@ -107,9 +108,10 @@ def render_controller_config(tmp: Path, queue_url: str, region: str) -> str:
         "queue_url": queue_url,
         "region": region,
         "launch_template": f"{module['name']}-{{job}}",
-        "signing_key_source": SIGNING_SOURCE,
-        "verify_key_source": VERIFY_SOURCE,
-        "verify_key": VERIFY_KEY,
+        "signing_key_sources": {"train-llm": SIGNING_SOURCE, "eval": SIGNING_SOURCE + "-eval"},
+        "verify_key_sources": {"train-llm": VERIFY_SOURCE, "eval": VERIFY_SOURCE + "-eval"},
+        "verify_key": f"job=train-llm {VERIFY_KEY}\njob=eval {VERIFY_KEY_2}",
+        "subnets": {"us-east-1a": "subnet-0123456789abcdef0"},
     }
     return render_template(tmp, AWS_MODULE, tvars)
 
@@ -131,11 +133,21 @@ def test_controller_config_output_holds_every_section_the_controller_reads(
     assert config.load(FleetSettings, config_file=cfg).queue_url.endswith("/q")  # type: ignore[union-attr]
     aws = config.load(AwsSettings, config_file=cfg)
     assert aws.aws_regions == ["us-east-1"] and aws.aws_launch_template == "spotguard-demo-{job}"
-    # every VM it launches is told where the fleet's keys live; it trusts the fleet's key itself
-    assert controller.vm_signing_key_source == SIGNING_SOURCE
-    assert controller.vm_verify_key_source == VERIFY_SOURCE
+    assert aws.aws_subnets == {"us-east-1a": "subnet-0123456789abcdef0"}
+    # every VM it launches is told where its own job's keys live (no other job's); it trusts
+    # every job's public key, each for its own job only
+    for job, suffix in (("train-llm", ""), ("eval", "-eval")):
+        got = controller.vm_key_sources(job)
+        assert got is not None
+        assert (got.signing_key, got.verify_key) == (
+            SIGNING_SOURCE + suffix,
+            VERIFY_SOURCE + suffix,
+        )
+    assert controller.vm_key_sources("other") is None
     image = config.load(ImageSettings, config_file=cfg)
-    assert ImageKeys.from_settings(image).required, "the controller must read only signed meta"
+    keys = ImageKeys.from_settings(image)
+    assert keys.required, "the controller must read only signed meta"
+    assert sorted(sorted(js) for js in keys.scopes.values()) == [["eval"], ["train-llm"]]
 
 
 @pytest.mark.parametrize("subnetwork", [None, "regions/us-central1/subnetworks/gpu"])
@@ -154,9 +166,9 @@ def test_gcp_controller_config_output_is_a_whole_gcp_controller_file(
         "token_path": "/etc/spotguard/controller-token",
         "tls": True,
         "credentials_dir": "/run/credentials/spotguard-controller.service",
-        "signing_key_source": "gcp-secretmanager:projects/my-project/secrets/k",
-        "verify_key_source": "gcp-secretmanager:projects/my-project/secrets/p",
-        "verify_key": VERIFY_KEY,
+        "signing_key_sources": {"train-llm": "gcp-secretmanager:projects/my-project/secrets/k"},
+        "verify_key_sources": {"train-llm": "gcp-secretmanager:projects/my-project/secrets/p"},
+        "verify_key": f"job=train-llm {VERIFY_KEY}",
         "project": "my-project",
         "zones": ["us-central1-a", "us-central1-b", "us-central1-c"],
         "image": "projects/my-project/global/images/family/spotguard",
@@ -173,7 +185,8 @@ def test_gcp_controller_config_output_is_a_whole_gcp_controller_file(
     assert controller.provider == "gcp", "the controller must not fall back to provider=local"
     assert controller.default_store == "gs://my-project-spotguard-images"
     assert controller.controller_token_file == Path("/etc/spotguard/controller-token")
-    assert controller.vm_verify_key_source == "gcp-secretmanager:projects/my-project/secrets/p"
+    got = controller.vm_key_sources("train-llm")
+    assert got is not None and got.verify_key == "gcp-secretmanager:projects/my-project/secrets/p"
     gcp = config.load(GcpSettings, config_file=cfg)
     assert (gcp.gcp_project, gcp.gcp_zones) == ("my-project", tvars["zones"])
     assert gcp.gcp_image == tvars["image"] and gcp.gcp_disk_gb == 200

@@ -225,8 +225,10 @@ def test_aws_agent_reaches_only_its_job_prefix(aws: dict[str, Any]) -> None:
 
 def test_aws_controller_acts_only_on_managed_instances(aws: dict[str, Any]) -> None:
     by_sid = {st["sid"]: st for st in policy_statements(aws, "controller")}
-    run = by_sid["RunOnlyTaggedInstances"]["condition"]
-    assert (run["variable"], run["values"]) == (f"aws:RequestTag/{TAG_MANAGED}", ["true"])
+    run = {
+        c["variable"]: c["values"] for c in as_list(by_sid["RunOnlyTaggedInstances"]["condition"])
+    }
+    assert run[f"aws:RequestTag/{TAG_MANAGED}"] == ["true"]
     term = by_sid["TerminateOnlyManaged"]
     assert term["actions"] == ["ec2:TerminateInstances"]
     assert term["condition"]["variable"] == f"ec2:ResourceTag/{TAG_MANAGED}"
@@ -352,43 +354,53 @@ def test_every_checkov_skip_is_justified_in_place(checkov_report: list[dict[str,
         assert len(reason) >= 40, f"{c['check_id']} on {c['resource']}: justify the skip"
 
 
-# ----- the fleet's image keys (issue 15.1) -------------------------------------------------
+# ----- the image keys (issue 15.1; one per job since issue 27.6) -----------------------------
 
 
-def test_aws_generates_an_ed25519_key_readable_by_the_agents_only(aws: dict[str, Any]) -> None:
+def test_aws_generates_an_ed25519_key_per_job_readable_by_its_role_only(
+    aws: dict[str, Any],
+) -> None:
     (key,) = aws["tls_private_key"]
     assert key["algorithm"] == "ED25519"
     (secret,) = aws["aws_secretsmanager_secret"]
     assert secret["kms_key_id"] == aws["aws_kms_key"][0]["id"]
+    assert secret["name"] == "spotguard-demo/image-signing-key/train-llm"
     (param,) = aws["aws_ssm_parameter"]
-    assert param["type"] == "String" and param["name"] == "/spotguard-demo/image-verify-key"
-    agent = {st["sid"]: st for st in policy_statements(aws, "agent")}
-    assert agent["ReadImageSigningKey"]["actions"] == ["secretsmanager:GetSecretValue"]
-    assert as_list(agent["ReadImageSigningKey"]["resources"]) == [secret["id"]]
-    assert agent["ReadImageVerifyKey"]["actions"] == ["ssm:GetParameter"]
-    assert as_list(agent["ReadImageVerifyKey"]["resources"]) == [param["id"]]
-    kms = agent["DecryptSigningKeyThroughSecretsManager"]
-    assert kms["actions"] == ["kms:Decrypt"] and kms["condition"]["variable"] == "kms:ViaService"
-    assert as_list(kms["condition"]["values"])[0].startswith("secretsmanager.")
+    assert param["type"] == "String"
+    assert param["name"] == "/spotguard-demo/image-verify-key/train-llm"
+    (doc,) = [d for d in aws["aws_iam_policy_document"] if name_of(d) == "agent_keys"]
+    agent = {st["sid"]: st for st in as_list(doc["statement"])}
+    assert agent["ReadOwnJobSigningKey"]["actions"] == ["secretsmanager:GetSecretValue"]
+    assert as_list(agent["ReadOwnJobSigningKey"]["resources"]) == [secret["id"]]
+    assert agent["ReadOwnJobVerifyKey"]["actions"] == ["ssm:GetParameter"]
+    assert as_list(agent["ReadOwnJobVerifyKey"]["resources"]) == [param["id"]]
+    kms = agent["DecryptOwnJobSigningKey"]
+    assert kms["actions"] == ["kms:Decrypt"]
+    conds = {c["variable"]: as_list(c["values"]) for c in as_list(kms["condition"])}
+    assert conds["kms:ViaService"][0].startswith("secretsmanager.")
     # Nobody else is granted the secret: the controller's policy does not name it.
     for st in policy_statements(aws, "controller"):
         assert not any(a.startswith(("secretsmanager:", "ssm:")) for a in st["actions"]), st
 
 
 def test_aws_vms_are_told_where_the_keys_are_never_the_keys(aws: dict[str, Any]) -> None:
-    """The first-boot user-data names the key sources (keys.tf locals), never key material."""
+    """The first-boot user-data names the job's key sources (keys.tf locals), never key
+    material."""
     keys_tf = (AWS_MODULE / "keys.tf").read_text()
-    assert 'signing_key_source = "aws-secretsmanager:${local.signing_key_secret_arn}"' in keys_tf
-    assert 'verify_key_source  = "aws-ssm:${aws_ssm_parameter.image_verify_key.arn}"' in keys_tf
+    assert '"aws-secretsmanager:${local.job_signing_secret_arn[job]}"' in keys_tf
+    assert '"aws-ssm:${aws_ssm_parameter.image_verify_key[job].arn}"' in keys_tf
     lt = (AWS_MODULE / "launch_template.tf").read_text()
-    assert "signing = local.signing_key_source" in lt and "private_key" not in lt
+    assert "signing = local.signing_key_source[each.key]" in lt and "private_key" not in lt
 
 
 def test_gcp_secrets_readable_by_each_agent_account_only(gcp: dict[str, Any]) -> None:
     (key,) = gcp["tls_private_key"]
     assert key["algorithm"] == "ED25519"
     secrets = {s["secret_id"]: s for s in gcp["google_secret_manager_secret"]}
-    assert set(secrets) == {"spotguard-demo-image-signing-key", "spotguard-demo-image-verify-key"}
+    assert set(secrets) == {
+        "spotguard-demo-image-signing-key-train-llm",
+        "spotguard-demo-image-verify-key-train-llm",
+    }
     members = gcp["google_secret_manager_secret_iam_member"]
     assert sorted(name_of(m) for m in members) == ["agent_signing_key", "agent_verify_key"]
     jobs = {job for m in members for job in m["for_each"]}

@@ -24,6 +24,6 @@ output "controller_config" {
 }
 
 output "image_verify_key" {
-  description = "The fleet's public image verify key."
+  description = "Every job's public image verify key, each bound to its job (job=<job> ssh-ed25519 …)."
   value       = module.spotguard.image_verify_key
 }

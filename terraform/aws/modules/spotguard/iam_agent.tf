@@ -50,32 +50,6 @@ data "aws_iam_policy_document" "agent" {
     }
   }
 
-  # The fleet's image keys, fetched at boot by `spotguard fetch-keys` (keys.tf): this one
-  # secret and this one parameter, nothing else in Secrets Manager or Parameter Store.
-  statement {
-    sid       = "ReadImageSigningKey"
-    actions   = ["secretsmanager:GetSecretValue"]
-    resources = [local.signing_key_secret_arn]
-  }
-
-  statement {
-    sid       = "ReadImageVerifyKey"
-    actions   = ["ssm:GetParameter"]
-    resources = [aws_ssm_parameter.image_verify_key.arn]
-  }
-
-  statement {
-    sid       = "DecryptSigningKeyThroughSecretsManager"
-    actions   = ["kms:Decrypt"]
-    resources = [aws_kms_key.this.arn]
-
-    condition {
-      test     = "StringEquals"
-      variable = "kms:ViaService"
-      values   = ["secretsmanager.${local.region}.amazonaws.com"]
-    }
-  }
-
   # EC2 Describe* actions support no resource-level permissions: "*" is the only resource AWS
   # accepts. Read-only; the agent reads its own instance's facts (type, zone, tags).
   statement {
@@ -87,7 +61,7 @@ data "aws_iam_policy_document" "agent" {
 
 resource "aws_iam_policy" "agent" {
   name        = "${var.name}-agent"
-  description = "spotguard agent: its own job's image prefix (from the role's spotguard:job tag), the fleet's image keys, describe its instance"
+  description = "spotguard agent: its own job's image prefix (from the role's spotguard:job tag), describe its instance"
   policy      = data.aws_iam_policy_document.agent.json
   tags        = local.tags
 }
@@ -107,6 +81,51 @@ resource "aws_iam_role_policy_attachment" "agent" {
 
   role       = aws_iam_role.agent[each.key].name
   policy_arn = aws_iam_policy.agent.arn
+}
+
+# The job's own image keys (keys.tf), fetched at boot by `spotguard fetch-keys`: one policy per
+# role naming exactly its job's secret and parameter, so no role can read another job's key.
+# kms:Decrypt only through Secrets Manager and only for that secret (its encryption context).
+data "aws_iam_policy_document" "agent_keys" {
+  for_each = var.jobs
+
+  statement {
+    sid       = "ReadOwnJobSigningKey"
+    actions   = ["secretsmanager:GetSecretValue"]
+    resources = [local.job_signing_secret_arn[each.key]]
+  }
+
+  statement {
+    sid       = "ReadOwnJobVerifyKey"
+    actions   = ["ssm:GetParameter"]
+    resources = [aws_ssm_parameter.image_verify_key[each.key].arn]
+  }
+
+  statement {
+    sid       = "DecryptOwnJobSigningKey"
+    actions   = ["kms:Decrypt"]
+    resources = [aws_kms_key.this.arn]
+
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["secretsmanager.${local.region}.amazonaws.com"]
+    }
+
+    condition {
+      test     = "StringEquals"
+      variable = "kms:EncryptionContext:SecretARN"
+      values   = [local.job_signing_secret_arn[each.key]]
+    }
+  }
+}
+
+resource "aws_iam_role_policy" "agent_keys" {
+  for_each = var.jobs
+
+  name   = "image-keys"
+  role   = aws_iam_role.agent[each.key].id
+  policy = data.aws_iam_policy_document.agent_keys[each.key].json
 }
 
 resource "aws_iam_instance_profile" "agent" {

@@ -1,5 +1,7 @@
-# The controller: launches and terminates only instances tagged spotguard:managed=true, passes
-# only the agent roles, reads the fleet queue and the image bucket (gc deletes chunks).
+# The controller: launches only from spotguard's launch templates, with spotguard's machine
+# image, into the given subnets and security groups, instances tagged spotguard:managed=true;
+# passes only the agent roles (to EC2); terminates only managed instances; reads the fleet queue
+# and the image bucket (gc deletes chunks); reads no image key (it holds the public keys only).
 data "aws_iam_policy_document" "controller_assume" {
   statement {
     actions = ["sts:AssumeRole"]
@@ -24,12 +26,28 @@ data "aws_iam_policy_document" "controller_assume" {
   }
 }
 
+# The zone of each launch subnet: controller_config maps zones to them ([aws] aws_subnets).
+data "aws_subnet" "launch" {
+  for_each = toset(var.subnet_ids)
+
+  id = each.key
+}
+
 locals {
-  ec2_arn = "arn:${local.partition}:ec2:${local.region}:${local.account}"
+  ec2_arn        = "arn:${local.partition}:ec2:${local.region}:${local.account}"
+  template_arns  = [for lt in aws_launch_template.job : lt.arn]
+  launch_subnets = length(var.subnet_ids) > 0 ? [for id in var.subnet_ids : "${local.ec2_arn}:subnet/${id}"] : ["${local.ec2_arn}:subnet/*"]
+  launch_groups = (
+    length(var.security_group_ids) > 0
+    ? [for id in var.security_group_ids : "${local.ec2_arn}:security-group/${id}"]
+    : ["${local.ec2_arn}:security-group/*"]
+  )
+  launch_key_pairs = var.key_name == null ? [] : ["${local.ec2_arn}:key-pair/${var.key_name}"]
 }
 
 data "aws_iam_policy_document" "controller" {
-  # New instances and their volumes must carry spotguard:managed=true from the start.
+  # New instances and their volumes must carry spotguard:managed=true from the start, and come
+  # from one of spotguard's launch templates (which name the job's instance profile).
   statement {
     sid     = "RunOnlyTaggedInstances"
     actions = ["ec2:RunInstances"]
@@ -43,20 +61,27 @@ data "aws_iam_policy_document" "controller" {
       variable = "aws:RequestTag/${local.spotguard.tag_managed}"
       values   = ["true"]
     }
+
+    condition {
+      test     = "ArnEquals"
+      variable = "ec2:LaunchTemplate"
+      values   = local.template_arns
+    }
   }
 
-  # The other resources RunInstances touches: only spotguard's launch templates.
+  # The other resources RunInstances touches: spotguard's launch templates, its machine image
+  # (var.ami_id, nobody's else), the given subnets, security groups and key pair.
   statement {
     sid     = "RunFromSpotguardTemplates"
     actions = ["ec2:RunInstances"]
     resources = concat(
-      [for lt in aws_launch_template.job : lt.arn],
+      local.template_arns,
+      ["arn:${local.partition}:ec2:${local.region}::image/${var.ami_id}"],
+      local.launch_subnets,
+      local.launch_groups,
+      local.launch_key_pairs,
       [
-        "arn:${local.partition}:ec2:${local.region}::image/*",
-        "${local.ec2_arn}:subnet/*",
         "${local.ec2_arn}:network-interface/*",
-        "${local.ec2_arn}:security-group/*",
-        "${local.ec2_arn}:key-pair/*",
         "${local.ec2_arn}:spot-instances-request/*",
       ],
     )
@@ -145,10 +170,17 @@ data "aws_iam_policy_document" "controller" {
     resources = ["${aws_s3_bucket.images.arn}/*"]
   }
 
+  # Only through S3 (images) and SQS (events): never the image keys' secrets.
   statement {
     sid       = "DecryptImagesAndEvents"
     actions   = ["kms:Decrypt"]
     resources = [aws_kms_key.this.arn]
+
+    condition {
+      test     = "StringEquals"
+      variable = "kms:ViaService"
+      values   = ["s3.${local.region}.amazonaws.com", "sqs.${local.region}.amazonaws.com"]
+    }
   }
 }
 

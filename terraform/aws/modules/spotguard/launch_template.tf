@@ -47,8 +47,8 @@ resource "aws_launch_template" "job" {
     controller_url = var.controller_url
     job_token      = lookup(var.job_tokens, each.key, null)
     key_sources = {
-      signing = local.signing_key_source
-      verify  = local.verify_key_source
+      signing = local.signing_key_source[each.key]
+      verify  = local.verify_key_source[each.key]
     }
     command     = each.value.command
     paths       = local.spotguard

@@ -66,40 +66,43 @@ output "controller_instance_profile" {
 output "controller_config" {
   description = "TOML for the controller's /etc/spotguard/spotguard.toml: [controller] (provider aws, listen, the store, the token file, the VMs' key sources), [image] (the fleet's public key), [fleet] (the queue) and [aws] (region, each job's template as the {job} pattern)."
   value = templatefile("${path.module}/templates/controller.toml.tftpl", {
-    listen             = var.controller_listen
-    advertise_url      = var.controller_url
-    store_url          = local.store_url
-    token_path         = local.spotguard.token_path
-    tls                = var.controller_tls
-    credentials_dir    = local.spotguard.credentials_dir
-    queue_url          = aws_sqs_queue.events.url
-    region             = local.region
-    launch_template    = "${var.name}-{job}"
-    signing_key_source = local.signing_key_source
-    verify_key_source  = local.verify_key_source
-    verify_key         = local.image_verify_key
+    listen              = var.controller_listen
+    advertise_url       = var.controller_url
+    store_url           = local.store_url
+    token_path          = local.spotguard.token_path
+    tls                 = var.controller_tls
+    credentials_dir     = local.spotguard.credentials_dir
+    queue_url           = aws_sqs_queue.events.url
+    region              = local.region
+    launch_template     = "${var.name}-{job}"
+    signing_key_sources = local.signing_key_source
+    verify_key_sources  = local.verify_key_source
+    verify_key          = local.image_verify_key
+    subnets             = { for id, subnet in data.aws_subnet.launch : subnet.availability_zone => id }
   })
 }
 
-output "image_signing_key_secret_arn" {
-  description = "Secrets Manager secret holding the fleet's image signing key (readable by the agent roles only)."
-  value       = local.signing_key_secret_arn
+output "image_signing_key_secret_arns" {
+  description = "Secrets Manager secret holding each job's image signing key, by job (each readable by that job's role only)."
+  value       = local.job_signing_secret_arn
 }
 
-output "image_verify_key_parameter" {
-  description = "SSM parameter holding the fleet's public image verify key."
-  value       = aws_ssm_parameter.image_verify_key.name
+output "image_verify_key_parameters" {
+  description = "SSM parameter holding each job's public image verify key(s), by job."
+  value       = { for job, p in aws_ssm_parameter.image_verify_key : job => p.name }
 }
 
 output "image_verify_key" {
-  description = "The fleet's public image verify key ([image] verify_key on any host that restores or verifies images)."
+  description = "Every job's public image verify key, each bound to its job (job=<job> ssh-ed25519 …), and previous_verify_keys: [image] verify_key on any host that verifies every job's images, the controller included."
   value       = local.image_verify_key
 }
 
 output "image_key_sources" {
-  description = "Key sources for `spotguard fetch-keys` ([keys] signing_key_source / verify_key_source)."
+  description = "Key sources of each job for `spotguard fetch-keys` ([keys] signing_key_source / verify_key_source on that job's VMs), by job."
   value = {
-    signing_key_source = local.signing_key_source
-    verify_key_source  = local.verify_key_source
+    for job in keys(var.jobs) : job => {
+      signing_key_source = local.signing_key_source[job]
+      verify_key_source  = local.verify_key_source[job]
+    }
   }
 }

@@ -24,24 +24,26 @@ output "instance_templates" {
 }
 
 output "image_verify_key" {
-  description = "The fleet's public image verify key ([image] verify_key on any host that restores or verifies images, the controller included)."
+  description = "Every job's public image verify key, each bound to its job (job=<job> ssh-ed25519 …), and previous_verify_keys: [image] verify_key on any host that verifies every job's images, the controller included."
   value       = local.image_verify_key
 }
 
 output "image_key_sources" {
-  description = "Key sources for `spotguard fetch-keys` ([keys] signing_key_source / verify_key_source)."
+  description = "Key sources of each job for `spotguard fetch-keys` ([keys] signing_key_source / verify_key_source on that job's VMs), by job."
   value = {
-    signing_key_source = local.signing_key_source
-    verify_key_source  = local.verify_key_source
+    for job in keys(var.jobs) : job => {
+      signing_key_source = local.signing_key_source[job]
+      verify_key_source  = local.verify_key_source[job]
+    }
   }
 }
 
 output "controller_keys_config" {
-  description = "TOML to add to the controller's /etc/spotguard/spotguard.toml: the key sources it hands every VM it launches ([controller]) and the public key it checks image metadata with ([image])."
+  description = "TOML to add to the controller's /etc/spotguard/spotguard.toml: each job's key sources it hands that job's VMs ([controller]) and the public keys, each bound to its job, it checks image metadata with ([image])."
   value       = <<-EOT
     [controller]
-    vm_signing_key_source = ${jsonencode(local.signing_key_source)}
-    vm_verify_key_source  = ${jsonencode(local.verify_key_source)}
+    vm_signing_key_sources = { ${join(", ", [for job, src in local.signing_key_source : "${jsonencode(job)} = ${jsonencode(src)}"])} }
+    vm_verify_key_sources  = { ${join(", ", [for job, src in local.verify_key_source : "${jsonencode(job)} = ${jsonencode(src)}"])} }
 
     [image]
     verify_key = ${jsonencode(local.image_verify_key)}
@@ -51,22 +53,22 @@ output "controller_keys_config" {
 output "controller_config" {
   description = "TOML for the controller's /etc/spotguard/spotguard.toml: [controller] (provider gcp, listen, the store, the token file, the VMs' key sources), [image] (the fleet's public key) and [gcp] (project, zones, boot image, network, each job's agent service account)."
   value = templatefile("${path.module}/templates/controller.toml.tftpl", {
-    listen             = var.controller_listen
-    advertise_url      = var.controller_url
-    store_url          = local.store_url
-    token_path         = local.spotguard.token_path
-    tls                = var.controller_tls
-    credentials_dir    = local.spotguard.credentials_dir
-    signing_key_source = local.signing_key_source
-    verify_key_source  = local.verify_key_source
-    verify_key         = local.image_verify_key
-    project            = var.project_id
-    zones              = var.zones != null ? var.zones : [for z in ["a", "b", "c"] : "${var.region}-${z}"]
-    image              = var.image
-    network            = length(split("/", var.network)) > 1 ? var.network : "global/networks/${var.network}"
-    subnetwork         = var.subnetwork == null ? null : (length(split("/", var.subnetwork)) > 1 ? var.subnetwork : "regions/${var.region}/subnetworks/${var.subnetwork}")
-    disk_gb            = var.boot_disk_size_gb
-    termination_action = var.termination_action
-    job_accounts       = { for job, sa in google_service_account.agent : job => sa.email }
+    listen              = var.controller_listen
+    advertise_url       = var.controller_url
+    store_url           = local.store_url
+    token_path          = local.spotguard.token_path
+    tls                 = var.controller_tls
+    credentials_dir     = local.spotguard.credentials_dir
+    signing_key_sources = local.signing_key_source
+    verify_key_sources  = local.verify_key_source
+    verify_key          = local.image_verify_key
+    project             = var.project_id
+    zones               = var.zones != null ? var.zones : [for z in ["a", "b", "c"] : "${var.region}-${z}"]
+    image               = var.image
+    network             = length(split("/", var.network)) > 1 ? var.network : "global/networks/${var.network}"
+    subnetwork          = var.subnetwork == null ? null : (length(split("/", var.subnetwork)) > 1 ? var.subnetwork : "regions/${var.region}/subnetworks/${var.subnetwork}")
+    disk_gb             = var.boot_disk_size_gb
+    termination_action  = var.termination_action
+    job_accounts        = { for job, sa in google_service_account.agent : job => sa.email }
   })
 }

@@ -1,0 +1,288 @@
+"""One VM's credentials and the controller's role (issue 27, item 6), from the Terraform
+modules as deployed with two jobs: values resolved by tfparse, the controller's launch limits
+evaluated by ``terraform console`` from the module's own expressions.
+
+Before: every agent role's policy granted the fleet's one private signing key
+(``ReadImageSigningKey``), so a VM of any job could sign images every host of every job
+trusted; the controller could run any AMI into any subnet and security group and decrypt with
+the module's KMS key through any service.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spotguard.contracts import LABEL_JOB, TAG_JOB
+
+ROOT = Path(__file__).resolve().parents[2]
+AWS_MODULE = ROOT / "terraform" / "aws" / "modules" / "spotguard"
+GCP_MODULE = ROOT / "terraform" / "gcp" / "modules" / "spotguard"
+JOBS = ("train-a", "train-b")
+
+AWS_ROOT = """
+provider "aws" {
+  region = "us-east-1"
+}
+
+module "spotguard" {
+  source             = "%s"
+  name               = "sg-two"
+  ami_id             = "ami-0123456789abcdef0"
+  subnet_ids         = ["subnet-0123456789abcdef0"]
+  security_group_ids = ["sg-0123456789abcdef0"]
+  controller_url     = "https://controller.example:8700"
+  job_tokens         = { "train-a" = "sgvm1.train-a.0.x", "train-b" = "sgvm1.train-b.0.y" }
+  jobs = {
+    "train-a" = { command = "python3 a.py" }
+    "train-b" = { command = "python3 b.py" }
+  }
+}
+"""
+
+GCP_ROOT = """
+provider "google" {
+  project = "my-project-123"
+}
+
+module "spotguard" {
+  source         = "%s"
+  project_id     = "my-project-123"
+  name           = "sg-two"
+  image          = "projects/my-project-123/global/images/family/spotguard"
+  controller_url = "https://controller.example:8700"
+  job_tokens     = { "train-a" = "sgvm1.train-a.0.x", "train-b" = "sgvm1.train-b.0.y" }
+  jobs = {
+    "train-a" = { command = "python3 a.py" }
+    "train-b" = { command = "python3 b.py" }
+  }
+}
+"""
+
+
+def load_two_jobs(tmp: Path, module: Path, text: str) -> dict[str, Any]:
+    """tfparse of a root module using ``module`` with two jobs (tfparse follows relative
+    module sources only)."""
+    from tfparse import load_from_path
+
+    tmp.mkdir(parents=True, exist_ok=True)
+    (tmp / "main.tf").write_text(text % os.path.relpath(module, tmp))
+    return dict(load_from_path(str(tmp)))
+
+
+@pytest.fixture(scope="module")
+def aws(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return load_two_jobs(tmp_path_factory.mktemp("aws"), AWS_MODULE, AWS_ROOT)
+
+
+@pytest.fixture(scope="module")
+def gcp(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return load_two_jobs(tmp_path_factory.mktemp("gcp"), GCP_MODULE, GCP_ROOT)
+
+
+def key_of(block: dict[str, Any]) -> str | None:
+    """The for_each key of a block (``a`` of ``module.x.aws_iam_role.agent["a"]``)."""
+    m = re.search(r'\["([^"]+)"\]$', block["__tfmeta"]["path"])
+    return m.group(1) if m else None
+
+
+def label_of(block: dict[str, Any]) -> str:
+    m = re.search(r"\.([A-Za-z0-9_-]+)(\[[^\]]*\])?$", block["__tfmeta"]["path"])
+    assert m
+    return m.group(1)
+
+
+def as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def statements(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    return as_list(doc.get("statement"))
+
+
+def by_label(blocks: list[dict[str, Any]], label: str) -> dict[str | None, dict[str, Any]]:
+    return {key_of(b): b for b in blocks if label_of(b) == label}
+
+
+# ----- AWS: the private signing key --------------------------------------------------------------
+
+
+def test_no_agent_role_policy_grants_the_fleets_or_another_jobs_signing_key(
+    aws: dict[str, Any],
+) -> None:
+    secrets = by_label(aws["aws_secretsmanager_secret"], "image_signing")
+    params = by_label(aws["aws_ssm_parameter"], "image_verify_key")
+    assert set(secrets) == set(JOBS) and set(params) == set(JOBS), "one key pair per job"
+    for job, secret in secrets.items():
+        assert secret["name"] == f"sg-two/image-signing-key/{job}"
+        assert secret["tags"][TAG_JOB] == job
+    keys = by_label(aws["tls_private_key"], "image_signing")
+    assert set(keys) == set(JOBS) and all(k["algorithm"] == "ED25519" for k in keys.values())
+    # the policy every agent role shares names no secret, parameter or secret decryption
+    (shared,) = by_label(aws["aws_iam_policy_document"], "agent").values()
+    for st in statements(shared):
+        assert not any(a.startswith(("secretsmanager:", "ssm:")) for a in st["actions"]), st
+        cond = json.dumps(st.get("condition", {}))
+        assert "secretsmanager." not in cond, st
+    # each role's own key policy names its own job's secret and parameter, nothing else
+    docs = by_label(aws["aws_iam_policy_document"], "agent_keys")
+    attached = by_label(aws["aws_iam_role_policy"], "agent_keys")
+    roles = by_label(aws["aws_iam_role"], "agent")
+    assert set(docs) == set(attached) == set(JOBS)
+    all_secret_ids = {s["id"] for s in secrets.values()}
+    for job in JOBS:
+        assert attached[job]["role"] == roles[job]["id"]
+        assert attached[job]["policy"] == docs[job]["id"]
+        sts = {st["sid"]: st for st in statements(docs[job])}
+        assert set(sts) == {
+            "ReadOwnJobSigningKey",
+            "ReadOwnJobVerifyKey",
+            "DecryptOwnJobSigningKey",
+        }
+        assert sts["ReadOwnJobSigningKey"]["actions"] == ["secretsmanager:GetSecretValue"]
+        assert as_list(sts["ReadOwnJobSigningKey"]["resources"]) == [secrets[job]["id"]]
+        assert as_list(sts["ReadOwnJobVerifyKey"]["resources"]) == [params[job]["id"]]
+        conds = {
+            c["variable"]: as_list(c["values"])
+            for c in as_list(sts["DecryptOwnJobSigningKey"]["condition"])
+        }
+        assert conds["kms:EncryptionContext:SecretARN"] == [secrets[job]["id"]]
+        assert conds["kms:ViaService"][0].startswith("secretsmanager.")
+        granted = {r for st in sts.values() for r in as_list(st["resources"])}
+        assert granted & all_secret_ids == {secrets[job]["id"]}, "another job's key granted"
+    # the controller is granted no secret at all (it holds the public keys only)
+    (ctl,) = by_label(aws["aws_iam_policy_document"], "controller").values()
+    for st in statements(ctl):
+        assert not any(a.startswith(("secretsmanager:", "ssm:")) for a in st["actions"]), st
+
+
+def test_aws_vms_are_told_only_their_own_jobs_key_sources(aws: dict[str, Any]) -> None:
+    """First-boot user-data of each job names that job's sources (keys.tf, launch_template.tf);
+    the controller config hands each job's VMs that job's sources (outputs.tf)."""
+    keys_tf = (AWS_MODULE / "keys.tf").read_text()
+    assert (
+        'job => "aws-secretsmanager:${local.job_signing_secret_arn[job]}"' in keys_tf
+        and 'job => "aws-ssm:${aws_ssm_parameter.image_verify_key[job].arn}"' in keys_tf
+    )
+    lt = (AWS_MODULE / "launch_template.tf").read_text()
+    assert "signing = local.signing_key_source[each.key]" in lt and "private_key" not in lt
+    assert "verify  = local.verify_key_source[each.key]" in lt
+    outputs = (AWS_MODULE / "outputs.tf").read_text()
+    assert "signing_key_sources = local.signing_key_source" in outputs
+
+
+# ----- AWS: the controller's role ----------------------------------------------------------------
+
+
+def test_controller_passrole_is_limited_to_the_agent_roles(aws: dict[str, Any]) -> None:
+    (ctl,) = by_label(aws["aws_iam_policy_document"], "controller").values()
+    sts = {st["sid"]: st for st in statements(ctl)}
+    roles = {r["id"] for r in by_label(aws["aws_iam_role"], "agent").values()}
+    passes = [st for st in statements(ctl) if "iam:PassRole" in st["actions"]]
+    assert [st["sid"] for st in passes] == ["PassOnlyAgentRoles"]
+    assert set(as_list(sts["PassOnlyAgentRoles"]["resources"])) == roles
+    cond = sts["PassOnlyAgentRoles"]["condition"]
+    assert (cond["variable"], cond["values"]) == ("iam:PassedToService", ["ec2.amazonaws.com"])
+    # every RunInstances comes from one of spotguard's templates (which name the job's profile)
+    templates = {t["id"] for t in aws["aws_launch_template"]}
+    run = {c["variable"]: c for c in as_list(sts["RunOnlyTaggedInstances"]["condition"])}
+    assert run["ec2:LaunchTemplate"]["test"] == "ArnEquals"
+    assert set(run["ec2:LaunchTemplate"]["values"]) == templates
+    assert run["aws:RequestTag/spotguard:managed"]["values"] == ["true"]
+    # the module's KMS key only through S3 and SQS: never to read a secret
+    dec = sts["DecryptImagesAndEvents"]["condition"]
+    assert dec["variable"] == "kms:ViaService"
+    assert sorted(v.split(".")[0] for v in dec["values"]) == ["s3", "sqs"]
+
+
+def _controller_locals(tmp: Path, tfvars: dict[str, Any]) -> dict[str, Any]:
+    """The controller's launch-resource locals of iam_controller.tf, evaluated by
+    ``terraform console`` with ``tfvars`` (no provider needed: ARN parts given as locals)."""
+    text = (AWS_MODULE / "iam_controller.tf").read_text()
+    m = re.search(r"\nlocals \{\n(  ec2_arn .*?)\n\}\n", text, re.S)
+    assert m, "iam_controller.tf has no locals block with ec2_arn"
+    tmp.mkdir(parents=True)
+    body = m.group(1).replace("[for lt in aws_launch_template.job : lt.arn]", '["lt-arn"]')
+    variables = "\n".join(
+        f'variable "{k}" {{\n  default = {json.dumps(v)}\n}}' for k, v in tfvars.items()
+    )
+    (tmp / "main.tf").write_text(
+        f'{variables}\nlocals {{\n  partition = "aws"\n  region = "us-east-1"\n'
+        f'  account = "123456789012"\n{body}\n}}\n'
+    )
+    terraform = shutil.which("terraform")
+    if terraform is None:
+        pytest.fail("terraform is not installed")
+    names = ["launch_subnets", "launch_groups", "launch_key_pairs"]
+    expr = "jsonencode({" + ", ".join(f"{n} = local.{n}" for n in names) + "})"
+    out = subprocess.run(
+        [terraform, "console"], input=expr, cwd=tmp, capture_output=True, text=True, check=True
+    )
+    return dict(json.loads(json.loads(out.stdout.strip())))
+
+
+def test_controller_launches_only_the_given_ami_subnets_groups_and_key(tmp_path: Path) -> None:
+    text = (AWS_MODULE / "iam_controller.tf").read_text()
+    (run,) = re.findall(r'sid     = "RunFromSpotguardTemplates".*?\n  \}\n', text, re.S)
+    assert 'image/${var.ami_id}"' in run and "image/*" not in run
+    for wildcard in ("subnet/*", "security-group/*", "key-pair/*"):
+        assert wildcard not in run, f"{wildcard} named directly in RunFromSpotguardTemplates"
+    arn = "arn:aws:ec2:us-east-1:123456789012"
+    given = _controller_locals(
+        tmp_path / "given",
+        {
+            "subnet_ids": ["subnet-0123456789abcdef0"],
+            "security_group_ids": ["sg-0123456789abcdef0"],
+            "key_name": "ops",
+        },
+    )
+    assert given == {
+        "launch_subnets": [f"{arn}:subnet/subnet-0123456789abcdef0"],
+        "launch_groups": [f"{arn}:security-group/sg-0123456789abcdef0"],
+        "launch_key_pairs": [f"{arn}:key-pair/ops"],
+    }
+    # without subnets or groups named, the account's own in the region (EC2's defaults);
+    # no key pair at all
+    default = _controller_locals(
+        tmp_path / "default", {"subnet_ids": [], "security_group_ids": [], "key_name": None}
+    )
+    assert default["launch_key_pairs"] == []
+    assert default["launch_subnets"] == [f"{arn}:subnet/*"]
+
+
+# ----- GCP -------------------------------------------------------------------------------------
+
+
+def test_gcp_each_jobs_signing_key_is_readable_by_that_jobs_account_only(
+    gcp: dict[str, Any],
+) -> None:
+    secrets = by_label(gcp["google_secret_manager_secret"], "image_signing")
+    assert {s["secret_id"] for s in secrets.values()} == {
+        f"sg-two-image-signing-key-{job}" for job in JOBS
+    }
+    assert all(s["labels"][LABEL_JOB] == key for key, s in secrets.items())
+    accounts = by_label(gcp["google_service_account"], "agent")
+    for label in ("agent_signing_key", "agent_verify_key"):
+        members = by_label(gcp["google_secret_manager_secret_iam_member"], label)
+        assert set(members) == set(JOBS)
+        for m in members.values():
+            assert m["role"] == "roles/secretmanager.secretAccessor"
+    signing = by_label(gcp["google_secret_manager_secret_iam_member"], "agent_signing_key")
+    for job in JOBS:
+        assert signing[job]["secret_id"] == secrets[job]["id"], "another job's secret bound"
+    # each binding's member is its own job's account (for_each over the jobs, each.key)
+    keys_tf = (GCP_MODULE / "keys.tf").read_text()
+    bound = re.findall(r'member\s+= "serviceAccount:\$\{([^}]+)\}"', keys_tf)
+    assert bound == ["google_service_account.agent[each.key].email"] * 2
+    assert set(accounts) == set(JOBS)
+    # the controller's account is bound to no secret
+    assert "google_service_account.controller" not in keys_tf
