@@ -126,6 +126,7 @@ def test_a_vm_signs_only_its_own_jobs_images(aws_env: str, tmp_path: Path) -> No
         )
         assert got.signer is not None and got.signer.key_id == keys[job]["key_id"]
         assert set(got.trusted) == {keys[job]["key_id"]}
+        assert got.scopes == {keys[job]["key_id"]: frozenset({job})}  # bound, on its VM too
     # the controller trusts every job's key, each for its own job (terraform's verify_key)
     ctl = {
         "SPOTGUARD_VERIFY_KEY": ", ".join(

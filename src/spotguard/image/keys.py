@@ -264,8 +264,8 @@ class ImageKeys:
             publics += parse_scoped_verify_keys(text, str(s.verify_key_file))
         if s.verify_key:
             publics += parse_scoped_verify_keys(s.verify_key, "verify_key")
-        if signer is not None:
-            publics.append((signer.public, None))
+        if signer is not None and signer.key_id not in {key_id(k) for k, _ in publics}:
+            publics.append((signer.public, None))  # a signer trusts its own key (unless bound)
         trusted = {key_id(k): k for k, _ in publics}
         return cls(cipher, signer, trusted, s.allow_rollback, _scopes(publics))
 
