@@ -307,7 +307,10 @@ async def test_periodic_checkpoints_dedup_and_report_the_pause(
 async def test_controller_asking_for_a_drain_gets_one(
     host: Host, sink: EventSink, sim: MetadataSim, job: JobInfo, tmp_path: Path
 ) -> None:
-    sink.answer = {"job": "train", "action": "drain", "reason": "migration to us-west-2"}
+    sink.answer = {
+        "job": "train", "state": "protected", "action": "drain",
+        "reason": "migration to us-west-2",
+    }  # fmt: skip
     store = f"file://{tmp_path}/store"
     async with running_agent(host, sink, job=["train"], store=store):
         await wait_until(lambda: "ready_to_relaunch" in sink.kinds("train"))

@@ -23,7 +23,7 @@ from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
 from spotguard.agent.reporter import Reporter
-from spotguard.contracts import EventKind, make_event
+from spotguard.contracts import EventAnswer, EventKind, make_event
 from spotguard.controller.client import ControllerClient
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
@@ -176,14 +176,14 @@ async def test_reporter_of_a_fenced_agent_is_told_to_stand_down(
         headers={"Authorization": f"Bearer {TOKEN}"},
     )
     assert r.status == 200, await r.text()  # a relaunch: epoch 1 owns the job now
-    answers: list[dict[str, Any]] = []
+    answers: list[EventAnswer] = []
     old = Reporter(api.url, keys.issue("train", 0), tmp_path / "outbox", on_answer=answers.append)
     await old.start()
     old.emit(make_event(EventKind.JOB_FINISHED, job="train", instance=vm1))
     assert await old.flush(10)
     await old.aclose()
-    assert answers and answers[0]["stand_down"] is True and answers[0]["stale"] is True
-    assert answers[0]["owner"]["epoch"] == 1
+    assert answers and answers[0].stand_down is True and answers[0].stale is True
+    assert answers[0].owner.epoch == 1
     view = await api.get("/v1/jobs/train")
     assert view["state"] != "finished"
     await asyncio.sleep(0)

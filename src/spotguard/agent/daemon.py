@@ -20,6 +20,10 @@ Start-up, in order (each step one log line; :mod:`spotguard.agent.startup`):
    job owned elsewhere: the agent stands down for it (:mod:`~spotguard.agent.standdown`);
 7. watch notices (:mod:`spotguard.agent.dispatch`) and run the park policies
    (:mod:`spotguard.agent.parking`; a job parked as an image is not "finished").
+
+The :class:`Agent` composes objects built with what each works with — the notice dispatcher
+(:class:`~spotguard.agent.dispatch.NoticeDispatcher`), the node's parks and park policy, a
+:class:`JobWorker` per job, reporter, pusher, directive poll — none reaches into the agent.
 """
 
 from __future__ import annotations
@@ -31,14 +35,15 @@ import os
 import time
 from collections.abc import Coroutine, Sequence
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import IO, Any
 
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.contracts import CheckpointFailedEvent, InstanceInfo, StartedEvent, WireError
-from spotguard.errors import AgentTaskDied, SpotguardError
+from spotguard.contracts import Directive, InstanceInfo, StartedEvent
+from spotguard.errors import AgentNotRunning, AgentTaskDied, SpotguardError
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
 from spotguard.notices.base import NoticeSource
@@ -52,7 +57,7 @@ from spotguard.planner import PlannerSettings
 from . import discovery, identity, jobspec, journal, parking, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
-from .dispatch import NoticeHandling
+from .dispatch import NoticeDispatcher
 from .ledger import Ledger, newest_image, runs_elsewhere, stood_down
 from .metrics import AgentMetrics
 from .policy import Policy
@@ -69,7 +74,7 @@ LIVENESS_S = 1.0
 RESOLVE_RETRY_S = 5.0
 
 
-class Agent(NoticeHandling):
+class Agent:
     """One agent process: protects jobs on this VM (see the module docstring). Every
     settings group is loaded once by the caller (``spotguard agent``) and passed in."""
 
@@ -111,23 +116,17 @@ class Agent(NoticeHandling):
         self.controller_token: str | None = None
         self.reporter: Reporter = self._reporter(settings.controller_url, None)
         self.pusher = KeptPusher(
-            metrics=self.metrics,
-            on_durable=self._kept_durable,
-            store_url=self.store,
-            images=self.kept,
-            image_settings=image,
-            instance=lambda: self.instance,
+            metrics=self.metrics, on_durable=self._kept_durable, store_url=self.store,
+            images=self.kept, image_settings=image, instance=lambda: self.instance,
             max_backoff_s=settings.push_retry_max_s,
-        )
+        )  # fmt: skip
         self.directives: DirectivePoller | None = None
         self.api: AgentApi | None = None
         self.bus: NoticeBus | None = None
-        self.notices_seen: list[dict[str, Any]] = []
-        self._outcomes: dict[str, asyncio.Future[list[dict[str, Any]]]] = {}
+        self.notices: NoticeDispatcher | None = None  # built once the wiring is known
         self._tasks: set[asyncio.Task[Any]] = set()
         self._stop = asyncio.Event()
         self._started = time.time()
-        self._controller_drain = False
         self._lock: IO[str] | None = None
         self.died: AgentTaskDied | None = None
 
@@ -136,14 +135,11 @@ class Agent(NoticeHandling):
     def _reporter(self, url: str | None, token: str | None) -> Reporter:
         bearer = token or self.settings.controller_bearer()
         self.controller_url, self.controller_token = url, bearer
+        told = self.notifier.agent_event if self.notifier is not None else None
         return Reporter(
-            url,
-            bearer,
-            self.dir / "outbox",
-            metrics=self.metrics,
-            on_answer=self._controller_says,
-            on_emit=self.notifier.agent_event if self.notifier is not None else None,
-        )
+            url, bearer, self.dir / "outbox", metrics=self.metrics,
+            on_answer=self._controller_says, on_emit=told,
+        )  # fmt: skip
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro, name=name)
@@ -201,7 +197,8 @@ class Agent(NoticeHandling):
 
     async def _start(self, assignment: Any) -> None:
         self._spawn(startup.warm_gpu(self.settings.transparent_hugepages), "warm-gpu")
-        await startup.recover_interrupted(self.checkpoint_settings, self._recovered)
+        recovered = startup.report_recovered(self.reporter, self.metrics)
+        await startup.recover_interrupted(self.checkpoint_settings, recovered)
         self.pusher.add_all(self.kept.scan())
         self.cloud, sources = await cloud_sources(self.notice_settings, self._extra_sources)
         self.instance = await instance_facts(self.cloud, self.notice_settings)
@@ -215,6 +212,7 @@ class Agent(NoticeHandling):
                 "controller": self.reporter.url,
             },
         )
+        self.notices = self._dispatcher()
         token = ensure_token(
             self.dir,
             read_secret(self.settings.api_token, self.settings.api_token_file, "api_token"),
@@ -234,31 +232,58 @@ class Agent(NoticeHandling):
                 self.epochs[restored.job] = assignment.epoch
                 specs += [restored.job] if restored.job not in specs else []
         for spec in specs:
-            self._spawn(self._protect(spec), f"protect-{spec}")
-        self._spawn(discovery.watch_for(self, specs), "discover")
+            self._protect_later(spec)
+        if self.settings.discover_jobs:  # jobs started by `spotguard run`
+            taken, every = (lambda: [*specs, *self.workers]), self.settings.discover_interval_s
+            found = discovery.watch(self._state_dir, taken, self._protect_later, every)
+            self._spawn(found, "discover")
         self._poll_directives()
         self.bus = NoticeBus([*sources, self.manual], backoff_max=self.notice_settings.backoff_max)
-        self._spawn(self._watch(self.bus), "notices")
-        self._spawn(parking.policy_for(self).run(self._stop), "park")
+        self._spawn(self.notices.watch(self.bus), "notices")
+        self.metrics.count_parked(self._state_dir)
+        policy = parking.park_policy(
+            self.workers, checkpoint=self.checkpoint_settings, park=self.park_settings,
+            image=self.image_settings, engine=operations.engine_for(self.checkpoint_settings),
+            agent=self.settings, notifier=self.notifier, config=self.config,
+        )  # fmt: skip
+        self._spawn(policy.run(self._stop), "park")
 
-    def _recovered(self, info: JobInfo, seconds: float) -> None:
-        log.info(
-            "recovered job left mid-checkpoint",
-            extra={"step": "recover", "job": info.name, "seconds": round(seconds, 3)},
-        )
-        self.metrics.failures.labels("recover").inc()
-        self.reporter.emit(
-            CheckpointFailedEvent(
-                job=info.name,
-                error=WireError(
-                    code="interrupted",
-                    message="the agent stopped during a checkpoint; the job runs on",
-                    retryable=True,
-                ),
-                step="recover",
-                thawed=True,
-            )
-        )
+    def _dispatcher(self) -> NoticeDispatcher:
+        """The notice handling, once the reporter, store and instance are known."""
+        parks = parking.NodeParks(
+            self._state_dir, store=self.store, image=self.image_settings,
+            instance=self.instance, reporter=self.reporter, metrics=self.metrics,
+        )  # fmt: skip
+        return NoticeDispatcher(
+            policy=self.policy, workers=self.workers, reporter=self.reporter,
+            metrics=self.metrics, manual=self.manual, instance=self.instance, parks=parks,
+            ledger=self.ledger, spawn=self._spawn, on_settled=self._maybe_done,
+            drain_deadline=self.settings.drain_deadline,
+        )  # fmt: skip
+
+    @property
+    def _state_dir(self) -> Path:
+        return self.checkpoint_settings.state_dir
+
+    def _protect_later(self, spec: str) -> None:
+        self._spawn(self._protect(spec), f"protect-{spec}")
+
+    def _controller_says(self, answer: Directive) -> None:
+        """An answer of the controller (to a report or a directive poll): the notice
+        handling acts on it (an answer before it exists finds no job to act for)."""
+        if self.notices is not None:
+            self.notices.controller_says(answer)
+
+    async def drain(self, reason: str, *, wait: bool, deadline_s: float | None) -> dict[str, Any]:
+        """Operator drain of every protected job (:meth:`NoticeDispatcher.drain`)."""
+        if self.notices is None:
+            raise AgentNotRunning("the agent is still starting; drain again in a moment")
+        return await self.notices.drain(reason, wait=wait, deadline_s=deadline_s)
+
+    @property
+    def notices_seen(self) -> list[dict[str, Any]]:
+        """The last notices seen (newest last)."""
+        return self.notices.seen if self.notices is not None else []
 
     async def _shutdown(self) -> None:
         """Let a running checkpoint finish (the job must not stay frozen), then stop."""
@@ -284,26 +309,11 @@ class Agent(NoticeHandling):
 
     # --- jobs -------------------------------------------------------------------------------
 
-    async def _resolve(self, spec: str) -> JobInfo:
-        """Resolve ``spec`` (retrying: the job may start after the agent)."""
-        warned = False
-        while True:
-            try:
-                return jobspec.resolve(spec, state_dir=self.checkpoint_settings.state_dir)
-            except SpotguardError as exc:
-                if not warned:
-                    log.warning(
-                        "job not found; retrying",
-                        extra={"step": "job", "job": spec, "error": str(exc)},
-                    )
-                    self.metrics.failures.labels("job").inc()
-                    warned = True
-                await asyncio.sleep(RESOLVE_RETRY_S)
-
     async def _protect(self, spec: str) -> None:
         """Guard the job ``spec`` names; a job named by name is watched after it ends and
         guarded again when it runs again (restored by hand, or by a new assignment)."""
-        info = await self._resolve(spec)
+        missing = self.metrics.failures.labels("job").inc
+        info = await jobspec.resolve_when_up(spec, self._state_dir, RESOLVE_RETRY_S, missing)
         while True:
             seen = jobspec.incarnation(info)
             await self._guard(info)
@@ -351,8 +361,10 @@ class Agent(NoticeHandling):
         where = InstanceInfo.model_validate(self.instance.to_json())
         started = StartedEvent(job=info.name, instance=where, pid=info.pid, store=self.store)
         self.reporter.emit(started)
-        self.replay_notices(worker)  # notices that came before this job was protected
-        watcher = self._spawn(self._liveness(worker), f"alive-{info.name}")
+        if self.notices is not None:  # notices that came before this job was protected
+            self.notices.replay(worker)
+        alive = parking.watch_alive(worker, self._state_dir, LIVENESS_S)
+        watcher = self._spawn(alive, f"alive-{info.name}")
         try:
             await worker.run()
         finally:
@@ -362,18 +374,11 @@ class Agent(NoticeHandling):
         self, info: JobInfo, last: float | None = None, ident: identity.Identity | None = None
     ) -> JobWorker:  # ident: the job's process (pid and start time), None: pid only
         worker = JobWorker(
-            info.name,
-            info.pid,
-            lambda mode, deadline, meta, on_frozen: self._checkpoint(
-                info, mode, deadline, meta, on_frozen
-            ),
-            reporter=self.reporter,
-            metrics=self.metrics,
-            instance=self.instance.to_json(),
-            periodic_interval=self.settings.periodic_interval,
-            last_image_at=last,
-            ident=ident,
-        )
+            info.name, info.pid,
+            lambda m, deadline, meta, f: self._checkpoint(info, m, deadline, meta, f),
+            reporter=self.reporter, metrics=self.metrics, instance=self.instance.to_json(),
+            periodic_interval=self.settings.periodic_interval, last_image_at=last, ident=ident,
+        )  # fmt: skip
         self.workers[info.name] = worker
         return worker
 
@@ -400,21 +405,11 @@ class Agent(NoticeHandling):
         if not self.controller_url or self.settings.directive_poll_s <= 0:
             return
         self.directives = DirectivePoller(
-            self.controller_url,
-            self.controller_token,
-            lambda: [w.name for w in self.workers.values() if w.active],
-            self._controller_says,
-            interval_s=self.settings.directive_poll_s,
-            epoch_of=self.epochs.get,
-        )
+            self.controller_url, self.controller_token,
+            lambda: [w.name for w in self.workers.values() if w.active], self._controller_says,
+            interval_s=self.settings.directive_poll_s, epoch_of=self.epochs.get,
+        )  # fmt: skip
         self._spawn(self.directives.run(), "directives")
-
-    async def _liveness(self, worker: JobWorker) -> None:
-        while worker.active:
-            if worker.state == "protecting" and not worker.alive():
-                await parking.gone(worker, self.checkpoint_settings.state_dir)  # or parked
-                return
-            await asyncio.sleep(LIVENESS_S)
 
     def _maybe_done(self) -> None:
         if (

@@ -9,7 +9,8 @@ the answer (a :class:`~spotguard.contracts.Directive`: ``action``, ``reason``, `
 ``target``, ``owner``, ``stand_down``) to the same handler as event answers. A poll is only
 a question: a 404 (the controller has not seen the job yet), a refusal or an unreachable
 controller is logged at debug level and asked again next round; the reporter's own retries
-surface real outages.
+surface real outages. The questions go through the one controller client
+(:class:`~spotguard.controller.client.ControllerClient`).
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from typing import Any
-from urllib.parse import quote
 
-import aiohttp
+from spotguard.contracts import Directive
+from spotguard.controller.client import ControllerClient
+from spotguard.errors import SpotguardError
 
 log = logging.getLogger(__name__)
-
-DIRECTIVE_PATH = "/v1/jobs/{job}/directive"
 
 
 class DirectivePoller:
@@ -36,55 +35,35 @@ class DirectivePoller:
         controller_url: str,
         token: str | None,
         jobs: Callable[[], Iterable[str]],
-        on_answer: Callable[[dict[str, Any]], None],
+        on_answer: Callable[[Directive], None],
         *,
         interval_s: float,
         timeout_s: float = 5.0,
         epoch_of: Callable[[str], int | None] | None = None,
     ) -> None:
-        self.base = controller_url.rstrip("/")
-        self.token = token
+        self.client = ControllerClient(controller_url, token, timeout_s=timeout_s)
         self.jobs = jobs
         self.on_answer = on_answer
         self.interval_s = interval_s
-        self.timeout_s = timeout_s
         self.polls = 0
         self.epoch_of = epoch_of  # the ownership epoch this agent holds a job under, if known
 
     async def run(self) -> None:
         """Poll until cancelled."""
-        timeout = aiohttp.ClientTimeout(total=self.timeout_s)
-        async with aiohttp.ClientSession(timeout=timeout) as session:
+        async with self.client:
             while True:
                 await asyncio.sleep(self.interval_s)
                 for job in list(self.jobs()):
-                    answer = await self.ask(session, job)
+                    answer = await self.ask(job)
                     if answer is not None:
                         self.on_answer(answer)
 
-    async def ask(self, session: aiohttp.ClientSession, job: str) -> dict[str, Any] | None:
+    async def ask(self, job: str) -> Directive | None:
         """The controller's directive for ``job``; None when it has none to give now."""
-        url = self.base + DIRECTIVE_PATH.format(job=quote(job, safe=""))
         epoch = self.epoch_of(job) if self.epoch_of is not None else None
-        if epoch is not None:
-            url += f"?epoch={epoch}"
-        headers = {"Authorization": f"Bearer {self.token}"} if self.token else {}
         self.polls += 1
         try:
-            async with session.get(url, headers=headers) as resp:
-                if resp.status != 200:
-                    log.debug(
-                        "no directive",
-                        extra={"step": "directive", "job": job, "status": resp.status},
-                    )
-                    return None
-                data = await resp.json(content_type=None)
-        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as exc:
-            log.debug(
-                "directive poll failed", extra={"step": "directive", "job": job, "error": str(exc)}
-            )
+            return await self.client.directive(job, epoch)
+        except SpotguardError as exc:
+            log.debug("no directive", extra={"step": "directive", "job": job, "error": str(exc)})
             return None
-        if not isinstance(data, dict):
-            return None
-        data.setdefault("job", job)
-        return data

@@ -13,14 +13,11 @@ import asyncio
 import logging
 from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from spotguard import safefs
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, list_jobs
-
-if TYPE_CHECKING:
-    from spotguard.agent.daemon import Agent
 
 log = logging.getLogger(__name__)
 
@@ -62,18 +59,6 @@ async def watch(
             )
             protect(job.name)
         await asyncio.sleep(interval_s)
-
-
-async def watch_for(agent: Agent, specs: list[str]) -> None:
-    """:func:`watch` for ``agent`` (its state dir, its jobs, its ``discover_*`` settings)."""
-    if not agent.settings.discover_jobs:
-        return
-    await watch(
-        agent.checkpoint_settings.state_dir,
-        lambda: [*specs, *agent.workers],
-        lambda name: agent._spawn(agent._protect(name), f"protect-{name}"),
-        agent.settings.discover_interval_s,
-    )
 
 
 def protector(status: dict[str, Any] | None, *, opted: bool) -> str:

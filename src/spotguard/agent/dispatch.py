@@ -1,12 +1,13 @@
 """How the agent handles a notice: count, report, decide, queue on every active job, push
-the jobs parked on this node's tmpfs or disk to the store (:func:`spotguard.agent.parking.
-evacuate`: they would go with the node), and acknowledge it (Azure) once every job's image for
-it is durable — or at once when the policy does nothing. A cancelled notice drops what is
-still waiting. An operator's drain and the controller's "drain" answer become manual notices
-and go the same way.
+the jobs parked on this node's tmpfs or disk to the store (:meth:`spotguard.agent.parking.
+NodeParks.evacuate`: they would go with the node), and acknowledge it (Azure) once every job's
+image for it is durable — or at once when the policy does nothing. A cancelled notice drops
+what is still waiting. An operator's drain and the controller's "drain" answer become manual
+notices and go the same way; an answer saying the job is owned elsewhere makes the agent stand
+down for it (:mod:`~spotguard.agent.standdown`).
 
-:class:`NoticeHandling` holds these steps as methods of :class:`~spotguard.agent.daemon.Agent`
-(its attributes are declared below); the daemon module holds the wiring and the jobs.
+:class:`NoticeDispatcher` is an object the daemon holds; everything it works with is handed to
+it when it is built (the policy, the jobs' workers, the reporter, the node's parks, ...).
 """
 
 from __future__ import annotations
@@ -14,58 +15,70 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-from collections.abc import Coroutine
+from collections.abc import Callable, Coroutine, Mapping
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any
 
-from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.contracts import InstanceInfo, NoticeEvent, NoticeInfo
+from spotguard.contracts import Directive, InstanceInfo, NoticeEvent, NoticeInfo
 from spotguard.errors import NoticeError
 from spotguard.facts import InstanceFacts
-from spotguard.image import ImageSettings
 from spotguard.notices.base import Cloud, Notice
 from spotguard.notices.bus import NoticeBus
 from spotguard.notices.manual import ManualSource
 
-from . import parking
 from .ledger import Ledger
 from .metrics import AgentMetrics
+from .parking import NodeParks
 from .policy import Action, Policy
 from .reporter import Reporter
-from .settings import AgentSettings
 from .standdown import owned_elsewhere
 from .worker import JobWorker, Request
 
 log = logging.getLogger(__name__)
 
+#: starts a supervised task of the agent: (coroutine, name) → task
+Spawn = Callable[[Coroutine[Any, Any, Any], str], "asyncio.Task[Any]"]
 
-class NoticeHandling:
-    """The notice steps of the agent (mixed into :class:`~spotguard.agent.daemon.Agent`)."""
 
-    metrics: AgentMetrics
-    policy: Policy
-    reporter: Reporter
-    workers: dict[str, JobWorker]
-    instance: InstanceFacts
-    bus: NoticeBus | None
-    notices_seen: list[dict[str, Any]]
-    _outcomes: dict[str, asyncio.Future[list[dict[str, Any]]]]
-    manual: ManualSource
-    settings: AgentSettings
-    checkpoint_settings: CheckpointSettings
-    image_settings: ImageSettings
-    store: str
-    ledger: Ledger
-    _controller_drain: bool
+class NoticeDispatcher:
+    """Notices (and controller answers) → checkpoint requests on the jobs' workers."""
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
-        raise NotImplementedError
+    def __init__(
+        self,
+        *,
+        policy: Policy,
+        workers: Mapping[str, JobWorker],
+        reporter: Reporter,
+        metrics: AgentMetrics,
+        manual: ManualSource,
+        instance: InstanceFacts,
+        parks: NodeParks,
+        ledger: Ledger,
+        spawn: Spawn,
+        on_settled: Callable[[], None],
+        drain_deadline: float,
+    ) -> None:
+        self.policy = policy
+        self.workers = workers  # the daemon's: read here, never changed
+        self.reporter = reporter
+        self.metrics = metrics
+        self.manual = manual
+        self.instance = instance
+        self.parks = parks
+        self.ledger = ledger
+        self._spawn = spawn
+        self._on_settled = on_settled  # a notice's outcome is known, or a job stood down
+        self.drain_deadline = drain_deadline
+        self.bus: NoticeBus | None = None
+        self.seen: list[dict[str, Any]] = []  # the last 50 notices (status)
+        # notices that still ask for a checkpoint (by id) and the jobs they went to
+        self.live: dict[str, tuple[Notice, set[str]]] = {}
+        self._outcomes: dict[str, asyncio.Future[list[dict[str, Any]]]] = {}
+        self._controller_drain = False
 
-    def _maybe_done(self) -> None:
-        raise NotImplementedError
-
-    async def _watch(self, bus: NoticeBus) -> None:
+    async def watch(self, bus: NoticeBus) -> None:
+        """Handle every notice of ``bus`` until cancelled (it also acknowledges them)."""
+        self.bus = bus
         async with bus:
             async for notice in bus:
                 try:
@@ -81,10 +94,10 @@ class NoticeHandling:
     def handle(self, notice: Notice) -> None:
         """Count, report, decide and queue one notice (or drop a cancelled one). A notice
         that asks for a checkpoint stays *live* until its deadline, so a job protected after
-        it arrived still gets it (:meth:`replay_notices`)."""
+        it arrived still gets it (:meth:`replay`)."""
         self.metrics.notices.labels(notice.cloud.value, notice.kind.value).inc()
-        self.notices_seen.append(notice.to_json())
-        del self.notices_seen[:-50]
+        self.seen.append(notice.to_json())
+        del self.seen[:-50]
         decision = self.policy.decide(notice)
         log.info(
             "notice received",
@@ -101,7 +114,7 @@ class NoticeHandling:
                 "start_at": decision.start_at.isoformat(),
             },
         )
-        live = self._live_notices()
+        live = self.live
         jobs = [w for w in self.workers.values() if w.active]
         if notice.cancelled or decision.action is Action.NONE:
             live.pop(notice.id, None)
@@ -126,13 +139,13 @@ class NoticeHandling:
                     )
             self._settle(notice.id, [{"cancelled": True}])
             return
-        kept = [] if decision.action is Action.NONE else parking.kept_on_node(self._state_dir)
+        kept = [] if decision.action is Action.NONE else self.parks.kept()
         if decision.action is Action.NONE or not (jobs or kept):
             self._spawn(self._acknowledge(notice), f"ack-{notice.id}")
             self._settle(notice.id, [{"job": w.name, "action": "none"} for w in jobs])
             return
         waiters: list[asyncio.Future[dict[str, Any]]] = [
-            self._spawn(self._evacuate(r.job), f"evacuate-{r.job}") for r in kept
+            self._spawn(self.parks.evacuate(r.job), f"evacuate-{r.job}") for r in kept
         ]
         for w in jobs:
             req = Request(notice.id, decision.action, decision.start_at, decision.reason,
@@ -144,8 +157,8 @@ class NoticeHandling:
         """The notice's checkpoint of one job, and its line in the results. A park of the
         job under way when the notice came (the checkpoint is refused, or the job's process
         goes away in it) is waited for within the notice's deadline and its image carried to
-        the store (:func:`~spotguard.agent.parking.after_park`); a park that left the job's
-        process (failed, or suspended in place) has the job checkpointed once more."""
+        the store (:meth:`~spotguard.agent.parking.NodeParks.after_park`); a park that left
+        the job's process (failed, or suspended in place) has the job checkpointed again."""
         loop = asyncio.get_running_loop()
         result: dict[str, Any] = {}
         for attempt in range(2):
@@ -157,29 +170,17 @@ class NoticeHandling:
             notice = req.notice
             if notice is None:
                 return result
-            after = await parking.after_park(
-                worker.name, result, seconds_left=notice.seconds_left,
-                carry=self._evacuate, state_dir=self._state_dir,
-            )  # fmt: skip
+            after = await self.parks.after_park(worker.name, result, notice.seconds_left)
             if after is not None:
                 return after
         return result
 
-    def _live_notices(self) -> dict[str, tuple[Notice, set[str]]]:
-        """Notices that still ask for a checkpoint (by id) and the jobs they went to, kept
-        for jobs protected later."""
-        live: dict[str, tuple[Notice, set[str]]] | None = getattr(self, "_live", None)
-        if live is None:
-            live = {}
-            self._live: dict[str, tuple[Notice, set[str]]] = live
-        return live
-
-    def replay_notices(self, worker: JobWorker) -> None:
+    def replay(self, worker: JobWorker) -> None:
         """Queue on a newly protected job every live notice it has not had: one that came
         while this job was not protected — an agent restarted with a notice still posted, or
         a job that started after it. A job that had the notice (and was, say, restored by
         hand since) does not get it again. Notices past their deadline are dropped."""
-        live = self._live_notices()
+        live = self.live
         for nid, (notice, applied) in list(live.items()):
             if notice.seconds_left() <= 0:
                 del live[nid]
@@ -205,41 +206,21 @@ class NoticeHandling:
                 Request(nid, decision.action, decision.start_at, decision.reason, notice=notice)
             )
 
-    @property
-    def _state_dir(self) -> Path:
-        return self.checkpoint_settings.state_dir
-
-    async def _evacuate(self, job: str) -> dict[str, Any]:
-        """A job parked on this node's tmpfs or disk goes to the store before the node does."""
-        try:
-            return await parking.evacuate(
-                job,
-                store_url=self.store,
-                state_dir=self._state_dir,
-                image=self.image_settings,
-                instance=self.instance,
-                reporter=self.reporter,
-            )
-        except Exception as exc:  # one job's line in the results; the notice goes on
-            self.metrics.failures.labels("evacuate").inc()
-            log.error("parked job not pushed", exc_info=exc, extra={"job": job})
-            return {"job": job, "parked": True, "error": f"{type(exc).__name__}: {exc}"}
-
     async def _after(self, notice: Notice, waiters: list[asyncio.Future[dict[str, Any]]]) -> None:
         results = list(await asyncio.gather(*waiters))
         if not any(r.get("cancelled") for r in results):
             await self._acknowledge(notice)
         self._settle(notice.id, results)
-        self._maybe_done()
+        self._on_settled()
 
     def _settle(self, notice_id: str, results: list[dict[str, Any]]) -> None:
         """The outcome of notice ``notice_id`` is known. An operator drain ends with it: it
         asked to vacate the node *now*, so it is no longer live — a job started (or restored
         by hand) afterwards is not stopped by it, whether the drain wrote an image or not.
         A cloud's notice stays live until its deadline (the VM really goes away)."""
-        live = self._live_notices().get(notice_id)
+        live = self.live.get(notice_id)
         if live is not None and live[0].cloud is Cloud.MANUAL:
-            del self._live_notices()[notice_id]
+            del self.live[notice_id]
             self.manual.settle(notice_id)
         fut = self._outcomes.get(notice_id)
         if fut is not None and not fut.done():
@@ -257,30 +238,26 @@ class NoticeHandling:
                 extra={"step": "acknowledge", "notice": notice.id, "error": str(exc)},
             )
 
-    def _controller_says(self, answer: dict[str, Any]) -> None:
+    def controller_says(self, answer: Directive) -> None:
         """The controller answers each event (and directive poll) with what it wants next:
         an answer saying the job is owned elsewhere makes this agent stand down for it
         (:mod:`~spotguard.agent.standdown`); ``drain`` (a migration waiting for a fresh
         image) starts an operator-style drain once."""
         why = owned_elsewhere(answer, self.instance.instance_id)
         if why is not None:
-            self._stand_down(str(answer.get("job") or ""), why)
+            self._stand_down(answer.job, why)
             return
-        if answer.get("action") != "drain" or self._controller_drain:
+        if answer.action != "drain" or self._controller_drain:
             return
         if not any(w.active for w in self.workers.values()):
             return
         self._controller_drain = True
         log.info(
             "controller asks for a drain",
-            extra={"step": "drain", "job": answer.get("job"), "reason": answer.get("reason")},
+            extra={"step": "drain", "job": answer.job, "reason": answer.reason},
         )
-        self._spawn(
-            self.drain(
-                "controller: " + str(answer.get("reason") or "migrate"), wait=False, deadline_s=None
-            ),
-            "controller-drain",
-        )
+        reason = "controller: " + (answer.reason or "migrate")
+        self._spawn(self.drain(reason, wait=False, deadline_s=None), "controller-drain")
 
     def _stand_down(self, job: str, reason: str) -> None:
         """Stop acting for ``job`` (owned elsewhere); the ledger keeps it for a restart."""
@@ -288,12 +265,12 @@ class NoticeHandling:
         if worker is not None and worker.stand_down(reason):
             self.ledger.put(job, worker.pid, "stood_down")
             self.metrics.failures.labels("stand_down").inc()
-            self._maybe_done()
+            self._on_settled()
 
     async def drain(self, reason: str, *, wait: bool, deadline_s: float | None) -> dict[str, Any]:
         """Operator drain of every protected job: a manual notice through the bus (so it is
         deduplicated, logged and decided like any other); with ``wait``, the outcomes."""
-        notice = await self.manual.drain(reason, deadline_s or self.settings.drain_deadline)
+        notice = await self.manual.drain(reason, deadline_s or self.drain_deadline)
         fut: asyncio.Future[list[dict[str, Any]]] = asyncio.get_running_loop().create_future()
         self._outcomes[notice.id] = fut
         answer: dict[str, Any] = {"notice": notice.to_json()}

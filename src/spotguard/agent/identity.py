@@ -24,14 +24,11 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JOB_FILE, JobInfo
 from spotguard.checkpoint.procfacts import start_time
-
-if TYPE_CHECKING:
-    from .ledger import JobRecord
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +44,23 @@ def boot_id() -> str | None:
             return f.read().strip() or None
     except OSError:
         return None
+
+
+class Recorded(Protocol):
+    """What the agent last wrote down about a job's process (a ledger record): its pid,
+    start time and boot, and when the record was written."""
+
+    @property
+    def pid(self) -> int: ...
+
+    @property
+    def start(self) -> int | None: ...
+
+    @property
+    def boot(self) -> str | None: ...
+
+    @property
+    def updated(self) -> float: ...
 
 
 @dataclass(frozen=True)
@@ -89,7 +103,7 @@ def _job_file_mtime(info: JobInfo) -> float | None:
         return None
 
 
-def of_job(info: JobInfo, record: JobRecord | None) -> Identity | None:
+def of_job(info: JobInfo, record: Recorded | None) -> Identity | None:
     """The identity of ``info``'s process if the process at ``info.pid`` is the job (see the
     module doc); None when the job's process is gone — nothing there, or a stranger given
     its pid (logged)."""

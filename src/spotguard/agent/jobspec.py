@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from spotguard.checkpoint import proctree
@@ -61,6 +62,25 @@ def resolve(spec: str, *, state_dir: Path) -> JobInfo:
             path = CGROUP_ROOT / (raw.relative_to("/") if raw.is_absolute() else raw)
         return resolve_job(cgroup_root_pid(path), state_dir=state_dir)
     return resolve_job(spec, state_dir=state_dir)
+
+
+async def resolve_when_up(
+    spec: str, state_dir: Path, every_s: float, missing: Callable[[], None]
+) -> JobInfo:
+    """:func:`resolve` ``spec``, trying again every ``every_s`` seconds until it resolves
+    (the job may start after the agent); the first miss is logged and ``missing()`` told."""
+    warned = False
+    while True:
+        try:
+            return resolve(spec, state_dir=state_dir)
+        except SpotguardError as exc:
+            if not warned:
+                log.warning(
+                    "job not found; retrying", extra={"step": "job", "job": spec, "error": str(exc)}
+                )
+                missing()
+                warned = True
+            await asyncio.sleep(every_s)
 
 
 def by_name(spec: str) -> bool:

@@ -29,36 +29,34 @@ import contextlib
 import hashlib
 import logging
 import shutil
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import aiohttp
-from pydantic import ValidationError
-
-from spotguard import operations
 from spotguard.checkpoint import proctree, seal
+from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
 from spotguard.checkpoint.meta import META_NAME, ImageMeta
+from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.contracts import Directive, InstanceInfo, ParkedEvent
+from spotguard.controller.client import ControllerClient
 from spotguard.errors import SpotguardError
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings, push_dir
+from spotguard.notify import Notifier
 from spotguard.operations.kept import image_meta
 from spotguard.park import record, waker
 from spotguard.park.policy import ParkPolicy, webhooks
 from spotguard.park.record import ParkRecord
+from spotguard.park.settings import ParkSettings
 from spotguard.park.store import store_path
 
-from .directives import DirectivePoller
+from .metrics import AgentMetrics
 from .reporter import Reporter
 from .restore import read_assignment
 from .settings import AgentSettings
 from .standdown import MOVING_STATES
 from .worker import JobWorker
-
-if TYPE_CHECKING:
-    from .daemon import Agent
 
 
 def is_parked(state_dir: Path, job: str) -> bool:
@@ -107,6 +105,16 @@ async def gone(worker: JobWorker, state_dir: Path) -> None:
     if ev is not None:
         worker.reporter.emit(ev)
     worker.parked()
+
+
+async def watch_alive(worker: JobWorker, state_dir: Path, every_s: float) -> None:
+    """Look every ``every_s`` seconds whether the job's process still runs while its worker
+    protects it; once it is gone: :func:`gone` (parked, or finished by itself)."""
+    while worker.active:
+        if worker.state == "protecting" and not worker.alive():
+            await gone(worker, state_dir)
+            return
+        await asyncio.sleep(every_s)
 
 
 def parked_away(info: JobInfo, state_dir: Path) -> bool:
@@ -173,18 +181,10 @@ async def ask_controller(settings: AgentSettings, job: str, epoch: int | None) -
     where = controller_of(settings, job)
     if where is None:
         return None
-    poller = DirectivePoller(
-        where[0], where[1], jobs=list, on_answer=lambda _a: None, interval_s=REPORT_WAIT_S,
-        epoch_of=lambda _job: epoch,
-    )  # fmt: skip
-    timeout = aiohttp.ClientTimeout(total=REPORT_WAIT_S)
-    async with aiohttp.ClientSession(timeout=timeout) as session:
-        data = await poller.ask(session, job)
-    if data is None:
-        return None
     try:
-        return Directive.model_validate(data)
-    except ValidationError:
+        return await ControllerClient(*where, timeout_s=REPORT_WAIT_S).directive(job, epoch)
+    except SpotguardError as exc:
+        log.debug("no directive", extra={"step": "directive", "job": job, "error": str(exc)})
         return None
 
 
@@ -354,37 +354,93 @@ def parked_status(state_dir: Path) -> list[dict[str, Any]]:
     return out
 
 
-def policy_for(agent: Agent) -> ParkPolicy:
-    """The park policy over the agent's workers: busy while checkpointing or with a notice
-    pending; webhooks told; wake-on-connect listeners started with the agent's config."""
-    checkpoint, workers = agent.checkpoint_settings, agent.workers
-    agent.metrics.count_parked(checkpoint.state_dir)
-    engine = operations.engine_for(checkpoint)
+class NodeParks:
+    """The jobs parked on this node, as a notice sees them: those kept in its tmpfs or on
+    its disk (:meth:`kept`) go to ``store`` before the node does (:meth:`evacuate`), and a
+    park under way at the notice is waited for (:meth:`after_park`)."""
+
+    def __init__(
+        self,
+        state_dir: Path,
+        *,
+        store: str,
+        image: ImageSettings,
+        instance: InstanceFacts,
+        reporter: Reporter | None,
+        metrics: AgentMetrics,
+    ) -> None:
+        self.state_dir = state_dir
+        self.store = store
+        self.image = image
+        self.instance = instance
+        self.reporter = reporter
+        self.metrics = metrics
+
+    def kept(self) -> list[ParkRecord]:
+        return kept_on_node(self.state_dir)
+
+    async def evacuate(self, job: str) -> dict[str, Any]:
+        """:func:`evacuate` ``job``; any failure is the job's line in the notice's results."""
+        try:
+            return await evacuate(
+                job, store_url=self.store, state_dir=self.state_dir, image=self.image,
+                instance=self.instance, reporter=self.reporter,
+            )  # fmt: skip
+        except Exception as exc:  # one job's line in the results; the notice goes on
+            self.metrics.failures.labels("evacuate").inc()
+            log.error("parked job not pushed", exc_info=exc, extra={"job": job})
+            return {"job": job, "parked": True, "error": f"{type(exc).__name__}: {exc}"}
+
+    async def after_park(
+        self, job: str, result: dict[str, Any], seconds_left: Callable[[], float]
+    ) -> dict[str, Any] | None:
+        """:func:`after_park` of ``job``, carrying its image with :meth:`evacuate`."""
+        return await after_park(
+            job, result, seconds_left=seconds_left, carry=self.evacuate, state_dir=self.state_dir
+        )
+
+
+def park_policy(
+    workers: Mapping[str, JobWorker],
+    *,
+    checkpoint: CheckpointSettings,
+    park: ParkSettings,
+    image: ImageSettings,
+    engine: Engine,
+    agent: AgentSettings,
+    notifier: Notifier | None,
+    config: str | None,
+) -> ParkPolicy:
+    """The park policy over the agent's ``workers``: a job is busy while checkpointing or
+    with a notice pending; webhooks told; wake-on-connect listeners started with the agent's
+    ``config`` file; a store park is unparked here only when the controller ``agent`` names
+    agrees (:func:`owned_elsewhere`)."""
+    state_dir = checkpoint.state_dir
 
     def busy(job: str) -> bool:
         w = workers.get(job)
         return w is None or w.state != "protecting" or bool(w.pending)
 
     async def start_waker(job: str) -> None:
-        await asyncio.to_thread(waker.spawn, checkpoint.state_dir, job, agent.config)
+        await asyncio.to_thread(waker.spawn, state_dir, job, config)
 
     def jobs() -> list[JobInfo]:
         out = []
         for w in list(workers.values()):
             if w.active:
                 with contextlib.suppress(SpotguardError):
-                    out.append(resolve_job(w.name, state_dir=checkpoint.state_dir))
+                    out.append(resolve_job(w.name, state_dir=state_dir))
         return out
 
     policy = ParkPolicy(
-        settings=agent.park_settings,
+        settings=park,
         checkpoint=checkpoint,
         engine=engine,
         jobs=jobs,
         busy=busy,
         start_waker=start_waker,
-        store=store_path(checkpoint, agent.image_settings, engine, owned_elsewhere(agent.settings)),
+        store=store_path(checkpoint, image, engine, owned_elsewhere(agent)),
     )
-    if agent.notifier is not None:
-        policy.notify = webhooks(agent.notifier)
+    if notifier is not None:
+        policy.notify = webhooks(notifier)
     return policy

@@ -1,4 +1,5 @@
-"""Reports to the controller: ``AgentEvent`` → ``POST {controller}/v1/events`` (Bearer token).
+"""Reports to the controller: ``AgentEvent`` → ``POST {controller}/v1/events`` (Bearer token),
+sent through the one controller client (:class:`~spotguard.controller.client.ControllerClient`).
 
 :meth:`Reporter.emit` is synchronous and cheap: it writes the event to a spool directory in
 the state dir and wakes a background sender. The freeze path calls ``emit`` and never waits
@@ -12,44 +13,44 @@ the controller still hears of it, only a restart in between would lose it.
 Events of the job a scoped token names (:func:`spotguard.contracts.token_scope`) are stamped
 with the token's ownership epoch. The controller's answer (an
 :class:`~spotguard.contracts.EventAnswer`) goes to ``on_answer`` — also when it refused the
-event as coming from a non-owner (409, ``stand_down``), so the agent can stand down. A 403 (the
-token may not act for that job) and other 4xx answers drop the event: resending cannot help.
+event as coming from a non-owner (409, ``stand_down``), so the agent can stand down. The
+client's typed errors decide the rest: a retryable one (unreachable, 5xx, 429, an unknown
+token) is retried; a 403 (the token may not act for that job) and other 4xx answers drop the
+event: resending cannot help.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
 import os
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-import aiohttp
 from tenacity import (
     AsyncRetrying,
     RetryCallState,
-    retry_if_exception_type,
+    retry_if_exception,
     stop_never,
     wait_exponential,
 )
 
-from spotguard.contracts import AnyEvent, token_scope
-from spotguard.errors import AuthError, ControllerError
+from spotguard.contracts import AnyEvent, EventAnswer, token_scope
+from spotguard.controller import routes
+from spotguard.controller.client import ControllerClient
+from spotguard.errors import SpotguardError
 
 from .metrics import AgentMetrics
 from .settings import check_controller_url
 
 log = logging.getLogger(__name__)
 
-EVENTS_PATH = "/v1/events"
 
-
-class _Transient(ControllerError):
-    """The controller could not take the event now; try again later."""
+def _transient(exc: BaseException) -> bool:
+    """The controller could not take the event now (a retryable typed error): try again."""
+    return isinstance(exc, SpotguardError) and exc.retryable
 
 
 class Reporter:
@@ -67,19 +68,22 @@ class Reporter:
         metrics: AgentMetrics | None = None,
         max_backoff_s: float = 30.0,
         timeout_s: float = 10.0,
-        on_answer: Callable[[dict[str, Any]], None] | None = None,
+        on_answer: Callable[[EventAnswer], None] | None = None,
         on_emit: Callable[[AnyEvent], None] | None = None,
     ) -> None:
         if controller_url:  # from the settings or an assignment: https, or loopback http
             check_controller_url(controller_url)
-        self.url = controller_url.rstrip("/") + EVENTS_PATH if controller_url else None
+        self.url = controller_url.rstrip("/") + routes.EVENTS if controller_url else None
+        self.client = (
+            ControllerClient(controller_url, token, timeout_s=timeout_s) if controller_url else None
+        )
         self.token = token
         self.scope = token_scope(token) if token else None  # (job, epoch) of a VM token
         self.spool = spool_dir
         self.metrics = metrics
         self.max_backoff_s = max_backoff_s
         self.timeout_s = timeout_s
-        self.on_answer = on_answer  # sees each controller answer (e.g. {"action": "drain"})
+        self.on_answer = on_answer  # sees each controller answer (e.g. action "drain")
         self.on_emit = on_emit  # sees each event as it is emitted (notifications)
         self.sent = 0
         self._wake = asyncio.Event()
@@ -87,7 +91,6 @@ class Reporter:
         self._idle.set()
         self._task: asyncio.Task[None] | None = None
         self._unspooled: dict[str, bytes] = {}  # events the spool could not take, by name
-        self._session: aiohttp.ClientSession | None = None
         if self.url:
             self.spool.mkdir(parents=True, exist_ok=True, mode=0o700)
 
@@ -148,10 +151,8 @@ class Reporter:
 
     async def start(self) -> None:
         """Start the background sender (resends whatever a previous run left spooled)."""
-        if self.url and self._task is None:
-            self._session = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.timeout_s)
-            )
+        if self.client is not None and self._task is None:
+            await self.client.__aenter__()  # one connection pool for every report
             if self._queue():
                 self._idle.clear()
             self._wake.set()
@@ -173,9 +174,8 @@ class Reporter:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self.client is not None:
+            await self.client.aclose()
 
     async def _run(self) -> None:
         while True:
@@ -197,7 +197,7 @@ class Reporter:
             except FileNotFoundError:
                 return
         retrying = AsyncRetrying(
-            retry=retry_if_exception_type(_Transient),
+            retry=retry_if_exception(_transient),
             wait=wait_exponential(multiplier=0.25, max=self.max_backoff_s),
             stop=stop_never,
             before_sleep=self._log_retry,
@@ -207,8 +207,8 @@ class Reporter:
             async for attempt in retrying:
                 with attempt:
                     await self._post(body)
-        except ControllerError as exc:
-            # The controller refused this event for good (malformed): never resend it.
+        except SpotguardError as exc:
+            # The controller refused this event for good (malformed, forbidden): never resend.
             log.error(
                 "report rejected by the controller; dropped",
                 extra={"step": "report", "file": getattr(item, "name", item), "error": str(exc)},
@@ -222,38 +222,10 @@ class Reporter:
         self.sent += 1
 
     async def _post(self, body: bytes) -> None:
-        assert self.url is not None and self._session is not None
-        headers = {"Content-Type": "application/json"}
-        if self.token:
-            headers["Authorization"] = f"Bearer {self.token}"
-        try:
-            async with self._session.post(self.url, data=body, headers=headers) as resp:
-                text = await resp.text()
-                status = resp.status
-        except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise _Transient(f"controller unreachable: {exc!r}") from exc
-        if status < 300:
-            self._answer(text)
-            return
-        if status == 409:  # the controller's state has moved on (or we lost the job): no resend
-            self._answer(text)
-            return
-        if status == 401:
-            # A token may be rotated or the controller restarting: keep it, retry slowly.
-            raise _Transient(str(AuthError(f"controller refused the token ({status})")))
-        if status == 429 or status >= 500:
-            raise _Transient(f"controller answered {status}: {text[:200]}")
-        raise ControllerError(f"controller answered {status}: {text[:200]}")
-
-    def _answer(self, text: str) -> None:
-        if self.on_answer is None:
-            return
-        try:
-            data = json.loads(text) if text else None
-        except ValueError:
-            return
-        if isinstance(data, dict):
-            self.on_answer(data)
+        assert self.client is not None
+        answer = await self.client.send_event(body)
+        if answer is not None and self.on_answer is not None:
+            self.on_answer(answer)
 
     def _log_retry(self, state: RetryCallState) -> None:
         exc = state.outcome.exception() if state.outcome else None

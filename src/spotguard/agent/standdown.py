@@ -23,27 +23,21 @@ same sign, read from the store at start (:func:`spotguard.agent.ledger.runs_else
 
 from __future__ import annotations
 
-from typing import Any
-
-from pydantic import ValidationError
-
-from spotguard.contracts import Owner
+from spotguard.contracts import Directive, EventAnswer
 
 #: controller states in which a job has no settled owner yet
 MOVING_STATES = frozenset({"launching", "restoring"})
 
 
-def owned_elsewhere(answer: dict[str, Any], instance_id: str | None) -> str | None:
-    """Why the controller's ``answer`` says this agent (on ``instance_id``) no longer owns
-    the job it names; None when it does (or the answer cannot tell)."""
-    try:
-        owner = Owner.model_validate(answer.get("owner") or {})
-    except ValidationError:
-        return None
-    if answer.get("stand_down") is True:
-        why = answer.get("reason") or answer.get("error") or "the controller says stand down"
+def owned_elsewhere(answer: Directive, instance_id: str | None) -> str | None:
+    """Why the controller's ``answer`` (to a report or a directive poll) says this agent (on
+    ``instance_id``) no longer owns the job it names; None when it does."""
+    owner = answer.owner
+    if answer.stand_down:
+        refused = answer.error if isinstance(answer, EventAnswer) else None
+        why = answer.reason or refused or "the controller says stand down"
         return f"{why} (owner: {owner.instance_id or 'being chosen'}, epoch {owner.epoch})"
     other = owner.instance_id
-    if other and instance_id and other != instance_id and answer.get("state") not in MOVING_STATES:
+    if other and instance_id and other != instance_id and answer.state not in MOVING_STATES:
         return f"the controller's record points to {other} (epoch {owner.epoch}), not {instance_id}"
     return None

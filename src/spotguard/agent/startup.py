@@ -33,11 +33,15 @@ from spotguard.checkpoint.engine import MARKER
 from spotguard.checkpoint.jobs import JobInfo, list_jobs
 from spotguard.checkpoint.marker import fallback_markers
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.contracts import CheckpointFailedEvent, WireError
 from spotguard.errors import ConfigError, SpotguardError, StoreError, StoreUnavailable
 from spotguard.image import ImageSettings
 from spotguard.image.keys import ImageKeys
 from spotguard.store import open_store
 from spotguard.store.base import RetryPolicy
+
+from .metrics import AgentMetrics
+from .reporter import Reporter
 
 log = logging.getLogger(__name__)
 
@@ -187,6 +191,32 @@ async def recover_interrupted(
             on_recovered(info, time.monotonic() - t0)
             done.append(info.name)
     return done
+
+
+def report_recovered(reporter: Reporter, metrics: AgentMetrics) -> Callable[[JobInfo, float], None]:
+    """What :func:`recover_interrupted` calls for each job it brought back: a log line, a
+    failure counted, and the interrupted checkpoint reported as failed (the job runs on)."""
+
+    def recovered(info: JobInfo, seconds: float) -> None:
+        log.info(
+            "recovered job left mid-checkpoint",
+            extra={"step": "recover", "job": info.name, "seconds": round(seconds, 3)},
+        )
+        metrics.failures.labels("recover").inc()
+        reporter.emit(
+            CheckpointFailedEvent(
+                job=info.name,
+                error=WireError(
+                    code="interrupted",
+                    message="the agent stopped during a checkpoint; the job runs on",
+                    retryable=True,
+                ),
+                step="recover",
+                thawed=True,
+            )
+        )
+
+    return recovered
 
 
 async def warm_gpu(thp: str = "keep") -> cuda.Warmed:
