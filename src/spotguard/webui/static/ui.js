@@ -117,7 +117,8 @@
     });
     let body = null;
     try { body = await resp.json(); } catch (e) { body = null; }
-    if (resp.status === 401) throw new Unauthorized((body && body.error) || "wrong token");
+    // 401: no such token; 403: a token that may not read this (a VM's token on the controller)
+    if (resp.status === 401 || resp.status === 403) throw new Unauthorized((body && body.error) || "wrong token");
     if (!resp.ok) throw new Error(path + ": " + resp.status + " " + ((body && body.error) || resp.statusText));
     return body;
   }
