@@ -135,7 +135,10 @@ async def test_launch_sets_spot_options_tags_user_data_and_is_found_by_token(
         assert found.instance_id == ref.instance_id
         assert await p.find_by_token("no-such-round") is None
         await p.terminate(ref)
-        assert (await p.describe(ref)).state is InstanceState.TERMINATED
+        gone = await p.describe(ref)
+        assert gone.state is InstanceState.TERMINATED
+        assert gone.state_reason is not None  # EC2's StateReason: why it ended
+        assert "shutdown" in gone.state_reason.lower(), gone.state_reason
         await p.terminate(ref)  # idempotent
     finally:
         await p.aclose()

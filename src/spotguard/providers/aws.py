@@ -428,6 +428,9 @@ def _type_info(t: dict[str, Any]) -> InstanceTypeInfo:
 def _ref(inst: dict[str, Any], region: str, token: str | None) -> InstanceRef:
     tags = {t["Key"]: t["Value"] for t in inst.get("Tags", [])}
     spot = inst.get("InstanceLifecycle") == "spot"
+    state = _STATES.get(inst.get("State", {}).get("Name", ""), InstanceState.PENDING)
+    ended = state in (InstanceState.TERMINATED, InstanceState.STOPPED)
+    why = inst.get("StateReason", {}).get("Message") if ended else None  # e.g. a spot reclaim
     return InstanceRef(
         provider="aws",
         instance_id=inst["InstanceId"],
@@ -436,5 +439,6 @@ def _ref(inst: dict[str, Any], region: str, token: str | None) -> InstanceRef:
         instance_type=inst.get("InstanceType", ""),
         market=Market.SPOT if spot else Market.ON_DEMAND,
         launch_token=tags.get(TAG_LAUNCH, token),
-        state=_STATES.get(inst.get("State", {}).get("Name", ""), InstanceState.PENDING),
+        state=state,
+        state_reason=str(why) if why else None,
     )
