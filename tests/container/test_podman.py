@@ -90,8 +90,10 @@ def test_container_checkpointed_removed_and_restored_on_another_vm_continues_ide
 
     back = _cli(vm2, "restore", url)
     assert back["container"] == "podman:ctr" and back["id"]
-    vm2.podman_cmd("wait", "ctr")
-    vm1.podman_cmd("wait", "ref")
+    # both jobs write their last line and end (podman wait is slow to see it: up to 20 s)
+    _wait_lines(job_dir / "out", LINES)
+    _wait_lines(ref_dir / "out", LINES)
+    time.sleep(0.3)
     assert (ref_dir / "out").read_text() == EXPECTED
     assert (job_dir / "out").read_text() == (ref_dir / "out").read_text()
 

@@ -1,0 +1,96 @@
+"""Container job names, the typed record and the archive's path move, without podman."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import subprocess
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from spotguard.container.archive import relocate
+from spotguard.container.spec import ContainerImage, ContainerRef, is_container_job
+from spotguard.errors import ImageError, JobError
+
+
+def test_container_job_names_parse_and_refuse_clearly() -> None:
+    ref = ContainerRef.parse("podman:Train_1")
+    assert (ref.runtime, ref.name, ref.job, str(ref)) == (
+        "podman",
+        "Train_1",
+        "podman-train_1",
+        "podman:Train_1",
+    )
+    assert is_container_job("podman:x") and is_container_job("docker:x")
+    assert not is_container_job("train-1") and not is_container_job("1234")
+    with pytest.raises(JobError, match="docker containers are not supported yet"):
+        ContainerRef.parse("docker:x")
+    with pytest.raises(JobError, match="invalid container name"):
+        ContainerRef.parse("podman:../x")
+
+
+def test_a_process_image_is_not_taken_for_a_container_image() -> None:
+    with pytest.raises(ImageError, match="is not a container image"):
+        ContainerImage.from_meta({"timeline": []}, "file:///s/j/images/1")
+    with pytest.raises(ImageError, match="container record is malformed"):
+        ContainerImage.from_meta({"kind": "container", "container": {"mode": "x"}}, "u")
+
+
+def _tar(path: Path, members: dict[str, bytes]) -> None:
+    with tarfile.open(path, "w") as t:
+        for name, data in members.items():
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            t.addfile(info, io.BytesIO(data))
+
+
+def _extracted(path: Path, tmp: Path) -> dict[str, object]:
+    out = tmp / "x"
+    out.mkdir()
+    subprocess.run(["tar", "-C", str(out), "-xf", str(path)], check=True)  # as podman: last wins
+    return {name: json.loads((out / name).read_text()) for name in ("config.dump", "spec.dump")}
+
+
+def test_podman_storage_paths_move_to_the_target_roots_by_appending(tmp_path: Path) -> None:
+    config = {
+        "conmonPidFile": "/old/run/overlay-containers/c1/userdata/conmon.pid",
+        "staticDir": "/old/lib/overlay-containers/c1/userdata",
+        "mounts": ["/old/lib/overlay-containers/c1/userdata/shm"],
+        "other": "/old/library/x",  # not under /old/lib: a prefix of the name only
+    }
+    spec = {"root": {"path": "/old/lib/overlay/l1/merged"}, "mounts": [{"source": "/data"}]}
+    archive = tmp_path / "a.tar"
+    members = {"config.dump": json.dumps(config).encode(), "spec.dump": json.dumps(spec).encode()}
+    _tar(archive, {**members, "checkpoint/pages-1.img": b"\0" * 4096})
+    size = archive.stat().st_size
+    moved = relocate(archive, {"/old/lib": "/new/lib", "/old/run": "/new/run/"})
+    assert moved == ["config.dump", "spec.dump"]
+    assert archive.stat().st_size < size + 8 * 4096  # appended, not copied
+    got = _extracted(archive, tmp_path)
+    assert got["config.dump"] == {
+        "conmonPidFile": "/new/run/overlay-containers/c1/userdata/conmon.pid",
+        "staticDir": "/new/lib/overlay-containers/c1/userdata",
+        "mounts": ["/new/lib/overlay-containers/c1/userdata/shm"],
+        "other": "/old/library/x",
+    }
+    assert got["spec.dump"] == {
+        "root": {"path": "/new/lib/overlay/l1/merged"},
+        "mounts": [{"source": "/data"}],
+    }
+    assert relocate(archive, {"/same": "/same"}) == []
+
+
+def test_cli_refuses_an_unsupported_runtime_in_one_line(tmp_path: Path) -> None:
+    out = subprocess.run(
+        ["spotguard", "checkpoint", "docker:web", "--to", f"file://{tmp_path}/store"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "SPOTGUARD_STATE_DIR": str(tmp_path / "state")},
+        check=False,
+    )
+    assert out.returncode != 0
+    assert "Traceback" not in out.stderr
+    assert "docker containers are not supported yet" in out.stderr, out.stderr
