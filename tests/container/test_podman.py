@@ -18,7 +18,7 @@ from spotguard.container import ContainerImage, ContainerRef, Podman
 from spotguard.container.checkpoint import checkpoint_container
 from spotguard.container.restore import restore_container
 from spotguard.container.start import start_container
-from spotguard.errors import ImageCorrupt, MissingMount
+from spotguard.errors import ImageCorrupt, MissingMount, SpotguardError
 from spotguard.image import ImageReader, ImageSettings
 
 LINES = 40
@@ -170,3 +170,34 @@ def test_a_missing_bind_mount_is_refused_by_name_before_podman_restores(
         )
     assert _restores(log) == [], "podman was asked to restore"
     assert not asyncio.run(vm2.podman.exists("container", "sleeper"))
+
+
+def test_an_exit_checkpoint_whose_image_cannot_be_stored_brings_the_container_back(
+    vms: tuple[Vm, Vm], tmp_path: Path
+) -> None:
+    vm1, _ = vms
+    data = _data_dir(vm1, "back")
+    ref = ContainerRef.parse("podman:back")
+    asyncio.run(
+        start_container(
+            ref, IMAGE, ["/bin/sh", "-c", JOB], podman=vm1.podman, volumes=[f"{data}:/data"]
+        )
+    )
+    _wait_lines(data / "out", 5)
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with pytest.raises(SpotguardError):
+        asyncio.run(
+            checkpoint_container(
+                ref,
+                f"file://{blocker}/store",
+                podman=vm1.podman,
+                image_settings=ImageSettings(),
+                state_dir=vm1.state_dir,
+            )
+        )
+    ctr = asyncio.run(vm1.podman.inspect("back"))
+    assert ctr is not None and ctr["State"]["Status"] == "running", ctr and ctr["State"]
+    _wait_lines(data / "out", LINES)
+    time.sleep(0.3)
+    assert (data / "out").read_text() == EXPECTED  # continued: no line lost or repeated
