@@ -20,6 +20,8 @@ from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.cli import config_file
 from spotguard.commands.common import ADVANCED, checkpoint_options
 from spotguard.config import load, options
+from spotguard.container import cli as container_cli
+from spotguard.container.spec import is_container_job
 from spotguard.errors import ParkError
 from spotguard.image.settings import ImageSettings
 from spotguard.notify import Notifier, NotifySettings
@@ -141,6 +143,17 @@ def park(
     spotguard park notebook --to memory --wake-on-connect --reason "idle since lunch"
     """
     c = _ctx(ctx, flags)
+    if is_container_job(job):
+        container_cli.park(
+            ctx,
+            job,
+            to or c.ps.to,
+            reason=reason,
+            as_json=as_json,
+            state_dir=c.cs.state_dir,
+            criu=c.cs.criu,
+        )
+        return
     info = resolve_job(job, state_dir=c.cs.state_dir)
     agent = _agent_settings(c) if core.place_of(to or c.ps.to) == "store" else None
 
@@ -198,6 +211,9 @@ def park(
 def unpark(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> None:
     """Bring a parked JOB back on this node; it continues where it stopped."""
     c = _ctx(ctx, flags)
+    if is_container_job(job):
+        container_cli.unpark(ctx, job, as_json=as_json, state_dir=c.cs.state_dir, criu=c.cs.criu)
+        return
 
     async def go() -> core.Unparked:
         done = await core.unpark(

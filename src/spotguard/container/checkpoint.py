@@ -103,13 +103,12 @@ async def checkpoint_container(
     tmp = await asyncio.to_thread(work_dir, state_dir)
     try:
         archive = tmp / ARCHIVE_NAME
-        args = ["container", "checkpoint", ref.name, "--export", str(archive)]
-        args += ["--compress", "none", "--ignore-volumes"]
+        args = ["--export", str(archive), "--compress", "none", "--ignore-volumes"]
         args.append("--leave-running" if leave_running else "--keep")
         if tcp_established:
             args.append("--tcp-established")
         with tl.step("podman checkpoint", mode=mode):
-            await podman.run(*args, what=f"checkpointing {ref}")
+            await podman.checkpoint(ref.name, *args, what=f"checkpointing {ref}")
         try:
             record = ContainerImage(
                 runtime_version=version,

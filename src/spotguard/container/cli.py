@@ -173,3 +173,55 @@ def restore(
     else:
         click.echo(f"container {result.container} restored from {resolved} ({result.id[:12]})")
     return True
+
+
+def park(
+    ctx: click.Context,
+    job: str,
+    to: str,
+    *,
+    reason: str,
+    as_json: bool,
+    state_dir: Path,
+    criu: str | None,
+) -> None:
+    """``spotguard park podman:NAME [--to memory|disk|tmpfs|URL]``."""
+    from spotguard.container import park as parking
+
+    ref = ContainerRef.parse(job)
+    rec = asyncio.run(
+        parking.park(
+            ref,
+            to,
+            podman=podman_for(ctx, criu),
+            image_settings=load(ImageSettings, {}, config_file=config(ctx)),
+            state_dir=state_dir,
+            reason=reason,
+        )
+    )
+    if as_json:
+        click.echo(rec.model_dump_json())
+    else:
+        where = f" ({rec.image_url})" if rec.image_url else ""
+        click.echo(f"container {ref} parked to {rec.place}{where}: {rec.seconds:.2f} s")
+
+
+def unpark(
+    ctx: click.Context, job: str, *, as_json: bool, state_dir: Path, criu: str | None
+) -> None:
+    """``spotguard unpark podman:NAME``."""
+    from spotguard.container import park as parking
+
+    ref = ContainerRef.parse(job)
+    rec = asyncio.run(
+        parking.unpark(
+            ref,
+            podman=podman_for(ctx, criu),
+            image_settings=load(ImageSettings, {}, config_file=config(ctx)),
+            state_dir=state_dir,
+        )
+    )
+    if as_json:
+        click.echo(json.dumps({"container": str(ref), "place": rec.place}))
+    else:
+        click.echo(f"container {ref} unparked from {rec.place}")

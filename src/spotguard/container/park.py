@@ -1,0 +1,157 @@
+"""Park and unpark a podman container (``spotguard park podman:NAME``).
+
+Where a parked container's state goes (``--to``), and how it comes back:
+
+* ``memory``: ``podman pause`` (the cgroup freezer: the processes stay in memory, stopped);
+  unpark: ``podman unpause``.
+* ``disk`` / ``tmpfs``: ``podman container checkpoint`` (CRIU's images kept in podman's
+  storage; the processes end); unpark: ``podman container restore`` in place.
+* a store URL: :func:`~spotguard.container.checkpoint.checkpoint_container` (a signed image;
+  the container is removed); unpark: :func:`~spotguard.container.restore.restore_container`,
+  here or on any host that reaches the store (``spotguard restore URL``).
+
+A record ``<state_dir>/containers/parked/<name>.json`` (typed, written atomically, root-only)
+says which; unpark reads it, brings the container back, then removes it. For a store park the
+record holds the image URL, so another node's unpark needs only the URL (``spotguard restore``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from spotguard import safefs
+from spotguard.container.checkpoint import checkpoint_container, inspect_running
+from spotguard.container.podman import Podman
+from spotguard.container.restore import restore_container
+from spotguard.container.spec import ContainerRef
+from spotguard.errors import ParkError
+from spotguard.image.settings import ImageSettings
+
+Place = Literal["memory", "disk", "store"]
+MAX_RECORD_BYTES = 1 << 20
+
+
+class ParkedContainer(BaseModel):
+    """What ``park`` did to a container, for ``unpark``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    container: str  # podman:NAME
+    place: Place
+    image_url: str = ""
+    reason: str = ""
+    parked_at: datetime
+    seconds: float
+
+
+def _dir(state_dir: Path) -> Path:
+    return safefs.ensure_private_dir(state_dir / "containers" / "parked")
+
+
+def _path(state_dir: Path, ref: ContainerRef) -> Path:
+    return _dir(state_dir) / f"{ref.name}.json"
+
+
+def load(state_dir: Path, ref: ContainerRef) -> ParkedContainer | None:
+    """The record of a parked container, or None."""
+    d = _dir(state_dir)
+    try:
+        fd = safefs.open_dir_nofollow(d)
+        try:
+            data = safefs.read_at(fd, f"{ref.name}.json", limit=MAX_RECORD_BYTES)
+        finally:
+            os.close(fd)
+    except FileNotFoundError:
+        return None
+    try:
+        return ParkedContainer.model_validate_json(data)
+    except ValidationError as exc:
+        raise ParkError(f"the park record of {ref} is unreadable: {str(exc)[:200]}") from exc
+
+
+def place_of(to: str) -> Place:
+    """``memory``, ``disk`` (``tmpfs`` too: podman keeps its checkpoint in its storage) or
+    ``store`` (a URL)."""
+    if to == "memory":
+        return "memory"
+    if to in ("disk", "tmpfs"):
+        return "disk"
+    if "://" in to:
+        return "store"
+    raise ParkError(f"--to {to!r}: use memory, disk, tmpfs or a store URL")
+
+
+async def park(
+    ref: ContainerRef,
+    to: str,
+    *,
+    podman: Podman,
+    image_settings: ImageSettings,
+    state_dir: Path,
+    reason: str = "",
+) -> ParkedContainer:
+    """Park the running container ``ref`` (see the module's table)."""
+    place = place_of(to)
+    if load(state_dir, ref) is not None:
+        raise ParkError(f"{ref} is already parked: spotguard unpark {ref}")
+    t0 = time.monotonic()
+    url = ""
+    if place == "store":
+        done = await checkpoint_container(
+            ref, to, podman=podman, image_settings=image_settings, state_dir=state_dir
+        )
+        url = done.image_url
+    else:
+        await inspect_running(podman, ref)
+        if place == "memory":
+            await podman.run("pause", ref.name, what=f"parking {ref} in memory")
+        else:
+            await podman.checkpoint(ref.name, what=f"parking {ref} to disk")
+    rec = ParkedContainer(
+        container=str(ref),
+        place=place,
+        image_url=url,
+        reason=reason,
+        parked_at=datetime.now(UTC),
+        seconds=round(time.monotonic() - t0, 3),
+    )
+    await asyncio.to_thread(
+        safefs.write_file, _path(state_dir, ref), rec.model_dump_json().encode()
+    )
+    return rec
+
+
+async def unpark(
+    ref: ContainerRef,
+    *,
+    podman: Podman,
+    image_settings: ImageSettings,
+    state_dir: Path,
+) -> ParkedContainer:
+    """Bring the parked container ``ref`` back; its record is removed once it runs."""
+    rec = load(state_dir, ref)
+    if rec is None:
+        raise ParkError(f"{ref} is not parked on this node")
+    if rec.place == "memory":
+        await podman.run("unpause", ref.name, what=f"unparking {ref}")
+    elif rec.place == "disk":
+        await podman.run("container", "restore", ref.name, what=f"unparking {ref}")
+    else:
+        await restore_container(
+            rec.image_url,
+            podman=podman,
+            image_settings=image_settings,
+            state_dir=state_dir,
+            name=ref.name,
+        )
+    with contextlib.suppress(FileNotFoundError):
+        _path(state_dir, ref).unlink()
+    return rec
