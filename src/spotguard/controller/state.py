@@ -33,6 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, m
 
 from spotguard.contracts import Decision, NoticeInfo, Owner
 from spotguard.controller.retention import EventRetention, prune_events, upgrade_events
+from spotguard.controller.schema import SCHEMA as _SCHEMA
 from spotguard.errors import StateError
 
 log = logging.getLogger(__name__)
@@ -55,54 +56,6 @@ class JobState(StrEnum):
 
 
 TERMINAL = frozenset({JobState.FAILED, JobState.FINISHED})
-
-_SCHEMA = """
-CREATE TABLE IF NOT EXISTS jobs (
-    name TEXT PRIMARY KEY,
-    state TEXT NOT NULL,
-    reason TEXT NOT NULL DEFAULT '',
-    store TEXT,
-    image_url TEXT,
-    spec TEXT NOT NULL DEFAULT '{}',
-    instance TEXT NOT NULL DEFAULT '{}',
-    pending TEXT,
-    launch_token TEXT,
-    launch_attempt INTEGER NOT NULL DEFAULT 0,
-    restarts INTEGER NOT NULL DEFAULT 0,
-    deadline REAL,
-    data TEXT NOT NULL DEFAULT '{}',
-    created_at REAL NOT NULL,
-    updated_at REAL NOT NULL,
-    since REAL NOT NULL
-);
-CREATE TABLE IF NOT EXISTS history (
-    id INTEGER PRIMARY KEY AUTOINCREMENT,
-    job TEXT NOT NULL,
-    at REAL NOT NULL,
-    from_state TEXT,
-    to_state TEXT NOT NULL,
-    reason TEXT NOT NULL,
-    detail TEXT NOT NULL DEFAULT '{}'
-);
-CREATE INDEX IF NOT EXISTS history_job ON history(job, id);
-CREATE TABLE IF NOT EXISTS events (
-    event_id TEXT PRIMARY KEY,
-    job TEXT NOT NULL,
-    kind TEXT NOT NULL,
-    received REAL NOT NULL,
-    body TEXT NOT NULL,
-    size INTEGER NOT NULL DEFAULT 0
-);
-CREATE INDEX IF NOT EXISTS events_job ON events(job, size);
-CREATE INDEX IF NOT EXISTS events_received ON events(received);
-CREATE TABLE IF NOT EXISTS images (
-    job TEXT NOT NULL,
-    image_url TEXT NOT NULL,
-    at REAL NOT NULL,
-    bytes INTEGER,
-    PRIMARY KEY (job, image_url)
-);
-"""
 
 _JSON_COLS = ("spec", "instance", "pending", "data")
 
