@@ -21,6 +21,7 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import psutil
 import pytest
 from sg_gpu_standin import FileGpu
 
@@ -28,7 +29,7 @@ from spotguard.agent import startup
 from spotguard.checkpoint import proctree, suspend
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import MARKER, Engine
-from spotguard.checkpoint.jobs import JobInfo, list_jobs, start_job
+from spotguard.checkpoint.jobs import JobInfo, list_jobs, resolve_job, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.park import core, record
 from spotguard.park.settings import ParkSettings
@@ -87,7 +88,9 @@ def park_settings(tmp_path: Path) -> ParkSettings:
 
 @pytest.fixture
 async def job(settings: CheckpointSettings) -> AsyncIterator[JobInfo]:
-    j = await start_job(LONG, "victim", state_dir=settings.state_dir)
+    # no mount namespace of its own: its image then holds no host mounts, which other tests
+    # running beside this one may take away before the restore (issue 31 item 15)
+    j = await start_job(LONG, "victim", state_dir=settings.state_dir, pid_namespace=False)
     await _grows(j.dir / "stdout", 3)
     yield j
     for k in list_jobs(settings.state_dir):
@@ -117,7 +120,21 @@ async def _kill_at(
     pause: str,
     to: str = "memory",
 ) -> None:
-    """Run the park/unpark in a child until it reaches ``pause``, then SIGKILL it."""
+    """Run the park/unpark in a child until it reaches ``pause``, then SIGKILL it.
+    ``criu:STAGE``: CRIU itself waits at that stage of its restore (an action script from
+    ``CRIU_CONFIG_FILE``), so the child dies while CRIU restores; CRIU dies with it."""
+    env = dict(os.environ)
+    reached = gpufile.with_name("criu-reached")
+    if pause.startswith("criu:"):
+        script = gpufile.with_name("criu-action.sh")
+        script.write_text(
+            f'#!/bin/sh\nif [ "$CRTOOLS_SCRIPT_ACTION" = "{pause[5:]}" ]; then\n'
+            f"  echo $$ > {reached}.tmp && mv {reached}.tmp {reached}\n  exec sleep 3600\nfi\n"
+        )
+        script.chmod(0o755)
+        conf = gpufile.with_name("criu.conf")
+        conf.write_text(f"action-script {script}\n")
+        env["CRIU_CONFIG_FILE"] = str(conf)
     child = await asyncio.create_subprocess_exec(
         sys.executable,
         "-c",
@@ -134,8 +151,22 @@ async def _kill_at(
         pause,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
+        env=env,
     )
     assert child.stdout is not None and child.stderr is not None
+    if pause.startswith("criu:"):
+        deadline = time.monotonic() + 60
+        while not reached.exists():
+            if child.returncode is not None or time.monotonic() > deadline:
+                child.kill()
+                await child.wait()
+                err = (await child.stderr.read())[-2000:]
+                pytest.fail(f"CRIU never reached {pause!r}: {err!r}")
+            await asyncio.sleep(0.02)
+        os.kill(child.pid, signal.SIGKILL)
+        await child.wait()
+        os.kill(int(reached.read_text()), signal.SIGKILL)  # the action script's sleep
+        return
     want = f"after {pause[4:]}" if pause.startswith("gpu:") else f"at {pause[5:]}"
     try:
         line = await asyncio.wait_for(child.stdout.readline(), 60)
@@ -264,3 +295,57 @@ async def test_a_park_to_an_image_killed_midway_leaves_no_partial_image(
     assert not proctree.alive(job.pid)
     done = await core.unpark(job.name, engine=eng, settings=settings, park_settings=park_settings)
     assert proctree.alive(done.pid) and rec.place == to
+
+
+def _copies(job: JobInfo) -> list[int]:
+    """Processes running the job's init (``spotguard run``'s, naming its directory)."""
+    out = []
+    for p in psutil.process_iter(["cmdline"]):
+        if str(job.dir) in (p.info["cmdline"] or []):
+            out.append(p.pid)
+    return out
+
+
+@pytest.mark.parametrize(
+    ("to", "pause"),
+    [
+        ("disk", "criu:post-restore"),  # CRIU restoring the tree: it dies with the unpark
+        ("tmpfs", "criu:post-restore"),
+        ("disk", "gpu:restore"),  # the tree restored, its GPU state back but still locked
+        ("disk", "step:finish"),  # the tree runs; job.json, record and image not updated
+    ],
+)
+async def test_an_unpark_from_an_image_killed_midway_is_undone_or_finished(
+    settings: CheckpointSettings,
+    park_settings: ParkSettings,
+    job: JobInfo,
+    tmp_path: Path,
+    to: str,
+    pause: str,
+) -> None:
+    gpufile = tmp_path / "gpu.json"
+    with_gpu = pause.startswith("gpu:")
+    eng = _engine(settings, FileGpu(gpufile, with_gpu=with_gpu))
+    rec = await core.park(job, to=to, engine=eng, settings=settings, park_settings=park_settings)
+    gpufile.unlink(missing_ok=True)  # the parked processes are gone, and their GPU state
+    hook = FileGpu(gpufile, with_gpu=with_gpu)
+    await _kill_at(
+        settings, job, gpufile, gpu="gpu" if with_gpu else "cpu", op="unpark", pause=pause
+    )
+    assert (job.dir / MARKER).exists(), "no crash marker: nothing would clean the unpark up"
+    image = Path(rec.location)
+
+    if pause.startswith("criu:"):
+        assert _copies(job), "CRIU left nothing behind here"  # the half-restored tree
+        # the next unpark kills what CRIU left, then restores the job: one copy runs
+        done = await core.unpark(
+            job.name, engine=_engine(settings, hook), settings=settings, park_settings=park_settings
+        )
+        assert _copies(job) == [done.pid]
+    else:
+        assert await _engine(settings, hook).recover(job) is True
+        assert await _engine(settings, hook).recover(job) is False
+    now = resolve_job(job.name, state_dir=settings.state_dir)
+    await _runs_again(now, hook, settings.state_dir)
+    assert _copies(now) == [now.pid]
+    assert not await asyncio.to_thread(image.exists), "the parked image was kept"

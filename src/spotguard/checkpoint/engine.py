@@ -32,7 +32,8 @@ process running the freeze was killed. What a freeze and a restore return is in
 Suspend in place (park ``--to memory``: no image) is the engine's third mode,
 :meth:`Engine.suspend` / :meth:`Engine.resume`, with its steps in :mod:`.suspend`
 (``scan ─► gpu_lock ─► gpu_checkpoint ─► stop ─► record``), under the same marker, faults
-seam, bring-back and recovery.
+seam, bring-back and recovery. A park's restore (``record=``) holds the marker too, its
+commit the last step. What :meth:`Engine.recover` does per operation: :mod:`.recovery`.
 
 Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore``
 ─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock`` ─► ``nccl_rebuild`` ─► finish.
@@ -48,7 +49,7 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Protocol
 
@@ -56,7 +57,7 @@ from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
-from . import files, nccl, ncclctl, procfacts, proctree, restart, scan, suspend
+from . import files, nccl, ncclctl, procfacts, proctree, recovery, restart, scan, suspend
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo, link_job_dir, own_mount_ns
@@ -67,6 +68,9 @@ from .results import FreezeResult, Mode, RestoreResult
 from .settings import CheckpointSettings
 from .staging import DumpTarget, RestoreSource, dir_bytes
 from .suspend import OnResumed, OnSuspended, Suspended
+
+#: a park's restore: its commit, run as the last step under the crash marker
+OnRestored = Callable[[RestoreResult], Awaitable[None]]
 
 __all__ = [
     "FREEZE_STEPS",
@@ -343,39 +347,10 @@ class Engine:
             await self.nccl.bring_back(job.name, live)
 
     async def recover(self, job: JobInfo) -> bool:
-        """Bring back a job left mid-freeze, mid-suspend or mid-resume by a killed process
-        (e.g. a restarted agent, the next park command).
-
-        Reads the job's marker; if the operation that wrote it is no longer running, restores
-        and unlocks every GPU process, sends SIGCONT to the tree and removes the marker. A
-        suspend whose record exists had completed (the job stays suspended); a resume's
-        record is removed once the job runs. Returns True if there was something to recover.
-        """
-        marker = FreezeMarker(job)
-        record = marker.read()
-        if record is None:
-            return False
-        other = record.running_elsewhere()
-        if other is not None:
-            raise JobError(f"job {job.name!r}: a freeze is still running (pid {other})")
-        kept = Path(record.record) if record.record else None
-        if record.op == "suspend" and kept is not None and kept.exists():
-            marker.clear()  # killed after its commit: the job is suspended and recorded
-            log.info("an interrupted suspend had completed", extra={"job": job.name})
-            return False
-        tree = record.tree
-        if proctree.alive(job.pid):
-            tree = sorted(set(tree) | set(proctree.tree(job.pid)))
-        gpu_pids = record.gpu_pids
-        await self.bring_back(job, tree, gpu_pids, reopen_nccl=record.op == "freeze")
-        if record.op == "resume" and kept is not None:
-            kept.unlink(missing_ok=True)  # the job runs: it is no longer suspended
-        marker.clear()
-        log.info(
-            "recovered job after an interrupted freeze",
-            extra={"job": job.name, "gpu_pids": gpu_pids, "step": record.op},
-        )
-        return True
+        """Bring back a job left mid-freeze, mid-suspend, mid-resume or mid-restore (a
+        park's) by a killed process (a restarted agent, the next park or unpark): the rules
+        per operation are in :mod:`.recovery`. True if there was something to recover."""
+        return await recovery.recover(self, job)
 
     # --- suspend in place (the steps: :mod:`.suspend`) -------------------------------------
 
@@ -412,20 +387,30 @@ class Engine:
         *,
         state_dir: Path | None = None,
         restore_gpus: str | None = None,
+        record: Path | None = None,
+        commit: OnRestored | None = None,
     ) -> RestoreResult:
         """Restore the image from ``source``; the job runs again when this returns.
-        ``restore_gpus``: this restore's GPUs (the setting's syntax), over the setting."""
+        ``restore_gpus``: this restore's GPUs (the setting's syntax), over the setting.
+        ``record`` (a park's restore): the crash marker is taken, naming it, and ``commit``
+        (which removes it) runs as the last step (:meth:`recover` finishes or undoes a
+        restore killed midway)."""
         tl = Timeline()
         s = self.settings
         state = state_dir or s.state_dir
         pid: int | None = None
         started = False
+        marker: FreezeMarker | None = None
         try:
             with tl.step("source"):
                 await self.faults.before("source")
                 started = True
                 meta = await source.start()
             job = JobInfo.from_json(meta.job)
+            if record is not None:
+                job.dir.mkdir(parents=True, exist_ok=True)
+                marker = FreezeMarker(job)
+                marker.take("restore", op="restore", record=record, images=source.images_dir)
             with tl.step("preflight") as ps:
                 await self.faults.before("preflight")
                 remap = await preflight(
@@ -455,6 +440,8 @@ class Engine:
                 raise GpuError(
                     f"restored tree lacks GPU processes {meta.gpu_processes} (found {by_ns})"
                 )
+            if marker is not None:
+                marker.update(gpu_pids=gpu_pids, tree=[*by_ns.values()], job_pid=pid)
             suspend.continue_stopped(list(by_ns.values()))  # the driver needs them running
             if gpu_pids:
                 with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}):
@@ -472,18 +459,25 @@ class Engine:
                 job.save()
                 link_job_dir(job, state)
                 await source.finish()
+                result = RestoreResult(job, pid, tl, meta, gpu_pids)
+                if commit is not None:
+                    await commit(result)
         except BaseException as exc:
             if pid is not None and proctree.alive(pid):
                 # a tree restored without its GPU state cannot run: do not leave it locked
                 os.kill(pid, signal.SIGKILL)
             if started:
                 await asyncio.shield(source.abort())
+            if marker is not None:
+                marker.clear()
             log.warning("restore failed", extra={"error": str(exc), "step": _failed_step(tl)})
             if isinstance(exc, SpotguardError | asyncio.CancelledError | KeyboardInterrupt):
                 raise
             raise CheckpointError(f"restore failed: {exc}") from exc
+        if marker is not None:
+            marker.clear()
         log.info("job restored", extra={"job": job.name, "pid": pid, "gpu_pids": gpu_pids})
-        return RestoreResult(job, pid, tl, meta, gpu_pids)
+        return result
 
 
 def _failed_step(tl: Timeline) -> str | None:

@@ -14,8 +14,9 @@ Format (JSON, written atomically)::
      "job_pid": 4410, "started": "2025-05-01T12:00:00+00:00", "gpu_pids": [4412],
      "tree": [4410, 4412], "record": null}
 
-``op`` is ``freeze`` (an image), or ``suspend`` / ``resume`` (park in place: no image); for
-those ``record`` names the file that records the job as suspended (park's record).
+``op`` is ``freeze`` (an image), ``suspend`` / ``resume`` (park in place: no image) or
+``restore`` (a park's image restored by unpark); for those ``record`` names park's record of
+the job, and a restore's ``images`` the image directory it reads.
 
 ``agent_start`` is the writer's start time (clock ticks after boot, ``/proc/PID/stat``): with
 ``agent_pid`` the writer's identity, so a marker whose writer died and whose pid was given to
@@ -74,6 +75,11 @@ class MarkerRecord:
     #: suspended (park's record) — a suspend is complete once it exists, a resume once it
     #: is gone (see :meth:`~spotguard.checkpoint.engine.Engine.recover`)
     record: str | None = None
+    #: a park's restore (``op`` ``restore``): the image directory it reads — CRIU's own
+    #: processes mid-restore name it — removed with ``record`` once the restore completed
+    images: str | None = None
+    #: the job's start time once known (a restore: set with ``job_pid`` when CRIU returned)
+    job_start: int | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any], job: JobInfo) -> MarkerRecord:
@@ -90,6 +96,8 @@ class MarkerRecord:
             op=str(data.get("op", "freeze")),
             agent_start=agent_start if isinstance(agent_start, int) else None,
             record=str(data["record"]) if isinstance(data.get("record"), str) else None,
+            images=str(data["images"]) if isinstance(data.get("images"), str) else None,
+            job_start=data["job_start"] if isinstance(data.get("job_start"), int) else None,
         )
 
     def running_elsewhere(self) -> int | None:
@@ -128,7 +136,14 @@ class FreezeMarker:
         self.path: Path = job.dir / MARKER
         self.fallback: Path = fallback_path(job.dir)
 
-    def take(self, mode: str, *, op: str = "freeze", record: Path | None = None) -> None:
+    def take(
+        self,
+        mode: str,
+        *,
+        op: str = "freeze",
+        record: Path | None = None,
+        images: Path | None = None,
+    ) -> None:
         """Claim the job for a freeze (``op``: or an in-place ``suspend`` / ``resume``, with
         the ``record`` file that says the job is suspended); :class:`JobError` if another
         live process holds it."""
@@ -147,13 +162,18 @@ class FreezeMarker:
                 agent_start=start_time("self"),
                 op=op,
                 record=str(record) if record is not None else None,
+                images=str(images) if images is not None else None,
             )
         )
 
-    def update(self, *, gpu_pids: list[int], tree: list[int]) -> None:
-        """Record the processes a bring-back must reach (known once the scan ran)."""
+    def update(self, *, gpu_pids: list[int], tree: list[int], job_pid: int | None = None) -> None:
+        """Record the processes a bring-back must reach (known once the scan ran, or once
+        CRIU restored the tree: then ``job_pid``, the restored root, with its start time)."""
         current = self.read() or MarkerRecord.from_json({}, self.job)
-        self._write(replace(current, gpu_pids=gpu_pids, tree=tree))
+        now = replace(current, gpu_pids=gpu_pids, tree=tree)
+        if job_pid is not None:
+            now = replace(now, job_pid=job_pid, job_start=start_time(job_pid))
+        self._write(now)
 
     def read(self) -> MarkerRecord | None:
         """The record, or None when there is none (or it cannot be read). The fallback

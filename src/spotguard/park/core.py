@@ -43,12 +43,13 @@ from pathlib import Path
 import psutil
 
 from spotguard.checkpoint import proctree, seal, suspend
-from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.engine import Engine, Mode, RestoreResult
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
+from spotguard.checkpoint.marker import FreezeMarker
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget, dir_bytes
-from spotguard.errors import JobError, ParkError
+from spotguard.errors import JobError, JobNotFound, ParkError
 
 from . import gpu, record, sockets
 from .local import clear_partial, find_unrecorded, image_dir, private_base, set_aside
@@ -124,6 +125,7 @@ async def park(
     place = place_of(to)
     state = settings.state_dir
     async with record.alocked(state, job.name, wait=False):
+        await _after_a_killed_one(engine, job)
         if record.load(state, job.name) is not None:
             raise ParkError(f"job {job.name!r} is already parked (spotguard unpark {job.name})")
         if not proctree.alive(job.pid):
@@ -179,6 +181,15 @@ async def park(
         },
     )
     return rec
+
+
+async def _after_a_killed_one(engine: Engine, job: JobInfo) -> None:
+    """A park, unpark (or checkpoint) of the job killed midway left the engine's marker: the
+    next park or unpark first finishes or undoes it (``Engine.recover``). A marker this very
+    process holds (an agent's own checkpoint under way) is left alone."""
+    left = FreezeMarker(job).read()
+    if left is not None and left.agent_pid != os.getpid():
+        await engine.recover(job)
 
 
 async def _suspend(
@@ -398,8 +409,15 @@ async def _bring_back(
         raise ParkError(f"the parked state of {job!r} is missing at {d}")
     source = DirectorySource(d, key=seal.HostKey.for_state(state))
     gpus = ",".join(chosen) if remap is not None and chosen is not None else None
-    result = await engine.restore(source, state_dir=state, restore_gpus=gpus)
-    await asyncio.to_thread(shutil.rmtree, d, True)
+
+    async def commit(_restored: RestoreResult) -> None:
+        # under the engine's marker: a restore killed before this is undone or finished
+        record.remove(state, job)
+        await asyncio.to_thread(shutil.rmtree, d, True)
+
+    result = await engine.restore(
+        source, state_dir=state, restore_gpus=gpus, record=record.path(state, job), commit=commit
+    )
     return result.pid
 
 
@@ -423,6 +441,8 @@ async def unpark(
     """
     state = settings.state_dir
     async with record.alocked(state, job, wait=wait_lock):
+        with contextlib.suppress(JobNotFound):
+            await _after_a_killed_one(engine, resolve_job(job, state_dir=state))
         rec = record.load(state, job) or find_unrecorded(job, settings, park_settings)
         if rec is None:
             raise ParkError(f"job {job!r} is not parked")

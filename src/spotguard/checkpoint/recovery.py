@@ -1,0 +1,123 @@
+"""What :meth:`~spotguard.checkpoint.engine.Engine.recover` does with the crash marker a killed
+process left (a restarted agent runs it at start-up; so do the next park and unpark): one
+rule per ``op`` of the marker (:mod:`.marker`).
+
+* ``freeze``, ``suspend``, ``resume``: every GPU process restored and unlocked, the tree
+  continued (the engine's one bring-back). A suspend whose record (park's) exists had
+  completed: the job stays suspended and only the marker goes. A resume's record is removed
+  once the job runs (it is no longer parked).
+* ``restore`` (a park's image, by unpark): killed while CRIU restored the tree, what CRIU left
+  — processes waiting in its restorer for ever — is killed: they started after the process
+  that ran the restore and name the image directory (CRIU's own, mid-restore) or the job's
+  directory (the restored init of ``spotguard run``), they and their trees; the job stays
+  parked, its image and record intact, and unparks again. Killed after CRIU returned (the
+  restored root and its start time are in the marker): the restore is finished — GPU
+  restored and unlocked, tree continued, ``job.json`` names the new pid, the record and the
+  image removed, as the unpark would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import signal
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import psutil
+
+from spotguard.errors import JobError
+
+from . import proctree
+from .jobs import JobInfo
+from .marker import FreezeMarker, MarkerRecord
+from .procfacts import same_process, start_time
+
+if TYPE_CHECKING:
+    from .engine import Engine
+
+log = logging.getLogger(__name__)
+
+
+async def recover(eng: Engine, job: JobInfo) -> bool:
+    """Act on ``job``'s marker if the process that wrote it is gone (see the module doc).
+    True if there was something to recover; :class:`JobError` if the writer still runs."""
+    marker = FreezeMarker(job)
+    rec = marker.read()
+    if rec is None:
+        return False
+    other = rec.running_elsewhere()
+    if other is not None:
+        raise JobError(f"job {job.name!r}: a freeze is still running (pid {other})")
+    kept = Path(rec.record) if rec.record else None
+    if rec.op == "suspend" and kept is not None and kept.exists():
+        marker.clear()  # killed after its commit: the job is suspended and recorded
+        log.info("an interrupted suspend had completed", extra={"job": job.name})
+        return False
+    if rec.op == "restore":
+        await _restore(eng, job, rec, kept)
+    else:
+        tree = rec.tree
+        if proctree.alive(job.pid):
+            tree = sorted(set(tree) | set(proctree.tree(job.pid)))
+        await eng.bring_back(job, tree, rec.gpu_pids, reopen_nccl=rec.op == "freeze")
+        if rec.op == "resume" and kept is not None:
+            kept.unlink(missing_ok=True)  # the job runs: it is no longer suspended
+    marker.clear()
+    log.info(
+        "recovered job after an interrupted freeze",
+        extra={"job": job.name, "gpu_pids": rec.gpu_pids, "step": rec.op},
+    )
+    return True
+
+
+async def _restore(eng: Engine, job: JobInfo, rec: MarkerRecord, kept: Path | None) -> None:
+    """A restore cut short: finished when CRIU had restored the tree, else undone."""
+    if rec.job_start is not None:
+        if not same_process(rec.job_pid, rec.job_start):
+            return  # restored, then it ended on its own: the park is left as it is
+        tree = proctree.tree(rec.job_pid)
+        await eng.bring_back(job, tree, rec.gpu_pids)
+        await asyncio.to_thread(_restored, job.with_pid(rec.job_pid), kept, rec.images)
+        log.info("finished an interrupted restore", extra={"job": job.name, "pid": rec.job_pid})
+        return
+    roots = half_restored(job, rec)
+    for root in roots:
+        proctree.signal_all(proctree.tree(root), signal.SIGKILL)
+    if roots:
+        log.warning(
+            "killed what an interrupted restore left; the job stays parked",
+            extra={"job": job.name, "pids": roots},
+        )
+
+
+def _restored(job: JobInfo, kept: Path | None, images: str | None) -> None:
+    """What a park's restore does last: ``job.json`` names the running pid, the park record
+    and the parked image go."""
+    job.save()
+    if kept is not None:
+        kept.unlink(missing_ok=True)
+    if images:
+        shutil.rmtree(images, ignore_errors=True)
+
+
+def half_restored(job: JobInfo, rec: MarkerRecord) -> list[int]:
+    """The topmost processes a ``criu restore`` killed midway left (see the module doc)."""
+    marks = {m for m in (rec.images, str(job.dir)) if m}
+    if rec.agent_start is None or not marks:
+        return []
+    found: dict[int, int] = {}  # pid → parent
+    for pid in psutil.pids():
+        started = start_time(pid)
+        if started is None or started < rec.agent_start or pid == os.getpid():
+            continue
+        try:
+            proc = psutil.Process(pid)
+            argv, parent = proc.cmdline(), proc.ppid()
+        except psutil.Error:
+            continue
+        if marks & set(argv):
+            found[pid] = parent
+    return sorted(p for p, parent in found.items() if parent not in found)
