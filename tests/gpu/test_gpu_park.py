@@ -4,6 +4,12 @@ An HTTP inference server holding a model and ~8 GB of weights-like state on the 
 to memory (NVML shows its GPU memory freed), unparked and answers the same; parked again with
 wake-on-connect, the first request wakes it and is answered. A Jupyter kernel holding CUDA
 tensors is parked to memory and unparked; a new client gets the same tensor checksums.
+
+A park or unpark killed midway (issue 31 item 12): ``park --to memory`` SIGKILLed right after
+the driver checkpointed the server's GPU state (the engine's faults seam holds it before
+``stop``) is brought back by what a restarted agent runs at start-up (``operations.recover``,
+the real driver); an ``unpark`` of it parked to disk SIGKILLed while CRIU restores (CRIU held
+at ``post-restore`` by an action script) is cleaned up by the next ``spotguard unpark``.
 Each step's time is printed (docs/benchmarks.md records them).
 """
 
@@ -12,9 +18,11 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -178,3 +186,128 @@ def _run_cell(jupyter_client: Any, conn: Path, code: str) -> str:
         return "".join(out).strip()
     finally:
         client.stop_channels()
+
+
+# --- a park or unpark killed midway (issue 31 item 12) ------------------------------------
+
+KILL_MB = int(os.environ.get("SPOTGUARD_PARK_KILL_TEST_MB", "1024"))
+
+PARK_HELD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from spotguard.checkpoint.jobs import resolve_job
+    from spotguard.checkpoint.settings import CheckpointSettings
+    from spotguard.config import load
+    from spotguard.operations import engine_for
+    from spotguard.park import core
+    from spotguard.park.settings import ParkSettings
+
+    class HoldAt:
+        async def before(self, step):
+            if step == sys.argv[1]:
+                print("at", step, flush=True)
+                await asyncio.sleep(3600)
+
+    async def main():
+        cs, ps = load(CheckpointSettings, {}), load(ParkSettings, {})
+        eng = engine_for(cs)
+        eng.faults = HoldAt()
+        job = resolve_job("srv", state_dir=cs.state_dir)
+        await core.park(job, to="memory", engine=eng, settings=cs, park_settings=ps)
+
+    asyncio.run(main())
+    """
+)
+
+RECOVER = textwrap.dedent(
+    """
+    import asyncio
+    from spotguard import operations
+    from spotguard.checkpoint.jobs import resolve_job
+    from spotguard.checkpoint.settings import CheckpointSettings
+    from spotguard.config import load
+
+    cs = load(CheckpointSettings, {})
+    job = resolve_job("srv", state_dir=cs.state_dir)
+    print(asyncio.run(operations.recover(job, settings=cs)), flush=True)
+    """
+)
+
+
+def _server(sg: Sg) -> tuple[int, str]:
+    port = _port()
+    sg(
+        "run",
+        "--name",
+        "srv",
+        "--",
+        sys.executable,
+        str(JOBS / "server.py"),
+        str(port),
+        str(KILL_MB),
+    )
+    _wait(lambda: _ready(port), "the server to answer")
+    return port, _get(port, "/infer?x=3")
+
+
+def test_a_park_in_place_killed_after_the_gpu_checkpoint_is_recovered(
+    gpu_ready: None, sg: Sg
+) -> None:
+    port, before = _server(sg)
+    pid = sg.pid("srv")
+    child = subprocess.Popen(
+        [sys.executable, "-c", PARK_HELD, "stop"],
+        env=sg.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout is not None and child.stderr is not None
+    line = child.stdout.readline().strip()
+    if line != "at stop":
+        child.kill()
+        pytest.fail(f"the park never reached its stop step: {line!r} {child.stderr.read()!r}")
+    assert gpu.used_bytes([pid]) == 0  # the driver holds the state in host memory now
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    assert (sg.root / "state" / "jobs" / "srv" / "operation.json").exists()
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", RECOVER], env=sg.env, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.stdout.strip() == "True", done.stderr[-4000:]
+    recover_s = time.monotonic() - t0
+    assert _get(port, "/infer?x=3") == before
+    assert gpu.used_bytes([pid]) > KILL_MB * 2**20 * 0.9
+    sg("park", "srv", "--to", "memory")
+    sg("unpark", "srv")
+    assert _get(port, "/infer?x=3") == before
+    print(
+        f"\nrecovered a park killed after the GPU checkpoint ({KILL_MB} MiB) in {recover_s:.2f} s"
+    )
+
+
+def test_an_unpark_killed_while_criu_restores_is_cleaned_by_the_next_unpark(
+    gpu_ready: None, sg: Sg, tmp_path: Path
+) -> None:
+    port, before = _server(sg)
+    sg("park", "srv", "--to", "disk")
+    reached = tmp_path / "criu-reached"
+    script = tmp_path / "criu-action.sh"
+    script.write_text(
+        f'#!/bin/sh\nif [ "$CRTOOLS_SCRIPT_ACTION" = "post-restore" ]; then\n'
+        f"  echo $$ > {reached}.tmp && mv {reached}.tmp {reached}\n  exec sleep 3600\nfi\n"
+    )
+    script.chmod(0o755)
+    conf = tmp_path / "criu.conf"
+    conf.write_text(f"action-script {script}\n")
+    child = subprocess.Popen([*(sys.executable, "-m", "spotguard"), "unpark", "srv"],
+                             env={**sg.env, "CRIU_CONFIG_FILE": str(conf)})  # fmt: skip
+    _wait(lambda: reached.exists() or child.poll() is not None, "CRIU to reach post-restore")
+    assert reached.exists(), "the unpark ended before CRIU reached post-restore"
+    child.send_signal(signal.SIGKILL)
+    child.wait()
+    os.kill(int(reached.read_text()), signal.SIGKILL)  # the action script's sleep
+    sg("unpark", "srv")
+    assert _get(port, "/infer?x=3") == before
+    pid = sg.pid("srv")
+    assert proctree.alive(pid)
