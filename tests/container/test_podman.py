@@ -21,9 +21,9 @@ from spotguard.container.start import start_container
 from spotguard.errors import ImageCorrupt, MissingMount, SpotguardError
 from spotguard.image import ImageReader, ImageSettings
 
-LINES = 40
+LINES = 120
 #: the job: one line per step into its bind-mounted output, holding the file open
-JOB = f"exec >>/data/out; i=0; while [ $i -lt {LINES} ]; do echo $i; i=$((i+1)); sleep 0.1; done"
+JOB = f"exec >>/data/out; i=0; while [ $i -lt {LINES} ]; do echo $i; i=$((i+1)); sleep 0.05; done"
 EXPECTED = "".join(f"{i}\n" for i in range(LINES))
 
 

@@ -164,19 +164,7 @@ class Podman:
         return out.decode(errors="replace")
 
     async def checkpoint(self, name: str, *options: str, what: str) -> None:
-        """``podman container checkpoint NAME OPTIONS``, tried once more when it fails and the
-        container still runs (CRIU let it go on): one dump in about a hundred here failed with
-        ``criu failed: type NOTIFY errno 3`` right after the container was paused and
-        unpaused, and the same dump passed when tried again (cause not found)."""
-        try:
-            await self.run("container", "checkpoint", name, *options, what=what)
-            return
-        except ContainerError as exc:
-            ctr = await self.inspect(name)
-            if ctr is None or (ctr.get("State") or {}).get("Status") != "running":
-                raise
-            log.warning("checkpoint failed; trying once more", extra={"error": str(exc)})
-        await asyncio.sleep(0.5)
+        """``podman container checkpoint NAME OPTIONS``."""
         await self.run("container", "checkpoint", name, *options, what=what)
 
     async def inspect(self, name: str) -> dict[str, Any] | None:
