@@ -202,3 +202,49 @@ def test_an_exit_checkpoint_whose_image_cannot_be_stored_brings_the_container_ba
     asyncio.run(vm1.podman.run("rm", "--force", "--time", "0", "back", what="ending the job"))
     text = (data / "out").read_text()
     assert text == EXPECTED[: len(text)]  # continued: no line lost or repeated
+
+
+def test_leave_running_keeps_the_container_and_carries_its_writable_layer(
+    vms: tuple[Vm, Vm],
+) -> None:
+    vm1, vm2 = vms
+    inner = JOB.replace("/data/out", "/tmp/out")  # in the container's own writable layer
+    ref = ContainerRef.parse("podman:lr")
+    asyncio.run(start_container(ref, IMAGE, ["/bin/sh", "-c", inner], podman=vm1.podman))
+
+    def inside(vm: Vm) -> str:  # the file as the container sees it (no cat in the image)
+        read = 'while IFS= read -r line; do echo "$line"; done </tmp/out'
+        return vm.podman_cmd("exec", "lr", "/bin/sh", "-c", read)
+
+    end = time.monotonic() + 30
+    while inside(vm1).count("\n") < 8:
+        assert time.monotonic() < end
+        time.sleep(0.1)
+    done = asyncio.run(
+        checkpoint_container(
+            ref,
+            f"file://{vm1.state_dir.parent / 'store'}",
+            podman=vm1.podman,
+            image_settings=ImageSettings(),
+            state_dir=vm1.state_dir,
+            leave_running=True,
+        )
+    )
+    assert done.mode == "resume"
+    at_dump = inside(vm1)
+    time.sleep(0.5)
+    assert len(inside(vm1)) > len(at_dump)  # still running on VM 1
+    asyncio.run(
+        restore_container(
+            done.image_url,
+            podman=vm2.podman,
+            image_settings=ImageSettings(),
+            state_dir=vm2.state_dir,
+        )
+    )
+    time.sleep(0.5)
+    there, here = inside(vm2), inside(vm1)
+    # the layer came along as it was at the dump, and both copies went on from there: every
+    # number once, in order (podman's own --leave-running wrote one twice)
+    assert there.count("\n") > 8 and there == EXPECTED[: len(there)], there
+    assert here == EXPECTED[: len(here)], here
