@@ -18,8 +18,8 @@ from spotguard.container import ContainerImage, ContainerRef, Podman
 from spotguard.container.checkpoint import checkpoint_container
 from spotguard.container.restore import restore_container
 from spotguard.container.start import start_container
-from spotguard.errors import ImageCorrupt, MissingMount, SpotguardError
-from spotguard.image import ImageReader, ImageSettings
+from spotguard.errors import ImageCorrupt, MissingMount, SpotguardError, UnsignedImage
+from spotguard.image import ImageReader, ImageSettings, generate_signing_key
 
 LINES = 120
 #: the job: one line per step into its bind-mounted output, holding the file open
@@ -248,3 +248,42 @@ def test_leave_running_keeps_the_container_and_carries_its_writable_layer(
     # number once, in order (podman's own --leave-running wrote one twice)
     assert there.count("\n") > 8 and there == EXPECTED[: len(there)], there
     assert here == EXPECTED[: len(here)], here
+
+
+def test_container_images_are_signed_and_an_unsigned_one_is_refused_before_podman(
+    vms: tuple[Vm, Vm], tmp_path: Path
+) -> None:
+    vm1, vm2 = vms
+    private, public = generate_signing_key()
+    (tmp_path / "sign.pem").write_bytes(private)
+    (tmp_path / "verify.pem").write_bytes(public)
+    signing = ImageSettings(signing_key_file=tmp_path / "sign.pem")
+    verifying = ImageSettings(verify_key_file=tmp_path / "verify.pem")
+    store = f"file://{vm1.state_dir.parent / 'store'}"
+
+    async def checkpoint(name: str, settings: ImageSettings) -> str:
+        ref = ContainerRef.parse(f"podman:{name}")
+        await start_container(ref, IMAGE, ["/bin/sh", "-c", "sleep 600"], podman=vm1.podman)
+        done = await checkpoint_container(
+            ref, store, podman=vm1.podman, image_settings=settings, state_dir=vm1.state_dir
+        )
+        return done.image_url
+
+    signed, unsigned = (
+        asyncio.run(checkpoint("s1", signing)),
+        asyncio.run(checkpoint("u1", ImageSettings())),
+    )
+    podman, log = _logged(vm2, tmp_path)
+    with pytest.raises(UnsignedImage):
+        asyncio.run(
+            restore_container(
+                unsigned, podman=podman, image_settings=verifying, state_dir=vm2.state_dir
+            )
+        )
+    assert _restores(log) == [], "podman was asked to restore an unsigned image"
+    done = asyncio.run(
+        restore_container(signed, podman=podman, image_settings=verifying, state_dir=vm2.state_dir)
+    )
+    assert done.container == "podman:s1"
+    ctr = asyncio.run(vm2.podman.inspect("s1"))
+    assert ctr is not None and ctr["State"]["Status"] == "running"
