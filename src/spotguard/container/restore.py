@@ -27,7 +27,7 @@ from typing import Any
 from spotguard.container.archive import relocate
 from spotguard.container.checkpoint import work_dir
 from spotguard.container.podman import Podman
-from spotguard.container.spec import ContainerImage
+from spotguard.container.spec import ContainerImage, ContainerRef
 from spotguard.errors import (
     ImageError,
     MismatchError,
@@ -70,6 +70,8 @@ async def restore_container(
 ) -> ContainerRestore:
     """Restore the container image at ``image_url`` as a new container named ``name``
     (default: the checkpointed container's name)."""
+    if name is not None:
+        ContainerRef.parse(f"podman:{name}")  # a bad name is refused before any download
     tl = Timeline()
     tmp = await asyncio.to_thread(work_dir, state_dir)
     try:
@@ -77,7 +79,7 @@ async def restore_container(
             manifest = await pull_dir(image_url, tmp, settings=image_settings, timeline=tl)
         record = ContainerImage.from_meta(manifest.meta, image_url)
         archive = _archive(tmp, record, [f.name for f in manifest.files], image_url)
-        target = name or record.config.name
+        target = ContainerRef.parse(f"podman:{name or record.config.name}").name
         with tl.step("preflight"):
             await preflight(podman, record, target)
             graph_root, run_root = await podman.storage_roots()
