@@ -51,7 +51,6 @@ import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Protocol
 
 from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
@@ -67,7 +66,7 @@ from .preflight import preflight, wait_pids_free
 from .results import FreezeResult, Mode, RestoreResult
 from .settings import CheckpointSettings
 from .staging import DumpTarget, RestoreSource, dir_bytes
-from .suspend import OnResumed, OnSuspended, Suspended
+from .suspend import Faults, OnResumed, OnSuspended, Suspended
 
 #: a park's restore: its commit, run as the last step under the crash marker
 OnRestored = Callable[[RestoreResult], Awaitable[None]]
@@ -107,12 +106,6 @@ RESTORE_STEPS = (
     "nccl_rebuild",
     "finish",
 )
-
-
-class Faults(Protocol):
-    """Test seam: consulted before each step; raising there fails that step."""
-
-    async def before(self, step: str) -> None: ...
 
 
 class _NoFaults:

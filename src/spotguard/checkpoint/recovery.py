@@ -36,12 +36,12 @@ from .marker import FreezeMarker, MarkerRecord
 from .procfacts import same_process, start_time
 
 if TYPE_CHECKING:
-    from .engine import Engine
+    from .suspend import EngineParts
 
 log = logging.getLogger(__name__)
 
 
-async def recover(eng: Engine, job: JobInfo) -> bool:
+async def recover(eng: EngineParts, job: JobInfo) -> bool:
     """Act on ``job``'s marker if the process that wrote it is gone (see the module doc).
     True if there was something to recover; :class:`JobError` if the writer still runs."""
     marker = FreezeMarker(job)
@@ -73,7 +73,7 @@ async def recover(eng: Engine, job: JobInfo) -> bool:
     return True
 
 
-async def _restore(eng: Engine, job: JobInfo, rec: MarkerRecord, kept: Path | None) -> None:
+async def _restore(eng: EngineParts, job: JobInfo, rec: MarkerRecord, kept: Path | None) -> None:
     """A restore cut short: finished when CRIU had restored the tree, else undone."""
     if rec.job_start is not None:
         if not same_process(rec.job_pid, rec.job_start):
@@ -83,13 +83,11 @@ async def _restore(eng: Engine, job: JobInfo, rec: MarkerRecord, kept: Path | No
         await asyncio.to_thread(_restored, job.with_pid(rec.job_pid), kept, rec.images)
         log.info("finished an interrupted restore", extra={"job": job.name, "pid": rec.job_pid})
         return
-    roots = half_restored(job, rec)
-    for root in roots:
+    for root in half_restored(job, rec):
         proctree.signal_all(proctree.tree(root), signal.SIGKILL)
-    if roots:
         log.warning(
             "killed what an interrupted restore left; the job stays parked",
-            extra={"job": job.name, "pids": roots},
+            extra={"job": job.name, "pid": root},
         )
 
 

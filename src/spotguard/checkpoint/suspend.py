@@ -40,7 +40,7 @@ import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from spotguard.errors import JobError, SpotguardError
 from spotguard.timeline import Timeline
@@ -49,11 +49,36 @@ from . import proctree
 from .cuda import GpuHook, GpuState
 from .jobs import JobInfo
 from .marker import FreezeMarker
-
-if TYPE_CHECKING:
-    from .engine import Engine
+from .settings import CheckpointSettings
 
 log = logging.getLogger(__name__)
+
+
+class EngineParts(Protocol):
+    """What the in-place steps (and :mod:`.recovery`) use of the
+    :class:`~spotguard.checkpoint.engine.Engine` that runs them."""
+
+    gpu: GpuHook
+    settings: CheckpointSettings
+
+    @property
+    def faults(self) -> Faults: ...
+
+    async def bring_back(
+        self,
+        job: JobInfo,
+        tree: Sequence[int],
+        gpu_pids: Sequence[int],
+        *,
+        reopen_nccl: bool = True,
+    ) -> None: ...
+
+
+class Faults(Protocol):
+    """Test seam: consulted before each step; raising there fails that step."""
+
+    async def before(self, step: str) -> None: ...
+
 
 SUSPEND_STEPS = ("scan", "gpu_lock", "gpu_checkpoint", "stop", "record")
 RESUME_STEPS = ("cont", "gpu_restore", "gpu_unlock", "record")
@@ -81,7 +106,7 @@ OnResumed = Callable[[], Awaitable[None]]
 
 
 async def suspend(
-    eng: Engine, job: JobInfo, *, record: Path | None, commit: OnSuspended | None
+    eng: EngineParts, job: JobInfo, *, record: Path | None, commit: OnSuspended | None
 ) -> Suspended:
     """Move the job's GPU state into its host memory, release the GPU, stop the tree, then
     ``commit``; the marker lives from before the first step to after ``commit``."""
@@ -134,7 +159,7 @@ async def suspend(
 
 
 async def resume(
-    eng: Engine,
+    eng: EngineParts,
     job: JobInfo,
     gpu_pids: Sequence[int],
     *,
