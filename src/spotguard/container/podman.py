@@ -9,9 +9,11 @@ What spotguard adds around podman, on every call:
   each call) because a restored container names its runtime.
 * ``--root`` / ``--runroot`` (and ``--tmpdir`` beside the runroot) when settings give them: a
   host's own podman storage is used only where the operator says so.
-* containers that ``spotguard run --container`` starts get the annotation
-  ``org.criu.config=<runtime_dir>/criu.conf``: runc hands that file to CRIU, which then locks
-  the network with nftables (``network-lock nftables``; iptables is not installed here).
+* CRIU's configuration ``<runtime_dir>/criu.conf`` (``network-lock nftables``; iptables is
+  not installed here) reaches CRIU twice: as ``CRIU_CONFIG_FILE`` in the runc wrapper's
+  environment (every container, however it was started), and as the annotation
+  ``org.criu.config`` on containers ``spotguard run --container`` starts (runc hands it to
+  CRIU itself).
 
 Commands run as subprocesses with a time limit; a failure is one :class:`ContainerError` line
 naming the command and the last thing podman said.
@@ -104,6 +106,7 @@ class Podman:
         wrapper = (
             "#!/bin/sh\n# runc with spotguard's CRIU (written by spotguard; see "
             "src/spotguard/container/podman.py)\n"
+            f"export CRIU_CONFIG_FILE={_q(str(self.criu_conf))}\n"
             f'exec {_q(self.runc)} --criu {_q(self.criu)} "$@"\n'
         )
         safefs.write_file(self.runtime, wrapper.encode(), mode=0o700)
