@@ -7,11 +7,13 @@ import json
 import os
 import subprocess
 import tarfile
+import time
 from pathlib import Path
 
 import pytest
 
 from spotguard.container.archive import relocate
+from spotguard.container.checkpoint import work_dir
 from spotguard.container.spec import ContainerImage, ContainerRef, is_container_job
 from spotguard.errors import ImageError, JobError
 
@@ -94,3 +96,14 @@ def test_cli_refuses_an_unsupported_runtime_in_one_line(tmp_path: Path) -> None:
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
     assert "docker containers are not supported yet" in out.stderr, out.stderr
+
+
+def test_work_dirs_left_by_a_killed_run_are_removed_after_a_day(tmp_path: Path) -> None:
+    old = work_dir(tmp_path)
+    (old / "podman-checkpoint.tar").write_bytes(b"x" * 10)
+    young = work_dir(tmp_path)
+    day_ago = time.time() - 25 * 3600
+    os.utime(old, (day_ago, day_ago))
+    fresh = work_dir(tmp_path)
+    assert not old.exists() and young.is_dir() and fresh.is_dir()
+    assert (tmp_path / "containers").stat().st_mode & 0o777 == 0o700

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import shutil
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -68,9 +69,23 @@ class ContainerCheckpoint:
         }
 
 
+#: a work directory this old was left by a process that died (a checkpoint or restore
+#: removes its own when it ends, whatever happened)
+STALE_WORK_S = 24 * 3600.0
+
+
 def work_dir(state_dir: Path) -> Path:
-    """A fresh private directory for a runtime archive, under ``state_dir``."""
+    """A fresh private directory for a runtime archive, under ``state_dir``; work
+    directories left there more than a day ago by a killed spotguard are removed first."""
     base = safefs.ensure_private_dir(state_dir / "containers")
+    now = time.time()
+    for old in base.glob("ckpt-*"):
+        try:
+            if not old.is_symlink() and old.is_dir() and now - old.stat().st_mtime > STALE_WORK_S:
+                shutil.rmtree(old, ignore_errors=True)
+                log.warning("stale container work directory removed", extra={"dir": str(old)})
+        except OSError:
+            continue
     return Path(tempfile.mkdtemp(prefix="ckpt-", dir=base))
 
 
