@@ -267,7 +267,8 @@ def test_a_park_in_place_killed_after_the_gpu_checkpoint_is_recovered(
     if line != "at stop":
         child.kill()
         pytest.fail(f"the park never reached its stop step: {line!r} {child.stderr.read()!r}")
-    assert gpu.used_bytes([pid]) == 0  # the driver holds the state in host memory now
+    # the server is the job's init's child: the GPU memory is the tree's
+    assert gpu.used_bytes(proctree.tree(pid)) == 0  # the driver holds it in host memory now
     child.send_signal(signal.SIGKILL)
     child.wait()
     assert (sg.root / "state" / "jobs" / "srv" / "operation.json").exists()
@@ -277,7 +278,7 @@ def test_a_park_in_place_killed_after_the_gpu_checkpoint_is_recovered(
     assert done.stdout.strip() == "True", done.stderr[-4000:]
     recover_s = time.monotonic() - t0
     assert _get(port, "/infer?x=3") == before
-    assert gpu.used_bytes([pid]) > KILL_MB * 2**20 * 0.9
+    assert gpu.used_bytes(proctree.tree(pid)) > KILL_MB * 2**20 * 0.9
     sg("park", "srv", "--to", "memory")
     sg("unpark", "srv")
     assert _get(port, "/infer?x=3") == before

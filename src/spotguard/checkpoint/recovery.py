@@ -84,11 +84,29 @@ async def _restore(eng: EngineParts, job: JobInfo, rec: MarkerRecord, kept: Path
         log.info("finished an interrupted restore", extra={"job": job.name, "pid": rec.job_pid})
         return
     for root in half_restored(job, rec):
-        proctree.signal_all(proctree.tree(root), signal.SIGKILL)
+        doomed = proctree.tree(root)
+        proctree.signal_all(doomed, signal.SIGKILL)
+        # gone before this returns: their sockets (a server's port) and GPU state are freed
+        # only when they have exited, and the caller restores the job next
+        await _gone(doomed, HALF_RESTORED_EXIT_S)
         log.warning(
             "killed what an interrupted restore left; the job stays parked",
             extra={"job": job.name, "pid": root},
         )
+
+
+#: seconds to wait for the killed remains of a restore to exit
+HALF_RESTORED_EXIT_S = 30.0
+
+
+async def _gone(pids: list[int], limit: float) -> None:
+    """Wait until none of ``pids`` is alive (zombies count as gone: they hold no files), at
+    most ``limit`` seconds; then raise :class:`JobError` naming those left."""
+    deadline = asyncio.get_running_loop().time() + limit
+    while left := [p for p in pids if proctree.alive(p)]:
+        if asyncio.get_running_loop().time() > deadline:
+            raise JobError(f"processes {left} of an interrupted restore did not exit when killed")
+        await asyncio.sleep(0.05)
 
 
 def _restored(job: JobInfo, kept: Path | None, images: str | None) -> None:
