@@ -176,8 +176,12 @@ def main() -> int:
     ap.add_argument("--gpus", type=int, default=torch.cuda.device_count())
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--cycles", type=int, default=5, help="release/rebuild cycles timed")
-    ap.add_argument("--repeat", type=int, default=3,
-                    help="runs of every configuration, interleaved (the table: their median)")
+    ap.add_argument(
+        "--repeat",
+        type=int,
+        default=3,
+        help="runs of every configuration, interleaved (the table: their median)",
+    )
     ap.add_argument("--shim", type=Path, default=CheckpointSettings().nccl_shim)
     ap.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = ap.parse_args()
