@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field
 
+from spotguard import safefs
 from spotguard.config import Settings
 from spotguard.errors import ConfigError
 from spotguard.sizing import (
@@ -196,7 +197,6 @@ class Planner:
     def save(self) -> None:
         """Write the measurements atomically (a crash never leaves half a file)."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
         body = {
             "throughput": self.throughput,
             "ratio": self.ratio,
@@ -204,8 +204,7 @@ class Planner:
             "updated": time.time(),
             "thp": thp_status().enabled,
         }
-        tmp.write_text(json.dumps(body, indent=2, sort_keys=True))
-        os.replace(tmp, self.path)
+        safefs.write_atomic(self.path, json.dumps(body, indent=2, sort_keys=True).encode())
 
     # --- prediction --------------------------------------------------------------------------
     def _compress(self, level: int) -> float:

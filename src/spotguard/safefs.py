@@ -14,7 +14,9 @@ symlink, by such a user. So, in one place:
   one of ours that is group/world accessible is tightened to 0700.
 * :func:`write_file` / :func:`write_at` replace a file atomically through a fresh temporary
   file created ``O_CREAT|O_EXCL|O_NOFOLLOW`` relative to a directory fd, then ``renameat``:
-  a link planted at the name, or at a guessable temporary name, is never followed.
+  a link planted at the name, or at a guessable temporary name, is never followed. The file
+  and its directory are fsync'd. :func:`write_atomic` is the same for state in a directory
+  named by path (the agent's ledger, spool, restore progress, a job's freeze marker).
 * :func:`open_dir_nofollow` walks an absolute path component by component with
   ``O_NOFOLLOW``: a directory swapped for a symlink at any moment makes the walk fail
   instead of leading a root write elsewhere.
@@ -162,21 +164,27 @@ def open_dir_nofollow(path: Path, *, create: int | None = None) -> int:
         raise
 
 
-def write_at(dirfd: int, name: str, data: bytes, *, mode: int = PRIVATE_FILE) -> None:
+def write_at(
+    dirfd: int, name: str, data: bytes, *, mode: int | None = PRIVATE_FILE, fsync: bool = True
+) -> None:
     """Replace ``name`` in the directory ``dirfd`` with ``data`` atomically: a fresh file of
-    a random name (``O_EXCL|O_NOFOLLOW``), written, synced, then renamed over ``name``."""
+    a random name (``O_EXCL|O_NOFOLLOW``), written, then renamed over ``name``. ``mode``:
+    the file's mode (``None``: what ``open(2)`` gives, 0666 less the umask). ``fsync``: the
+    file is synced before the rename and the directory after it, so a crash leaves either
+    the old content or the new one under ``name``, and the new one once this returns."""
     tmp = f".{name}.{secrets.token_hex(6)}.tmp"
-    fd = os.open(
-        tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, mode, dir_fd=dirfd
-    )
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+    fd = os.open(tmp, flags, 0o666 if mode is None else mode, dir_fd=dirfd)
     try:
         try:
             view = memoryview(data)
             while view:
                 n = os.write(fd, view)
                 view = view[n:]
-            os.fchmod(fd, mode)
-            os.fsync(fd)
+            if mode is not None:
+                os.fchmod(fd, mode)
+            if fsync:
+                os.fsync(fd)
         finally:
             os.close(fd)
         os.replace(tmp, name, src_dir_fd=dirfd, dst_dir_fd=dirfd)
@@ -184,6 +192,20 @@ def write_at(dirfd: int, name: str, data: bytes, *, mode: int = PRIVATE_FILE) ->
         with contextlib.suppress(OSError):
             os.unlink(tmp, dir_fd=dirfd)
         raise
+    if fsync:
+        os.fsync(dirfd)
+
+
+def write_atomic(path: Path, data: bytes, *, mode: int | None = None, fsync: bool = True) -> None:
+    """The one writer of node state (records, markers, spools): :func:`write_at` into
+    ``path``'s directory, opened by its path (``O_DIRECTORY``; the name itself is never
+    followed). For directories another user could swap, use :func:`write_file` (no link on
+    the way) or :func:`write_at` on a :func:`private_dir` fd instead."""
+    dfd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        write_at(dfd, path.name, data, mode=mode, fsync=fsync)
+    finally:
+        os.close(dfd)
 
 
 def write_file(path: Path, data: bytes, *, mode: int = PRIVATE_FILE) -> None:

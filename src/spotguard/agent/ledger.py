@@ -12,7 +12,6 @@ reported (else the job runs elsewhere, and the agent stands down).
 from __future__ import annotations
 
 import logging
-import os
 import time
 from datetime import UTC, datetime
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
+from spotguard import safefs
 from spotguard.checkpoint.jobs import JobInfo, exit_status
 from spotguard.errors import SpotguardError
 from spotguard.image import ImageReader, ImageSettings, latest_image
@@ -99,9 +99,7 @@ class Ledger:
         )
         try:
             self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-            tmp = self.folder / f".{job}.json.tmp"
-            tmp.write_text(rec.model_dump_json())
-            os.replace(tmp, self.folder / f"{job}.json")
+            safefs.write_atomic(self.folder / f"{job}.json", rec.model_dump_json().encode())
         except OSError as exc:
             log.error(
                 "cannot write the job record", extra={"step": "job", "job": job, "error": str(exc)}

@@ -24,7 +24,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +36,7 @@ from tenacity import (
     wait_exponential,
 )
 
+from spotguard import safefs
 from spotguard.contracts import AnyEvent, EventAnswer, token_scope
 from spotguard.controller import routes
 from spotguard.controller.client import ControllerClient
@@ -120,11 +120,9 @@ class Reporter:
         if not self.url:
             return
         name = f"{time.time_ns():020d}-{event.event_id}.json"
-        tmp = self.spool / f".{name}.tmp"
         body = event.model_dump_json()
         try:
-            tmp.write_text(body)
-            os.replace(tmp, self.spool / name)
+            safefs.write_atomic(self.spool / name, body.encode())
         except OSError as exc:
             log.warning(
                 "report could not be spooled; sending it from memory",
@@ -132,8 +130,6 @@ class Reporter:
             )
             if self.metrics:
                 self.metrics.failures.labels("report").inc()
-            with contextlib.suppress(OSError):
-                tmp.unlink(missing_ok=True)
             self._unspooled[name] = body.encode()
         self._idle.clear()
         self._wake.set()

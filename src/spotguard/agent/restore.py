@@ -14,7 +14,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -23,6 +22,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from spotguard import safefs
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import RestoreResult
 from spotguard.checkpoint.jobs import JOB_FILE, JobInfo, resolve_job
@@ -76,9 +76,7 @@ def _record(dirpath: Path, key: str, data: dict[str, Any]) -> None:
     """Write the assignment's progress (best effort: a full disk is logged, not raised)."""
     try:
         dirpath.mkdir(parents=True, exist_ok=True, mode=0o700)
-        tmp = dirpath / f".{key}.tmp"
-        tmp.write_text(json.dumps(data, indent=2) + "\n")
-        os.replace(tmp, dirpath / f"{key}.json")
+        safefs.write_atomic(dirpath / f"{key}.json", (json.dumps(data, indent=2) + "\n").encode())
     except OSError as exc:
         log.error(
             "cannot record the assignment's progress",

@@ -202,14 +202,7 @@ class FreezeMarker:
         fallback; where both fail, log and go on (see the module doc)."""
         data = json.dumps(asdict(record))
         try:
-            tmp = self.job.dir / f".{MARKER}.tmp"
-            try:
-                tmp.write_text(data)
-                os.replace(tmp, self.path)
-            except OSError:
-                with contextlib.suppress(OSError):
-                    tmp.unlink(missing_ok=True)
-                raise
+            safefs.write_atomic(self.path, data.encode())
             with contextlib.suppress(OSError):
                 self.fallback.unlink(missing_ok=True)
             return

@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import base64
 import logging
-import os
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +34,7 @@ from typing import Any, ClassVar, Final
 
 from pydantic import Field
 
+from spotguard import safefs
 from spotguard.config import Settings
 from spotguard.errors import ConfigError, KeyFetchError, MissingExtra
 from spotguard.image.keys import Signer, key_id, parse_signing_key, parse_verify_keys
@@ -248,19 +247,9 @@ def read_source(
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
-    """Write ``data`` to ``path`` atomically (temporary file in the same directory, renamed)."""
+    """Write ``data`` to ``path`` atomically and durably (:func:`spotguard.safefs.write_atomic`)."""
     path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            os.fchmod(f.fileno(), mode)
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    safefs.write_atomic(path, data, mode=mode)
 
 
 def fetch_keys(

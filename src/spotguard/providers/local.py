@@ -37,6 +37,7 @@ from typing import Any, ClassVar
 import psutil
 from pydantic import Field
 
+from spotguard import safefs
 from spotguard.config import Settings
 from spotguard.contracts import ASSIGNMENT_ENV, Assignment
 from spotguard.errors import PrecheckError, ProviderError, UnknownInstanceType
@@ -306,9 +307,7 @@ class LocalProvider:
             "pid": proc.pid,
             "started": psutil.Process(proc.pid).create_time(),
         }
-        tmp = d / "vm.json.tmp"
-        tmp.write_text(json.dumps(vm))
-        tmp.replace(d / "vm.json")
+        safefs.write_atomic(d / "vm.json", json.dumps(vm).encode())
         log.info("local VM started", extra={"vm": vm_id, "pid": proc.pid, "job": assignment.job})
         return self._ref(vm)
 
