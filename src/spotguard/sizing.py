@@ -138,25 +138,12 @@ def tree_rss(pid: int) -> int:
 def gpu_bytes_by_pid(pids: set[int]) -> dict[int, int]:
     """GPU memory each of the given processes holds, by NVML; empty where there is no NVML
     or GPU."""
-    try:
-        import pynvml
-    except ImportError:
-        return {}
-    try:
-        pynvml.nvmlInit()
-    except pynvml.NVMLError:
-        return {}
+    from spotguard import nvml
+
     held: dict[int, int] = {}
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for proc in pynvml.nvmlDeviceGetComputeRunningProcesses(handle):
-                if proc.pid in pids and proc.usedGpuMemory:
-                    held[proc.pid] = held.get(proc.pid, 0) + int(proc.usedGpuMemory)
-    except pynvml.NVMLError as exc:
-        log.warning("NVML could not list GPU processes: %s", exc)
-    finally:
-        pynvml.nvmlShutdown()
+    for proc in nvml.processes() or ():
+        if proc.pid in pids and proc.used:
+            held[proc.pid] = held.get(proc.pid, 0) + proc.used
     return held
 
 

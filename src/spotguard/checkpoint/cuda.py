@@ -35,8 +35,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from spotguard import nvml
 from spotguard.errors import GpuError, GpuUnsupportedError, StepTimeout
-from spotguard.facts import GpuDevice, GpuInventory
+from spotguard.facts import GpuInventory
 
 from .scan import MANAGED_FIX
 
@@ -395,7 +396,7 @@ def warm() -> Warmed:
         _Driver.get()
     except GpuError as exc:
         return Warmed(False, False, time.perf_counter() - t0, str(exc))
-    return Warmed(True, _nvml(), time.perf_counter() - t0)
+    return Warmed(True, nvml.available(), time.perf_counter() - t0)
 
 
 def gpu_hook(call_timeout: float = 300.0) -> GpuHook:
@@ -405,65 +406,17 @@ def gpu_hook(call_timeout: float = 300.0) -> GpuHook:
     return NoGpu()
 
 
-# --- NVML ----------------------------------------------------------------------------------
-
-
-def _nvml() -> bool:
-    """True once NVML is initialised; False without library, driver or GPU."""
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no library / no GPU / no driver all mean "no GPUs"
-        return False
-    return True
-
-
-def _text(v: object) -> str:
-    return v.decode() if isinstance(v, bytes) else str(v)
+# --- NVML (through spotguard.nvml) ---------------------------------------------------------
 
 
 def inventory() -> GpuInventory:
     """This host's GPUs (model, UUID, memory) and driver version; empty without a GPU."""
-    if not _nvml():
-        return GpuInventory()
-    import pynvml
-
-    try:
-        devices = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            devices.append(
-                GpuDevice(
-                    index=i,
-                    uuid=_text(pynvml.nvmlDeviceGetUUID(h)),
-                    model=_text(pynvml.nvmlDeviceGetName(h)),
-                    memory_total=int(pynvml.nvmlDeviceGetMemoryInfo(h).total),
-                )
-            )
-        driver = _text(pynvml.nvmlSystemGetDriverVersion())
-        return GpuInventory(devices=tuple(devices), driver=driver)
-    except pynvml.NVMLError as exc:
-        log.warning("NVML inventory failed", extra={"error": str(exc)})
-        return GpuInventory()
+    return nvml.inventory()
 
 
 def _nvml_memory(pids: Sequence[int]) -> int:
-    if not _nvml():
-        return 0
-    import pynvml
-
     wanted = set(pids)
-    total = 0
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                if p.pid in wanted and p.usedGpuMemory:
-                    total += int(p.usedGpuMemory)
-    except pynvml.NVMLError:
-        return total
-    return total
+    return sum(p.used for p in nvml.processes() or () if p.pid in wanted)
 
 
 async def call_all(calls: Sequence[Callable[[], Awaitable[None]]]) -> None:

@@ -1,99 +1,38 @@
-"""What park needs to know about the GPUs, from NVML (``nvidia-ml-py``): free memory and each
-process's SM utilisation. Both answer None / empty without a GPU, a driver or the library,
-so the same code runs on CPU hosts (where a job's GPU side is simply idle)."""
+"""What park needs to know about the GPUs, from NVML (through :mod:`spotguard.nvml`): free
+memory and each process's SM utilisation. Both answer None / empty without a GPU, a driver or
+the library, so the same code runs on CPU hosts (where a job's GPU side is simply idle)."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-log = logging.getLogger(__name__)
-
-
-def _init() -> bool:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # noqa: BLE001 - no library / driver / GPU all mean "no GPUs here"
-        return False
-    return True
+from spotguard import nvml
 
 
 def free_bytes() -> int | None:
     """Free memory summed over this host's GPUs; None without NVML."""
-    if not _init():
-        return None
-    import pynvml
-
-    try:
-        total = 0
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            total += int(pynvml.nvmlDeviceGetMemoryInfo(h).free)
-        return total
-    except pynvml.NVMLError as exc:
-        log.warning("NVML free memory failed", extra={"error": str(exc)})
-        return None
+    found = nvml.gpus()
+    return None if found is None else sum(g.memory_free for g in found)
 
 
 def total_bytes() -> int | None:
     """Memory of this host's GPUs together; None without NVML."""
-    if not _init():
-        return None
-    import pynvml
-
-    try:
-        return sum(
-            int(pynvml.nvmlDeviceGetMemoryInfo(pynvml.nvmlDeviceGetHandleByIndex(i)).total)
-            for i in range(pynvml.nvmlDeviceGetCount())
-        )
-    except pynvml.NVMLError:
-        return None
+    found = nvml.gpus()
+    return None if found is None else sum(g.memory_total for g in found)
 
 
 def used_bytes(pids: Iterable[int]) -> int:
     """GPU memory the processes hold (0 without NVML)."""
-    if not _init():
-        return 0
-    import pynvml
-
     wanted = set(pids)
-    total = 0
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                if p.pid in wanted and p.usedGpuMemory:
-                    total += int(p.usedGpuMemory)
-    except pynvml.NVMLError:
-        return total
-    return total
+    return sum(p.used for p in nvml.processes() or () if p.pid in wanted)
 
 
 def utilisation(pids: Iterable[int], since_us: int) -> float:
     """Highest SM utilisation (percent) NVML sampled for any of the processes since
     ``since_us`` (NVML's microsecond clock; 0 = whatever it still holds); 0 without NVML."""
-    if not _init():
-        return 0.0
-    import pynvml
-
-    wanted = set(pids)
-    best = 0.0
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            try:
-                samples = pynvml.nvmlDeviceGetProcessUtilization(h, since_us)
-            except pynvml.NVMLError_NotFound:
-                continue  # no samples in that period: idle
-            for smp in samples:
-                if smp.pid in wanted:
-                    best = max(best, float(smp.smUtil))
-    except pynvml.NVMLError as exc:
-        log.debug("NVML utilisation failed", extra={"error": str(exc)})
-    return best
+    util = nvml.sm_utilisation(since_us) or {}
+    return max((util[p] for p in set(pids) if p in util), default=0.0)
 
 
 @dataclass(frozen=True)
@@ -107,46 +46,16 @@ class Device:
 
 def devices() -> list[Device]:
     """This host's GPUs in index order, with free memory; empty without NVML."""
-    if not _init():
-        return []
-    import pynvml
-
-    out = []
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            name = pynvml.nvmlDeviceGetName(h)
-            out.append(
-                Device(
-                    uuid=uuid.decode() if isinstance(uuid, bytes) else str(uuid),
-                    model=name.decode() if isinstance(name, bytes) else str(name),
-                    free=int(pynvml.nvmlDeviceGetMemoryInfo(h).free),
-                )
-            )
-    except pynvml.NVMLError:
-        return []
-    return out
+    return [Device(g.uuid, g.name, g.memory_free) for g in nvml.gpus() or ()]
 
 
 def use_by_device(pids: Iterable[int]) -> dict[str, int]:
     """GPU UUID → bytes the processes hold on it (empty without NVML)."""
-    if not _init():
-        return {}
-    import pynvml
-
     wanted = set(pids)
     out: dict[str, int] = {}
-    try:
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            key = uuid.decode() if isinstance(uuid, bytes) else str(uuid)
-            for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-                if p.pid in wanted and p.usedGpuMemory:
-                    out[key] = out.get(key, 0) + int(p.usedGpuMemory)
-    except pynvml.NVMLError:
-        return out
+    for p in nvml.processes() or ():
+        if p.pid in wanted and p.used:
+            out[p.gpu] = out.get(p.gpu, 0) + p.used
     return out
 
 

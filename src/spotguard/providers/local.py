@@ -84,28 +84,9 @@ class LocalSettings(Settings):
 
 def _host_gpus() -> GpuInventory:
     """This host's GPUs via NVML; none when there is no driver."""
-    try:
-        import pynvml
+    from spotguard import nvml
 
-        pynvml.nvmlInit()
-    except (ImportError, OSError):
-        return GpuInventory()
-    except Exception as exc:  # noqa: BLE001 - NVMLError is the library's base class
-        log.debug("no NVML", extra={"error": str(exc)})
-        return GpuInventory()
-    try:
-        from spotguard.facts import GpuDevice
-
-        devs = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total
-            devs.append(GpuDevice(i, str(uuid), str(name), int(mem)))
-        return GpuInventory(tuple(devs), str(pynvml.nvmlSystemGetDriverVersion()))
-    finally:
-        pynvml.nvmlShutdown()
+    return nvml.inventory()
 
 
 def _vm_id(client_token: str) -> str:
