@@ -24,8 +24,9 @@ restore steps; its ``operation.json`` marker is the one crash marker.
 
 from __future__ import annotations
 
+from spotguard.store import URL_SCHEMES
+
 from .checkpoint import (
-    URL_SCHEMES,
     StreamChoice,
     checkpoint,
     choose_paths,

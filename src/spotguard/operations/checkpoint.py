@@ -37,14 +37,13 @@ from spotguard.errors import CheckpointError, PreflightError, SpotguardError
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
 from spotguard.planner import Plan, Planner, PlannerSettings, estimate
+from spotguard.store import URL_SCHEMES
 
 from .kept import KeptImages
 from .paths import Attempt, CheckpointPath, OnFrozen, StagedPath, StreamedPath, falls_back
 from .results import CheckpointResult
 
 log = logging.getLogger(__name__)
-
-URL_SCHEMES = ("s3://", "gs://", "file://")
 
 StreamChoice = Literal["auto", "on", "off"]
 

@@ -50,6 +50,7 @@ from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget, dir_bytes
 from spotguard.errors import JobError, JobNotFound, ParkError
+from spotguard.store import URL_SCHEMES
 
 from . import gpu, record, sockets
 from .local import clear_partial, find_unrecorded, image_dir, private_base, set_aside
@@ -57,8 +58,6 @@ from .record import ListenAddress, ParkRecord, Place
 from .settings import ParkSettings
 
 log = logging.getLogger(__name__)
-
-URL_SCHEMES = ("s3://", "gs://", "file://")
 
 #: (job, store URL) → (image URL, image bytes); stops the job (exit mode)
 StoreCheckpoint = Callable[[JobInfo, str], Awaitable[tuple[str, int]]]

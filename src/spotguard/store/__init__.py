@@ -21,6 +21,7 @@ from spotguard.extras import require_for_store
 from spotguard.store.base import BlockingStore, Data, ImageStore, ObjectInfo, RetryPolicy, get_into
 
 __all__ = [
+    "URL_SCHEMES",
     "BlockingStore",
     "Data",
     "ImageStore",
@@ -29,6 +30,10 @@ __all__ = [
     "get_into",
     "open_store",
 ]
+
+#: the prefixes that make a destination a store URL rather than a plain directory path (the
+#: one list, asked by park's ``--to`` and by the checkpoint operations)
+URL_SCHEMES = ("s3://", "gs://", "file://")
 
 
 def open_store(
