@@ -7,11 +7,12 @@ A store is a flat key → bytes namespace under a URL (``file:///srv/images``, `
 Backends talk to blocking SDKs, so :class:`BlockingStore` runs each call in a thread pool, maps
 the SDK's errors to :mod:`spotguard.errors` in ONE method per backend (``_map_error``), and
 retries :class:`~spotguard.errors.StoreUnavailable` with exponential backoff and jitter
-(tenacity). Everything above the store sees only ``StoreUnavailable`` (after the retries ran
-out), ``ObjectNotFound``, ``PreconditionFailed`` and, for what retrying cannot fix (a full
-disk or bucket, permissions, a malformed answer), a plain ``StoreError``, never retried. A
-request that hangs is bounded by :attr:`RetryPolicy.timeout`. docs/operations.md ("Fault
-table") lists each store fault, what the store does about it and the test that proves it.
+(:func:`spotguard.retry.call`). Everything above the store sees only ``StoreUnavailable`` (after
+the retries ran out), ``ObjectNotFound``, ``PreconditionFailed`` and, for what retrying cannot
+fix (a full disk or bucket, permissions, a malformed answer), a plain ``StoreError``, never
+retried. A request that hangs is bounded by :attr:`RetryPolicy.timeout`. docs/operations.md
+("Fault table") lists each store fault, what the store does about it and the test that proves
+it.
 
 Data goes in as any bytes-like object (a view of a reused buffer, usually) and a store must not
 keep a reference to it once ``put`` returns. :func:`get_into` reads an object into a caller's
@@ -34,15 +35,9 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Protocol, TypeVar, runtime_checkable
 
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_after_attempt,
-    wait_exponential_jitter,
-)
-
+from spotguard import retry as retries
 from spotguard.errors import StoreError, StoreUnavailable
+from spotguard.retry import RetryPolicy as RetryPolicy  # re-exported: the stores' settings
 
 log = logging.getLogger(__name__)
 
@@ -59,25 +54,6 @@ class ObjectInfo:
     key: str
     size: int
     modified: datetime
-
-
-@dataclass(frozen=True)
-class RetryPolicy:
-    """How transient store errors are retried: ``attempts`` tries in all, waiting
-    ``initial`` seconds doubling up to ``maximum`` with up to ``jitter`` seconds of jitter.
-
-    ``timeout`` bounds one request: the seconds a backend waits to connect, and then for any
-    byte of the answer (an idle connection, not the whole transfer, so a large object on a
-    slow link is not cut off). A store that stops answering fails that attempt with
-    :class:`~spotguard.errors.StoreUnavailable`; with the retries, a call that hangs returns
-    within about ``attempts * (timeout + maximum)`` seconds, never blocks for ever.
-    """
-
-    attempts: int = 5
-    initial: float = 0.2
-    maximum: float = 5.0
-    jitter: float = 0.5
-    timeout: float = 30.0
 
 
 @runtime_checkable
@@ -178,39 +154,14 @@ class BlockingStore:
                     raise
                 raise mapped from exc
 
-        def before_sleep(state: RetryCallState) -> None:
+        def logged(r: retries.Retry) -> None:
             self.retries += 1
-            err = state.outcome.exception() if state.outcome else None
             log.warning(
                 "store call failed, retrying",
-                extra={"op": what, "key": key, "attempt": state.attempt_number, "error": str(err)},
+                extra={"op": what, "key": key, "attempt": r.attempt, "error": str(r.error)},
             )
 
-        # The first attempt runs bare: building tenacity's machinery for every call (two or
-        # three per chunk) cost more CPU than the call itself on a fast store. A transient
-        # failure enters the retry loop as its attempt 1, with the same backoff and log lines.
-        try:
-            return await once()
-        except StoreUnavailable as exc:
-            if self.retry.attempts <= 1:
-                raise
-            failed: list[StoreUnavailable] = [exc]
-
-        async def again() -> T:
-            if failed:
-                raise failed.pop()
-            return await once()
-
-        retrying = AsyncRetrying(
-            retry=retry_if_exception_type(StoreUnavailable),
-            stop=stop_after_attempt(max(1, self.retry.attempts)),
-            wait=wait_exponential_jitter(
-                multiplier=self.retry.initial, max=self.retry.maximum, jitter=self.retry.jitter
-            ),
-            before_sleep=before_sleep,
-            reraise=True,
-        )
-        return await retrying(again)
+        return await retries.call(once, self.retry, StoreUnavailable, on_retry=logged)
 
     async def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
         """Write ``data`` at ``key`` atomically (``if_absent``: only if nothing is there)."""
