@@ -3,11 +3,11 @@
 An ``exit``-mode checkpoint whose upload failed has already stopped the job: its staged image
 (kept by :mod:`spotguard.operations.kept`, recorded under ``{state_dir}/kept/`` before the
 upload started) is the job's only state. The agent does not wait for an operator: a
-:class:`KeptPusher` retries each kept image with exponential backoff (tenacity, capped at
-``push_retry_max_s``) until it is durable or the agent stops — and a restarted agent finds the
-records (and adopts staged images left without one) and carries on. Each push goes to the
-store the agent is configured with now. Chunks that reached the store in an earlier attempt
-are skipped (dedup), so each attempt only sends what is missing.
+:class:`KeptPusher` retries each kept image with exponential backoff
+(:func:`spotguard.retry.call`, capped at ``push_retry_max_s``) until it is durable or the agent
+stops — and a restarted agent finds the records (and adopts staged images left without one) and
+carries on. Each push goes to the store the agent is configured with now. Chunks that reached
+the store in an earlier attempt are skipped (dedup), so each attempt only sends what is missing.
 """
 
 from __future__ import annotations
@@ -19,15 +19,8 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception_type,
-    stop_never,
-    wait_exponential,
-)
-
 from spotguard import operations
+from spotguard import retry as retries
 from spotguard.errors import SpotguardError
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
@@ -108,46 +101,40 @@ class KeptPusher:
         key = str(kept.record)
         status = self.pending[key]
 
-        def before_sleep(state: RetryCallState) -> None:
-            exc = state.outcome.exception() if state.outcome else None
+        def before_sleep(r: retries.Retry) -> None:
+            exc = r.error
             status["last_error"] = f"{type(exc).__name__}: {exc}".splitlines()[0]
-            wait = state.next_action.sleep if state.next_action else 0.0
-            status["next_attempt"] = time.time() + wait
+            status["next_attempt"] = time.time() + r.wait
             self.metrics.failures.labels("upload").inc()
-            n = state.attempt_number
-            if exc is not None and not isinstance(exc, SpotguardError | OSError) and n == 1:
+            if not isinstance(exc, SpotguardError | OSError) and r.attempt == 1:
                 log.error("kept image push failed unexpectedly; retrying", exc_info=exc)
-            if n in (1, 5) or n % 20 == 0:
+            if retries.sparse(r.attempt):
                 log.warning(
                     "kept image not pushed yet; retrying",
                     extra={
                         "step": "upload",
                         "job": kept.job,
-                        "attempt": n,
-                        "retry_in": round(wait, 2),
+                        "attempt": r.attempt,
+                        "retry_in": round(r.wait, 2),
                         "error": status["last_error"],
                     },
                 )
 
-        retrying = AsyncRetrying(  # any failure: an unexpected one must not end the pushes
-            retry=retry_if_exception_type(Exception),
-            wait=wait_exponential(multiplier=self.first_backoff_s, max=self.max_backoff_s),
-            stop=stop_never,
-            before_sleep=before_sleep,
-            reraise=True,
+        async def push() -> operations.CheckpointResult:
+            status["attempts"] += 1
+            return await operations.push_kept(
+                kept,
+                self.store_url,
+                images=self.images,
+                image_settings=self.image_settings,
+                instance=self.instance(),
+            )
+
+        # any failure is retried (an unexpected one must not end the pushes), until cancelled
+        policy = retries.RetryPolicy(
+            attempts=None, initial=self.first_backoff_s, maximum=self.max_backoff_s, jitter=0
         )
-        result: operations.CheckpointResult | None = None
-        async for attempt in retrying:
-            with attempt:
-                status["attempts"] += 1
-                result = await operations.push_kept(
-                    kept,
-                    self.store_url,
-                    images=self.images,
-                    image_settings=self.image_settings,
-                    instance=self.instance(),
-                )
-        assert result is not None
+        result = await retries.call(push, policy, Exception, on_retry=before_sleep)
         self.pending.pop(key, None)
         self.metrics.kept_images.set(len(self.pending))
         try:
