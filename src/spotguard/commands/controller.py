@@ -10,7 +10,7 @@ from typing import Any
 
 import click
 
-from spotguard.cli import config_file
+from spotguard.cli import config
 from spotguard.config import load, options
 from spotguard.contracts import EventAnswer
 from spotguard.controller.client import ControllerClient
@@ -66,13 +66,13 @@ def controller(ctx: click.Context, /, issue_token: str | None, epoch: int, **fla
     from spotguard.notices.fleet import SqsFleetSource
     from spotguard.providers import open_provider, provider_settings
 
-    cfg = config_file(ctx)
     if flags.get("controller_token"):
         # Kept for existing units; refusing would stop them on upgrade. The warning says why.
         log.warning(
             "--token puts the admin token in the process list (ps) of this host; use "
             "--controller-token-file or SPOTGUARD_CONTROLLER_TOKEN instead"
         )
+    cfg = config(ctx)  # read once; every settings group below comes from the same file
     settings = load(ControllerSettings, flags, config_file=cfg)
     keys = settings.token_keys()  # refuse to start without an admin token
     if issue_token is not None:
@@ -89,7 +89,7 @@ def controller(ctx: click.Context, /, issue_token: str | None, epoch: int, **fla
 
 
 def _client(ctx: click.Context, flags: dict[str, Any]) -> ControllerClient:
-    s = load(ClientSettings, flags, config_file=config_file(ctx))
+    s = load(ClientSettings, flags, config_file=config(ctx))
     return ControllerClient(s.controller_url, s.bearer(), ca_file=s.controller_ca_file)
 
 

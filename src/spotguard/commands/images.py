@@ -25,7 +25,7 @@ from urllib.parse import unquote, urlparse
 import click
 
 from spotguard import cli, config
-from spotguard.cli import config_file, verbose_option
+from spotguard.cli import verbose_option
 from spotguard.contracts import check_job_name
 from spotguard.errors import ImageCorrupt, StoreError
 from spotguard.image import (
@@ -50,7 +50,7 @@ _VERIFY_EXCLUDE = tuple(
 
 
 def _settings(flags: dict[str, Any]) -> ImageSettings:
-    return config.load(ImageSettings, flags, config_file=config_file(click.get_current_context()))
+    return config.load(ImageSettings, flags, config_file=cli.config(click.get_current_context()))
 
 
 def _store(store_url: str | None) -> str:

@@ -18,8 +18,7 @@ from typing import Any
 
 import click
 
-from spotguard import config
-from spotguard.cli import config_file
+from spotguard import cli, config
 from spotguard.contracts import ASSIGNMENT_PATH, KeySources
 from spotguard.image.delivery import KeySource, KeysSettings, fetch_keys
 
@@ -47,7 +46,7 @@ def _from_assignment(path: Path) -> KeySources | None:
 def fetch_keys_cmd(assignment_path: Path, **flags: Any) -> None:
     """Fetch the image signing key (0600) and verify key (0644) into keys_dir, and name them
     to the agent in keys_env_file. See docs/security.md, "Delivering the keys"."""
-    s = config.load(KeysSettings, flags, config_file=config_file(click.get_current_context()))
+    s = config.load(KeysSettings, flags, config_file=cli.config(click.get_current_context()))
     signing, verify = s.signing_key_source, s.verify_key_source
     if signing is None and verify is None:
         sources = _from_assignment(assignment_path)

@@ -17,9 +17,9 @@ import click
 from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import list_jobs, resolve_job
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.cli import config_file
+from spotguard.cli import config, config_file
 from spotguard.commands.common import ADVANCED, checkpoint_options
-from spotguard.config import load, options
+from spotguard.config import ConfigFile, load, options
 from spotguard.container import cli as container_cli
 from spotguard.container.spec import is_container_job
 from spotguard.errors import ParkError
@@ -42,8 +42,9 @@ class _Ctx:
     ps: ParkSettings
     image: ImageSettings
     engine: Engine
-    config: str | None
+    config: str | None  # the --config given (handed to the wake-on-connect listener)
     notify: NotifySettings
+    file: ConfigFile  # the config file, read once for this command line
 
 
 def _engine_for(cs: CheckpointSettings) -> Engine:
@@ -53,15 +54,16 @@ def _engine_for(cs: CheckpointSettings) -> Engine:
 
 
 def _ctx(ctx: click.Context, flags: dict[str, Any]) -> _Ctx:
-    cfg = config_file(ctx)
+    cfg = config(ctx)
     cs = load(CheckpointSettings, flags, config_file=cfg)
     return _Ctx(
         cs,
         load(ParkSettings, flags, config_file=cfg),
         load(ImageSettings, {}, config_file=cfg),
         _engine_for(cs),
-        cfg,
+        config_file(ctx),
         load(NotifySettings, {}, config_file=cfg),
+        cfg,
     )
 
 
@@ -80,7 +82,7 @@ def _agent_settings(c: _Ctx) -> AgentSettings:
     """This node's agent settings: where a park to a store is reported (the controller)."""
     from spotguard.agent.settings import AgentSettings
 
-    return load(AgentSettings, {}, config_file=c.config)
+    return load(AgentSettings, {}, config_file=c.file)
 
 
 async def _notify(c: _Ctx, event: str, details: dict[str, Any]) -> None:
@@ -307,11 +309,11 @@ def make_room(
 ) -> tuple[Claim, list[str]]:
     """For ``run --priority``: park lower-priority jobs of this node until the new job's GPU
     memory fits; the claim to record with the job and the jobs parked."""
-    cfg = config_file(ctx)
+    cfg = config(ctx)
     ps = load(ParkSettings, {}, config_file=cfg)
     c = _Ctx(
-        cs, ps, load(ImageSettings, {}, config_file=cfg), _engine_for(cs), cfg,
-        load(NotifySettings, {}, config_file=cfg),
+        cs, ps, load(ImageSettings, {}, config_file=cfg), _engine_for(cs), config_file(ctx),
+        load(NotifySettings, {}, config_file=cfg), cfg,
     )  # fmt: skip
     claim = Claim(prio, _size(gpu_memory))
     policy = ParkPolicy(
