@@ -1,14 +1,15 @@
 """Reports to the controller: ``AgentEvent`` → ``POST {controller}/v1/events`` (Bearer token),
 sent through the one controller client (:class:`~spotguard.controller.client.ControllerClient`).
 
-:meth:`Reporter.emit` is synchronous and cheap: it writes the event to a spool directory in
-the state dir and wakes a background sender. The freeze path calls ``emit`` and never waits
-for delivery. The sender delivers spooled events oldest first, retrying transient failures
-(connection refused, timeouts, 5xx, 429, a wrong token) with exponential backoff; an event is
-deleted from the spool only once the controller accepted it, so an agent restarted mid-way
-sends it again — which is safe, because the controller deduplicates by ``event_id``. An event
-that cannot be spooled (a full or read-only state dir) is kept in memory and sent all the same:
-the controller still hears of it, only a restart in between would lose it.
+:meth:`Reporter.emit` is synchronous and cheap: it writes the event to a spool directory in the
+state dir and wakes a background sender. The freeze path calls ``emit`` and never waits for
+delivery. The sender delivers spooled events oldest first, retrying transient failures
+(connection refused, timeouts, 5xx, 429, a wrong token) with exponential backoff
+(:func:`spotguard.retry.call`); an event is deleted from the spool only once the controller
+accepted it, so an agent restarted mid-way sends it again — which is safe, because the
+controller deduplicates by ``event_id``. An event that cannot be spooled (a full or read-only
+state dir) is kept in memory and sent all the same: the controller still hears of it, only a
+restart in between would lose it.
 
 Events of the job a scoped token names (:func:`spotguard.contracts.token_scope`) are stamped
 with the token's ownership epoch. The controller's answer (an
@@ -28,14 +29,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tenacity import (
-    AsyncRetrying,
-    RetryCallState,
-    retry_if_exception,
-    stop_never,
-    wait_exponential,
-)
-
+from spotguard import retry as retries
 from spotguard import safefs
 from spotguard.contracts import AnyEvent, EventAnswer, token_scope
 from spotguard.controller import routes
@@ -192,17 +186,13 @@ class Reporter:
                 body = await asyncio.to_thread(item.read_bytes)
             except FileNotFoundError:
                 return
-        retrying = AsyncRetrying(
-            retry=retry_if_exception(_transient),
-            wait=wait_exponential(multiplier=0.25, max=self.max_backoff_s),
-            stop=stop_never,
-            before_sleep=self._log_retry,
-            reraise=True,
+        policy = retries.RetryPolicy(
+            attempts=None, initial=0.25, maximum=self.max_backoff_s, jitter=0
         )
         try:
-            async for attempt in retrying:
-                with attempt:
-                    await self._post(body)
+            await retries.call(
+                lambda: self._post(body), policy, _transient, on_retry=self._log_retry
+            )
         except SpotguardError as exc:
             # The controller refused this event for good (malformed, forbidden): never resend.
             log.error(
@@ -223,12 +213,11 @@ class Reporter:
         if answer is not None and self.on_answer is not None:
             self.on_answer(answer)
 
-    def _log_retry(self, state: RetryCallState) -> None:
-        exc = state.outcome.exception() if state.outcome else None
+    def _log_retry(self, r: retries.Retry) -> None:
         if self.metrics:
             self.metrics.failures.labels("report").inc()
-        if state.attempt_number in (1, 5) or state.attempt_number % 20 == 0:
+        if retries.sparse(r.attempt):
             log.warning(
                 "report not delivered; retrying",
-                extra={"step": "report", "attempt": state.attempt_number, "error": str(exc)},
+                extra={"step": "report", "attempt": r.attempt, "error": str(r.error)},
             )
