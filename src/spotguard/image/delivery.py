@@ -34,6 +34,7 @@ from typing import Any, ClassVar, Final
 
 from pydantic import Field
 
+from spotguard import retry as retries
 from spotguard import safefs
 from spotguard.config import Settings
 from spotguard.errors import ConfigError, KeyFetchError, MissingExtra
@@ -224,26 +225,29 @@ READERS: dict[str, Callable[[KeySource, KeysSettings], bytes]] = {
 def read_source(
     source: KeySource, s: KeysSettings, *, sleep: Callable[[float], None] = time.sleep
 ) -> bytes:
-    """The bytes at ``source``; transient failures are retried for ``keys_timeout_s``."""
-    deadline = time.monotonic() + s.keys_timeout_s
-    delay = 1.0
-    while True:
-        try:
-            data = READERS[source.kind](source, s)
-        except Transient as exc:
-            if time.monotonic() + delay > deadline:
-                raise KeyFetchError(
-                    f"key source {source} still failing after {s.keys_timeout_s:.0f} s: {exc}"
-                ) from exc
-            log.warning(
-                "key source failing, retrying", extra={"key_source": str(source), "error": str(exc)}
-            )
-            sleep(delay)
-            delay = min(delay * 2, 15.0)
-            continue
-        if len(data) > MAX_KEY_BYTES:
-            raise KeyFetchError(f"key source {source} holds {len(data)} bytes: not a key")
-        return data
+    """The bytes at ``source``; transient failures are retried for ``keys_timeout_s``
+    (waits of 1 s doubling up to 15 s; none that would end past the bound)."""
+
+    def logged(r: retries.Retry) -> None:
+        log.warning(
+            "key source failing, retrying",
+            extra={"key_source": str(source), "error": str(r.error)},
+        )
+
+    policy = retries.RetryPolicy(
+        attempts=None, initial=1.0, maximum=15.0, jitter=0, within=s.keys_timeout_s
+    )
+    try:
+        data = retries.call_blocking(
+            lambda: READERS[source.kind](source, s), policy, Transient, on_retry=logged, sleep=sleep
+        )
+    except Transient as exc:
+        raise KeyFetchError(
+            f"key source {source} still failing after {s.keys_timeout_s:.0f} s: {exc}"
+        ) from exc
+    if len(data) > MAX_KEY_BYTES:
+        raise KeyFetchError(f"key source {source} holds {len(data)} bytes: not a key")
+    return data
 
 
 def _write(path: Path, data: bytes, mode: int) -> None:
