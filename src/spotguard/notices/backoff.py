@@ -3,6 +3,12 @@
 ``delay(n)`` for the n-th consecutive failure (n ≥ 1) lies in ``[d/2, d]`` with
 ``d = min(cap, initial * 2 ** (n - 1))`` — the "equal jitter" scheme: it grows fast, never
 exceeds the cap, and sources failing together do not retry in lockstep.
+
+Why not :mod:`spotguard.retry`: that one retries a single call until it succeeds or gives up.
+Here there is no call to retry: a notice source is a long-running poller that the supervisor
+restarts whenever it ends, for as long as the agent runs; the failure count lives across those
+runs and :meth:`Backoff.reset` clears it once a source has run healthily, which a per-call
+retry loop cannot express. The jitter scheme differs too (half the delay fixed, half random).
 """
 
 from __future__ import annotations
