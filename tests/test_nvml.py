@@ -74,3 +74,36 @@ def test_without_the_library() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["False", "None", "None", "0"]
+
+
+def test_nvml_that_comes_up_after_the_agent_is_found_on_a_later_query() -> None:
+    # an agent started at boot before the NVIDIA driver: the first answer is "unavailable",
+    # a query after RETRY_AFTER_S initialises NVML again and finds it (a stand-in pynvml
+    # module plays the NVIDIA library, whose driver appears between the two queries)
+    code = textwrap.dedent(
+        """
+        import sys, types
+        fake = types.ModuleType("pynvml")
+        state = {"up": False}
+        class NVMLError(Exception):
+            pass
+        def nvmlInit():
+            if not state["up"]:
+                raise NVMLError("Driver Not Loaded")
+        fake.NVMLError = NVMLError
+        fake.nvmlInit = nvmlInit
+        fake.nvmlSystemGetDriverVersion = lambda: "580.159.04"
+        sys.modules["pynvml"] = fake
+        from spotguard import nvml
+        nvml.RETRY_AFTER_S = 0.2
+        first = nvml.available()
+        state["up"] = True
+        soon = nvml.available()
+        import time
+        time.sleep(0.3)
+        print(first, soon, nvml.available(), nvml.driver_version())
+        """
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60, check=True)  # fmt: skip
+    assert done.stdout.split() == ["False", "False", "True", "580.159.04"], done.stderr

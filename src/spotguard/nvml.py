@@ -5,8 +5,9 @@ NVML is initialised once per process, lazily (on the first query) and under a lo
 threads of the agent may ask at the same time. It is never shut down: the library counts
 initialisations, and a shutdown by one caller would pull NVML from under another. Without
 the library, a driver or a GPU every query answers ``None`` ("unavailable") instead of
-raising, so the same code runs on CPU hosts; that answer is remembered, since a driver does
-not appear in a running process. An NVML error in the middle of a query is logged and
+raising, so the same code runs on CPU hosts; that answer is kept for
+:data:`RETRY_AFTER_S` seconds, then NVML is tried again (an agent started at boot may come up
+before the NVIDIA driver is loaded). An NVML error in the middle of a query is logged and
 answered with what was gathered before it (``None`` where a partial answer would mislead).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +25,9 @@ log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _lib: Any = None  # the pynvml module once NVML is initialised
-_tried = False
+_tried_at: float | None = None  # monotonic time of the last failed initialisation
+#: seconds an "unavailable" answer is kept before NVML is initialised again
+RETRY_AFTER_S = 30.0
 
 
 @dataclass(frozen=True)
@@ -53,15 +57,16 @@ def _text(v: object) -> str:
 
 def _nvml() -> Any:
     """The initialised ``pynvml`` module, or None without library, driver or GPU."""
-    global _lib, _tried
+    global _lib, _tried_at
     with _lock:
-        if not _tried:
-            _tried = True
+        now = time.monotonic()
+        if _lib is None and (_tried_at is None or now - _tried_at >= RETRY_AFTER_S):
             try:
                 import pynvml
 
                 pynvml.nvmlInit()
             except Exception as exc:  # noqa: BLE001 - no library / driver / GPU: "no GPUs here"
+                _tried_at = now
                 log.debug("no NVML", extra={"error": str(exc)})
             else:
                 _lib = pynvml
