@@ -94,8 +94,10 @@ async def job(settings: CheckpointSettings) -> AsyncIterator[JobInfo]:
     await _grows(j.dir / "stdout", 3)
     yield j
     for k in list_jobs(settings.state_dir):
-        if proctree.alive(k.pid):
-            proctree.signal_all([k.pid], signal.SIGKILL)
+        if proctree.alive(k.pid):  # the job's init and the program under it
+            proctree.signal_all(proctree.tree(k.pid), signal.SIGKILL)
+    for p in _copies(j):  # a half-restored tree no job record names
+        proctree.signal_all(proctree.tree(p), signal.SIGKILL)
 
 
 def _lines(p: Path) -> int:
