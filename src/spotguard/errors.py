@@ -25,7 +25,8 @@ In the tree, ``[r]`` marks retryable classes.
     │   └── SimulatorError          metadata-sim refused a control request or is unreachable
     ├── JobError                    the job to protect
     │   ├── JobNotFound             no such pid / name / cgroup
-    │   └── ParkError               park/unpark refused (already parked, port taken, no room)
+    │   ├── ParkError               park/unpark refused (already parked, port taken, no room)
+    │   └── JobStateError           an agent's job state asked to move where it cannot go
     ├── CheckpointError         [r] freezing or restoring a process tree
     │   ├── CriuError           [r] CRIU failed; carries the command, exit code and log tail
     │   ├── GpuError            [r] the driver checkpoint API or NVML failed
@@ -180,6 +181,13 @@ class JobNotFound(JobError):
 
 class ParkError(JobError):
     """Park or unpark was refused before anything was done; the job's state stays where it is."""
+
+    retryable = False
+
+
+class JobStateError(JobError):
+    """A worker was asked for a job-state move its life cycle does not allow (a bug in the
+    caller); the state stays where it was (:mod:`spotguard.agent.jobstate`)."""
 
     retryable = False
 
