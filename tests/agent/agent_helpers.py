@@ -4,7 +4,6 @@ job, one simulated host's places, and an agent running in the test's event loop.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 import threading
 from collections.abc import AsyncIterator, Callable
@@ -15,6 +14,7 @@ from typing import Any
 
 from aiohttp import web
 
+from sgtest import free_port as free_port
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -98,12 +98,6 @@ async def wait_until(cond: Callable[[], object], limit_s: float = 30.0) -> None:
     while not cond():
         assert loop.time() < end, "condition not reached in time"
         await asyncio.sleep(0.05)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 JOB_ARGS = ("--steps", "70", "--step-seconds", "0.05", "--mb", "4", "--seed", "7", "--gpu", "no")

@@ -9,7 +9,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,16 +17,11 @@ from pathlib import Path
 
 import pytest
 
+from sgtest import free_port as _free_port
 from spotguard.checkpoint.jobs import list_jobs
 
 SG = [sys.executable, "-m", "spotguard"]
 LOOP = ["sh", "-c", "while :; do sleep 0.2; done"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

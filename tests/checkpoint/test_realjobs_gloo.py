@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,6 +19,7 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import lines, progresses, wait_exit, wait_for
 
+from sgtest import free_port as _free_port
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import resolve_job
 
@@ -47,12 +47,6 @@ def _expected(steps: int) -> list[str]:
         total = [a + b for a, b in zip(total, x, strict=True)]
         out.append(f"step {i} {x} {total}")
     return [*out, "done"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:

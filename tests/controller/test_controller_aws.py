@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -21,6 +20,7 @@ import aiohttp
 import boto3
 import pytest
 
+from sgtest import free_port
 from spotguard.contracts import TAG_JOB, AnyEvent, EventKind, make_event
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
@@ -250,13 +250,6 @@ async def test_8xh100_image_lands_on_p5_and_gpu_mismatch_migration_is_refused(
         await interrupt(s, controller, "odd", gpus("NVIDIA A10G", 3, 23))
         v = await wait_state(s, controller, "odd", "failed")
         assert "no offer matches 3x a10g" in v["reason"]
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def start_controller(cfg: Path, log: Path) -> subprocess.Popen[bytes]:

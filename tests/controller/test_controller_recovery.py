@@ -16,7 +16,6 @@ import contextlib
 import json
 import logging
 import signal
-import socket
 import sys
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -27,15 +26,10 @@ import pytest
 from controller_helpers import TOKEN, VM1, Api, Factory
 from test_controller_park import cli
 
+from sgtest import free_port
 from spotguard.contracts import EventKind, make_event
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _image(tmp_path: Path, job: str, n: int = 0) -> str:

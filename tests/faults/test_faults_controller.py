@@ -14,7 +14,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator
@@ -26,6 +25,7 @@ from typing import Any
 import aiohttp
 import pytest
 
+from sgtest import free_port as _free_port
 from spotguard.contracts import EventKind, make_event
 from spotguard.image import ImageSettings, push_dir
 from spotguard.providers.base import InstanceRef, Market
@@ -36,13 +36,6 @@ pytestmark = pytest.mark.timeout(120)
 TOKEN = "fault-admin-token"
 GATED = str(Path(__file__).with_name("sg_gated_agent.py"))
 VM1 = {"provider": "local", "instance_id": "vm-first", "region": "local", "zone": "local-1"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 def _spawn(argv: list[str], log: Path) -> subprocess.Popen[bytes]:

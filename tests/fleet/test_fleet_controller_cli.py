@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -18,16 +17,10 @@ from typing import Any
 import aiohttp
 import pytest
 
+from sgtest import free_port
 from spotguard.contracts import EventKind, make_event
 
 TOKEN = "fleet-cli-token"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def instance(iid: str) -> dict[str, Any]:

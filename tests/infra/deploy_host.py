@@ -26,7 +26,6 @@ import json
 import os
 import shlex
 import shutil
-import socket
 import ssl
 import subprocess
 import sys
@@ -35,6 +34,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
+
+from sgtest import free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = ROOT / "terraform" / "aws" / "modules" / "spotguard"
@@ -101,12 +102,6 @@ def module_paths() -> dict[str, str]:
             value = block["spotguard"]
             return dict(value[0] if isinstance(value, list) else value)
     raise AssertionError("no local.spotguard in main.tf")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, ctx: ssl.SSLContext | None, proc: subprocess.Popen[str]) -> None:

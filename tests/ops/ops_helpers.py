@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from sgtest import free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SRC = ROOT / "src"
@@ -39,12 +40,6 @@ def sg(
     return subprocess.run(
         argv, capture_output=True, text=True, env=env or clean_env(), timeout=timeout
     )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def as_nobody(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:

@@ -3,21 +3,16 @@
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from sgtest import free_port as free_port
+
 JOBS = str(Path(__file__).with_name("park_jobs.py"))
 
 Sg = Callable[..., subprocess.CompletedProcess[str]]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def ok_json(res: subprocess.CompletedProcess[str]) -> Any:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -21,14 +20,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from sgtest import free_port as _free_port
+
 _HOP = {"connection", "keep-alive", "transfer-encoding", "content-length", "host"}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
 
 
 @pytest.fixture(scope="session")
