@@ -12,6 +12,8 @@ from pathlib import Path
 
 from podman_helpers import IMAGE, Vm
 
+from sgtest import wait_lines as _wait_lines
+
 #: counts until told to stop (a file in its bind mount): however slow the machine, it is still
 #: running at each park
 JOB = "exec >>/data/out; i=0; while [ ! -e /data/stop ]; do echo $i; i=$((i+1)); sleep 0.1; done"
@@ -33,13 +35,6 @@ def _cli(vm: Vm, *args: str) -> dict[str, object]:
 
 def _lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
-
-
-def _wait_lines(path: Path, n: int, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while _lines(path) < n:
-        assert time.monotonic() < end, f"{path} did not reach {n} lines"
-        time.sleep(0.05)
 
 
 def test_a_parked_container_makes_no_progress_and_unparks_where_it_stopped(

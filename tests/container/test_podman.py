@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from podman_helpers import IMAGE, Vm
 
+from sgtest import wait_lines as _wait_lines
 from spotguard.container import ContainerImage, ContainerRef, Podman
 from spotguard.container.checkpoint import checkpoint_container
 from spotguard.container.restore import restore_container
@@ -40,15 +41,6 @@ def _cli(vm: Vm, *args: str) -> dict[str, object]:
     assert "Traceback" not in out.stderr, out.stderr
     result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
-
-
-def _wait_lines(path: Path, n: int, timeout: float = 30.0) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        if path.exists() and path.read_text().count("\n") >= n:
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"{path} did not reach {n} lines")
 
 
 def _data_dir(vm: Vm, name: str) -> Path:

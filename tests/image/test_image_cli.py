@@ -4,15 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 from pathlib import Path
 
+from sgtest import sg
 from spotguard.contracts import chunk_key
-
-
-def sg(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
-    return subprocess.run(["spotguard", *args], capture_output=True, text=True, env=env)
 
 
 def test_push_list_verify_pull_gc_and_errors(tmp_path: Path) -> None:

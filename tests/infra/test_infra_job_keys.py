@@ -24,6 +24,7 @@ import pytest
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from sgtest import sg
 from spotguard.contracts import Assignment
 from spotguard.controller.settings import ControllerSettings
 from spotguard.errors import ConfigError
@@ -46,13 +47,6 @@ def pair() -> tuple[str, str, str]:
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
     )
     return priv, pub.decode() + "\n", key_id(k.public_key())
-
-
-def sg(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
-    return subprocess.run(
-        ["spotguard", *args], capture_output=True, text=True, env={**base, **(env or {})}
-    )
 
 
 def env_file(path: Path) -> dict[str, str]:

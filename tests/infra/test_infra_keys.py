@@ -11,7 +11,6 @@ import asyncio
 import base64
 import json
 import os
-import subprocess
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,6 +23,7 @@ from aiohttp import web
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
+from sgtest import sg
 from spotguard.contracts import Assignment, KeySources
 from spotguard.errors import ConfigError, KeyFetchError
 from spotguard.image.delivery import KeySource, KeysSettings, fetch_keys
@@ -43,13 +43,6 @@ def pair() -> tuple[str, str, str]:
         serialization.Encoding.OpenSSH, serialization.PublicFormat.OpenSSH
     )
     return priv, pub.decode() + "\n", key_id(k.public_key())
-
-
-def sg(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    base = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
-    return subprocess.run(
-        ["spotguard", *args], capture_output=True, text=True, env={**base, **(env or {})}
-    )
 
 
 def env_file(path: Path) -> dict[str, str]:

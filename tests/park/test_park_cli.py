@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import pytest
 from park_helpers import JOBS, Sg, free_port, ok_json
 
+from sgtest import wait_for as _wait
 from spotguard.checkpoint import proctree, suspend
 from spotguard.checkpoint.jobs import resolve_job
 from spotguard.park import record
@@ -30,14 +31,6 @@ EXPECTED = [f"step {i} {i * i} {i * 3}" for i in range(STEPS)] + ["done"]
 def _lines(state_dir: Path, job: str) -> list[str]:
     p = state_dir / "jobs" / job / "stdout"
     return p.read_text().splitlines() if p.exists() else []
-
-
-def _wait(cond: object, what: str, limit: float = 60.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 def _get(port: int, path: str = "/next", timeout: float = 60.0) -> str:

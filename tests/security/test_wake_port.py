@@ -11,6 +11,7 @@ every moment, and the listener hands its waiting clients over only once the job 
 from __future__ import annotations
 
 import fcntl
+import functools
 import os
 import signal
 import socket
@@ -25,6 +26,7 @@ from pathlib import Path
 import pytest
 from sec_helpers import SYSTEM_PYTHON, Attacker
 
+from sgtest import wait_for
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import list_jobs
 from spotguard.park import record
@@ -117,12 +119,8 @@ def _lines(state_dir: Path, job: str) -> list[str]:
     return p.read_text().splitlines() if p.exists() else []
 
 
-def _wait(cond: Callable[[], object], what: str, limit: float = 60.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.02)
+#: polled often: the window in which an unpark holds the park lock is short
+_wait = functools.partial(wait_for, every=0.02)
 
 
 def _lock_taken(state_dir: Path, job: str) -> bool:
