@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from spotguard.contracts import chunk_key, manifest_key
+from spotguard.contracts import WireError, chunk_key, manifest_key
 from spotguard.errors import (
     BadSignature,
     ImageCorrupt,
@@ -260,10 +260,27 @@ async def test_encryption_implies_authentication(
     await refused(res.image_url, enc, tmp_path / "d1", BadSignature, "does not match")
 
 
-async def test_untrusted_errors_are_image_errors_and_not_retryable() -> None:
-    for cls in (UnsignedImage, BadSignature, UntrustedSigner, ImageRollback):
-        assert issubclass(cls, ImageUntrusted) and issubclass(cls, ImageError)
-        assert cls.retryable is False
+async def test_a_refused_image_reaches_the_controller_as_the_images_fault_not_a_retry(
+    tmp_path: Path,
+) -> None:
+    """Real refusals (an unsigned image; one signed by a key the host does not trust) are
+    caught where image errors are caught, and their wire form tells the controller to pick an
+    older image rather than retry this one (``retryable`` false, ``image_fault`` true)."""
+    store = (tmp_path / "store").as_uri()
+    _, trusted = keys(tmp_path, "fleet")
+    other, _ = keys(tmp_path, "other")
+    host = settings(verify_key_file=trusted)
+    unsigned = await push_dir(job_dir(tmp_path / "a", 1), store, "train", settings=settings())
+    foreign = await push_dir(
+        job_dir(tmp_path / "b", 2), store, "train", settings=settings(signing_key_file=other)
+    )
+    for url, cls in ((unsigned.image_url, UnsignedImage), (foreign.image_url, UntrustedSigner)):
+        with pytest.raises(ImageError) as caught:
+            await verify_image(url, settings=host)
+        assert isinstance(caught.value, cls) and isinstance(caught.value, ImageUntrusted)
+        wire = WireError.of(caught.value)
+        assert (wire.retryable, wire.image_fault) == (False, True), wire
+        assert wire.message.startswith(f"{cls.__name__}: "), wire
 
 
 async def test_gc_keeps_the_newest_authenticated_images_whatever_ids_an_attacker_writes(
