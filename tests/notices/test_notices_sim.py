@@ -7,7 +7,6 @@ import pytest
 
 from spotguard.errors import SimulatorError
 from spotguard.simulator import MetadataSim, SimClient
-from spotguard.testing import __all__ as testing_all
 
 
 async def test_imdsv2_is_enforced(sim: MetadataSim) -> None:
@@ -88,10 +87,3 @@ async def test_unreachable_sim_is_a_clear_error(closed_url: str) -> None:
     async with SimClient(closed_url) as c:
         with pytest.raises(SimulatorError, match="unreachable"):
             await c.notices()
-
-
-def test_testing_surface_is_complete() -> None:
-    import spotguard.testing as testing
-
-    for name in testing_all:
-        assert hasattr(testing, name), name
