@@ -58,6 +58,7 @@ from . import discovery, identity, jobspec, journal, parking, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
 from .dispatch import NoticeDispatcher
+from .jobstate import JobState
 from .ledger import Ledger, newest_image, runs_elsewhere, stood_down
 from .metrics import AgentMetrics
 from .policy import Policy
@@ -287,7 +288,7 @@ class Agent:
 
     async def _shutdown(self) -> None:
         """Let a running checkpoint finish (the job must not stay frozen), then stop."""
-        busy = [w for w in self.workers.values() if w.state == "checkpointing"]
+        busy = [w for w in self.workers.values() if w.state is JobState.CHECKPOINTING]
         if busy:
             log.info("waiting for running checkpoints before stopping", extra={"step": "stop"})
             await asyncio.gather(*(w.idle.wait() for w in busy))
@@ -329,24 +330,24 @@ class Agent:
             return
         if info.name in self.pusher.jobs():
             # Stopped by an exit whose image still waits for the store: nothing to protect.
-            self._worker(info).state = "pushing"
+            self._worker(info).move(JobState.PUSHING)
             return
         ident = identity.of_job(info, self.ledger.get(info.name))  # None: its process is gone
         if await journal.ended_by_us(
             info, ledger=self.ledger, store=self.store, instance=self.instance.to_json(),
             settings=self.image_settings, reporter=self.reporter, alive=ident is not None,
         ):  # fmt: skip
-            self._worker(info).state = "exited"
+            self._worker(info).move(JobState.EXITED)
             return
         if ident is None and parking.is_parked(self.checkpoint_settings.state_dir, info.name):
-            self._worker(info).state = "parked"  # protected again once unparked
+            self._worker(info).move(JobState.PARKED)  # protected again once unparked
             return
         newest = await self._newest_image(info.name)
         if stood_down(self.ledger, info) or await runs_elsewhere(
             self.ledger, info.name, newest, self.instance.instance_id, self.image_settings
         ):
-            self._worker(info).state = "stood_down"
-            self.ledger.put(info.name, info.pid, "stood_down")
+            self._worker(info).move(JobState.STOOD_DOWN)
+            self.ledger.put(info.name, info.pid, JobState.STOOD_DOWN)
             return
         if ident is None and proctree.alive(info.pid):  # a stranger was given the job's pid
             self._worker(info).job_ended()
@@ -357,7 +358,7 @@ class Agent:
             "protecting job",
             extra={"step": "protect", "job": info.name, "pid": info.pid, "dir": str(info.dir)},
         )
-        self.ledger.put(info.name, info.pid, "protecting", ident=ident)
+        self.ledger.put(info.name, info.pid, JobState.PROTECTING, ident=ident)
         where = InstanceInfo.model_validate(self.instance.to_json())
         started = StartedEvent(job=info.name, instance=where, pid=info.pid, store=self.store)
         self.reporter.emit(started)
@@ -392,7 +393,7 @@ class Agent:
             worker = self._worker(info)
         if result.mode == "exit":
             self.ledger.put(
-                kept.job, worker.pid, "exited", image_url=result.image_url,
+                kept.job, worker.pid, JobState.EXITED, image_url=result.image_url,
                 image_at=result.frozen_at,
             )  # fmt: skip
         notice = kept.meta.get("notice")

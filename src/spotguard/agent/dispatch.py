@@ -26,6 +26,7 @@ from spotguard.notices.base import Cloud, Notice
 from spotguard.notices.bus import NoticeBus
 from spotguard.notices.manual import ManualSource
 
+from .jobstate import JobState
 from .ledger import Ledger
 from .metrics import AgentMetrics
 from .parking import NodeParks
@@ -263,7 +264,7 @@ class NoticeDispatcher:
         """Stop acting for ``job`` (owned elsewhere); the ledger keeps it for a restart."""
         worker = self.workers.get(job)
         if worker is not None and worker.stand_down(reason):
-            self.ledger.put(job, worker.pid, "stood_down")
+            self.ledger.put(job, worker.pid, JobState.STOOD_DOWN)
             self.metrics.failures.labels("stand_down").inc()
             self._on_settled()
 

@@ -34,8 +34,8 @@ class JobState(StrEnum):
 #: The worker's allowed moves. A fresh worker starts ``protecting``; the daemon moves it at
 #: once to an outcome it found on disk (pushing, exited, parked, stood_down). A checkpoint
 #: running when the worker stands down still finishes, so its outcome (exited, pushing)
-#: may follow ``stood_down``. The outcomes are final for that worker: a job that runs again
-#: gets a new worker.
+#: may follow ``stood_down``; a kept image that lands moves ``pushing`` to ``exited``. The
+#: other outcomes are final for that worker: a job that runs again gets a new worker.
 _OUTCOMES = frozenset(
     {JobState.EXITED, JobState.FINISHED, JobState.PUSHING, JobState.PARKED, JobState.STOOD_DOWN}
 )
@@ -43,6 +43,7 @@ TRANSITIONS: dict[JobState, frozenset[JobState]] = {
     JobState.PROTECTING: _OUTCOMES | {JobState.CHECKPOINTING},
     JobState.CHECKPOINTING: _OUTCOMES | {JobState.PROTECTING},
     JobState.STOOD_DOWN: frozenset({JobState.EXITED, JobState.PUSHING}),
+    JobState.PUSHING: frozenset({JobState.EXITED}),  # its kept image became durable
 }
 
 #: Where the worker acts for the job (takes requests, checkpoints).

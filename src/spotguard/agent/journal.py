@@ -25,7 +25,8 @@ from spotguard.checkpoint.jobs import JobInfo
 from spotguard.contracts import DurableEvent, ExitedEvent, InstanceInfo
 from spotguard.image import ImageSettings
 
-from .ledger import JobState, Ledger, exit_unrecorded, stopped_by_us
+from .jobstate import JobState
+from .ledger import Ledger, exit_unrecorded, stopped_by_us
 from .reporter import Reporter
 
 
@@ -37,10 +38,10 @@ def checkpointing(
     (call the yielded function with the result on success). ``alive``: whether the job's
     own process runs (by identity)."""
     if mode == "exit":
-        ledger.put(info.name, info.pid, "exiting")
+        ledger.put(info.name, info.pid, JobState.EXITING)
 
     def done(result: operations.CheckpointResult) -> None:
-        state: JobState = "exited" if result.mode == "exit" else "protecting"
+        state = JobState.EXITED if result.mode == "exit" else JobState.PROTECTING
         ledger.put(
             info.name, info.pid, state, image_url=result.image_url, image_at=result.frozen_at
         )
@@ -48,11 +49,11 @@ def checkpointing(
     try:
         yield done
     except operations.ImageKept:
-        ledger.put(info.name, info.pid, "pushing")  # stopped; its image waits for the store
+        ledger.put(info.name, info.pid, JobState.PUSHING)  # stopped; its image waits for the store
         raise
     except BaseException:
         if mode == "exit" and alive():
-            ledger.put(info.name, info.pid, "protecting")  # the engine brought it back
+            ledger.put(info.name, info.pid, JobState.PROTECTING)  # the engine brought it back
         raise
 
 
@@ -95,7 +96,7 @@ async def report_unrecorded_exit(
     if found is None:
         return False
     url, frozen_at = found
-    ledger.put(info.name, info.pid, "exited", image_url=url, image_at=frozen_at)
+    ledger.put(info.name, info.pid, JobState.EXITED, image_url=url, image_at=frozen_at)
     if url is not None:
         reporter.emit(DurableEvent(job=info.name, instance=where, image_url=url, mode="exit"))
     reporter.emit(ExitedEvent(job=info.name, instance=where, image_url=url))

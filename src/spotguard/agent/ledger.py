@@ -15,9 +15,9 @@ import logging
 import time
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Literal
+from typing import Annotated
 
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from spotguard import safefs
 from spotguard.checkpoint.jobs import JobInfo, exit_status
@@ -25,22 +25,33 @@ from spotguard.errors import SpotguardError
 from spotguard.image import ImageReader, ImageSettings, latest_image
 
 from .identity import Identity
+from .jobstate import LEDGER_STATES, JobState
 
 log = logging.getLogger(__name__)
 
+
+def _recorded(state: JobState) -> JobState:
+    if state not in LEDGER_STATES:
+        raise ValueError(f"the ledger never records {state.value!r}")
+    return state
+
+
+#: A state the ledger records (:data:`spotguard.agent.jobstate.LEDGER_STATES`).
 #: ``exiting`` is an intent, journaled before an exit checkpoint may stop the job: an agent
-#: killed before the outcome (``exited``/``pushing``) finds it, with the job's image
-JobState = Literal["protecting", "exiting", "exited", "pushing", "stood_down"]
+#: killed before the outcome (``exited``/``pushing``) finds it and looks for the job's image
+#: in the store (:func:`exit_unrecorded`).
+RecordedState = Annotated[JobState, AfterValidator(_recorded)]
 
 
-class JobRecord(BaseModel):
-    """The agent's last word on one job."""
+class LedgerRecord(BaseModel):
+    """The agent's last word on one job (one ledger file; not the controller's
+    :class:`spotguard.controller.state.JobRecord`)."""
 
     model_config = ConfigDict(extra="ignore", frozen=True)
 
     job: str
     pid: int
-    state: JobState
+    state: RecordedState
     image_url: str | None = None
     image_at: float | None = None  # when that image's state was in host memory
     updated: float = 0.0
@@ -55,10 +66,10 @@ class Ledger:
     def __init__(self, folder: Path) -> None:
         self.folder = folder
 
-    def get(self, job: str) -> JobRecord | None:
+    def get(self, job: str) -> LedgerRecord | None:
         path = self.folder / f"{job}.json"
         try:
-            return JobRecord.model_validate_json(path.read_text())
+            return LedgerRecord.model_validate_json(path.read_text())
         except FileNotFoundError:
             return None
         except (OSError, ValidationError, ValueError) as exc:
@@ -87,7 +98,7 @@ class Ledger:
         start, boot = (ident.start, ident.boot) if ident is not None else (None, None)
         if ident is None and old is not None and old.pid == pid:
             start, boot = old.start, old.boot
-        rec = JobRecord(
+        rec = LedgerRecord(
             job=job,
             pid=pid,
             state=state,
@@ -113,7 +124,7 @@ def stopped_by_us(ledger: Ledger, info: JobInfo, alive: bool) -> bool:
     if alive or exit_status(info) is not None:
         return False
     rec = ledger.get(info.name)
-    if rec is None or rec.pid != info.pid or rec.state not in ("exited", "pushing"):
+    if rec is None or rec.pid != info.pid or rec.state not in (JobState.EXITED, JobState.PUSHING):
         return False
     log.info(
         "job was stopped by this agent's exit checkpoint; nothing to protect",
@@ -140,9 +151,15 @@ async def exit_unrecorded(
     if alive or exit_status(info) is not None:
         return None
     rec = ledger.get(info.name)
-    if rec is None or rec.pid != info.pid or rec.state not in ("protecting", "exiting"):
+    if (
+        rec is None
+        or rec.pid != info.pid
+        or rec.state not in (JobState.PROTECTING, JobState.EXITING)
+    ):
         return None
-    none: tuple[str | None, float | None] | None = (None, None) if rec.state == "exiting" else None
+    none: tuple[str | None, float | None] | None = (
+        (None, None) if rec.state is JobState.EXITING else None
+    )
     try:
         url = await latest_image(store, info.name, settings=settings)
         if url is None or url == rec.image_url:
@@ -179,7 +196,7 @@ def stood_down(ledger: Ledger, info: JobInfo) -> bool:
     """This agent stood down for the job under this very pid (it is owned elsewhere): a
     restarted agent does not take it up again (a new incarnation is protected as usual)."""
     rec = ledger.get(info.name)
-    if rec is None or rec.state != "stood_down" or rec.pid != info.pid:
+    if rec is None or rec.state is not JobState.STOOD_DOWN or rec.pid != info.pid:
         return False
     log.warning(
         "this agent stood down for the job before (it is owned elsewhere); not protecting it",

@@ -51,6 +51,7 @@ from spotguard.park.record import ParkRecord
 from spotguard.park.settings import ParkSettings
 from spotguard.park.store import store_path
 
+from .jobstate import JobState
 from .metrics import AgentMetrics
 from .reporter import Reporter
 from .restore import read_assignment
@@ -111,7 +112,7 @@ async def watch_alive(worker: JobWorker, state_dir: Path, every_s: float) -> Non
     """Look every ``every_s`` seconds whether the job's process still runs while its worker
     protects it; once it is gone: :func:`gone` (parked, or finished by itself)."""
     while worker.active:
-        if worker.state == "protecting" and not worker.alive():
+        if worker.state is JobState.PROTECTING and not worker.alive():
             await gone(worker, state_dir)
             return
         await asyncio.sleep(every_s)
@@ -419,7 +420,7 @@ def park_policy(
 
     def busy(job: str) -> bool:
         w = workers.get(job)
-        return w is None or w.state != "protecting" or bool(w.pending)
+        return w is None or w.state is not JobState.PROTECTING or bool(w.pending)
 
     async def start_waker(job: str) -> None:
         await asyncio.to_thread(waker.spawn, state_dir, job, config)

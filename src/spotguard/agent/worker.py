@@ -51,6 +51,7 @@ from spotguard.notices.base import Notice, NoticeKind
 from spotguard.operations import CheckpointResult, ImageKept
 
 from .identity import Identity
+from .jobstate import ACTIVE, JobState, check_move
 from .metrics import AgentMetrics
 from .policy import Action
 from .reporter import Reporter
@@ -125,8 +126,7 @@ class JobWorker:
         self.last_image: CheckpointResult | None = None
         self.last_notice: str | None = None  # the notice (or "periodic") it was taken for
         self.last_image_at = last_image_at
-        self.state = "protecting"  # → checkpointing | exited | finished | pushing | parked
-        # | stood_down (the job is owned elsewhere: :meth:`stand_down`)
+        self.state = JobState.PROTECTING  # moved only by :meth:`move` (jobstate.TRANSITIONS)
         self.stood_down: str | None = None  # why this agent no longer acts for the job
         self.activity: dict[str, Any] | None = None
         self.pending: dict[str, Request] = {}
@@ -142,7 +142,12 @@ class JobWorker:
 
     @property
     def active(self) -> bool:
-        return self.state in ("protecting", "checkpointing")
+        return self.state in ACTIVE
+
+    def move(self, state: JobState) -> None:
+        """Move to ``state``; JobStateError (state kept) where jobstate.TRANSITIONS forbid."""
+        check_move(self.name, self.state, state)
+        self.state = state
 
     def submit(self, req: Request) -> bool:
         """Queue ``req`` (a second request for the same notice is ignored)."""
@@ -210,9 +215,7 @@ class JobWorker:
         await self._early_check()
         while self.active:
             req = self._next()
-            timeout = None
-            if req is not None:
-                timeout = (req.start_at - datetime.now(UTC)).total_seconds()
+            timeout = None if req is None else (req.start_at - datetime.now(UTC)).total_seconds()
             if timeout is None or timeout > 0:
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
@@ -242,12 +245,12 @@ class JobWorker:
         """The job's process is gone without us stopping it: nothing more to protect."""
         if not self.active:
             return
-        self.state = "finished"
+        self.move(JobState.FINISHED)
         log.info("job finished by itself", extra={"step": "job", "job": self.name})
         self.reporter.emit(
             JobFinishedEvent(job=self.name, instance=InstanceInfo.model_validate(self.instance))
         )
-        self._release_waiters({"job": self.name, "state": "finished"})
+        self._release_waiters({"job": self.name, "state": JobState.FINISHED})
         self._wake.set()
 
     def parked(self) -> None:
@@ -255,11 +258,11 @@ class JobWorker:
         did not finish; the agent protects it again once it runs (unpark)."""
         if not self.active:
             return
-        self.state = "parked"
+        self.move(JobState.PARKED)
         log.info(
             "job parked; protected again once it runs", extra={"step": "job", "job": self.name}
         )
-        self._release_waiters({"job": self.name, "state": "parked"})
+        self._release_waiters({"job": self.name, "state": JobState.PARKED})
         self._wake.set()
 
     def stand_down(self, reason: str) -> bool:
@@ -273,9 +276,9 @@ class JobWorker:
             "the job is owned by another instance now; this agent stands down for it",
             extra={"step": "protect", "job": self.name, "pid": self.pid, "reason": reason},
         )
-        if self.state == "protecting":
-            self.state = "stood_down"
-        self._release_waiters({"job": self.name, "state": "stood_down", "reason": reason})
+        if self.state is JobState.PROTECTING:
+            self.move(JobState.STOOD_DOWN)
+        self._release_waiters({"job": self.name, "state": JobState.STOOD_DOWN, "reason": reason})
         self._wake.set()
         return True
 
@@ -305,7 +308,7 @@ class JobWorker:
         notice_json = req.notice.to_json() if req.notice else None
         seen = req.notice.received_at.timestamp() if req.notice else time.time()
         started = time.time()
-        self.state = "checkpointing"
+        self.move(JobState.CHECKPOINTING)
         self.idle.clear()
         self.activity = {
             "step": "checkpoint",
@@ -341,8 +344,8 @@ class JobWorker:
             return
         finally:
             self.activity = None
-            if self.state == "checkpointing":
-                self.state = "protecting" if self.stood_down is None else "stood_down"
+            if self.state is JobState.CHECKPOINTING:
+                self.move(JobState.PROTECTING if self.stood_down is None else JobState.STOOD_DOWN)
             self.idle.set()
         self._succeeded(req, result, seen)
 
@@ -379,8 +382,8 @@ class JobWorker:
                 w.set_result({"job": self.name, "error": error})
         if kept:
             # Stopped by the checkpoint; its image waits on this host for the store.
-            self.state = "pushing"
-            self._release_waiters({"job": self.name, "state": "pushing", "error": error})
+            self.move(JobState.PUSHING)
+            self._release_waiters({"job": self.name, "state": JobState.PUSHING, "error": error})
             self._wake.set()
             return
         if not self.alive():
@@ -443,7 +446,7 @@ class JobWorker:
         )
         self.reporter.emit(result.durable_event(notice=notice_json, instance=self.instance))
         if action is Action.EXIT:
-            self.state = "exited"
+            self.move(JobState.EXITED)
             log.info("job stopped after its checkpoint", extra={"step": "exit", "job": self.name})
             self.reporter.emit(
                 ExitedEvent(
@@ -462,7 +465,7 @@ class JobWorker:
                         image_url=result.image_url,
                     )
                 )
-            self._release_waiters({"job": self.name, "state": "exited", **summary})
+            self._release_waiters({"job": self.name, "state": JobState.EXITED, **summary})
         outcome = {"job": self.name, "state": self.state, **summary}
         for w in waiters:
             if not w.done():
