@@ -1,16 +1,20 @@
 """Helpers shared by the whole suite (``tests/`` is on ``sys.path`` through the root
-``conftest.py``): a free local port, polling until a condition holds, and ``spotguard`` run as
-a console script with none of the caller's ``SPOTGUARD_*`` settings. Helpers of one area stay
-in that area's ``*_helpers.py``; the ones several areas copied live here, once."""
+``conftest.py``): a free local port, polling until a condition holds, the store-server
+fixtures, and ``spotguard`` run as a console script with none of the caller's ``SPOTGUARD_*``
+settings. Helpers of one area stay in that area's ``*_helpers.py``; the ones several areas
+copied live here, once."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import socket
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -66,3 +70,20 @@ def sg(
         env=without_spotguard_settings(**(env or {})),
         timeout=timeout,
     )
+
+
+def store_servers() -> ModuleType:
+    """``tests/store/store_servers.py`` (the real moto, fake-gcs and fault-proxy fixtures), loaded
+    once under one module name whichever test directory asks first: the conftests of
+    tests/store, tests/image and tests/faults re-export its fixtures, and a session-scoped
+    server must be one object for all of them (``tests/store`` is on ``sys.path`` only when a
+    test there is collected, so a plain import would not do)."""
+    name = "spotguard_test_store_servers"
+    if name not in sys.modules:
+        path = Path(__file__).parent / "store" / "store_servers.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        assert spec and spec.loader
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]

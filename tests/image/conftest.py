@@ -3,31 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import os
 import signal
 import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from sgtest import store_servers
 
-def _load() -> object:
-    name = "spotguard_test_store_servers"
-    if name not in sys.modules:
-        path = Path(__file__).parent.parent / "store" / "store_servers.py"
-        spec = importlib.util.spec_from_file_location(name, path)
-        assert spec and spec.loader
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
-
-
-_m = _load()
+_m = store_servers()
 gcs_server = _m.gcs_server  # type: ignore[attr-defined]
 gcs_bucket = _m.gcs_bucket  # type: ignore[attr-defined]
 s3_bucket = _m.s3_bucket  # type: ignore[attr-defined]
