@@ -11,7 +11,6 @@ import json
 import subprocess
 import sys
 import threading
-import time
 import urllib.request
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -21,6 +20,7 @@ import pytest
 from aiohttp import web
 from ops_helpers import clean_env, free_port
 
+from sgtest import wait_for as _until
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import list_jobs
 from spotguard.notify import Notification, Notifier, NotifyEvent, NotifySettings
@@ -81,14 +81,6 @@ def sgc(conf: Path, *args: str) -> subprocess.CompletedProcess[str]:
                          env=clean_env(SPOTGUARD_CONFIG=str(conf)), timeout=120)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
     return res
-
-
-def _until(cond: object, what: str, limit: float = 60.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 @pytest.mark.criu
