@@ -186,10 +186,7 @@ class ParkError(JobError):
 
 
 class JobStateError(JobError):
-    """A worker was asked for a job-state move its life cycle does not allow (a bug in the
-    caller); the state stays where it was (:mod:`spotguard.agent.jobstate`)."""
-
-    retryable = False
+    """A job-state move the agent's life cycle forbids (:mod:`spotguard.agent.jobstate`)."""
 
 
 class CheckpointError(SpotguardError):
