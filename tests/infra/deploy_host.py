@@ -26,6 +26,7 @@ import json
 import os
 import shlex
 import shutil
+import socket
 import ssl
 import subprocess
 import sys
@@ -34,8 +35,6 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 from typing import Any
-
-from sgtest import free_port as free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODULE = ROOT / "terraform" / "aws" / "modules" / "spotguard"
@@ -102,6 +101,14 @@ def module_paths() -> dict[str, str]:
             value = block["spotguard"]
             return dict(value[0] if isinstance(value, list) else value)
     raise AssertionError("no local.spotguard in main.tf")
+
+
+def free_port() -> int:
+    """A free local port (this script runs on its own, inside the deploy test's namespaces,
+    without the suite's ``tests/`` on ``sys.path``: no ``sgtest`` here)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def wait_http(url: str, ctx: ssl.SSLContext | None, proc: subprocess.Popen[str]) -> None:
