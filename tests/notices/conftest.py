@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import socket
 from collections.abc import AsyncIterator
 
 import pytest
 
+from sgtest import free_port
 from spotguard.simulator import MetadataSim, SimClient
 
 
@@ -29,7 +29,4 @@ async def client(sim: MetadataSim) -> AsyncIterator[SimClient]:
 @pytest.fixture
 def closed_url() -> str:
     """A loopback URL where nothing listens (connection refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}"
+    return f"http://127.0.0.1:{free_port()}"

@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,18 +20,13 @@ from pathlib import Path
 
 import pytest
 
+from sgtest import free_port as _port
 from spotguard.agent.settings import AgentSettings
 from spotguard.config import load
 from spotguard.errors import ConfigError
 
 TOKEN = "s3cr3t-controller-token"
 WARNING = "controller token given inline"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture

@@ -14,7 +14,6 @@ import fcntl
 import functools
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,7 +25,7 @@ from pathlib import Path
 import pytest
 from sec_helpers import SYSTEM_PYTHON, Attacker
 
-from sgtest import wait_for
+from sgtest import free_port, wait_for
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import list_jobs
 from spotguard.park import record
@@ -109,9 +108,7 @@ def sg(tmp_path: Path, state_dir: Path, criu_bin: str) -> Iterator[Callable[...,
 
 @pytest.fixture
 def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return free_port()
 
 
 def _lines(state_dir: Path, job: str) -> list[str]:

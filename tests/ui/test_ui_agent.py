@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 from ui_cdp import Browser
 
+from sgtest import free_port
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint import proctree
@@ -71,11 +72,7 @@ def _rows(table: str) -> str:
 async def test_the_agent_page_shows_its_jobs_images_and_parked_jobs(
     state_dir: Path, tmp_path: Path, criu_bin: str, chromium: str
 ) -> None:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     config = tmp_path / "spotguard.toml"
     config.write_text(
         f'[checkpoint]\nstate_dir = "{state_dir}"\ncriu = "{criu_bin}"\n'
