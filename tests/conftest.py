@@ -1,4 +1,6 @@
-"""Shared fixtures. Every test talks to real processes and real local servers."""
+"""Shared fixtures. Every test talks to real processes and real local servers. Helpers that
+several test areas use (free_port, wait_for, the spotguard CLI runner, the store servers) live
+in tests/sgtest.py; helpers of one area stay in its *_helpers.py."""
 
 from __future__ import annotations
 
