@@ -398,3 +398,25 @@ async def test_preempt_with_a_resumed_checkpoint_relaunches_unless_the_agent_sti
             break
         assert loop.time() < end, view["state"]
         await asyncio.sleep(0.05)
+
+
+async def test_each_relaunched_vm_gets_its_own_jobs_key_sources(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    # the assignment a launched VM boots with names where that job's image keys are fetched
+    # from: a job's own sources where it has them, the fleet's otherwise (issue 27 item 6)
+    fleet_sign = "aws-secretsmanager:arn:aws:secretsmanager:r:1:secret:fleet"
+    own_sign = "aws-secretsmanager:arn:aws:secretsmanager:r:1:secret:own"
+    own_verify = "aws-ssm:arn:aws:ssm:r:1:parameter/own"
+    api, _, _ = await api_factory(
+        vm_signing_key_source=fleet_sign,
+        vm_signing_key_sources={"own": own_sign},
+        vm_verify_key_sources={"own": own_verify},
+    )
+    got = {}
+    for job in ("own", "other"):
+        view = await relaunched(api, job, tmp_path)
+        vm = tmp_path / "local" / "vms" / view["instance"]["instance_id"]
+        got[job] = json.loads((vm / "assignment.json").read_text())["keys"]
+    assert got["own"] == {"signing_key": own_sign, "verify_key": own_verify}
+    assert got["other"] == {"signing_key": fleet_sign, "verify_key": None}

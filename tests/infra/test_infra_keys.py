@@ -275,13 +275,11 @@ def test_gcp_secret_manager_sources_with_transient_failures_retried(
 def test_the_controller_names_the_key_sources_in_every_assignment() -> None:
     """What the Terraform controller_config sets ([controller] vm_*_key_source, or a job's own
     in vm_*_key_sources) reaches the assignment of each VM the controller launches (the
-    reconciler builds it with ``settings.vm_key_sources(job)``); without it, no keys."""
-    import inspect
-
-    from spotguard.controller.reconcile import Reconciler
+    reconciler builds it with ``settings.vm_key_sources(job)``, shown on a real controller by
+    tests/controller/test_controller_local.py::test_each_relaunched_vm_gets_its_own_jobs_key_sources);
+    without it, no keys."""
     from spotguard.controller.settings import ControllerSettings
 
-    assert "self.settings.vm_key_sources(rec.name)" in inspect.getsource(Reconciler)
     s = ControllerSettings(
         vm_signing_key_source="aws-secretsmanager:arn:aws:secretsmanager:r:1:secret:k",
         vm_verify_key_source="aws-ssm:arn:aws:ssm:r:1:parameter/v",
