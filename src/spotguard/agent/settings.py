@@ -19,8 +19,9 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from spotguard.config import Settings
+from spotguard.container.spec import ContainerRef, is_container_job
 from spotguard.contracts import ASSIGNMENT_PATH
-from spotguard.errors import ConfigError
+from spotguard.errors import ConfigError, JobError
 from spotguard.notices.base import NoticeKind
 
 from .policy import Action, Policy
@@ -51,8 +52,8 @@ class AgentSettings(Settings):
     job: Annotated[list[str], NoDecode] = Field(
         default_factory=list,
         description=(
-            "Job(s) to protect: a pid, a job name from 'spotguard run', or a cgroup path "
-            "(repeat the flag; comma-separated in the environment)"
+            "Job(s) to protect: a pid, a job name from 'spotguard run', a cgroup path or a "
+            "container, podman:NAME (repeat the flag; comma-separated in the environment)"
         ),
     )
     store: str = Field(
@@ -150,9 +151,15 @@ class AgentSettings(Settings):
     @classmethod
     def _split_jobs(cls, v: Any) -> Any:
         if isinstance(v, str):
-            return [p.strip() for p in v.split(",") if p.strip()]
+            v = [p.strip() for p in v.split(",") if p.strip()]
         if isinstance(v, tuple):
-            return list(v)
+            v = list(v)
+        for job in v if isinstance(v, list) else []:
+            if isinstance(job, str) and is_container_job(job.strip()):
+                try:
+                    ContainerRef.parse(job.strip())  # docker:/containerd: or a bad name
+                except JobError as exc:
+                    raise ValueError(str(exc)) from exc
         return v
 
     @field_validator("controller_url")
