@@ -38,7 +38,9 @@ async def test_status_names_what_no_checkpoint_could_carry_from_the_start(
     tmp_path: Path, criu_bin: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     caplog.set_level("WARNING", logger="spotguard.agent.worker")
-    outer = await asyncio.create_subprocess_exec("unshare", "--pid", "--fork", "sleep", "120")
+    outer = await asyncio.create_subprocess_exec(
+        "unshare", "--pid", "--fork", "--kill-child", "sleep", "120"
+    )
     own = await asyncio.create_subprocess_exec("sleep", "120", start_new_session=True)
     try:
         for _ in range(100):
