@@ -39,7 +39,7 @@ In the tree, ``[r]`` marks retryable classes.
     │       ├── MismatchError       image and host differ (names both sides)
     │       ├── UnsafePath          a local directory is not private (another owner, a link)
     │       ├── UndumpableError     the job holds what CRIU cannot dump (names pid, resource, fix)
-    │       └── MissingMount    [r] a container's bind mount or volume is absent on this host
+    │       └── MissingMount    [r] a mount the job uses (bind mount, volume) is absent here
     ├── ImageError                  checkpoint image format and content
     │   ├── ImageNotFound           no complete image (no manifest) at that place
     │   ├── ImageCorrupt            a chunk failed verification (names the chunk)
@@ -301,9 +301,10 @@ class UndumpableError(PreflightError):
 
 
 class MissingMount(PreflightError):
-    """A container image names a bind mount source or a volume that this host lacks: they
-    are the job's data, never carried in the image, so restore refuses before creating
-    anything (another host that has them may restore it)."""
+    """A container image names a bind mount source or a volume that this host lacks, or a
+    job's image a host mount the job uses (its files, its working directory) that this host
+    lacks: they are the job's data, never carried in the image, so restore refuses before
+    creating anything (another host that has them may restore it)."""
 
     retryable = True
 

@@ -65,6 +65,7 @@ FIELDS: dict[str, str] = {
     "key": "an object key in a store",
     "chunk": "a chunk's digest",
     "dir": "a directory",
+    "mountpoint": "where a mount sits in a job's mount namespace",
     "file": "a file",
     "key_id": "the id of an image signing or verify key (16 hex digits, never key material)",
     "key_source": "where the fleet's image keys are fetched from (aws-secretsmanager:ARN ...)",

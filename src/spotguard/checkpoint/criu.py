@@ -313,8 +313,12 @@ class Criu:
         time_limit: float | None = None,
         mount_ns: bool = False,
         ghost_limit: int | None = None,
+        external_mounts: Sequence[str] = (),
     ) -> Path:
         """Dump the tree rooted at ``pid`` into ``images_dir``; returns CRIU's log path.
+
+        ``external_mounts``: ``--external mnt[...]`` options naming the host mounts of the
+        job's namespace (:mod:`.mounts`), given before CRIU's own detection.
 
         ``on_frozen`` runs after the image is written and before CRIU resumes or kills the
         tree; if it raises, CRIU is told to fail and leaves the tree running.
@@ -340,7 +344,7 @@ class Criu:
         args += self._plugin_args()
         args += await self.page_worker_args()
         if mount_ns:
-            args += _MOUNT_NS_DUMP
+            args += [*external_mounts, *_MOUNT_NS_DUMP]
         hook = _FrozenHook(on_frozen) if on_frozen else None
         env = self._env(hook.env() if hook else None)
         if hook:
@@ -374,11 +378,14 @@ class Criu:
         log_file: Path | None = None,
         time_limit: float | None = None,
         mount_ns: bool = False,
+        external_mounts: Sequence[str] = (),
     ) -> int:
         """Restore the tree in ``images_dir`` detached from us; returns the root's host pid.
 
         ``--tcp-established`` is always given: an image without connected TCP sockets is
-        unaffected, one with them (the dump decided) cannot be restored without it."""
+        unaffected, one with them (the dump decided) cannot be restored without it.
+        ``external_mounts``: where each host mount the image names comes from on this host
+        (:func:`.mounts.plan`)."""
         work = Path(tempfile.mkdtemp(prefix="spotguard-restore-"))
         log_path = log_file or (self.log_dir or work) / "criu-restore.log"
         pidfile = work / "pid"
@@ -405,7 +412,7 @@ class Criu:
         args += self._plugin_args()
         args += await self.page_worker_args()
         if mount_ns:
-            args += _MOUNT_NS_RESTORE
+            args += [*external_mounts, *_MOUNT_NS_RESTORE]
         try:
             await self._run(args, log_path, "restore", time_limit, self._env())
             try:

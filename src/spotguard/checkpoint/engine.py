@@ -56,7 +56,7 @@ from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
-from . import files, nccl, ncclctl, procfacts, proctree, recovery, restart, scan, suspend
+from . import files, mounts, nccl, ncclctl, procfacts, proctree, recovery, restart, scan, suspend
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo, link_job_dir, own_mount_ns
@@ -232,6 +232,8 @@ class Engine:
                         files.capture, paths, target.extras_dir, s.max_file_bytes
                     )
                     cs.detail.update(files=len(meta.files), bytes=sum(f.size for f in meta.files))
+                    if survey is not None:  # which host mounts the frozen tree uses
+                        meta.mounts = await asyncio.to_thread(mounts.mark_used, survey, tree)
                 if mode is Mode.EXIT:
                     # Complete the image before CRIU kills the job: if this fails, CRIU
                     # resumes the tree instead and nothing is lost.
@@ -239,6 +241,7 @@ class Engine:
 
             with tl.step("criu_dump", leave_running=mode is Mode.RESUME) as ds:
                 await self.faults.before("criu_dump")
+                survey = await asyncio.to_thread(mounts.survey, job.pid) if meta.mount_ns else None
                 await self.criu.dump(
                     job.pid,
                     images_dir,
@@ -252,6 +255,7 @@ class Engine:
                     time_limit=s.criu_timeout,
                     mount_ns=meta.mount_ns,
                     ghost_limit=s.ghost_limit,
+                    external_mounts=survey.dump_args() if survey is not None else (),
                 )
                 if not target.stream:
                     ds.detail["bytes"] = dir_bytes(images_dir)

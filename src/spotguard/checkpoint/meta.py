@@ -2,7 +2,8 @@
 
 Written into the images directory at the end of a dump (the image engineer's manifest carries
 it along); read by restore's preflight. Holds the job, the mode, the timeline, the GPUs the
-job used and the host's facts, the CRIU version, the staging choice and the carried files.
+job used and the host's facts, the CRIU version, the staging choice, the carried files and
+the host mounts of the job's namespace (which of them it uses).
 """
 
 from __future__ import annotations
@@ -19,9 +20,10 @@ from spotguard.errors import ImageError, ImageNotFound, UnsafePath
 from spotguard.facts import GpuInventory, HostFacts
 
 from .files import CapturedFile
+from .mounts import JobMount
 
 META_NAME = "spotguard-image.json"
-META_SCHEMA = 2  # 2: carried files record open_for_writing, uid and gid
+META_SCHEMA = 3  # 2: carried files record open_for_writing, uid and gid; 3: host mounts
 MAX_META_BYTES = 64 << 20
 
 
@@ -42,6 +44,9 @@ class ImageMeta:
     files: list[CapturedFile] = field(default_factory=list)
     #: the tree had its own mount namespace (private /proc): restore rebuilds it
     mount_ns: bool = False
+    #: the host mounts of its namespace, named for CRIU, and whether the job uses each
+    #: (:mod:`.mounts`); empty in older images (CRIU's own detection then)
+    mounts: list[JobMount] = field(default_factory=list)
     schema: int = META_SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -59,6 +64,7 @@ class ImageMeta:
             "timeline": self.timeline,
             "files": [f.to_json() for f in self.files],
             "mount_ns": self.mount_ns,
+            "mounts": [m.to_json() for m in self.mounts],
         }
 
     @classmethod
@@ -85,6 +91,7 @@ class ImageMeta:
             timeline=d.get("timeline", []),
             files=[CapturedFile.from_json(f) for f in d.get("files", [])],
             mount_ns=bool(d.get("mount_ns", False)),
+            mounts=[JobMount.from_json(m) for m in d.get("mounts", [])],
             schema=int(d.get("schema", META_SCHEMA)),
         )
 

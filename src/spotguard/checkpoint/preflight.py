@@ -2,8 +2,9 @@
 
 Checks, each failure naming both sides (:class:`~spotguard.errors.MismatchError`):
 CPU architecture; CRIU version (this host's must be at least the image's); for GPU jobs the
-driver checkpoint API, GPU model, GPU count and driver major version; and that the same job
-is not already running here. Returns the GPU mapping (image UUID → host UUID) for the
+driver checkpoint API, GPU model, GPU count and driver major version; every host mount the
+job uses (:func:`.mounts.check`: MissingMount names the first one absent); and that the same
+job is not already running here. Returns the GPU mapping (image UUID → host UUID) for the
 driver's restore.
 
 GPU mapping (:func:`gpu_mapping`): the driver's restore must be given a pair for EVERY GPU
@@ -31,7 +32,7 @@ from pathlib import Path
 from spotguard.errors import MismatchError, PreflightError
 from spotguard.facts import GpuDevice, GpuInventory, HostFacts
 
-from . import proctree
+from . import mounts, proctree
 from .criu import Criu
 from .cuda import GpuHook, NoGpu
 from .jobs import JobInfo, resolve_job
@@ -129,6 +130,9 @@ async def preflight(
         raise MismatchError(
             "CRIU version (host must be at least the image's)", meta.criu_version, host_criu
         )
+    if meta.mount_ns:
+        # a mount the job uses, absent here: refused now, before anything is restored
+        mounts.check(meta.mounts, job=str(meta.job.get("name", "")))
     mapping: dict[str, str] = {}
     if meta.gpu_processes:
         if isinstance(gpu, NoGpu):

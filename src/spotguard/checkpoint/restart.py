@@ -11,7 +11,7 @@ from typing import Any
 
 from spotguard.errors import CriuError
 
-from . import sockets
+from . import mounts, sockets
 from .criu import Criu
 from .meta import ImageMeta
 from .settings import CheckpointSettings
@@ -40,13 +40,18 @@ async def criu_restore(
         attempt = loop.time()
         detail["retry_wait_s"] = attempt - start
         try:
-            return await criu.restore(
-                source.images_dir,
-                stream=source.stream,
-                manage_cgroups=s.manage_cgroups,
-                time_limit=s.criu_timeout,
-                mount_ns=meta.mount_ns,
-            )
+            # the host mounts of the job's namespace: bound from this host's paths, or
+            # empty stand-ins for those the job does not use and this host lacks
+            job = str(meta.job.get("name", ""))
+            with mounts.planned(meta.mounts if meta.mount_ns else [], job=job) as plan:
+                return await criu.restore(
+                    source.images_dir,
+                    stream=source.stream,
+                    manage_cgroups=s.manage_cgroups,
+                    time_limit=s.criu_timeout,
+                    mount_ns=meta.mount_ns,
+                    external_mounts=plan.args,
+                )
         except CriuError as exc:
             held = _pid_still_held(exc) and meta.root_ns_pid != 1
             waiting = _port_in_time_wait(exc)

@@ -1,0 +1,149 @@
+"""Checkpoint two jobs while bind mounts exist, take the mounts away, restore both; run by
+tests/faults/test_faults_mounts.py as ``unshare -m --propagation private python THIS DIR
+CRIU`` so that the bind mounts live only in this private mount namespace (nothing of them
+reaches the host, or another test's jobs).
+
+* ``spare``: a bind mount the job never touches (``DIR/spare`` from ``DIR/spare-src``).
+* ``data``: a bind mount the ``reader`` job holds a file of open (``DIR/data`` from
+  ``DIR/data-src``).
+
+Both jobs count to the end after their exit checkpoint into a real ``file://`` store; then
+both mounts are unmounted and their directories removed, the ``reader`` restored first
+(expected refused) and the ``idle`` job second (expected to come back and finish). Prints
+one JSON object with what happened; the test asserts on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from spotguard import operations
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.jobs import JobInfo, exit_status, list_jobs, start_job
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.contracts import Mode
+from spotguard.image import ImageSettings
+from spotguard.image.catalog import latest_image
+
+STEPS = 60
+#: counts to STEPS (one line each 30 ms); with a file named, holds it open all along
+COUNTER = (
+    "import sys, time\n"
+    "held = open(sys.argv[2]) if len(sys.argv) > 2 else None\n"
+    "for i in range(int(sys.argv[1])):\n"
+    "    print(i, flush=True)\n"
+    "    time.sleep(0.03)\n"
+)
+
+
+class _Lines(logging.Handler):
+    """Every log record's message and extra fields, for the test to look at."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[dict[str, Any]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        extra = {k: str(v) for k, v in record.__dict__.items() if k in ("mountpoint", "step")}
+        self.records.append({"msg": record.getMessage(), **extra})
+
+
+def _lines(job: JobInfo) -> list[str]:
+    p = job.dir / "stdout"
+    return p.read_text().splitlines() if p.exists() else []
+
+
+async def _wait(cond: Any, what: str, limit: float = 30.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.03)
+
+
+def _bind(root: Path) -> None:
+    """The two bind mounts, a file in ``data``."""
+    for name in ("spare", "data"):
+        (root / f"{name}-src").mkdir()
+        (root / name).mkdir()
+        subprocess.run(["mount", "--bind", root / f"{name}-src", root / name], check=True)
+    (root / "data" / "input.txt").write_text("the job's data\n")
+
+
+def _take_away(root: Path) -> None:
+    """Both mounts gone, their mountpoints and sources too (a host that never had them)."""
+    for name in ("spare", "data"):
+        subprocess.run(["umount", root / name], check=True)
+        shutil.rmtree(root / name)
+        shutil.rmtree(root / f"{name}-src")
+
+
+async def _restore(
+    job: JobInfo, store: str, settings: CheckpointSettings, img: ImageSettings
+) -> dict[str, Any]:
+    url = await latest_image(store, job.name, settings=img)
+    assert url is not None
+    before = len(_lines(job))
+    try:
+        rr = await operations.restore(url, settings=settings, image_settings=img)
+    except Exception as exc:  # noqa: BLE001 - reported to the test
+        return {
+            "ok": False,
+            "error": type(exc).__name__,
+            "message": str(exc),
+            "lines_after_refusal": len(_lines(job)) - before,
+        }
+    await _wait(lambda: exit_status(rr.job) is not None, f"{job.name} to finish")
+    return {"ok": True, "pid": rr.pid, "exit": exit_status(rr.job), "lines": _lines(job)}
+
+
+async def main(root: Path, criu: str) -> dict[str, Any]:
+    handler = _Lines()
+    logging.getLogger().addHandler(handler)
+    logging.getLogger().setLevel(logging.INFO)
+    _bind(root)
+    settings = CheckpointSettings(
+        state_dir=root / "state", shm_dir=root / "shm", criu=criu, criu_timeout=60
+    )
+    img = ImageSettings(chunk_size=1 << 20, workers=1, max_inflight_mb=4)
+    store = f"file://{root / 'store'}"
+    counter = [sys.executable, "-c", COUNTER, str(STEPS)]
+    idle = await start_job(counter, "idle", state_dir=settings.state_dir, cwd=root)
+    reader = await start_job(
+        [*counter, str(root / "data" / "input.txt")], "reader", state_dir=settings.state_dir,
+        cwd=root,
+    )  # fmt: skip
+    out: dict[str, Any] = {}
+    try:
+        for job in (idle, reader):
+            await _wait(lambda j=job: len(_lines(j)) > 5, f"{job.name} to count")
+            await operations.checkpoint(
+                job, store, mode=Mode.EXIT, settings=settings, image_settings=img, stream="off"
+            )
+            await _wait(lambda j=job: not proctree.alive(j.pid), f"{job.name} to stop")
+        _take_away(root)
+        out["reader"] = await _restore(reader, store, settings, img)
+        out["idle"] = await _restore(idle, store, settings, img)
+        out["left_on_host"] = sorted(os.listdir(root))
+        out["log"] = handler.records
+    finally:
+        for job in list_jobs(settings.state_dir):
+            if proctree.alive(job.pid):
+                proctree.signal_all([job.pid], signal.SIGKILL)
+    return out
+
+
+if __name__ == "__main__":
+    os.environ.pop("SPOTGUARD_CONFIG", None)
+    result = asyncio.run(main(Path(sys.argv[1]), sys.argv[2]))
+    print(json.dumps(result))

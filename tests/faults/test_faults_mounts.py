@@ -1,0 +1,76 @@
+"""A mount absent on the restoring host (issue 31, item 15).
+
+A ``spotguard run`` job has its own mount namespace, a copy of the host's: every mount the
+host had when the job started is in its image, and CRIU bound each one again at restore from
+the host's path. A bind mount the job never used, gone from the restoring host, failed the
+restore ("mnt-v2: Failed to open_tree … No such file", or "Can't stat mountpoint"): the image
+could never come back there. Now the image names the mounts the job uses (its open files,
+mapped files, working and root directories, and the mounts they sit on): one of those absent
+refuses the restore in its preflight, before any file is written or process created, naming
+the mount; any other absent mount comes back empty, with one log line.
+
+Real CRIU, real jobs, a real ``file://`` store, real bind mounts: the whole run happens in a
+private mount namespace (``unshare -m``, tests/faults/sg_mount_restore.py) so that the mounts
+never reach the host or another test's jobs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = [pytest.mark.criu, pytest.mark.timeout(120)]
+
+SCRIPT = Path(__file__).with_name("sg_mount_restore.py")
+STEPS = 60
+
+
+@pytest.fixture(scope="module")
+def run(criu_bin: str, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """One run of the scenario (two jobs, one checkpoint and one restore each)."""
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare(1)")
+    root = tmp_path_factory.mktemp("mounts")
+    cmd = ["unshare", "-m", "--propagation", "private", sys.executable, str(SCRIPT)]
+    proc = subprocess.run(
+        [*cmd, str(root), criu_bin], capture_output=True, text=True, timeout=100, check=False
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return root, json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_a_mount_the_job_never_used_absent_at_restore_comes_back_empty(
+    run: tuple[Path, dict[str, Any]],
+) -> None:
+    root, out = run
+    idle = out["idle"]
+    assert idle["ok"], idle
+    assert idle["exit"] == 0
+    # the job went on where it stopped: every line once, in order, nothing lost or repeated
+    assert idle["lines"] == [str(i) for i in range(STEPS)]
+    spare = str(root / "spare")
+    said = [r for r in out["log"] if r.get("mountpoint") == spare]
+    assert said and "not on this host" in said[0]["msg"], out["log"]
+    # what restore made for the mount is gone from the host again
+    assert "spare" not in out["left_on_host"] and "spare-src" not in out["left_on_host"]
+
+
+def test_a_mount_the_job_uses_absent_at_restore_is_refused_before_anything_is_restored(
+    run: tuple[Path, dict[str, Any]],
+) -> None:
+    root, out = run
+    reader = out["reader"]
+    assert not reader["ok"], reader
+    assert reader["error"] == "MissingMount", reader
+    assert str(root / "data") in reader["message"]
+    assert "\n" not in reader["message"]
+    assert reader["lines_after_refusal"] == 0
+    failed = [r for r in out["log"] if r["msg"] == "restore failed"]
+    assert failed and failed[0].get("step") == "preflight", out["log"]
+    assert "data" not in out["left_on_host"]
