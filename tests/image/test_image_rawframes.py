@@ -6,11 +6,19 @@ import json
 import os
 from pathlib import Path
 
+import pytest
 import zstandard
 
 from spotguard.contracts import chunk_key, manifest_key
-from spotguard.image import ImageSettings, generate_key, pull_image, push_dir, verify_image
-from spotguard.image.codec import ChunkCodec, raw_frame_into, raw_frame_size
+from spotguard.errors import ImageCorrupt
+from spotguard.image import ImageSettings, generate_key, memops, pull_image, push_dir, verify_image
+from spotguard.image.codec import ChunkCodec
+from spotguard.image.rawframe import (
+    raw_frame_into,
+    raw_frame_parts,
+    raw_frame_size,
+    raw_frame_spans,
+)
 
 CHUNK = 1 << 20
 
@@ -99,3 +107,100 @@ async def test_an_image_of_format_1_still_reads(tmp_path: Path) -> None:
     got = await pull_image(res.image_url, tmp_path / "d", settings=s)
     assert got.manifest.sequence == 0
     assert (got.dest / "pages.img").read_bytes() == (src / "pages.img").read_bytes()
+
+
+def test_frame_parts_concatenate_to_the_frame() -> None:
+    for n in (0, 1, 128 << 10, (128 << 10) + 1, 3 * CHUNK + 7):
+        plain = os.urandom(n)
+        whole = bytes(raw_frame_into(plain, memoryview(bytearray(raw_frame_size(n)))))
+        assert b"".join(raw_frame_parts(plain)) == whole
+
+
+def test_raw_frames_decode_by_their_own_reader_and_fail_on_a_flipped_bit() -> None:
+    codec = ChunkCodec(1)
+    for n in (1, (128 << 10) + 1, 3 * CHUNK + 7):
+        plain = os.urandom(n)
+        frame = bytearray(raw_frame_into(plain, memoryview(bytearray(raw_frame_size(n)))))
+        assert raw_frame_spans(memoryview(frame), n) is not None
+        out = bytearray(n)
+        addr = codec.address(plain)
+        assert bytes(codec.decode_into(frame, addr, n, out)) == plain
+        frame[-1] ^= 1
+        with pytest.raises(ImageCorrupt, match="hash check"):
+            codec.decode_into(frame, addr, n, bytearray(n))
+
+
+def test_frames_not_exactly_raw_go_to_zstd() -> None:
+    codec = ChunkCodec(1)
+    plain = os.urandom(CHUNK)
+    frame = bytearray(raw_frame_into(plain, memoryview(bytearray(raw_frame_size(CHUNK)))))
+    assert raw_frame_spans(memoryview(frame), CHUNK + 1) is None  # another size
+    bad = bytearray(frame)
+    bad[13] |= 0x02  # first block marked RLE: not the writer's layout
+    assert raw_frame_spans(memoryview(bad), CHUNK) is None
+    with pytest.raises(ImageCorrupt):
+        codec.decode_into(bad, codec.address(plain), CHUNK, bytearray(CHUNK))
+    packed = zstandard.ZstdCompressor().compress(plain)  # zstd's own frame of the same bytes
+    assert bytes(codec.decode_into(packed, codec.address(plain), CHUNK, bytearray(CHUNK))) == plain
+
+
+def test_zero_chunks_take_the_address_of_their_bytes(tmp_path: Path) -> None:
+    (tmp_path / "k").write_text(generate_key().hex())
+    keyed = ImageSettings(encryption_key_file=tmp_path / "k")
+    from spotguard.image.codec import load_key
+
+    for codec in (ChunkCodec(1), ChunkCodec(1, load_key(keyed.encryption_key_file, None))):
+        for n in (1, CHUNK, 3 * CHUNK + 5):
+            zeros = bytearray(n)
+            assert codec.address_of(zeros) == codec.address(bytes(n))
+            zeros[n // 2] = 1
+            assert codec.address_of(zeros) == codec.address(bytes(zeros))
+
+
+def test_memops_copy_and_zero_test_without_the_gil() -> None:
+    import mmap
+
+    src = bytearray(os.urandom(CHUNK))
+    dst = mmap.mmap(-1, 2 * CHUNK)
+    with memoryview(dst) as d:
+        memops.copy_spans(d, memoryview(src), [(5, 0, 100), (CHUNK, 100, CHUNK - 100)])
+        assert d[5:105] == src[:100] and d[CHUNK : 2 * CHUNK - 100] == src[100:]
+        memops.copy(d[7:], memoryview(bytes(src)))  # read-only source: the Python copy
+        assert d[7 : 7 + CHUNK] == src
+        with pytest.raises(ValueError):
+            memops.copy_spans(d, memoryview(src), [(2 * CHUNK - 1, 0, 2)])
+        d[:] = bytes(2 * CHUNK)
+        assert memops.is_zero(d)
+        d[2 * CHUNK - 1] = 1
+        assert not memops.is_zero(d)
+    assert not memops.is_zero(memoryview(bytes(10)))  # read-only: never claimed zero
+    dst.close()  # no export left behind
+
+
+async def test_owned_reads_use_the_raw_reader_and_skip_zero_chunks(tmp_path: Path) -> None:
+    from spotguard.image import ImageReader
+
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(CHUNK) + bytes(CHUNK) + bf16_like(CHUNK) + os.urandom(600_000)
+    (src / "pages-1.img").write_bytes(data)
+    s = ImageSettings(chunk_size=CHUNK, workers=2)
+    res = await push_dir(src, (tmp_path / "store").as_uri(), "own", settings=s)
+    chunks = res.manifest.file("pages-1.img").chunks
+    assert [c.raw for c in chunks] == [True, False, False, True]
+    # the zero chunk is known by its address: reading it needs nothing from the store
+    (tmp_path / "store" / chunk_key("own", chunks[1].digest)).unlink()
+    async with ImageReader(res.image_url, settings=s) as r:
+        got = b""
+        async for c in r.iter_file_owned("pages-1.img"):
+            got += c.map[: c.size]
+            c.close()
+        assert got == data
+    # a flipped byte in a raw chunk is caught by the raw reader's hash
+    path = tmp_path / "store" / chunk_key("own", chunks[0].digest)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 1
+    path.write_bytes(bytes(blob))
+    async with ImageReader(res.image_url, settings=s) as r:
+        with pytest.raises(ImageCorrupt, match="hash check"):
+            await r.read_chunk_owned(chunks[0])

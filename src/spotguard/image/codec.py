@@ -57,6 +57,13 @@ import zstandard
 from blake3 import blake3
 
 from spotguard.errors import ConfigError, DecryptionError, ImageCorrupt
+from spotguard.image import memops
+from spotguard.image.rawframe import (
+    copy_raw_into,
+    raw_frame_into,
+    raw_frame_size,
+    raw_frame_spans,
+)
 
 ENC_MAGIC = b"SGE1"
 ENC_ALG = "AES-256-GCM"
@@ -66,8 +73,6 @@ DIGEST_HEX = 64
 KEY_BYTES = 32
 NONCE_BYTES = 12
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
-RAW_BLOCK = 128 << 10  # the largest zstd block
-RAW_HEADER = 0xE0  # frame header descriptor: single segment, 8-byte content size, no checksum
 SAMPLES = 8
 SAMPLE_BYTES = 32 << 10
 
@@ -172,34 +177,6 @@ def compress_bound(size: int) -> int:
     return size + (size >> 8) + margin + 4096
 
 
-def raw_frame_size(size: int) -> int:
-    """Bytes of a raw zstd frame holding ``size`` plaintext bytes."""
-    return 4 + 1 + 8 + 3 * max(1, -(-size // RAW_BLOCK)) + size
-
-
-def raw_frame_into(plain: bytes | memoryview, out: memoryview) -> memoryview:
-    """Write ``plain`` into ``out`` as one zstd frame of raw (stored) blocks; the frame's view.
-
-    Format (RFC 8878): magic, frame header descriptor ``0xE0`` (single segment, 8-byte frame
-    content size), the content size, then blocks of at most 128 KiB, each behind a 3-byte
-    little-endian header ``size << 3 | type 0 (raw) << 1 | last``."""
-    src = memoryview(plain).cast("B")
-    n = len(src)
-    out[0:4] = ZSTD_MAGIC
-    out[4] = RAW_HEADER
-    out[5:13] = n.to_bytes(8, "little")
-    pos, off = 13, 0
-    while True:
-        size = min(RAW_BLOCK, n - off)
-        last = off + size >= n
-        out[pos : pos + 3] = ((size << 3) | int(last)).to_bytes(3, "little")
-        out[pos + 3 : pos + 3 + size] = src[off : off + size]
-        pos += 3 + size
-        off += size
-        if last:
-            return out[:pos]
-
-
 class _Overflow(Exception):
     """The compressed frame did not fit the output buffer (never expected; handled)."""
 
@@ -235,6 +212,7 @@ class ChunkCodec:
         self.level = level
         self.cipher = cipher
         self.raw_saving = raw_saving
+        self._zero_addresses: dict[int, str] = {}
 
     @property
     def hash_name(self) -> str:
@@ -245,6 +223,33 @@ class ChunkCodec:
         if self.cipher is None:
             return blake3(plain).hexdigest()
         return blake3(plain, key=self.cipher.addr_key).hexdigest()
+
+    def _hasher(self) -> Any:
+        return blake3() if self.cipher is None else blake3(key=self.cipher.addr_key)
+
+    def zero_address(self, size: int) -> str:
+        """The address of ``size`` zero bytes (cached per size: a job's zero pages come in
+        few chunk sizes)."""
+        cache = self._zero_addresses
+        addr = cache.get(size)
+        if addr is None:
+            h = self._hasher()
+            block = bytes(min(size, 1 << 20))
+            left = size
+            while left:
+                n = min(left, len(block))
+                h.update(block[:n] if n < len(block) else block)
+                left -= n
+            addr = cache[size] = h.hexdigest()
+        return addr
+
+    def address_of(self, plain: bytes | memoryview) -> str:
+        """:meth:`address`, with a short cut for an all-zero chunk (a compare at memory speed
+        instead of a hash: zero pages are common in dumped memory — allocators' reserves,
+        untouched GPU buffers)."""
+        if memops.is_zero(memoryview(plain)):
+            return self.zero_address(len(plain))
+        return self.address(plain)
 
     def _nonce(self, address: str) -> bytes:
         assert self.cipher is not None
@@ -298,11 +303,12 @@ class ChunkCodec:
         return 1 - packed / (SAMPLES * SAMPLE_BYTES) < self.raw_saving
 
     def pack(
-        self, plain: bytes | memoryview, address: str, out: Any = None
+        self, plain: bytes | memoryview, address: str, out: Any = None, raw: bool | None = None
     ) -> tuple[memoryview | bytes, bool]:
         """The stored object of ``plain`` and whether it is a raw frame: compressed (into
-        ``out`` when given, see :meth:`encode_into`) unless :meth:`incompressible`."""
-        if not self.incompressible(plain):
+        ``out`` when given, see :meth:`encode_into`) unless :meth:`incompressible` (or
+        ``raw``, when the caller asked that already)."""
+        if not (self.incompressible(plain) if raw is None else raw):
             if out is None:
                 return self.encode(plain, address), False
             return self.encode_into(plain, address, out), False
@@ -334,6 +340,18 @@ class ChunkCodec:
             raise ImageCorrupt(
                 f"chunk {address} failed authentication (corrupt)", chunk=address
             ) from exc
+
+    def _copy_raw(
+        self, frame: memoryview, spans: list[tuple[int, int, int]], plain: memoryview, address: str
+    ) -> memoryview:
+        """Decode a raw frame: its blocks copied into ``plain`` (without the GIL) and hashed
+        a megabyte at a time while in cache — one pass over memory instead of zstd's copy
+        and then a hash over the whole chunk."""
+        hasher = self._hasher()
+        copy_raw_into(hasher, frame, spans, plain)
+        if not hmac.compare_digest(hasher.hexdigest(), address):
+            raise ImageCorrupt(f"chunk {address} fails its hash check", chunk=address)
+        return plain
 
     def _verify(self, plain: bytes | memoryview, address: str, size: int) -> None:
         if len(plain) != size:
@@ -368,6 +386,9 @@ class ChunkCodec:
         view = memoryview(out)
         if len(view) < size:
             raise ValueError(f"output buffer of {len(view)} bytes is smaller than {size}")
+        spans = raw_frame_spans(memoryview(frame).cast("B"), size)
+        if spans is not None:
+            return self._copy_raw(memoryview(frame).cast("B"), spans, view[:size], address)
         try:
             declared = zstandard.frame_content_size(frame)
             if declared not in (-1, size):

@@ -24,7 +24,7 @@ from typing import Any, TypeVar
 
 from spotguard.contracts import chunk_key
 from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
-from spotguard.image.buffers import Lease, OwnedChunk
+from spotguard.image.buffers import BufferPool, Lease, OwnedChunk
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
 from spotguard.image.history import refuse_rollback, resolve
 from spotguard.image.keys import ImageKeys
@@ -105,6 +105,7 @@ class ImageReader:
         self.readahead = readahead or s.max_inflight_chunks()
         self._manifest: Manifest | None = None
         self._pool: ThreadPoolExecutor | None = None
+        self._stored: BufferPool | None = None
         self.codec = ChunkCodec()
         self.stats = TransferStats(phase="download")
         self.refetches = 0
@@ -299,20 +300,62 @@ class ImageReader:
                 if drop is not None and not isinstance(r, BaseException):
                     drop(r)
 
+    def _stored_buffers(self) -> BufferPool:
+        """Reused buffers the owned path reads stored chunks into (a fresh ``bytes`` per chunk
+        cost a page fault per 4 KiB, and its bytes could not be copied out without the GIL)."""
+        if self._stored is None:
+            size = max_stored_chunk(max(self.manifest.codec.chunk_size, 1))
+            # As many as decode at once (fetches beyond wait for one), and a few for
+            # remote stores' latency on small machines.
+            self._stored = BufferPool(size, max(self.workers, min(self.readahead, 8)))
+        return self._stored
+
     async def _fetch_decode_owned(self, ref: ChunkRef) -> OwnedChunk:
-        stored = await self._get_stored(ref)
         out = OwnedChunk(ref.size)
+        if ref.digest == self.codec.zero_address(ref.size):
+            # All zero (the authenticated address says so): a fresh map already is.
+            return out
+        pool = self._stored_buffers()
+        lease = Lease(pool, await pool.acquire(), None)
+        reuse = True
         try:
-            loop = asyncio.get_running_loop()
-            view: memoryview = await loop.run_in_executor(
-                self._pool, self.codec.decode_into, stored, ref.digest, ref.size, out.map
+            if max_stored_chunk(ref.size) <= pool.size:
+                stored = await self._get_into_capped(ref, lease.view)
+            else:  # a chunk larger than the image's chunk size: read it on its own
+                stored = memoryview(await self._get_stored(ref))
+            await asyncio.get_running_loop().run_in_executor(
+                self._pool, _decode_owned, self.codec, stored, ref, out
             )
-            view.release()
-        except BaseException:
+            self.stats.stored_bytes += len(stored)
+            stored.release()
+        except BaseException as exc:
+            reuse = not isinstance(exc, asyncio.CancelledError)  # else a thread may hold it
             out.close()
             raise
-        self.stats.stored_bytes += len(stored)
+        finally:
+            if reuse:
+                lease.release()
+            else:
+                lease.discard()
         return out
+
+    async def _get_into_capped(self, ref: ChunkRef, buf: memoryview) -> memoryview:
+        """The stored bytes of a chunk read into ``buf``, with the cap of :meth:`_get_stored`."""
+        key = chunk_key(self.ref.job, ref.digest)
+        limit = max_stored_chunk(ref.size)
+        try:
+            stored = await get_into(self.store, key, buf[:limit])
+        except ObjectNotFound as exc:
+            raise ImageCorrupt(
+                f"chunk {ref.digest} is missing from the store", chunk=ref.digest
+            ) from exc
+        if len(stored) > limit:
+            raise ImageCorrupt(
+                f"chunk {ref.digest} is stored as more than {limit} bytes, more than "
+                f"{ref.size} bytes can take: not read further",
+                chunk=ref.digest,
+            )
+        return stored
 
     async def read_chunk_owned(self, ref: ChunkRef) -> OwnedChunk:
         """Like :meth:`read_chunk`, into an :class:`OwnedChunk` the caller must close."""
@@ -346,6 +389,10 @@ class ImageReader:
 
         await asyncio.gather(*(one(r) for r in refs))
         return report
+
+
+def _decode_owned(codec: ChunkCodec, stored: memoryview, ref: ChunkRef, out: OwnedChunk) -> None:
+    codec.decode_into(stored, ref.digest, ref.size, out.map).release()
 
 
 def chunk_plan(manifest: Manifest) -> dict[str, list[tuple[str, int, ChunkRef]]]:

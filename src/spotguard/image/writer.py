@@ -41,10 +41,12 @@ from spotguard.image.codec import ChunkCodec, Cipher, compress_bound
 from spotguard.image.history import next_sequence
 from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import ChunkRef, Codec, FileEntry, ImageRef, Manifest
+from spotguard.image.rawframe import raw_frame_parts, raw_frame_size
 from spotguard.image.settings import ImageSettings
 from spotguard.image.sink import SMALL_CHUNK, ChunkOwner, ChunkPipeline, FileSink
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.store import ImageStore, RetryPolicy, get_into, open_store
+from spotguard.store.base import BlockingStore
 from spotguard.timeline import Timeline
 
 __all__ = ["SMALL_CHUNK", "ChunkOwner", "ChunkPipeline", "FileSink", "ImageWriter", "store_for"]
@@ -295,7 +297,7 @@ class ImageWriter:
     async def _process(self, plain: bytes | memoryview, lease: ChunkOwner | None) -> ChunkRef:
         size = len(plain)
         t0 = time.perf_counter()
-        addr: str = await self._cpu(self.codec.address, plain)
+        addr: str = await self._cpu(self.codec.address_of, plain)
         self.stats.add_step("hash", t0)
         earlier = self._by_addr.get(addr)
         if earlier is not None:  # the same chunk twice in this image (zero pages, ...)
@@ -360,13 +362,24 @@ class ImageWriter:
     ) -> tuple[int, bool]:
         """Compress (or frame raw) into a pooled buffer, free the plaintext, upload straight
         from the buffer. Returns the stored size and whether the frame is raw."""
+        store = self.store
+        raw: bool | None = None  # pack decides
+        if self.codec.cipher is None and isinstance(store, BlockingStore) and store.writes_parts:
+            t0 = time.perf_counter()
+            raw = await self._cpu(self.codec.incompressible, plain)
+            self.stats.add_step("pack", t0)
+            if raw:  # stored from the plaintext itself, its headers between the blocks
+                t0 = time.perf_counter()
+                await store.put_parts(key, raw_frame_parts(plain))
+                self.stats.add_step("put", t0)
+                return raw_frame_size(len(plain)), True
         t0 = time.perf_counter()
         out = Lease(self.buffers, await self.buffers.acquire(), None)
         self.stats.add_step("buffer", t0)
         reuse = True
         try:
             t0 = time.perf_counter()
-            data, raw = await self._cpu(self.codec.pack, plain, addr, out.view)
+            data, raw = await self._cpu(self.codec.pack, plain, addr, out.view, raw)
             self.stats.add_step("pack", t0)
             if lease is not None:
                 lease.release()  # compressed: the plaintext buffer can take the next chunk

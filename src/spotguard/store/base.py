@@ -96,6 +96,8 @@ class BlockingStore:
     """
 
     url: str
+    #: Whether :meth:`put_parts` writes the buffers without joining them first.
+    writes_parts: bool = False
 
     def __init__(self, url: str, *, io_workers: int = 16, retry: RetryPolicy | None = None) -> None:
         self.url = url.rstrip("/")
@@ -107,6 +109,9 @@ class BlockingStore:
     # --- to implement -------------------------------------------------------------------
     def _put(self, key: str, data: Data, if_absent: bool) -> None:
         raise NotImplementedError
+
+    def _put_parts(self, key: str, parts: Sequence[Data], if_absent: bool) -> None:
+        self._put(key, b"".join(parts), if_absent)
 
     def _get(self, key: str) -> bytes:
         raise NotImplementedError
@@ -166,6 +171,11 @@ class BlockingStore:
     async def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
         """Write ``data`` at ``key`` atomically (``if_absent``: only if nothing is there)."""
         await self._call("put", key, lambda: self._put(key, data, if_absent))
+
+    async def put_parts(self, key: str, parts: Sequence[Data], *, if_absent: bool = False) -> None:
+        """Like :meth:`put` of the concatenation of ``parts``. Stores that can write a list of
+        buffers at once say so with ``writes_parts``; the others join them here (a copy)."""
+        await self._call("put", key, lambda: self._put_parts(key, parts, if_absent))
 
     async def get(self, key: str) -> bytes:
         """The object's bytes; :class:`ObjectNotFound` when absent."""

@@ -1,0 +1,105 @@
+"""Raw frames: a chunk stored as one standard zstd frame of raw (stored) blocks.
+
+GPU memory is often near-incompressible; such a chunk is stored behind a frame header and a
+3-byte header per 128 KiB block, built by copying, no compressor (see
+:mod:`spotguard.image.codec`, "Raw frames"). Every zstd reader decodes it; spotguard's own
+reader recognises the exact layout and copies the blocks out itself (:func:`copy_raw_into`),
+hashing each megabyte while it is in cache. All copies run without the GIL
+(:mod:`spotguard.image.memops`), and :func:`raw_frame_parts` lets a store that writes a list
+of buffers store the chunk from the plaintext with no copy at all.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from spotguard.image import memops
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+RAW_BLOCK = 128 << 10  # the largest zstd block
+RAW_HEADER = 0xE0  # frame header descriptor: single segment, 8-byte content size, no checksum
+
+
+def raw_frame_size(size: int) -> int:
+    """Bytes of a raw zstd frame holding ``size`` plaintext bytes."""
+    return 4 + 1 + 8 + 3 * max(1, -(-size // RAW_BLOCK)) + size
+
+
+def _raw_blocks(n: int) -> list[tuple[int, int, bool]]:
+    """``(offset, size, last)`` of each block of a raw frame of ``n`` plaintext bytes."""
+    starts = range(0, n, RAW_BLOCK)
+    return [(o, min(RAW_BLOCK, n - o), o + RAW_BLOCK >= n) for o in starts] or [(0, 0, True)]
+
+
+def _frame_header(n: int) -> bytes:
+    return ZSTD_MAGIC + bytes((RAW_HEADER,)) + n.to_bytes(8, "little")
+
+
+def _block_header(size: int, last: bool) -> bytes:
+    return ((size << 3) | int(last)).to_bytes(3, "little")
+
+
+def raw_frame_into(plain: bytes | memoryview, out: memoryview) -> memoryview:
+    """Write ``plain`` into ``out`` as one zstd frame of raw (stored) blocks; the frame's view.
+
+    Format (RFC 8878): magic, frame header descriptor ``0xE0`` (single segment, 8-byte frame
+    content size), the content size, then blocks of at most 128 KiB, each behind a 3-byte
+    little-endian header ``size << 3 | type 0 (raw) << 1 | last``. The blocks are copied
+    without the GIL (:mod:`spotguard.image.memops`): the pipeline's threads frame at once."""
+    src = memoryview(plain).cast("B")
+    n = len(src)
+    head = _frame_header(n)
+    out[: len(head)] = head
+    pos = len(head)
+    spans: list[tuple[int, int, int]] = []
+    for off, size, last in _raw_blocks(n):
+        out[pos : pos + 3] = _block_header(size, last)
+        spans.append((pos + 3, off, size))
+        pos += 3 + size
+    memops.copy_spans(out, src, spans)
+    return out[:pos]
+
+
+def raw_frame_parts(plain: bytes | memoryview) -> list[bytes | memoryview]:
+    """The raw frame of ``plain`` as a list of buffers (headers, and views of ``plain`` for
+    the blocks) whose concatenation is :func:`raw_frame_into`'s frame: a store that writes a
+    list of buffers at once (``writev``) stores the chunk without copying it first."""
+    src = memoryview(plain).cast("B")
+    parts: list[bytes | memoryview] = [_frame_header(len(src))]
+    for off, size, last in _raw_blocks(len(src)):
+        parts.append(_block_header(size, last))
+        if size:
+            parts.append(src[off : off + size])
+    return parts
+
+
+def raw_frame_spans(frame: memoryview, size: int) -> list[tuple[int, int, int]] | None:
+    """Where the plaintext of a raw frame of ``size`` bytes lies, as ``(plain_offset,
+    frame_offset, n)`` spans — or None when ``frame`` is not exactly such a frame (another
+    zstd frame: the caller decodes it with zstd; malformed bytes fail there, or the hash)."""
+    if len(frame) != raw_frame_size(size) or bytes(frame[:13]) != _frame_header(size):
+        return None
+    spans: list[tuple[int, int, int]] = []
+    pos = 13
+    for off, n, last in _raw_blocks(size):
+        if bytes(frame[pos : pos + 3]) != _block_header(n, last):
+            return None
+        spans.append((off, pos + 3, n))
+        pos += 3 + n
+    return spans
+
+
+_HASH_GROUP = 8  # raw blocks copied, then hashed while still in cache (1 MiB)
+
+
+def copy_raw_into(
+    hasher: Any, frame: memoryview, spans: list[tuple[int, int, int]], plain: memoryview
+) -> None:
+    """Copy a raw frame's blocks (``spans`` from :func:`raw_frame_spans`) into ``plain``,
+    feeding ``hasher`` a megabyte at a time right after each is copied."""
+    for i in range(0, len(spans), _HASH_GROUP):
+        group = spans[i : i + _HASH_GROUP]
+        memops.copy_spans(plain, frame, group)
+        start = group[0][0]
+        end = group[-1][0] + group[-1][2]
+        hasher.update(plain[start:end])
