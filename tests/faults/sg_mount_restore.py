@@ -3,12 +3,12 @@ tests/faults/test_faults_mounts.py as ``unshare -m --propagation private python 
 CRIU`` so that the bind mounts live only in this private mount namespace (nothing of them
 reaches the host, or another test's jobs).
 
-* ``spare``: a bind mount the job never touches (``DIR/spare`` from ``DIR/spare-src``).
+* ``SPARE``: bind mounts the jobs never touch (a directory, one inside it, a file).
 * ``data``: a bind mount the ``reader`` job holds a file of open (``DIR/data`` from
   ``DIR/data-src``).
 
 Both jobs count to the end after their exit checkpoint into a real ``file://`` store; then
-both mounts are unmounted and their directories removed, the ``reader`` restored first
+every mount is unmounted and its mountpoint and source removed, the ``reader`` restored first
 (expected refused) and the ``idle`` job second (expected to come back and finish). Prints
 one JSON object with what happened; the test asserts on it.
 """
@@ -71,21 +71,47 @@ async def _wait(cond: Any, what: str, limit: float = 30.0) -> None:
         await asyncio.sleep(0.03)
 
 
+#: the mounts the jobs never touch (mountpoint, source), parents first: a directory two
+#: levels under a directory that goes too, a mount inside it, a file (its name with a space),
+#: and one whose mountpoint stays on the host (only its source goes)
+SPARE = (
+    ("gone/spare", "spare-src"),
+    ("gone/spare/inner", "inner-src"),
+    ("spare file", "file-src"),
+    ("kept", "kept-src"),
+)
+
+
 def _bind(root: Path) -> None:
-    """The two bind mounts, a file in ``data``."""
-    for name in ("spare", "data"):
-        (root / f"{name}-src").mkdir()
-        (root / name).mkdir()
-        subprocess.run(["mount", "--bind", root / f"{name}-src", root / name], check=True)
+    """The bind mounts; a file in ``data``."""
+    (root / "spare-src" / "inner").mkdir(parents=True)
+    (root / "inner-src").mkdir()
+    (root / "kept-src").mkdir()
+    (root / "kept").mkdir()
+    (root / "gone" / "spare").mkdir(parents=True)
+    (root / "file-src").write_text("not the job's\n")
+    (root / "spare file").touch()
+    (root / "data-src").mkdir()
+    (root / "data").mkdir()
+    for mountpoint, source in (*SPARE, ("data", "data-src")):
+        subprocess.run(["mount", "--bind", root / source, root / mountpoint], check=True)
     (root / "data" / "input.txt").write_text("the job's data\n")
 
 
 def _take_away(root: Path) -> None:
-    """Both mounts gone, their mountpoints and sources too (a host that never had them)."""
-    for name in ("spare", "data"):
-        subprocess.run(["umount", root / name], check=True)
+    """Every mount gone, their mountpoints and sources too (a host that never had them)."""
+    for mountpoint, _ in reversed((*SPARE, ("data", "data-src"))):
+        subprocess.run(["umount", root / mountpoint], check=True)
+    for name in ("gone", "spare-src", "inner-src", "kept-src", "data", "data-src"):
         shutil.rmtree(root / name)
-        shutil.rmtree(root / f"{name}-src")
+    for name in ("spare file", "file-src"):
+        (root / name).unlink()
+
+
+def _mounted_under(pid: int, root: Path) -> list[str]:
+    """The mountpoints under ``root`` that process ``pid`` sees."""
+    with open(f"/proc/{pid}/mountinfo") as f:
+        return [ln.split()[4] for ln in f if ln.split()[4].startswith(str(root))]
 
 
 async def _restore(
@@ -103,8 +129,15 @@ async def _restore(
             "message": str(exc),
             "lines_after_refusal": len(_lines(job)) - before,
         }
+    mounted = _mounted_under(rr.pid, settings.state_dir.parent)
     await _wait(lambda: exit_status(rr.job) is not None, f"{job.name} to finish")
-    return {"ok": True, "pid": rr.pid, "exit": exit_status(rr.job), "lines": _lines(job)}
+    return {
+        "ok": True,
+        "pid": rr.pid,
+        "exit": exit_status(rr.job),
+        "lines": _lines(job),
+        "mounted": mounted,
+    }
 
 
 async def main(root: Path, criu: str) -> dict[str, Any]:

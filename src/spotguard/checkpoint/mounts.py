@@ -57,6 +57,7 @@ class MountLine:
     root: str
     mountpoint: str
     fstype: str
+    propagation: tuple[str, ...] = ()  #: mountinfo's optional fields (shared:N, master:N)
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,9 @@ class JobMount:
     is_dir: bool
     used: bool = False
     fstype: str = ""
+    #: ``source`` was a mountpoint of the dump host: the restoring host needs a mount there
+    #: too (a bare directory at that path is the mount's absence, not the mount)
+    source_is_mount: bool = False
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -80,6 +84,7 @@ class JobMount:
             "is_dir": self.is_dir,
             "used": self.used,
             "fstype": self.fstype,
+            "source_is_mount": self.source_is_mount,
         }
 
     @classmethod
@@ -92,6 +97,7 @@ class JobMount:
             is_dir=bool(d["is_dir"]),
             used=bool(d.get("used", False)),
             fstype=str(d.get("fstype", "")),
+            source_is_mount=bool(d.get("source_is_mount", False)),
         )
         for p in (m.mountpoint, m.source, m.parent):
             if not p.startswith("/") or "\0" in p:
@@ -141,8 +147,11 @@ def read_mountinfo(path: str) -> list[MountLine]:
             if len(a) < 5 or not b:
                 continue
             out.append(
-                MountLine(int(a[0]), int(a[1]), a[2], _unescape(a[3]), _unescape(a[4]), b[0])
-            )
+                MountLine(
+                    int(a[0]), int(a[1]), a[2], _unescape(a[3]), _unescape(a[4]), b[0],
+                    tuple(a[6:]),
+                )
+            )  # fmt: skip
     return out
 
 
@@ -161,20 +170,20 @@ def _join(base: str, rel: str) -> str:
     return base if not rel else f"{base.rstrip('/')}/{rel}"
 
 
-def _host_source(m: MountLine, host: Sequence[MountLine]) -> str | None:
-    """The host path whose content the job's mount ``m`` shows: the host mount at the same
-    place with the same root when there is one, else (as CRIU's own detection does) the last
-    host mount of the same device whose root holds ``m``'s root."""
-    same = [h for h in host if h.dev == m.dev and h.mountpoint == m.mountpoint]
-    if any(h.root == m.root for h in same):
-        return m.mountpoint
+def _host_source(m: MountLine, host: Sequence[MountLine]) -> tuple[str, bool] | None:
+    """The host path whose content the job's mount ``m`` shows, and whether that path is a
+    host mountpoint: the host mount at the same place with the same root when there is one,
+    else (as CRIU's own detection does) the last host mount of the same device whose root
+    holds ``m``'s root."""
+    if any(h.dev == m.dev and h.mountpoint == m.mountpoint and h.root == m.root for h in host):
+        return m.mountpoint, True
     best = None
     for h in host:
         if h.dev != m.dev:
             continue
         rel = _within(m.root, h.root)
         if rel is not None:
-            best = _join(h.mountpoint, rel)
+            best = _join(h.mountpoint, rel), not rel
     return best
 
 
@@ -189,8 +198,10 @@ def survey(pid: int) -> Survey:
         parent = by_id.get(m.parent)
         if parent is None or m.mountpoint == "/":
             continue  # the namespace's root: CRIU binds it from --root
-        source = _host_source(m, host)
-        if source is None:
+        if any(p.startswith(("shared:", "master:")) for p in m.propagation):
+            continue  # CRIU's detection leaves these alone (a job spotguard run has none)
+        found = _host_source(m, host)
+        if found is None:
             continue  # the job's own (its /proc): CRIU restores it from the image
         ids.setdefault(m.mountpoint, []).append(m.id)
         try:
@@ -202,7 +213,10 @@ def survey(pid: int) -> Survey:
         first = seen.get(m.mountpoint)
         key = first.key if first else f"{KEY_PREFIX}{len(seen)}"
         under = first.parent if first else parent.mountpoint
-        seen[m.mountpoint] = JobMount(key, m.mountpoint, source, under, is_dir, fstype=m.fstype)
+        source, whole = found
+        seen[m.mountpoint] = JobMount(
+            key, m.mountpoint, source, under, is_dir, fstype=m.fstype, source_is_mount=whole
+        )
     return Survey(by_id, list(seen.values()), ids)
 
 
@@ -285,19 +299,46 @@ def _order(mounts: Sequence[JobMount]) -> list[JobMount]:
     return sorted(mounts, key=lambda m: m.mountpoint.rstrip("/").count("/"))
 
 
-def _missing(m: JobMount, here: dict[str, str]) -> str | None:
-    """What of ``m`` this host lacks (its host path, its mountpoint), or None.
-    ``here``: the path each mount placed so far comes from on this host."""
+def _spot(m: JobMount, here: dict[str, str]) -> str | None:
+    """Where ``m``'s mountpoint is on this host, given ``here`` (the path each mount placed
+    so far comes from); None when it sits on a mount CRIU restores from the image."""
+    base = here.get(m.parent)
+    return None if base is None else _join(base, _within(m.mountpoint, m.parent) or "")
+
+
+def _mounted_here() -> frozenset[str]:
+    """This host's mountpoints (ours: the namespace CRIU restores from)."""
+    return frozenset(m.mountpoint for m in read_mountinfo("/proc/self/mountinfo"))
+
+
+def _absent(m: JobMount, here: frozenset[str]) -> str | None:
+    """Why ``m``'s host path is not what the job had, or None: the path does not exist, or
+    nothing is mounted there (where a mount was)."""
     if not os.path.lexists(m.source):
         return f"{m.source} does not exist here"
-    base = here.get(m.parent)
-    if base is None:
-        return None  # sits on a mount CRIU restores from the image: its content is there
-    rel = _within(m.mountpoint, m.parent)
-    spot = _join(base, rel or "")
-    if not os.path.lexists(spot):
-        return f"its mountpoint {spot} does not exist here"
+    if m.source_is_mount and m.source not in here:
+        return f"nothing is mounted at {m.source} here"
     return None
+
+
+def _stand_ins(mounts: Sequence[JobMount], mounted: frozenset[str]) -> set[str]:
+    """The mountpoints that come back empty (or are left out): the unused mounts whose host
+    path or mountpoint is absent here. An unused mount (not the root) some mountpoint of which
+    is absent under its host path comes back empty itself, so that the mountpoint is made in
+    our stand-in, not on the host; everything on a mount that comes back empty does too."""
+    out = {m.mountpoint for m in mounts if not m.used and _absent(m, mounted)}
+    by_mp = {m.mountpoint: m for m in mounts}
+    for m in reversed(_order(mounts)):  # children first: a parent's turn comes later
+        p = by_mp.get(m.parent)
+        base = "/" if m.parent == "/" else p.source if p is not None else None
+        if m.used or base is None or m.mountpoint in out:
+            continue
+        if not os.path.lexists(_join(base, _within(m.mountpoint, m.parent) or "")):
+            out.add(m.mountpoint if p is None or p.used else p.mountpoint)
+    for m in _order(mounts):
+        if m.parent in out:
+            out.add(m.mountpoint)
+    return out
 
 
 def _refusal(m: JobMount, why: str, job: str) -> MissingMount:
@@ -310,14 +351,21 @@ def _refusal(m: JobMount, why: str, job: str) -> MissingMount:
 
 
 def check(mounts: Sequence[JobMount], *, job: str = "") -> None:
-    """Raise :class:`MissingMount` naming the first mount the job uses that this host lacks;
-    mounts it does not use may be absent (restore brings them back empty)."""
+    """Raise :class:`MissingMount` naming the first mount the job uses that this host lacks
+    (its host path, or its mountpoint); mounts it does not use may be absent (restore brings
+    them back empty)."""
     here = {"/": "/"}
+    mounted = _mounted_here()
     for m in _order(mounts):
-        why = _missing(m, here)
-        if why is not None and m.used:
+        spot = _spot(m, here)
+        here[m.mountpoint] = m.source
+        if not m.used:
+            continue
+        why = _absent(m, mounted)
+        if why is not None:
             raise _refusal(m, why, job)
-        here[m.mountpoint] = m.source if why is None else f"<empty {m.mountpoint}>"
+        if spot is not None and not os.path.lexists(spot):
+            raise _refusal(m, f"its mountpoint {spot} does not exist here", job)
 
 
 @dataclass
@@ -326,7 +374,7 @@ class RestorePlan:
 
     args: list[str] = field(default_factory=list)
     empties: Path | None = None  #: our empty stand-ins (a private temporary directory)
-    made: list[str] = field(default_factory=list)  #: mountpoints made on the host
+    made: list[str] = field(default_factory=list)  #: mountpoints made for the restore
 
     def cleanup(self) -> None:
         """Remove what the restore made (deepest first): a mountpoint made on the host is
@@ -345,57 +393,54 @@ class RestorePlan:
             shutil.rmtree(self.empties, ignore_errors=True)
             self.empties = None
 
-
-def _make(path: str, is_dir: bool, made: list[str]) -> None:
-    """Make ``path`` (a directory or an empty file) and the directories above it that are
-    missing, appending each to ``made``."""
-    missing = []
-    p = path
-    while not os.path.lexists(p):
-        missing.append(p)
-        p = os.path.dirname(p)
-    for i, q in enumerate(reversed(missing)):
-        last = i == len(missing) - 1
-        if last and not is_dir:
-            os.close(os.open(q, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+    def stand_in(self, m: JobMount) -> str:
+        """An empty directory or file of ours for ``m``."""
+        if self.empties is None:
+            self.empties = Path(tempfile.mkdtemp(prefix="spotguard-mounts-"))
+        path = self.empties / m.key
+        if m.is_dir:
+            path.mkdir(mode=0o700)
         else:
-            os.mkdir(q, 0o700)
-        made.append(q)
+            path.touch(mode=0o600)
+        return str(path)
 
-
-def _stand_in(m: JobMount, plan: RestorePlan) -> str:
-    if plan.empties is None:
-        plan.empties = Path(tempfile.mkdtemp(prefix="spotguard-mounts-"))
-    path = plan.empties / m.key
-    if m.is_dir:
-        path.mkdir(mode=0o700)
-    else:
-        path.touch(mode=0o600)
-    return str(path)
+    def make(self, path: str, is_dir: bool) -> None:
+        """Make ``path`` (a directory or an empty file) and the directories above it that
+        are missing, each recorded for :meth:`cleanup`."""
+        missing = []
+        p = path
+        while not os.path.lexists(p):
+            missing.append(p)
+            p = os.path.dirname(p)
+        for i, q in enumerate(reversed(missing)):
+            if i == len(missing) - 1 and not is_dir:
+                os.close(os.open(q, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600))
+            else:
+                os.mkdir(q, 0o700)
+            self.made.append(q)
 
 
 def plan(mounts: Sequence[JobMount], *, job: str = "") -> RestorePlan:
     """CRIU's restore options binding each host mount of the image (see the module doc);
     the caller runs :meth:`RestorePlan.cleanup` once CRIU is done."""
+    check(mounts, job=job)
     out = RestorePlan()
+    empty = _stand_ins(mounts, _mounted_here())
     here = {"/": "/"}
     try:
         for m in _order(mounts):
-            why = _missing(m, here)
-            if why is None:
-                path = m.source
-            elif m.used:
-                raise _refusal(m, why, job)
-            else:
-                path = _stand_in(m, out)
-                base = here.get(m.parent)
-                if base is not None:
-                    _make(_join(base, _within(m.mountpoint, m.parent) or ""), m.is_dir, out.made)
+            spot = _spot(m, here)
+            path = m.source
+            if m.mountpoint in empty:
+                path = out.stand_in(m)
+                left_out = spot is not None and not os.path.lexists(spot)
+                if left_out:  # made for the restore, removed after: the mount goes with it
+                    out.make(str(spot), m.is_dir)
                 log.info(
-                    "a mount the job does not use is not on this host: restored empty",
-                    extra={"job": job, "mountpoint": m.mountpoint, "path": m.source,
-                           "reason": why},
-                )  # fmt: skip
+                    "a mount the job does not use is not on this host: "
+                    + ("left out" if left_out else "restored empty"),
+                    extra={"job": job, "mountpoint": m.mountpoint, "path": m.source},
+                )
             here[m.mountpoint] = path
             out.args += ["--external", f"mnt[{m.key}]:{path}"]
     except OSError as exc:
