@@ -16,15 +16,20 @@ the key, the mountpoint, the host path it comes from and whether it is a directo
 the tree is frozen (:func:`mark_used`), the mounts the job *uses* are marked: those holding
 its open files, its mapped files, its working and root directories, and every mount they sit
 on. At restore (:func:`plan`): a mount whose host path and mountpoint exist here is bound
-from that path, as before; a used one that is absent refuses the restore in its preflight
-(:class:`~spotguard.errors.MissingMount`, naming it), before any file is written or process
-created; an unused one that is absent comes back empty (an empty directory or file of ours;
-a missing mountpoint is made for the restore and removed right after, which also detaches
-the empty mount from the job's namespace), with one log line naming it.
+from that path, as before. A mount is absent when its host path does not exist, when that
+path was a mountpoint and nothing is mounted there now, or when its mountpoint does not
+exist. A used one that is absent refuses the restore in its preflight (:func:`check`,
+:class:`~spotguard.errors.MissingMount` naming it), before any file is written or process
+created. An unused one that is absent comes back empty (an empty directory or file of ours),
+with one log line naming it; a mountpoint the host lacks is made for the restore and removed
+right after (which detaches the empty mount from the job's namespace: "left out"), never on
+the host where the mount sits on another unused one (that one comes back empty too, with
+the mountpoint made in our stand-in).
 
-Mounts the job made itself (its own ``/proc``, a tmpfs) are not the host's: CRIU restores
-them from the image, as before. An image without mount records (older ones) restores as
-before (CRIU's detection).
+Mounts the job made itself (its own ``/proc``, a tmpfs) are not the host's, and mounts that
+share propagation with the host (none in a ``spotguard run`` job: its init makes every mount
+private) are left to CRIU's own detection, as before. So is every mount of an image without
+mount records (older ones).
 """
 
 from __future__ import annotations
