@@ -207,8 +207,27 @@ class WireError(Wire):
         return cls(code="internal", message=f"{type(exc).__name__}: {exc}", retryable=True)
 
 
-CheckpointMode = Literal["exit", "resume"]
-Decision = Literal["exit", "resume", "none"]
+class Mode(StrEnum):
+    """What happens to a job once its image is complete — the one spelling of a checkpoint's
+    mode from the agent's policy through the engine to the reports and the controller (the
+    wire and file values are the strings)."""
+
+    RESUME = "resume"  # leave running (periodic checkpoint, drain-and-stay)
+    EXIT = "exit"  # stop it (the machine is going away)
+
+
+class Action(StrEnum):
+    """What an agent does about a notice (its policy's answer, ``[agent] policy_*`` and the
+    :class:`NoticeEvent`'s ``decision``): nothing, or a checkpoint in a :class:`Mode`."""
+
+    NONE = "none"  # acknowledge and carry on
+    RESUME = Mode.RESUME.value  # checkpoint; the job keeps running
+    EXIT = Mode.EXIT.value  # checkpoint; the job is stopped (the VM is going away)
+
+    @property
+    def mode(self) -> Mode | None:
+        """The checkpoint this action takes; ``None`` for :attr:`NONE`."""
+        return None if self is Action.NONE else Mode(self.value)
 
 
 class _Event(Wire):
@@ -242,7 +261,7 @@ class NoticeEvent(_Event):
 
     kind: Literal[EventKind.NOTICE] = EventKind.NOTICE
     notice: NoticeInfo
-    decision: Decision | None = None
+    decision: Action | None = None
     reason: str | None = None
     source: str | None = None  # "fleet" when the controller saw it outside the VM
 
@@ -250,7 +269,7 @@ class NoticeEvent(_Event):
 class FrozenEvent(_Event):
     kind: Literal[EventKind.FROZEN] = EventKind.FROZEN
     notice: NoticeInfo | None = None
-    mode: CheckpointMode
+    mode: Mode
     notice_to_frozen_s: float | None = None
 
 
@@ -261,7 +280,7 @@ class DurableEvent(_Event):
     notice: NoticeInfo | None = None
     image_url: str
     image_bytes: int | None = Field(default=None, ge=0)
-    mode: CheckpointMode = "exit"
+    mode: Mode = Mode.EXIT
     gpu: GpuInfo | None = None
     host: HostInfo | None = None
     timeline: list[StepInfo] | None = None

@@ -21,10 +21,10 @@ from spotguard.agent.dispatch import NoticeDispatcher
 from spotguard.agent.ledger import Ledger
 from spotguard.agent.metrics import AgentMetrics
 from spotguard.agent.parking import NodeParks
-from spotguard.agent.policy import Action, Policy
+from spotguard.agent.policy import Policy
 from spotguard.agent.reporter import Reporter
 from spotguard.agent.worker import JobWorker
-from spotguard.contracts import Directive, Owner
+from spotguard.contracts import Directive, Mode, Owner
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
 from spotguard.notices.base import Cloud, Notice, NoticeKind
@@ -113,12 +113,12 @@ async def test_a_notice_is_reported_and_queued_on_every_active_job_and_a_cancel_
     node.dispatcher.handle(notice)
     await wait_until(lambda: bool(train.pending), 10)  # queued by the notice's own task
     assert list(train.pending) == ["n1"] and other.pending == {}
-    assert train.pending["n1"].action is Policy.default().decide(notice).action
+    assert train.pending["n1"].mode is Policy.default().decide(notice).action.mode
     assert node.dispatcher.seen[-1]["id"] == "n1" and "n1" in node.dispatcher.live
     assert await node.reporter.flush(10)
     [event] = [e for e in sink.events if e["kind"] == "notice"]
     assert event["job"] == "train" and event["notice"]["id"] == "n1"
-    assert event["decision"] == train.pending["n1"].action.value
+    assert event["decision"] == train.pending["n1"].mode.value
 
     node.dispatcher.handle(notice.cancel())
     assert train.pending == {} and "n1" not in node.dispatcher.live
@@ -153,7 +153,7 @@ async def test_controller_answers_stand_a_job_down_or_drain_the_node_once(
         await wait_until(lambda: bool(train.pending), 10)
         [(key, req)] = train.pending.items()
         assert key.startswith("manual-") and req.notice is not None
-        assert req.notice.kind is NoticeKind.DRAIN and req.action is Action.EXIT
+        assert req.notice.kind is NoticeKind.DRAIN and req.mode is Mode.EXIT
         assert req.notice.raw["reason"] == "controller: migrate to b"
         assert req.notice.raw["deadline_s"] == 120.0  # the agent's drain deadline
         assert len(node.manual.active()) == 1

@@ -28,7 +28,7 @@ from spotguard import operations
 from spotguard.agent.restore import _key, _record
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import resolve_job, start_job
-from spotguard.contracts import Assignment
+from spotguard.contracts import Assignment, Mode
 from spotguard.image import ImageSettings
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(180)]
@@ -62,7 +62,7 @@ async def test_agent_killed_when_its_exit_checkpoint_stopped_the_job_reports_the
             await wait_until(lambda: "started" in sink.kinds("train"), 30)
         # What the killed agent's checkpoint did before it could write its record:
         result = await operations.checkpoint(
-            job, store, mode="exit", settings=host.checkpoint_settings(),
+            job, store, mode=Mode.EXIT, settings=host.checkpoint_settings(),
             image_settings=ImageSettings(),
         )  # fmt: skip
         assert not proctree.alive(job.pid)
@@ -90,7 +90,7 @@ async def test_agent_killed_between_a_restore_and_its_record_does_not_restore_tw
     restored = 0
     try:
         image = await operations.checkpoint(
-            job, store, mode="exit", settings=host.checkpoint_settings(),
+            job, store, mode=Mode.EXIT, settings=host.checkpoint_settings(),
             image_settings=ImageSettings(),
         )  # fmt: skip
         assert not proctree.alive(job.pid)

@@ -28,7 +28,7 @@ from agent_helpers import EventSink, Host, job_argv, running_agent, wait_until
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, start_job
-from spotguard.contracts import Assignment, chunk_key
+from spotguard.contracts import Assignment, Mode, chunk_key
 from spotguard.image import ImageReader, ImageSettings, Manifest
 
 pytestmark = pytest.mark.criu
@@ -74,7 +74,7 @@ async def exit_image(host: Host, store: str, stream: str) -> tuple[str, JobInfo]
     result = await operations.checkpoint(
         job,
         store,
-        mode="exit",
+        mode=Mode.EXIT,
         settings=host.checkpoint_settings(stream=stream),
         image_settings=ImageSettings(),
     )

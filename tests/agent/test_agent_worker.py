@@ -19,11 +19,11 @@ from agent_helpers import TOKEN, EventSink, Host, job_argv, proc_state, wait_unt
 
 from spotguard import operations
 from spotguard.agent.metrics import AgentMetrics
-from spotguard.agent.policy import Action
 from spotguard.agent.reporter import Reporter
 from spotguard.agent.worker import JobWorker, Request
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, start_job
+from spotguard.contracts import Mode
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
 from spotguard.notices.base import Cloud, Notice, NoticeKind
@@ -49,7 +49,7 @@ def worker_for(
     settings = host.checkpoint_settings()
 
     async def checkpoint(
-        mode: str, deadline: datetime | None, meta: dict[str, Any], on_frozen: Any
+        mode: Mode, deadline: datetime | None, meta: dict[str, Any], on_frozen: Any
     ) -> operations.CheckpointResult:
         return await operations.checkpoint(
             info, store, mode=mode, settings=settings, image_settings=ImageSettings(),
@@ -62,11 +62,11 @@ def worker_for(
     )  # fmt: skip
 
 
-def request(key: str, action: Action, *, in_s: float = 0.0) -> tuple[Request, asyncio.Future[Any]]:
+def request(key: str, mode: Mode, *, in_s: float = 0.0) -> tuple[Request, asyncio.Future[Any]]:
     now = datetime.now(UTC)
     notice = Notice(key, Cloud.AWS, NoticeKind.PREEMPT, now + timedelta(seconds=120), "stop")
     done: asyncio.Future[dict[str, Any]] = asyncio.get_running_loop().create_future()
-    req = Request(key, action, now + timedelta(seconds=in_s), "test", notice=notice, waiters=[done])
+    req = Request(key, mode, now + timedelta(seconds=in_s), "test", notice=notice, waiters=[done])
     return req, done
 
 
@@ -79,15 +79,15 @@ async def test_a_resume_then_an_exit_each_make_an_image_and_are_reported(
     worker = worker_for(job, host, f"file://{tmp_path}/store", reporter, metrics)
     running = asyncio.create_task(worker.run())
     try:
-        first, resumed = request("n1", Action.RESUME)
+        first, resumed = request("n1", Mode.RESUME)
         assert worker.submit(first)
-        assert not worker.submit(request("n1", Action.RESUME)[0])  # one request per notice
+        assert not worker.submit(request("n1", Mode.RESUME)[0])  # one request per notice
         line = await asyncio.wait_for(resumed, 120)
         assert line["state"] == "protecting" and line["url"].startswith("file://")
         assert proctree.alive(job.pid) and worker.checkpoints == 1
-        later, stays = request("n3", Action.RESUME, in_s=300)  # not due before the exit
+        later, stays = request("n3", Mode.RESUME, in_s=300)  # not due before the exit
         worker.submit(later)
-        last, exited = request("n2", Action.EXIT)
+        last, exited = request("n2", Mode.EXIT)
         worker.submit(last)
         line = await asyncio.wait_for(exited, 120)
         assert line["state"] == "exited" and worker.state == "exited"
@@ -114,17 +114,17 @@ async def test_a_failed_checkpoint_keeps_the_job_protected_and_a_gone_job_finish
     worker = worker_for(job, host, blocked.as_uri(), reporter, metrics)
     running = asyncio.create_task(worker.run())
     try:
-        req, failed = request("n1", Action.RESUME)
+        req, failed = request("n1", Mode.RESUME)
         worker.submit(req)
         line = await asyncio.wait_for(failed, 120)
         assert "error" in line and worker.state == "protecting" and worker.failures == 1
         assert proctree.alive(job.pid) and proc_state(job.pid) != "T"  # thawed
-        waiting, cancelled = request("n2", Action.RESUME, in_s=300)
+        waiting, cancelled = request("n2", Mode.RESUME, in_s=300)
         worker.submit(waiting)
         assert worker.cancel("n2") and (await cancelled) == {"job": "train", "cancelled": True}
         os.kill(job.pid, signal.SIGKILL)
         await wait_until(lambda: not worker.alive(), 10)
-        req, gone = request("n3", Action.RESUME)
+        req, gone = request("n3", Mode.RESUME)
         worker.submit(req)
         assert (await asyncio.wait_for(gone, 10))["state"] == "finished"
         assert worker.state == "finished"

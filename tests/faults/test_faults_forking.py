@@ -21,6 +21,7 @@ from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, list_jobs, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.contracts import Mode
 from spotguard.image import ImageSettings
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
@@ -64,7 +65,7 @@ async def test_twenty_checkpoints_in_a_row_of_a_job_forking_every_few_ms(
     for n in range(20):
         try:
             await operations.checkpoint(
-                forker, store, mode="resume", settings=settings, image_settings=IMG,
+                forker, store, mode=Mode.RESUME, settings=settings, image_settings=IMG,
                 stream="off",
             )  # fmt: skip
         except Exception as exc:  # noqa: BLE001 - counted and shown

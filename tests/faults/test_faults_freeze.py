@@ -44,6 +44,7 @@ CHILD = textwrap.dedent(
     from spotguard.checkpoint.engine import Engine
     from spotguard.checkpoint.jobs import resolve_job
     from spotguard.checkpoint.settings import CheckpointSettings
+    from spotguard.contracts import Mode
     from spotguard.image import ImageSettings
 
     class PauseAt:
@@ -61,7 +62,7 @@ CHILD = textwrap.dedent(
         eng = Engine(Criu(criu), settings=s, faults=PauseAt(step))
         img = ImageSettings(chunk_size=1 << 20, workers=1, max_inflight_mb=4)
         await operations.checkpoint(
-            resolve_job(job, state_dir=s.state_dir), store, mode=mode, settings=s,
+            resolve_job(job, state_dir=s.state_dir), store, mode=Mode(mode), settings=s,
             image_settings=img, engine=eng, stream=stream)
         print("finished", flush=True)
 

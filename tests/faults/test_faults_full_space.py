@@ -28,6 +28,7 @@ from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, list_jobs, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.contracts import Mode
 from spotguard.image import ImageSettings, list_images
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(180)]
@@ -109,7 +110,7 @@ async def test_a_full_tmpfs_during_a_staged_dump_falls_back_to_disk_staging(
         deadline = datetime.now(UTC) + timedelta(seconds=90)
         t0 = asyncio.get_running_loop().time()
         result = await operations.checkpoint(
-            job, f"file://{tmp_path}/store", mode=mode, settings=settings, image_settings=IMG,
+            job, f"file://{tmp_path}/store", mode=Mode(mode), settings=settings, image_settings=IMG,
             stream="off", deadline=deadline,
         )  # fmt: skip
         took = asyncio.get_running_loop().time() - t0
@@ -157,7 +158,7 @@ async def test_a_state_dir_that_cannot_be_written_never_aborts_the_checkpoint(
     try:
         # the agent ran before: a periodic image, the host's key and records exist
         await operations.checkpoint(
-            job, store, mode="resume", settings=settings, image_settings=IMG, stream=stream
+            job, store, mode=Mode.RESUME, settings=settings, image_settings=IMG, stream=stream
         )
         if how == "full":
             _fill(job.dir / "big-output")  # the job's own output fills the state dir
@@ -166,7 +167,7 @@ async def test_a_state_dir_that_cannot_be_written_never_aborts_the_checkpoint(
         with pytest.raises(OSError):
             (job.dir / "probe").write_text("x")
         result = await operations.checkpoint(
-            job, store, mode="exit", settings=settings, image_settings=IMG, stream=stream
+            job, store, mode=Mode.EXIT, settings=settings, image_settings=IMG, stream=stream
         )
         assert result.image_url and not proctree.alive(job.pid)
         assert len(await list_images(store, "train", settings=IMG)) == 2

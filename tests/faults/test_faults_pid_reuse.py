@@ -23,6 +23,7 @@ from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, list_jobs, start_job
 from spotguard.checkpoint.marker import FreezeMarker
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.contracts import Mode
 from spotguard.image import ImageSettings
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(120)]
@@ -84,7 +85,7 @@ async def test_a_freeze_marker_whose_pid_was_reused_does_not_block_checkpoints(
         assert proctree.alive(record.agent_pid)  # the pid is in use again, by a stranger
         await asyncio.sleep(0.1)
         result = await operations.checkpoint(
-            job, f"file://{tmp_path}/store", mode="resume", settings=settings,
+            job, f"file://{tmp_path}/store", mode=Mode.RESUME, settings=settings,
             image_settings=ImageSettings(), stream="off",
         )  # fmt: skip
         assert result.image_url and proctree.alive(job.pid)

@@ -42,7 +42,7 @@ from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.contracts import Directive, InstanceInfo, StartedEvent
+from spotguard.contracts import Directive, InstanceInfo, Mode, StartedEvent
 from spotguard.errors import AgentNotRunning, AgentTaskDied, SpotguardError
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
@@ -391,7 +391,7 @@ class Agent:
         if worker is None:  # kept by an earlier agent; the job is not protected here
             info = JobInfo(name=kept.job, pid=0, dir=self.checkpoint_settings.jobs_dir / kept.job)
             worker = self._worker(info)
-        if result.mode == "exit":
+        if result.mode is Mode.EXIT:
             self.ledger.put(
                 kept.job, worker.pid, JobState.EXITED, image_url=result.image_url,
                 image_at=result.frozen_at,
@@ -425,7 +425,7 @@ class Agent:
     async def _checkpoint(
         self,
         info: JobInfo,
-        mode: str,
+        mode: Mode,
         deadline: datetime | None,
         meta: dict[str, Any],
         on_frozen: operations.OnFrozen,

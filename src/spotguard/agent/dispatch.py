@@ -30,7 +30,7 @@ from .jobstate import JobState
 from .ledger import Ledger
 from .metrics import AgentMetrics
 from .parking import NodeParks
-from .policy import Action, Policy
+from .policy import Policy
 from .reporter import Reporter
 from .standdown import owned_elsewhere
 from .worker import JobWorker, Request
@@ -115,9 +115,10 @@ class NoticeDispatcher:
                 "start_at": decision.start_at.isoformat(),
             },
         )
+        mode = decision.action.mode  # None: nothing to checkpoint
         live = self.live
         jobs = [w for w in self.workers.values() if w.active]
-        if notice.cancelled or decision.action is Action.NONE:
+        if notice.cancelled or mode is None:
             live.pop(notice.id, None)
         else:  # remembered with the jobs it went to: each job gets a notice once
             live[notice.id] = (notice, {w.name for w in jobs})
@@ -127,7 +128,7 @@ class NoticeDispatcher:
                     job=w.name,
                     instance=InstanceInfo.model_validate(self.instance.to_json()),
                     notice=NoticeInfo.model_validate(notice.to_json()),
-                    decision=decision.action.value,
+                    decision=decision.action,
                     reason=decision.reason,
                 )
             )
@@ -140,8 +141,8 @@ class NoticeDispatcher:
                     )
             self._settle(notice.id, [{"cancelled": True}])
             return
-        kept = [] if decision.action is Action.NONE else self.parks.kept()
-        if decision.action is Action.NONE or not (jobs or kept):
+        kept = [] if mode is None else self.parks.kept()
+        if mode is None or not (jobs or kept):
             self._spawn(self._acknowledge(notice), f"ack-{notice.id}")
             self._settle(notice.id, [{"job": w.name, "action": "none"} for w in jobs])
             return
@@ -149,7 +150,7 @@ class NoticeDispatcher:
             self._spawn(self.parks.evacuate(r.job), f"evacuate-{r.job}") for r in kept
         ]
         for w in jobs:
-            req = Request(notice.id, decision.action, decision.start_at, decision.reason,
+            req = Request(notice.id, mode, decision.start_at, decision.reason,
                           notice=notice)  # fmt: skip
             waiters.append(self._spawn(self._notice_checkpoint(w, req), f"notice-{w.name}"))
         self._spawn(self._after(notice, waiters), f"after-{notice.id}")
@@ -190,6 +191,9 @@ class NoticeDispatcher:
                 continue  # this job had it already (e.g. restored by hand after it)
             applied.add(worker.name)
             decision = self.policy.decide(notice)
+            mode = decision.action.mode
+            if mode is None:  # live notices are those that asked for a checkpoint
+                continue
             log.info(
                 "notice applies to a job protected after it came",
                 extra={"step": "notice", "notice": nid, "job": worker.name},
@@ -199,13 +203,11 @@ class NoticeDispatcher:
                     job=worker.name,
                     instance=InstanceInfo.model_validate(self.instance.to_json()),
                     notice=NoticeInfo.model_validate(notice.to_json()),
-                    decision=decision.action.value,
+                    decision=decision.action,
                     reason=decision.reason,
                 )
             )
-            worker.submit(
-                Request(nid, decision.action, decision.start_at, decision.reason, notice=notice)
-            )
+            worker.submit(Request(nid, mode, decision.start_at, decision.reason, notice=notice))
 
     async def _after(self, notice: Notice, waiters: list[asyncio.Future[dict[str, Any]]]) -> None:
         results = list(await asyncio.gather(*waiters))

@@ -22,7 +22,7 @@ from typing import Any
 
 from spotguard import operations
 from spotguard.checkpoint.jobs import JobInfo
-from spotguard.contracts import DurableEvent, ExitedEvent, InstanceInfo
+from spotguard.contracts import DurableEvent, ExitedEvent, InstanceInfo, Mode
 from spotguard.image import ImageSettings
 
 from .jobstate import JobState
@@ -32,16 +32,16 @@ from .reporter import Reporter
 
 @contextmanager
 def checkpointing(
-    ledger: Ledger, info: JobInfo, mode: str, alive: Callable[[], bool]
+    ledger: Ledger, info: JobInfo, mode: Mode, alive: Callable[[], bool]
 ) -> Iterator[Callable[[operations.CheckpointResult], None]]:
     """Journal one checkpoint of ``info``: the intent now, the outcome when the block ends
     (call the yielded function with the result on success). ``alive``: whether the job's
     own process runs (by identity)."""
-    if mode == "exit":
+    if mode is Mode.EXIT:
         ledger.put(info.name, info.pid, JobState.EXITING)
 
     def done(result: operations.CheckpointResult) -> None:
-        state = JobState.EXITED if result.mode == "exit" else JobState.PROTECTING
+        state = JobState.EXITED if result.mode is Mode.EXIT else JobState.PROTECTING
         ledger.put(
             info.name, info.pid, state, image_url=result.image_url, image_at=result.frozen_at
         )
@@ -52,7 +52,7 @@ def checkpointing(
         ledger.put(info.name, info.pid, JobState.PUSHING)  # stopped; its image waits for the store
         raise
     except BaseException:
-        if mode == "exit" and alive():
+        if mode is Mode.EXIT and alive():
             ledger.put(info.name, info.pid, JobState.PROTECTING)  # the engine brought it back
         raise
 
@@ -98,6 +98,6 @@ async def report_unrecorded_exit(
     url, frozen_at = found
     ledger.put(info.name, info.pid, JobState.EXITED, image_url=url, image_at=frozen_at)
     if url is not None:
-        reporter.emit(DurableEvent(job=info.name, instance=where, image_url=url, mode="exit"))
+        reporter.emit(DurableEvent(job=info.name, instance=where, image_url=url, mode=Mode.EXIT))
     reporter.emit(ExitedEvent(job=info.name, instance=where, image_url=url))
     return True

@@ -21,6 +21,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from spotguard import safefs
 from spotguard.checkpoint.jobs import JobInfo, exit_status
+from spotguard.contracts import Mode
 from spotguard.errors import SpotguardError
 from spotguard.image import ImageReader, ImageSettings, latest_image
 
@@ -174,7 +175,7 @@ async def exit_unrecorded(
     job, inst = meta.get("job") or {}, meta.get("instance") or {}
     other = inst.get("instance_id") if isinstance(inst, dict) else None
     mine = other is None or instance_id is None or other == instance_id
-    if meta.get("mode") != "exit" or not isinstance(job, dict) or job.get("pid") != info.pid:
+    if meta.get("mode") != Mode.EXIT or not isinstance(job, dict) or job.get("pid") != info.pid:
         return none
     if not mine:
         return none

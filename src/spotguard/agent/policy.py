@@ -24,18 +24,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from enum import StrEnum
 
+from spotguard.contracts import Action
 from spotguard.notices.base import Notice, NoticeKind
 
-
-class Action(StrEnum):
-    """What to do with the protected jobs."""
-
-    NONE = "none"  # acknowledge and carry on
-    RESUME = "resume"  # checkpoint; the job keeps running
-    EXIT = "exit"  # checkpoint; the job is stopped (the VM is going away)
-
+__all__ = ["DEFAULT_ACTIONS", "LIVE_MAINTENANCE", "Action", "Decision", "Policy"]
 
 DEFAULT_ACTIONS: Mapping[NoticeKind, Action] = {
     NoticeKind.PREEMPT: Action.EXIT,

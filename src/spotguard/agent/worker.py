@@ -30,11 +30,11 @@ import psutil
 from spotguard.checkpoint import scan
 from spotguard.contracts import (
     CheckpointFailedEvent,
-    CheckpointMode,
     ExitedEvent,
     FrozenEvent,
     InstanceInfo,
     JobFinishedEvent,
+    Mode,
     NoticeInfo,
     ReadyToRelaunchEvent,
     WireError,
@@ -53,7 +53,6 @@ from spotguard.operations import CheckpointResult, ImageKept
 from .identity import Identity
 from .jobstate import ACTIVE, JobState, check_move
 from .metrics import AgentMetrics
-from .policy import Action
 from .reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -66,7 +65,7 @@ class Request:
     """A checkpoint to take: for a notice (``notice``) or the periodic schedule."""
 
     key: str  # the notice id, or PERIODIC
-    action: Action
+    mode: Mode
     start_at: datetime
     reason: str
     notice: Notice | None = None
@@ -79,7 +78,7 @@ class Request:
 
 #: runs one checkpoint of the job: (mode, deadline, meta, on_frozen) → result
 Checkpointer = Callable[
-    [str, datetime | None, dict[str, Any], Callable[[float], None]],
+    [Mode, datetime | None, dict[str, Any], Callable[[float], None]],
     Awaitable[CheckpointResult],
 ]
 
@@ -166,7 +165,7 @@ class JobWorker:
                 "step": "schedule",
                 "job": self.name,
                 "notice": req.key,
-                "action": req.action.value,
+                "action": req.mode.value,
                 "start_at": req.start_at.isoformat(),
                 "reason": req.reason,
             },
@@ -201,11 +200,11 @@ class JobWorker:
         due = self._periodic_due()
         if due is not None:
             candidates.append(
-                Request(PERIODIC, Action.RESUME, due, f"periodic every {self.periodic_interval}s")
+                Request(PERIODIC, Mode.RESUME, due, f"periodic every {self.periodic_interval}s")
             )
         if not candidates:
             return None
-        return min(candidates, key=lambda r: (r.start_at, r.action != Action.EXIT))
+        return min(candidates, key=lambda r: (r.start_at, r.mode is not Mode.EXIT))
 
     # --- the loop -------------------------------------------------------------------------
 
@@ -304,7 +303,7 @@ class JobWorker:
             self.pending[req.key] = req  # its waiters hear "finished" with the others
             self.job_ended()
             return
-        mode: CheckpointMode = "exit" if req.action is Action.EXIT else "resume"
+        mode = req.mode
         notice_json = req.notice.to_json() if req.notice else None
         seen = req.notice.received_at.timestamp() if req.notice else time.time()
         started = time.time()
@@ -392,20 +391,19 @@ class JobWorker:
     def _succeeded(self, req: Request, result: CheckpointResult, seen: float) -> None:
         notice_json = req.notice.to_json() if req.notice else None
         drain = req.notice is not None and req.notice.kind is NoticeKind.DRAIN
-        self._durable(req.key, req.action, notice_json, drain, result, seen, req.waiters)
+        self._durable(req.key, req.mode, notice_json, drain, result, seen, req.waiters)
 
     def kept_durable(self, result: CheckpointResult, notice: dict[str, Any] | None) -> None:
         """The kept image of a failed exit landed in the store: report it as that exit's
         DURABLE (then EXITED, READY_TO_RELAUNCH after a drain)."""
         key = str((notice or {}).get("id") or "kept")
         drain = (notice or {}).get("kind") == NoticeKind.DRAIN.value
-        action = Action.EXIT if result.mode == "exit" else Action.RESUME
-        self._durable(key, action, notice, drain, result, result.frozen_at, [])
+        self._durable(key, result.mode, notice, drain, result, result.frozen_at, [])
 
     def _durable(
         self,
         key: str,
-        action: Action,
+        mode: Mode,
         notice_json: dict[str, Any] | None,
         drain: bool,
         result: CheckpointResult,
@@ -445,7 +443,7 @@ class JobWorker:
             },
         )
         self.reporter.emit(result.durable_event(notice=notice_json, instance=self.instance))
-        if action is Action.EXIT:
+        if mode is Mode.EXIT:
             self.move(JobState.EXITED)
             log.info("job stopped after its checkpoint", extra={"step": "exit", "job": self.name})
             self.reporter.emit(
@@ -490,7 +488,7 @@ class JobWorker:
             "pending": [
                 {
                     "notice": r.key,
-                    "action": r.action.value,
+                    "action": r.mode.value,
                     "start_at": r.start_at.isoformat(),
                     "reason": r.reason,
                 }

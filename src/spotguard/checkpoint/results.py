@@ -1,5 +1,6 @@
 """What the engine hands back: :class:`FreezeResult` and :class:`RestoreResult`, and the
-:class:`Mode` a freeze runs in.
+:class:`Mode` a freeze runs in (defined in :mod:`spotguard.contracts`: the same value travels
+from the agent's policy to the reports).
 
 Why a module of their own: the engine (:mod:`.engine`) is the one place that orders the steps
 of a freeze and a restore; the shapes of their results are read by every caller
@@ -8,17 +9,19 @@ of a freeze and a restore; the shapes of their results are read by every caller
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from spotguard.contracts import Mode
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.timeline import Timeline
 
 from .jobs import JobInfo
 from .meta import ImageMeta
 from .staging import StagingPlan
+
+__all__ = ["PAUSE_STEPS", "FreezeResult", "Mode", "RestoreResult"]
 
 #: the steps whose span is the job's pause (first one's start → last one's end)
 PAUSE_STEPS = frozenset(
@@ -32,13 +35,6 @@ PAUSE_STEPS = frozenset(
         "nccl_rebuild",
     }
 )
-
-
-class Mode(enum.StrEnum):
-    """What happens to the job after its image is complete."""
-
-    RESUME = "resume"  # leave running (periodic checkpoint, drain-and-stay)
-    EXIT = "exit"  # stop it (the machine is going away)
 
 
 @dataclass

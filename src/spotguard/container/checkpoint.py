@@ -27,7 +27,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from spotguard import safefs
 from spotguard.container.podman import Podman
@@ -37,6 +37,7 @@ from spotguard.container.spec import (
     ContainerImage,
     ContainerRef,
 )
+from spotguard.contracts import Mode
 from spotguard.errors import JobError, JobNotFound, SpotguardError
 from spotguard.image.settings import ImageSettings
 from spotguard.image.writer import ImageWriter
@@ -52,7 +53,7 @@ class ContainerCheckpoint:
     container: str  # podman:NAME
     job: str
     image_url: str
-    mode: str  # exit | resume
+    mode: Mode
     bytes: int  # the runtime's archive
     stored_bytes: int  # written to the store (compressed, not already there)
     timeline: Timeline
@@ -62,7 +63,7 @@ class ContainerCheckpoint:
             "container": self.container,
             "job": self.job,
             "image": self.image_url,
-            "mode": self.mode,
+            "mode": self.mode.value,
             "bytes": self.bytes,
             "stored_bytes": self.stored_bytes,
             "timeline": self.timeline.to_list(),
@@ -115,7 +116,7 @@ async def checkpoint_container(
     """Checkpoint the running container ``ref`` into a new image of ``ref.job`` in the store
     at ``store_url`` (exit mode: the container is removed once the image is durable)."""
     tl = Timeline()
-    mode: Literal["exit", "resume"] = "resume" if leave_running else "exit"
+    mode = Mode.RESUME if leave_running else Mode.EXIT
     with tl.step("inspect"):
         config = await inspect_running(podman, ref)
         version = await podman.version()

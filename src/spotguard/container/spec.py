@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from spotguard.contracts import check_job_name
+from spotguard.contracts import Mode, check_job_name
 from spotguard.errors import ImageError, JobError
 
 #: the one file of a container image: the runtime's checkpoint archive (uncompressed tar;
@@ -183,7 +183,7 @@ class ContainerImage(BaseModel):
     runtime: Literal["podman"] = "podman"
     runtime_version: str
     criu_version: str
-    mode: Literal["exit", "resume"]
+    mode: Mode
     archive: str = ARCHIVE_NAME
     archive_bytes: int = Field(ge=0)
     config: ContainerConfig

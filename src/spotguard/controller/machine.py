@@ -44,11 +44,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from spotguard.contracts import (
+    Action,
     AnyEvent,
     CheckpointFailedEvent,
     DurableEvent,
     EventKind,
     ExitedEvent,
+    Mode,
     NoticeEvent,
     Owner,
     ParkedEvent,
@@ -296,7 +298,7 @@ def _notice(c: Ctx) -> Change:
             return c.change(f"notice {n.id} cancelled")
         return c.note(f"notice {n.id} cancelled")
     kind = n.kind or "interruption"
-    if ev.decision == "none" and not n.ends_vm():
+    if ev.decision is Action.NONE and not n.ends_vm():
         return c.note(f"{kind} notice on {c.where}: the agent does nothing for it; the job runs on")
     deadline = n.deadline.timestamp() if n.deadline else None
     rec.deadline = deadline if deadline is not None else time.time() + c.opts.default_notice_s
@@ -313,7 +315,7 @@ def _durable(c: Ctx) -> Change:
     assert isinstance(ev, DurableEvent)
     rec.image_url = ev.image_url
     rec.spec = spec_from(rec, ev)
-    if rec.state is JobState.INTERRUPTING and ev.mode == "resume" and not rec.data.ends_vm():
+    if rec.state is JobState.INTERRUPTING and ev.mode is Mode.RESUME and not rec.data.ends_vm():
         # The agent checkpointed and let the job run on (rebalance, maintenance with
         # "resume"): nothing to relaunch; a later EXITED or preempt notice still is.
         rec.state = JobState.PROTECTED

@@ -31,7 +31,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
-from spotguard.contracts import Decision, NoticeInfo, Owner
+from spotguard.contracts import Action, NoticeInfo, Owner
 from spotguard.controller.retention import EventRetention, prune_events, upgrade_events
 from spotguard.controller.schema import SCHEMA as _SCHEMA
 from spotguard.errors import StateError
@@ -82,7 +82,7 @@ class JobData(BaseModel):
     owner: Owner = Field(default_factory=Owner)  # who may report for the job now
     epochs: int = 0  # the highest ownership epoch issued for the job
     notice: NoticeInfo | None = None  # the notice being handled
-    decision: Decision | None = None  # what the agent decided for it
+    decision: Action | None = None  # what the agent decided for it
     notices_seen: dict[str, SeenNotice] = Field(default_factory=dict)
     fallback_now: bool = False  # the job left without an image: use the newest at once
     checkpoint_error: str | None = None
@@ -113,7 +113,7 @@ class JobData(BaseModel):
     def ends_vm(self) -> bool:
         """Whether the notice being handled means the VM goes away: a preempt notice, or
         any notice the agent answered by stopping the job (decision ``exit``)."""
-        return (self.notice is not None and self.notice.ends_vm()) or self.decision == "exit"
+        return (self.notice is not None and self.notice.ends_vm()) or self.decision is Action.EXIT
 
 
 @dataclass

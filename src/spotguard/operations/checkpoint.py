@@ -166,7 +166,7 @@ async def checkpoint(
     job: JobInfo,
     store_url: str,
     *,
-    mode: Mode | str = Mode.RESUME,
+    mode: Mode = Mode.RESUME,
     settings: CheckpointSettings,
     image_settings: ImageSettings,
     planner_settings: PlannerSettings | None = None,
@@ -189,7 +189,6 @@ async def checkpoint(
     staged image could not be pushed raises :class:`~spotguard.operations.paths.ImageKept`.
     """
     eng = engine or engine_for(settings)
-    m = Mode(mode)
     chain = await choose_paths(stream or settings.stream, eng)
     planning = _Planning(
         planner_settings or PlannerSettings.model_construct(), settings.state_dir, job, store_url
@@ -208,7 +207,7 @@ async def checkpoint(
         attempt = Attempt(
             engine=eng,
             job=job,
-            mode=m,
+            mode=mode,
             store_url=store_url,
             settings=settings,
             image_settings=image_settings,
@@ -225,7 +224,7 @@ async def checkpoint(
             step = "run"
             result = await path.run(attempt)
         except (SpotguardError, OSError) as exc:
-            if not (more and falls_back(step, exc, m)):
+            if not (more and falls_back(step, exc, mode)):
                 raise
             log.warning(
                 "%s path failed before the job was stopped; trying the next path",

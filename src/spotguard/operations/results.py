@@ -95,7 +95,7 @@ class CheckpointResult:
 
     job: str
     image_url: str
-    mode: str
+    mode: Mode
     bytes: int  # image bytes before compression and dedup
     stored_bytes: int  # bytes actually written to the store
     skipped_bytes: int  # image bytes the store already held (dedup)
@@ -117,7 +117,7 @@ class CheckpointResult:
         return cls(
             job=frozen.job,
             image_url=landed.image_url,
-            mode=str(frozen.mode),
+            mode=frozen.mode,
             bytes=stats.bytes,
             stored_bytes=stats.stored_bytes,
             skipped_bytes=stats.bytes_skipped,
@@ -148,7 +148,7 @@ class CheckpointResult:
             "bytes": self.bytes,
             "stored_bytes": self.stored_bytes,
             "skipped_bytes": self.skipped_bytes,
-            "mode": self.mode,
+            "mode": self.mode.value,
         }
 
     def durable_event(
@@ -162,7 +162,7 @@ class CheckpointResult:
             notice=NoticeInfo.of(notice),
             image_url=self.image_url,
             image_bytes=self.bytes,
-            mode="exit" if self.mode == "exit" else "resume",
+            mode=self.mode,
             gpu=GpuInfo.model_validate(self.gpu.to_json()),
             host=HostInfo.model_validate(self.host.to_json()),
             timeline=[StepInfo.model_validate(s) for s in self.timeline.to_list()],
@@ -176,7 +176,7 @@ class CheckpointResult:
         return {
             "job": self.job,
             "image_url": self.image_url,
-            "mode": self.mode,
+            "mode": self.mode.value,
             "bytes": self.bytes,
             "stored_bytes": self.stored_bytes,
             "skipped_bytes": self.skipped_bytes,
