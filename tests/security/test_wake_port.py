@@ -6,14 +6,25 @@ looping on ``bind`` took the port in that gap, its service answered the job's cl
 restore failed (the unpark stalled until the listener's retries ran out). Now the listener's
 sockets are root's and ``SO_REUSEPORT``: CRIU's restored listening socket (also root's, and
 bound with ``SO_REUSEPORT`` by CRIU) joins them, so the port is held by one or the other at
-every moment, and the listener hands its waiting clients over only once the job listens."""
+every moment, and the listener hands its waiting clients over only once the job listens.
+
+The park side had the same gap: the dump ends the job's processes (closing its listening
+socket) before the listener starts, and a user looping on ``bind`` took the port there (the
+park then failed: "its wake-on-connect listener did not start"). Now the park keeps the job's
+own socket open through the dump (``pidfd_getfd``) and hands it to the listener, which binds
+beside it before letting it go (:mod:`spotguard.park.bridge`)."""
 
 from __future__ import annotations
 
+import asyncio
 import fcntl
 import functools
 import os
+import pwd
+import secrets
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -28,9 +39,8 @@ from sec_helpers import SYSTEM_PYTHON, Attacker
 from sgtest import free_port, wait_for
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import list_jobs
-from spotguard.park import record
-
-pytestmark = pytest.mark.criu
+from spotguard.park import bridge, record, wake
+from spotguard.park.sockets import Address
 
 JOBS = str(Path(__file__).parent.parent / "park" / "park_jobs.py")
 
@@ -104,6 +114,20 @@ def sg(tmp_path: Path, state_dir: Path, criu_bin: str) -> Iterator[Callable[...,
     for job in list_jobs(state_dir):
         if proctree.alive(job.pid):
             proctree.signal_all([job.pid], signal.SIGKILL)
+
+
+@pytest.fixture
+def job_user() -> Iterator[Attacker]:
+    """A second ordinary user, the job's owner (made for the test, removed after it)."""
+    if shutil.which("setpriv") is None:
+        pytest.skip("needs setpriv")
+    name = f"sgjob{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
+    try:
+        pw = pwd.getpwnam(name)
+        yield Attacker(name, pw.pw_uid, pw.pw_gid)
+    finally:
+        subprocess.run(["userdel", "--force", name], check=False, capture_output=True)
 
 
 @pytest.fixture
@@ -191,12 +215,21 @@ def squatter(attacker: Attacker) -> Iterator[Callable[[int], list[str]]]:
     assert SYSTEM_PYTHON  # the loop runs in the system interpreter, not ours
 
 
-def _parked_server(sg: Callable[..., object], state_dir: Path, port: int, *, wake: bool) -> int:
-    """A real HTTP job holding a counter, answered once, parked to tmpfs; the listener's pid."""
+def _parked_server(
+    sg: Callable[..., object],
+    state_dir: Path,
+    port: int,
+    *,
+    wake: bool,
+    before_park: Callable[[], object] = lambda: None,
+) -> int:
+    """A real HTTP job holding a counter, answered once, parked to tmpfs; the listener's pid.
+    ``before_park`` runs once the job serves, just before ``spotguard park``."""
     res = sg("run", "--name", "web", "--json", "--", sys.executable, JOBS, "server", str(port))
     assert res.returncode == 0, res.stderr  # type: ignore[attr-defined]
     _wait(lambda: any("listening" in ln for ln in _lines(state_dir, "web")), "the server")
     assert _get(port) == "1"
+    before_park()
     args = ["park", "web", "--to", "tmpfs", "--json"] + (["--wake-on-connect"] if wake else [])
     res = sg(*args)
     assert res.returncode == 0, res.stderr  # type: ignore[attr-defined]
@@ -205,15 +238,16 @@ def _parked_server(sg: Callable[..., object], state_dir: Path, port: int, *, wak
     return rec.waker_pid or 0
 
 
-def test_another_user_never_gets_the_port_while_a_client_wakes_the_job(
+def test_another_user_never_gets_the_port_from_park_to_wake(
     sg: Callable[..., object],
     state_dir: Path,
     port: int,
     squatter: Callable[[int], list[str]],
 ) -> None:
-    waker = _parked_server(sg, state_dir, port, wake=True)
+    # the other user loops on bind from before the park: through the dump (which ends the
+    # job's processes), the listener's start, the wait and the wake
+    waker = _parked_server(sg, state_dir, port, wake=True, before_park=lambda: squatter(port))
     assert waker and proctree.alive(waker)
-    squatter(port)
     time.sleep(0.5)  # the loop is running: the listener holds the port, every bind fails
     clients = _Clients(port)
     started = time.monotonic()
@@ -270,3 +304,89 @@ def test_another_user_never_gets_the_port_during_spotguard_unpark(
     assert sorted(int(a) for a in answers) == list(range(2, 2 + len(answers))), answers
     assert took < 20, f"the unpark took {took:.1f} s"
     _wait(lambda: not proctree.alive(waker), "the listener to exit", 30)
+
+
+#: a job of an ordinary user: listens on the port (as http.server does) until killed
+USER_JOB = r"""
+import socket, sys, time
+s = socket.socket()
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("127.0.0.1", int(sys.argv[1])))
+s.listen(16)
+print("listening", flush=True)
+time.sleep(600)
+"""
+
+
+def _restored_job(port: int, into: list[socket.socket]) -> None:
+    """Re-create the job's listening socket as CRIU's restore does (root's, ``SO_REUSEADDR``
+    and ``SO_REUSEPORT`` set before ``bind``) and answer each client ``job:`` + its bytes."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", port))
+    s.listen(16)
+    into.append(s)
+
+    def answer() -> None:
+        while True:
+            try:
+                conn, _ = s.accept()
+            except OSError:
+                return
+            with conn:
+                conn.sendall(b"job:" + conn.recv(100))
+
+    threading.Thread(target=answer, daemon=True).start()
+
+
+def test_an_ordinary_users_job_keeps_its_port_from_its_end_to_the_listener(
+    port: int, squatter: Callable[[int], list[str]], job_user: Attacker
+) -> None:
+    """No CRIU: the park's steps around it, on real sockets. The job's socket is another
+    user's (the CRIU test's job is root's), so sharing it needs its owner changed; a client
+    that connects after the job's processes are gone and before the listener binds waits in
+    the job's own queue and is answered by the restored job."""
+    ids = ["--reuid", str(job_user.uid), "--regid", str(job_user.gid), "--clear-groups"]
+    job = subprocess.Popen(
+        ["setpriv", *ids, "--", SYSTEM_PYTHON, "-c", USER_JOB, str(port)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    restored: list[socket.socket] = []
+    try:
+        assert job.stdout is not None and job.stdout.readline().strip() == "listening"
+        squatter(port)
+        addr = Address("127.0.0.1", port)
+        held = bridge.take([job.pid], [addr])  # what park does before the dump
+        assert [os.fstat(s.fileno()).st_uid for s in held] == [job_user.uid]
+        job.kill()  # what the dump does after it
+        job.wait()
+        time.sleep(0.3)  # the other user's loop runs while nothing but the park holds the port
+        gap = socket.create_connection(("127.0.0.1", port), timeout=5)
+        gap.sendall(b"in the gap")
+        got: list[bytes] = []
+
+        def read() -> None:
+            with gap:  # closing it ends the relay
+                got.append(gap.recv(100))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+
+        async def wake_job() -> None:
+            _restored_job(port, restored)
+
+        woke = asyncio.run(wake.serve([addr], wake_job, parked=lambda: not restored, bridges=held))
+        reader.join(10)
+        assert woke and got == [b"job:in the gap"]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as later:
+            later.sendall(b"later")
+            assert later.recv(100) == b"job:later"  # the restored job's socket alone now
+    finally:
+        job.kill()
+        for s in restored:
+            s.close()
+    attacker_saw = squatter(port)
+    assert not [ln for ln in attacker_saw if ln.startswith("BOUND")], attacker_saw
+    assert [ln for ln in attacker_saw if ln.startswith("tries")]

@@ -52,7 +52,7 @@ from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget, dir_b
 from spotguard.errors import JobError, JobNotFound, ParkError
 from spotguard.store import URL_SCHEMES
 
-from . import gpu, record, sockets
+from . import bridge, gpu, record, sockets
 from .local import clear_partial, find_unrecorded, image_dir, private_base, set_aside
 from .record import ListenAddress, ParkRecord, Place
 from .settings import ParkSettings
@@ -157,16 +157,24 @@ async def park(
         if place == "memory":
             rec = await _suspend(job, engine, state, parked)
         else:
-            if place == "store":
-                if store is None:
-                    raise ParkError("parking to a store URL needs the store settings")
-                location, size = await store.checkpoint(job, to)
-            else:
-                if place == "tmpfs":
-                    _check_memory_room(engine, tree, gpu_pids)
-                location, size = await _freeze_here(job, place, engine, settings, park_settings)
-            rec = parked(location, size)
-            record.save(state, rec)
+            # the job's listening sockets stay open in this process through the dump, for
+            # its wake listener (:mod:`.bridge`): no moment with the port free
+            held = bridge.take(tree, listen) if wake_on_connect else []
+            try:
+                if place == "store":
+                    if store is None:
+                        raise ParkError("parking to a store URL needs the store settings")
+                    location, size = await store.checkpoint(job, to)
+                else:
+                    if place == "tmpfs":
+                        _check_memory_room(engine, tree, gpu_pids)
+                    location, size = await _freeze_here(job, place, engine, settings, park_settings)
+                rec = parked(location, size)
+                record.save(state, rec)
+            except BaseException:
+                bridge.close(held)
+                raise
+            bridge.keep(job.name, held)
     log.info(
         "job parked",
         extra={

@@ -26,7 +26,7 @@ from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import SpotguardError
 from spotguard.notify import Notification, Notifier, NotifyEvent
 
-from . import core, gpu, priority, record
+from . import bridge, core, gpu, priority, record
 from .idle import IdleTracker
 from .record import ParkRecord
 from .settings import ParkSettings
@@ -100,6 +100,8 @@ class ParkPolicy:
         )
         if rec.wake_on_connect and self.start_waker is not None:
             await self.start_waker(job.name)
+        else:
+            bridge.release(job.name)  # the job's sockets kept for a listener: none comes
         how = (
             f"spotguard unpark {job.name}"
             + (" or connect to " + ", ".join(str(a.address()) for a in rec.listen))

@@ -103,7 +103,8 @@ def waiting_clients(pids: Iterable[int]) -> int:
     )
 
 
-def _pidfd_getfd(pid: int, fd: int) -> int:
+def pidfd_getfd(pid: int, fd: int) -> int:
+    """A duplicate, in this process, of ``pid``'s file descriptor ``fd`` (``OSError``)."""
     libc = ctypes.CDLL(None, use_errno=True)
     pidfd = os.pidfd_open(pid)
     try:
@@ -118,7 +119,7 @@ def _pidfd_getfd(pid: int, fd: int) -> int:
 
 def _bytes_moved(pid: int, fd: int) -> int | None:
     try:
-        dup = _pidfd_getfd(pid, fd)
+        dup = pidfd_getfd(pid, fd)
     except OSError:
         return None
     try:

@@ -55,7 +55,7 @@ from dataclasses import dataclass
 
 from spotguard.errors import SpotguardError
 
-from . import sockets
+from . import bridge, sockets
 from .sockets import Address
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,10 @@ def _steer_to_job(s: socket.socket) -> None:
         log.warning("cannot steer connections to the restored job", extra={"error": str(exc)})
 
 
+def _v6only(s: socket.socket) -> bool:
+    return bool(s.getsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY))
+
+
 def _listen(addr: Address, v6only: bool) -> socket.socket:
     """A root-owned ``SO_REUSEPORT`` listener on ``addr`` that the restored job's socket can
     join (and no other user's socket can)."""
@@ -116,17 +120,52 @@ def _listen(addr: Address, v6only: bool) -> socket.socket:
 
 class Listeners:
     """The sockets holding a parked job's addresses, from park-wake's start until the restored
-    job listens on them."""
+    job listens on them.
 
-    def __init__(self, addrs: Sequence[Address]) -> None:
+    ``bridges``: the job's own listening sockets, kept open since before its dump
+    (:mod:`.bridge`). Each is made shareable, our socket on its address binds beside it (and
+    gets new connections: the steering program picks member 1, ours), and the clients that
+    were waiting in it are in :attr:`early`; :meth:`retire_bridges` then empties and closes
+    them. The port is never free in between."""
+
+    def __init__(self, addrs: Sequence[Address], bridges: Sequence[socket.socket] = ()) -> None:
         v4_ports = {a.port for a in addrs if ":" not in a.host}
         self.socks: list[tuple[socket.socket, Address]] = []
+        self.bridges: list[tuple[socket.socket, Address]] = []
+        #: clients that connected between the job's dump and this listener's start
+        self.early: list[Held] = []
+        by_addr = {bridge.address_of(b): b for b in bridges}
         try:
             for a in addrs:
-                self.socks.append((_listen(a, a.port in v4_ports), a))
+                self._hold(a, by_addr.pop(a, None), a.port in v4_ports)
         except OSError:
             self.close()
+            _drop(self.early)
             raise
+        finally:
+            bridge.close(by_addr.values())  # none of the job's addresses: not ours to hold
+
+    def _hold(self, addr: Address, b: socket.socket | None, v6only: bool) -> None:
+        """Listen on ``addr``, beside the job's socket ``b`` when there is one."""
+        if b is not None:
+            try:
+                self.early += [Held(c, addr) for c in bridge.adopt(b)]
+            except OSError as exc:  # not shareable: let it go (the port is free a moment)
+                log.warning("cannot share the job's socket", extra={"error": str(exc)})
+                b.close()
+                b = None
+        if b is None:
+            self.socks.append((_listen(addr, v6only), addr))
+            return
+        try:
+            self.socks.append((_listen(addr, b.family == socket.AF_INET6 and _v6only(b)), addr))
+        except OSError as exc:
+            # something else on the port cannot share it (say a connection the job left
+            # without SO_REUSEPORT): hold the job's socket itself; the restored job's joins it
+            log.warning("holding the job's own socket", extra={"error": str(exc)})
+            self.socks.append((b, addr))
+            return
+        self.bridges.append((b, addr))
 
     def accept_waiting(self, held: list[Held]) -> int:
         """Accept every connection waiting on any of the sockets into ``held``; how many."""
@@ -154,6 +193,26 @@ class Listeners:
                 return
             await asyncio.sleep(0.01)
 
+    async def retire_bridges(self, held: list[Held]) -> None:
+        """Our sockets listen beside the bridges and get every new connection: take what is
+        left in the bridges' queues (as :meth:`settle` does), then close them."""
+        if not self.bridges:
+            return
+        end = time.monotonic() + SETTLE_MAX_S
+        quiet_since = time.monotonic()
+        while time.monotonic() < end:
+            n = 0
+            for b, addr in self.bridges:
+                n += len(accepted := bridge.adopt(b))
+                held += [Held(c, addr) for c in accepted]
+            if n:
+                quiet_since = time.monotonic()
+            elif time.monotonic() - quiet_since >= SETTLE_QUIET_S:
+                break
+            await asyncio.sleep(0.01)
+        bridge.close(b for b, _addr in self.bridges)
+        self.bridges = []
+
     def close(self) -> None:
         """Detach the steering program (the group stays the job's alone), then close."""
         for listener, _addr in self.socks:
@@ -161,6 +220,8 @@ class Listeners:
                 listener.setsockopt(socket.SOL_SOCKET, _SO_DETACH_REUSEPORT_BPF, 0)
             listener.close()
         self.socks = []
+        bridge.close(b for b, _addr in self.bridges)
+        self.bridges = []
 
 
 async def wait_for_client(listeners: Listeners, held: list[Held], stop: asyncio.Event) -> None:
@@ -173,7 +234,7 @@ async def wait_for_client(listeners: Listeners, held: list[Held], stop: asyncio.
         if listeners.accept_waiting(held):
             woke.set()
 
-    if listeners.accept_waiting(held):
+    if listeners.accept_waiting(held) or held:
         return
     try:
         for listener, _addr in listeners.socks:
@@ -249,6 +310,7 @@ async def serve(
     parked: Callable[[], bool] = lambda: True,
     ready: Callable[[], None] | None = None,
     retry_s: float = 5.0,
+    bridges: Sequence[socket.socket] | None = None,
 ) -> bool:
     """Hold ``addrs`` until a client connects, then ``wake()`` the job and relay the clients.
 
@@ -258,16 +320,19 @@ async def serve(
     False when stopped (SIGTERM/SIGINT) while the job is still parked. A signal during
     ``wake`` does not interrupt it (an unpark is never cut in half). ``wake`` should wait for
     another unpark of the job that holds its lock (and then find it no longer parked).
+    ``bridges``: the job's sockets kept through its dump (:class:`Listeners`); by default
+    those this process inherited from the park (:func:`.bridge.inherited`).
     """
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    listeners = Listeners(addrs)
-    held: list[Held] = []
+    listeners = Listeners(addrs, bridge.inherited() if bridges is None else bridges)
+    held: list[Held] = listeners.early
     try:
         if ready is not None:
             ready()
+        await listeners.retire_bridges(held)
         while True:
             await wait_for_client(listeners, held, stop)
             if stop.is_set():
