@@ -33,6 +33,11 @@ socket existed, for up to :data:`SETTLE_MAX_S`), closes its sockets and relays. 
 sees a refused connection, and no other user can take the port from park-wake's start to the
 job's restored socket.
 
+Before park-wake starts, the park holds the port: it keeps the job's own listening socket open
+through the dump and passes it on (:mod:`.bridge`); :class:`Listeners` binds beside it, then
+takes the clients waiting in it and closes it. So the port is never free from the park to the
+restored job.
+
 If the unpark fails, the held connections are closed, the state stays parked, and the
 listener keeps the ports and waits for the next client. When someone else unparks the job
 (``spotguard unpark``, the agent), it waits on the job's park lock, then finds the job running
