@@ -58,7 +58,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
-from spotguard.errors import SpotguardError
+from spotguard.errors import ParkError, SpotguardError
 
 from . import bridge, sockets
 from .sockets import Address
@@ -140,13 +140,16 @@ class Listeners:
         #: clients that connected between the job's dump and this listener's start
         self.early: list[Held] = []
         by_addr = {bridge.address_of(b): b for b in bridges}
+        a: Address | None = None
         try:
             for a in addrs:
                 self._hold(a, by_addr.pop(a, None), a.port in v4_ports)
-        except OSError:
+        except OSError as exc:
             self.close()
             _drop(self.early)
-            raise
+            raise ParkError(
+                f"cannot hold the parked job's address {a}: {exc.strerror or exc}"
+            ) from exc
         finally:
             bridge.close(by_addr.values())  # none of the job's addresses: not ours to hold
 
