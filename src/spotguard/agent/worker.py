@@ -6,12 +6,17 @@ earlier start takes the lead, and a cancelled notice is simply dropped. Once a c
 started it runs to the end (the engine thaws the job on any failure); a notice arriving
 meanwhile waits for it, and the image it then takes is small thanks to dedup.
 
-Every outcome is reported (never awaited: :meth:`Reporter.emit` only spools), counted in
-metrics and logged as one line per step. A failed checkpoint never ends the worker: the job
-stays protected — except an ``exit`` whose upload failed after the job was stopped (the
-checkpoint raises :class:`~spotguard.operations.ImageKept`): the job is then ``pushing`` (its
-kept staged image is pushed again by the agent until durable, see
-:mod:`spotguard.agent.pusher`) and becomes ``exited`` through :meth:`JobWorker.kept_durable`.
+A failed checkpoint never ends the worker: the job stays protected — except an ``exit``
+whose upload failed after the job was stopped (the checkpoint raises
+:class:`~spotguard.operations.ImageKept`): the job is then ``pushing`` (its kept staged image
+is pushed again by the agent until durable, see :mod:`spotguard.agent.pusher`) and becomes
+``exited`` through :meth:`JobWorker.kept_durable`.
+
+Why this module and :mod:`.outcomes`: the worker *decides* — the request queue, the job's
+state (moved only by :data:`~spotguard.agent.jobstate.TRANSITIONS`) and what its waiters are
+told; :class:`~spotguard.agent.outcomes.JobReports` *tells* the outside each outcome (metrics,
+one log line per step, the controller's reports, never awaited: :meth:`Reporter.emit` only
+spools).
 """
 
 from __future__ import annotations
@@ -28,31 +33,15 @@ from typing import Any
 import psutil
 
 from spotguard.checkpoint import scan
-from spotguard.contracts import (
-    CheckpointFailedEvent,
-    ExitedEvent,
-    FrozenEvent,
-    InstanceInfo,
-    JobFinishedEvent,
-    Mode,
-    NoticeInfo,
-    ReadyToRelaunchEvent,
-    WireError,
-)
-from spotguard.errors import (
-    CheckpointError,
-    GpuError,
-    ImageError,
-    JobError,
-    SpotguardError,
-    StoreError,
-)
+from spotguard.contracts import Mode
+from spotguard.errors import SpotguardError
 from spotguard.notices.base import Notice, NoticeKind
 from spotguard.operations import CheckpointResult, ImageKept
 
 from .identity import Identity
 from .jobstate import ACTIVE, JobState, check_move
 from .metrics import AgentMetrics
+from .outcomes import JobReports
 from .reporter import Reporter
 
 log = logging.getLogger(__name__)
@@ -83,21 +72,6 @@ Checkpointer = Callable[
 ]
 
 
-def failed_step(exc: BaseException) -> str:
-    """The step a failure belongs to, for ``failures_total{step}``."""
-    if isinstance(exc, ImageKept):
-        return "upload"
-    if isinstance(exc, GpuError):
-        return "gpu"
-    if isinstance(exc, CheckpointError):
-        return "freeze"
-    if isinstance(exc, StoreError | ImageError):
-        return "upload"
-    if isinstance(exc, JobError):
-        return "job"
-    return "internal"
-
-
 class JobWorker:
     """Protects one job (by name and pid) until it exits or is stopped by a checkpoint."""
 
@@ -121,6 +95,7 @@ class JobWorker:
         self.reporter = reporter
         self.metrics = metrics
         self.instance = instance
+        self.reports = JobReports(name, reporter=reporter, metrics=metrics, instance=instance)
         self.periodic_interval = periodic_interval
         self.last_image: CheckpointResult | None = None
         self.last_notice: str | None = None  # the notice (or "periodic") it was taken for
@@ -245,10 +220,7 @@ class JobWorker:
         if not self.active:
             return
         self.move(JobState.FINISHED)
-        log.info("job finished by itself", extra={"step": "job", "job": self.name})
-        self.reporter.emit(
-            JobFinishedEvent(job=self.name, instance=InstanceInfo.model_validate(self.instance))
-        )
+        self.reports.finished()
         self._release_waiters({"job": self.name, "state": JobState.FINISHED})
         self._wake.set()
 
@@ -320,16 +292,7 @@ class JobWorker:
         log.info("checkpoint starting", extra={"step": "checkpoint", **extra, "reason": req.reason})
 
         def on_frozen(frozen_at: float) -> None:
-            self.metrics.notice_to_frozen.labels(self.name).observe(max(0.0, frozen_at - seen))
-            self.reporter.emit(
-                FrozenEvent(
-                    job=self.name,
-                    instance=InstanceInfo.model_validate(self.instance),
-                    notice=NoticeInfo.of(notice_json),
-                    mode=mode,
-                    notice_to_frozen_s=round(frozen_at - seen, 3),
-                )
-            )
+            self.reports.frozen(mode, notice_json, seen, frozen_at)
             if self.activity is not None:
                 self.activity["frozen_at"] = datetime.fromtimestamp(frozen_at, UTC).isoformat()
 
@@ -349,37 +312,13 @@ class JobWorker:
         self._succeeded(req, result, seen)
 
     def _failed(self, req: Request, exc: Exception, started: float) -> None:
-        step = failed_step(exc)
-        kept = isinstance(exc, ImageKept)  # stopped; its image waits here for the store
         self.failures += 1
-        self.metrics.failures.labels(step).inc()
-        expected = isinstance(exc, SpotguardError)
-        error = f"{type(exc).__name__}: {exc}"
-        log.error(
-            "checkpoint failed; the job stays protected",
-            exc_info=None if expected else exc,
-            extra={
-                "step": step,
-                "job": self.name,
-                "notice": req.key,
-                "seconds": round(time.time() - started, 3),
-                "error": error.splitlines()[0],
-            },
-        )
-        self.reporter.emit(
-            CheckpointFailedEvent(
-                job=self.name,
-                instance=InstanceInfo.model_validate(self.instance),
-                notice=NoticeInfo.of(req.notice.to_json() if req.notice else None),
-                error=WireError.of(exc),
-                step=step,
-                kept=kept,
-            )
-        )
+        notice_json = req.notice.to_json() if req.notice else None
+        error = self.reports.failed(req.key, notice_json, exc, started)
         for w in req.waiters:
             if not w.done():
                 w.set_result({"job": self.name, "error": error})
-        if kept:
+        if isinstance(exc, ImageKept):
             # Stopped by the checkpoint; its image waits on this host for the store.
             self.move(JobState.PUSHING)
             self._release_waiters({"job": self.name, "state": JobState.PUSHING, "error": error})
@@ -414,55 +353,10 @@ class JobWorker:
         self.last_image_at = result.frozen_at
         self.last_image, self.last_notice = result, key
         summary = {**result.summary(), "notice": key}
-        m = self.metrics
-        m.freeze_seconds.labels(self.name, result.mode).observe(result.freeze_seconds)
-        if result.pause_seconds is not None:
-            m.pause_seconds.labels(self.name).observe(result.pause_seconds)
-        m.checkpoint_bytes.labels(self.name).inc(result.bytes)
-        m.dedup_bytes.labels(self.name).inc(result.skipped_bytes)
-        span = max(result.durable_at - (result.frozen_at - result.freeze_seconds), 1e-6)
-        m.upload_throughput.labels(self.name).set(result.bytes / span)
-        m.checkpoints.labels(self.name, result.mode).inc()
-        m.image_durable(self.name, result.frozen_at)
-        log.info(
-            "image durable",
-            extra={
-                "step": "durable",
-                "job": self.name,
-                "notice": key,
-                "mode": result.mode,
-                "image": result.image_url,
-                "bytes": result.bytes,
-                "stored_bytes": result.stored_bytes,
-                "skipped_bytes": result.skipped_bytes,
-                "seconds": round(result.durable_at - seen, 3),
-                "freeze_seconds": round(result.freeze_seconds, 3),
-                "pause_s": (
-                    round(result.pause_seconds, 3) if result.pause_seconds is not None else None
-                ),
-            },
-        )
-        self.reporter.emit(result.durable_event(notice=notice_json, instance=self.instance))
+        self.reports.durable(key, notice_json, result, seen)
         if mode is Mode.EXIT:
             self.move(JobState.EXITED)
-            log.info("job stopped after its checkpoint", extra={"step": "exit", "job": self.name})
-            self.reporter.emit(
-                ExitedEvent(
-                    job=self.name,
-                    instance=InstanceInfo.model_validate(self.instance),
-                    notice=NoticeInfo.of(notice_json),
-                    image_url=result.image_url,
-                )
-            )
-            if drain:
-                self.reporter.emit(
-                    ReadyToRelaunchEvent(
-                        job=self.name,
-                        instance=InstanceInfo.model_validate(self.instance),
-                        notice=NoticeInfo.of(notice_json),
-                        image_url=result.image_url,
-                    )
-                )
+            self.reports.exited(notice_json, result.image_url, drain=drain)
             self._release_waiters({"job": self.name, "state": JobState.EXITED, **summary})
         outcome = {"job": self.name, "state": self.state, **summary}
         for w in waiters:
