@@ -108,11 +108,12 @@ async def one_run(
         assert target.url is not None
         if target.capture_stats is not None:
             row["bytes"] = target.capture_stats.bytes
-        t0 = time.monotonic()
-        restored = await engine.restore(
-            StreamSource(target.url, settings=image, work_root=work), state_dir=work / "state"
-        )
+        t0, cpu0 = time.monotonic(), _cpu()
+        source = StreamSource(target.url, settings=image, work_root=work)
+        restored = await engine.restore(source, state_dir=work / "state")
         row["restore_s"] = time.monotonic() - t0
+        row["restore_profile"] = _restore_profile(restored.timeline.to_list(), cpu0, source, row)
+        print(f"restore ranks {ranks}: {row['restore_profile']}", file=sys.stderr, flush=True)
         pids.append(restored.pid)
         row["identical_after_restore"] = await _verify(out, ranks, 2)
     finally:
@@ -147,6 +148,25 @@ def _profile(
         w = target.writer_stats.to_json()
         out["writer_stage_s"] = w.get("step_seconds")
         out["chunks_raw"] = w.get("chunks_raw")
+    return out
+
+
+def _restore_profile(
+    timeline: list[dict[str, Any]], cpu0: tuple[float, float], source: Any, row: dict[str, Any]
+) -> dict[str, Any]:
+    """Where a restore's time went: its steps, CPU of spotguard and CRIU, the image reader's
+    summed stage seconds (``read_raw``: raw chunks read into place and hashed)."""
+    me, kids = _cpu()
+    out: dict[str, Any] = {
+        "steps": {t["name"]: round(t["seconds"] or 0.0, 3) for t in timeline if t.get("seconds")},
+        "cpu_spotguard_s": round(me - cpu0[0], 2),
+        "cpu_criu_s": round(kids - cpu0[1], 2),
+        "cores_busy": round((me - cpu0[0] + kids - cpu0[1]) / max(row["restore_s"], 1e-9), 1),
+    }
+    if source.reader_stats is not None:
+        out["reader_stage_s"] = {
+            k: round(v, 2) for k, v in source.reader_stats.step_seconds.items()
+        }
     return out
 
 

@@ -204,3 +204,36 @@ async def test_owned_reads_use_the_raw_reader_and_skip_zero_chunks(tmp_path: Pat
     async with ImageReader(res.image_url, settings=s) as r:
         with pytest.raises(ImageCorrupt, match="hash check"):
             await r.read_chunk_owned(chunks[0])
+
+
+async def test_file_store_reads_a_raw_frame_into_place_and_says_when_it_is_not_one(
+    tmp_path: Path,
+) -> None:
+    from spotguard.image.rawframe import RawReadPlan
+    from spotguard.store.file import FileStore
+
+    codec = ChunkCodec(1)
+    n = 3 * CHUNK + 7
+    plain = os.urandom(n)
+    store = FileStore(tmp_path)
+    await store.put_parts("raw", raw_frame_parts(plain))
+    await store.put("zstd", zstandard.ZstdCompressor().compress(plain))
+    bad = bytearray(raw_frame_into(plain, memoryview(bytearray(raw_frame_size(n)))))
+    bad[13] |= 0x02  # same length, first block header not the writer's
+    await store.put("bad", bytes(bad))
+    out = bytearray(n)
+    plan = RawReadPlan(n, memoryview(out), codec)
+    got = await store.get_parts("raw", plan.parts, plan.after)
+    assert got == plan.total and plan.layout_ok() and plan.hexdigest() == codec.address(plain)
+    assert bytes(out) == plain
+    plan.after(0, 1)  # a retry starts the hash over
+    assert plan.hexdigest() != codec.address(plain)
+    plan.release()
+    plan = RawReadPlan(n, memoryview(bytearray(n)), codec)
+    assert await store.get_parts("zstd", plan.parts, plan.after) != plan.total
+    plan.release()
+    plan = RawReadPlan(n, memoryview(bytearray(n)), codec)
+    assert await store.get_parts("bad", plan.parts, plan.after) == plan.total
+    assert not plan.layout_ok()
+    plan.release()
+    await store.aclose()

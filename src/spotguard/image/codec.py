@@ -224,7 +224,8 @@ class ChunkCodec:
             return blake3(plain).hexdigest()
         return blake3(plain, key=self.cipher.addr_key).hexdigest()
 
-    def _hasher(self) -> Any:
+    def hasher(self) -> Any:
+        """A fresh incremental hasher of the address function (keyed with a cipher)."""
         return blake3() if self.cipher is None else blake3(key=self.cipher.addr_key)
 
     def zero_address(self, size: int) -> str:
@@ -233,7 +234,7 @@ class ChunkCodec:
         cache = self._zero_addresses
         addr = cache.get(size)
         if addr is None:
-            h = self._hasher()
+            h = self.hasher()
             block = bytes(min(size, 1 << 20))
             left = size
             while left:
@@ -347,7 +348,7 @@ class ChunkCodec:
         """Decode a raw frame: its blocks copied into ``plain`` (without the GIL) and hashed
         a megabyte at a time while in cache — one pass over memory instead of zstd's copy
         and then a hash over the whole chunk."""
-        hasher = self._hasher()
+        hasher = self.hasher()
         copy_raw_into(hasher, frame, spans, plain)
         if not hmac.compare_digest(hasher.hexdigest(), address):
             raise ImageCorrupt(f"chunk {address} fails its hash check", chunk=address)

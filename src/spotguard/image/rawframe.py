@@ -103,3 +103,54 @@ def copy_raw_into(
         start = group[0][0]
         end = group[-1][0] + group[-1][2]
         hasher.update(plain[start:end])
+
+
+class RawReadPlan:
+    """Where a raw frame of ``size`` bytes goes when a store reads it into a list of buffers:
+    its headers into small scratch buffers, its blocks straight into ``out`` (a writable view
+    of at least ``size`` bytes). ``after(i, j)`` (the store calls it as ``parts[i:j]`` are
+    filled) hashes the blocks just read while they are in cache; a call with ``i == 0``
+    starts over (a store's retry reads the object again)."""
+
+    def __init__(self, size: int, out: memoryview, codec: Any) -> None:
+        self.size = size
+        self._codec = codec
+        self._head = bytearray(13)
+        self._headers: list[tuple[bytearray, int, bool]] = []
+        self.parts: list[memoryview] = [memoryview(self._head)]
+        self._block_at: list[int] = [-1]  # offset in ``out`` of each part (-1: a header)
+        self._out = out
+        for off, n, last in _raw_blocks(size):
+            h = bytearray(3)
+            self._headers.append((h, n, last))
+            self.parts.append(memoryview(h))
+            self._block_at.append(-1)
+            if n:
+                self.parts.append(out[off : off + n])
+                self._block_at.append(off)
+        self.total = raw_frame_size(size)
+        self._hasher: Any = None
+
+    def after(self, i: int, j: int) -> None:
+        if i == 0:
+            self._hasher = self._codec.hasher()
+        starts = [k for k in range(i, j) if self._block_at[k] >= 0]
+        if starts:
+            a = self._block_at[starts[0]]
+            b = self._block_at[starts[-1]] + len(self.parts[starts[-1]])
+            self._hasher.update(self._out[a:b])
+
+    def layout_ok(self) -> bool:
+        """Whether the headers read are exactly the writer's raw layout for ``size``."""
+        if bytes(self._head) != _frame_header(self.size):
+            return False
+        return all(bytes(h) == _block_header(n, last) for h, n, last in self._headers)
+
+    def hexdigest(self) -> str:
+        return str(self._hasher.hexdigest()) if self._hasher is not None else ""
+
+    def release(self) -> None:
+        """Drop the views of ``out`` (its map can then be closed)."""
+        for p in self.parts:
+            p.release()
+        self.parts = []

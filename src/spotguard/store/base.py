@@ -46,6 +46,9 @@ T = TypeVar("T")
 Data = bytes | bytearray | memoryview
 """What ``put`` accepts: any contiguous bytes-like object, never kept after the call."""
 
+PartsRead = Callable[[int, int], None]
+"""Told ``(i, j)`` by :meth:`BlockingStore.get_parts` once ``parts[i:j]`` are filled."""
+
 
 @dataclass(frozen=True)
 class ObjectInfo:
@@ -98,6 +101,8 @@ class BlockingStore:
     url: str
     #: Whether :meth:`put_parts` writes the buffers without joining them first.
     writes_parts: bool = False
+    #: Whether :meth:`get_parts` reads straight into the parts (no whole-object buffer).
+    reads_parts: bool = False
 
     def __init__(self, url: str, *, io_workers: int = 16, retry: RetryPolicy | None = None) -> None:
         self.url = url.rstrip("/")
@@ -193,6 +198,17 @@ class BlockingStore:
         expected (a chunk is read into a buffer of its largest stored size).
         :class:`ObjectNotFound` when absent."""
         return await self._call("get", key, lambda: self._get_into(key, buf))
+
+    async def get_parts(self, key: str, parts: Sequence[memoryview], after: PartsRead) -> int:
+        """Read an object of exactly ``sum(len(p) for p in parts)`` bytes into ``parts`` in
+        order, calling ``after(i, j)`` (in the store's thread) as soon as ``parts[i:j]`` are
+        filled — a caller hashes what was just read while it is in cache. Returns the object's
+        size: any other size than the parts' total means they were not (all) filled.
+        Only for stores with ``reads_parts``. :class:`ObjectNotFound` when absent."""
+        return await self._call("get", key, lambda: self._get_parts(key, parts, after))
+
+    def _get_parts(self, key: str, parts: Sequence[memoryview], after: PartsRead) -> int:
+        raise NotImplementedError
 
     async def stat(self, key: str) -> ObjectInfo | None:
         """Size and change time of ``key``, or None when absent."""

@@ -370,6 +370,7 @@ class StreamSource:
         self.work_root = work_root
         self.settings = settings
         self.serve_stats: ServeStats | None = None
+        self.reader_stats: TransferStats | None = None  # the image reader's, once closed
         self._work: Path | None = None
         self._reader: ImageReader | None = None
         self._serve: Serve | None = None
@@ -438,6 +439,7 @@ class StreamSource:
     async def _close(self) -> None:
         reader, self._reader = self._reader, None
         if reader is not None:
+            self.reader_stats = reader.stats
             await reader.aclose()
         if self._work is not None:
             shutil.rmtree(self._work, ignore_errors=True)
