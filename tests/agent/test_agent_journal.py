@@ -25,7 +25,7 @@ import pytest
 from agent_helpers import EventSink, Host, job_argv, running_agent, wait_until
 
 from spotguard import operations
-from spotguard.agent.restore import _key, _record
+from spotguard.agent.restore import RestoreProgress, RestoreRecords, RestoreStep
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import resolve_job, start_job
 from spotguard.contracts import Assignment, Mode
@@ -99,8 +99,8 @@ async def test_agent_killed_between_a_restore_and_its_record_does_not_restore_tw
         path.write_text(a.user_data())
         records = host.state / "agent" / "assignments"
         # What the killed agent had done: its intent recorded, then the restore itself.
-        base = {"job": a.job, "image_url": a.image_url, "attempt": a.attempt}
-        _record(records, _key(a), {**base, "state": "restoring", "started": time.time()})
+        intent = RestoreProgress.of(a, RestoreStep.RESTORING, started=time.time())
+        RestoreRecords(records).save(intent)
         done = await operations.restore(
             a.image_url, settings=host.checkpoint_settings(), image_settings=ImageSettings(),
             job_name="train",

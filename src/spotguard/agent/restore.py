@@ -7,20 +7,22 @@ agent restarted after a completed restore does not restore again, and one restar
 middle of a restore finds out whether the job came back before trying once more. Those
 records are a help, not a condition: when they cannot be written (a full disk) the restore
 still runs, and whatever fails is reported as RESTORE_FAILED — the agent never dies on it.
+A record is a :class:`RestoreProgress` (``state`` one of :class:`RestoreStep`), read and
+written only through :class:`RestoreRecords`.
 """
 
 from __future__ import annotations
 
 import hashlib
-import json
 import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from spotguard import safefs
 from spotguard.checkpoint import proctree
@@ -67,35 +69,94 @@ def read_assignment(path: Path) -> Assignment | None:
         raise ConfigError(f"assignment {path} is not valid: {exc}") from exc
 
 
-def _key(a: Assignment) -> str:
+def _key(a: Assignment | RestoreProgress) -> str:
     digest = hashlib.sha256(f"{a.job}|{a.attempt}|{a.image_url}".encode()).hexdigest()[:12]
     return f"{a.job}-{a.attempt}-{digest}"
 
 
-def _record(dirpath: Path, key: str, data: dict[str, Any]) -> None:
-    """Write the assignment's progress (best effort: a full disk is logged, not raised)."""
-    try:
-        dirpath.mkdir(parents=True, exist_ok=True, mode=0o700)
-        safefs.write_atomic(dirpath / f"{key}.json", (json.dumps(data, indent=2) + "\n").encode())
-    except OSError as exc:
-        log.error(
-            "cannot record the assignment's progress",
-            extra={"step": "restore", "job": data.get("job"), "error": str(exc)},
+class RestoreStep(StrEnum):
+    """Where an assignment's restore stands on this node."""
+
+    RESTORING = "restoring"  # the intent: recorded before CRIU runs
+    RESTORED = "restored"  # the job runs (``pid``)
+    FAILED = "failed"  # reported as RESTORE_FAILED; a new assignment is awaited
+
+
+class RestoreProgress(BaseModel):
+    """One assignment's progress, ``{records}/{key}.json`` (fields left unset are not
+    written: the file holds what the step knows)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    job: str
+    image_url: str
+    attempt: int
+    state: RestoreStep
+    pid: int | None = None  # the restored job (``restored``)
+    started: float | None = None  # Unix time the intent was recorded (``restoring``)
+    error: str | None = None  # the failure, one line with its type (``failed``)
+
+    @classmethod
+    def of(
+        cls,
+        a: Assignment,
+        state: RestoreStep,
+        *,
+        pid: int | None = None,
+        started: float | None = None,
+        error: str | None = None,
+    ) -> RestoreProgress:
+        """``a``'s progress at ``state``."""
+        return cls(
+            job=a.job,
+            image_url=a.image_url,
+            attempt=a.attempt,
+            state=state,
+            pid=pid,
+            started=started,
+            error=error,
         )
 
-
-def _load(dirpath: Path, key: str) -> dict[str, Any] | None:
-    try:
-        data = json.loads((dirpath / f"{key}.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return data if isinstance(data, dict) else None
+    def to_bytes(self) -> bytes:
+        return (self.model_dump_json(indent=2, exclude_none=True) + "\n").encode()
 
 
-def _restored_meanwhile(a: Assignment, rec: dict[str, Any], state_dir: Path) -> JobInfo | None:
+class RestoreRecords:
+    """The progress records of the assignments this node was given (one folder)."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+
+    def path(self, a: Assignment | RestoreProgress) -> Path:
+        """The record of ``a`` (an assignment, or a record of it: the same job, attempt and
+        image name the same file)."""
+        return self.folder / f"{_key(a)}.json"
+
+    def load(self, a: Assignment) -> RestoreProgress | None:
+        """``a``'s record; None when there is none or it cannot be read (a help, not a
+        condition: the restore then runs as if first)."""
+        try:
+            return RestoreProgress.model_validate_json(self.path(a).read_bytes())
+        except (OSError, ValueError):
+            return None
+
+    def save(self, progress: RestoreProgress) -> None:
+        """Write ``progress`` over its assignment's record (best effort: a full disk is
+        logged, not raised)."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+            safefs.write_atomic(self.path(progress), progress.to_bytes())
+        except OSError as exc:
+            log.error(
+                "cannot record the assignment's progress",
+                extra={"step": "restore", "job": progress.job, "error": str(exc)},
+            )
+
+
+def _restored_meanwhile(a: Assignment, rec: RestoreProgress, state_dir: Path) -> JobInfo | None:
     """The job a restore brought back although its outcome was never recorded: job
     ``a.job`` runs, and its ``job.json`` was written after the restore's intent was."""
-    started = rec.get("started")
+    started = rec.started
     try:
         info = resolve_job(a.job, state_dir=state_dir)
         written = (info.dir / JOB_FILE).stat().st_mtime
@@ -103,7 +164,7 @@ def _restored_meanwhile(a: Assignment, rec: dict[str, Any], state_dir: Path) -> 
         return None
     if not proctree.alive(info.pid):
         return None
-    if not isinstance(started, int | float) or written < started - 1.0:
+    if started is None or written < started - 1.0:
         return None  # an older incarnation's record, not this restore's
     return info
 
@@ -126,40 +187,34 @@ async def restore_assignment(
     None when the restore failed (reported as RESTORE_FAILED with the error's type) or had
     failed before.
     """
-    key = _key(assignment)
-    rec = _load(records, key)
-    base: dict[str, Any] = {
-        "job": assignment.job,
-        "image_url": assignment.image_url,
-        "attempt": assignment.attempt,
-    }
+    book = RestoreRecords(records)
+    rec = book.load(assignment)
     if rec is not None:
-        state = rec.get("state")
-        pid = rec.get("pid")
-        if state == "restored" and isinstance(pid, int):
+        state, pid = rec.state, rec.pid
+        if state is RestoreStep.RESTORED and pid is not None:
             log.info(
                 "assignment already restored",
                 extra={"step": "restore", "job": assignment.job, "pid": pid},
             )
             return Restored(assignment.job, pid, assignment.image_url)
-        if state == "failed":
+        if state is RestoreStep.FAILED:
             log.info(
                 "assignment failed before; waiting for a new one",
-                extra={"step": "restore", "job": assignment.job, "error": rec.get("error")},
+                extra={"step": "restore", "job": assignment.job, "error": rec.error},
             )
             return None
-        if state == "restoring" and isinstance(pid, int) and proctree.alive(pid):
-            _record(records, key, {**base, "state": "restored", "pid": pid})
+        if state is RestoreStep.RESTORING and pid is not None and proctree.alive(pid):
+            book.save(RestoreProgress.of(assignment, RestoreStep.RESTORED, pid=pid))
             return Restored(assignment.job, pid, assignment.image_url)
         found = _restored_meanwhile(assignment, rec, state_dir or records.parent.parent)
-        if state == "restoring" and found is not None:
+        if state is RestoreStep.RESTORING and found is not None:
             # The intent was recorded, the outcome not: the agent was stopped after CRIU
             # brought the job back. Restoring again would run it twice.
             log.warning(
                 "the assigned restore had completed when the agent stopped; not restoring again",
                 extra={"step": "restore", "job": assignment.job, "pid": found.pid},
             )
-            _record(records, key, {**base, "state": "restored", "pid": found.pid})
+            book.save(RestoreProgress.of(assignment, RestoreStep.RESTORED, pid=found.pid))
             reporter.emit(
                 RestoredEvent(
                     job=assignment.job,
@@ -171,7 +226,7 @@ async def restore_assignment(
             )
             return Restored(assignment.job, found.pid, assignment.image_url)
     # the intent, journaled before CRIU runs (with the time: what it restores is newer)
-    _record(records, key, {**base, "state": "restoring", "started": time.time()})
+    book.save(RestoreProgress.of(assignment, RestoreStep.RESTORING, started=time.time()))
     where = InstanceInfo.model_validate(instance)
     reporter.emit(
         RestoringEvent(
@@ -192,7 +247,7 @@ async def restore_assignment(
         error = f"{type(exc).__name__}: {exc}"
         if not isinstance(exc, SpotguardError):
             log.error("restore failed unexpectedly", exc_info=exc, extra={"step": "restore"})
-        _record(records, key, {**base, "state": "failed", "error": error})
+        book.save(RestoreProgress.of(assignment, RestoreStep.FAILED, error=error))
         log.error(
             "restore failed",
             extra={
@@ -212,7 +267,7 @@ async def restore_assignment(
             )
         )
         return None
-    _record(records, key, {**base, "state": "restored", "pid": result.pid})
+    book.save(RestoreProgress.of(assignment, RestoreStep.RESTORED, pid=result.pid))
     seconds = time.monotonic() - t0
     log.info(
         "job restored",
