@@ -5,7 +5,8 @@ evaluated by ``terraform console`` from the module's own expressions.
 Before: every agent role's policy granted the fleet's one private signing key
 (``ReadImageSigningKey``), so a VM of any job could sign images every host of every job
 trusted; the controller could run any AMI into any subnet and security group and decrypt with
-the module's KMS key through any service.
+the module's KMS key through any service. On GCP the controller held
+``roles/compute.instanceAdmin.v1`` on the whole project: any VM, any image, any network.
 """
 
 from __future__ import annotations
@@ -286,3 +287,176 @@ def test_gcp_each_jobs_signing_key_is_readable_by_that_jobs_account_only(
     assert set(accounts) == set(JOBS)
     # the controller's account is bound to no secret
     assert "google_service_account.controller" not in keys_tf
+
+
+# ----- GCP: the controller's roles ---------------------------------------------------------------
+
+CATALOG = {
+    "compute.acceleratorTypes.list",
+    "compute.instances.list",
+    "compute.machineTypes.list",
+    "compute.zoneOperations.get",
+}
+LAUNCH = {
+    "compute.disks.create",
+    "compute.disks.setLabels",
+    "compute.images.useReadOnly",
+    "compute.instances.create",
+    "compute.instances.delete",
+    "compute.instances.get",
+    "compute.instances.setLabels",
+    "compute.instances.setMetadata",
+    "compute.instances.setScheduling",
+    "compute.instances.setServiceAccount",
+    "compute.networks.use",
+    "compute.subnetworks.use",
+}
+
+
+class _Name(str):
+    """A resource name with the two CEL string functions the condition uses."""
+
+    def startsWith(self, prefix: str) -> bool:
+        return self.startswith(prefix)
+
+    def extract(self, template: str) -> _Name:
+        """CEL ``extract("/kind/{name}")``: what follows ``/kind/`` (to the end), or ""."""
+        fixed = template.removesuffix("{name}")
+        i = self.find(fixed)
+        return _Name(self[i + len(fixed) :] if i >= 0 else "")
+
+
+class _Resource:
+    def __init__(self, kind: str, name: str) -> None:
+        self.type = f"compute.googleapis.com/{kind}"
+        self.name = _Name(name)
+
+
+def allows(expression: str, kind: str, name: str) -> bool:
+    """Evaluate the binding's condition (CEL: ==, !=, &&, ||, startsWith, extract) for one
+    resource: the operators spelled as Python's, the functions by :class:`_Name` (no name in
+    it holds ``&&`` or ``||``)."""
+    py = expression.replace("&&", " and ").replace("||", " or ")
+    return bool(eval(py, {"__builtins__": {}}, {"resource": _Resource(kind, name)}))
+
+
+def test_gcp_controller_roles_are_custom_and_its_launch_role_is_limited_to_the_fleets_vms(
+    gcp: dict[str, Any], tmp_path: Path
+) -> None:
+    """Before: roles/compute.instanceAdmin.v1 on the whole project (any VM, any image)."""
+    roles = by_label(gcp["google_project_iam_custom_role"], "controller_catalog") | {
+        "launch": by_label(gcp["google_project_iam_custom_role"], "controller_launch")[None]
+    }
+    catalog, launch = roles[None], roles["launch"]
+    assert set(catalog["permissions"]) == CATALOG
+    assert all(p.endswith((".list", ".get")) for p in catalog["permissions"]), "reads only"
+    assert set(launch["permissions"]) == LAUNCH
+    # the module's project-wide bindings: the controller's two roles, nothing predefined
+    bound = {label_of(m): m for m in gcp["google_project_iam_member"]}
+    assert set(bound) == {"controller_catalog", "controller_launch"}
+    assert bound["controller_catalog"]["role"] == catalog["id"]
+    assert bound["controller_launch"]["role"] == launch["id"]
+    assert bound["controller_catalog"]["member"] == bound["controller_launch"]["member"]
+    assert not bound["controller_catalog"].get("condition")
+    cond = bound["controller_launch"]["condition"]["expression"]
+    assert cond["__attribute__"] == "local.controller_launch_condition"
+    # its value for GCP_ROOT's variables (the module's defaults for the others)
+    expr = _gcp_condition(
+        tmp_path / "two",
+        {
+            "jobs": {job: {} for job in JOBS},
+            "project_id": "my-project-123",
+            "region": "us-central1",
+            "image": "projects/my-project-123/global/images/family/spotguard",
+            "network": "default",
+            "subnetwork": None,
+        },
+    )["condition"]
+    from spotguard.providers.gcp import instance_name
+
+    zone = "projects/my-project-123/zones/us-central1-a"
+    for job in JOBS:
+        vm = instance_name(job, "c7f3e2a1-round-2")
+        assert allows(expr, "Instance", f"{zone}/instances/{vm}"), vm
+        assert allows(expr, "Disk", f"{zone}/disks/{vm}"), vm  # the boot disk takes its name
+    for kind, name in [
+        ("Instance", f"{zone}/instances/{instance_name('train-c', 'x')}"),  # not a fleet job
+        ("Instance", f"{zone}/instances/database-1"),
+        ("Instance", "projects/other-project/zones/us-central1-a/instances/sg-train-a-x"),
+        ("Disk", f"{zone}/disks/database-1-data"),
+        ("Image", "projects/someone-else/global/images/backdoored"),
+        ("Network", "projects/my-project-123/global/networks/admin"),
+        ("Subnetwork", "projects/other-project/regions/us-central1/subnetworks/default"),
+    ]:
+        assert not allows(expr, kind, name), (kind, name)
+    assert allows(expr, "Image", "projects/my-project-123/global/images/spotguard-20261125")
+    assert allows(expr, "Network", "projects/my-project-123/global/networks/default")
+    assert allows(expr, "Subnetwork", "projects/my-project-123/regions/us-central1/subnetworks/d")
+
+
+def _gcp_condition(tmp: Path, tfvars: dict[str, Any]) -> dict[str, Any]:
+    """iam.tf's controller locals, evaluated by ``terraform console`` with ``tfvars``."""
+    text = (GCP_MODULE / "iam.tf").read_text()
+    m = re.search(r"\nlocals \{\n((?:  #.*\n)*  controller_vm_prefixes .*?)\n\}\n", text, re.S)
+    assert m, "iam.tf has no locals block with controller_vm_prefixes"
+    tmp.mkdir(parents=True)
+    variables = "\n".join(
+        f'variable "{k}" {{\n  default = {json.dumps(v)}\n}}' for k, v in tfvars.items()
+    )
+    (tmp / "main.tf").write_text(f"{variables}\nlocals {{\n{m.group(1)}\n}}\n")
+    terraform = shutil.which("terraform")
+    if terraform is None:
+        pytest.fail("terraform is not installed")
+    expr = (
+        "jsonencode({prefixes = local.controller_vm_prefixes,"
+        " condition = local.controller_launch_condition})"
+    )
+    out = subprocess.run(
+        [terraform, "console"], input=expr, cwd=tmp, capture_output=True, text=True, check=True
+    )
+    return dict(json.loads(json.loads(out.stdout.strip())))
+
+
+def test_gcp_controller_condition_follows_the_names_spotguard_gives_and_the_given_places(
+    tmp_path: Path,
+) -> None:
+    from spotguard.providers.gcp import instance_name
+
+    jobs = ["train-a", "train_b", "a-job-name-longer-than-twenty-eight-characters", "x"]
+    base = {"jobs": {j: {} for j in jobs}, "project_id": "p-123456", "region": "europe-west4"}
+    got = _gcp_condition(
+        tmp_path / "named",
+        base
+        | {
+            "image": "projects/img-proj/global/images/spotguard-20261125",
+            "network": "https://www.googleapis.com/compute/v1/projects/host-p/global/networks/n",
+            "subnetwork": "sub-1",
+        },
+    )
+    expr = got["condition"]
+    for job in jobs:
+        vm = instance_name(job, "8c1d1f9e-0b3a-4c1e-a2f4-77e0a0c1b2d3")
+        assert [p for p in got["prefixes"] if vm.startswith(p)], (job, vm, got["prefixes"])
+        assert allows(expr, "Instance", f"projects/p-123456/zones/europe-west4-b/instances/{vm}")
+    assert not allows(expr, "Instance", "projects/p-123456/zones/europe-west4-b/instances/sg-y-1")
+    img = "projects/img-proj/global/images/spotguard-20261125"
+    assert allows(expr, "Image", img) and not allows(expr, "Image", img + "-other")
+    assert allows(expr, "Network", "projects/host-p/global/networks/n")
+    sub = "projects/p-123456/regions/europe-west4/subnetworks/sub-1"
+    assert allows(expr, "Subnetwork", sub) and not allows(expr, "Subnetwork", sub + "x")
+    # an image family: that project's images; the default network and any subnetwork of the
+    # project (the network's own in each zone's region)
+    fam = _gcp_condition(
+        tmp_path / "family",
+        base
+        | {
+            "image": "projects/img-proj/global/images/family/spotguard",
+            "network": "default",
+            "subnetwork": None,
+        },
+    )["condition"]
+    assert allows(fam, "Image", "projects/img-proj/global/images/spotguard-20261126")
+    assert not allows(fam, "Image", "projects/other/global/images/spotguard-20261126")
+    assert allows(fam, "Network", "projects/p-123456/global/networks/default")
+    assert allows(fam, "Subnetwork", "projects/p-123456/regions/us-east1/subnetworks/default")
+    assert not allows(fam, "Subnetwork", "projects/other/regions/us-east1/subnetworks/default")
