@@ -198,7 +198,10 @@ def squatter(attacker: Attacker) -> Iterator[Callable[[int], list[str]]]:
 
     def start(port: int) -> list[str]:
         if procs:
-            procs[0].terminate()
+            # the loop itself, not runuser: runuser forwards a SIGTERM, then sleeps 2 s
+            kids = Path(f"/proc/{procs[0].pid}/task/{procs[0].pid}/children").read_text()
+            for kid in kids.split():
+                os.kill(int(kid), signal.SIGTERM)
             out, _err = procs[0].communicate(timeout=10)
             return out.splitlines()
         p = attacker.popen(SQUAT, str(port))
