@@ -170,21 +170,25 @@ def test_an_exit_checkpoint_whose_image_cannot_be_stored_brings_the_container_ba
     vm1, _ = vms
     data = _data_dir(vm1, "back")
     ref = ContainerRef.parse("podman:back")
+    big = "s=x; n=0; while [ $n -lt 22 ]; do s=$s$s; n=$((n+1)); done; "  # 4 MiB of heap
     asyncio.run(
         start_container(
-            ref, IMAGE, ["/bin/sh", "-c", JOB], podman=vm1.podman, volumes=[f"{data}:/data"]
+            ref, IMAGE, ["/bin/sh", "-c", big + JOB], podman=vm1.podman, volumes=[f"{data}:/data"]
         )
     )
     _wait_lines(data / "out", 5)
-    blocker = tmp_path / "a-file"
-    blocker.write_text("not a directory")
+    # the store takes the image's marker but no chunk: the upload fails while podman streams
+    # its export into it (podman must not be left waiting on a full pipe)
+    store = tmp_path / "store"
+    (store / "podman-back").mkdir(parents=True)
+    (store / "podman-back" / "chunks").write_text("not a directory")
     with pytest.raises(SpotguardError):
         asyncio.run(
             checkpoint_container(
                 ref,
-                f"file://{blocker}/store",
+                f"file://{store}",
                 podman=vm1.podman,
-                image_settings=ImageSettings(),
+                image_settings=ImageSettings(chunk_size=64 << 10),  # the archive: many chunks
                 state_dir=vm1.state_dir,
             )
         )

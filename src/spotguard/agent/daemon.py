@@ -42,6 +42,7 @@ from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.container.guard import ContainerJobs
 from spotguard.contracts import Directive, InstanceInfo, Mode, StartedEvent
 from spotguard.errors import AgentNotRunning, AgentTaskDied, SpotguardError
 from spotguard.facts import InstanceFacts
@@ -100,7 +101,8 @@ class Agent:
         self.planner_settings = planner
         self.checkpoint_settings = checkpoint
         self.notice_settings = notices
-        self.dir = checkpoint.state_dir / "agent"
+        self.layout = checkpoint.layout  # every path under the state dir
+        self.dir = self.layout.agent
         self.metrics = AgentMetrics()
         self.metrics.count_protected(lambda: sum(w.active for w in self.workers.values()))
         self.policy: Policy = settings.policy()
@@ -108,7 +110,7 @@ class Agent:
         self._extra_sources = list(sources) if sources is not None else None
         self.workers: dict[str, JobWorker] = {}
         self.epochs: dict[str, int] = {}  # ownership epoch of each job an assignment gave us
-        self.ledger = Ledger(self.dir / "jobs")
+        self.ledger = Ledger(self.layout.ledger)
         self.kept = operations.kept_images_of(checkpoint)
         self.instance = InstanceFacts()
         self.cloud: str | None = None
@@ -138,7 +140,7 @@ class Agent:
         self.controller_url, self.controller_token = url, bearer
         told = self.notifier.agent_event if self.notifier is not None else None
         return Reporter(
-            url, bearer, self.dir / "outbox", metrics=self.metrics,
+            url, bearer, self.layout.outbox, metrics=self.metrics,
             on_answer=self._controller_says, on_emit=told,
         )  # fmt: skip
 
@@ -173,7 +175,7 @@ class Agent:
         """Run until :meth:`request_stop` (or, with ``exit_when_done``, until no job is left).
         Raises :class:`~spotguard.errors.ConfigError` before anything else when this agent
         cannot work (another agent on the state dir, an unusable store)."""
-        self._lock = startup.lock_state_dir(self.dir)
+        self._lock = startup.lock_state_dir(self.layout)
         try:
             assignment = read_assignment(self.settings.assignment)
             if assignment is not None:
@@ -214,8 +216,12 @@ class Agent:
             },
         )
         self.notices = self._dispatcher()
+        self.containers = ContainerJobs(  # jobs named podman:NAME (spotguard.container.guard)
+            self.notices, self.workers, self._maybe_done, self.settings, self.checkpoint_settings,
+            self.image_settings, store=self.store, config=self.config,
+        )  # fmt: skip
         token = ensure_token(
-            self.dir,
+            self.layout.api_token,
             read_secret(self.settings.api_token, self.settings.api_token_file, "api_token"),
         )
         self.api = AgentApi(self, self.metrics, self.settings.api_listen, token)
@@ -224,8 +230,8 @@ class Agent:
         if assignment is not None:
             restored = await restore_assignment(
                 assignment,
-                records=self.dir / "assignments",
-                restore=self._restore,
+                records=self.layout.assignments,
+                restore=self.containers.restoring(self._restore),
                 reporter=self.reporter,
                 instance=self.instance.to_json(),
             )
@@ -267,7 +273,7 @@ class Agent:
         return self.checkpoint_settings.state_dir
 
     def _protect_later(self, spec: str) -> None:
-        self._spawn(self._protect(spec), f"protect-{spec}")
+        self._spawn(self.containers.guard(spec) or self._protect(spec), f"protect-{spec}")
 
     def _controller_says(self, answer: Directive) -> None:
         """An answer of the controller (to a report or a directive poll): the notice
@@ -389,7 +395,7 @@ class Agent:
         """A kept image landed: report it as the DURABLE of the checkpoint that made it."""
         worker = self.workers.get(kept.job)
         if worker is None:  # kept by an earlier agent; the job is not protected here
-            info = JobInfo(name=kept.job, pid=0, dir=self.checkpoint_settings.jobs_dir / kept.job)
+            info = JobInfo(name=kept.job, pid=0, dir=self.layout.job(kept.job))
             worker = self._worker(info)
         if result.mode is Mode.EXIT:
             self.ledger.put(

@@ -2,10 +2,16 @@
 
 Order (each step timed in the result's timeline)::
 
-    inspect (running? config, image digest) ─► podman container checkpoint --export
-      (CRIU through runc: process tree, writable layer, podman's config; into a private temp
-      file) ─► image writer (chunks → BLAKE3 → zstd → store, signed manifest LAST, with the
-      typed ContainerImage record in its meta) ─► exit mode: remove the container
+    inspect (running? config, image digest) ─► image writer opened (an unusable store fails
+      here, before the job stops) ─► podman container checkpoint --export (CRIU through runc:
+      process tree, writable layer, podman's config) ─► image writer (chunks → BLAKE3 → zstd
+      → store, signed manifest LAST, with the typed ContainerImage record in its meta)
+      ─► exit mode: remove the container
+
+Exit mode streams: podman exports into a FIFO that the image writer reads as it is written
+(:class:`Export`), so the archive is never written to disk and the upload overlaps the
+export. Leave-running exports to a private temp file, restores the container in place, then
+uploads, so the container's pause never waits for the store.
 
 podman stops the container at the checkpoint and keeps CRIU's files (``--keep``). Exit
 mode: if the image cannot be made durable the container is restored in place from them, so
@@ -22,9 +28,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import select
 import shutil
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,7 +50,10 @@ from spotguard.container.spec import (
 from spotguard.contracts import Mode
 from spotguard.errors import JobError, JobNotFound, SpotguardError
 from spotguard.image.settings import ImageSettings
+from spotguard.image.sink import FileSink
+from spotguard.image.stats import TransferStats
 from spotguard.image.writer import ImageWriter
+from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -57,6 +70,12 @@ class ContainerCheckpoint:
     bytes: int  # the runtime's archive
     stored_bytes: int  # written to the store (compressed, not already there)
     timeline: Timeline
+    stats: TransferStats  # the upload's (the agent reports them)
+    frozen_at: float  # Unix time podman's checkpoint ended (the state on this host's disk)
+    freeze_seconds: float  # the checkpoint step: dump, writable layer, export
+    pause_seconds: float | None  # leave-running: checkpoint start → running again
+    durable_at: float  # Unix time the manifest was written
+    streamed: bool  # podman's archive went straight into the store (no file on disk)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -70,6 +89,9 @@ class ContainerCheckpoint:
         }
 
 
+#: the FIFO podman exports into when the archive is streamed
+FIFO_NAME = "export.fifo"
+
 #: a work directory this old was left by a process that died (a checkpoint or restore
 #: removes its own when it ends, whatever happened)
 STALE_WORK_S = 24 * 3600.0
@@ -78,7 +100,7 @@ STALE_WORK_S = 24 * 3600.0
 def work_dir(state_dir: Path) -> Path:
     """A fresh private directory for a runtime archive, under ``state_dir``; work
     directories left there more than a day ago by a killed spotguard are removed first."""
-    base = safefs.ensure_private_dir(state_dir / "containers")
+    base = safefs.ensure_private_dir(StateDir(state_dir).containers)
     now = time.time()
     for old in base.glob("ckpt-*"):
         try:
@@ -112,54 +134,64 @@ async def checkpoint_container(
     state_dir: Path,
     leave_running: bool = False,
     tcp_established: bool = False,
+    meta: dict[str, Any] | None = None,
+    on_frozen: Callable[[float], None] | None = None,
 ) -> ContainerCheckpoint:
     """Checkpoint the running container ``ref`` into a new image of ``ref.job`` in the store
-    at ``store_url`` (exit mode: the container is removed once the image is durable)."""
+    at ``store_url`` (exit mode: the container is removed once the image is durable).
+    ``meta``: more of the manifest's meta (the agent's job, instance and host facts; the
+    container record wins); ``on_frozen(t)`` is called once podman's checkpoint has ended."""
     tl = Timeline()
     mode = Mode.RESUME if leave_running else Mode.EXIT
     with tl.step("inspect"):
         config = await inspect_running(podman, ref)
         version = await podman.version()
         graph_root, run_root = await podman.storage_roots()
+    args = ["--compress", "none", "--ignore-volumes"]
+    args.append("--keep")  # never podman's --leave-running: see the module's doc
+    if tcp_established:
+        args.append("--tcp-established")
     tmp = await asyncio.to_thread(work_dir, state_dir)
+    writer = ImageWriter(store_url, ref.job, settings=image_settings, timeline=tl)
     try:
-        archive = tmp / ARCHIVE_NAME
-        args = ["--export", str(archive), "--compress", "none", "--ignore-volumes"]
-        args.append("--keep")  # never podman's --leave-running: see the module's doc
-        if tcp_established:
-            args.append("--tcp-established")
-        with tl.step("podman checkpoint", mode=mode):
-            await podman.checkpoint(ref.name, *args, what=f"checkpointing {ref}")
-        if leave_running:
-            with tl.step("podman restore in place"):
-                await podman.run(
-                    "container",
-                    "restore",
-                    ref.name,
-                    what=(
-                        f"resuming {ref} after its checkpoint (it is stopped, its checkpoint "
-                        f"kept: podman container restore {ref.name})"
-                    ),
-                )
-        try:
-            record = ContainerImage(
-                runtime_version=version,
-                criu_version=podman.criu_version(),
-                mode=mode,
-                archive_bytes=archive.stat().st_size,
-                config=config,
-                graph_root=graph_root,
-                run_root=run_root,
-            )
-            writer = ImageWriter(store_url, ref.job, settings=image_settings, timeline=tl)
+        # the writer first: a store that cannot take the image fails before the job stops
+        async with writer:
+            export = Export(podman, ref, tmp, writer, streamed=not leave_running)
+            with tl.step("podman checkpoint", mode=mode, streamed=export.streamed) as dump:
+                await export.run(args)
+            frozen_at = time.time()
+            pause_s: float | None = None
+            if leave_running:
+                with tl.step("podman restore in place"):
+                    await podman.run(
+                        "container",
+                        "restore",
+                        ref.name,
+                        what=(
+                            f"resuming {ref} after its checkpoint (it is stopped, its "
+                            f"checkpoint kept: podman container restore {ref.name})"
+                        ),
+                    )
+                pause_s = time.time() - dump.start
+            if on_frozen is not None:
+                on_frozen(frozen_at)
             with tl.step("push", image=writer.url):
-                async with writer:
-                    await writer.add_file(archive, ARCHIVE_NAME)
-                    await writer.commit(record.to_meta())
-        except BaseException:
-            if not leave_running:
-                await _bring_back(podman, ref)
-            raise
+                size = await export.into_image()
+                record = ContainerImage(
+                    runtime_version=version,
+                    criu_version=podman.criu_version(),
+                    mode=mode,
+                    archive_bytes=size,
+                    config=config,
+                    graph_root=graph_root,
+                    run_root=run_root,
+                )
+                await writer.commit({**(meta or {}), **record.to_meta()})
+        durable_at = time.time()
+    except BaseException:
+        if not leave_running:  # exit mode: a failed checkpoint never leaves the job stopped
+            await _bring_back(podman, ref)
+        raise
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     log.info("container checkpointed", extra={"job": ref.job, "image": writer.url, "mode": mode})
@@ -174,13 +206,107 @@ async def checkpoint_container(
         bytes=record.archive_bytes,
         stored_bytes=writer.stats.stored_bytes,
         timeline=tl,
+        stats=writer.stats,
+        frozen_at=frozen_at,
+        freeze_seconds=frozen_at - dump.start,
+        pause_seconds=pause_s,
+        durable_at=durable_at,
+        streamed=export.streamed,
     )
+
+
+class Export:
+    """podman's ``--export`` of one checkpoint, into the image as :data:`ARCHIVE_NAME`.
+
+    Streamed (exit mode): podman writes into a FIFO in the private work directory while the
+    image writer reads it, chunk by chunk, into the store — the archive never lands on disk,
+    and the upload overlaps podman's export. Else (leave-running) podman writes a file and the
+    writer reads it after the container is restored in place: the container's pause then
+    does not wait for the store."""
+
+    def __init__(
+        self, podman: Podman, ref: ContainerRef, tmp: Path, writer: ImageWriter, streamed: bool
+    ) -> None:
+        self.podman, self.ref, self.writer, self.streamed = podman, ref, writer, streamed
+        self.path = tmp / (FIFO_NAME if streamed else ARCHIVE_NAME)
+        self._pump: asyncio.Task[int] | None = None
+
+    async def run(self, args: list[str]) -> None:
+        """``podman container checkpoint NAME --export PATH ARGS``."""
+        argv = [self.ref.name, "--export", str(self.path), *args]
+        what = f"checkpointing {self.ref}"
+        if not self.streamed:
+            await self.podman.checkpoint(*argv, what=what)
+            return
+        await asyncio.to_thread(os.mkfifo, self.path, 0o600)
+        # the read end is open before podman starts: what podman writes is never lost, even
+        # if it finishes before the pump first reads
+        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        sink = self.writer.file(ARCHIVE_NAME, mode=0o600)
+        stop = threading.Event()
+        self._pump = pump = asyncio.create_task(_pump(fd, sink, stop))
+        try:
+            await self.podman.checkpoint(*argv, what=what)
+        except BaseException as exc:
+            stop.set()  # a pump still waiting for podman to open the FIFO ends
+            await asyncio.wait({pump})
+            failed = None if pump.cancelled() else pump.exception()
+            if failed is not None:  # the store's error closed the pipe: that is the cause
+                raise failed from exc
+            raise
+
+    async def into_image(self) -> int:
+        """The archive in the image (streamed: the rest of the pipe); its size."""
+        if self._pump is not None:
+            return await self._pump
+        return (await self.writer.add_file(self.path, ARCHIVE_NAME)).size
+
+
+async def _pump(fd: int, sink: FileSink, stop: threading.Event) -> int:
+    """Read the FIFO ``fd`` (opened non-blocking) to its end into ``sink``: wait until podman
+    has opened it and written (or ``stop``), then read blocking until podman closes it."""
+    try:
+        if not await asyncio.to_thread(_writer_came, fd, stop):
+            return 0
+        os.set_blocking(fd, True)
+        with os.fdopen(fd, "rb", buffering=0, closefd=False) as f:
+            try:
+                await sink.read_from(f)
+            except BaseException:
+                # podman holds the FIFO read-write (it counts as a reader): closing ours would
+                # not stop it, it would wait on a full pipe; read the rest, so it ends
+                await asyncio.to_thread(_drain, f)
+                raise
+    finally:
+        os.close(fd)  # podman, if still writing, gets EPIPE
+    await sink.close()
+    return sink.size
+
+
+def _drain(f: Any) -> None:
+    while f.read(1 << 20):
+        pass
+
+
+def _writer_came(fd: int, stop: threading.Event) -> bool:
+    """Wait until the FIFO has data or its writer came and went (Linux reports POLLHUP only
+    after a writer has connected); False once ``stop`` is set first."""
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    while not stop.is_set():
+        if poller.poll(100):
+            return True
+    return False
 
 
 async def _bring_back(podman: Podman, ref: ContainerRef) -> None:
     """Restore the container in place from the checkpoint podman kept (exit mode, the image
-    not durable); logged, never raised over the error that brought us here."""
+    not durable) unless it still runs (the checkpoint failed before it stopped); logged,
+    never raised over the error that brought us here."""
     try:
+        ctr = await podman.inspect(ref.name)
+        if ctr is not None and (ctr.get("State") or {}).get("Status") == "running":
+            return
         await podman.run("container", "restore", ref.name, what=f"bringing {ref} back")
         log.warning("container restored in place after a failed checkpoint", extra={"job": ref.job})
     except SpotguardError as exc:
