@@ -5,7 +5,9 @@ The restore of a GPU job takes seconds (its GPU memory comes back), the widest w
 old code left open: its wake listener closed the port before CRIU re-created the job's
 socket. Now the listener holds the port until the restored socket has joined it
 (``SO_REUSEPORT``, root's; :mod:`spotguard.park.wake`): the user never gets it, and every
-client, the knock and those that come during the restore, is answered by the job. The wake
+client, the knock and those that come during the restore, is answered by the job. The user
+loops from before the park: the park's dump ends the job's processes, and the park holds the
+job's own socket until the listener has the port (:mod:`spotguard.park.bridge`). The wake
 time is printed (docs/benchmarks.md)."""
 
 from __future__ import annotations
@@ -74,14 +76,17 @@ def test_gpu_server_parked_to_tmpfs_wakes_while_another_user_loops_on_bind(
        str(MB))  # fmt: skip
     _wait(lambda: _ready(port), "the server to answer")
     before = _get(port, "/infer?x=3")
-    sg("park", "srv", "--to", "tmpfs", "--wake-on-connect")
     record = Path(sg.root) / "state" / "parked" / "srv.json"
+    # the other user loops on bind from before the park: through the GPU dump (which ends the
+    # job's processes; the park keeps the job's socket open until the listener binds beside
+    # it, spotguard.park.bridge), the wait and the wake
     squat = subprocess.Popen(
         ["runuser", "-u", other_user, "--", "/usr/bin/python3", "-c", SQUAT, str(port)],
         stdout=subprocess.PIPE, text=True, cwd="/",
     )  # fmt: skip
     try:
         assert squat.stdout is not None and squat.stdout.readline().strip() == "ready"
+        sg("park", "srv", "--to", "tmpfs", "--wake-on-connect")
         time.sleep(0.5)
         answers: list[str] = []
 
