@@ -105,7 +105,7 @@ class JobMount:
             source_is_mount=bool(d.get("source_is_mount", False)),
         )
         for p in (m.mountpoint, m.source, m.parent):
-            if not p.startswith("/") or "\0" in p:
+            if not p.startswith("/") or "\0" in p or os.path.normpath(p) != (p.rstrip("/") or "/"):
                 raise ValueError(f"mount record with a bad path: {p!r}")
         if not m.key.startswith(KEY_PREFIX) or not m.key[len(KEY_PREFIX) :].isdigit():
             raise ValueError(f"mount record with a bad key: {m.key!r}")
