@@ -1,17 +1,24 @@
 """``spotguard park podman:NAME`` / ``unpark`` with real podman and CRIU: in memory (paused),
 to disk (podman's own checkpoint) and to a store (a spotguard image, the container removed);
 the job makes no progress while parked and its output after three parks is byte-identical to
-an uninterrupted run's (every number once, in order)."""
+an uninterrupted run's (every number once, in order). An agent guards the container all the
+while: it shows it parked, never finished, and guards it again once unparked."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
+import sys
 import time
+import urllib.request
 from pathlib import Path
+from typing import Any
 
 from podman_helpers import IMAGE, Vm
 
+from sgtest import free_port, wait_for
 from sgtest import wait_lines as _wait_lines
 
 #: counts until told to stop (a file in its bind mount): however slow the machine, it is still
@@ -33,6 +40,17 @@ def _cli(vm: Vm, *args: str) -> dict[str, object]:
     return result
 
 
+def _agent_job(vm: Vm, port: int) -> dict[str, Any]:
+    """The agent's status of its one job (its local API)."""
+    token = (vm.state_dir / "agent" / "api.token").read_text().strip()
+    req = urllib.request.Request(
+        f"http://127.0.0.1:{port}/status", headers={"Authorization": f"Bearer {token}"}
+    )
+    with urllib.request.urlopen(req, timeout=10) as r:
+        jobs: list[dict[str, Any]] = json.loads(r.read())["jobs"]
+    return jobs[0] if jobs else {}
+
+
 def _lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
@@ -47,15 +65,37 @@ def test_a_parked_container_makes_no_progress_and_unparks_where_it_stopped(
     _cli(vm1, "run", "--container", "podman:nb", "-v", f"{data}:/data", "--", IMAGE,
          "/bin/sh", "-c", JOB)  # fmt: skip
     store = f"file://{vm1.state_dir.parent / 'park-store'}"
-    for n, to in enumerate(("memory", "disk", store), start=1):
-        _wait_lines(out, 5 * n)
-        parked = _cli(vm1, "park", "podman:nb", "--to", to)
-        assert parked["place"] == ("store" if to == store else to), parked
-        held = _lines(out)
-        time.sleep(0.6)
-        assert _lines(out) == held, f"the job ran while parked ({to})"
-        back = _cli(vm1, "unpark", "podman:nb")
-        assert back["place"] == parked["place"]
+    port = free_port()
+    env = {**vm1.cli_env(), "SPOTGUARD_API_LISTEN": f"127.0.0.1:{port}"}
+    spotguard = str(Path(sys.executable).with_name("spotguard"))
+    with (vm1.state_dir.parent / "agent.log").open("ab") as log:
+        agent = subprocess.Popen(
+            [spotguard, "agent", "--job", "podman:nb", "--store", store, "--cloud", "none"],
+            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        wait_for(lambda: (vm1.state_dir / "agent" / "api.token").exists(), "the agent's API")
+        wait_for(lambda: _agent_job(vm1, port).get("state") == "protecting", "protection", 30)
+        for n, to in enumerate(("memory", "disk", store), start=1):
+            _wait_lines(out, 5 * n)
+            pid = _agent_job(vm1, port)["pid"]
+            parked = _cli(vm1, "park", "podman:nb", "--to", to)
+            assert parked["place"] == ("store" if to == store else to), parked
+            held = _lines(out)
+            time.sleep(0.6)
+            assert _lines(out) == held, f"the job ran while parked ({to})"
+            if to != "memory":  # paused: its processes are still there, frozen
+                wait_for(lambda: _agent_job(vm1, port)["state"] != "protecting", "the agent", 10)
+                assert _agent_job(vm1, port)["state"] == "parked", f"parked to {to}"
+            back = _cli(vm1, "unpark", "podman:nb")
+            assert back["place"] == parked["place"]
+            if to != "memory":
+                wait_for(lambda old=pid: _agent_job(vm1, port)["pid"] != old, "a new guard", 10)
+                job = _agent_job(vm1, port)
+                assert (job["state"], job["container"]) == ("protecting", "podman:nb"), job
+    finally:
+        os.killpg(agent.pid, signal.SIGTERM)
+        agent.wait(30)
     _wait_lines(out, _lines(out) + 5)
     (data / "stop").touch()
     end = time.monotonic() + 30

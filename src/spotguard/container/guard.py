@@ -66,7 +66,7 @@ log = logging.getLogger(__name__)
 #: how often a guarded container's init process is looked at (one /proc read)
 LIVENESS_S = 1.0
 #: how often podman is asked whether a container that is not running runs now
-WAIT_S = 2.0
+WAIT_S = 1.0
 #: how long podman may take to say what became of a container whose processes are gone
 SETTLE_S = 30.0
 #: how long a removed container's park record may take to appear (a park to a store removes
