@@ -259,7 +259,8 @@ class ContainerJobs:
                 ctr = await self.podman.inspect(ref.name)
             except SpotguardError as exc:
                 ctr = None
-                log.warning("podman cannot say", extra={"job": ref.job, "error": str(exc)})
+                if not told:
+                    log.warning("podman cannot say", extra={"job": ref.job, "error": str(exc)})
             status, pid, _ = _state(ctr)
             if ctr is not None and status == "running" and pid > 0 and (ctr["Id"], pid) != seen:
                 return ctr
@@ -280,8 +281,10 @@ class ContainerJobs:
         rec = self.notices.ledger.get(ref.job)
         if rec is not None and rec.state is JobState.EXITED:
             self._worker(ref, rec.pid, None).move(JobState.EXITED)
+            self.settled()
         elif container_park.load(self.state_dir, ref) is not None:
             self._worker(ref, 0, None).move(JobState.PARKED)
+            self.settled()
 
     def _worker(
         self,
