@@ -295,8 +295,8 @@ def test_another_user_never_gets_the_port_during_spotguard_unpark(
         clients.start()  # clients while spotguard unpark restores the job
         time.sleep(0.1)
     unpark.join()
-    assert clients.threads, "the unpark was over before a client could connect"
     res = done[0]
+    assert clients.threads, f"the unpark was over before a client could connect: {res}"
     assert res.returncode == 0, res.stderr  # type: ignore[attr-defined]
     took = time.monotonic() - started
     answers = clients.join()
