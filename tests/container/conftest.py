@@ -17,8 +17,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from podman_helpers import IMAGE, Vm, rootfs_tar
+from podman_helpers import IMAGE, Vm
 
+from spotguard.container.demo import rootfs_tar
 from spotguard.container.podman import Podman
 from spotguard.container.settings import PREFIX
 

@@ -5,34 +5,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
 from spotguard.container.podman import Podman
 
 IMAGE = "localhost/sg-counter:1"
-
-
-def rootfs_tar(dest: Path) -> Path:
-    """A tarball rootfs with /bin/sh (dash), /bin/sleep and the libraries they load."""
-    files = {"/bin/sh": "bin/sh", "/bin/sleep": "bin/sleep"}
-    for binary in ("/bin/sh", "/bin/sleep"):
-        out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
-        for line in out.splitlines():
-            path = line.split("=>")[-1].split("(")[0].strip()
-            if path.startswith("/"):
-                files[path] = path.lstrip("/")
-    tar = dest / "rootfs.tar"
-    with tarfile.open(tar, "w") as t:
-        for src, name in files.items():
-            t.add(os.path.realpath(src), arcname=name)
-        for d in ("data", "tmp"):
-            info = tarfile.TarInfo(d)
-            info.type = tarfile.DIRTYPE
-            info.mode = 0o1777 if d == "tmp" else 0o755
-            t.addfile(info)
-    return tar
 
 
 @dataclass

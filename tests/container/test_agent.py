@@ -22,6 +22,7 @@ from podman_helpers import IMAGE, Vm
 
 from sgtest import free_port, line_count, without_spotguard_settings
 from spotguard.container import ContainerRef
+from spotguard.container.demo import vm_env
 from spotguard.container.start import start_container
 from spotguard.controller.server import ControllerServer
 from spotguard.controller.settings import ControllerSettings
@@ -39,10 +40,7 @@ def _vm_env(vm: Vm, sim: MetadataSim) -> dict[str, str]:
     """What points an agent at one VM: its podman storage, CRIU and metadata service."""
     return {
         **sim.env(),
-        "SPOTGUARD_CONTAINER_ROOT": str(vm.podman.root),
-        "SPOTGUARD_CONTAINER_RUNROOT": str(vm.podman.runroot),
-        "SPOTGUARD_CONTAINER_PODMAN": vm.podman.binary,
-        "SPOTGUARD_CRIU": vm.podman.criu,
+        **vm_env(vm.podman),
         "SPOTGUARD_NOTICES_CLOUD": "aws",
         "SPOTGUARD_NOTICES_POLL_INTERVAL": "0.2",
         "SPOTGUARD_API_LISTEN": "127.0.0.1:0",

@@ -97,8 +97,14 @@ from spotguard.demo.options import CLOUDS, FAULTS, KINDS, STORES, DemoOptions
     is_flag=True,
     help="Print a machine-readable summary on stdout (progress goes to stderr).",
 )
+@click.option(
+    "--container",
+    is_flag=True,
+    help="Protect a podman container instead of a process (needs scripts/install-podman; "
+    "takes only --workdir, --keep and --json; docs/containers.md).",
+)
 @click.pass_context
-def demo(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
+def demo(ctx: click.Context, /, as_json: bool, container: bool, **flags: Any) -> None:
     """Save a job from a spot interruption end to end, on this machine alone.
 
     Starts the metadata emulator, a store, the controller with the local provider, an agent on
@@ -106,6 +112,11 @@ def demo(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
     restore; then proves the job on "VM 2" printed exactly what an uninterrupted run prints.
     Needs Linux, root and CRIU >= 4.2.1 (scripts/install-criu). Example: spotguard demo --cloud gcp
     """
+    if container:
+        from spotguard.container.cli import demo as container_demo
+
+        ok = container_demo(ctx, as_json=as_json, workdir=flags["workdir"], keep=flags["keep"])
+        sys.exit(0 if ok else 1)
     from spotguard.cli import config
     from spotguard.config import load
     from spotguard.demo.scenario import run_demo

@@ -225,3 +225,40 @@ def unpark(
         click.echo(json.dumps({"container": str(ref), "place": rec.place}))
     else:
         click.echo(f"container {ref} unparked from {rec.place}")
+
+
+def demo(ctx: click.Context, *, as_json: bool, workdir: Path | None, keep: bool) -> bool:
+    """``spotguard demo --container`` (:mod:`spotguard.container.demo`); True if it held."""
+    import shutil
+    import tempfile
+
+    from spotguard.checkpoint.settings import CheckpointSettings
+    from spotguard.container.demo import run_container_demo
+
+    criu = load(CheckpointSettings, {}, config_file=config(ctx)).criu
+    podman = podman_for(ctx, criu)
+    image = load(ImageSettings, {}, config_file=config(ctx))
+    work = workdir or Path(tempfile.mkdtemp(prefix="sg-ctr-demo-", dir="/tmp"))
+    work.mkdir(parents=True, exist_ok=True)
+
+    def say(line: str) -> None:
+        click.echo(f"  {line}", err=as_json)
+
+    click.echo(f"container demo in {work}", err=as_json)
+    try:
+        result = asyncio.run(run_container_demo(podman, image, work, say))
+    except Exception:
+        click.echo(f"spotguard: the work dir is kept: {work}", err=True)
+        raise
+    if as_json:
+        click.echo(json.dumps({**result.to_json(), "workdir": str(work)}, indent=2))
+    else:
+        click.echo(" → ".join(result.history))
+        verdict = "every number once, in order: identical to an uninterrupted run"
+        click.echo(
+            f"{'OK' if result.ok else 'FAILED'}: {result.numbers} numbers counted across two "
+            f"VMs in {result.seconds} s; {verdict if result.ok else result.reason}"
+        )
+    if result.ok and not keep and workdir is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return result.ok

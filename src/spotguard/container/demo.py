@@ -1,0 +1,261 @@
+"""``spotguard demo --container``: the demo's story with a podman container, on this machine.
+
+Two "VMs" are two podman storages (``--root``/``--runroot``) under the work dir, each with its
+own metadata emulator; the controller runs with the local provider; VM 1's real agent guards
+``podman:counter`` (``spotguard agent --job podman:counter``). The container counts into its
+bind mount; a spot notice goes to VM 1; the agent checkpoints the container into a file://
+store (streamed, signed, manifest last) and removes it; the controller launches VM 2 (a local
+"VM", another agent process), whose agent restores the container from its assignment — same
+image, name and bind mount — and guards it. The demo then stops the counter and proves that
+its output holds every number once, in order: what an uninterrupted run prints.
+
+The job's image is built offline from this host's ``sh`` and ``sleep`` (no registry): imported
+into VM 1, saved and loaded into VM 2, so both have the same image ID. Needs root, CRIU
+(scripts/install-criu) and podman (scripts/install-podman). Every process and container it
+started is stopped, and both storages reset, however it ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from spotguard.container.podman import Podman
+from spotguard.container.spec import ContainerRef
+from spotguard.container.start import start_container
+from spotguard.errors import DemoError, SpotguardError
+from spotguard.image.settings import ImageSettings
+
+IMAGE = "localhost/sg-demo-counter:1"
+CONTAINER = "podman:counter"
+TOKEN = "container-demo"
+#: counts until told to stop (a file in its bind mount)
+COUNTER = (
+    "exec >>/data/out; i=0; while [ ! -e /data/stop ]; do echo $i; i=$((i+1)); sleep 0.05; done"
+)
+
+
+def rootfs_tar(dest: Path) -> Path:
+    """A tarball rootfs with /bin/sh, /bin/sleep and the libraries they load (``ldd``)."""
+    files = {"/bin/sh": "bin/sh", "/bin/sleep": "bin/sleep"}
+    for binary in ("/bin/sh", "/bin/sleep"):
+        out = subprocess.run(["ldd", binary], capture_output=True, text=True, check=True).stdout
+        for line in out.splitlines():
+            path = line.split("=>")[-1].split("(")[0].strip()
+            if path.startswith("/"):
+                files[path] = path.lstrip("/")
+    tar = dest / "rootfs.tar"
+    with tarfile.open(tar, "w") as t:
+        for src, name in files.items():
+            t.add(os.path.realpath(src), arcname=name)
+        for d in ("data", "tmp"):
+            info = tarfile.TarInfo(d)
+            info.type = tarfile.DIRTYPE
+            info.mode = 0o1777 if d == "tmp" else 0o755
+            t.addfile(info)
+    return tar
+
+
+async def same_image_on(vms: list[Podman], image: str, work: Path) -> None:
+    """``image`` built from :func:`rootfs_tar` on the first podman, loaded into the others
+    (``save``/``load``: the same image ID, as a registry pull would give)."""
+    first, *rest = vms
+    tar = await asyncio.to_thread(rootfs_tar, work)
+    await first.run("import", "--change", 'CMD ["/bin/sh"]', str(tar), image, what="building")
+    saved = work / "image.tar"
+    await first.run("save", "--quiet", "-o", str(saved), image, what="saving the image")
+    for p in rest:
+        await p.run("load", "--quiet", "-i", str(saved), what="loading the image")
+
+
+def vm_env(p: Podman) -> dict[str, str]:
+    """What points a spotguard command at one VM's podman storage and CRIU."""
+    env = {"SPOTGUARD_CONTAINER_PODMAN": p.binary, "SPOTGUARD_CRIU": p.criu}
+    if p.root is not None and p.runroot is not None:
+        env.update(SPOTGUARD_CONTAINER_ROOT=str(p.root), SPOTGUARD_CONTAINER_RUNROOT=str(p.runroot))
+    return env
+
+
+@dataclass
+class Result:
+    """What the demo showed."""
+
+    ok: bool
+    numbers: int = 0
+    image_url: str = ""
+    history: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+    reason: str = ""
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+async def _job(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
+    job = ContainerRef.parse(CONTAINER).job
+    async with http.get(f"{url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
+        out: dict[str, Any] = await r.json() if r.status == 200 else {}
+        return out
+
+
+async def _until(
+    http: aiohttp.ClientSession,
+    url: str,
+    ok: Callable[[dict[str, Any]], bool],
+    step: str,
+    within: float,
+) -> dict[str, Any]:
+    """The controller's view of the job once ``ok`` holds; DemoError ``step`` after ``within``."""
+    end = time.monotonic() + within
+    while True:
+        v = await _job(http, url)
+        if v and ok(v):
+            return v
+        if time.monotonic() > end:
+            said = f"{v.get('state')}: {v.get('reason')}" if v else "unknown to the controller"
+            raise DemoError(step, f"after {within:.0f} s the job is {said}")
+        await asyncio.sleep(0.1)
+
+
+@contextlib.asynccontextmanager
+async def _vms(podman: Podman) -> AsyncIterator[list[Podman]]:
+    """Two podman storages in a fresh short directory under /tmp (podman refuses a run root
+    longer than 50 characters); every container removed, both reset and the directory
+    removed after."""
+    base = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="sgdemo-", dir="/tmp"))
+    vms = [
+        Podman(podman.binary, podman.runc, podman.criu, base / f"vm{n}" / "storage",
+               base / f"vm{n}" / "run", podman.runtime_dir, podman.timeout)
+        for n in (1, 2)
+    ]  # fmt: skip
+    try:
+        yield vms
+    finally:
+        for p in vms:
+            for args in (("rm", "--all", "--force", "--time", "0"), ("system", "reset", "--force")):
+                with contextlib.suppress(SpotguardError):
+                    await p.run(*args, what="cleaning up")
+        await asyncio.to_thread(shutil.rmtree, base, True)
+
+
+async def run_container_demo(
+    podman: Podman,
+    image: ImageSettings,
+    work: Path,
+    say: Callable[[str], None],
+    *,
+    timeout_s: float = 120,
+) -> Result:
+    """Run the demo (see the module's doc) in the directory ``work``; ``say`` is told each
+    step. A link that does not hold is a :class:`DemoError` naming it."""
+    from spotguard.controller.server import ControllerServer
+    from spotguard.controller.settings import ControllerSettings
+    from spotguard.providers.local import LocalProvider, LocalSettings
+    from spotguard.simulator import MetadataSim, SimFacts
+
+    data, store, t0 = work / "data", f"file://{work / 'store'}", time.monotonic()
+    data.mkdir(parents=True, exist_ok=True)
+    spotguard = str(Path(sys.executable).with_name("spotguard"))
+    agent: asyncio.subprocess.Process | None = None
+    async with (
+        _vms(podman) as (vm1, vm2),
+        MetadataSim(facts=SimFacts(instance_id="i-0demovm1demovm1")) as sim1,
+        MetadataSim(facts=SimFacts(instance_id="i-0demovm2demovm2")) as sim2,
+    ):
+        await same_image_on([vm1, vm2], IMAGE, work)
+        say(f"image {IMAGE} built from this host's sh and sleep, on VM 1 and VM 2")
+        base = {"SPOTGUARD_NOTICES_CLOUD": "aws", "SPOTGUARD_NOTICES_POLL_INTERVAL": "0.2",
+                "SPOTGUARD_API_LISTEN": "127.0.0.1:0"}  # fmt: skip
+        local = LocalProvider(
+            LocalSettings.model_validate(
+                {
+                    "local_root": work / "local",
+                    "local_agent_command": [spotguard, "agent", "--exit-when-done"],
+                    "local_env": {**base, **sim2.env(), **vm_env(vm2), "SPOTGUARD_STORE": store},
+                    "local_gpus": False,
+                }
+            )
+        )
+        settings = ControllerSettings.model_validate(
+            {
+                "listen": "127.0.0.1:0",
+                "state": work / "controller.db",
+                "controller_token": TOKEN,
+                "tick_s": 0.1,
+                "restore_timeout_s": timeout_s,
+            }
+        )
+        try:
+            async with (
+                ControllerServer(settings, provider=local, image=image) as srv,
+                aiohttp.ClientSession() as http,
+            ):
+                ref = ContainerRef.parse(CONTAINER)
+                await start_container(
+                    ref, IMAGE, ["/bin/sh", "-c", COUNTER], podman=vm1, volumes=[f"{data}:/data"]
+                )
+                env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
+                env.update(base, **sim1.env(), **vm_env(vm1))
+                env.update(
+                    SPOTGUARD_STATE_DIR=str(work / "vm1"),
+                    SPOTGUARD_ASSIGNMENT=str(work / "vm1" / "no-assignment"),
+                    SPOTGUARD_CONTROLLER_URL=srv.url,
+                    SPOTGUARD_CONTROLLER_TOKEN=TOKEN,
+                )
+                with (work / "agent-vm1.log").open("ab") as log:
+                    agent = await asyncio.create_subprocess_exec(
+                        spotguard, "agent", "--job", CONTAINER, "--store", store, env=env,
+                        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                    )  # fmt: skip
+                await _until(http, srv.url, lambda v: v.get("state") == "protected", "protect", 60)
+                say(f"VM 1: {CONTAINER} counts; its agent protects it ({ref.job})")
+                await asyncio.sleep(1.0)
+                sim1.state.send("aws", "preempt", in_seconds=120)
+                say("VM 1: spot interruption notice sent (AWS, 2 minutes)")
+                v = await _until(http, srv.url, _relaunched, "relaunch", timeout_s)
+                say(f"checkpointed to {v['image_url']}; VM 2 restored it and its agent protects it")
+                n = _count(data / "out")
+                await asyncio.sleep(1.0)
+                if _count(data / "out") <= n:
+                    raise DemoError("restore", "the restored container does not count on")
+                (data / "stop").touch()
+                v = await _until(http, srv.url, lambda v: v["state"] == "finished", "finish", 60)
+        finally:
+            if agent is not None and agent.returncode is None:
+                os.killpg(agent.pid, signal.SIGTERM)
+                await asyncio.wait_for(agent.wait(), 30)
+            for vm in (work / "local" / "vms").glob("vm-*"):
+                with contextlib.suppress(OSError, ValueError, KeyError, ProcessLookupError):
+                    os.killpg(int(json.loads((vm / "vm.json").read_text())["pid"]), signal.SIGKILL)
+    text = (data / "out").read_text()
+    numbers = text.count("\n")
+    history = [h["to"] for h in v["history"] if h["from"] != h["to"]]
+    ok = text == "".join(f"{i}\n" for i in range(numbers))
+    return Result(
+        ok=ok, numbers=numbers, image_url=str(v.get("image_url")), history=history,
+        seconds=round(time.monotonic() - t0, 1),
+        reason="" if ok else f"the output in {data / 'out'} has a gap or a repeat",
+    )  # fmt: skip
+
+
+def _relaunched(v: dict[str, Any]) -> bool:
+    return bool(v.get("restarts")) and v.get("state") == "protected"
+
+
+def _count(path: Path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
