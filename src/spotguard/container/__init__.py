@@ -9,7 +9,10 @@ the host (image, mounts, devices) before ``podman container restore --import`` c
 container. docs/ARCHITECTURE.md, "Containers", says which piece is podman's and which is ours.
 
 Modules: ``spec`` (names and the typed record), ``podman`` (the one way podman is run),
-``start`` (``spotguard run --container``), ``checkpoint``, ``restore``, ``settings``.
+``start`` (``spotguard run --container``), ``checkpoint``, ``restore``, ``park``, ``archive``,
+``settings``, ``cli`` (what the commands hand over), ``guard`` (the agent's container jobs:
+``spotguard agent --job podman:NAME`` and assignments of container images), ``demo``
+(``spotguard demo --container``).
 """
 
 from __future__ import annotations
