@@ -53,6 +53,7 @@ from spotguard.sizing import (
     thp_status,
     tree_rss,
 )
+from spotguard.statedir import StateDir
 
 __all__ = [
     "THP_MODES",
@@ -166,7 +167,7 @@ class Planner:
         if path is None:
             if state_dir is None:
                 raise ConfigError("the planner needs throughput_file or a state directory")
-            path = state_dir / "throughput.json"
+            path = StateDir(state_dir).throughput
         self.path = path
         self.threads = threads or os.cpu_count() or 1
         self.throughput: dict[str, float] = dict(DEFAULT_THROUGHPUT)

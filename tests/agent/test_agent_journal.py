@@ -30,6 +30,7 @@ from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import resolve_job, start_job
 from spotguard.contracts import Assignment, Mode
 from spotguard.image import ImageSettings
+from spotguard.statedir import StateDir
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(180)]
 
@@ -97,7 +98,7 @@ async def test_agent_killed_between_a_restore_and_its_record_does_not_restore_tw
         a = Assignment(job="train", image_url=image.image_url, store=store, controller_url=sink.url)
         path = tmp_path / "assignment.json"
         path.write_text(a.user_data())
-        records = host.state / "agent" / "assignments"
+        records = StateDir(host.state).assignments
         # What the killed agent had done: its intent recorded, then the restore itself.
         intent = RestoreProgress.of(a, RestoreStep.RESTORING, started=time.time())
         RestoreRecords(records).save(intent)

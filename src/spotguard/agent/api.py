@@ -39,8 +39,6 @@ from .settings import DRAIN_DEADLINE_MAX, parse_listen
 
 log = logging.getLogger(__name__)
 
-TOKEN_FILE = "api.token"
-
 
 class Controls(Protocol):
     """What the API asks of the daemon."""
@@ -52,19 +50,18 @@ class Controls(Protocol):
     ) -> dict[str, Any]: ...
 
 
-def ensure_token(agent_dir: Path, token: str | None) -> str:
-    """The API token: the configured one, else the one in ``agent_dir/api.token`` (created
-    0600 on first use, so local root tools can read it and nobody else can)."""
+def ensure_token(path: Path, token: str | None) -> str:
+    """The API token: the configured one, else the one in ``path`` (``StateDir.api_token``,
+    created 0600 on first use, so local root tools can read it and nobody else can)."""
     if token:
         return token
-    path = agent_dir / TOKEN_FILE
     try:
         existing = path.read_text().strip()
     except FileNotFoundError:
         existing = ""
     if existing:
         return existing
-    agent_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+    path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     value = secrets.token_urlsafe(32)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     with os.fdopen(fd, "w") as f:

@@ -50,6 +50,7 @@ from spotguard.park.policy import ParkPolicy, webhooks
 from spotguard.park.record import ParkRecord
 from spotguard.park.settings import ParkSettings
 from spotguard.park.store import store_path
+from spotguard.statedir import StateDir
 
 from .jobstate import JobState
 from .metrics import AgentMetrics
@@ -149,7 +150,7 @@ async def report_parked(rec: ParkRecord, settings: AgentSettings, state_dir: Pat
         where = controller_of(settings, rec.job)
         if where is None:
             return None
-        reporter = Reporter(where[0], where[1], state_dir / "agent" / "outbox")
+        reporter = Reporter(where[0], where[1], StateDir(state_dir).outbox)
     except (SpotguardError, OSError) as exc:  # the job is parked all the same
         log.warning("the park is not reported", extra={"job": rec.job, "error": str(exc)})
         return None

@@ -37,6 +37,7 @@ from spotguard.contracts import CheckpointFailedEvent, WireError
 from spotguard.errors import ConfigError, SpotguardError, StoreError, StoreUnavailable
 from spotguard.image import ImageSettings
 from spotguard.image.keys import ImageKeys
+from spotguard.statedir import StateDir
 from spotguard.store import open_store
 from spotguard.store.base import RetryPolicy
 
@@ -45,20 +46,19 @@ from .reporter import Reporter
 
 log = logging.getLogger(__name__)
 
-LOCK_FILE = "agent.lock"
 
 #: the module each store scheme needs, and the extra that installs it
 STORE_SDKS = {"s3": ("boto3", "aws"), "gs": ("google.cloud.storage", "gcp")}
 
 
-def lock_state_dir(agent_dir: Path) -> IO[str]:
-    """Hold ``{agent_dir}/agent.lock`` for the agent's lifetime (the returned file; the lock
-    goes with the process). Raises :class:`ConfigError` when another agent holds it."""
+def lock_state_dir(layout: StateDir) -> IO[str]:
+    """Hold ``{state_dir}/agent/agent.lock`` for the agent's lifetime (the returned file; the
+    lock goes with the process). Raises :class:`ConfigError` when another agent holds it."""
     try:
-        agent_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-        f = (agent_dir / LOCK_FILE).open("a+")
+        layout.agent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        f = layout.agent_lock.open("a+")
     except OSError as exc:
-        raise ConfigError(f"cannot use the agent state dir {agent_dir}: {exc.strerror}") from exc
+        raise ConfigError(f"cannot use the agent state dir {layout.agent}: {exc.strerror}") from exc
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
@@ -66,7 +66,7 @@ def lock_state_dir(agent_dir: Path) -> IO[str]:
         other = f.read().strip() or "?"
         f.close()
         raise ConfigError(
-            f"another agent (pid {other}) already uses the state dir {agent_dir.parent}; "
+            f"another agent (pid {other}) already uses the state dir {layout.root}; "
             "stop it, or give this one its own --state-dir"
         ) from exc
     f.seek(0)

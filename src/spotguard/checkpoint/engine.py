@@ -54,6 +54,7 @@ from pathlib import Path
 
 from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
+from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
 from . import files, mounts, nccl, ncclctl, procfacts, proctree, recovery, restart, scan, suspend
@@ -425,7 +426,7 @@ class Engine:
                     meta.files,
                     source.extras_dir,
                     image_job_dir=job.dir,
-                    job_dir=state / "jobs" / job.name,
+                    job_dir=StateDir(state).job(job.name),
                     authenticated=source.authenticated,
                 )
             with tl.step("criu_restore") as rs:

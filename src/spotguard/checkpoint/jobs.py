@@ -31,6 +31,7 @@ from typing import Any
 from spotguard import safefs
 from spotguard.contracts import check_job_name
 from spotguard.errors import ConfigError, JobError, JobNotFound, UnsafePath
+from spotguard.statedir import StateDir
 
 from . import jobinit, nccl, ncclctl, proctree
 
@@ -84,7 +85,7 @@ class JobInfo:
 
 
 def jobs_dir(state_dir: Path) -> Path:
-    return state_dir / "jobs"
+    return StateDir(state_dir).jobs
 
 
 def _default_name(argv: list[str]) -> str:

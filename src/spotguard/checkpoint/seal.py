@@ -41,13 +41,13 @@ import blake3
 
 from spotguard import safefs
 from spotguard.errors import BadSignature, UnsafePath, UnsignedImage
+from spotguard.statedir import StateDir
 
 from .settings import DEFAULT_STATE_DIR
 
 log = logging.getLogger(__name__)
 
 SEAL_NAME = "spotguard-seal.json"
-KEY_NAME = "host-image.key"
 KEY_BYTES = 32
 SEAL_VERSION = 1
 #: written into an image directory after its seal, never read by a restore: CRIU's logs and
@@ -68,7 +68,7 @@ class HostKey:
 
     @classmethod
     def for_state(cls, state_dir: Path) -> HostKey:
-        return cls(state_dir / "keys" / KEY_NAME)
+        return cls(StateDir(state_dir).host_key)
 
     @classmethod
     def default(cls) -> HostKey:

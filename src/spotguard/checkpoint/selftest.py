@@ -26,12 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spotguard.errors import CriuError, SpotguardError, StepTimeout, UndumpableError
+from spotguard.statedir import StateDir
 
 from . import proctree, selftest_job
 from .criu import MIN_VERSION_TEXT, Criu
 from .cuda import NoGpu
 from .engine import Engine, Mode
-from .jobs import JobInfo, exit_status, start_job
+from .jobs import JOB_FILE, JobInfo, exit_status, start_job
 from .scan import NetworkLock, job_environment
 from .settings import CheckpointSettings
 from .staging import DirectorySource, DirectoryTarget
@@ -159,7 +160,7 @@ async def _round_trip(criu: Criu, work: Path, network_lock: NetworkLock) -> str:
 async def _kill_leftovers(work: Path) -> None:
     """Kill what is left of the self-test job and wait (up to 10 s) until it is gone: a
     killed process takes a moment to exit, and doctor must leave nothing running."""
-    job_file = work / "state" / "jobs" / JOB_NAME / "job.json"
+    job_file = StateDir(work / "state").job(JOB_NAME) / JOB_FILE
     if not job_file.exists():
         return
     pids: list[int] = []

@@ -12,6 +12,7 @@ from typing import ClassVar, Literal
 from pydantic import Field
 
 from spotguard.config import Settings
+from spotguard.statedir import StateDir
 
 DEFAULT_STATE_DIR = Path("/var/lib/spotguard")
 
@@ -114,9 +115,14 @@ class CheckpointSettings(Settings):
     )
 
     @property
+    def layout(self) -> StateDir:
+        """The paths under ``state_dir`` (:mod:`spotguard.statedir`)."""
+        return StateDir(self.state_dir)
+
+    @property
     def jobs_dir(self) -> Path:
-        return self.state_dir / "jobs"
+        return self.layout.jobs
 
     @property
     def disk_staging_dir(self) -> Path:
-        return self.state_dir / "staging"
+        return self.layout.staging

@@ -24,7 +24,6 @@ from typing import Any
 
 import click
 
-from spotguard.agent.api import TOKEN_FILE
 from spotguard.agent.settings import DRAIN_DEADLINE_MAX, AgentSettings, parse_listen, read_secret
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.cli import config, config_file
@@ -37,6 +36,7 @@ from spotguard.notices.settings import NoticeSettings
 from spotguard.notify import Notifier, NotifySettings
 from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
+from spotguard.statedir import StateDir
 
 log = logging.getLogger(__name__)
 
@@ -113,7 +113,7 @@ def _api(ctx: click.Context, flags: dict[str, Any]) -> tuple[str, str]:
     ensure_running(s.api_listen)
     token = read_secret(s.api_token, s.api_token_file, "api_token")
     if token is None:
-        path = Path(state) / "agent" / TOKEN_FILE
+        path = StateDir(Path(state)).api_token
         try:
             token = path.read_text().strip()
         except OSError as exc:

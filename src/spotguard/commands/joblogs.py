@@ -26,6 +26,7 @@ from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.cli import config
 from spotguard.config import load, options
 from spotguard.errors import JobNotFound
+from spotguard.statedir import StateDir
 
 __all__ = ["Follower", "logs", "tail_lines"]
 
@@ -80,7 +81,7 @@ def _job(name: str, state_dir: Path) -> JobInfo:
     except JobNotFound:
         known = ", ".join(j.name for j in list_jobs(state_dir)) or "none"
         raise JobNotFound(
-            f"no job {name!r} under {state_dir / 'jobs'} (jobs there: {known}); "
+            f"no job {name!r} under {StateDir(state_dir).jobs} (jobs there: {known}); "
             "set --state-dir / SPOTGUARD_STATE_DIR if it runs elsewhere"
         ) from None
 

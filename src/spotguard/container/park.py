@@ -34,6 +34,7 @@ from spotguard.container.restore import restore_container
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import ParkError
 from spotguard.image.settings import ImageSettings
+from spotguard.statedir import StateDir
 
 Place = Literal["memory", "disk", "store"]
 MAX_RECORD_BYTES = 1 << 20
@@ -53,7 +54,7 @@ class ParkedContainer(BaseModel):
 
 
 def _dir(state_dir: Path) -> Path:
-    return safefs.ensure_private_dir(state_dir / "containers" / "parked")
+    return safefs.ensure_private_dir(StateDir(state_dir).parked_containers)
 
 
 def _path(state_dir: Path, ref: ContainerRef) -> Path:

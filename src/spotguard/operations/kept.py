@@ -37,13 +37,13 @@ from spotguard.checkpoint.meta import META_NAME, ImageMeta
 from spotguard.errors import CheckpointError, ImageError, UnsafePath
 from spotguard.facts import GpuInventory, HostFacts, InstanceFacts
 from spotguard.image import ImageSettings, push_dir
+from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
 from .results import CheckpointResult, Frozen, Landed
 
 log = logging.getLogger(__name__)
 
-KEPT_DIR = "kept"
 _MAX_RECORD = 16 << 20
 #: a staging directory made by DirectoryTarget: ``<job>-<UTC stamp>``
 _STAGED_NAME = re.compile(r"^(?P<job>[a-z0-9][a-z0-9._-]{0,62})-\d{8}T\d{6}\d+Z$")
@@ -100,7 +100,7 @@ class KeptImages:
     the images live under."""
 
     def __init__(self, state_dir: Path, staging_roots: Sequence[Path]) -> None:
-        self.folder = state_dir / KEPT_DIR
+        self.folder = StateDir(state_dir).kept
         self.roots = list(staging_roots)
         #: the host key staged images are sealed under (checked before a push, which signs)
         self.key = seal.HostKey.for_state(state_dir)

@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 def image_dir(place: Place, job: str, cs: CheckpointSettings, ps: ParkSettings) -> Path:
     """Where ``job``'s image parked to tmpfs or disk lives on this node."""
-    base = ps.memory_dir if place == "tmpfs" else cs.state_dir / "parked" / "images"
+    base = ps.memory_dir if place == "tmpfs" else cs.layout.parked_images
     return base / job
 
 

@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from spotguard import safefs
 from spotguard.contracts import check_job_name
 from spotguard.errors import JobError, JobNotFound, UnsafePath
+from spotguard.statedir import StateDir
 
 from .sockets import Address
 
@@ -78,7 +79,7 @@ class ParkRecord(BaseModel):
 
 
 def parked_dir(state_dir: Path) -> Path:
-    return state_dir / "parked"
+    return StateDir(state_dir).parked
 
 
 _MAX_RECORD = 4 << 20
