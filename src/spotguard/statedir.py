@@ -14,6 +14,7 @@ that own what a path holds decide how to write it (``safefs``)::
       parked/images/<job>/   images parked on this node's disk
       containers/            work directories of container checkpoints and restores
       containers/parked/     records of parked containers
+      containers/jobs/       which container an agent's job name stands for (container.guard)
       keys/host-image.key    the host's key that seals local images (checkpoint.seal)
       throughput.json        the deadline planner's measurements
       agent/                 the agent daemon's own:
@@ -74,6 +75,10 @@ class StateDir:
     @property
     def parked_containers(self) -> Path:
         return self.containers / "parked"
+
+    @property
+    def container_jobs(self) -> Path:
+        return self.containers / "jobs"
 
     @property
     def host_key(self) -> Path:

@@ -60,6 +60,7 @@ from spotguard.errors import SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.image import ImageReader, ImageSettings
 from spotguard.operations.results import CheckpointResult, Frozen, Landed, RestoreResult
+from spotguard.statedir import StateDir
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +87,7 @@ class JobRecord(BaseModel):
 
 
 def _records(state_dir: Path) -> Path:
-    return safefs.ensure_private_dir(state_dir / "containers" / "jobs")
+    return safefs.ensure_private_dir(StateDir(state_dir).container_jobs)
 
 
 def remember(state_dir: Path, ref: ContainerRef) -> None:
@@ -237,7 +238,7 @@ class ContainerJobs:
     # --- guarding one container -----------------------------------------------------------
 
     def _info(self, ref: ContainerRef, pid: int) -> JobInfo:
-        return JobInfo(name=ref.job, pid=pid, dir=self.state_dir / "containers" / "jobs")
+        return JobInfo(name=ref.job, pid=pid, dir=StateDir(self.state_dir).container_jobs)
 
     async def _protect(self, ref: ContainerRef) -> None:
         """Guard ``ref`` whenever it runs: wait for it, guard it until its worker ends, wait
