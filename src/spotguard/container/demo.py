@@ -23,12 +23,13 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -106,6 +107,30 @@ class Result:
         return dict(vars(self))
 
 
+@dataclass
+class Stage:
+    """What a caller of :func:`run_container_demo` may look at between its steps (a test
+    checks the agent's status and ledger there): the controller, VM 1's metadata emulator,
+    both podmans, the counter's bind mount, VM 1's state dir and its agent's API."""
+
+    http: aiohttp.ClientSession
+    controller: str
+    sim1: Any  # MetadataSim
+    vm1: Podman
+    vm2: Podman
+    data: Path
+    state_dir: Path
+    api: str
+
+    async def job(self) -> dict[str, Any]:
+        """The controller's view of the job."""
+        return await _job(self.http, self.controller)
+
+
+#: called at a step of the demo: once VM 1's agent protects the container, once VM 2's does
+Hook = Callable[[Stage], Awaitable[None]]
+
+
 async def _job(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
     job = ContainerRef.parse(CONTAINER).job
     async with http.get(f"{url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
@@ -160,9 +185,12 @@ async def run_container_demo(
     say: Callable[[str], None],
     *,
     timeout_s: float = 120,
+    protected: Hook | None = None,
+    relaunched: Hook | None = None,
 ) -> Result:
     """Run the demo (see the module's doc) in the directory ``work``; ``say`` is told each
-    step. A link that does not hold is a :class:`DemoError` naming it."""
+    step; ``protected`` / ``relaunched`` are awaited once VM 1's / VM 2's agent protects the
+    container. A link that does not hold is a :class:`DemoError` naming it."""
     from spotguard.controller.server import ControllerServer
     from spotguard.controller.settings import ControllerSettings
     from spotguard.providers.local import LocalProvider, LocalSettings
@@ -211,7 +239,9 @@ async def run_container_demo(
                 )
                 env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
                 env.update(base, **sim1.env(), **vm_env(vm1))
+                port = _free_port()
                 env.update(
+                    SPOTGUARD_API_LISTEN=f"127.0.0.1:{port}",
                     SPOTGUARD_STATE_DIR=str(work / "vm1"),
                     SPOTGUARD_ASSIGNMENT=str(work / "vm1" / "no-assignment"),
                     SPOTGUARD_CONTROLLER_URL=srv.url,
@@ -224,11 +254,18 @@ async def run_container_demo(
                     )  # fmt: skip
                 await _until(http, srv.url, lambda v: v.get("state") == "protected", "protect", 60)
                 say(f"VM 1: {CONTAINER} counts; its agent protects it ({ref.job})")
+                stage = Stage(
+                    http, srv.url, sim1, vm1, vm2, data, work / "vm1", f"http://127.0.0.1:{port}"
+                )
                 await asyncio.sleep(1.0)
+                if protected is not None:
+                    await protected(stage)
                 sim1.state.send("aws", "preempt", in_seconds=120)
                 say("VM 1: spot interruption notice sent (AWS, 2 minutes)")
                 v = await _until(http, srv.url, _relaunched, "relaunch", timeout_s)
                 say(f"checkpointed to {v['image_url']}; VM 2 restored it and its agent protects it")
+                if relaunched is not None:
+                    await relaunched(stage)
                 n = _count(data / "out")
                 await asyncio.sleep(1.0)
                 if _count(data / "out") <= n:
@@ -255,6 +292,12 @@ async def run_container_demo(
 
 def _relaunched(v: dict[str, Any]) -> bool:
     return bool(v.get("restarts")) and v.get("state") == "protected"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def _count(path: Path) -> int:
