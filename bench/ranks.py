@@ -35,6 +35,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from bench.stacks import Stacks
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu, has_page_workers
 from spotguard.checkpoint.engine import Engine, Mode
@@ -76,7 +77,13 @@ def _kill(pid: int) -> None:
 
 
 async def one_run(
-    ranks: int, gib: float, workers: int, store_root: Path, work: Path, criu: str | None
+    ranks: int,
+    gib: float,
+    workers: int,
+    store_root: Path,
+    work: Path,
+    criu: str | None,
+    profile: bool = False,
 ) -> dict[str, Any]:
     """One job of ``ranks`` ranks: pause (leave-running), durable (exit), restore."""
     mib = int(gib * 1024)
@@ -110,7 +117,10 @@ async def one_run(
             row["bytes"] = target.capture_stats.bytes
         t0, cpu0 = time.monotonic(), _cpu()
         source = StreamSource(target.url, settings=image, work_root=work)
-        restored = await engine.restore(source, state_dir=work / "state")
+        with Stacks(None) if profile else contextlib.nullcontext() as st:
+            restored = await engine.restore(source, state_dir=work / "state")
+        if st is not None:
+            print(st.table(f"restore of {ranks} ranks", top=24), file=sys.stderr, flush=True)
         row["restore_s"] = time.monotonic() - t0
         row["restore_profile"] = _restore_profile(restored.timeline.to_list(), cpu0, source, row)
         print(f"restore ranks {ranks}: {row['restore_profile']}", file=sys.stderr, flush=True)
@@ -211,6 +221,9 @@ async def main() -> int:
         "--modes", nargs="+", choices=["serial", "parallel"], default=["serial", "parallel"]
     )
     p.add_argument("--json", type=Path, help="append one JSON line per run")
+    p.add_argument(
+        "--profile", action="store_true", help="thread states and kernel stacks over each restore"
+    )
     a = p.parse_args()
     probe = Criu(a.criu, page_workers=a.workers or None)
     workers = max(probe.page_workers, 2)
@@ -225,7 +238,7 @@ async def main() -> int:
             with tempfile.TemporaryDirectory(prefix="sg-ranks-") as tmp:
                 w = workers if mode == "parallel" else 0
                 try:
-                    row = await one_run(n, a.gib, w, a.store, Path(tmp), probe.path)
+                    row = await one_run(n, a.gib, w, a.store, Path(tmp), probe.path, a.profile)
                 except Exception as exc:  # noqa: BLE001 - reported per row, the others go on
                     print(f"{mode} N={n}: failed: {exc}", flush=True)
                     failed = True
