@@ -257,19 +257,17 @@ async def run_container_demo(
                 stage = Stage(
                     http, srv.url, sim1, vm1, vm2, data, work / "vm1", f"http://127.0.0.1:{port}"
                 )
-                await asyncio.sleep(1.0)
                 if protected is not None:
                     await protected(stage)
+                else:
+                    await asyncio.sleep(1.0)  # let it count a little on VM 1
                 sim1.state.send("aws", "preempt", in_seconds=120)
                 say("VM 1: spot interruption notice sent (AWS, 2 minutes)")
                 v = await _until(http, srv.url, _relaunched, "relaunch", timeout_s)
                 say(f"checkpointed to {v['image_url']}; VM 2 restored it and its agent protects it")
                 if relaunched is not None:
                     await relaunched(stage)
-                n = _count(data / "out")
-                await asyncio.sleep(1.0)
-                if _count(data / "out") <= n:
-                    raise DemoError("restore", "the restored container does not count on")
+                await _counts_on(data / "out", 5, within=10.0)
                 (data / "stop").touch()
                 v = await _until(http, srv.url, lambda v: v["state"] == "finished", "finish", 60)
         finally:
@@ -292,6 +290,15 @@ async def run_container_demo(
 
 def _relaunched(v: dict[str, Any]) -> bool:
     return bool(v.get("restarts")) and v.get("state") == "protected"
+
+
+async def _counts_on(out: Path, more: int, within: float) -> None:
+    """The restored counter writes ``more`` lines within ``within`` seconds."""
+    want, end = _count(out) + more, time.monotonic() + within
+    while _count(out) < want:
+        if time.monotonic() > end:
+            raise DemoError("restore", f"the restored container does not count on ({out})")
+        await asyncio.sleep(0.05)
 
 
 def _free_port() -> int:
