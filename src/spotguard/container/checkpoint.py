@@ -27,6 +27,7 @@ place (under a second for a small job here).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import select
@@ -54,6 +55,7 @@ from spotguard.image.sink import FileSink
 from spotguard.image.stats import TransferStats
 from spotguard.image.writer import ImageWriter
 from spotguard.statedir import StateDir
+from spotguard.stream.protocol import set_pipe_size
 from spotguard.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -242,6 +244,9 @@ class Export:
         # the read end is open before podman starts: what podman writes is never lost, even
         # if it finishes before the pump first reads
         fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        # as large as fs.pipe-max-size allows (never raised here): fewer wakeups both sides
+        with contextlib.suppress(OSError):
+            set_pipe_size(fd, self.writer.settings.pipe_mb << 20)
         sink = self.writer.file(ARCHIVE_NAME, mode=0o600)
         stop = threading.Event()
         self._pump = pump = asyncio.create_task(_pump(fd, sink, stop))
