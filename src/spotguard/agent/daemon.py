@@ -218,8 +218,7 @@ class Agent:
         self.notices = self._dispatcher()
         self.containers = ContainerJobs(  # jobs named podman:NAME (spotguard.container.guard)
             self.notices, self.workers, self._maybe_done, self.settings, self.checkpoint_settings,
-            self.image_settings, store=self.store, config=self.config,
-        )  # fmt: skip
+            self.image_settings, store=self.store, config=self.config)  # fmt: skip
         token = ensure_token(
             self.layout.api_token,
             read_secret(self.settings.api_token, self.settings.api_token_file, "api_token"),
