@@ -1,11 +1,13 @@
 """Helpers shared by the whole suite (``tests/`` is on ``sys.path`` through the root
-``conftest.py``): a free local port, polling until a condition holds, the store-server
-fixtures, and ``spotguard`` run as a console script with none of the caller's ``SPOTGUARD_*``
-settings. Helpers of one area stay in that area's ``*_helpers.py``; the ones several areas
-copied live here, once."""
+``conftest.py``): a free local port, polling until a condition holds (blocking and async), a
+job's output growing, the store-server fixtures, the CRIU-backed checkpoint settings of one
+test (the ``settings`` fixture), and ``spotguard`` run as a console script with none of the
+caller's ``SPOTGUARD_*`` settings. Helpers of one area stay in that area's
+``*_helpers.py``; the ones several areas copied live here, once."""
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import os
 import socket
@@ -17,6 +19,8 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
+
+from spotguard.checkpoint.settings import CheckpointSettings
 
 
 def free_port() -> int:
@@ -38,6 +42,19 @@ def wait_for(
         time.sleep(every)
 
 
+async def until(
+    cond: Callable[[], object], what: str, limit: float = 30.0, every: float = 0.05
+) -> None:
+    """:func:`wait_for` on the event loop: poll ``cond`` every ``every`` seconds without
+    blocking the loop; fail the test, naming ``what``, after ``limit`` seconds."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    while not cond():
+        if loop.time() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        await asyncio.sleep(every)
+
+
 def line_count(path: Path) -> int:
     """How many complete lines ``path`` holds (0 while it does not exist)."""
     return path.read_text().count("\n") if path.exists() else 0
@@ -49,6 +66,23 @@ def wait_lines(path: Path, n: int, timeout: float = 30.0) -> None:
     while line_count(path) < n:
         assert time.monotonic() < end, f"{path} did not reach {n} lines"
         time.sleep(0.05)
+
+
+async def grows(path: Path, more: int, limit: float = 30.0) -> None:
+    """Wait (on the event loop) until ``path`` holds ``more`` lines more than now: a job's
+    output shows that it runs."""
+    start = line_count(path)
+    await until(lambda: line_count(path) >= start + more, f"{path} to grow", limit)
+
+
+@pytest.fixture(name="settings")
+def criu_settings(tmp_path: Path, criu_bin: str) -> CheckpointSettings:
+    """Checkpoint settings of one test: state and shm under ``tmp_path``, the suite's CRIU,
+    a 60 s CRIU limit. A test module takes it as ``settings`` by importing it
+    (``from sgtest import criu_settings``)."""
+    return CheckpointSettings(
+        state_dir=tmp_path / "state", shm_dir=tmp_path / "shm", criu=criu_bin, criu_timeout=60
+    )
 
 
 def without_spotguard_settings(**extra: str) -> dict[str, str]:
@@ -68,6 +102,20 @@ def sg(
         capture_output=True,
         text=True,
         env=without_spotguard_settings(**(env or {})),
+        timeout=timeout,
+    )
+
+
+def sg_env(
+    *args: str, env: dict[str, str], timeout: float | None = 300.0
+) -> subprocess.CompletedProcess[str]:
+    """``spotguard ARGS`` — this interpreter's console script — with exactly ``env`` (the
+    tests that hand a job's environment through, ``SPOTGUARD_*`` settings included)."""
+    return subprocess.run(
+        [str(Path(sys.executable).parent / "spotguard"), *args],
+        capture_output=True,
+        text=True,
+        env=env,
         timeout=timeout,
     )
 

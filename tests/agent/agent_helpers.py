@@ -15,6 +15,7 @@ from typing import Any
 from aiohttp import web
 
 from sgtest import free_port as free_port
+from sgtest import until
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -92,12 +93,9 @@ class EventSink:
 
 
 async def wait_until(cond: Callable[[], object], limit_s: float = 30.0) -> None:
-    """Poll ``cond`` until it is true (fails the test after ``limit_s``)."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit_s
-    while not cond():
-        assert loop.time() < end, "condition not reached in time"
-        await asyncio.sleep(0.05)
+    """Poll ``cond`` until it is true (fails the test after ``limit_s``): ``sgtest.until``
+    for the agent tests, which name no condition."""
+    await until(cond, "a condition of the agent test", limit_s)
 
 
 JOB_ARGS = ("--steps", "70", "--step-seconds", "0.05", "--mb", "4", "--seed", "7", "--gpu", "no")

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import asyncio
 import sys
-import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-import pytest
-
+from sgtest import until
 from spotguard.checkpoint.jobs import JobInfo, exit_status
 
 Launch = Callable[..., Awaitable[JobInfo]]
@@ -17,13 +14,8 @@ Launch = Callable[..., Awaitable[JobInfo]]
 DEMO = [sys.executable, "-m", "spotguard.demo.job", "--gpu", "no", "--mb", "4"]
 
 
-async def wait_for(cond: Callable[[], bool], what: str, limit: float = 30.0) -> None:
-    """Poll ``cond`` until true; fail naming ``what`` after ``limit`` seconds."""
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
+#: poll a condition until true, failing the test naming it (``sgtest.until``)
+wait_for = until
 
 
 async def wait_exit(job: JobInfo, limit: float = 60.0) -> int:

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from ckpt_helpers import DEMO, Launch, lines, wait_exit, wait_for
 
+from sgtest import sg_env
 from spotguard.checkpoint import proctree, seal
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import NoGpu, inventory
@@ -84,20 +83,11 @@ def test_inventory_without_gpu_is_empty_not_a_crash() -> None:
     assert inv.count == len(inv.devices)
 
 
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "spotguard"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-    )
-
-
 async def test_cli_run_checkpoint_restore_and_doctor(
     criu_bin: str, state_dir: Path, tmp_path: Path
 ) -> None:
     env = {**os.environ, "SPOTGUARD_STATE_DIR": str(state_dir), "SPOTGUARD_CRIU": criu_bin}
-    out = _cli("run", "--json", "--name", "cli-job", "--", *DEMO, "--steps", "150",
+    out = sg_env("run", "--json", "--name", "cli-job", "--", *DEMO, "--steps", "150",
                "--step-seconds", "0.03", env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     started = json.loads(out.stdout)
@@ -105,18 +95,18 @@ async def test_cli_run_checkpoint_restore_and_doctor(
     job = resolve_job("cli-job", state_dir=state_dir)
     assert resolve_job(str(started["pid"]), state_dir=state_dir) == job
     await wait_for(lambda: len(lines(job.dir / "stdout")) > 3, "first steps")
-    out = _cli("checkpoint", "cli-job", "--to", str(tmp_path / "img"), "--json", env=env)
+    out = sg_env("checkpoint", "cli-job", "--to", str(tmp_path / "img"), "--json", env=env)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout)["mode"] == "exit"
     await wait_for(lambda: not proctree.alive(started["pid"]), "the job to stop")
-    out = _cli("restore", str(tmp_path / "img"), "--json", env=env)
+    out = sg_env("restore", str(tmp_path / "img"), "--json", env=env)
     assert out.returncode == 0, out.stderr
     assert await wait_exit(resolve_job("cli-job", state_dir=state_dir)) == 0
     assert lines(job.dir / "stdout")[-1].startswith("done checksum")
 
-    bad = _cli("checkpoint", "no-such-job", "--to", str(tmp_path / "x"), env=env)
+    bad = sg_env("checkpoint", "no-such-job", "--to", str(tmp_path / "x"), env=env)
     assert bad.returncode == 1 and "no job" in bad.stderr and "Traceback" not in bad.stderr
-    doc = _cli("doctor", "--json", env=env)
+    doc = sg_env("doctor", "--json", env=env)
     checks = {c["name"]: c for c in json.loads(doc.stdout)}
     assert checks["criu"]["ok"] and "4." in checks["criu"]["found"]
     assert doc.returncode == 0

@@ -20,6 +20,7 @@ import pytest
 from ckpt_helpers import lines, progresses, wait_exit, wait_for
 
 from sgtest import free_port as _free_port
+from sgtest import sg_env
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import resolve_job
 
@@ -49,11 +50,6 @@ def _expected(steps: int) -> list[str]:
     return [*out, "done"]
 
 
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    spotguard = str(Path(sys.executable).parent / "spotguard")
-    return subprocess.run([spotguard, *args], capture_output=True, text=True, env=env, timeout=300)
-
-
 def _env(criu_bin: str, state_dir: Path, **extra: str) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if k != "USE_LIBUV"}
     return {**env, "SPOTGUARD_STATE_DIR": str(state_dir), "SPOTGUARD_CRIU": criu_bin, **extra}
@@ -68,17 +64,17 @@ async def test_two_rank_gloo_job_parks_and_unparks_with_no_flags(
 ) -> None:
     py = _torch_python()
     env = _env(criu_bin, state_dir)
-    out = _cli("run", "--name", "gloo", "--", *_argv(py), env=env)
+    out = sg_env("run", "--name", "gloo", "--", *_argv(py), env=env)
     assert out.returncode == 0, out.stderr
     job = resolve_job("gloo", state_dir=state_dir)
     await wait_for(lambda: len(lines(job.dir / "stdout")) >= 20, "twenty steps", 120)
     pids = proctree.tree(job.pid)
-    out = _cli("checkpoint", "gloo", "--to", str(tmp_path / "img"), "--json", env=env)
+    out = sg_env("checkpoint", "gloo", "--to", str(tmp_path / "img"), "--json", env=env)
     assert out.returncode == 0, out.stderr
     (scan,) = [s for s in json.loads(out.stdout)["timeline"] if s["name"] == "scan"]
     assert scan["detail"]["tcp_connections"] >= 2 and scan["detail"]["tcp_external"] == 0
     await wait_for(lambda: not any(proctree.alive(p) for p in pids), "the job to stop")
-    out = _cli("restore", str(tmp_path / "img"), env=env)
+    out = sg_env("restore", str(tmp_path / "img"), env=env)
     assert out.returncode == 0, out.stderr
     assert await wait_exit(resolve_job("gloo", state_dir=state_dir), 180) == 0
     assert lines(job.dir / "stdout") == _expected(STEPS)
@@ -89,11 +85,11 @@ async def test_gloo_job_with_libuv_store_is_refused_by_name_and_runs_on(
 ) -> None:
     py = _torch_python()
     env = _env(criu_bin, state_dir, USE_LIBUV="1")  # the caller's choice wins
-    out = _cli("run", "--name", "gloo-uv", "--", *_argv(py), env=env)
+    out = sg_env("run", "--name", "gloo-uv", "--", *_argv(py), env=env)
     assert out.returncode == 0, out.stderr
     job = resolve_job("gloo-uv", state_dir=state_dir)
     await wait_for(lambda: len(lines(job.dir / "stdout")) >= 20, "twenty steps", 120)
-    out = _cli("checkpoint", "gloo-uv", "--to", str(tmp_path / "img"), env=env)
+    out = sg_env("checkpoint", "gloo-uv", "--to", str(tmp_path / "img"), env=env)
     assert out.returncode == 1 and "Traceback" not in out.stderr
     last = out.stderr.splitlines()[-1]
     assert last.startswith("spotguard: error: cannot checkpoint job 'gloo-uv': pid ")

@@ -7,13 +7,13 @@ from __future__ import annotations
 import asyncio
 import os
 import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from ckpt_helpers import Launch, lines, proc_state, progresses, wait_exit, wait_for
 
+from sgtest import sg_env
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
@@ -35,11 +35,6 @@ class _NoLockCriu(Criu):
         return frozenset()
 
 
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    spotguard = str(Path(sys.executable).parent / "spotguard")
-    return subprocess.run([spotguard, *args], capture_output=True, text=True, env=env, timeout=120)
-
-
 def _comm(pid: int) -> str:
     return Path(f"/proc/{pid}/comm").read_text().strip()
 
@@ -53,14 +48,14 @@ async def test_cli_refuses_io_uring_with_its_message_and_the_job_runs_on(
 ) -> None:
     env = {**os.environ, "SPOTGUARD_STATE_DIR": str(state_dir), "SPOTGUARD_CRIU": criu_bin}
     steps = 120
-    out = _cli("run", "--name", "uring", "--", sys.executable, HOLD, "uring", str(steps), "0.05",
+    out = sg_env("run", "--name", "uring", "--", sys.executable, HOLD, "uring", str(steps), "0.05",
                env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     job = resolve_job("uring", state_dir=state_dir)
     await wait_for(lambda: len(lines(job.dir / "stdout")) >= 2, "the job to start")
     (worker,) = proctree.tree(job.pid)[1:]
     name = _comm(worker)
-    out = _cli("checkpoint", "uring", "--to", str(tmp_path / "img"), env=env)
+    out = sg_env("checkpoint", "uring", "--to", str(tmp_path / "img"), env=env)
     assert out.returncode == 1
     assert "Traceback" not in out.stderr
     assert out.stderr.splitlines()[-1] == (

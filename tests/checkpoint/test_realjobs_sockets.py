@@ -19,22 +19,13 @@ from pathlib import Path
 import pytest
 from ckpt_helpers import lines, wait_exit, wait_for
 
+from sgtest import sg_env
 from spotguard.checkpoint import proctree, selftest_job
 from spotguard.checkpoint.jobs import resolve_job
 
 pytestmark = [pytest.mark.criu, pytest.mark.slow]
 
 PROGS = Path(__file__).parent / "progs"
-
-
-def _cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [str(Path(sys.executable).parent / "spotguard"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=300,
-    )
 
 
 @pytest.fixture
@@ -55,21 +46,21 @@ async def test_worker_pair_over_socketpair_and_loopback_tcp_parks_and_unparks(
     env: dict[str, str], state_dir: Path, tmp_path: Path
 ) -> None:
     args = ["300", "0.05"]
-    out = _cli("run", "--json", "--name", "pair", "--", sys.executable, "-I",
+    out = sg_env("run", "--json", "--name", "pair", "--", sys.executable, "-I",
                selftest_job.__file__, *args, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     job = resolve_job("pair", state_dir=state_dir)
     await wait_for(lambda: len(lines(job.dir / "stdout")) >= 5, "five steps", 60)
     pids = proctree.tree(job.pid)
 
-    out = _cli("checkpoint", "pair", "--to", str(tmp_path / "img"), "--json", env=env)
+    out = sg_env("checkpoint", "pair", "--to", str(tmp_path / "img"), "--json", env=env)
     assert out.returncode == 0, out.stderr
     detail = _scan_detail(json.loads(out.stdout))
     assert detail["tcp_established"] is True and detail["tcp_external"] == 0
     assert detail["network_lock"] in ("nftables", "iptables", "skip")
     await wait_for(lambda: not any(proctree.alive(p) for p in pids), "the job to stop")
 
-    out = _cli("restore", str(tmp_path / "img"), "--json", env=env)
+    out = sg_env("restore", str(tmp_path / "img"), "--json", env=env)
     assert out.returncode == 0, out.stderr
     assert await wait_exit(resolve_job("pair", state_dir=state_dir)) == 0
     # what an uninterrupted run prints (tests/checkpoint/test_realjobs_doctor.py runs one)
@@ -87,7 +78,7 @@ async def test_listening_http_server_answers_the_same_after_park_and_unpark(
     env: dict[str, str], state_dir: Path, tmp_path: Path
 ) -> None:
     port_file = tmp_path / "port"
-    out = _cli("run", "--name", "http", "--", sys.executable, str(PROGS / "http_job.py"),
+    out = sg_env("run", "--name", "http", "--", sys.executable, str(PROGS / "http_job.py"),
                str(port_file), env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
     job = resolve_job("http", state_dir=state_dir)
@@ -98,14 +89,14 @@ async def test_listening_http_server_answers_the_same_after_park_and_unpark(
     secret = first[0]
 
     store = f"file://{tmp_path / 'store'}"
-    out = _cli("checkpoint", "http", "--to", store, "--json", env=env)
+    out = sg_env("checkpoint", "http", "--to", store, "--json", env=env)
     assert out.returncode == 0, out.stderr
     image_url = json.loads(out.stdout)["image_url"]
     await wait_for(lambda: not proctree.alive(job.pid), "the server to stop")
     with pytest.raises(OSError):
         _get(port, "/while-parked")
 
-    out = _cli("restore", image_url, "--json", env=env)
+    out = sg_env("restore", image_url, "--json", env=env)
     assert out.returncode == 0, out.stderr
     # the same process: the secret made at start-up, the counter where it was
     assert _get(port, "/b") == f"{secret} 2 /b"
@@ -119,15 +110,15 @@ async def _park_unpark(name: str, argv: list[str], env: dict[str, str], state_di
                       image: Path) -> str:  # fmt: skip
     """Run ``argv`` as a job, checkpoint it (exit) to ``image`` once it has printed five
     steps, restore it at once on this host, wait for it to end; its whole stdout."""
-    out = _cli("run", "--json", "--name", name, "--", *argv, env=env)
+    out = sg_env("run", "--json", "--name", name, "--", *argv, env=env)
     assert out.returncode == 0, out.stderr
     job = resolve_job(name, state_dir=state_dir)
     await wait_for(lambda: len(lines(job.dir / "stdout")) >= 5, "five steps", 60)
     pids = proctree.tree(job.pid)
-    out = _cli("checkpoint", name, "--to", str(image), env=env)
+    out = sg_env("checkpoint", name, "--to", str(image), env=env)
     assert out.returncode == 0, out.stderr
     await wait_for(lambda: not any(proctree.alive(p) for p in pids), "the job to stop")
-    out = _cli("restore", str(image), env=env)
+    out = sg_env("restore", str(image), env=env)
     assert out.returncode == 0, out.stderr
     assert await wait_exit(resolve_job(name, state_dir=state_dir)) == 0
     return (job.dir / "stdout").read_text()

@@ -9,14 +9,13 @@ itself and dumps what exists then), so every checkpoint succeeds — real CRIU, 
 
 from __future__ import annotations
 
-import asyncio
 import signal
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from sgtest import until
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, list_jobs, start_job
@@ -29,13 +28,6 @@ pytestmark = [pytest.mark.criu, pytest.mark.timeout(300)]
 IMG = ImageSettings(chunk_size=1 << 20, workers=1, max_inflight_mb=4)
 #: forks a child every ~5 ms (each ``sleep`` and ``true`` is a process that exits at once)
 FORKER = ["/bin/sh", "-c", "i=0; while :; do sleep 0.005; /bin/true; i=$((i+1)); echo $i; done"]
-
-
-@pytest.fixture
-def settings(tmp_path: Path, criu_bin: str) -> CheckpointSettings:
-    return CheckpointSettings(
-        state_dir=tmp_path / "state", shm_dir=tmp_path / "shm", criu=criu_bin, criu_timeout=60
-    )
 
 
 @pytest.fixture
@@ -57,10 +49,7 @@ async def test_twenty_checkpoints_in_a_row_of_a_job_forking_every_few_ms(
 ) -> None:
     store = f"file://{tmp_path}/store"
     out = forker.dir / "stdout"
-    deadline = time.monotonic() + 30
-    while _count(out) < 20:
-        assert time.monotonic() < deadline, "the forking job never got going"
-        await asyncio.sleep(0.05)
+    await until(lambda: _count(out) >= 20, "the forking job to get going", 30)
     failures: list[str] = []
     for n in range(20):
         try:
@@ -73,7 +62,5 @@ async def test_twenty_checkpoints_in_a_row_of_a_job_forking_every_few_ms(
         assert proctree.alive(forker.pid), f"checkpoint {n} left the job dead"
     assert failures == [], failures
     before = _count(out)
-    deadline = time.monotonic() + 10
-    while _count(out) <= before + 5:  # still forking, not left stopped
-        assert time.monotonic() < deadline, "the job stopped making progress"
-        await asyncio.sleep(0.05)
+    # still forking, not left stopped
+    await until(lambda: _count(out) > before + 5, "the job to make progress", 10)

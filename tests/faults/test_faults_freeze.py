@@ -16,12 +16,12 @@ import os
 import signal
 import sys
 import textwrap
-import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 
+from sgtest import grows
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import MARKER
 from spotguard.checkpoint.jobs import JobInfo, list_jobs, start_job
@@ -72,32 +72,13 @@ CHILD = textwrap.dedent(
 
 
 @pytest.fixture
-def settings(tmp_path: Path, criu_bin: str) -> CheckpointSettings:
-    return CheckpointSettings(
-        state_dir=tmp_path / "state", shm_dir=tmp_path / "shm", criu=criu_bin, criu_timeout=60
-    )
-
-
-@pytest.fixture
 async def job(settings: CheckpointSettings) -> AsyncIterator[JobInfo]:
     j = await start_job(LONG, "victim", state_dir=settings.state_dir)
-    await _grows(j.dir / "stdout", 3)
+    await grows(j.dir / "stdout", 3)
     yield j
     for k in list_jobs(settings.state_dir):
         if proctree.alive(k.pid):
             proctree.signal_all([k.pid], signal.SIGKILL)
-
-
-def _lines(p: Path) -> int:
-    return len(p.read_text().splitlines()) if p.exists() else 0
-
-
-async def _grows(p: Path, more: int, limit: float = 30.0) -> None:
-    start = _lines(p)
-    deadline = time.monotonic() + limit
-    while _lines(p) < start + more:
-        assert time.monotonic() < deadline, f"{p} stopped growing"
-        await asyncio.sleep(0.05)
 
 
 def _stopped(pid: int) -> bool:
@@ -174,6 +155,6 @@ async def test_kill_9_at_each_freeze_step_then_recover(
     assert await recover(job, settings=settings) is False
     assert proctree.alive(job.pid), "the job died with the checkpoint"
     assert not any(_stopped(p) for p in proctree.tree(job.pid)), "the job was left stopped"
-    await _grows(job.dir / "stdout", 3)
+    await grows(job.dir / "stdout", 3)
     images = await list_images(store, job.name, settings=IMG)
     assert not [i for i in images if i.complete], "a killed checkpoint left a complete image"

@@ -24,6 +24,7 @@ from typing import Any
 
 import pytest
 
+from sgtest import sg_env
 from spotguard.contracts import chunk_key
 from spotguard.errors import StoreError
 from spotguard.image import ImageSettings, latest_image, list_images, push_dir
@@ -31,12 +32,6 @@ from spotguard.image import ImageSettings, latest_image, list_images, push_dir
 pytestmark = pytest.mark.timeout(120)
 
 DEMO = [sys.executable, "-m", "spotguard.demo.job", "--gpu", "no", "--mb", "4"]
-
-
-def sg(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "spotguard", *args], capture_output=True, text=True, env=env
-    )
 
 
 @dataclass
@@ -55,7 +50,7 @@ def _checkpoint(root: Path, criu: str, job: str, stream: str) -> Checkpointed:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
     env.update(SPOTGUARD_STATE_DIR=str(state), SPOTGUARD_CRIU=str(criu))
     env.update(SPOTGUARD_SHM_DIR=str(root / "shm"))
-    r = sg("run", "--json", "--name", job, "--", *DEMO, "--steps", "100000",
+    r = sg_env("run", "--json", "--name", job, "--", *DEMO, "--steps", "100000",
            "--step-seconds", "0.02", env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
     out = state / "jobs" / job / "stdout"
@@ -63,7 +58,7 @@ def _checkpoint(root: Path, criu: str, job: str, stream: str) -> Checkpointed:
     while not (out.exists() and len(out.read_text().splitlines()) > 3):
         assert time.monotonic() < deadline, "the job never started"
         time.sleep(0.05)
-    r = sg("checkpoint", job, "--to", store.as_uri(), "--stream", stream, "--json", env=env)
+    r = sg_env("checkpoint", job, "--to", store.as_uri(), "--stream", stream, "--json", env=env)
     assert r.returncode == 0, r.stderr
     image = json.loads(r.stdout)
     url = str(image.get("image_url") or image.get("image"))
@@ -203,7 +198,7 @@ def test_images_verify_refuses_naming_the_chunk(
     damage: Callable[[str, str], Damaged], what: str
 ) -> None:
     d = damage("streamed", what)
-    _refused(sg("images", "verify", d.url, env=d.base.env), d)
+    _refused(sg_env("images", "verify", d.url, env=d.base.env), d)
 
 
 @pytest.mark.parametrize("what", sorted(DAMAGE))
@@ -212,7 +207,7 @@ def test_images_pull_refuses_and_writes_nothing(
 ) -> None:
     d = damage("staged", what)
     dest = tmp_path / "pulled"
-    _refused(sg("images", "pull", d.url, str(dest), env=d.base.env), d)
+    _refused(sg_env("images", "pull", d.url, str(dest), env=d.base.env), d)
     assert not dest.exists() or not any(dest.iterdir()), sorted(dest.rglob("*"))
 
 
@@ -225,7 +220,7 @@ def test_restore_refuses_before_writing_anything_of_the_job(
     jobdir = d.base.state / "jobs" / d.base.job
     before = _snapshot(d.base.state)
     info = json.loads((jobdir / "job.json").read_text())
-    r = sg("restore", d.url, env=d.base.env)
+    r = sg_env("restore", d.url, env=d.base.env)
     _refused(r, d)
     assert _snapshot(d.base.state) == before, "restore wrote into the state dir"
     assert json.loads((jobdir / "job.json").read_text()) == info

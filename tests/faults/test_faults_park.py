@@ -25,6 +25,7 @@ import psutil
 import pytest
 from sg_gpu_standin import FileGpu
 
+from sgtest import grows
 from spotguard.agent import startup
 from spotguard.checkpoint import proctree, suspend
 from spotguard.checkpoint.criu import Criu
@@ -75,13 +76,6 @@ CHILD = textwrap.dedent(
 
 
 @pytest.fixture
-def settings(tmp_path: Path, criu_bin: str) -> CheckpointSettings:
-    return CheckpointSettings(
-        state_dir=tmp_path / "state", shm_dir=tmp_path / "shm", criu=criu_bin, criu_timeout=60
-    )
-
-
-@pytest.fixture
 def park_settings(tmp_path: Path) -> ParkSettings:
     return ParkSettings(memory_dir=tmp_path / "shm" / "parked")
 
@@ -91,25 +85,13 @@ async def job(settings: CheckpointSettings) -> AsyncIterator[JobInfo]:
     # no mount namespace of its own: its image then holds no host mounts, which other tests
     # running beside this one may take away before the restore (issue 31 item 15)
     j = await start_job(LONG, "victim", state_dir=settings.state_dir, pid_namespace=False)
-    await _grows(j.dir / "stdout", 3)
+    await grows(j.dir / "stdout", 3)
     yield j
     for k in list_jobs(settings.state_dir):
         if proctree.alive(k.pid):  # the job's init and the program under it
             proctree.signal_all(proctree.tree(k.pid), signal.SIGKILL)
     for p in _copies(j):  # a half-restored tree no job record names
         proctree.signal_all(proctree.tree(p), signal.SIGKILL)
-
-
-def _lines(p: Path) -> int:
-    return len(p.read_text().splitlines()) if p.exists() else 0
-
-
-async def _grows(p: Path, more: int, limit: float = 30.0) -> None:
-    start = _lines(p)
-    deadline = time.monotonic() + limit
-    while _lines(p) < start + more:
-        assert time.monotonic() < deadline, f"{p} stopped growing"
-        await asyncio.sleep(0.05)
 
 
 async def _kill_at(
@@ -192,7 +174,7 @@ async def _runs_again(job: JobInfo, hook: FileGpu, state_dir: Path) -> None:
     assert hook.stuck_now() == {}, "left GPU-locked or GPU-checkpointed"
     assert record.load(state_dir, job.name) is None, "a park record names a running job"
     assert not (job.dir / MARKER).exists()
-    await _grows(job.dir / "stdout", 3)
+    await grows(job.dir / "stdout", 3)
 
 
 def _engine(settings: CheckpointSettings, hook: FileGpu) -> Engine:

@@ -40,13 +40,6 @@ WRITER = (
 
 
 @pytest.fixture
-def settings(tmp_path: Path, criu_bin: str) -> CheckpointSettings:
-    return CheckpointSettings(
-        state_dir=tmp_path / "state", shm_dir=tmp_path / "shm", criu=criu_bin, criu_timeout=60
-    )
-
-
-@pytest.fixture
 async def job(settings: CheckpointSettings) -> AsyncIterator[JobInfo]:
     j = await start_job(LONG, "victim", state_dir=settings.state_dir)
     yield j

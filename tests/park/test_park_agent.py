@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from park_helpers import JOBS, Sg, ok_json
 
+from sgtest import until
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.jobs import resolve_job
@@ -22,14 +23,6 @@ from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
 
 pytestmark = pytest.mark.criu
-
-
-async def _until(cond: object, what: str, limit: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while not cond():  # type: ignore[operator]
-        assert loop.time() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.1)
 
 
 async def test_agent_parks_an_idle_job_and_protects_it_again(
@@ -50,8 +43,8 @@ async def test_agent_parks_an_idle_job_and_protects_it_again(
     )  # fmt: skip
     task = asyncio.create_task(daemon.run())
     try:
-        await _until(lambda: record.load(state_dir, "nb") is not None, "the idle job to park")
-        await _until(lambda: daemon.workers["nb"].state == "parked", "the agent to see it")
+        await until(lambda: record.load(state_dir, "nb") is not None, "the idle job to park", 60.0)
+        await until(lambda: daemon.workers["nb"].state == "parked", "the agent to see it", 60.0)
         status = daemon.status()
         assert [p["job"] for p in status["parked"]] == ["nb"]
         assert status["parked"][0]["reason"].startswith("idle for")
@@ -61,7 +54,7 @@ async def test_agent_parks_an_idle_job_and_protects_it_again(
         unparked = await asyncio.to_thread(sg, "unpark", "nb", "--json")
         back = ok_json(unparked)
         assert back["pid"] != first.pid
-        await _until(
+        await until(
             lambda: (
                 daemon.workers["nb"].pid == back["pid"]
                 and daemon.workers["nb"].state == "protecting"

@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 from park_helpers import JOBS, Sg, free_port, ok_json
 
+from sgtest import until
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.jobs import resolve_job
@@ -38,14 +39,6 @@ def _get(port: int) -> str:
         return str(r.read().decode())
 
 
-async def _until(cond: Any, what: str, limit: float = 60.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + limit
-    while not cond():
-        assert loop.time() < end, f"timed out waiting for {what}"
-        await asyncio.sleep(0.02)
-
-
 def _shown(daemon: Agent) -> dict[str, Any]:
     return {j["job"]: j for j in daemon.status()["jobs"]}.get("web", {})
 
@@ -56,8 +49,10 @@ async def test_the_agent_shows_a_woken_jobs_new_pid_at_once(
     port = free_port()
     first = ok_json(sg("run", "--name", "web", "--json", "--", sys.executable, JOBS, "server",
                        str(port)))  # fmt: skip
-    await _until(lambda: (state_dir / "jobs/web/stdout").exists(), "the server to start")
-    await _until(lambda: "listening" in (state_dir / "jobs/web/stdout").read_text(), "the server")
+    await until(lambda: (state_dir / "jobs/web/stdout").exists(), "the server to start", 60.0)
+    await until(
+        lambda: "listening" in (state_dir / "jobs/web/stdout").read_text(), "the server", 60.0
+    )
     settings = AgentSettings(
         job=["web"], store=(tmp_path / "store").as_uri(), api_listen="127.0.0.1:0",
         assignment=tmp_path / "no-assignment.json",
@@ -70,19 +65,19 @@ async def test_the_agent_shows_a_woken_jobs_new_pid_at_once(
     )  # fmt: skip
     task = asyncio.create_task(daemon.run())
     try:
-        await _until(lambda: _shown(daemon).get("state") == "protecting", "the agent")
+        await until(lambda: _shown(daemon).get("state") == "protecting", "the agent", 60.0)
         assert _shown(daemon)["pid"] == first["pid"]
         parked = await asyncio.to_thread(
             sg, "park", "web", "--to", "tmpfs", "--wake-on-connect", "--json"
         )
         ok_json(parked)
-        await _until(lambda: _shown(daemon).get("state") == "parked", "the agent to see it")
+        await until(lambda: _shown(daemon).get("state") == "parked", "the agent to see it", 60.0)
         await asyncio.sleep(1.0)  # a parked job, looked at for a while
         assert await asyncio.to_thread(_get, port) == "1"  # the client woke the job
         answered = time.monotonic()
         woken = resolve_job("web", state_dir=state_dir).pid
         assert woken != first["pid"]
-        await _until(
+        await until(
             lambda: (
                 _shown(daemon).get("pid") == woken and _shown(daemon).get("state") == "protecting"
             ),
