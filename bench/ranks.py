@@ -173,6 +173,8 @@ def _restore_profile(
         "cpu_criu_s": round(kids - cpu0[1], 2),
         "cores_busy": round((me - cpu0[0] + kids - cpu0[1]) / max(row["restore_s"], 1e-9), 1),
     }
+    if source.serve_stats is not None:
+        out["serve"] = source.serve_stats.to_json()
     stats = getattr(source, "reader_stats", None)  # (older trees lack it)
     if stats is not None:
         out["reader_stage_s"] = {k: round(v, 2) for k, v in stats.step_seconds.items()}

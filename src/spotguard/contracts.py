@@ -36,6 +36,8 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator
 
 from spotguard.errors import SpotguardError
+from spotguard.modes import Action as Action
+from spotguard.modes import Mode as Mode
 
 #: 2: per-kind event models (no ``detail``), typed errors, ``epoch``.
 SCHEMA = 2
@@ -205,29 +207,6 @@ class WireError(Wire):
                 image_fault=exc.image_fault,
             )
         return cls(code="internal", message=f"{type(exc).__name__}: {exc}", retryable=True)
-
-
-class Mode(StrEnum):
-    """What happens to a job once its image is complete — the one spelling of a checkpoint's
-    mode from the agent's policy through the engine to the reports and the controller (the
-    wire and file values are the strings)."""
-
-    RESUME = "resume"  # leave running (periodic checkpoint, drain-and-stay)
-    EXIT = "exit"  # stop it (the machine is going away)
-
-
-class Action(StrEnum):
-    """What an agent does about a notice (its policy's answer, ``[agent] policy_*`` and the
-    :class:`NoticeEvent`'s ``decision``): nothing, or a checkpoint in a :class:`Mode`."""
-
-    NONE = "none"  # acknowledge and carry on
-    RESUME = Mode.RESUME.value  # checkpoint; the job keeps running
-    EXIT = Mode.EXIT.value  # checkpoint; the job is stopped (the VM is going away)
-
-    @property
-    def mode(self) -> Mode | None:
-        """The checkpoint this action takes; ``None`` for :attr:`NONE`."""
-        return None if self is Action.NONE else Mode(self.value)
 
 
 class _Event(Wire):

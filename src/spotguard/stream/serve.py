@@ -57,6 +57,11 @@ class ServeStats:
     pipe_bytes: int = 0  # the smallest pipe CRIU got (the kernel may refuse the size asked)
     started: float = field(default_factory=time.time)
     finished: float | None = None
+    #: seconds CRIU waited on the socket for each open (request in, pipe received): CRIU
+    #: opens files one at a time under one lock shared by all its tasks
+    open_seconds: float = 0.0
+    open_max: float = 0.0
+    opens: int = 0
 
     @property
     def bytes(self) -> int:
@@ -69,6 +74,9 @@ class ServeStats:
             "missing": len(self.missing),
             "spliced": self.spliced,
             "pipe_bytes": self.pipe_bytes,
+            "opens": self.opens,
+            "open_seconds": round(self.open_seconds, 3),
+            "open_max": round(self.open_max, 3),
             "seconds": None if self.finished is None else self.finished - self.started,
         }
 
@@ -139,12 +147,17 @@ class Serve(SocketService):
                     name = await conn.read_request()
                     if name is None:
                         break
+                    t0 = time.perf_counter()
                     exists = self.source.exists(name)
                     await conn.send_reply(exists)
                     if not exists:
                         self.stats.missing.append(name)
                         continue
                     fd = await conn.recv_pipe()
+                    took = time.perf_counter() - t0
+                    self.stats.opens += 1
+                    self.stats.open_seconds += took
+                    self.stats.open_max = max(self.stats.open_max, took)
                 except protocol.ProtocolError as exc:
                     raise StreamError(f"serve: {exc}") from exc
                 except OSError as exc:  # CRIU went away mid-conversation
