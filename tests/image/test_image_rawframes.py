@@ -237,3 +237,17 @@ async def test_file_store_reads_a_raw_frame_into_place_and_says_when_it_is_not_o
     assert not plan.layout_ok()
     plan.release()
     await store.aclose()
+
+
+async def test_a_chunk_of_more_blocks_than_one_writev_takes_is_stored_whole(tmp_path: Path) -> None:
+    from spotguard.store.file import FileStore
+
+    n = (64 << 20) + 5  # 513 blocks: 1027 buffers, more than IOV_MAX (1024) at once
+    plain = os.urandom(n)
+    parts = raw_frame_parts(plain)
+    assert len(parts) > 1024
+    store = FileStore(tmp_path)
+    await store.put_parts("big", parts)
+    stored = (tmp_path / "big").read_bytes()
+    assert stored == bytes(raw_frame_into(plain, memoryview(bytearray(raw_frame_size(n)))))
+    await store.aclose()
