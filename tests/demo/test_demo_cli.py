@@ -189,6 +189,9 @@ def test_ctrl_c_mid_run_stops_every_process(criu_bin: str, tmp_path: Path) -> No
         stderr=subprocess.PIPE,
         text=True,
         env=env,
+        # a runner started in the background without job control ignores SIGINT, and the
+        # demo would inherit that: Ctrl-C is what this test sends, so give it back
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     assert proc.stdout is not None
     seen = []
