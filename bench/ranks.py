@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import resource
 import shutil
 import signal
@@ -92,7 +93,10 @@ async def one_run(
     job: JobInfo = await start_job([*argv, "--out", str(out)], f"ranks-{ranks}", state_dir=work)
     pids = [job.pid]
     settings = CheckpointSettings(state_dir=work / "state", criu_timeout=900)
-    engine = Engine(Criu(criu, page_workers=workers), settings=settings)
+    logs = work / "criu-logs"
+    logs.mkdir(exist_ok=True)
+    crit = Criu(criu, page_workers=workers, log_level=4 if profile else 2, log_dir=logs)
+    engine = Engine(crit, settings=settings)
     image = ImageSettings()
     row: dict[str, Any] = {"ranks": ranks, "gib": gib, "page_workers": workers}
     stores = [store_root / f"sg-ranks-{uuid.uuid4().hex[:8]}" for _ in range(2)]
@@ -121,6 +125,9 @@ async def one_run(
             restored = await engine.restore(source, state_dir=work / "state")
         if st is not None:
             print(st.table(f"restore of {ranks} ranks", top=24), file=sys.stderr, flush=True)
+            print(_restore_events(logs / "criu-restore.log"), file=sys.stderr, flush=True)
+            if os.environ.get("SPOTGUARD_BENCH_KEEP_LOG"):
+                shutil.copy(logs / "criu-restore.log", os.environ["SPOTGUARD_BENCH_KEEP_LOG"])
         row["restore_s"] = time.monotonic() - t0
         row["restore_profile"] = _restore_profile(restored.timeline.to_list(), cpu0, source, row)
         print(f"restore ranks {ranks}: {row['restore_profile']}", file=sys.stderr, flush=True)
@@ -159,6 +166,23 @@ def _profile(
         out["writer_stage_s"] = w.get("step_seconds")
         out["chunks_raw"] = w.get("chunks_raw")
     return out
+
+
+#: what CRIU's restore log (-v4) says about each task's start and memory, in order
+_EVENTS = ("Forking task", "Prefaulting", "Prefaulted", "Opened stream page read",
+           "Restore on-core sigactions", "restore_finish_stage", "Restoring children",
+           "Running pre-resume")  # fmt: skip
+
+
+def _restore_events(log: Path) -> str:
+    """Timestamped lines of CRIU's restore log that show when each task started, read its
+    memory and reached the next stage: whether the tasks read at once or one after another."""
+    try:
+        lines = log.read_text(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(no restore log: {exc})"
+    keep = [ln for ln in lines if any(e in ln for e in _EVENTS)]
+    return "CRIU restore events:\n" + "\n".join(keep[:120])
 
 
 def _restore_profile(

@@ -125,7 +125,8 @@ class Stacks:
                 comm, state, ut, stt = st
                 t = self.threads.get(tid)
                 if t is None:
-                    t = self.threads[tid] = _Thread(group, f"{comm}/{tid}", (ut, stt))
+                    who = f"{comm}/{tid}" if tid == pid else f"{comm}/{pid}.{tid}"  # a thread
+                    t = self.threads[tid] = _Thread(group, who, (ut, stt))
                     t.first = now
                 t.cpu1 = (ut, stt)
                 t.last = now

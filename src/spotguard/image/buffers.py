@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import heapq
+import itertools
 import mmap
 from collections import deque
 from typing import Protocol
@@ -189,3 +191,45 @@ class OwnedChunk:
         somewhere defers the unmap to garbage collection (still safe: nothing writes here)."""
         with contextlib.suppress(BufferError):
             self.map.close()
+
+
+class PrioritySlots:
+    """At most ``n`` holders at once; waiters get a slot lowest ``priority`` first (then in
+    arrival order). Event-loop only, like :class:`BufferPool`.
+
+    Why: the restore reads many files at once through shared thread pools whose queues are
+    first come, first served. CRIU cannot go on until the small files it opens (a task's
+    core, its memory map) and the first pages of each task arrive; queued behind other
+    files' read-ahead (sixteen 64 MiB chunks each) they held every task up, one after
+    another. With a chunk's index in its file as the priority, every file's first chunk goes
+    before anyone's read-ahead.
+    """
+
+    def __init__(self, n: int) -> None:
+        if n <= 0:
+            raise ValueError("slots must be positive")
+        self.n = n
+        self._free = n
+        self._waiting: list[tuple[int, int, asyncio.Future[None]]] = []
+        self._order = itertools.count()
+
+    async def acquire(self, priority: int) -> None:
+        if self._free > 0 and not self._waiting:
+            self._free -= 1
+            return
+        fut: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        heapq.heappush(self._waiting, (priority, next(self._order), fut))
+        try:
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.release()  # handed a slot just as it was cancelled: pass it on
+            raise
+
+    def release(self) -> None:
+        while self._waiting:
+            _, _, fut = heapq.heappop(self._waiting)
+            if not fut.done():  # a cancelled waiter is skipped
+                fut.set_result(None)
+                return
+        self._free += 1

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from spotguard.contracts import chunk_key
 from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
-from spotguard.image.buffers import BufferPool, Lease, OwnedChunk
+from spotguard.image.buffers import BufferPool, Lease, OwnedChunk, PrioritySlots
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
 from spotguard.image.history import refuse_rollback, resolve
 from spotguard.image.keys import ImageKeys
@@ -109,6 +109,7 @@ class ImageReader:
         self._manifest: Manifest | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stored: BufferPool | None = None
+        self._slots: PrioritySlots | None = None  # owned reads in progress, by priority
         self.codec = ChunkCodec()
         self.stats = TransferStats(phase="download")
         self.refetches = 0
@@ -273,28 +274,29 @@ class ImageReader:
     def iter_file(self, name: str) -> AsyncIterator[bytes]:
         """The file's verified bytes, chunk by chunk, in order; ``readahead`` chunks are
         fetched and decoded in parallel ahead of the consumer."""
-        return self._windowed(name, self.read_chunk)
+        return self._windowed(name, lambda ref, _i: self.read_chunk(ref))
 
     async def _windowed(
         self,
         name: str,
-        read: Callable[[ChunkRef], Coroutine[Any, Any, T]],
+        read: Callable[[ChunkRef, int], Coroutine[Any, Any, T]],
         drop: Callable[[T], None] | None = None,
     ) -> AsyncIterator[T]:
-        """``read`` each chunk of file ``name``, ``readahead`` at once, yielded in order;
-        chunks read ahead and never yielded go to ``drop`` (to free what they hold)."""
-        refs = iter(self.manifest.file(name).chunks)
+        """``read`` each chunk of file ``name`` (with its index in the file), ``readahead``
+        at once, yielded in order; chunks read ahead and never yielded go to ``drop`` (to
+        free what they hold)."""
+        refs = enumerate(self.manifest.file(name).chunks)
         window: deque[asyncio.Task[T]] = deque()
         try:
-            for ref in refs:
-                window.append(asyncio.create_task(read(ref)))
+            for i, ref in refs:
+                window.append(asyncio.create_task(read(ref, i)))
                 if len(window) >= self.readahead:
                     break
             while window:
                 item = await window.popleft()
                 nxt = next(refs, None)
                 if nxt is not None:
-                    window.append(asyncio.create_task(read(nxt)))
+                    window.append(asyncio.create_task(read(nxt[1], nxt[0])))
                 yield item
         finally:
             for t in window:
@@ -313,11 +315,25 @@ class ImageReader:
             self._stored = BufferPool(size, max(self.workers, min(self.readahead, 8)))
         return self._stored
 
-    async def _fetch_decode_owned(self, ref: ChunkRef) -> OwnedChunk:
+    async def _fetch_decode_owned(self, ref: ChunkRef, priority: int = 0) -> OwnedChunk:
         out = OwnedChunk(ref.size)
         if ref.digest == self.codec.zero_address(ref.size):
             # All zero (the authenticated address says so): a fresh map already is.
             return out
+        if self._slots is None:
+            self._slots = PrioritySlots(max(2, self.workers))
+        t0 = time.perf_counter()
+        await self._slots.acquire(priority)
+        self.stats.add_step("queue", t0)
+        try:
+            return await self._read_owned(ref, out)
+        except BaseException:
+            out.close()
+            raise
+        finally:
+            self._slots.release()
+
+    async def _read_owned(self, ref: ChunkRef, out: OwnedChunk) -> OwnedChunk:
         if ref.raw and await self._read_raw_in_place(ref, out):
             return out
         pool = self._stored_buffers()
@@ -341,8 +357,7 @@ class ImageReader:
             stored.release()
         except BaseException as exc:
             reuse = not isinstance(exc, asyncio.CancelledError)  # else a thread may hold it
-            out.close()
-            raise
+            raise  # (the caller closes ``out``)
         finally:
             if reuse:
                 lease.release()
@@ -404,9 +419,10 @@ class ImageReader:
             )
         return stored
 
-    async def read_chunk_owned(self, ref: ChunkRef) -> OwnedChunk:
-        """Like :meth:`read_chunk`, into an :class:`OwnedChunk` the caller must close."""
-        return await self._checked(ref, lambda: self._fetch_decode_owned(ref))
+    async def read_chunk_owned(self, ref: ChunkRef, priority: int = 0) -> OwnedChunk:
+        """Like :meth:`read_chunk`, into an :class:`OwnedChunk` the caller must close.
+        ``priority``: lower goes first when reads queue (the chunk's index in its file)."""
+        return await self._checked(ref, lambda: self._fetch_decode_owned(ref, priority))
 
     def iter_file_owned(self, name: str) -> AsyncIterator[OwnedChunk]:
         """Like :meth:`iter_file`, each chunk in its own :class:`OwnedChunk` that the consumer

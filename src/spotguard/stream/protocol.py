@@ -22,9 +22,11 @@ import contextlib
 import errno
 import fcntl
 import os
+import select
 import socket
 import struct
 from pathlib import Path
+from typing import Protocol
 
 CAPTURE_SOCKET = "streamer-capture.sock"
 SERVE_SOCKET = "streamer-serve.sock"
@@ -35,6 +37,16 @@ F_GETPIPE_SZ = 1032
 
 _MAX_MESSAGE = 64 * 1024  # a file name; anything bigger is a broken peer
 _LEN = struct.Struct("<I")
+_POLL_MS = 50  # a thread waiting on the socket looks at its stop flag this often
+POLL_S = _POLL_MS / 1000
+
+
+class Stop(Protocol):
+    """What a thread's conversation checks to give up (a ``threading.Event`` has this)."""
+
+    def is_set(self) -> bool: ...
+
+
 _TAG_FILENAME = 0x0A  # field 1, wire type 2 (length-delimited)
 _TAG_EXISTS = 0x08  # field 1, wire type 0 (varint)
 
@@ -207,6 +219,66 @@ class Connection:
 
     async def send_reply(self, exists: bool) -> None:
         await self._loop.sock_sendall(self._sock, encode_reply(exists))
+
+    # --- the same conversation from a thread (blocking, with a stop flag) -------------------
+    def _recv_exact_sync(self, n: int, stop: Stop) -> bytes | None:
+        """:meth:`_recv_exact` for a thread: waits in ``poll`` (GIL released), gives up with
+        :class:`ProtocolError` once ``stop`` is set."""
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLIN)
+        buf = b""
+        while len(buf) < n:
+            if stop.is_set():
+                raise ProtocolError("stopped")
+            try:
+                data, fds, _flags, _addr = socket.recv_fds(self._sock, n - len(buf), 4)
+            except (BlockingIOError, InterruptedError):
+                poller.poll(_POLL_MS)
+                continue
+            self._fds.extend(fds)
+            if not data:
+                if buf:
+                    raise ProtocolError(f"connection closed inside a message ({len(buf)}/{n})")
+                return None
+            buf += data
+        return buf
+
+    def read_request_sync(self, stop: Stop) -> str | None:
+        """:meth:`read_request` for a thread."""
+        head = self._recv_exact_sync(_LEN.size, stop)
+        if head is None:
+            return None
+        (length,) = _LEN.unpack(head)
+        if length > _MAX_MESSAGE:
+            raise ProtocolError(f"request of {length} bytes: not the image-streamer protocol")
+        body = self._recv_exact_sync(length, stop) if length else b""
+        if body is None:
+            raise ProtocolError("connection closed inside a request")
+        return decode_request(body)
+
+    def recv_pipe_sync(self, stop: Stop) -> int:
+        """:meth:`recv_pipe` for a thread."""
+        while not self._fds:
+            if self._recv_exact_sync(1, stop) is None:
+                raise ProtocolError("connection closed before the file's pipe arrived")
+        fd = self._fds.pop(0)
+        for extra in self._fds:
+            os.close(extra)
+        self._fds.clear()
+        return fd
+
+    def send_reply_sync(self, exists: bool, stop: Stop) -> None:
+        """:meth:`send_reply` for a thread."""
+        data = memoryview(encode_reply(exists))
+        poller = select.poll()
+        poller.register(self._sock.fileno(), select.POLLOUT)
+        while data:
+            if stop.is_set():
+                raise ProtocolError("stopped")
+            try:
+                data = data[self._sock.send(data) :]
+            except (BlockingIOError, InterruptedError):
+                poller.poll(_POLL_MS)
 
     def close(self) -> None:
         for fd in self._fds:

@@ -23,7 +23,7 @@ import queue
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -141,30 +141,28 @@ class Serve(SocketService):
 
     async def _serve(self, listener: socket.socket) -> None:
         conn = await protocol.accept(listener)
+        loop = asyncio.get_running_loop()
+        opened: asyncio.Queue[_Opened] = asyncio.Queue()
+        halt = threading.Event()  # this conversation's end (the feeders have self._stop)
+
+        def put(item: _Opened) -> None:
+            with contextlib.suppress(RuntimeError):  # the loop is gone: nobody to tell
+                loop.call_soon_threadsafe(opened.put_nowait, item)
+
+        talker = threading.Thread(
+            target=self._talk, args=(conn, halt, put), name="serve-socket", daemon=True
+        )
+        talker.start()
         try:
-            while True:
-                try:
-                    name = await conn.read_request()
-                    if name is None:
-                        break
-                    t0 = time.perf_counter()
-                    exists = self.source.exists(name)
-                    await conn.send_reply(exists)
-                    if not exists:
-                        self.stats.missing.append(name)
-                        continue
-                    fd = await conn.recv_pipe()
-                    took = time.perf_counter() - t0
-                    self.stats.opens += 1
-                    self.stats.open_seconds += took
-                    self.stats.open_max = max(self.stats.open_max, took)
-                except protocol.ProtocolError as exc:
-                    raise StreamError(f"serve: {exc}") from exc
-                except OSError as exc:  # CRIU went away mid-conversation
-                    raise StreamError(f"serve: connection to criu failed: {exc}") from exc
-                # Feed concurrently and read the next request at once: CRIU reads files one
-                # after another today, but a CRIU that opens the next file early must not
-                # deadlock against a full pipe.
+            while (item := await opened.get()) is not None:
+                if isinstance(item, protocol.ProtocolError):
+                    raise StreamError(f"serve: {item}") from item
+                if isinstance(item, OSError):  # CRIU went away mid-conversation
+                    raise StreamError(f"serve: connection to criu failed: {item}") from item
+                if isinstance(item, BaseException):
+                    raise item
+                name, fd = item
+                # Feed concurrently: the tasks CRIU restores read their files at once.
                 task = asyncio.create_task(self._feed(name, fd), name=f"serve:{name}")
                 self._feeds.add(task)
                 task.add_done_callback(self._feeds.discard)
@@ -175,8 +173,48 @@ class Serve(SocketService):
                 t.cancel()
             raise
         finally:
-            conn.close()
-            self.stats.finished = time.time()
+            halt.set()
+            try:
+                await asyncio.to_thread(talker.join, 2 * protocol.POLL_S)
+            finally:
+                while not opened.empty():  # pipes handed over after the end: close them
+                    item = opened.get_nowait()
+                    if isinstance(item, tuple):
+                        os.close(item[1])
+                conn.close()
+                self.stats.finished = time.time()
+
+    def _talk(
+        self, conn: protocol.Connection, halt: threading.Event, put: Callable[[_Opened], None]
+    ) -> None:
+        """The socket conversation with CRIU, on its own thread: every task CRIU restores
+        opens its files through this one socket under one lock, so an answer delayed by a
+        busy event loop held up every task (their starts were staggered); a thread blocked
+        in ``poll`` answers at once. Hands each opened file's pipe to the loop."""
+        stop = _Either(halt, self._stop)
+        try:
+            while True:
+                name = conn.read_request_sync(stop)
+                if name is None:
+                    break
+                t0 = time.perf_counter()
+                exists = self.source.exists(name)
+                conn.send_reply_sync(exists, stop)
+                if not exists:
+                    with self._lock:
+                        self.stats.missing.append(name)
+                    continue
+                fd = conn.recv_pipe_sync(stop)
+                took = time.perf_counter() - t0
+                with self._lock:
+                    self.stats.opens += 1
+                    self.stats.open_seconds += took
+                    self.stats.open_max = max(self.stats.open_max, took)
+                put((name, fd))
+        except BaseException as exc:  # noqa: BLE001 - handed to the loop, typed there
+            put(exc)
+            return
+        put(None)
 
     async def _feed(self, name: str, fd: int) -> None:
         """Feed one file: the loop pulls pieces from the source, a thread writes them."""
@@ -246,6 +284,20 @@ class Serve(SocketService):
         finally:
             pieces.put(None)
             self.stats.files[name] = sent
+
+
+#: What the socket thread hands the loop: an opened file and its pipe, an error, or None (EOF).
+_Opened = tuple[str, int] | BaseException | None
+
+
+class _Either:
+    """Set when either of two events is (the protocol's ``stop`` for the socket thread)."""
+
+    def __init__(self, a: threading.Event, b: threading.Event) -> None:
+        self._a, self._b = a, b
+
+    def is_set(self) -> bool:
+        return self._a.is_set() or self._b.is_set()
 
 
 def _put(fd: int, data: bytes | OwnedChunk, stop: threading.Event, *, splice: bool) -> bool:
