@@ -80,8 +80,30 @@ def test_container_checkpointed_removed_and_restored_on_another_vm_continues_ide
     ]
     assert record.criu_version.startswith("4.")
 
+    # VM 2's restorer is killed (SIGKILL) the moment podman has restored the container,
+    # before it records the outcome; run again, it finds its own container by the ID its
+    # intent names and takes it over: one container, restored once, the counter not rerun
+    podman = vm2.podman.binary
+    killer = vm2.state_dir.parent / "podman-then-die"
+    killer.write_text(
+        f'#!/bin/sh\ncase "$*" in *"container restore"*) {podman} "$@"; kill -9 $PPID;; '
+        f'*) exec {podman} "$@";; esac\n'
+    )
+    killer.chmod(0o755)
+    env = {
+        **vm2.cli_env(),
+        "SPOTGUARD_CONTAINER_PODMAN": str(killer),
+        "SPOTGUARD_CONTAINER_RUNC": vm2.podman.runc,
+    }
+    died = subprocess.run(
+        ["spotguard", "restore", "--json", url], env=env, capture_output=True, timeout=180
+    )
+    assert died.returncode == -9, died.stderr[-2000:]
+    first = asyncio.run(vm2.podman.inspect("ctr"))
+    assert first is not None and first["State"]["Status"] == "running"
     back = _cli(vm2, "restore", url)
-    assert back["container"] == "podman:ctr" and back["id"]
+    assert back["container"] == "podman:ctr" and back["id"] == first["Id"]
+    assert vm2.podman_cmd("ps", "-a", "-q", "--no-trunc").split() == [first["Id"]]
     # both jobs write their last line and end (podman wait is slow to see it: up to 20 s)
     _wait_lines(job_dir / "out", LINES)
     _wait_lines(ref_dir / "out", LINES)

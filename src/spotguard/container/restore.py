@@ -24,6 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from pydantic import BaseModel, ConfigDict
+
+from spotguard import safefs
 from spotguard.container.archive import relocate
 from spotguard.container.checkpoint import work_dir
 from spotguard.container.podman import Podman
@@ -37,9 +40,12 @@ from spotguard.errors import (
 )
 from spotguard.image.settings import ImageSettings
 from spotguard.image.transfer import pull_dir
+from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
 log = logging.getLogger(__name__)
+
+MAX_INTENT_BYTES = 4096
 
 
 @dataclass
@@ -80,6 +86,13 @@ async def restore_container(
         record = ContainerImage.from_meta(manifest.meta, image_url)
         archive = _archive(tmp, record, [f.name for f in manifest.files], image_url)
         target = ContainerRef.parse(f"podman:{name or record.config.name}").name
+        # under its own name podman keeps the checkpointed container's ID: the intent can
+        # name the container this restore makes before podman is called
+        same_id = target == record.config.name
+        expected = record.config.id if same_id else None
+        ours = await _ours(podman, state_dir, image_url, target)
+        if ours is not None:
+            return ContainerRestore(f"podman:{target}", ours, image_url, tl)
         with tl.step("preflight"):
             await preflight(podman, record, target)
             graph_root, run_root = await podman.storage_roots()
@@ -88,21 +101,85 @@ async def restore_container(
             if moved:
                 log.info("podman storage paths moved", extra={"what": ", ".join(moved)})
         with tl.step("podman restore"):
+            intent = RestoreIntent(image_url=image_url, name=target, id=expected)
+            await asyncio.to_thread(intent.save, state_dir)  # the intent, before podman acts
             await podman.run(
                 "container",
                 "restore",
                 "--import",
                 str(archive),
-                "--name",
-                target,
+                *(() if same_id else ("--name", target)),
                 what=f"restoring podman:{target} from {image_url}",
             )
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     ctr = await podman.inspect(target)
     cid = str((ctr or {}).get("Id", ""))
+    done = RestoreIntent(image_url=image_url, name=target, id=cid or None, restored=True)
+    await asyncio.to_thread(done.save, state_dir)  # the outcome
     log.info("container restored", extra={"image": image_url, "job": f"podman:{target}"})
     return ContainerRestore(f"podman:{target}", cid, image_url, tl)
+
+
+class RestoreIntent(BaseModel):
+    """``<state_dir>/containers/restores/<name>.json``: a container restore's journal — the
+    intent (image, name, the ID podman will give the container) written before podman is
+    called, then the outcome (``restored``). A restorer stopped in between (an agent killed
+    mid-restore) finds its own container by that ID when it runs again."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    image_url: str
+    name: str
+    id: str | None  # None: renamed (--name), so podman makes a new ID: not recognisable
+    restored: bool = False
+
+    def save(self, state_dir: Path) -> None:
+        folder = safefs.ensure_private_dir(StateDir(state_dir).containers / "restores")
+        safefs.write_file(folder / f"{self.name}.json", self.model_dump_json().encode())
+
+    @classmethod
+    def load(cls, state_dir: Path, name: str) -> RestoreIntent | None:
+        """The journal of the last restore under ``name``; None when there is none or it
+        cannot be read (then nothing is taken over: the preflight refuses a name in use)."""
+        path = StateDir(state_dir).containers / "restores" / f"{name}.json"
+        try:
+            return cls.model_validate_json(path.read_bytes()[:MAX_INTENT_BYTES])
+        except FileNotFoundError:
+            return None
+        except (OSError, ValueError) as exc:
+            log.warning("unreadable restore journal ignored", extra={"error": str(exc)})
+            return None
+
+
+async def _ours(podman: Podman, state_dir: Path, image_url: str, name: str) -> str | None:
+    """The ID of the container named ``name`` when an earlier restore of ``image_url`` under
+    that name made it (the journal's ID is the container's) and it runs: that restore
+    completed, and restoring again would run the job twice. A container of ours that does
+    not run (podman stopped mid-restore) is removed — by ID — so the restore runs again; a
+    container the journal does not name is never touched (the preflight refuses it)."""
+    intent = await asyncio.to_thread(RestoreIntent.load, state_dir, name)
+    if intent is None or intent.id is None or intent.image_url != image_url:
+        return None
+    ctr = await podman.inspect(name)
+    if ctr is None or ctr.get("Id") != intent.id:
+        return None
+    status = str((ctr.get("State") or {}).get("Status") or "")
+    if status == "running":
+        log.warning(
+            "the container an earlier restore of this image made runs; not restoring again",
+            extra={"step": "restore", "job": f"podman:{name}", "image": image_url},
+        )
+        if not intent.restored:
+            done = RestoreIntent(image_url=image_url, name=name, id=intent.id, restored=True)
+            await asyncio.to_thread(done.save, state_dir)
+        return intent.id
+    log.warning(
+        "an earlier restore of this image left its container unfinished; removing it",
+        extra={"step": "restore", "job": f"podman:{name}", "reason": status},
+    )
+    await podman.run("rm", "--force", "--time", "0", intent.id, what=f"removing {name}")
+    return None
 
 
 def _archive(tmp: Path, record: ContainerImage, names: list[str], where: str) -> Path:
