@@ -26,17 +26,18 @@ from sgtest import wait_lines as _wait_lines
 JOB = "exec >>/data/out; i=0; while [ ! -e /data/stop ]; do echo $i; i=$((i+1)); sleep 0.1; done"
 
 
-def _cli(vm: Vm, *args: str) -> dict[str, object]:
+def _cli(vm: Vm, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
     out = subprocess.run(
         ["spotguard", args[0], "--json", *args[1:]],
-        env=vm.cli_env(),
+        env=env or vm.cli_env(),
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
     )
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    text = out.stdout.strip()
+    result: dict[str, Any] = json.loads(text if text.startswith("{\n") else text.splitlines()[-1])
     return result
 
 
@@ -93,9 +94,21 @@ def test_a_parked_container_makes_no_progress_and_unparks_where_it_stopped(
                 wait_for(lambda old=pid: _agent_job(vm1, port)["pid"] != old, "a new guard", 10)
                 job = _agent_job(vm1, port)
                 assert (job["state"], job["container"]) == ("protecting", "podman:nb"), job
+        # parked in memory (paused) when a drain comes: the agent's exit checkpoint saves it
+        # (podman cannot checkpoint a paused container: the agent unpauses it first)
+        _wait_lines(out, _lines(out) + 3)
+        _cli(vm1, "park", "podman:nb", "--to", "memory")
+        drained = _cli(vm1, "drain", "--reason", "test", env=env)
+        [saved] = drained["results"]  # type: ignore[misc]
+        assert saved.get("url") and not saved.get("error"), drained
+        assert vm1.podman_cmd("ps", "-a", "-q") == ""  # exit mode: removed once durable
+        assert not (vm1.state_dir / "containers/parked/nb.json").exists()  # not parked now
+        held = _lines(out)
+        _cli(vm1, "restore", saved["url"])
     finally:
         os.killpg(agent.pid, signal.SIGTERM)
         agent.wait(30)
+    assert _lines(out) >= held
     _wait_lines(out, _lines(out) + 5)
     (data / "stop").touch()
     end = time.monotonic() + 30

@@ -418,11 +418,14 @@ class ContainerJobs:
         try:
             with journal.checkpointing(d.ledger, info, mode, worker.alive) as journaled:
                 try:
-                    done = await checkpoint_container(
-                        ref, self.store, podman=self.podman, image_settings=self.image,
-                        state_dir=self.state_dir, leave_running=mode is Mode.RESUME,
-                        meta=facts, on_frozen=on_frozen,
-                    )  # fmt: skip
+                    async with container_park.thawed(
+                        ref, podman=self.podman, state_dir=self.state_dir
+                    ):
+                        done = await checkpoint_container(
+                            ref, self.store, podman=self.podman, image_settings=self.image,
+                            state_dir=self.state_dir, leave_running=mode is Mode.RESUME,
+                            meta=facts, on_frozen=on_frozen,
+                        )  # fmt: skip
                 finally:
                     if mode is Mode.RESUME or not worker.alive():
                         await self._follow(worker)  # restored in place: a new init process

@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import os
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Literal
@@ -128,6 +129,35 @@ async def park(
         safefs.write_file, _path(state_dir, ref), rec.model_dump_json().encode()
     )
     return rec
+
+
+@contextlib.asynccontextmanager
+async def thawed(ref: ContainerRef, *, podman: Podman, state_dir: Path) -> AsyncIterator[bool]:
+    """Around a checkpoint of ``ref`` (podman refuses to checkpoint a paused container): a
+    container parked in memory is unpaused first (yields whether it was). Afterwards, a
+    container that runs on (leave-running, or a failed checkpoint that restored it) is paused
+    again, still parked; one that is gone (exit mode: its image is durable) is parked no more,
+    so its memory park record is removed."""
+    ctr = await podman.inspect(ref.name)
+    paused = str(((ctr or {}).get("State") or {}).get("Status", "")) == "paused"
+    if paused:
+        await podman.run("unpause", ref.name, what=f"unpausing {ref} to checkpoint it")
+    try:
+        yield paused
+    finally:
+        if paused:
+            await _refreeze(ref, podman=podman, state_dir=state_dir)
+
+
+async def _refreeze(ref: ContainerRef, *, podman: Podman, state_dir: Path) -> None:
+    ctr = await podman.inspect(ref.name)
+    if str(((ctr or {}).get("State") or {}).get("Status", "")) == "running":
+        await podman.run("pause", ref.name, what=f"parking {ref} in memory again")
+        return
+    rec = await asyncio.to_thread(load, state_dir, ref)
+    if rec is not None and rec.place == "memory":
+        with contextlib.suppress(FileNotFoundError):
+            await asyncio.to_thread(_path(state_dir, ref).unlink)
 
 
 async def unpark(
