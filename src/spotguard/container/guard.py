@@ -20,14 +20,17 @@ means is podman's:
   ``<state_dir>/containers/jobs/<job>.json`` maps the job's name back to its container, so
   the assignment's job (``podman-<name>``), also after an agent restart, is guarded as one.
 
-Not here: the node's park policy (idle jobs) parks processes only; a container parked by the
-CLI is not reported to the controller as parked (docs/containers.md).
+A container parked to a store (``spotguard park podman:NAME --to URL``) is reported to the
+controller as parked (``ParkedEvent``), as a process's park is. A container parked in memory
+(paused) is checkpointed by a notice all the same (:func:`~spotguard.container.park.thawed`).
+Not here: the node's park policy (idle jobs) parks processes only (docs/containers.md).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import logging
 import os
 from collections.abc import Awaitable, Callable, Coroutine, MutableMapping
@@ -55,7 +58,7 @@ from spotguard.container.restore import restore_container
 from spotguard.container.settings import ContainerSettings
 from spotguard.container.spec import ContainerImage, ContainerRef, is_container_image
 from spotguard.container.spec import is_container_job as names_container
-from spotguard.contracts import InstanceInfo, Mode, StartedEvent, check_job_name
+from spotguard.contracts import InstanceInfo, Mode, ParkedEvent, StartedEvent, check_job_name
 from spotguard.errors import SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.image import ImageReader, ImageSettings
@@ -283,9 +286,30 @@ class ContainerJobs:
         if rec is not None and rec.state is JobState.EXITED:
             self._worker(ref, rec.pid, None).move(JobState.EXITED)
             self.settled()
-        elif container_park.load(self.state_dir, ref) is not None:
-            self._worker(ref, 0, None).move(JobState.PARKED)
+        elif (parked := container_park.load(self.state_dir, ref)) is not None:
+            worker = self._worker(ref, 0, None)
+            self._report_park(worker, parked)
+            worker.move(JobState.PARKED)
             self.settled()
+
+    def _report_park(
+        self, worker: ContainerWorker, rec: container_park.ParkedContainer | None
+    ) -> None:
+        """A container parked to a store is reported to the controller as a process's park
+        is (:func:`spotguard.agent.parking.parked_event`: the event's id comes from the job
+        and the image, so reporting it again is one event): the controller holds the job as
+        parked, not finished, and can unpark it anywhere. A park kept on this node is not
+        reported (nor is a process's)."""
+        if rec is None or rec.place != "store" or not rec.image_url:
+            return
+        digest = hashlib.sha256(f"{worker.name}\0{rec.image_url}".encode()).hexdigest()[:32]
+        worker.reporter.emit(
+            ParkedEvent(
+                event_id=f"parked-{digest}", job=worker.name,
+                instance=InstanceInfo.model_validate(worker.instance),
+                image_url=rec.image_url, reason=rec.reason or None,
+            )
+        )  # fmt: skip
 
     def _worker(
         self,
@@ -371,6 +395,7 @@ class ContainerJobs:
             if worker.state is not JobState.PROTECTING:
                 return  # a checkpoint of ours began meanwhile: it decides
             if checkpointed or parked is not None:
+                self._report_park(worker, parked)
                 worker.parked()
                 return
             if status == "running" and pid != worker.pid and proc_alive(pid):
