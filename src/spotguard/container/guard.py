@@ -464,6 +464,15 @@ class ContainerJobs:
                 )
                 result = CheckpointResult.of(frozen, landed)
                 journaled(result)
+        except SpotguardError as exc:
+            if mode is Mode.EXIT:  # said loudly: a process would leave a kept image here
+                log.error(
+                    "container exit checkpoint failed; a container image is not kept on this "
+                    "host for a later push: the container runs on, its newest durable image "
+                    "is the one to restore",
+                    extra={"step": "checkpoint", "job": ref.job, "error": str(exc)[:300]},
+                )
+            raise
         finally:
             if worker.pid != info.pid and worker.alive():  # the journal wrote the old pid
                 d.ledger.put(ref.job, worker.pid, JobState.PROTECTING, ident=worker.ident)
