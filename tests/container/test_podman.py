@@ -17,9 +17,15 @@ from podman_helpers import IMAGE, Vm
 from sgtest import wait_lines as _wait_lines
 from spotguard.container import ContainerImage, ContainerRef, Podman
 from spotguard.container.checkpoint import checkpoint_container
-from spotguard.container.restore import restore_container
+from spotguard.container.restore import RestoreIntent, restore_container
 from spotguard.container.start import start_container
-from spotguard.errors import ImageCorrupt, MissingMount, SpotguardError, UnsignedImage
+from spotguard.errors import (
+    ImageCorrupt,
+    MissingMount,
+    PreflightError,
+    SpotguardError,
+    UnsignedImage,
+)
 from spotguard.image import ImageReader, ImageSettings, generate_signing_key
 
 LINES = 120
@@ -184,6 +190,24 @@ def test_a_missing_bind_mount_is_refused_by_name_before_podman_restores(
         )
     assert _restores(log) == [], "podman was asked to restore"
     assert not asyncio.run(vm2.podman.exists("container", "sleeper"))
+    # the mount back, a journal of an interrupted restore of this image, and a stranger
+    # container of that name (not the ID the journal names): refused, the stranger untouched
+    os.rename(data.with_name("elsewhere"), data)
+    record = asyncio.run(_record(url))
+    RestoreIntent(image_url=url, name="sleeper", id=record.config.id).save(vm2.state_dir)
+    stranger = ContainerRef.parse("podman:sleeper")
+    asyncio.run(start_container(stranger, IMAGE, ["/bin/sh", "-c", "sleep 600"], podman=podman))
+    before = asyncio.run(vm2.podman.inspect("sleeper"))
+    assert before is not None and before["Id"] != record.config.id
+    with pytest.raises(PreflightError, match="a container named 'sleeper' exists"):
+        asyncio.run(
+            restore_container(
+                url, podman=podman, image_settings=ImageSettings(), state_dir=vm2.state_dir
+            )
+        )
+    after = asyncio.run(vm2.podman.inspect("sleeper"))
+    assert after is not None and after["Id"] == before["Id"]
+    assert after["State"]["Status"] == "running" and _restores(log) == []
 
 
 def test_an_exit_checkpoint_whose_image_cannot_be_stored_brings_the_container_back(
