@@ -16,7 +16,8 @@ import pytest
 from spotguard import safefs
 from spotguard.agent.ledger import Ledger
 from spotguard.checkpoint.jobs import JobInfo
-from spotguard.checkpoint.marker import FreezeMarker
+from spotguard.checkpoint.marker import FreezeMarker, Op
+from spotguard.modes import Mode
 
 Inode = tuple[int, int]
 
@@ -44,7 +45,7 @@ def _inode(path: Path) -> Inode:
 def test_freeze_marker_is_fsynced_with_its_directory(tmp_path: Path, synced: list[Inode]) -> None:
     job = JobInfo(name="train", pid=os.getpid(), dir=tmp_path / "job")
     job.dir.mkdir()
-    FreezeMarker(job).take("exit")
+    FreezeMarker(job).take(Op.FREEZE, Mode.EXIT)
     marker = job.dir / "operation.json"
     assert marker.is_file()
     assert _inode(marker) in synced, "the marker's content was not fsync'd"

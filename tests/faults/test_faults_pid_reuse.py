@@ -34,8 +34,9 @@ LONG = [*DEMO, "--steps", "100000", "--step-seconds", "0.02"]
 WRITER = (
     "import sys; from pathlib import Path\n"
     "from spotguard.checkpoint.jobs import resolve_job\n"
-    "from spotguard.checkpoint.marker import FreezeMarker\n"
-    "FreezeMarker(resolve_job('victim', state_dir=Path(sys.argv[1]))).take('exit')\n"
+    "from spotguard.checkpoint.marker import FreezeMarker, Op\n"
+    "from spotguard.modes import Mode\n"
+    "FreezeMarker(resolve_job('victim', state_dir=Path(sys.argv[1]))).take(Op.FREEZE, Mode.EXIT)\n"
 )
 
 

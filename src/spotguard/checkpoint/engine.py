@@ -61,7 +61,7 @@ from . import files, mounts, nccl, ncclctl, procfacts, proctree, recovery, resta
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo, link_job_dir, own_mount_ns
-from .marker import MARKER, FreezeMarker
+from .marker import MARKER, FreezeMarker, Op
 from .meta import ImageMeta
 from .preflight import preflight, wait_pids_free
 from .results import FreezeResult, Mode, RestoreResult
@@ -153,7 +153,7 @@ class Engine:
             raise JobError(f"job {job.name!r}: process {job.pid} is not running")
         job.dir.mkdir(parents=True, exist_ok=True)
         marker = FreezeMarker(job)
-        marker.take(str(mode))
+        marker.take(Op.FREEZE, mode)
         tree: list[int] = [job.pid]
         gpu_pids: list[int] = []
         active: list[int] = []
@@ -206,7 +206,7 @@ class Engine:
             host = HostFacts.probe(criu_version)
             meta = ImageMeta(
                 job=job.to_json(),
-                mode=str(mode),
+                mode=mode,
                 criu_version=criu_version,
                 host=host,
                 gpu=inventory,
@@ -408,7 +408,7 @@ class Engine:
             if record is not None:
                 job.dir.mkdir(parents=True, exist_ok=True)
                 marker = FreezeMarker(job)
-                marker.take("restore", op="restore", record=record, images=source.images_dir)
+                marker.take(Op.RESTORE, record=record, images=source.images_dir)
             with tl.step("preflight") as ps:
                 await self.faults.before("preflight")
                 remap = await preflight(

@@ -14,9 +14,13 @@ Format (JSON, written atomically)::
      "job_pid": 4410, "started": "2025-05-01T12:00:00+00:00", "gpu_pids": [4412],
      "tree": [4410, 4412], "record": null}
 
-``op`` is ``freeze`` (an image), ``suspend`` / ``resume`` (park in place: no image) or
-``restore`` (a park's image restored by unpark); for those ``record`` names park's record of
-the job, and a restore's ``images`` the image directory it reads.
+``op`` (:class:`Op`) is ``freeze`` (an image), ``suspend`` / ``resume`` (park in place: no
+image) or ``restore`` (a park's image restored by unpark); for those ``record`` names park's
+record of the job, and a restore's ``images`` the image directory it reads. ``mode`` is the
+freeze's :class:`~spotguard.modes.Mode` (``exit`` / ``resume``) and ``null`` for every other
+``op``. Markers of the previous format are read as they were meant: there ``mode`` held the
+op's name for the in-place operations and a restore (``"mode": "suspend"``), read as no mode;
+a marker without ``op`` is a freeze's (the format before ``op`` existed).
 
 ``agent_start`` is the writer's start time (clock ticks after boot, ``/proc/PID/stat``): with
 ``agent_pid`` the writer's identity, so a marker whose writer died and whose pid was given to
@@ -39,11 +43,13 @@ import logging
 import os
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
 from spotguard import safefs
 from spotguard.errors import JobError, UnsafePath
+from spotguard.modes import Mode
 
 from .jobs import JobInfo
 from .procfacts import same_process, start_time
@@ -55,21 +61,47 @@ FALLBACK_DIR = Path("/run/spotguard/markers")
 log = logging.getLogger(__name__)
 
 
+class Op(StrEnum):
+    """What the process holding a marker does to the job (the file's ``op``): what
+    :meth:`~spotguard.checkpoint.engine.Engine.recover` finishes or undoes (one rule each,
+    :mod:`.recovery`)."""
+
+    FREEZE = "freeze"  # a checkpoint into an image, in a Mode
+    SUSPEND = "suspend"  # park in place (no image)
+    RESUME = "resume"  # unpark in place
+    RESTORE = "restore"  # a park's image restored by unpark
+
+
 def _ints(value: Any, default: list[int]) -> list[int]:
     return [int(p) for p in value] if isinstance(value, list) else default
 
 
+def _op(value: Any) -> Op:
+    """The file's ``op``; a marker without one (or with one this version does not know)
+    is a freeze's: the bring-back every op but a restore gets."""
+    return Op(value) if value in Op._value2member_map_ else Op.FREEZE
+
+
+def _mode(op: Op, value: Any) -> Mode | None:
+    """A freeze's mode (``None`` when unreadable: nothing recovers by it); every other op
+    has none — the previous format's ``mode`` held their op's name there."""
+    if op is not Op.FREEZE or value not in Mode._value2member_map_:
+        return None
+    return Mode(value)
+
+
 @dataclass(frozen=True)
 class MarkerRecord:
-    """What one freeze in progress left in the job's directory."""
+    """What one freeze (or in-place suspend, resume, or a park's restore) in progress left
+    in the job's directory."""
 
-    mode: str
+    op: Op
+    mode: Mode | None  # a freeze's mode; None for every other op
     agent_pid: int | None
     job_pid: int
     started: str
     gpu_pids: list[int] = field(default_factory=list)
     tree: list[int] = field(default_factory=list)
-    op: str = "freeze"
     agent_start: int | None = None  # the writer's start time (its identity with the pid)
     #: in-place operations (``suspend``, ``resume``): the file that records the job as
     #: suspended (park's record) — a suspend is complete once it exists, a resume once it
@@ -86,14 +118,15 @@ class MarkerRecord:
         """Lenient: a field a marker lacks takes the value a bring-back can still use."""
         agent = data.get("agent_pid")
         agent_start = data.get("agent_start")
+        op = _op(data.get("op"))
         return cls(
-            mode=str(data.get("mode", "resume")),
+            op=op,
+            mode=_mode(op, data.get("mode")),
             agent_pid=agent if isinstance(agent, int) else None,
             job_pid=int(data.get("job_pid", job.pid)),
             started=str(data.get("started", "")),
             gpu_pids=_ints(data.get("gpu_pids"), []),
             tree=_ints(data.get("tree"), [job.pid]),
-            op=str(data.get("op", "freeze")),
             agent_start=agent_start if isinstance(agent_start, int) else None,
             record=str(data["record"]) if isinstance(data.get("record"), str) else None,
             images=str(data["images"]) if isinstance(data.get("images"), str) else None,
@@ -138,22 +171,23 @@ class FreezeMarker:
 
     def take(
         self,
-        mode: str,
+        op: Op,
+        mode: Mode | None = None,
         *,
-        op: str = "freeze",
         record: Path | None = None,
         images: Path | None = None,
     ) -> None:
-        """Claim the job for a freeze (``op``: or an in-place ``suspend`` / ``resume``, with
-        the ``record`` file that says the job is suspended); :class:`JobError` if another
-        live process holds it."""
+        """Claim the job for a freeze in ``mode`` (or, without a mode, an in-place suspend /
+        resume with the ``record`` file that says the job is suspended, or a park's restore
+        of ``images``); :class:`JobError` if another live process holds it."""
+        if (mode is None) == (op is Op.FREEZE):
+            raise ValueError(f"a {op} marker takes a mode exactly when it is a freeze's")
         current = self.read()
         other = current.running_elsewhere() if current is not None else None
         if other is not None:
             raise JobError(f"job {self.job.name!r}: another freeze is in progress (pid {other})")
         self._write(
             MarkerRecord(
-                mode=mode,
                 agent_pid=os.getpid(),
                 job_pid=self.job.pid,
                 started=datetime.now(UTC).isoformat(),
@@ -161,6 +195,7 @@ class FreezeMarker:
                 tree=[self.job.pid],
                 agent_start=start_time("self"),
                 op=op,
+                mode=mode,
                 record=str(record) if record is not None else None,
                 images=str(images) if images is not None else None,
             )

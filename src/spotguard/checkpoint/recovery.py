@@ -32,7 +32,7 @@ from spotguard.errors import JobError
 
 from . import proctree
 from .jobs import JobInfo
-from .marker import FreezeMarker, MarkerRecord
+from .marker import FreezeMarker, MarkerRecord, Op
 from .procfacts import same_process, start_time
 
 if TYPE_CHECKING:
@@ -52,18 +52,18 @@ async def recover(eng: EngineParts, job: JobInfo) -> bool:
     if other is not None:
         raise JobError(f"job {job.name!r}: a freeze is still running (pid {other})")
     kept = Path(rec.record) if rec.record else None
-    if rec.op == "suspend" and kept is not None and kept.exists():
+    if rec.op is Op.SUSPEND and kept is not None and kept.exists():
         marker.clear()  # killed after its commit: the job is suspended and recorded
         log.info("an interrupted suspend had completed", extra={"job": job.name})
         return False
-    if rec.op == "restore":
+    if rec.op is Op.RESTORE:
         await _restore(eng, job, rec, kept)
     else:
         tree = rec.tree
         if proctree.alive(job.pid):
             tree = sorted(set(tree) | set(proctree.tree(job.pid)))
-        await eng.bring_back(job, tree, rec.gpu_pids, reopen_nccl=rec.op == "freeze")
-        if rec.op == "resume" and kept is not None:
+        await eng.bring_back(job, tree, rec.gpu_pids, reopen_nccl=rec.op is Op.FREEZE)
+        if rec.op is Op.RESUME and kept is not None:
             kept.unlink(missing_ok=True)  # the job runs: it is no longer suspended
     marker.clear()
     log.info(

@@ -48,7 +48,7 @@ from spotguard.timeline import Timeline
 from . import proctree
 from .cuda import GpuHook, GpuState
 from .jobs import JobInfo
-from .marker import FreezeMarker
+from .marker import FreezeMarker, Op
 from .settings import CheckpointSettings
 
 log = logging.getLogger(__name__)
@@ -118,7 +118,7 @@ async def suspend(
     gpu_pids: list[int] = []
     job.dir.mkdir(parents=True, exist_ok=True)
     marker = FreezeMarker(job)
-    marker.take("suspend", op="suspend", record=record)
+    marker.take(Op.SUSPEND, record=record)
     try:
         with tl.step("scan") as st:
             await faults.before("scan")
@@ -174,7 +174,7 @@ async def resume(
     if not proctree.alive(job.pid):
         raise JobError(f"job {job.name!r}: process {job.pid} is gone; it cannot be resumed")
     marker = FreezeMarker(job)
-    marker.take("resume", op="resume", record=record)
+    marker.take(Op.RESUME, record=record)
     tree = proctree.tree(job.pid)
     marker.update(gpu_pids=[p for p in gpu_pids if proctree.alive(p)], tree=tree)
     try:
