@@ -2,13 +2,22 @@
 ``conftest.py``): a free local port, polling until a condition holds (blocking and async), a
 job's output growing, the store-server fixtures, the CRIU-backed checkpoint settings of one
 test (the ``settings`` fixture), and ``spotguard`` run as a console script with none of the
-caller's ``SPOTGUARD_*`` settings. Helpers of one area stay in that area's
-``*_helpers.py``; the ones several areas copied live here, once."""
+caller's ``SPOTGUARD_*`` settings (:func:`sg`: a config file, an environment added, a working
+directory; :func:`sg_json` its JSON answer). Helpers of one area stay in that area's
+``*_helpers.py``; the ones several areas copied live here, once.
+
+What stays apart, and why: ``tests/ops``' ``sg`` can hide top-level modules (an install
+without an extra) and ``_run`` in its config-once test runs a counting wrapper, not the
+command; ``sg_env`` hands a job's exact environment through (``SPOTGUARD_*`` included);
+``tests/container`` points the CLI at a podman VM through its own environment (its area's
+helper). The rest — the UI's, the controller CLI's, the notices CLI's, the URL and fleet
+tests' runners — were this one with other defaults, and call it."""
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import json
 import os
 import socket
 import subprocess
@@ -17,6 +26,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -93,17 +103,44 @@ def without_spotguard_settings(**extra: str) -> dict[str, str]:
 
 
 def sg(
-    *args: str, env: dict[str, str] | None = None, timeout: float | None = None
+    *args: str,
+    env: dict[str, str] | None = None,
+    config: Path | None = None,
+    cwd: Path | None = None,
+    timeout: float | None = None,
 ) -> subprocess.CompletedProcess[str]:
-    """``spotguard ARGS`` as a user runs it (the console script), without the caller's
-    ``SPOTGUARD_*`` settings; ``env`` adds to that environment."""
+    """``spotguard ARGS`` as a user runs it (this interpreter's console script), without the
+    caller's ``SPOTGUARD_*`` settings; ``env`` adds to that environment, ``config`` is given
+    as ``--config`` before ``ARGS``, ``cwd`` is where it runs."""
+    head = ["--config", str(config)] if config is not None else []
     return subprocess.run(
-        ["spotguard", *args],
+        [str(Path(sys.executable).parent / "spotguard"), *head, *args],
         capture_output=True,
         text=True,
         env=without_spotguard_settings(**(env or {})),
+        cwd=cwd,
         timeout=timeout,
     )
+
+
+def sg_json(
+    *args: str,
+    env: dict[str, str] | None = None,
+    config: Path | None = None,
+    cwd: Path | None = None,
+    timeout: float | None = 120.0,
+) -> dict[str, Any]:
+    """:func:`sg` that must succeed (exit 0, no traceback) with a JSON object: its whole
+    output, or its last line (log lines may come before it)."""
+    res = sg(*args, env=env, config=config, cwd=cwd, timeout=timeout)
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr[-3000:]
+    text = res.stdout.strip()
+    try:
+        out = json.loads(text)
+    except ValueError:
+        out = json.loads(text.splitlines()[-1])
+    assert isinstance(out, dict), text[-3000:]
+    return out
 
 
 def sg_env(

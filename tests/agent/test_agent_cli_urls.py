@@ -4,25 +4,20 @@ as real processes, end to end."""
 from __future__ import annotations
 
 import asyncio
-import json
-import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from agent_helpers import Host, job_argv, job_output_when_done
 
+from sgtest import sg_json
+
 pytestmark = pytest.mark.criu
 
 
-async def spotguard(*args: str) -> dict[str, object]:
-    exe = Path(sys.executable).parent / "spotguard"
-    proc = await asyncio.create_subprocess_exec(
-        str(exe), *args, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
-    )
-    out, err = await proc.communicate()
-    assert proc.returncode == 0, err.decode()
-    result: dict[str, object] = json.loads(out)
-    return result
+async def spotguard(*args: str) -> dict[str, Any]:
+    """``spotguard ARGS`` (:func:`sgtest.sg_json`) off the event loop."""
+    return await asyncio.to_thread(sg_json, *args)
 
 
 async def test_checkpoint_to_url_and_restore_from_latest(

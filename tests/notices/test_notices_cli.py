@@ -4,7 +4,6 @@ notices watch printing JSON lines until Ctrl-C."""
 from __future__ import annotations
 
 import json
-import os
 import re
 import signal
 import subprocess
@@ -12,18 +11,17 @@ from collections.abc import Iterator
 
 import pytest
 
+from sgtest import sg, without_spotguard_settings
 
-def _env(url: str) -> dict[str, str]:
-    env = dict(os.environ)
-    env.update(
-        {
-            "SPOTGUARD_SIM_URL": url,
-            "AWS_EC2_METADATA_SERVICE_ENDPOINT": url + "/",
-            "GCE_METADATA_HOST": url.removeprefix("http://"),
-            "SPOTGUARD_AZURE_METADATA_ENDPOINT": url,
-        }
-    )
-    return env
+
+def _sim(url: str) -> dict[str, str]:
+    """The settings that point every cloud's metadata client at the simulator at ``url``."""
+    return {
+        "SPOTGUARD_SIM_URL": url,
+        "AWS_EC2_METADATA_SERVICE_ENDPOINT": url + "/",
+        "GCE_METADATA_HOST": url.removeprefix("http://"),
+        "SPOTGUARD_AZURE_METADATA_ENDPOINT": url,
+    }
 
 
 @pytest.fixture
@@ -49,9 +47,7 @@ def sim_process() -> Iterator[str]:
 
 
 def _run(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        ["spotguard", *args], capture_output=True, text=True, env=_env(url), timeout=30
-    )
+    return sg(*args, env=_sim(url), timeout=30)
 
 
 def test_notice_send_list_cancel(sim_process: str) -> None:
@@ -90,7 +86,7 @@ def test_watch_prints_json_lines_and_stops_on_ctrl_c(sim_process: str) -> None:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=_env(sim_process),
+        env=without_spotguard_settings(**_sim(sim_process)),
     )
     try:
         assert watch.stderr is not None and watch.stdout is not None

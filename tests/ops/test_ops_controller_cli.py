@@ -5,6 +5,7 @@ the real ``spotguard jobs`` / ``migrate`` commands."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 import urllib.error
@@ -15,6 +16,7 @@ from pathlib import Path
 import pytest
 from ops_helpers import clean_env, free_port
 
+from sgtest import sg
 from spotguard.contracts import EventKind, make_event
 
 TOKEN = "ops-admin-token-0123456789abcdef"
@@ -55,9 +57,8 @@ def post_event(url: str, job: str, kind: EventKind) -> None:
 
 
 def cli(url: str, *args: str) -> subprocess.CompletedProcess[str]:
-    env = clean_env(SPOTGUARD_CONTROLLER_URL=url, SPOTGUARD_CONTROLLER_TOKEN=TOKEN)
-    return subprocess.run(["spotguard", *args], capture_output=True, text=True, env=env,
-                          timeout=60)  # fmt: skip
+    env = {"SPOTGUARD_CONTROLLER_URL": url, "SPOTGUARD_CONTROLLER_TOKEN": TOKEN}
+    return sg(*args, env={"SPOTGUARD_CONFIG": os.devnull, **env}, timeout=60)
 
 
 def one_line(res: subprocess.CompletedProcess[str]) -> str:

@@ -21,6 +21,7 @@ import aiohttp
 import pytest
 from park_helpers import JOBS, ok_json
 
+from sgtest import sg
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -70,14 +71,10 @@ async def until(cond: Any, what: str, limit: float = 30.0) -> None:
 
 
 async def spotguard(config: Path, *args: str, **env: str) -> subprocess.CompletedProcess[str]:
-    """The command line, in a thread: the controller serves on this test's event loop."""
+    """The command line (:func:`sgtest.sg`), in a thread: the controller serves on this
+    test's event loop."""
     return await asyncio.to_thread(
-        subprocess.run,
-        [sys.executable, "-m", "spotguard", "--config", str(config), *args],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", **env},
+        sg, *args, config=config, env={"PYTHONUNBUFFERED": "1", **env}, timeout=120
     )
 
 

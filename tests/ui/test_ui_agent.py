@@ -5,10 +5,8 @@ another job is parked to tmpfs with wake-on-connect through the command line."""
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +14,7 @@ from pathlib import Path
 import pytest
 from ui_cdp import Browser
 
-from sgtest import free_port
+from sgtest import free_port, sg_json
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint import proctree
@@ -53,13 +51,8 @@ def state_dir(tmp_path: Path) -> Iterator[Path]:
 
 
 def _sg(config: Path, *args: str) -> dict[str, object]:
-    res = subprocess.run(
-        [sys.executable, "-m", "spotguard", "--config", str(config), args[0], "--json", *args[1:]],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
-    assert res.returncode == 0, res.stderr
-    out: dict[str, object] = json.loads(res.stdout.strip().splitlines()[-1])
-    return out
+    """``spotguard --config CONFIG COMMAND --json ARGS`` (:func:`sgtest.sg_json`)."""
+    return sg_json(args[0], "--json", *args[1:], config=config)
 
 
 def _rows(table: str) -> str:
