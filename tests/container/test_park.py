@@ -27,18 +27,17 @@ from sgtest import wait_lines as _wait_lines
 JOB = "exec >>/data/out; i=0; while [ ! -e /data/stop ]; do echo $i; i=$((i+1)); sleep 0.1; done"
 
 
-def _cli(vm: Vm, *args: str, env: dict[str, str] | None = None) -> dict[str, Any]:
+def _cli(vm: Vm, *args: str) -> dict[str, Any]:
     out = subprocess.run(
         ["spotguard", args[0], "--json", *args[1:]],
-        env=env or vm.cli_env(),
+        env=vm.cli_env(),
         capture_output=True,
         text=True,
         timeout=180,
         check=False,
     )
     assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    text = out.stdout.strip()
-    result: dict[str, Any] = json.loads(text if text.startswith("{\n") else text.splitlines()[-1])
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
 
@@ -104,7 +103,12 @@ def test_a_parked_container_makes_no_progress_and_unparks_where_it_stopped(
         # (podman cannot checkpoint a paused container: the agent unpauses it first)
         _wait_lines(out, _lines(out) + 3)
         _cli(vm1, "park", "podman:nb", "--to", "memory")
-        drained = _cli(vm1, "drain", "--reason", "test", env=env)
+        ran = subprocess.run(
+            ["spotguard", "drain", "--json", "--reason", "test"],
+            env=env, capture_output=True, text=True, timeout=180, check=False,
+        )  # fmt: skip
+        assert ran.returncode == 0, agent_log.read_text()[-4000:]
+        drained = json.loads(ran.stdout)
         [saved] = drained["results"]
         assert saved.get("url") and not saved.get("error"), drained
         assert vm1.podman_cmd("ps", "-a", "-q") == ""  # exit mode: removed once durable

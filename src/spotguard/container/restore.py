@@ -101,16 +101,16 @@ async def restore_container(
             if moved:
                 log.info("podman storage paths moved", extra={"what": ", ".join(moved)})
         with tl.step("podman restore"):
-            intent = RestoreIntent(image_url=image_url, name=target, id=expected)
-            await asyncio.to_thread(intent.save, state_dir)  # the intent, before podman acts
-            await podman.run(
-                "container",
-                "restore",
-                "--import",
-                str(archive),
-                *(() if same_id else ("--name", target)),
-                what=f"restoring podman:{target} from {image_url}",
-            )
+            if expected is not None and await _id_taken(podman, expected):
+                # the checkpointed container still runs under that ID on this machine (a
+                # leave-running checkpoint restored beside it from another storage): runc
+                # would refuse the ID, so podman gives a new one (--name)
+                log.warning(
+                    "the container's ID is in use on this machine; restoring under a new one",
+                    extra={"step": "restore", "job": f"podman:{target}", "image": image_url},
+                )
+                expected = None
+            await _podman_restore(podman, state_dir, image_url, archive, target, expected)
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     ctr = await podman.inspect(target)
@@ -119,6 +119,36 @@ async def restore_container(
     await asyncio.to_thread(done.save, state_dir)  # the outcome
     log.info("container restored", extra={"image": image_url, "job": f"podman:{target}"})
     return ContainerRestore(f"podman:{target}", cid, image_url, tl)
+
+
+async def _id_taken(podman: Podman, cid: str) -> bool:
+    """Whether runc (as podman runs it, through spotguard's wrapper) knows a container of
+    ID ``cid`` on this machine: ``runc state`` answers 0 only for one it knows."""
+    await asyncio.to_thread(podman.prepare)
+    proc = await asyncio.create_subprocess_exec(
+        str(podman.runtime), "state", cid,
+        stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.DEVNULL, env=podman.env(),
+    )  # fmt: skip
+    return await asyncio.wait_for(proc.wait(), podman.timeout) == 0
+
+
+async def _podman_restore(
+    podman: Podman, state_dir: Path, image_url: str, archive: Path, name: str, cid: str | None
+) -> None:
+    """``podman container restore --import``, its intent journaled first: under the
+    checkpointed container's ID ``cid`` (podman keeps it when not renamed), else renamed
+    (``--name``: podman gives a new ID, which the intent cannot name)."""
+    intent = RestoreIntent(image_url=image_url, name=name, id=cid)
+    await asyncio.to_thread(intent.save, state_dir)  # the intent, before podman acts
+    await podman.run(
+        "container",
+        "restore",
+        "--import",
+        str(archive),
+        *(() if cid is not None else ("--name", name)),
+        what=f"restoring podman:{name} from {image_url}",
+    )
 
 
 class RestoreIntent(BaseModel):
