@@ -33,6 +33,7 @@ from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.contracts import Assignment
 from spotguard.image import ImageReader, ImageSettings, latest_image, verify_image
 from spotguard.simulator import MetadataSim
+from spotguard.statedir import StateDir
 
 pytestmark = pytest.mark.criu
 
@@ -56,7 +57,7 @@ async def job(host: Host) -> AsyncIterator[JobInfo]:
 
 def _restored_pids(host: Host) -> list[int]:
     try:
-        return [json.loads((host.state / "jobs" / "train" / "job.json").read_text())["pid"]]
+        return [json.loads((StateDir(host.state).job("train") / "job.json").read_text())["pid"]]
     except (OSError, ValueError, KeyError):
         return []
 

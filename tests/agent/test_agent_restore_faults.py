@@ -30,6 +30,7 @@ from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.contracts import Assignment, Mode, chunk_key
 from spotguard.image import ImageReader, ImageSettings, Manifest
+from spotguard.statedir import StateDir
 
 pytestmark = pytest.mark.criu
 
@@ -176,10 +177,12 @@ async def test_a_damaged_chunk_is_refused_before_any_file_of_the_job_is_written(
         assert victim in err["message"] or other in err["message"], (name, err)  # named
         # Nothing of the job was written, and the engine (files, CRIU) never started.
         assert not job.dir.exists(), name
-        assert not (vm.state / "jobs" / "train").exists(), name
+        assert not StateDir(vm.state).job("train").exists(), name
         assert not any(r.name.startswith("spotguard.checkpoint") for r in caplog.records), name
         assert not any(r.exc_info for r in caplog.records), name
-        staged = [p for p in (vm.shm, vm.state / "staging") if p.is_dir() and any(p.iterdir())]
+        staged = [
+            p for p in (vm.shm, StateDir(vm.state).staging) if p.is_dir() and any(p.iterdir())
+        ]
         assert staged == [], name  # a partial pull is removed
     # The undamaged image still restores: the test damaged only its copies.
     vm = new_vm(tmp_path, "vm-good", host.criu)

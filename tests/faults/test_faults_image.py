@@ -28,6 +28,7 @@ from sgtest import sg_env
 from spotguard.contracts import chunk_key
 from spotguard.errors import StoreError
 from spotguard.image import ImageSettings, latest_image, list_images, push_dir
+from spotguard.statedir import StateDir
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,7 +54,7 @@ def _checkpoint(root: Path, criu: str, job: str, stream: str) -> Checkpointed:
     r = sg_env("run", "--json", "--name", job, "--", *DEMO, "--steps", "100000",
            "--step-seconds", "0.02", env=env)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    out = state / "jobs" / job / "stdout"
+    out = StateDir(state).job(job) / "stdout"
     deadline = time.monotonic() + 30
     while not (out.exists() and len(out.read_text().splitlines()) > 3):
         assert time.monotonic() < deadline, "the job never started"
@@ -217,7 +218,7 @@ def test_restore_refuses_before_writing_anything_of_the_job(
     damage: Callable[[str, str], Damaged], what: str, kind: str
 ) -> None:
     d = damage(kind, what)
-    jobdir = d.base.state / "jobs" / d.base.job
+    jobdir = StateDir(d.base.state).job(d.base.job)
     before = _snapshot(d.base.state)
     info = json.loads((jobdir / "job.json").read_text())
     r = sg_env("restore", d.url, env=d.base.env)

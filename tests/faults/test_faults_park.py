@@ -34,6 +34,7 @@ from spotguard.checkpoint.jobs import JobInfo, list_jobs, resolve_job, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.park import core, record
 from spotguard.park.settings import ParkSettings
+from spotguard.statedir import StateDir
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(120)]
 
@@ -263,7 +264,7 @@ async def test_a_park_to_an_image_killed_midway_leaves_no_partial_image(
     await _kill_at(settings, job, gpufile, gpu="cpu", op="park", pause="step:capture_files", to=to)
     assert await _engine(settings, hook).recover(job) is True
     await _runs_again(job, hook, settings.state_dir)
-    base = park_settings.memory_dir if to == "tmpfs" else settings.state_dir / "parked" / "images"
+    base = park_settings.memory_dir if to == "tmpfs" else StateDir(settings.state_dir).parked_images
     assert (base / job.name).is_dir()  # what the killed park left
 
     # the next command cleans it: an unpark says "not parked", a park starts afresh

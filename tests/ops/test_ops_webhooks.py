@@ -25,6 +25,7 @@ from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import list_jobs
 from spotguard.notify import Notification, Notifier, NotifyEvent, NotifySettings
 from spotguard.park import record
+from spotguard.statedir import StateDir
 
 JOBS = str(Path(__file__).resolve().parents[1] / "park" / "park_jobs.py")
 
@@ -92,7 +93,7 @@ def test_wake_on_connect_sends_the_unparked_webhook(
     port = free_port()
     sgc(conf, "run", "--name", "web", "--nccl", "restrict", "--", sys.executable, JOBS, "server",
         str(port))  # fmt: skip
-    out = tmp_path / "state" / "jobs" / "web" / "stdout"
+    out = StateDir(tmp_path / "state").job("web") / "stdout"
     _until(lambda: out.exists() and "listening" in out.read_text(), "the server")
     sgc(conf, "park", "web", "--to", place, "--wake-on-connect")
     _until(lambda: [g["event"] for g in got] == ["parked"], "the parked webhook")

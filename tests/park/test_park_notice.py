@@ -26,6 +26,7 @@ from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.image import ImageSettings
 from spotguard.notices.settings import NoticeSettings
 from spotguard.park import record
+from spotguard.statedir import StateDir
 
 pytestmark = pytest.mark.criu
 
@@ -34,7 +35,7 @@ EXPECTED = [f"step {i} {i * i} {i * 3}" for i in range(STEPS)] + ["done"]
 
 
 def _lines(state_dir: Path) -> list[str]:
-    p = state_dir / "jobs" / "pair" / "stdout"
+    p = StateDir(state_dir).job("pair") / "stdout"
     return p.read_text().splitlines() if p.exists() else []
 
 
