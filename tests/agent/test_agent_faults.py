@@ -199,7 +199,7 @@ async def test_staged_image_without_a_record_is_adopted_and_pushed(
     (staged / "pages-1.img").write_bytes(os.urandom(3 << 20))
     ImageMeta(
         job={"name": "train", "pid": 4242, "dir": str(host.state / "jobs" / "train")},
-        mode="exit",
+        mode=Mode.EXIT,
         criu_version="4.2.1",
         host=HostFacts.probe(None),
         gpu=GpuInventory(),

@@ -23,6 +23,7 @@ from spotguard.checkpoint.meta import ImageMeta
 from spotguard.checkpoint.staging import DirectoryTarget
 from spotguard.errors import UnsafePath
 from spotguard.facts import GpuInventory, HostFacts
+from spotguard.modes import Mode
 
 
 def test_a_staging_root_another_user_created_first_is_refused(
@@ -115,7 +116,7 @@ def test_image_metadata_is_never_written_through_a_link(attacker: Attacker, worl
         attacker.run("ln", "-s", str(secret), str(images / name))
     meta = ImageMeta(
         job={"name": "j1", "pid": 1, "dir": "/x/jobs/j1"},
-        mode="exit",
+        mode=Mode.EXIT,
         criu_version="4.2",
         host=HostFacts.probe("4.2"),
         gpu=GpuInventory.from_json(None),

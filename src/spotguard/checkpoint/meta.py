@@ -18,6 +18,7 @@ from spotguard import safefs
 from spotguard.contracts import check_job_name
 from spotguard.errors import ImageError, ImageNotFound, UnsafePath
 from spotguard.facts import GpuInventory, HostFacts
+from spotguard.modes import Mode
 
 from .files import CapturedFile
 from .mounts import JobMount
@@ -32,7 +33,7 @@ class ImageMeta:
     """Everything restore needs to know about an image that CRIU's own files do not say."""
 
     job: dict[str, Any]
-    mode: str
+    mode: Mode  # the file holds its string (``exit`` / ``resume``), as it always has
     criu_version: str
     host: HostFacts
     gpu: GpuInventory
@@ -70,7 +71,8 @@ class ImageMeta:
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> ImageMeta:
         """Parse the metadata; the job's name must be a valid job name (it names directories
-        on the restoring host) and every carried file entry well-formed."""
+        on the restoring host), the mode a :class:`Mode` and every carried file entry
+        well-formed (``ValueError`` otherwise: :meth:`read` makes it an :class:`ImageError`)."""
         job = d["job"]
         if not isinstance(job, dict) or not isinstance(job.get("name"), str):
             raise ImageError(f"image metadata names no job: {job!r}")
@@ -80,7 +82,7 @@ class ImageMeta:
             raise ImageError(f"image metadata: {exc}") from exc
         return cls(
             job=d["job"],
-            mode=d["mode"],
+            mode=Mode(d["mode"]),
             criu_version=d["criu_version"],
             host=HostFacts.from_json(d["host"]),
             gpu=GpuInventory.from_json(d.get("gpu")),

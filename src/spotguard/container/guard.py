@@ -231,7 +231,7 @@ class ContainerJobs:
         _, pid, _ = _state(await self.podman.inspect(ref.name))
         host = await asyncio.to_thread(HostFacts.probe, record.criu_version)
         image_meta = ImageMeta(
-            job={"name": ref.job, "pid": pid, "container": str(ref)}, mode=record.mode.value,
+            job={"name": ref.job, "pid": pid, "container": str(ref)}, mode=record.mode,
             criu_version=record.criu_version, host=host, gpu=GpuInventory(), gpu_processes=[],
             root_ns_pid=1, pids=[], staging={}, timeline=done.timeline.to_list(),
         )  # fmt: skip
