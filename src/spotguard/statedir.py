@@ -15,6 +15,7 @@ that own what a path holds decide how to write it (``safefs``)::
       containers/            work directories of container checkpoints and restores
       containers/parked/     records of parked containers
       containers/jobs/       which container an agent's job name stands for (container.guard)
+      containers/restores/   a container restore's intent, then outcome (container.restore)
       keys/host-image.key    the host's key that seals local images (checkpoint.seal)
       throughput.json        the deadline planner's measurements
       agent/                 the agent daemon's own:
@@ -79,6 +80,10 @@ class StateDir:
     @property
     def container_jobs(self) -> Path:
         return self.containers / "jobs"
+
+    @property
+    def container_restores(self) -> Path:
+        return self.containers / "restores"
 
     @property
     def host_key(self) -> Path:

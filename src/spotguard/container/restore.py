@@ -165,14 +165,14 @@ class RestoreIntent(BaseModel):
     restored: bool = False
 
     def save(self, state_dir: Path) -> None:
-        folder = safefs.ensure_private_dir(StateDir(state_dir).containers / "restores")
+        folder = safefs.ensure_private_dir(StateDir(state_dir).container_restores)
         safefs.write_file(folder / f"{self.name}.json", self.model_dump_json().encode())
 
     @classmethod
     def load(cls, state_dir: Path, name: str) -> RestoreIntent | None:
         """The journal of the last restore under ``name``; None when there is none or it
         cannot be read (then nothing is taken over: the preflight refuses a name in use)."""
-        path = StateDir(state_dir).containers / "restores" / f"{name}.json"
+        path = StateDir(state_dir).container_restores / f"{name}.json"
         try:
             return cls.model_validate_json(path.read_bytes()[:MAX_INTENT_BYTES])
         except FileNotFoundError:
