@@ -386,10 +386,12 @@ def test_an_ordinary_users_job_keeps_its_port_from_its_end_to_the_listener(
         with socket.create_connection(("127.0.0.1", port), timeout=5) as later:
             later.sendall(b"later")
             assert later.recv(100) == b"job:later"  # the restored job's socket alone now
+        # stopped while the restored job still holds the port: once the test closes it,
+        # the port is free for anyone (that is not a gap)
+        attacker_saw = squatter(port)
     finally:
         job.kill()
         for s in restored:
             s.close()
-    attacker_saw = squatter(port)
     assert not [ln for ln in attacker_saw if ln.startswith("BOUND")], attacker_saw
     assert [ln for ln in attacker_saw if ln.startswith("tries")]
