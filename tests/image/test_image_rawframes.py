@@ -251,3 +251,22 @@ async def test_a_chunk_of_more_blocks_than_one_writev_takes_is_stored_whole(tmp_
     stored = (tmp_path / "big").read_bytes()
     assert stored == bytes(raw_frame_into(plain, memoryview(bytearray(raw_frame_size(n)))))
     await store.aclose()
+
+
+async def test_a_store_without_reads_parts_fills_the_parts_the_general_way(tmp_path: Path) -> None:
+    from spotguard.image.rawframe import RawReadPlan
+    from spotguard.store.base import BlockingStore
+    from spotguard.store.file import FileStore
+
+    codec = ChunkCodec(1)
+    n = (128 << 10) * 3 + 9
+    plain = os.urandom(n)
+    store = FileStore(tmp_path)
+    await store.put_parts("raw", raw_frame_parts(plain))
+    out = bytearray(n)
+    plan = RawReadPlan(n, memoryview(out), codec)
+    got = BlockingStore._get_parts(store, "raw", plan.parts, plan.after)  # the base's way
+    assert got == plan.total and plan.layout_ok() and plan.hexdigest() == codec.address(plain)
+    assert bytes(out) == plain
+    plan.release()
+    await store.aclose()

@@ -45,6 +45,7 @@ from spotguard.store import ImageStore, get_into
 from spotguard.store.base import BlockingStore, get_capped
 
 T = TypeVar("T")
+B = TypeVar("B", bytes, memoryview)
 
 log = logging.getLogger(__name__)
 
@@ -184,10 +185,15 @@ class ImageReader:
         """The stored bytes of a chunk, read with a cap (:func:`max_stored_chunk`): a larger
         object at its address (anyone who writes the store can put one) is refused as
         corrupt after that many bytes, never read whole."""
+        return await self._capped(ref, lambda key, limit: get_capped(self.store, key, limit))
+
+    async def _capped(self, ref: ChunkRef, read: Callable[[str, int], Awaitable[B]]) -> B:
+        """``read(key, limit)`` of the chunk's stored bytes, refused as corrupt when missing
+        or larger than ``limit`` (:func:`max_stored_chunk`) — never read further."""
         key = chunk_key(self.ref.job, ref.digest)
         limit = max_stored_chunk(ref.size)
         try:
-            stored = await get_capped(self.store, key, limit)
+            stored = await read(key, limit)
         except ObjectNotFound as exc:
             raise ImageCorrupt(
                 f"chunk {ref.digest} is missing from the store", chunk=ref.digest
@@ -403,21 +409,7 @@ class ImageReader:
 
     async def _get_into_capped(self, ref: ChunkRef, buf: memoryview) -> memoryview:
         """The stored bytes of a chunk read into ``buf``, with the cap of :meth:`_get_stored`."""
-        key = chunk_key(self.ref.job, ref.digest)
-        limit = max_stored_chunk(ref.size)
-        try:
-            stored = await get_into(self.store, key, buf[:limit])
-        except ObjectNotFound as exc:
-            raise ImageCorrupt(
-                f"chunk {ref.digest} is missing from the store", chunk=ref.digest
-            ) from exc
-        if len(stored) > limit:
-            raise ImageCorrupt(
-                f"chunk {ref.digest} is stored as more than {limit} bytes, more than "
-                f"{ref.size} bytes can take: not read further",
-                chunk=ref.digest,
-            )
-        return stored
+        return await self._capped(ref, lambda key, limit: get_into(self.store, key, buf[:limit]))
 
     async def read_chunk_owned(self, ref: ChunkRef, priority: int = 0) -> OwnedChunk:
         """Like :meth:`read_chunk`, into an :class:`OwnedChunk` the caller must close.

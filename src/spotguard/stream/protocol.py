@@ -211,8 +211,12 @@ class Connection:
         while not self._fds:
             if await self._recv_exact(1) is None:
                 raise ProtocolError("connection closed before the file's pipe arrived")
+        return self._take_fd()
+
+    def _take_fd(self) -> int:
+        """The pipe that arrived; strays closed (never more than one per file)."""
         fd = self._fds.pop(0)
-        for extra in self._fds:  # never more than one per file; do not leak strays
+        for extra in self._fds:
             os.close(extra)
         self._fds.clear()
         return fd
@@ -261,11 +265,7 @@ class Connection:
         while not self._fds:
             if self._recv_exact_sync(1, stop) is None:
                 raise ProtocolError("connection closed before the file's pipe arrived")
-        fd = self._fds.pop(0)
-        for extra in self._fds:
-            os.close(extra)
-        self._fds.clear()
-        return fd
+        return self._take_fd()
 
     def send_reply_sync(self, exists: bool, stop: Stop) -> None:
         """:meth:`send_reply` for a thread."""
