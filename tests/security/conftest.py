@@ -7,28 +7,20 @@ from __future__ import annotations
 import os
 import secrets
 import shutil
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from sec_helpers import Attacker
+from sec_helpers import Attacker, new_user
 
 
 @pytest.fixture
 def attacker() -> Iterator[Attacker]:
     if os.geteuid() != 0 or shutil.which("useradd") is None or shutil.which("runuser") is None:
         pytest.skip("needs root, useradd and runuser")
-    name = f"sgatk{secrets.token_hex(3)}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
-    try:
-        import pwd
-
-        pw = pwd.getpwnam(name)
-        yield Attacker(name, pw.pw_uid, pw.pw_gid)
-    finally:
-        subprocess.run(["userdel", "--force", name], check=False, capture_output=True)
+    with new_user("sgatk") as user:
+        yield user
 
 
 @pytest.fixture

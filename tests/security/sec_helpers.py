@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pwd
+import secrets
 import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 SYSTEM_PYTHON = "/usr/bin/python3"
@@ -43,3 +47,15 @@ class Attacker:
             text=True,
             cwd="/",
         )
+
+
+@contextmanager
+def new_user(prefix: str) -> Iterator[Attacker]:
+    """A fresh ordinary user (no home, /bin/sh) for the block, removed after it."""
+    name = f"{prefix}{secrets.token_hex(3)}"
+    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
+    try:
+        pw = pwd.getpwnam(name)
+        yield Attacker(name, pw.pw_uid, pw.pw_gid)
+    finally:
+        subprocess.run(["userdel", "--force", name], check=False, capture_output=True)

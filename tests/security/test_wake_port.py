@@ -20,8 +20,6 @@ import asyncio
 import fcntl
 import functools
 import os
-import pwd
-import secrets
 import shutil
 import signal
 import socket
@@ -34,7 +32,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from sec_helpers import SYSTEM_PYTHON, Attacker
+from sec_helpers import SYSTEM_PYTHON, Attacker, new_user
 
 from sgtest import free_port, wait_for
 from spotguard.checkpoint import proctree
@@ -121,13 +119,8 @@ def job_user() -> Iterator[Attacker]:
     """A second ordinary user, the job's owner (made for the test, removed after it)."""
     if shutil.which("setpriv") is None:
         pytest.skip("needs setpriv")
-    name = f"sgjob{secrets.token_hex(3)}"
-    subprocess.run(["useradd", "--no-create-home", "--shell", "/bin/sh", name], check=True)
-    try:
-        pw = pwd.getpwnam(name)
-        yield Attacker(name, pw.pw_uid, pw.pw_gid)
-    finally:
-        subprocess.run(["userdel", "--force", name], check=False, capture_output=True)
+    with new_user("sgjob") as user:
+        yield user
 
 
 @pytest.fixture
