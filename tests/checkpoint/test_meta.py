@@ -36,3 +36,21 @@ def test_an_unknown_mode_makes_the_metadata_unreadable(tmp_path: Path) -> None:
     (tmp_path / META_NAME).write_text(json.dumps({**OLD, "mode": "pause"}))
     with pytest.raises(ImageError, match="unreadable"):
         ImageMeta.read(tmp_path)
+
+
+def test_listening_ports_round_trip_and_older_images_have_none(tmp_path: Path) -> None:
+    (tmp_path / META_NAME).write_text(json.dumps(OLD))
+    meta = ImageMeta.read(tmp_path)
+    assert meta.listen_ports == []
+    meta.listen_ports = [8700, 29500]
+    meta.write(tmp_path)
+    assert ImageMeta.read(tmp_path).listen_ports == [8700, 29500]
+
+
+@pytest.mark.parametrize("port", [0, 70000, "29500", True, -1])
+def test_a_listening_port_that_is_no_port_makes_the_metadata_unreadable(
+    tmp_path: Path, port: object
+) -> None:
+    (tmp_path / META_NAME).write_text(json.dumps({**OLD, "listen_ports": [port]}))
+    with pytest.raises(ImageError, match="listen_ports"):
+        ImageMeta.read(tmp_path)

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ckpt_helpers import lines, wait_exit, wait_for
@@ -110,6 +111,12 @@ async def _park_unpark(name: str, argv: list[str], env: dict[str, str], state_di
                       image: Path) -> str:  # fmt: skip
     """Run ``argv`` as a job, checkpoint it (exit) to ``image`` once it has printed five
     steps, restore it at once on this host, wait for it to end; its whole stdout."""
+    return (await _park_unpark_timed(name, argv, env, state_dir, image))[0]
+
+
+async def _park_unpark_timed(name: str, argv: list[str], env: dict[str, str], state_dir: Path,
+                             image: Path) -> tuple[str, dict[str, Any]]:  # fmt: skip
+    """:func:`_park_unpark`, and the detail of the restore's ``criu_restore`` step."""
     out = sg_env("run", "--json", "--name", name, "--", *argv, env=env)
     assert out.returncode == 0, out.stderr
     job = resolve_job(name, state_dir=state_dir)
@@ -118,10 +125,11 @@ async def _park_unpark(name: str, argv: list[str], env: dict[str, str], state_di
     out = sg_env("checkpoint", name, "--to", str(image), env=env)
     assert out.returncode == 0, out.stderr
     await wait_for(lambda: not any(proctree.alive(p) for p in pids), "the job to stop")
-    out = sg_env("restore", str(image), env=env)
+    out = sg_env("restore", str(image), "--json", env=env)
     assert out.returncode == 0, out.stderr
+    steps = {s["name"]: s for s in json.loads(out.stdout)["timeline"]}
     assert await wait_exit(resolve_job(name, state_dir=state_dir)) == 0
-    return (job.dir / "stdout").read_text()
+    return (job.dir / "stdout").read_text(), steps["criu_restore"]["detail"]
 
 
 async def test_a_deleted_shared_memory_file_it_maps_is_carried(
@@ -140,5 +148,9 @@ async def test_a_listener_whose_closed_connections_wait_is_restored_on_the_same_
     # restored within 60 s on the host it ran on: the connection it accepted and closed is in
     # TIME_WAIT on the listener's port, and binding it failed ("Address already in use")
     argv = [sys.executable, "-I", str(PROGS / "listener_closed.py"), "100", "0.05"]
-    got = await _park_unpark("lsn", argv, env, state_dir, tmp_path / "img")
+    got, detail = await _park_unpark_timed("lsn", argv, env, state_dir, tmp_path / "img")
     assert got.splitlines() == [f"step {i}" for i in range(100)]
+    # the closed connections were cleared from the port before CRIU bound it: no retry
+    # waited out their 60 s (an NCCL job unparked on its host waited ~50 s)
+    assert detail["retry_wait_s"] < 1
+    assert detail["time_wait_cleared"] >= 1

@@ -50,6 +50,7 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
@@ -60,7 +61,7 @@ from spotguard.timeline import Timeline
 from . import files, mounts, nccl, ncclctl, procfacts, proctree, recovery, restart, scan, suspend
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
-from .jobs import JobInfo, link_job_dir, own_mount_ns
+from .jobs import JobInfo, link_job_dir, own_mount_ns, own_net_ns
 from .marker import MARKER, FreezeMarker, Op
 from .meta import ImageMeta
 from .preflight import preflight, wait_pids_free
@@ -216,6 +217,9 @@ class Engine:
                 staging=plan.to_json(),
                 timeline=[],
                 mount_ns=own_mount_ns(job.pid),
+                # in the host's network namespace, a restore on this host may find the
+                # job's own closed connections still holding them
+                listen_ports=[] if own_net_ns(job.pid) else list(net.listen_ports),
             )
 
             async def finish() -> None:
@@ -308,13 +312,14 @@ class Engine:
         scan.check(job.name, facts)
         need_locks = force_tcp or bool(facts.connections())
         available = await self.criu.network_locks() if need_locks else frozenset[str]()
-        return scan.network_plan(
+        plan = scan.network_plan(
             job.name,
             facts,
             available=available,
             setting=self.settings.network_lock,
             force=force_tcp,
         )
+        return replace(plan, listen_ports=tuple(facts.listen_ports()))
 
     async def bring_back(
         self,

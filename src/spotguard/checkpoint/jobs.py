@@ -246,6 +246,14 @@ def own_mount_ns(pid: int) -> bool:
         return False
 
 
+def own_net_ns(pid: int) -> bool:
+    """True if ``pid`` lives in another network namespace than this process."""
+    try:
+        return os.stat(f"/proc/{pid}/ns/net").st_ino != os.stat("/proc/self/ns/net").st_ino
+    except OSError:
+        return False
+
+
 def exit_status(job: JobInfo) -> int | None:
     """The job command's exit code once it has ended, else None."""
     try:

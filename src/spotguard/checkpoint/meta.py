@@ -48,6 +48,9 @@ class ImageMeta:
     #: the host mounts of its namespace, named for CRIU, and whether the job uses each
     #: (:mod:`.mounts`); empty in older images (CRIU's own detection then)
     mounts: list[JobMount] = field(default_factory=list)
+    #: the local ports of its listening TCP sockets, when it shared the host's network
+    #: namespace (restore clears TIME_WAIT connections off them); empty in older images
+    listen_ports: list[int] = field(default_factory=list)
     schema: int = META_SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -66,6 +69,7 @@ class ImageMeta:
             "files": [f.to_json() for f in self.files],
             "mount_ns": self.mount_ns,
             "mounts": [m.to_json() for m in self.mounts],
+            "listen_ports": self.listen_ports,
         }
 
     @classmethod
@@ -94,6 +98,7 @@ class ImageMeta:
             files=[CapturedFile.from_json(f) for f in d.get("files", [])],
             mount_ns=bool(d.get("mount_ns", False)),
             mounts=[JobMount.from_json(m) for m in d.get("mounts", [])],
+            listen_ports=[_port(p) for p in d.get("listen_ports", [])],
             schema=int(d.get("schema", META_SCHEMA)),
         )
 
@@ -122,3 +127,10 @@ class ImageMeta:
             raise ImageNotFound(msg) from exc
         except (OSError, ValueError, KeyError, TypeError, RecursionError, UnsafePath) as exc:
             raise ImageError(f"{path} is unreadable: {str(exc)[:200]}") from exc
+
+
+def _port(value: object) -> int:
+    """A TCP port from the image's metadata (``ValueError`` if it is not one)."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 < value < 65536:
+        raise ValueError(f"listen_ports: {value!r} is not a TCP port")
+    return value

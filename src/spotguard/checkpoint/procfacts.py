@@ -93,6 +93,17 @@ class TreeFacts:
                     )
         return out
 
+    def listen_ports(self) -> list[int]:
+        """The local ports of the tree's listening TCP sockets (sorted, each once)."""
+        return sorted(
+            {
+                sk.local.port
+                for p in self.procs
+                for _fd, sk in p.sockets
+                if sk.proto == "tcp" and sk.state == "LISTEN" and sk.local
+            }
+        )
+
     def to_json(self) -> dict[str, int]:
         conns = self.connections()
         return {

@@ -1,6 +1,7 @@
 """``criu restore`` for the engine's restore step, retried while the host still holds what
 the image needs for a moment: PIDs a job killed a moment ago holds as zombies, ports its
-closed connections hold in TIME_WAIT. Only the engine calls it (its ``criu_restore`` step).
+closed connections hold in TIME_WAIT (cleared first where the kernel allows:
+:func:`.sockets.clear_time_wait`). Only the engine calls it (its ``criu_restore`` step).
 """
 
 from __future__ import annotations
@@ -34,6 +35,10 @@ async def criu_restore(
     TIME_WAIT (restored on the same host within 60 s: an NCCL job's bootstrap listener)."""
     s = settings
     loop = asyncio.get_running_loop()
+    if meta.listen_ports:  # restored on the host it ran on: its closed connections' ports
+        detail["time_wait_cleared"] = await asyncio.to_thread(
+            sockets.clear_time_wait, meta.listen_ports
+        )
     start = loop.time()
     deadline = start + s.pid_wait
     while True:

@@ -331,6 +331,9 @@ class NetworkPlan:
     tcp_established: bool
     lock: str | None
     connections: tuple[Connection, ...] = ()
+    #: the local ports of the tree's listening TCP sockets (restore clears closed
+    #: connections of the job's last run off them: :func:`.sockets.clear_time_wait`)
+    listen_ports: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, object]:
         return {

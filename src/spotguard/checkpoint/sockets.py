@@ -8,8 +8,12 @@ read); a socket in none of them is of a family CRIU does not dump (``unknown``).
 
 from __future__ import annotations
 
+import logging
+import shutil
 import socket
 import struct
+import subprocess
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +40,8 @@ _INET_TABLES = (
     ("raw", "inet", "raw"),
     ("raw6", "inet6", "raw"),
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,8 +136,14 @@ def time_wait_ports(pid: int | str = "self") -> set[int]:
     """Local ports of the TCP connections in TIME_WAIT in the network namespace of ``pid``:
     closed connections the kernel keeps for 60 s, whose port a new socket without
     SO_REUSEADDR cannot bind (a listener that accepted and closed connections leaves them on
-    its own port). Parsed here: TIME_WAIT entries have no inode, so the table above skips them."""
-    ports: set[int] = set()
+    its own port)."""
+    return set(time_wait_counts(pid))
+
+
+def time_wait_counts(pid: int | str = "self") -> dict[int, int]:
+    """How many TCP connections are in TIME_WAIT on each local port, in the network namespace
+    of ``pid``. Parsed here: TIME_WAIT entries have no inode, so the table above skips them."""
+    counts: dict[int, int] = {}
     for name in ("tcp", "tcp6"):
         try:
             lines = Path(f"/proc/{pid}/net/{name}").read_text().splitlines()[1:]
@@ -140,11 +152,42 @@ def time_wait_ports(pid: int | str = "self") -> set[int]:
         for line in lines:
             cols = line.split()
             if len(cols) > 3 and int(cols[3], 16) == 6:
-                ports.add(parse_endpoint(cols[1]).port)
-    return ports
+                port = parse_endpoint(cols[1]).port
+                counts[port] = counts.get(port, 0) + 1
+    return counts
 
 
 def socket_inode(target: str) -> int | None:
     if target.startswith("socket:[") and target.endswith("]"):
         return int(target[8:-1])
     return None
+
+
+def clear_time_wait(ports: Iterable[int]) -> int:
+    """Destroy the TCP connections in TIME_WAIT on ``ports`` in this network namespace; how
+    many were destroyed.
+
+    A listener that accepted connections and closed them first (NCCL's bootstrap root at
+    start) leaves them in TIME_WAIT on its own port for 60 s, and the kernel refuses to bind
+    the port again until then, SO_REUSEADDR or not (the closed connections did not have it).
+    A restore on the host the job ran on would wait that out. They are the job's own closed
+    connections, on ports its signed image names: ``ss -K`` destroys them (the kernel's
+    SOCK_DESTROY, ``CONFIG_INET_DIAG_DESTROY``; iproute2 speaks its netlink protocol, which
+    no Python library here does). Where the kernel or ``ss`` lacks it, nothing is cleared and
+    restore falls back to waiting (:mod:`.restart`)."""
+    wanted = set(ports)
+    before = {p: n for p, n in time_wait_counts().items() if p in wanted}
+    if not before:
+        return 0
+    ss = shutil.which("ss") or "/usr/sbin/ss"
+    expr = " or ".join(f"sport = :{p}" for p in sorted(before))
+    argv = [ss, "-K", "-tan", "state", "time-wait", f"( {expr} )"]
+    try:
+        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
+        said = out.stderr.strip()[-200:]
+    except (OSError, subprocess.SubprocessError) as exc:
+        said = str(exc)
+    after = {p: n for p, n in time_wait_counts().items() if p in wanted}
+    if after:
+        log.info("closed connections not cleared", extra={"ports": sorted(after), "error": said})
+    return max(0, sum(before.values()) - sum(after.values()))
