@@ -1,4 +1,6 @@
-"""Real podman (scripts/install-podman's prefix) with real CRIU, in private storage.
+"""Real podman (scripts/install-podman's prefix) and containerd (scripts/install-containerd's:
+``ctr_vms``, two daemons of their own, see containerd_helpers.py) with real CRIU, in private
+storage.
 
 Each "VM" is its own podman storage (``--root`` / ``--runroot`` under a short temp dir: conmon's
 socket paths must stay short) and its own spotguard state dir; the host's podman setup, if any,
@@ -17,11 +19,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from containerd_helpers import CtrVm, image_layout
 from podman_helpers import IMAGE, Vm
 
 from spotguard.container.demo import rootfs_tar
 from spotguard.container.podman import Podman
-from spotguard.container.settings import PREFIX
+from spotguard.container.settings import CONTAINERD_PREFIX, PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,4 +74,37 @@ def vms(podman_bin: str, criu_bin: str) -> Iterator[tuple[Vm, Vm]]:
     finally:
         for vm in made:
             vm.cleanup()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def containerd_installed(criu_bin: str) -> Path:
+    """scripts/install-containerd's prefix; skips (fails in CI, SPOTGUARD_REQUIRE_CRIU=1)
+    where it cannot be installed."""
+    ctr = CONTAINERD_PREFIX / "bin" / "ctr"
+    if not os.access(ctr, os.X_OK):
+        subprocess.run([str(ROOT / "scripts" / "install-containerd")], check=False)
+    if not os.access(ctr, os.X_OK):
+        if os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1":
+            pytest.fail("containerd could not be installed (scripts/install-containerd)")
+        pytest.skip("containerd is not installed (scripts/install-containerd)")
+    return CONTAINERD_PREFIX
+
+
+@pytest.fixture
+def ctr_vms(containerd_installed: Path, criu_bin: str) -> Iterator[tuple[CtrVm, CtrVm]]:
+    """Two VMs, each its own containerd daemon; the job's image imported into VM 1 only
+    (a test imports it into VM 2 with ``vm.ctr("images", "import", ...)`` from
+    ``vm.base.parent / "image.tar"``). Every task, container and daemon stopped after."""
+    base = Path(tempfile.mkdtemp(prefix="sgcd-", dir="/tmp"))
+    made: list[CtrVm] = []
+    try:
+        for n in (1, 2):
+            made.append(CtrVm.start(base / f"vm{n}", criu_bin))
+        image = image_layout(rootfs_tar(base), base / "image.tar")
+        made[0].ctr("images", "import", str(image))
+        yield made[0], made[1]
+    finally:
+        for vm in made:
+            vm.stop()
         shutil.rmtree(base, ignore_errors=True)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import subprocess
 import tarfile
 import time
@@ -32,6 +33,27 @@ def test_container_job_names_parse_and_refuse_clearly() -> None:
         ContainerRef.parse("docker:x")
     with pytest.raises(JobError, match="invalid container name"):
         ContainerRef.parse("podman:../x")
+
+
+def test_containerd_job_names_parse_by_containerds_rules_and_refuse_clearly() -> None:
+    ref = ContainerRef.parse("containerd:k8s.io/Train_1")
+    assert (ref.runtime, ref.namespace, ref.name) == ("containerd", "k8s.io", "Train_1")
+    assert (ref.job, str(ref)) == ("containerd-k8s.io-train_1", "containerd:k8s.io/Train_1")
+    assert ContainerRef.parse(str(ref)) == ref and is_container_job(str(ref))
+    long = ContainerRef.parse(f"containerd:ns/{'a' * 76}")
+    assert len(long.job) == 63 and long.job.startswith("containerd-ns-aaa")
+    for bad, says in (
+        ("containerd:onlyid", "containerd:NAMESPACE/ID"),
+        ("containerd:/x", "invalid containerd namespace ''"),
+        ("containerd:ns/", "invalid containerd container ID ''"),
+        ("containerd:ns/a/b", "invalid containerd container ID 'a/b'"),
+        ("containerd:ns/a..b", "invalid containerd container ID 'a..b'"),
+        ("containerd:ns/-a", "invalid containerd container ID '-a'"),
+        (f"containerd:ns/{'a' * 77}", "1-76 of a-z"),
+        ("containerd:n s/x", "invalid containerd namespace 'n s'"),
+    ):
+        with pytest.raises(JobError, match=re.escape(says)):
+            ContainerRef.parse(bad)
 
 
 def test_a_process_image_is_not_taken_for_a_container_image() -> None:

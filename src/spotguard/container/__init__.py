@@ -1,4 +1,4 @@
-"""Jobs in containers: a podman container checkpointed and restored like a process.
+"""Jobs in containers: a podman or containerd container checkpointed and restored like a process.
 
 A job named ``podman:NAME`` is a container. Its checkpoint is podman's own (``podman container
 checkpoint --export``: runc drives spotguard's CRIU over the container's process tree, podman
@@ -6,7 +6,12 @@ adds the writable layer and its config), carried into the store as a spotguard i
 zstd, BLAKE3, signed manifest last — whose meta records the container's config (typed:
 :class:`~spotguard.container.spec.ContainerImage`). Restore verifies the whole image and checks
 the host (image, mounts, devices) before ``podman container restore --import`` creates the new
-container. docs/ARCHITECTURE.md, "Containers", says which piece is podman's and which is ours.
+container. A ``containerd:NAMESPACE/ID`` job is the same story through ``ctr`` (``containerd``:
+the runtime, ``containerd_ops``: start, checkpoint, restore): containerd's task checkpoint
+(runc with spotguard's CRIU, the writable layer's diff, the OCI spec) carried as an OCI layout
+that ``ctr containers restore`` takes. Both backends satisfy one protocol
+(``runtime.ContainerRuntime``); ``backends.runtime_for`` picks one by the job's runtime.
+docs/ARCHITECTURE.md, "Containers", says which piece is the runtime's and which is ours.
 
 Modules: ``spec`` (names and the typed record), ``podman`` (the one way podman is run),
 ``start`` (``spotguard run --container``), ``checkpoint``, ``restore``, ``park``, ``archive``,
@@ -18,8 +23,10 @@ Modules: ``spec`` (names and the typed record), ``podman`` (the one way podman i
 from __future__ import annotations
 
 from spotguard.container.checkpoint import ContainerCheckpoint, checkpoint_container
+from spotguard.container.containerd import Containerd
 from spotguard.container.podman import Podman
 from spotguard.container.restore import ContainerRestore, restore_container
+from spotguard.container.runtime import ContainerRuntime
 from spotguard.container.settings import ContainerSettings
 from spotguard.container.spec import (
     ContainerConfig,
@@ -36,7 +43,9 @@ __all__ = [
     "ContainerImage",
     "ContainerRef",
     "ContainerRestore",
+    "ContainerRuntime",
     "ContainerSettings",
+    "Containerd",
     "Podman",
     "checkpoint_container",
     "is_container_image",

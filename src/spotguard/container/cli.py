@@ -1,7 +1,8 @@
-"""The CLI's container side: ``spotguard run --container``, ``checkpoint podman:NAME`` and
-``restore`` of a container image. ``commands/checkpoint.py`` hands over to these when a job
-name is a container's (``podman:NAME``) or an image is a container image; settings are loaded
-here, at the edge (``[container]``, ``[checkpoint]`` state_dir, ``[image]``)."""
+"""The CLI's container side: ``spotguard run --container``, ``checkpoint podman:NAME`` (or
+``containerd:NAMESPACE/ID``) and ``restore`` of a container image. ``commands/checkpoint.py``
+hands over to these when a job name is a container's or an image is a container image; the
+backend is the job's runtime (:func:`~spotguard.container.backends.runtime_for`); settings are
+loaded here, at the edge (``[container]``, ``[checkpoint]`` state_dir, ``[image]``)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,14 @@ import click
 
 from spotguard.cli import config
 from spotguard.config import load
-from spotguard.container.checkpoint import checkpoint_container
+from spotguard.container import containerd_ops
+from spotguard.container.backends import runtime_for
+from spotguard.container.checkpoint import ContainerCheckpoint, checkpoint_container
+from spotguard.container.containerd import Containerd
 from spotguard.container.podman import Podman
-from spotguard.container.restore import restore_container
+from spotguard.container.restore import ContainerRestore, restore_container
 from spotguard.container.settings import ContainerSettings
-from spotguard.container.spec import ContainerRef, is_container_image
+from spotguard.container.spec import ContainerImage, ContainerRef, Runtime, is_container_image
 from spotguard.container.start import start_container
 from spotguard.errors import ConfigError, ImageError
 from spotguard.image.reader import ImageReader
@@ -38,7 +42,7 @@ def run_options(fn: F) -> F:
             "--container",
             "container",
             default=None,
-            metavar="podman:NAME",
+            metavar="podman:NAME|containerd:NS/ID",
             help="Start a container instead: COMMAND is IMAGE [ARGS...] (docs/containers.md).",
         ),
         click.option(
@@ -67,6 +71,12 @@ def podman_for(ctx: click.Context, criu: str | None) -> Podman:
     return Podman.from_settings(load(ContainerSettings, {}, config_file=config(ctx)), criu=criu)
 
 
+def backend_for(ctx: click.Context, runtime: Runtime, criu: str | None) -> Podman | Containerd:
+    """The runtime backend of a job or image (``[container]`` settings)."""
+    settings = load(ContainerSettings, {}, config_file=config(ctx))
+    return runtime_for(runtime, settings, criu=criu)
+
+
 def run(
     ctx: click.Context,
     mine: dict[str, Any],
@@ -77,19 +87,18 @@ def run(
     """``spotguard run --container podman:NAME -- IMAGE ARGS``."""
     ref = ContainerRef.parse(mine["container"])
     image, *args = command
-    podman = podman_for(ctx, criu)
-    cid = asyncio.run(
-        start_container(
-            ref,
-            image,
-            args,
-            podman=podman,
-            volumes=mine["volume"] or (),
-            env=mine["env"] or (),
-            devices=mine["device"] or (),
-            network=mine["network"] or "none",
-        )
-    )
+    backend = backend_for(ctx, ref.runtime, criu)
+    opts: dict[str, Any] = {
+        "volumes": mine["volume"] or (),
+        "env": mine["env"] or (),
+        "devices": mine["device"] or (),
+        "network": mine["network"] or "none",
+    }
+    if isinstance(backend, Containerd):
+        started = containerd_ops.start_containerd(ref, image, args, ctrd=backend, **opts)
+    else:
+        started = start_container(ref, image, args, podman=backend, **opts)
+    cid = asyncio.run(started)
     if as_json:
         click.echo(json.dumps({"job": str(ref), "id": cid}))
     else:
@@ -116,17 +125,18 @@ def checkpoint(
             f"a container is checkpointed to a store URL (file:///DIR, s3://, gs://), not {to!r}"
         )
     image = load(ImageSettings, {}, config_file=config(ctx))
-    result = asyncio.run(
-        checkpoint_container(
-            ref,
-            to,
-            podman=podman_for(ctx, criu),
-            image_settings=image,
-            state_dir=state_dir,
-            leave_running=leave_running,
-            tcp_established=tcp_established,
-        )
-    )
+    backend = backend_for(ctx, ref.runtime, criu)
+    opts: dict[str, Any] = {
+        "image_settings": image,
+        "state_dir": state_dir,
+        "leave_running": leave_running,
+        "tcp_established": tcp_established,
+    }
+    result: ContainerCheckpoint
+    if isinstance(backend, Containerd):
+        result = asyncio.run(containerd_ops.checkpoint_containerd(ref, to, ctrd=backend, **opts))
+    else:
+        result = asyncio.run(checkpoint_container(ref, to, podman=backend, **opts))
     if as_json:
         click.echo(json.dumps(result.to_json()))
     else:
@@ -136,10 +146,14 @@ def checkpoint(
         )
 
 
-async def _container_image(url: str, settings: ImageSettings) -> str | None:
-    """The resolved URL of the image at ``url`` if it is a container image, else None."""
+async def _container_image(url: str, settings: ImageSettings) -> tuple[str, Runtime] | None:
+    """The resolved URL of the image at ``url`` and its container's runtime if it is a
+    container image, else None."""
     async with ImageReader(url, settings=settings) as reader:
-        return reader.url if is_container_image(reader.manifest.meta) else None
+        meta = reader.manifest.meta
+        if not is_container_image(meta):
+            return None
+        return reader.url, ContainerImage.from_meta(meta, reader.url).runtime
 
 
 def restore(
@@ -154,20 +168,26 @@ def restore(
     """Restore ``url`` as a container if it is a container image; False when it is not (the
     caller restores a process). ``--name`` is only for container images."""
     settings = load(ImageSettings, {}, config_file=config(ctx))
-    resolved = asyncio.run(_container_image(url, settings))
-    if resolved is None:
+    found = asyncio.run(_container_image(url, settings))
+    if found is None:
         if name is not None:
             raise ImageError(f"{url} holds a process, not a container: --name does not apply")
         return False
-    result = asyncio.run(
-        restore_container(
-            resolved,
-            podman=podman_for(ctx, criu),
-            image_settings=settings,
-            state_dir=state_dir,
-            name=name,
+    resolved, runtime = found
+    backend = backend_for(ctx, runtime, criu)
+    result: ContainerRestore
+    if isinstance(backend, Containerd):
+        result = asyncio.run(
+            containerd_ops.restore_containerd(
+                resolved, ctrd=backend, image_settings=settings, state_dir=state_dir, name=name
+            )
         )
-    )
+    else:
+        result = asyncio.run(
+            restore_container(
+                resolved, podman=backend, image_settings=settings, state_dir=state_dir, name=name
+            )
+        )
     if as_json:
         click.echo(json.dumps(result.to_json()))
     else:

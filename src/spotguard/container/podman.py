@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotguard import safefs
 from spotguard.checkpoint.criufind import find_criu, version_of
+from spotguard.container.runtime import write_runtime_dir
 from spotguard.container.settings import PREFIX, ContainerSettings
 from spotguard.errors import ConfigError, ContainerError
 
@@ -40,7 +40,6 @@ log = logging.getLogger(__name__)
 
 #: the annotation runc (and crun) read for a container's own CRIU configuration file
 CRIU_CONFIG_ANNOTATION = "org.criu.config"
-CRIU_CONF = "network-lock nftables\n"
 
 
 def _find(explicit: str | None, name: str, prefixed: Path) -> str:
@@ -100,24 +99,8 @@ class Podman:
 
     def prepare(self) -> None:
         """Write the runc wrapper, the CRIU link and CRIU's configuration (idempotent, each
-        file replaced atomically, in a root-only directory)."""
-        bindir = self.runtime_dir / "bin"
-        safefs.ensure_private_dir(bindir)
-        wrapper = (
-            "#!/bin/sh\n# runc with spotguard's CRIU (written by spotguard; see "
-            "src/spotguard/container/podman.py)\n"
-            f"export CRIU_CONFIG_FILE={_q(str(self.criu_conf))}\n"
-            f'exec {_q(self.runc)} --criu {_q(self.criu)} "$@"\n'
-        )
-        safefs.write_file(self.runtime, wrapper.encode(), mode=0o700)
-        safefs.write_file(self.criu_conf, CRIU_CONF.encode(), mode=0o600)
-        link = bindir / "criu"
-        if not (link.is_symlink() and os.readlink(link) == self.criu):
-            tmp = bindir / ".criu.new"
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-            tmp.symlink_to(self.criu)
-            tmp.replace(link)
+        file replaced atomically, in a root-only directory: runtime.write_runtime_dir)."""
+        write_runtime_dir(self.runtime_dir, self.runc, self.criu)
 
     def argv(self, *args: str) -> list[str]:
         """podman's command line: the global options, then ``args``."""
@@ -224,8 +207,3 @@ def _one(text: str, what: str) -> dict[str, Any]:
     if not isinstance(data, list) or not data or not isinstance(data[0], dict):
         raise ContainerError(f"podman's answer about {what} is empty")
     return data[0]
-
-
-def _q(text: str) -> str:
-    """Single-quote ``text`` for /bin/sh."""
-    return "'" + text.replace("'", "'\"'\"'") + "'"

@@ -3,7 +3,8 @@
 Which podman and runc spotguard drives for container jobs (``podman:NAME``) and, where a host
 keeps containers somewhere else than podman's default, its storage (``--root`` /
 ``--runroot``: the tests always give private ones, so no container runtime configured on the
-host is touched).
+host is touched). For ``containerd:NAMESPACE/ID`` jobs: which ``ctr`` and which containerd
+socket (``containerd_address``; the tests start their own daemon).
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from spotguard.config import Settings
 
 #: where scripts/install-podman puts podman, conmon and runc
 PREFIX = Path("/opt/spotguard/podman")
+#: where scripts/install-containerd puts containerd, ctr, the runc shim and runc
+CONTAINERD_PREFIX = Path("/opt/spotguard/containerd")
 
 
 class ContainerSettings(Settings):
@@ -55,4 +58,24 @@ class ContainerSettings(Settings):
             "every host, since a restored container names them"
         ),
     )
-    timeout: float = Field(default=600.0, gt=0, description="Seconds one podman command may take")
+    timeout: float = Field(
+        default=600.0, gt=0, description="Seconds one podman (or ctr) command may take"
+    )
+    ctr: str | None = Field(
+        default=None,
+        description=(
+            "containerd's ctr executable (default: ctr on PATH, else "
+            "/opt/spotguard/containerd/bin/ctr from scripts/install-containerd)"
+        ),
+    )
+    containerd_address: Path = Field(
+        default=Path("/run/containerd/containerd.sock"),
+        description="The containerd socket ctr talks to (ctr --address)",
+    )
+    containerd_runtime_dir: Path = Field(
+        default=Path("/run/spotguard/containerd"),
+        description=(
+            "Where spotguard writes the runc wrapper (runc with spotguard's CRIU) that "
+            "containerd's runc shim runs for containerd jobs, and CRIU's configuration"
+        ),
+    )

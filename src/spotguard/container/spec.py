@@ -1,11 +1,14 @@
-"""What a container job is (``podman:NAME``) and what its image records about it.
+"""What a container job is (``podman:NAME``, ``containerd:NAMESPACE/ID``) and what its image
+records about it.
 
-A container image holds the runtime's own checkpoint archive (``podman container checkpoint
---export``: CRIU's files, the writable layer, podman's config) as one file, and in the
-manifest's ``meta`` (authenticated with the manifest) the typed :class:`ContainerImage`: the
-container's config as podman reported it before the checkpoint — image reference and ID,
-env, mounts, devices, network mode, limits — which restore checks against the target host
-before it creates anything.
+A container image holds the runtime's own checkpoint archive as one file (podman: ``podman
+container checkpoint --export``: CRIU's files, the writable layer, podman's config;
+containerd: an OCI layout of the task's checkpoint — CRIU's files, the writable layer's diff,
+the OCI spec, the runtime options — that ``ctr images import`` and ``ctr containers restore``
+take), and in the manifest's ``meta`` (authenticated with the manifest) the typed
+:class:`ContainerImage`: the container's config as the runtime reported it before the
+checkpoint — image reference and ID or digest, env, mounts, devices, network mode, limits —
+which restore checks against the target host before it creates anything.
 """
 
 from __future__ import annotations
@@ -22,16 +25,32 @@ from spotguard.errors import ImageError, JobError
 #: the one file of a container image: the runtime's checkpoint archive (uncompressed tar;
 #: the image's chunks are zstd frames)
 ARCHIVE_NAME = "podman-checkpoint.tar"
+#: the same for a containerd container: an OCI image layout (uncompressed tar)
+CONTAINERD_ARCHIVE = "containerd-checkpoint.tar"
 #: ``manifest.meta["kind"]`` of a container image (process images have none)
 KIND = "container"
 SCHEMA = 1
 
-#: job-name prefixes that address a container; only podman is built (docs/limits.md)
+#: job-name prefixes that address a container; docker is not built (docs/limits.md)
 RUNTIMES = ("podman", "docker", "containerd")
-SUPPORTED = ("podman",)
+SUPPORTED = ("podman", "containerd")
+Runtime = Literal["podman", "containerd"]
 
 #: podman's own rule for container names
 _NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}$")
+#: containerd's rule for namespaces and container IDs (``identifiers.Validate``): alphanumeric
+#: runs joined by single ``.``, ``_`` or ``-``, at most 76 characters
+_CTRD_RE = re.compile(r"^[A-Za-z0-9]+(?:[._-][A-Za-z0-9]+)*$")
+CTRD_MAX = 76
+
+
+def _containerd_part(what: str, text: str, spec: str) -> str:
+    if len(text) > CTRD_MAX or not _CTRD_RE.match(text):
+        raise JobError(
+            f"invalid containerd {what} {text!r} in {spec!r}: 1-{CTRD_MAX} of a-z A-Z 0-9 in "
+            "runs joined by one . _ or - (containerd's rule)"
+        )
+    return text
 
 
 def is_container_job(text: str) -> bool:
@@ -42,20 +61,35 @@ def is_container_job(text: str) -> bool:
 
 @dataclass(frozen=True)
 class ContainerRef:
-    """A container job: the runtime and the container's name."""
+    """A container job: the runtime, the container's name (containerd: its ID) and, for
+    containerd, its namespace."""
 
-    runtime: Literal["podman"]
+    runtime: Runtime
     name: str
+    namespace: str = ""
 
     @classmethod
     def parse(cls, text: str) -> ContainerRef:
-        """``podman:NAME`` → the reference; anything else is a one-line :class:`JobError`."""
+        """``podman:NAME`` or ``containerd:NAMESPACE/ID`` → the reference; anything else is a
+        one-line :class:`JobError`."""
         head, sep, name = text.partition(":")
         if not sep or head not in RUNTIMES:
-            raise JobError(f"{text!r} is not a container job: use podman:NAME")
+            raise JobError(
+                f"{text!r} is not a container job: use podman:NAME or containerd:NAMESPACE/ID"
+            )
         if head not in SUPPORTED:
             raise JobError(
-                f"{head} containers are not supported yet (podman is): see docs/limits.md"
+                f"{head} containers are not supported yet (podman and containerd are): "
+                "see docs/limits.md"
+            )
+        if head == "containerd":
+            ns, slash, cid = name.partition("/")
+            if not slash:
+                raise JobError(f"{text!r}: a containerd container is containerd:NAMESPACE/ID")
+            return cls(
+                "containerd",
+                _containerd_part("container ID", cid, text),
+                _containerd_part("namespace", ns, text),
             )
         if not _NAME_RE.match(name):
             raise JobError(
@@ -66,13 +100,17 @@ class ContainerRef:
 
     @property
     def job(self) -> str:
-        """The job's name in the store (``podman-<name>``, lowercased)."""
+        """The job's name in the store (``podman-<name>``, ``containerd-<ns>-<id>``,
+        lowercased, at most 63 characters)."""
+        parts = [self.runtime, *([self.namespace] if self.namespace else []), self.name]
         try:
-            return check_job_name(f"{self.runtime}-{self.name.lower()}"[:63].rstrip("._-"))
+            return check_job_name("-".join(parts).lower()[:63].rstrip("._-"))
         except ValueError as exc:
             raise JobError(f"container {self} has no usable job name: {exc}") from exc
 
     def __str__(self) -> str:
+        if self.runtime == "containerd":
+            return f"containerd:{self.namespace}/{self.name}"
         return f"{self.runtime}:{self.name}"
 
 
@@ -180,7 +218,7 @@ class ContainerImage(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     schema_: int = Field(default=SCHEMA, alias="schema")
-    runtime: Literal["podman"] = "podman"
+    runtime: Runtime = "podman"
     runtime_version: str
     criu_version: str
     mode: Mode
@@ -191,6 +229,16 @@ class ContainerImage(BaseModel):
     #: paths to the target's where they differ)
     graph_root: str = ""
     run_root: str = ""
+    #: containerd: the container's namespace, runtime (``io.containerd.runc.v2``) and
+    #: snapshotter; the image ``config.image_id`` names is its manifest digest
+    namespace: str = ""
+    oci_runtime: str = ""
+    snapshotter: str = ""
+
+    @property
+    def ref(self) -> ContainerRef:
+        """The checkpointed container."""
+        return ContainerRef(self.runtime, self.config.name, self.namespace)
 
     def to_meta(self) -> dict[str, Any]:
         """The manifest ``meta`` of the image."""

@@ -1,0 +1,298 @@
+"""containerd containers (``containerd:NAMESPACE/ID``): start, checkpoint into a store, restore.
+
+Checkpoint (each step timed in the result's timeline)::
+
+    ctr containers info (running? spec, image, runtime, snapshotter) + the image's digest
+      ─► image writer opened (an unusable store fails here, before the job stops)
+      ─► ctr tasks checkpoint [--exit] (containerd pauses the task; runc dumps it with
+         spotguard's CRIU; containerd diffs the writable layer — all while paused; exit mode:
+         CRIU ends the processes) ─► the OCI layout built from the checkpoint's blobs
+         (Containerd.export_layout) ─► image writer (chunks → BLAKE3 → zstd → store, signed
+         manifest LAST, the typed ContainerImage record in its meta) ─► exit mode: the task
+         and container deleted
+
+``ctr containers checkpoint --task`` is not used: it always resumes the task after the dump,
+so in exit mode the job would run on between the dump and its removal (its output written
+twice after a restore). ``ctr tasks checkpoint --exit`` ends it at the dump; its checkpoint
+image lacks what ``ctr containers restore`` reads (runtime options, the annotations naming
+image, runtime and snapshotter), which spotguard adds in the layout. ``ctr images export``
+of a checkpoint image fails on containerd 1.6 (``invalid character '\\x1a'``): the layout is
+written from ``ctr content get`` of each blob instead.
+
+Restore: pull (verified) ─► the record ─► preflight (the ID is free in the namespace, the image
+is there with the recorded digest, every bind mount source and device exists) ─►
+``ctr images import --no-unpack`` of the layout ─► ``ctr containers restore --rw --live``
+(a new container of the same image and ID: the writable layer applied, the task restored by
+runc with spotguard's CRIU) ─► the checkpoint image removed again.
+
+Exit mode: a failure before the image is durable restores the container in place from the
+layout (the same import and restore), so a failed checkpoint never leaves the job stopped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import shutil
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
+from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd, config_of
+from spotguard.container.restore import ContainerRestore
+from spotguard.container.spec import CONTAINERD_ARCHIVE, ContainerImage, ContainerRef
+from spotguard.contracts import Mode
+from spotguard.errors import (
+    ConfigError,
+    ContainerError,
+    ImageError,
+    JobError,
+    JobNotFound,
+    MismatchError,
+    MissingMount,
+    PreflightError,
+    SpotguardError,
+)
+from spotguard.image.settings import ImageSettings
+from spotguard.image.transfer import pull_dir
+from spotguard.image.writer import ImageWriter
+from spotguard.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+
+async def start_containerd(
+    ref: ContainerRef,
+    image: str,
+    args: Sequence[str],
+    *,
+    ctrd: Containerd,
+    volumes: Sequence[str] = (),
+    env: Sequence[str] = (),
+    devices: Sequence[str] = (),
+    network: str = "none",
+) -> str:
+    """Start ``image`` with ``args`` as the detached container ``ref`` (``ctr run -d``, its
+    stdio to /dev/null, spotguard's runc wrapper, its own network namespace with loopback
+    only unless ``network`` is ``host``); its ID."""
+    if await ctrd.exists(ref):
+        raise JobError(f"a container {ref} already exists (ctr -n {ref.namespace} c rm it first)")
+    argv = ["run", "--detach", "--null-io", "--runc-binary", str(ctrd.runtime)]
+    argv += ["--annotation", f"{CRIU_CONFIG_ANNOTATION}={ctrd.runtime_dir / 'criu.conf'}"]
+    if network == "host":
+        argv.append("--net-host")
+    elif network != "none":
+        raise ConfigError(f"--network {network!r}: a containerd container takes none or host")
+    for v in volumes:
+        src, _, rest = v.partition(":")
+        dst, _, opt = rest.partition(":")
+        if not src.startswith("/") or not dst.startswith("/") or opt not in ("", "rw", "ro"):
+            raise ConfigError(f"--volume {v!r}: use /HOST/PATH:/CONTAINER/PATH[:ro]")
+        argv += ["--mount", f"type=bind,src={src},dst={dst},options=rbind:{opt or 'rw'}"]
+    for e in env:
+        argv += ["--env", e]
+    for d in devices:
+        argv += ["--device", d]
+    await ctrd.run(*argv, image, ref.name, *args, namespace=ref.namespace, what=f"starting {ref}")
+    return ref.name
+
+
+async def inspect_running(ctrd: Containerd, ref: ContainerRef) -> tuple[dict[str, Any], str]:
+    """The container's info and its image's digest; JobNotFound when there is no such
+    container, JobError when its task does not run."""
+    info = await ctrd.info(ref)
+    if info is None:
+        raise JobNotFound(f"no containerd container {ref} on this host")
+    status, _ = await ctrd.task(ref)
+    if status != "RUNNING":
+        said = status.lower() or "without a task"
+        raise JobError(f"container {ref} is {said}, not running: nothing to checkpoint")
+    image = str(info.get("Image") or "")
+    digest = (await ctrd.images(ref.namespace)).get(image, "")
+    if not digest:
+        raise JobError(f"the image {image!r} of {ref} is not in containerd's image store")
+    return info, digest
+
+
+async def checkpoint_containerd(
+    ref: ContainerRef,
+    store_url: str,
+    *,
+    ctrd: Containerd,
+    image_settings: ImageSettings,
+    state_dir: Path,
+    leave_running: bool = False,
+    tcp_established: bool = False,
+    meta: dict[str, Any] | None = None,
+    on_frozen: Callable[[float], None] | None = None,
+) -> ContainerCheckpoint:
+    """Checkpoint the running containerd container ``ref`` into a new image of ``ref.job``
+    in the store at ``store_url`` (exit mode: the container is removed once the image is
+    durable); as :func:`~spotguard.container.checkpoint.checkpoint_container` for podman."""
+    if tcp_established:
+        raise ConfigError(
+            "--tcp-established is not supported for containerd containers (ctr tasks "
+            "checkpoint has no such option): docs/limits.md"
+        )
+    tl = Timeline()
+    mode = Mode.RESUME if leave_running else Mode.EXIT
+    with tl.step("inspect"):
+        info, digest = await inspect_running(ctrd, ref)
+        config = config_of(info, digest)
+        version = await ctrd.version()
+    tmp = await asyncio.to_thread(work_dir, state_dir)
+    layout = tmp / CONTAINERD_ARCHIVE
+    name = f"spotguard.local/checkpoint/{ref.job}:{int(time.time() * 1000)}"
+    taken = ""
+    writer = ImageWriter(store_url, ref.job, settings=image_settings, timeline=tl)
+    try:
+        async with writer:  # first: a store that cannot take the image fails before the stop
+            with tl.step("ctr checkpoint", mode=mode, streamed=False) as dump:
+                args = ["tasks", "checkpoint", *(() if leave_running else ("--exit",)), ref.name]
+                out = await ctrd.run(*args, namespace=ref.namespace, what=f"checkpointing {ref}")
+                taken = out.strip().splitlines()[-1] if out.strip() else ""
+            frozen_at = time.time()
+            pause_s = frozen_at - dump.start if leave_running else None
+            if on_frozen is not None:
+                on_frozen(frozen_at)
+            with tl.step("layout"):
+                await ctrd.export_layout(ref, taken, info, layout, name)
+            with tl.step("push", image=writer.url):
+                size = (await writer.add_file(layout, CONTAINERD_ARCHIVE)).size
+                record = ContainerImage(
+                    runtime="containerd", runtime_version=version,
+                    criu_version=ctrd.criu_version(), mode=mode, archive=CONTAINERD_ARCHIVE,
+                    archive_bytes=size, config=config, namespace=ref.namespace,
+                    oci_runtime=str((info.get("Runtime") or {}).get("Name") or ""),
+                    snapshotter=str(info.get("Snapshotter") or ""),
+                )  # fmt: skip
+                await writer.commit({**(meta or {}), **record.to_meta()})
+        durable_at = time.time()
+    except BaseException:
+        if not leave_running:  # exit mode: a failed checkpoint never leaves the job stopped
+            await _bring_back(ctrd, ref, info, taken, layout, name)
+        raise
+    finally:
+        if taken:
+            await ctrd.remove_image(ref.namespace, taken)
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+    log.info("container checkpointed", extra={"job": ref.job, "image": writer.url, "mode": mode})
+    if not leave_running:
+        with tl.step("remove"):
+            await _remove(ctrd, ref)
+    return ContainerCheckpoint(
+        container=str(ref), job=ref.job, image_url=writer.url, mode=mode,
+        bytes=record.archive_bytes, stored_bytes=writer.stats.stored_bytes, timeline=tl,
+        stats=writer.stats, frozen_at=frozen_at, freeze_seconds=frozen_at - dump.start,
+        pause_seconds=pause_s, durable_at=durable_at, streamed=False,
+    )  # fmt: skip
+
+
+async def _remove(ctrd: Containerd, ref: ContainerRef) -> None:
+    """Delete the container's (stopped) task, then the container and its snapshot."""
+    what = f"removing {ref} (image durable)"
+    if (await ctrd.task(ref))[0]:
+        await ctrd.run("tasks", "delete", ref.name, namespace=ref.namespace, what=what)
+    await ctrd.run("containers", "delete", ref.name, namespace=ref.namespace, what=what)
+
+
+async def _bring_back(
+    ctrd: Containerd, ref: ContainerRef, info: dict[str, Any], taken: str, layout: Path, name: str
+) -> None:
+    """Exit mode, the image not durable: restore the container in place from its checkpoint
+    unless it still runs (the checkpoint failed before CRIU ended it); logged, never raised
+    over the error that brought us here."""
+    try:
+        if (await ctrd.task(ref))[0] == "RUNNING":
+            return
+        if not taken:
+            raise ContainerError(f"no checkpoint of {ref} was taken")
+        await ctrd.export_layout(ref, taken, info, layout, name)  # anew: it may be partial
+        await _remove(ctrd, ref)
+        await _restore(ctrd, ref, layout)
+        log.warning("container restored in place after a failed checkpoint", extra={"job": ref.job})
+    except SpotguardError as exc:
+        log.error(
+            "container could not be brought back after a failed checkpoint",
+            extra={"job": ref.job, "error": str(exc)},
+        )
+
+
+async def _restore(ctrd: Containerd, ref: ContainerRef, layout: Path) -> None:
+    """Import the layout, restore the container from it, remove the checkpoint image."""
+    ns = ref.namespace
+    checkpoint = await ctrd.import_layout(ns, layout)
+    try:
+        await ctrd.run(
+            "containers", "restore", "--rw", "--live", ref.name, checkpoint,
+            namespace=ns, what=f"restoring {ref}",
+        )  # fmt: skip
+    finally:
+        await ctrd.remove_image(ns, checkpoint)
+
+
+async def restore_containerd(
+    image_url: str,
+    *,
+    ctrd: Containerd,
+    image_settings: ImageSettings,
+    state_dir: Path,
+    name: str | None = None,
+) -> ContainerRestore:
+    """Restore the containerd container image at ``image_url`` as a new container of the
+    same namespace and ID (``name``: another ID)."""
+    tl = Timeline()
+    tmp = await asyncio.to_thread(work_dir, state_dir)
+    try:
+        with tl.step("pull", image=image_url):
+            manifest = await pull_dir(image_url, tmp, settings=image_settings, timeline=tl)
+        record = ContainerImage.from_meta(manifest.meta, image_url)
+        if record.runtime != "containerd":
+            raise ImageError(f"{image_url} holds a {record.runtime} container, not containerd's")
+        names = [f.name for f in manifest.files]
+        if names != [record.archive]:
+            raise ImageError(f"{image_url}: a container image holds {record.archive} only")
+        layout = tmp / record.archive
+        if (await asyncio.to_thread(os.stat, layout)).st_size != record.archive_bytes:
+            raise ImageError(f"{image_url}: {record.archive} is not of the recorded size")
+        ref = ContainerRef.parse(f"containerd:{record.namespace}/{name or record.config.name}")
+        with tl.step("preflight"):
+            await preflight(ctrd, record, ref)
+        with tl.step("ctr restore"):
+            await _restore(ctrd, ref, layout)
+    finally:
+        await asyncio.to_thread(shutil.rmtree, tmp, True)
+    log.info("container restored", extra={"image": image_url, "job": str(ref)})
+    return ContainerRestore(str(ref), ref.name, image_url, tl)
+
+
+async def preflight(ctrd: Containerd, record: ContainerImage, ref: ContainerRef) -> None:
+    """Refuse, before anything is created, what would make the restore fail or differ."""
+    if await ctrd.exists(ref):
+        raise PreflightError(
+            f"a container {ref} exists on this host: remove it (ctr -n {ref.namespace} c rm "
+            f"{ref.name}) or restore under another ID (--name)"
+        )
+    cfg = record.config
+    have = (await ctrd.images(ref.namespace)).get(cfg.image)
+    if have is None:
+        raise PreflightError(
+            f"the container's image {cfg.image} ({cfg.image_id[:19]}) is not in containerd "
+            f"namespace {ref.namespace} on this host: import or pull it (ctr -n "
+            f"{ref.namespace} images import/pull), then restore again"
+        )
+    if have != cfg.image_id:
+        raise MismatchError("container image " + cfg.image, cfg.image_id, have)
+    for m in cfg.mounts:
+        if m.source and not await asyncio.to_thread(os.path.exists, m.source):
+            raise MissingMount(
+                f"bind mount {m.source} (at {m.destination} in {record.ref}) does not exist on "
+                "this host: bind mounts are the job's data and are not carried in the image; "
+                "create or mount it, then restore again"
+            )
+    for d in cfg.devices:
+        if not await asyncio.to_thread(os.path.exists, d.host_path):
+            raise MissingMount(f"device {d.host_path} of {record.ref} is not on this host")

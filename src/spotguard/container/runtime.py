@@ -1,0 +1,85 @@
+"""The one protocol a container runtime backend satisfies, and the runc wrapper both write.
+
+spotguard drives each container runtime through one class: :class:`~spotguard.container.
+podman.Podman` (``podman:NAME``) and :class:`~spotguard.container.containerd.Containerd`
+(``containerd:NAMESPACE/ID``). Both satisfy :class:`ContainerRuntime`: the few things every
+container checkpoint and restore needs from its runtime whatever the runtime is — its
+version for the image's record, the CRIU it runs, its time limit, and writing spotguard's
+runtime pieces (:func:`write_runtime_dir`). What differs (how a checkpoint is taken, what the
+archive is) lives in each backend's own module; the commands pick the backend by the job's
+runtime (``ContainerRef.runtime``, ``ContainerImage.runtime``).
+
+:func:`write_runtime_dir` writes, in a root-only directory: ``runc`` — a wrapper that runs the
+real runc with ``--criu <spotguard's CRIU>`` (4.2.1 with spotguard's patches) and CRIU's
+configuration in ``CRIU_CONFIG_FILE``; ``criu.conf`` (``network-lock nftables``: the hosts
+have no iptables); ``bin/criu`` linked to the same CRIU (runtimes that check CRIU's version
+find it first on their ``PATH``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from spotguard import safefs
+
+#: CRIU's configuration for every container spotguard checkpoints
+CRIU_CONF = "network-lock nftables\n"
+
+
+@runtime_checkable
+class ContainerRuntime(Protocol):
+    """A container runtime backend (podman, containerd)."""
+
+    @property
+    def criu(self) -> str:
+        """The CRIU binary the runtime's runc is told to use."""
+        ...
+
+    @property
+    def timeout(self) -> float:
+        """Seconds one runtime command may take."""
+        ...
+
+    def prepare(self) -> None:
+        """Write spotguard's runtime pieces (:func:`write_runtime_dir`); idempotent."""
+        ...
+
+    def criu_version(self) -> str:
+        """CRIU's version, for the image's record."""
+        ...
+
+    async def version(self) -> str:
+        """The runtime's version, for the image's record."""
+        ...
+
+
+def write_runtime_dir(runtime_dir: Path, runc: str, criu: str) -> Path:
+    """Write the runc wrapper, the CRIU link and CRIU's configuration under ``runtime_dir``
+    (each file replaced atomically, the directory root-only); the wrapper's path."""
+    bindir = runtime_dir / "bin"
+    safefs.ensure_private_dir(bindir)
+    conf = runtime_dir / "criu.conf"
+    wrapper = (
+        "#!/bin/sh\n# runc with spotguard's CRIU (written by spotguard; see "
+        "src/spotguard/container/runtime.py)\n"
+        f"export CRIU_CONFIG_FILE={shell_quote(str(conf))}\n"
+        f'exec {shell_quote(runc)} --criu {shell_quote(criu)} "$@"\n'
+    )
+    safefs.write_file(runtime_dir / "runc", wrapper.encode(), mode=0o700)
+    safefs.write_file(conf, CRIU_CONF.encode(), mode=0o600)
+    link = bindir / "criu"
+    if not (link.is_symlink() and os.readlink(link) == criu):
+        tmp = bindir / ".criu.new"
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+        tmp.symlink_to(criu)
+        tmp.replace(link)
+    return runtime_dir / "runc"
+
+
+def shell_quote(text: str) -> str:
+    """Single-quote ``text`` for /bin/sh."""
+    return "'" + text.replace("'", "'\"'\"'") + "'"

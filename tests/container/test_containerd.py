@@ -1,0 +1,111 @@
+"""A containerd container checkpointed to a store and restored as a new container in another
+containerd ("VM"), with real containerd, runc and CRIU (issue 29): the output continues
+byte-identically and the writable layer comes along; a missing image or bind mount on the
+restoring host is refused, one line, before anything is created."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import subprocess
+import time
+
+from containerd_helpers import IMAGE, NS, CtrVm
+
+from sgtest import wait_lines
+from spotguard.container import ContainerImage
+from spotguard.image import ImageReader, ImageSettings
+
+LINES = 120
+#: the job: a mark in its writable layer, then one line per step into its bind-mounted output
+JOB = (
+    f"echo layer >/tmp/mark; exec >>/data/out; i=0; while [ $i -lt {LINES} ]; do echo $i; "
+    "i=$((i+1)); sleep 0.05; done"
+)
+EXPECTED = "".join(f"{i}\n" for i in range(LINES))
+
+
+def _sg(vm: CtrVm, *args: str) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        ["spotguard", args[0], "--json", *args[1:]],
+        env=vm.cli_env(), capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert "Traceback" not in out.stderr, out.stderr
+    return out
+
+
+def _ok(vm: CtrVm, *args: str) -> dict[str, object]:
+    out = _sg(vm, *args)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _refused(vm: CtrVm, *args: str) -> str:
+    out = _sg(vm, *args)
+    assert out.returncode != 0, out.stdout
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("spotguard:")]
+    assert len(lines) == 1, out.stderr
+    return lines[0]
+
+
+async def _record(url: str) -> ContainerImage:
+    async with ImageReader(url, settings=ImageSettings()) as r:
+        return ContainerImage.from_meta(r.manifest.meta, url)
+
+
+def test_containerd_container_checkpointed_removed_and_restored_in_another_containerd(
+    ctr_vms: tuple[CtrVm, CtrVm],
+) -> None:
+    vm1, vm2 = ctr_vms
+    ref_dir, job_dir = vm1.base.parent / "ref", vm1.base.parent / "job"
+    for name, d in (("ref", ref_dir), ("ctr", job_dir)):
+        d.mkdir()
+        started = _ok(
+            vm1, "run", "--container", f"containerd:{NS}/{name}", "-v", f"{d}:/data",
+            "--", IMAGE, "/bin/sh", "-c", JOB,
+        )  # fmt: skip
+        assert started["job"] == f"containerd:{NS}/{name}"
+    wait_lines(job_dir / "out", 8)
+    store = f"file://{vm1.base.parent / 'store'}"
+    ck = _ok(vm1, "checkpoint", f"containerd:{NS}/ctr", "--to", store)
+    assert ck["mode"] == "exit" and ck["job"] == f"containerd-{NS}-ctr", ck
+    at_checkpoint = (job_dir / "out").read_text()
+    assert 8 <= at_checkpoint.count("\n") < LINES
+    # exit mode: the container is gone from VM 1 once its image is durable, and stopped
+    assert "ctr" not in vm1.ctr("containers", "ls", "-q").split()
+    time.sleep(0.3)
+    assert (job_dir / "out").read_text() == at_checkpoint
+
+    url = f"{store}/containerd-{NS}-ctr/images/latest"
+    record = asyncio.run(_record(url))
+    assert (record.runtime, record.namespace, record.config.name) == ("containerd", NS, "ctr")
+    assert record.config.image == IMAGE and record.config.image_id.startswith("sha256:")
+    assert [(m.type, m.source, m.destination) for m in record.config.mounts] == [
+        ("bind", str(job_dir), "/data")
+    ]
+    assert record.config.network_mode == "none" and record.criu_version.startswith("4.")
+
+    # VM 2 lacks the image, then the bind mount: refused by name, nothing created
+    said = _refused(vm2, "restore", url)
+    assert f"image {IMAGE}" in said and "not in containerd namespace sg" in said, said
+    vm2.ctr("images", "import", str(vm1.base.parent / "image.tar"))
+    os.rename(job_dir, job_dir.with_name("elsewhere"))
+    said = _refused(vm2, "restore", url)
+    assert f"bind mount {job_dir} (at /data in containerd:{NS}/ctr) does not exist" in said, said
+    assert vm2.ctr("containers", "ls", "-q").split() == []
+    os.rename(job_dir.with_name("elsewhere"), job_dir)
+
+    back = _ok(vm2, "restore", url)
+    assert back["container"] == f"containerd:{NS}/ctr", back
+    mark = vm2.ctr(
+        "tasks", "exec", "--exec-id", "m", "ctr", "/bin/sh", "-c", "read x </tmp/mark; echo $x"
+    )
+    assert mark == "layer\n"  # the writable layer came along
+    wait_lines(job_dir / "out", LINES)
+    wait_lines(ref_dir / "out", LINES)
+    time.sleep(0.3)
+    assert (ref_dir / "out").read_text() == EXPECTED
+    assert (job_dir / "out").read_text() == EXPECTED
+    assert vm2.ctr("images", "ls", "-q").split() == [IMAGE]  # the checkpoint image is gone
