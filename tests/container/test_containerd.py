@@ -68,6 +68,13 @@ def test_containerd_container_checkpointed_removed_and_restored_in_another_conta
         )  # fmt: skip
         assert started["job"] == f"containerd:{NS}/{name}"
     wait_lines(job_dir / "out", 8)
+    # the reference parks in memory (the cgroup freezer) and comes back: a pause, no gap
+    parked = _ok(vm1, "park", f"containerd:{NS}/ref", "--to", "memory")
+    assert parked["place"] == "memory" and "PAUSED" in vm1.ctr("tasks", "ls")
+    assert _ok(vm1, "unpark", f"containerd:{NS}/ref")["place"] == "memory"
+    assert "PAUSED" not in vm1.ctr("tasks", "ls")
+    said = _refused(vm1, "park", f"containerd:{NS}/ref", "--to", "disk")
+    assert "a containerd container parks to memory or a store URL" in said, said
     store = f"file://{vm1.base.parent / 'store'}"
     ck = _ok(vm1, "checkpoint", f"containerd:{NS}/ctr", "--to", store)
     assert ck["mode"] == "exit" and ck["job"] == f"containerd-{NS}-ctr", ck

@@ -16,15 +16,12 @@ import click
 
 from spotguard.cli import config
 from spotguard.config import load
-from spotguard.container import containerd_ops
+from spotguard.container import dispatch
 from spotguard.container.backends import runtime_for
-from spotguard.container.checkpoint import ContainerCheckpoint, checkpoint_container
 from spotguard.container.containerd import Containerd
 from spotguard.container.podman import Podman
-from spotguard.container.restore import ContainerRestore, restore_container
 from spotguard.container.settings import ContainerSettings
 from spotguard.container.spec import ContainerImage, ContainerRef, Runtime, is_container_image
-from spotguard.container.start import start_container
 from spotguard.errors import ConfigError, ImageError
 from spotguard.image.reader import ImageReader
 from spotguard.image.settings import ImageSettings
@@ -94,11 +91,7 @@ def run(
         "devices": mine["device"] or (),
         "network": mine["network"] or "none",
     }
-    if isinstance(backend, Containerd):
-        started = containerd_ops.start_containerd(ref, image, args, ctrd=backend, **opts)
-    else:
-        started = start_container(ref, image, args, podman=backend, **opts)
-    cid = asyncio.run(started)
+    cid = asyncio.run(dispatch.start(ref, image, args, backend=backend, **opts))
     if as_json:
         click.echo(json.dumps({"job": str(ref), "id": cid}))
     else:
@@ -132,11 +125,7 @@ def checkpoint(
         "leave_running": leave_running,
         "tcp_established": tcp_established,
     }
-    result: ContainerCheckpoint
-    if isinstance(backend, Containerd):
-        result = asyncio.run(containerd_ops.checkpoint_containerd(ref, to, ctrd=backend, **opts))
-    else:
-        result = asyncio.run(checkpoint_container(ref, to, podman=backend, **opts))
+    result = asyncio.run(dispatch.checkpoint(ref, to, backend=backend, **opts))
     if as_json:
         click.echo(json.dumps(result.to_json()))
     else:
@@ -175,19 +164,11 @@ def restore(
         return False
     resolved, runtime = found
     backend = backend_for(ctx, runtime, criu)
-    result: ContainerRestore
-    if isinstance(backend, Containerd):
-        result = asyncio.run(
-            containerd_ops.restore_containerd(
-                resolved, ctrd=backend, image_settings=settings, state_dir=state_dir, name=name
-            )
+    result = asyncio.run(
+        dispatch.restore(
+            resolved, backend=backend, image_settings=settings, state_dir=state_dir, name=name
         )
-    else:
-        result = asyncio.run(
-            restore_container(
-                resolved, podman=backend, image_settings=settings, state_dir=state_dir, name=name
-            )
-        )
+    )
     if as_json:
         click.echo(json.dumps(result.to_json()))
     else:
@@ -213,7 +194,7 @@ def park(
         parking.park(
             ref,
             to,
-            podman=podman_for(ctx, criu),
+            podman=backend_for(ctx, ref.runtime, criu),
             image_settings=load(ImageSettings, {}, config_file=config(ctx)),
             state_dir=state_dir,
             reason=reason,
@@ -236,7 +217,7 @@ def unpark(
     rec = asyncio.run(
         parking.unpark(
             ref,
-            podman=podman_for(ctx, criu),
+            podman=backend_for(ctx, ref.runtime, criu),
             image_settings=load(ImageSettings, {}, config_file=config(ctx)),
             state_dir=state_dir,
         )

@@ -24,7 +24,6 @@ is one :class:`ContainerError` line naming the command and the last thing ctr sa
 from __future__ import annotations
 
 import asyncio
-import base64
 import contextlib
 import hashlib
 import io
@@ -42,8 +41,8 @@ from typing import IO, Any
 from spotguard.checkpoint.criufind import find_criu, version_of
 from spotguard.container.runtime import write_runtime_dir
 from spotguard.container.settings import CONTAINERD_PREFIX, PREFIX, ContainerSettings
-from spotguard.container.spec import ContainerConfig, ContainerRef, Device, Mount, Ulimit
-from spotguard.errors import ConfigError, ContainerError, ImageError, JobError
+from spotguard.container.spec import ContainerRef
+from spotguard.errors import ConfigError, ContainerError, ImageError
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +59,14 @@ SNAPSHOTTER_LABEL = "io.containerd.checkpoint.snapshotter"
 #: what a checkpoint index may hold, at most (its children are the blobs above)
 MAX_INDEX_BYTES = 1 << 20
 MAX_SPEC_BYTES = 16 << 20
+#: containerd's task states as podman names them
+TASK_STATES = {
+    "RUNNING": "running",
+    "PAUSED": "paused",
+    "PAUSING": "paused",
+    "STOPPED": "exited",
+    "CREATED": "created",
+}
 #: the annotation runc reads for a container's own CRIU configuration file
 CRIU_CONFIG_ANNOTATION = "org.criu.config"
 
@@ -225,6 +232,17 @@ class Containerd:
             if len(cols) >= 3 and cols[0] == ref.name:
                 return cols[2], int(cols[1]) if cols[1].isdigit() else 0
         return "", 0
+
+    async def inspect(self, ref: ContainerRef) -> dict[str, Any] | None:
+        """The container's state in the shape of ``podman container inspect`` (what the
+        agent's guard and park read): ``{"Id": ID, "State": {"Status": running | paused |
+        exited | created, "Pid": N}}``; None when there is no such container."""
+        if not await self.exists(ref):
+            return None
+        status, pid = await self.task(ref)
+        mapped = TASK_STATES.get(status, status.lower() or "created")
+        live = mapped in ("running", "paused")
+        return {"Id": ref.name, "State": {"Status": mapped, "Pid": pid if live else 0}}
 
     async def images(self, namespace: str) -> dict[str, str]:
         """The namespace's images: name → target digest (``ctr images ls``)."""
@@ -408,69 +426,3 @@ def layout_name(layout: Path) -> str:
         return str(top["manifests"][0]["annotations"][REF_NAME])
     except (tarfile.TarError, OSError, ValueError, KeyError, IndexError, TypeError) as exc:
         raise ImageError(f"{layout.name} is not a containerd checkpoint layout: {exc}") from exc
-
-
-def spec_of(info: dict[str, Any]) -> dict[str, Any]:
-    """The container's OCI spec from ``ctr containers info`` (its ``Spec``; older ctr gave
-    the protobuf ``Any`` with the JSON base64-encoded in ``value``)."""
-    spec = info.get("Spec")
-    if isinstance(spec, dict) and "value" in spec and "ociVersion" not in spec:
-        try:
-            spec = json.loads(base64.b64decode(str(spec["value"])))
-        except ValueError as exc:
-            raise ContainerError("the container's spec is not understood") from exc
-    if not isinstance(spec, dict):
-        raise ContainerError("ctr containers info names no spec")
-    return spec
-
-
-def config_of(info: dict[str, Any], digest: str) -> ContainerConfig:
-    """The container's record from ``ctr containers info`` (its OCI spec) and its image's
-    digest: what restore checks on the target host."""
-    spec = spec_of(info)
-    process = spec.get("process") or {}
-    linux = spec.get("linux") or {}
-    res = linux.get("resources") or {}
-    cpu = res.get("cpu") or {}
-    quota, period = int(cpu.get("quota") or 0), int(cpu.get("period") or 0)
-    namespaces = {
-        str(n.get("type")): str(n.get("path") or "") for n in linux.get("namespaces") or []
-    }
-    if "network" not in namespaces:
-        network = "host"
-    else:
-        network = f"ns:{namespaces['network']}" if namespaces["network"] else "none"
-    try:
-        return ContainerConfig(
-            name=str(info["ID"]),
-            id=str(info["ID"]),
-            image=str(info.get("Image") or ""),
-            image_id=digest,
-            command=[str(a) for a in process.get("args") or []],
-            env=[str(e) for e in process.get("env") or []],
-            mounts=[
-                Mount(
-                    type="bind",
-                    destination=str(m["destination"]),
-                    source=str(m.get("source") or ""),
-                    rw="ro" not in (m.get("options") or []),
-                )
-                for m in spec.get("mounts") or []
-                if m.get("type") == "bind" or {"bind", "rbind"} & set(m.get("options") or [])
-            ],
-            devices=[
-                Device(host_path=str(d["path"]), container_path=str(d["path"]))
-                for d in linux.get("devices") or []
-            ],
-            network_mode=network,
-            memory=int((res.get("memory") or {}).get("limit") or 0),
-            nano_cpus=quota * 1_000_000_000 // period if quota > 0 and period > 0 else 0,
-            pids_limit=int((res.get("pids") or {}).get("limit") or 0),
-            ulimits=[
-                Ulimit(name=str(r["type"]), soft=int(r["soft"]), hard=int(r["hard"]))
-                for r in process.get("rlimits") or []
-            ],
-            annotations={str(k): str(v) for k, v in (spec.get("annotations") or {}).items()},
-        )
-    except (KeyError, TypeError, ValueError) as exc:
-        raise JobError(f"containerd's container info is not understood: {str(exc)[:200]}") from exc

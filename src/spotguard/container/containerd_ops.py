@@ -32,6 +32,8 @@ layout (the same import and restore), so a failed checkpoint never leaves the jo
 from __future__ import annotations
 
 import asyncio
+import base64
+import json
 import logging
 import os
 import shutil
@@ -41,9 +43,17 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
-from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd, config_of
+from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd
 from spotguard.container.restore import ContainerRestore
-from spotguard.container.spec import CONTAINERD_ARCHIVE, ContainerImage, ContainerRef
+from spotguard.container.spec import (
+    CONTAINERD_ARCHIVE,
+    ContainerConfig,
+    ContainerImage,
+    ContainerRef,
+    Device,
+    Mount,
+    Ulimit,
+)
 from spotguard.contracts import Mode
 from spotguard.errors import (
     ConfigError,
@@ -296,3 +306,69 @@ async def preflight(ctrd: Containerd, record: ContainerImage, ref: ContainerRef)
     for d in cfg.devices:
         if not await asyncio.to_thread(os.path.exists, d.host_path):
             raise MissingMount(f"device {d.host_path} of {record.ref} is not on this host")
+
+
+def spec_of(info: dict[str, Any]) -> dict[str, Any]:
+    """The container's OCI spec from ``ctr containers info`` (its ``Spec``; older ctr gave
+    the protobuf ``Any`` with the JSON base64-encoded in ``value``)."""
+    spec = info.get("Spec")
+    if isinstance(spec, dict) and "value" in spec and "ociVersion" not in spec:
+        try:
+            spec = json.loads(base64.b64decode(str(spec["value"])))
+        except ValueError as exc:
+            raise ContainerError("the container's spec is not understood") from exc
+    if not isinstance(spec, dict):
+        raise ContainerError("ctr containers info names no spec")
+    return spec
+
+
+def config_of(info: dict[str, Any], digest: str) -> ContainerConfig:
+    """The container's record from ``ctr containers info`` (its OCI spec) and its image's
+    digest: what restore checks on the target host."""
+    spec = spec_of(info)
+    process = spec.get("process") or {}
+    linux = spec.get("linux") or {}
+    res = linux.get("resources") or {}
+    cpu = res.get("cpu") or {}
+    quota, period = int(cpu.get("quota") or 0), int(cpu.get("period") or 0)
+    namespaces = {
+        str(n.get("type")): str(n.get("path") or "") for n in linux.get("namespaces") or []
+    }
+    if "network" not in namespaces:
+        network = "host"
+    else:
+        network = f"ns:{namespaces['network']}" if namespaces["network"] else "none"
+    try:
+        return ContainerConfig(
+            name=str(info["ID"]),
+            id=str(info["ID"]),
+            image=str(info.get("Image") or ""),
+            image_id=digest,
+            command=[str(a) for a in process.get("args") or []],
+            env=[str(e) for e in process.get("env") or []],
+            mounts=[
+                Mount(
+                    type="bind",
+                    destination=str(m["destination"]),
+                    source=str(m.get("source") or ""),
+                    rw="ro" not in (m.get("options") or []),
+                )
+                for m in spec.get("mounts") or []
+                if m.get("type") == "bind" or {"bind", "rbind"} & set(m.get("options") or [])
+            ],
+            devices=[
+                Device(host_path=str(d["path"]), container_path=str(d["path"]))
+                for d in linux.get("devices") or []
+            ],
+            network_mode=network,
+            memory=int((res.get("memory") or {}).get("limit") or 0),
+            nano_cpus=quota * 1_000_000_000 // period if quota > 0 and period > 0 else 0,
+            pids_limit=int((res.get("pids") or {}).get("limit") or 0),
+            ulimits=[
+                Ulimit(name=str(r["type"]), soft=int(r["soft"]), hard=int(r["hard"]))
+                for r in process.get("rlimits") or []
+            ],
+            annotations={str(k): str(v) for k, v in (spec.get("annotations") or {}).items()},
+        )
+    except (KeyError, TypeError, ValueError) as exc:
+        raise JobError(f"containerd's container info is not understood: {str(exc)[:200]}") from exc

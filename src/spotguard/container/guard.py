@@ -1,11 +1,14 @@
-"""The agent's container jobs: ``spotguard agent --job podman:NAME`` (or ``job = [...]``).
+"""The agent's container jobs: ``spotguard agent --job podman:NAME`` or
+``containerd:NAMESPACE/ID`` (or ``job = [...]``).
 
 A container job is guarded like a process job — a :class:`~spotguard.agent.worker.JobWorker`
 takes its notices, drains and periodic checkpoints, reports them (STARTED, FROZEN, DURABLE,
 EXITED, ...), and the ledger journals each checkpoint — but the worker's checkpoint is the
-container's (:func:`~spotguard.container.checkpoint.checkpoint_container`: podman's export
-through runc and spotguard's CRIU, one signed image, manifest last) and what "the job runs"
-means is podman's:
+container's (:func:`~spotguard.container.dispatch.checkpoint`: podman's export, or
+containerd's task checkpoint, through runc and spotguard's CRIU, one signed image, manifest
+last) and what "the job runs" means is the runtime's (containerd's task state is read in
+podman's shape, :meth:`~spotguard.container.containerd.Containerd.inspect`; it has no
+"checkpointed" state, so a containerd container that ends is parked only by a park record):
 
 * the job's name is the image's (``podman-<name>``: reports, ledger, status ``job``); status
   also names the container (``container``); its pid is the container's init process, watched
@@ -51,12 +54,12 @@ from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.meta import ImageMeta
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.config import load
+from spotguard.container import dispatch
 from spotguard.container import park as container_park
-from spotguard.container.checkpoint import checkpoint_container
-from spotguard.container.podman import Podman
-from spotguard.container.restore import restore_container
+from spotguard.container.backends import runtime_for
+from spotguard.container.dispatch import Backend
 from spotguard.container.settings import ContainerSettings
-from spotguard.container.spec import ContainerImage, ContainerRef, is_container_image
+from spotguard.container.spec import ContainerImage, ContainerRef, Runtime, is_container_image
 from spotguard.container.spec import is_container_job as names_container
 from spotguard.contracts import InstanceInfo, Mode, ParkedEvent, StartedEvent, check_job_name
 from spotguard.errors import SpotguardError
@@ -176,15 +179,15 @@ class ContainerJobs:
         self.store = store
         self.config = config
         self.guarded: set[str] = set()  # job names with a guard loop
-        self._podman: Podman | None = None
+        self._backends: dict[Runtime, Backend] = {}
 
-    @property
-    def podman(self) -> Podman:
-        """podman as ``[container]`` says (loaded once, when a container job first needs it)."""
-        if self._podman is None:
+    def backend(self, runtime: Runtime) -> Backend:
+        """The runtime's backend as ``[container]`` says (loaded once, when a container job
+        of that runtime first needs it)."""
+        if runtime not in self._backends:
             s = load(ContainerSettings, {}, config_file=self.config)
-            self._podman = Podman.from_settings(s, criu=self.criu)
-        return self._podman
+            self._backends[runtime] = runtime_for(runtime, s, criu=self.criu)
+        return self._backends[runtime]
 
     # --- what the daemon calls ------------------------------------------------------------
 
@@ -218,8 +221,9 @@ class ContainerJobs:
         if not is_container_image(meta):
             return None
         record = ContainerImage.from_meta(meta, url)
-        done = await restore_container(
-            url, podman=self.podman, image_settings=self.image, state_dir=self.state_dir
+        backend = self.backend(record.runtime)
+        done = await dispatch.restore(
+            url, backend=backend, image_settings=self.image, state_dir=self.state_dir
         )
         ref = ContainerRef.parse(done.container)
         await asyncio.to_thread(remember, self.state_dir, ref)
@@ -228,7 +232,7 @@ class ContainerJobs:
                 "the assigned job's image holds another container's job",
                 extra={"step": "restore", "job": job, "container": str(ref)},
             )
-        _, pid, _ = _state(await self.podman.inspect(ref.name))
+        _, pid, _ = _state(await dispatch.inspect(backend, ref))
         host = await asyncio.to_thread(HostFacts.probe, record.criu_version)
         image_meta = ImageMeta(
             job={"name": ref.job, "pid": pid, "container": str(ref)}, mode=record.mode,
@@ -260,7 +264,7 @@ class ContainerJobs:
         told = False
         while True:
             try:
-                ctr = await self.podman.inspect(ref.name)
+                ctr = await dispatch.inspect(self.backend(ref.runtime), ref)
             except SpotguardError as exc:
                 ctr = None
                 if not told:
@@ -387,7 +391,7 @@ class ContainerJobs:
         start = loop.time()
         while worker.state is JobState.PROTECTING:
             try:
-                ctr = await self.podman.inspect(ref.name)
+                ctr = await dispatch.inspect(self.backend(ref.runtime), ref)
             except SpotguardError:
                 ctr = None
             status, pid, checkpointed = _state(ctr)
@@ -414,7 +418,7 @@ class ContainerJobs:
         """The container runs under a new init process (restored in place): guard that."""
         if ctr is None:
             with contextlib.suppress(SpotguardError):
-                ctr = await self.podman.inspect(worker.ref.name)
+                ctr = await dispatch.inspect(self.backend(worker.ref.runtime), worker.ref)
         status, pid, _ = _state(ctr)
         if status != "running" or pid <= 0 or pid == worker.pid:
             return
@@ -431,7 +435,8 @@ class ContainerJobs:
         """One checkpoint of the container, journaled like a process's; the image's meta
         carries the job, instance and host facts the controller and a restarted agent read."""
         ref, d = worker.ref, self.notices
-        host = await asyncio.to_thread(HostFacts.probe, self.podman.criu_version())
+        backend = self.backend(ref.runtime)
+        host = await asyncio.to_thread(HostFacts.probe, backend.criu_version())
         facts = {
             **meta,
             "job": {"name": ref.job, "pid": worker.pid, "container": str(ref)},
@@ -443,11 +448,9 @@ class ContainerJobs:
         try:
             with journal.checkpointing(d.ledger, info, mode, worker.alive) as journaled:
                 try:
-                    async with container_park.thawed(
-                        ref, podman=self.podman, state_dir=self.state_dir
-                    ):
-                        done = await checkpoint_container(
-                            ref, self.store, podman=self.podman, image_settings=self.image,
+                    async with container_park.thawed(ref, podman=backend, state_dir=self.state_dir):
+                        done = await dispatch.checkpoint(
+                            ref, self.store, backend=backend, image_settings=self.image,
                             state_dir=self.state_dir, leave_running=mode is Mode.RESUME,
                             meta=facts, on_frozen=on_frozen,
                         )  # fmt: skip

@@ -1,16 +1,17 @@
-"""Park and unpark a podman container (``spotguard park podman:NAME``).
+"""Park and unpark a container (``spotguard park podman:NAME`` or ``containerd:NS/ID``).
 
 Where a parked container's state goes (``--to``), and how it comes back:
 
-* ``memory``: ``podman pause`` (the cgroup freezer: the processes stay in memory, stopped);
-  unpark: ``podman unpause``.
-* ``disk`` / ``tmpfs``: ``podman container checkpoint`` (CRIU's images kept in podman's
-  storage; the processes end); unpark: ``podman container restore`` in place.
+* ``memory``: ``podman pause`` / ``ctr tasks pause`` (the cgroup freezer: the processes stay
+  in memory, stopped); unpark: ``podman unpause`` / ``ctr tasks resume``.
+* ``disk`` / ``tmpfs`` (podman only): ``podman container checkpoint`` (CRIU's images kept in
+  podman's storage; the processes end); unpark: ``podman container restore`` in place.
 * a store URL: :func:`~spotguard.container.checkpoint.checkpoint_container` (a signed image;
   the container is removed); unpark: :func:`~spotguard.container.restore.restore_container`,
   here or on any host that reaches the store (``spotguard restore URL``).
 
-A record ``<state_dir>/containers/parked/<name>.json`` (typed, written atomically, root-only)
+A record ``<state_dir>/containers/parked/<name>.json`` (containerd:
+``containerd:<ns>:<id>.json``) (typed, written atomically, root-only)
 says which; unpark reads it, brings the container back, then removes it. For a store park the
 record holds the image URL, so another node's unpark needs only the URL (``spotguard restore``).
 """
@@ -29,9 +30,9 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from spotguard import safefs
-from spotguard.container.checkpoint import checkpoint_container, inspect_running
-from spotguard.container.podman import Podman
-from spotguard.container.restore import restore_container
+from spotguard.container import dispatch
+from spotguard.container.containerd import Containerd
+from spotguard.container.dispatch import Backend
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import ParkError
 from spotguard.image.settings import ImageSettings
@@ -46,7 +47,7 @@ class ParkedContainer(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    container: str  # podman:NAME
+    container: str  # podman:NAME, containerd:NS/ID
     place: Place
     image_url: str = ""
     reason: str = ""
@@ -58,8 +59,16 @@ def _dir(state_dir: Path) -> Path:
     return safefs.ensure_private_dir(StateDir(state_dir).parked_containers)
 
 
+def _file(ref: ContainerRef) -> str:
+    """The record's file name: podman's container name, or containerd's namespace and ID
+    (``:`` is in no podman name, so the two never meet)."""
+    if ref.runtime == "containerd":
+        return f"containerd:{ref.namespace}:{ref.name}.json"
+    return f"{ref.name}.json"
+
+
 def _path(state_dir: Path, ref: ContainerRef) -> Path:
-    return _dir(state_dir) / f"{ref.name}.json"
+    return _dir(state_dir) / _file(ref)
 
 
 def load(state_dir: Path, ref: ContainerRef) -> ParkedContainer | None:
@@ -68,7 +77,7 @@ def load(state_dir: Path, ref: ContainerRef) -> ParkedContainer | None:
     try:
         fd = safefs.open_dir_nofollow(d)
         try:
-            data = safefs.read_at(fd, f"{ref.name}.json", limit=MAX_RECORD_BYTES)
+            data = safefs.read_at(fd, _file(ref), limit=MAX_RECORD_BYTES)
         finally:
             os.close(fd)
     except FileNotFoundError:
@@ -85,7 +94,7 @@ def place_of(to: str) -> Place:
     if to == "memory":
         return "memory"
     if to in ("disk", "tmpfs"):
-        return "disk"
+        return "disk"  # podman's checkpoint in its storage
     if "://" in to:
         return "store"
     raise ParkError(f"--to {to!r}: use memory, disk, tmpfs or a store URL")
@@ -95,27 +104,33 @@ async def park(
     ref: ContainerRef,
     to: str,
     *,
-    podman: Podman,
+    podman: Backend,
     image_settings: ImageSettings,
     state_dir: Path,
     reason: str = "",
 ) -> ParkedContainer:
-    """Park the running container ``ref`` (see the module's table)."""
+    """Park the running container ``ref`` (see the module's table; ``podman``: the
+    container's runtime backend, podman or containerd)."""
     place = place_of(to)
+    if place == "disk" and isinstance(podman, Containerd):
+        raise ParkError(
+            f"--to {to}: a containerd container parks to memory or a store URL "
+            "(containerd keeps no checkpoint in place to restore from): docs/limits.md"
+        )
     if load(state_dir, ref) is not None:
         raise ParkError(f"{ref} is already parked: spotguard unpark {ref}")
     t0 = time.monotonic()
     url = ""
     if place == "store":
-        done = await checkpoint_container(
-            ref, to, podman=podman, image_settings=image_settings, state_dir=state_dir
+        done = await dispatch.checkpoint(
+            ref, to, backend=podman, image_settings=image_settings, state_dir=state_dir
         )
         url = done.image_url
     else:
-        await inspect_running(podman, ref)
+        await dispatch.running(podman, ref)
         if place == "memory":
-            await podman.run("pause", ref.name, what=f"parking {ref} in memory")
-        else:
+            await dispatch.pause(podman, ref, what=f"parking {ref} in memory")
+        elif not isinstance(podman, Containerd):
             await podman.checkpoint(ref.name, what=f"parking {ref} to disk")
     rec = ParkedContainer(
         container=str(ref),
@@ -132,16 +147,16 @@ async def park(
 
 
 @contextlib.asynccontextmanager
-async def thawed(ref: ContainerRef, *, podman: Podman, state_dir: Path) -> AsyncIterator[bool]:
+async def thawed(ref: ContainerRef, *, podman: Backend, state_dir: Path) -> AsyncIterator[bool]:
     """Around a checkpoint of ``ref`` (podman refuses to checkpoint a paused container): a
     container parked in memory is unpaused first (yields whether it was). Afterwards, a
     container that runs on (leave-running, or a failed checkpoint that restored it) is paused
     again, still parked; one that is gone (exit mode: its image is durable) is parked no more,
     so its memory park record is removed."""
-    ctr = await podman.inspect(ref.name)
+    ctr = await dispatch.inspect(podman, ref)
     paused = str(((ctr or {}).get("State") or {}).get("Status", "")) == "paused"
     if paused:
-        await podman.run("unpause", ref.name, what=f"unpausing {ref} to checkpoint it")
+        await dispatch.unpause(podman, ref, what=f"unpausing {ref} to checkpoint it")
     try:
         yield paused
     finally:
@@ -149,10 +164,10 @@ async def thawed(ref: ContainerRef, *, podman: Podman, state_dir: Path) -> Async
             await _refreeze(ref, podman=podman, state_dir=state_dir)
 
 
-async def _refreeze(ref: ContainerRef, *, podman: Podman, state_dir: Path) -> None:
-    ctr = await podman.inspect(ref.name)
+async def _refreeze(ref: ContainerRef, *, podman: Backend, state_dir: Path) -> None:
+    ctr = await dispatch.inspect(podman, ref)
     if str(((ctr or {}).get("State") or {}).get("Status", "")) == "running":
-        await podman.run("pause", ref.name, what=f"parking {ref} in memory again")
+        await dispatch.pause(podman, ref, what=f"parking {ref} in memory again")
         return
     rec = await asyncio.to_thread(load, state_dir, ref)
     if rec is not None and rec.place == "memory":
@@ -163,7 +178,7 @@ async def _refreeze(ref: ContainerRef, *, podman: Podman, state_dir: Path) -> No
 async def unpark(
     ref: ContainerRef,
     *,
-    podman: Podman,
+    podman: Backend,
     image_settings: ImageSettings,
     state_dir: Path,
 ) -> ParkedContainer:
@@ -172,13 +187,15 @@ async def unpark(
     if rec is None:
         raise ParkError(f"{ref} is not parked on this node")
     if rec.place == "memory":
-        await podman.run("unpause", ref.name, what=f"unparking {ref}")
-    elif rec.place == "disk":
+        await dispatch.unpause(podman, ref, what=f"unparking {ref}")
+    elif rec.place == "disk" and not isinstance(podman, Containerd):
         await podman.run("container", "restore", ref.name, what=f"unparking {ref}")
+    elif rec.place == "disk":
+        raise ParkError(f"the park record of {ref} says disk: containerd parks no container there")
     else:
-        await restore_container(
+        await dispatch.restore(
             rec.image_url,
-            podman=podman,
+            backend=podman,
             image_settings=image_settings,
             state_dir=state_dir,
             name=ref.name,
