@@ -19,9 +19,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from containerd_helpers import CtrVm, image_layout
+from containerd_helpers import IMAGE as CTRD_IMAGE
+from containerd_helpers import CtrVm
 from podman_helpers import IMAGE, Vm
 
+from spotguard.container.containerd_vm import image_layout
 from spotguard.container.demo import rootfs_tar
 from spotguard.container.podman import Podman
 from spotguard.container.settings import CONTAINERD_PREFIX, PREFIX
@@ -101,7 +103,7 @@ def ctr_vms(containerd_installed: Path, criu_bin: str) -> Iterator[tuple[CtrVm, 
     try:
         for n in (1, 2):
             made.append(CtrVm.start(base / f"vm{n}", criu_bin))
-        image = image_layout(rootfs_tar(base), base / "image.tar")
+        image = image_layout(rootfs_tar(base), base / "image.tar", CTRD_IMAGE)
         made[0].ctr("images", "import", str(image))
         yield made[0], made[1]
     finally:

@@ -1,7 +1,10 @@
 """A containerd container checkpointed to a store and restored as a new container in another
 containerd ("VM"), with real containerd, runc and CRIU (issue 29): the output continues
 byte-identically and the writable layer comes along; a missing image or bind mount on the
-restoring host is refused, one line, before anything is created."""
+restoring host is refused, one line, before anything is created. Through the agent and the
+controller (the scenario of ``spotguard demo --container --runtime containerd``): a
+rebalance's leave-running checkpoint, a notice's exit checkpoint, the relaunch on VM 2 whose
+agent restores the container from its assignment; the counter goes on without a gap."""
 
 from __future__ import annotations
 
@@ -10,11 +13,14 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
+from typing import Any
 
 from containerd_helpers import IMAGE, NS, CtrVm
 
-from sgtest import wait_lines
-from spotguard.container import ContainerImage
+from sgtest import line_count, wait_lines
+from spotguard.container import Containerd, ContainerImage, ContainerRef
+from spotguard.container.demo import Stage, run_container_demo
 from spotguard.image import ImageReader, ImageSettings
 
 LINES = 120
@@ -116,3 +122,61 @@ def test_containerd_container_checkpointed_removed_and_restored_in_another_conta
     assert (ref_dir / "out").read_text() == EXPECTED
     assert (job_dir / "out").read_text() == EXPECTED
     assert vm2.ctr("images", "ls", "-q").split() == [IMAGE]  # the checkpoint image is gone
+
+
+async def _status(stage: Stage) -> dict[str, Any]:
+    token = (stage.state_dir / "agent" / "api.token").read_text().strip()
+    headers = {"Authorization": f"Bearer {token}"}
+    async with stage.http.get(f"{stage.api}/status", headers=headers) as r:
+        [job] = (await r.json())["jobs"]
+        out: dict[str, Any] = job
+        return out
+
+
+async def _rebalanced_on_vm1(stage: Stage) -> None:
+    mine = await _status(stage)
+    assert (mine["job"], mine["container"], mine["state"]) == (
+        "containerd-demo-counter", "containerd:demo/counter", "protecting"
+    )  # fmt: skip
+    pid = mine["pid"]
+    stage.sim1.state.send("aws", "rebalance")  # leave-running: containerd resumes the task
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 60
+    while mine["checkpoints"] < 1 or mine["state"] != "protecting":
+        assert loop.time() < end and mine["state"] != "finished", mine
+        await asyncio.sleep(0.1)
+        mine = await _status(stage)
+    assert mine["last_image"]["mode"] == "resume" and mine["pid"] == pid, mine
+    n = line_count(stage.data / "out")
+    await asyncio.sleep(1.2)  # longer than the agent's liveness look (1 s)
+    mine = await _status(stage)
+    assert mine["state"] == "protecting" and line_count(stage.data / "out") > n, mine
+
+
+async def _relaunched_on_vm2(stage: Stage) -> None:
+    ref = ContainerRef.parse("containerd:demo/counter")
+    assert isinstance(stage.vm1, Containerd) and isinstance(stage.vm2, Containerd)
+    assert await stage.vm1.inspect(ref) is None  # exit mode: gone from VM 1
+    back = await stage.vm2.inspect(ref)
+    assert back is not None and back["State"]["Status"] == "running", back
+    v = await stage.job()
+    assert v["instance"]["instance_id"] == "i-0demovm2demovm2", v
+
+
+async def test_the_agent_guards_a_containerd_container_and_the_controller_relaunches_it(
+    containerd_installed: Path, criu_bin: str, tmp_path: Path
+) -> None:
+    bindir = containerd_installed / "bin"
+    ctrd = Containerd(
+        ctr=str(bindir / "ctr"), address=tmp_path / "unused.sock", runc=str(bindir / "runc"),
+        criu=criu_bin, timeout=120,
+    )  # fmt: skip
+    result = await run_container_demo(
+        ctrd, ImageSettings.model_validate({}), tmp_path, lambda _: None,
+        protected=_rebalanced_on_vm1, relaunched=_relaunched_on_vm2,
+    )  # fmt: skip
+    assert result.ok, result
+    assert result.history == [
+        "protected", "interrupting", "protected",  # the rebalance: resumed
+        "interrupting", "checkpointed", "launching", "restoring", "protected", "finished",
+    ]  # fmt: skip

@@ -103,8 +103,15 @@ from spotguard.demo.options import CLOUDS, FAULTS, KINDS, STORES, DemoOptions
     help="Protect a podman container instead of a process (needs scripts/install-podman; "
     "takes only --workdir, --keep and --json; docs/containers.md).",
 )
+@click.option(
+    "--runtime",
+    type=click.Choice(["podman", "containerd"]),
+    default="podman",
+    show_default=True,
+    help="With --container: the container runtime (containerd needs scripts/install-containerd).",
+)
 @click.pass_context
-def demo(ctx: click.Context, /, as_json: bool, container: bool, **flags: Any) -> None:
+def demo(ctx: click.Context, /, as_json: bool, container: bool, runtime: str, **flags: Any) -> None:
     """Save a job from a spot interruption end to end, on this machine alone.
 
     Starts the metadata emulator, a store, the controller with the local provider, an agent on
@@ -115,8 +122,12 @@ def demo(ctx: click.Context, /, as_json: bool, container: bool, **flags: Any) ->
     if container:
         from spotguard.container.cli import demo as container_demo
 
-        ok = container_demo(ctx, as_json=as_json, workdir=flags["workdir"], keep=flags["keep"])
+        ok = container_demo(
+            ctx, as_json=as_json, workdir=flags["workdir"], keep=flags["keep"], runtime=runtime
+        )
         sys.exit(0 if ok else 1)
+    if runtime != "podman":
+        raise click.UsageError("--runtime goes with --container")
     from spotguard.cli import config
     from spotguard.config import load
     from spotguard.demo.scenario import run_demo

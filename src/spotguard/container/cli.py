@@ -64,10 +64,6 @@ def split_run_flags(flags: dict[str, Any]) -> dict[str, Any]:
     return mine
 
 
-def podman_for(ctx: click.Context, criu: str | None) -> Podman:
-    return Podman.from_settings(load(ContainerSettings, {}, config_file=config(ctx)), criu=criu)
-
-
 def backend_for(ctx: click.Context, runtime: Runtime, criu: str | None) -> Podman | Containerd:
     """The runtime backend of a job or image (``[container]`` settings)."""
     settings = load(ContainerSettings, {}, config_file=config(ctx))
@@ -228,8 +224,16 @@ def unpark(
         click.echo(f"container {ref} unparked from {rec.place}")
 
 
-def demo(ctx: click.Context, *, as_json: bool, workdir: Path | None, keep: bool) -> bool:
-    """``spotguard demo --container`` (:mod:`spotguard.container.demo`); True if it held."""
+def demo(
+    ctx: click.Context,
+    *,
+    as_json: bool,
+    workdir: Path | None,
+    keep: bool,
+    runtime: str = "podman",
+) -> bool:
+    """``spotguard demo --container [--runtime containerd]`` (:mod:`spotguard.container.demo`);
+    True if it held."""
     import shutil
     import tempfile
 
@@ -237,7 +241,7 @@ def demo(ctx: click.Context, *, as_json: bool, workdir: Path | None, keep: bool)
     from spotguard.container.demo import run_container_demo
 
     criu = load(CheckpointSettings, {}, config_file=config(ctx)).criu
-    podman = podman_for(ctx, criu)
+    podman = backend_for(ctx, "containerd" if runtime == "containerd" else "podman", criu)
     image = load(ImageSettings, {}, config_file=config(ctx))
     work = workdir or Path(tempfile.mkdtemp(prefix="sg-ctr-demo-", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,11 @@ The job's image is built offline from this host's ``sh`` and ``sleep`` (no regis
 into VM 1, saved and loaded into VM 2, so both have the same image ID. Needs root, CRIU
 (scripts/install-criu) and podman (scripts/install-podman). Every process and container it
 started is stopped, and both storages reset, however it ends.
+
+With a :class:`~spotguard.container.containerd.Containerd` backend (``--runtime containerd``)
+the same story runs with ``containerd:demo/counter``: each VM is a containerd daemon of the
+demo's own (:class:`~spotguard.container.containerd_vm.ContainerdVm`), the image an OCI layout
+imported into both (scripts/install-containerd).
 """
 
 from __future__ import annotations
@@ -36,14 +41,19 @@ from typing import Any
 
 import aiohttp
 
+from spotguard.container import dispatch
+from spotguard.container.containerd import Containerd
+from spotguard.container.containerd_vm import ContainerdVm, image_layout
+from spotguard.container.dispatch import Backend
 from spotguard.container.podman import Podman
 from spotguard.container.spec import ContainerRef
-from spotguard.container.start import start_container
 from spotguard.errors import DemoError, SpotguardError
 from spotguard.image.settings import ImageSettings
 
 IMAGE = "localhost/sg-demo-counter:1"
 CONTAINER = "podman:counter"
+#: the demo's container under containerd
+CONTAINERD_CONTAINER = "containerd:demo/counter"
 TOKEN = "container-demo"
 #: counts until told to stop (a file in its bind mount)
 COUNTER = (
@@ -72,11 +82,24 @@ def rootfs_tar(dest: Path) -> Path:
     return tar
 
 
-async def same_image_on(vms: list[Podman], image: str, work: Path) -> None:
+def container_of(backend: Backend) -> str:
+    """The demo's container under ``backend``'s runtime."""
+    return CONTAINERD_CONTAINER if isinstance(backend, Containerd) else CONTAINER
+
+
+async def same_image_on(vms: list[Backend], image: str, work: Path) -> None:
     """``image`` built from :func:`rootfs_tar` on the first podman, loaded into the others
-    (``save``/``load``: the same image ID, as a registry pull would give)."""
-    first, *rest = vms
+    (``save``/``load``: the same image ID, as a registry pull would give); containerd: an OCI
+    layout imported into each (the same manifest digest)."""
     tar = await asyncio.to_thread(rootfs_tar, work)
+    if any(isinstance(v, Containerd) for v in vms):
+        layout = await asyncio.to_thread(image_layout, tar, work / "image.tar", image)
+        ns = ContainerRef.parse(CONTAINERD_CONTAINER).namespace
+        for v in vms:
+            if isinstance(v, Containerd):
+                await v.run("images", "import", str(layout), namespace=ns, what="importing")
+        return
+    first, *rest = [v for v in vms if isinstance(v, Podman)]
     await first.run("import", "--change", 'CMD ["/bin/sh"]', str(tar), image, what="building")
     saved = work / "image.tar"
     await first.run("save", "--quiet", "-o", str(saved), image, what="saving the image")
@@ -84,8 +107,15 @@ async def same_image_on(vms: list[Podman], image: str, work: Path) -> None:
         await p.run("load", "--quiet", "-i", str(saved), what="loading the image")
 
 
-def vm_env(p: Podman) -> dict[str, str]:
-    """What points a spotguard command at one VM's podman storage and CRIU."""
+def vm_env(p: Backend) -> dict[str, str]:
+    """What points a spotguard command at one VM's podman storage (or containerd) and CRIU."""
+    if isinstance(p, Containerd):
+        return {
+            "SPOTGUARD_CONTAINER_CTR": p.ctr,
+            "SPOTGUARD_CONTAINER_CONTAINERD_ADDRESS": str(p.address),
+            "SPOTGUARD_CONTAINER_RUNC": p.runc,
+            "SPOTGUARD_CRIU": p.criu,
+        }
     env = {"SPOTGUARD_CONTAINER_PODMAN": p.binary, "SPOTGUARD_CRIU": p.criu}
     if p.root is not None and p.runroot is not None:
         env.update(SPOTGUARD_CONTAINER_ROOT=str(p.root), SPOTGUARD_CONTAINER_RUNROOT=str(p.runroot))
@@ -116,23 +146,24 @@ class Stage:
     http: aiohttp.ClientSession
     controller: str
     sim1: Any  # MetadataSim
-    vm1: Podman
-    vm2: Podman
+    vm1: Backend
+    vm2: Backend
     data: Path
     state_dir: Path
     api: str
+    container: str = CONTAINER
 
     async def job(self) -> dict[str, Any]:
         """The controller's view of the job."""
-        return await _job(self.http, self.controller)
+        return await _job(self.http, self.controller, self.container)
 
 
 #: called at a step of the demo: once VM 1's agent protects the container, once VM 2's does
 Hook = Callable[[Stage], Awaitable[None]]
 
 
-async def _job(http: aiohttp.ClientSession, url: str) -> dict[str, Any]:
-    job = ContainerRef.parse(CONTAINER).job
+async def _job(http: aiohttp.ClientSession, url: str, container: str) -> dict[str, Any]:
+    job = ContainerRef.parse(container).job
     async with http.get(f"{url}/v1/jobs/{job}", headers={"Authorization": f"Bearer {TOKEN}"}) as r:
         out: dict[str, Any] = await r.json() if r.status == 200 else {}
         return out
@@ -144,11 +175,12 @@ async def _until(
     ok: Callable[[dict[str, Any]], bool],
     step: str,
     within: float,
+    container: str = CONTAINER,
 ) -> dict[str, Any]:
     """The controller's view of the job once ``ok`` holds; DemoError ``step`` after ``within``."""
     end = time.monotonic() + within
     while True:
-        v = await _job(http, url)
+        v = await _job(http, url, container)
         if v and ok(v):
             return v
         if time.monotonic() > end:
@@ -158,18 +190,32 @@ async def _until(
 
 
 @contextlib.asynccontextmanager
-async def _vms(podman: Podman) -> AsyncIterator[list[Podman]]:
-    """Two podman storages in a fresh short directory under /tmp (podman refuses a run root
-    longer than 50 characters); every container removed, both reset and the directory
-    removed after."""
+async def _vms(backend: Backend) -> AsyncIterator[list[Backend]]:
+    """Two VMs in a fresh short directory under /tmp: two containerd daemons of the demo's
+    own, or two podman storages (podman refuses a run root longer than 50 characters);
+    every container removed, daemons stopped, storages reset and the directory removed
+    after."""
     base = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="sgdemo-", dir="/tmp"))
+    if isinstance(backend, Containerd):
+        daemons: list[ContainerdVm] = []
+        try:
+            for n in (1, 2):
+                vm = await asyncio.to_thread(ContainerdVm.start, base / f"vm{n}", backend.criu)
+                daemons.append(vm)
+            yield [d.ctrd for d in daemons]
+        finally:
+            for d in daemons:
+                await asyncio.to_thread(d.stop)
+            await asyncio.to_thread(shutil.rmtree, base, True)
+        return
+    podman = backend
     vms = [
         Podman(podman.binary, podman.runc, podman.criu, base / f"vm{n}" / "storage",
                base / f"vm{n}" / "run", podman.runtime_dir, podman.timeout)
         for n in (1, 2)
     ]  # fmt: skip
     try:
-        yield vms
+        yield list[Backend](vms)
     finally:
         for p in vms:
             for args in (("rm", "--all", "--force", "--time", "0"), ("system", "reset", "--force")):
@@ -179,7 +225,7 @@ async def _vms(podman: Podman) -> AsyncIterator[list[Podman]]:
 
 
 async def run_container_demo(
-    podman: Podman,
+    podman: Backend,
     image: ImageSettings,
     work: Path,
     say: Callable[[str], None],
@@ -190,7 +236,9 @@ async def run_container_demo(
 ) -> Result:
     """Run the demo (see the module's doc) in the directory ``work``; ``say`` is told each
     step; ``protected`` / ``relaunched`` are awaited once VM 1's / VM 2's agent protects the
-    container. A link that does not hold is a :class:`DemoError` naming it."""
+    container. A link that does not hold is a :class:`DemoError` naming it. ``podman``: the
+    runtime's backend (a :class:`Containerd` runs the containerd story; its ctr, runc and
+    CRIU serve the demo's own daemons)."""
     from spotguard.controller.server import ControllerServer
     from spotguard.controller.settings import ControllerSettings
     from spotguard.providers.local import LocalProvider, LocalSettings
@@ -200,6 +248,7 @@ async def run_container_demo(
     data.mkdir(parents=True, exist_ok=True)
     spotguard = str(Path(sys.executable).with_name("spotguard"))
     agent: asyncio.subprocess.Process | None = None
+    container = container_of(podman)
     async with (
         _vms(podman) as (vm1, vm2),
         MetadataSim(facts=SimFacts(instance_id="i-0demovm1demovm1")) as sim1,
@@ -233,9 +282,9 @@ async def run_container_demo(
                 ControllerServer(settings, provider=local, image=image) as srv,
                 aiohttp.ClientSession() as http,
             ):
-                ref = ContainerRef.parse(CONTAINER)
-                await start_container(
-                    ref, IMAGE, ["/bin/sh", "-c", COUNTER], podman=vm1, volumes=[f"{data}:/data"]
+                ref = ContainerRef.parse(container)
+                await dispatch.start(
+                    ref, IMAGE, ["/bin/sh", "-c", COUNTER], backend=vm1, volumes=[f"{data}:/data"]
                 )
                 env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
                 env.update(base, **sim1.env(), **vm_env(vm1))
@@ -249,27 +298,32 @@ async def run_container_demo(
                 )
                 with (work / "agent-vm1.log").open("ab") as log:
                     agent = await asyncio.create_subprocess_exec(
-                        spotguard, "agent", "--job", CONTAINER, "--store", store, env=env,
+                        spotguard, "agent", "--job", container, "--store", store, env=env,
                         stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
                     )  # fmt: skip
-                await _until(http, srv.url, lambda v: v.get("state") == "protected", "protect", 60)
-                say(f"VM 1: {CONTAINER} counts; its agent protects it ({ref.job})")
-                stage = Stage(
-                    http, srv.url, sim1, vm1, vm2, data, work / "vm1", f"http://127.0.0.1:{port}"
+                await _until(
+                    http, srv.url, lambda v: v.get("state") == "protected", "protect", 60, container
                 )
+                say(f"VM 1: {container} counts; its agent protects it ({ref.job})")
+                stage = Stage(
+                    http, srv.url, sim1, vm1, vm2, data, work / "vm1",
+                    f"http://127.0.0.1:{port}", container,
+                )  # fmt: skip
                 if protected is not None:
                     await protected(stage)
                 else:
                     await asyncio.sleep(1.0)  # let it count a little on VM 1
                 sim1.state.send("aws", "preempt", in_seconds=120)
                 say("VM 1: spot interruption notice sent (AWS, 2 minutes)")
-                v = await _until(http, srv.url, _relaunched, "relaunch", timeout_s)
+                v = await _until(http, srv.url, _relaunched, "relaunch", timeout_s, container)
                 say(f"checkpointed to {v['image_url']}; VM 2 restored it and its agent protects it")
                 if relaunched is not None:
                     await relaunched(stage)
                 await _counts_on(data / "out", 5, within=10.0)
                 (data / "stop").touch()
-                v = await _until(http, srv.url, lambda v: v["state"] == "finished", "finish", 60)
+                v = await _until(
+                    http, srv.url, lambda v: v["state"] == "finished", "finish", 60, container
+                )
         finally:
             if agent is not None and agent.returncode is None:
                 os.killpg(agent.pid, signal.SIGTERM)
