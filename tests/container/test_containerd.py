@@ -56,6 +56,15 @@ def _refused(vm: CtrVm, *args: str) -> str:
     return lines[0]
 
 
+def _task(vm: CtrVm, cid: str) -> tuple[str, str]:
+    """(pid, status) of the container's task."""
+    for line in vm.ctr("tasks", "ls").splitlines()[1:]:
+        name, pid, status = line.split()[:3]
+        if name == cid:
+            return pid, status
+    return "", ""
+
+
 async def _record(url: str) -> ContainerImage:
     async with ImageReader(url, settings=ImageSettings()) as r:
         return ContainerImage.from_meta(r.manifest.meta, url)
@@ -81,6 +90,17 @@ def test_containerd_container_checkpointed_removed_and_restored_in_another_conta
     assert "PAUSED" not in vm1.ctr("tasks", "ls")
     said = _refused(vm1, "park", f"containerd:{NS}/ref", "--to", "disk")
     assert "a containerd container parks to memory or a store URL" in said, said
+    # a store that takes the image's marker but no chunk: the exit checkpoint fails after
+    # CRIU ended the task, and the container is restored in place from its checkpoint
+    bad = vm1.base.parent / "bad-store"
+    (bad / f"containerd-{NS}-ctr").mkdir(parents=True)
+    (bad / f"containerd-{NS}-ctr" / "chunks").write_text("not a directory")
+    before = _task(vm1, "ctr")
+    said = _refused(vm1, "checkpoint", f"containerd:{NS}/ctr", "--to", f"file://{bad}")
+    assert f"containerd-{NS}-ctr/chunks/" in said, said  # the upload failed, after the dump
+    after = _task(vm1, "ctr")
+    assert after[1] == "RUNNING" and after[0] != before[0], (before, after)  # restored
+    wait_lines(job_dir / "out", line_count(job_dir / "out") + 3)  # it counts on, in place
     store = f"file://{vm1.base.parent / 'store'}"
     ck = _ok(vm1, "checkpoint", f"containerd:{NS}/ctr", "--to", store)
     assert ck["mode"] == "exit" and ck["job"] == f"containerd-{NS}-ctr", ck
