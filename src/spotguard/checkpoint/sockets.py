@@ -9,13 +9,13 @@ read); a socket in none of them is of a family CRIU does not dump (``unknown``).
 from __future__ import annotations
 
 import logging
-import shutil
 import socket
 import struct
-import subprocess
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
+
+from . import sockdiag
 
 TCP_STATES = {
     1: "ESTABLISHED",
@@ -171,23 +171,16 @@ def clear_time_wait(ports: Iterable[int]) -> int:
     start) leaves them in TIME_WAIT on its own port for 60 s, and the kernel refuses to bind
     the port again until then, SO_REUSEADDR or not (the closed connections did not have it).
     A restore on the host the job ran on would wait that out. They are the job's own closed
-    connections, on ports its signed image names: ``ss -K`` destroys them (the kernel's
-    SOCK_DESTROY, ``CONFIG_INET_DIAG_DESTROY``; iproute2 speaks its netlink protocol, which
-    no Python library here does). Where the kernel or ``ss`` lacks it, nothing is cleared and
-    restore falls back to waiting (:mod:`.restart`)."""
+    connections, on ports its signed image names: the kernel's ``SOCK_DESTROY``
+    (:mod:`.sockdiag`) removes them. Where the kernel lacks it (``CONFIG_INET_DIAG_DESTROY``)
+    nothing is cleared and restore falls back to waiting (:mod:`.restart`)."""
     wanted = set(ports)
-    before = {p: n for p, n in time_wait_counts().items() if p in wanted}
-    if not before:
+    if not wanted & time_wait_ports():
         return 0
-    ss = shutil.which("ss") or "/usr/sbin/ss"
-    expr = " or ".join(f"sport = :{p}" for p in sorted(before))
-    argv = [ss, "-K", "-tan", "state", "time-wait", f"( {expr} )"]
     try:
-        out = subprocess.run(argv, capture_output=True, text=True, timeout=10, check=False)
-        said = out.stderr.strip()[-200:]
-    except (OSError, subprocess.SubprocessError) as exc:
-        said = str(exc)
-    after = {p: n for p, n in time_wait_counts().items() if p in wanted}
-    if after:
-        log.info("closed connections not cleared", extra={"ports": sorted(after), "error": said})
-    return max(0, sum(before.values()) - sum(after.values()))
+        return sockdiag.destroy_time_wait(wanted)
+    except OSError as exc:
+        log.info(
+            "closed connections not cleared", extra={"ports": sorted(wanted), "error": str(exc)}
+        )
+        return 0
