@@ -6,7 +6,7 @@ BIN      = $(VENV)/bin
 STAMP    = $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 
-.PHONY: demo test lint typecheck unit gpu-test bench criu chromium podman containerd venv clean
+.PHONY: demo test lint typecheck unit gpu-test bench criu chromium podman containerd docker venv clean
 
 venv: $(STAMP)
 
@@ -28,6 +28,11 @@ podman:
 containerd:
 	@scripts/install-containerd >/dev/null
 
+## dockerd and docker from the distribution in a private prefix (with containerd's), for
+## tests/container (the tests start their own dockerd; a host's docker is never touched).
+docker: containerd
+	@scripts/install-docker >/dev/null
+
 ## Debian's chromium for tests/ui; when it cannot be installed those tests skip, saying why.
 chromium:
 	-@scripts/install-chromium >/dev/null
@@ -37,7 +42,7 @@ demo: venv criu
 	$(BIN)/spotguard demo
 
 ## The whole test suite (lint, types, tests). This is what CI runs.
-test: venv criu chromium podman containerd lint typecheck
+test: venv criu chromium podman containerd docker lint typecheck
 	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
 
 ## The fast tier: no CRIU, no GPU (tests needing CRIU are marked criu by tests/conftest.py).

@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 from containerd_helpers import IMAGE as CTRD_IMAGE
 from containerd_helpers import CtrVm
+from docker_helpers import IMAGE as DOCKER_IMAGE
+from docker_helpers import DockerVm
 from podman_helpers import IMAGE, Vm
 
 from spotguard.container.containerd_vm import image_layout
 from spotguard.container.demo import rootfs_tar
 from spotguard.container.podman import Podman
-from spotguard.container.settings import CONTAINERD_PREFIX, PREFIX
+from spotguard.container.settings import CONTAINERD_PREFIX, DOCKER_PREFIX, PREFIX
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -106,6 +108,43 @@ def ctr_vms(containerd_installed: Path, criu_bin: str) -> Iterator[tuple[CtrVm, 
         image = image_layout(rootfs_tar(base), base / "image.tar", CTRD_IMAGE)
         made[0].ctr("images", "import", str(image))
         yield made[0], made[1]
+    finally:
+        for vm in made:
+            vm.stop()
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def docker_installed(criu_bin: str) -> Path:
+    """scripts/install-docker's prefix; skips (fails in CI, SPOTGUARD_REQUIRE_CRIU=1) where
+    it cannot be installed."""
+    dockerd = DOCKER_PREFIX / "bin" / "dockerd"
+    if not os.access(dockerd, os.X_OK):
+        subprocess.run([str(ROOT / "scripts" / "install-docker")], check=False)
+    if not os.access(dockerd, os.X_OK):
+        if os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1":
+            pytest.fail("docker could not be installed (scripts/install-docker)")
+        pytest.skip("docker is not installed (scripts/install-docker)")
+    return DOCKER_PREFIX
+
+
+@pytest.fixture
+def docker_vms(docker_installed: Path, criu_bin: str) -> Iterator[tuple[DockerVm, DockerVm]]:
+    """Two VMs, each its own dockerd, with the job's image (same ID on both: imported into
+    VM 1, saved and loaded into VM 2). Every container and daemon stopped after."""
+    base = Path(tempfile.mkdtemp(prefix="sgdk-", dir="/tmp"))
+    made: list[DockerVm] = []
+    try:
+        for n in (1, 2):
+            made.append(DockerVm.start(base / f"vm{n}", criu_bin))
+        vm1, vm2 = made
+        tar = rootfs_tar(base)
+        vm1.cmd("import", "--change", 'CMD ["/bin/sh"]', str(tar), DOCKER_IMAGE)
+        saved = subprocess.run(
+            vm1.docker.argv("save", DOCKER_IMAGE), capture_output=True, check=True, timeout=60
+        ).stdout
+        vm2.cmd("load", "--quiet", stdin=saved)
+        yield vm1, vm2
     finally:
         for vm in made:
             vm.stop()

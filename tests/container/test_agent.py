@@ -90,11 +90,11 @@ async def test_a_notice_checkpoints_the_container_and_the_controller_restores_it
     ]  # fmt: skip
 
 
-def test_the_agent_refuses_a_container_runtime_it_does_not_drive_in_one_line(
+def test_the_agent_refuses_a_container_it_cannot_address_in_one_line(
     tmp_path: Path,
 ) -> None:
     out = subprocess.run(
-        [SPOTGUARD, "agent", "--job", "docker:web", "--store", f"file://{tmp_path}/s"],
+        [SPOTGUARD, "agent", "--job", "containerd:k8s.io/a..b", "--store", f"file://{tmp_path}/s"],
         env=without_spotguard_settings(SPOTGUARD_STATE_DIR=str(tmp_path / "state")),
         capture_output=True,
         text=True,
@@ -102,4 +102,4 @@ def test_the_agent_refuses_a_container_runtime_it_does_not_drive_in_one_line(
         check=False,
     )
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
-    assert "docker containers are not supported yet" in out.stderr, out.stderr
+    assert "invalid containerd container ID 'a..b'" in out.stderr, out.stderr

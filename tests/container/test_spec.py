@@ -29,8 +29,14 @@ def test_container_job_names_parse_and_refuse_clearly() -> None:
     )
     assert is_container_job("podman:x") and is_container_job("docker:x")
     assert not is_container_job("train-1") and not is_container_job("1234")
-    with pytest.raises(JobError, match="docker containers are not supported yet"):
-        ContainerRef.parse("docker:x")
+    docker = ContainerRef.parse("docker:Web.1")
+    assert (docker.runtime, docker.name, docker.job, str(docker)) == (
+        "docker", "Web.1", "docker-web.1", "docker:Web.1"
+    )  # fmt: skip
+    with pytest.raises(JobError, match="docker names are 2-128"):
+        ContainerRef.parse("docker:x")  # docker's names have at least 2 characters
+    with pytest.raises(JobError, match="is not a container job: use podman:NAME, docker:NAME"):
+        ContainerRef.parse("crio:x")
     with pytest.raises(JobError, match="invalid container name"):
         ContainerRef.parse("podman:../x")
 
@@ -107,9 +113,9 @@ def test_podman_storage_paths_move_to_the_target_roots_by_appending(tmp_path: Pa
     assert relocate(archive, {"/same": "/same"}) == []
 
 
-def test_cli_refuses_an_unsupported_runtime_in_one_line(tmp_path: Path) -> None:
+def test_cli_refuses_a_bad_container_name_in_one_line(tmp_path: Path) -> None:
     out = subprocess.run(
-        ["spotguard", "checkpoint", "docker:web", "--to", f"file://{tmp_path}/store"],
+        ["spotguard", "checkpoint", "docker:w", "--to", f"file://{tmp_path}/store"],
         capture_output=True,
         text=True,
         env={**os.environ, "SPOTGUARD_STATE_DIR": str(tmp_path / "state")},
@@ -117,7 +123,7 @@ def test_cli_refuses_an_unsupported_runtime_in_one_line(tmp_path: Path) -> None:
     )
     assert out.returncode != 0
     assert "Traceback" not in out.stderr
-    assert "docker containers are not supported yet" in out.stderr, out.stderr
+    assert "invalid container name 'w': docker names are 2-128" in out.stderr, out.stderr
 
 
 def test_work_dirs_left_by_a_killed_run_are_removed_after_a_day(tmp_path: Path) -> None:

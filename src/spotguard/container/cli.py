@@ -18,8 +18,7 @@ from spotguard.cli import config
 from spotguard.config import load
 from spotguard.container import dispatch
 from spotguard.container.backends import runtime_for
-from spotguard.container.containerd import Containerd
-from spotguard.container.podman import Podman
+from spotguard.container.dispatch import Backend
 from spotguard.container.settings import ContainerSettings
 from spotguard.container.spec import ContainerImage, ContainerRef, Runtime, is_container_image
 from spotguard.errors import ConfigError, ImageError
@@ -64,7 +63,7 @@ def split_run_flags(flags: dict[str, Any]) -> dict[str, Any]:
     return mine
 
 
-def backend_for(ctx: click.Context, runtime: Runtime, criu: str | None) -> Podman | Containerd:
+def backend_for(ctx: click.Context, runtime: Runtime, criu: str | None) -> Backend:
     """The runtime backend of a job or image (``[container]`` settings)."""
     settings = load(ContainerSettings, {}, config_file=config(ctx))
     return runtime_for(runtime, settings, criu=criu)

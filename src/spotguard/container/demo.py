@@ -45,6 +45,7 @@ from spotguard.container import dispatch
 from spotguard.container.containerd import Containerd
 from spotguard.container.containerd_vm import ContainerdVm, image_layout
 from spotguard.container.dispatch import Backend
+from spotguard.container.docker import Docker
 from spotguard.container.podman import Podman
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import DemoError, SpotguardError
@@ -113,6 +114,13 @@ def vm_env(p: Backend) -> dict[str, str]:
         return {
             "SPOTGUARD_CONTAINER_CTR": p.ctr,
             "SPOTGUARD_CONTAINER_CONTAINERD_ADDRESS": str(p.address),
+            "SPOTGUARD_CONTAINER_RUNC": p.runc,
+            "SPOTGUARD_CRIU": p.criu,
+        }
+    if isinstance(p, Docker):
+        return {
+            "SPOTGUARD_CONTAINER_DOCKER": p.binary,
+            "SPOTGUARD_CONTAINER_DOCKER_HOST": p.host,
             "SPOTGUARD_CONTAINER_RUNC": p.runc,
             "SPOTGUARD_CRIU": p.criu,
         }
@@ -195,6 +203,8 @@ async def _vms(backend: Backend) -> AsyncIterator[list[Backend]]:
     own, or two podman storages (podman refuses a run root longer than 50 characters);
     every container removed, daemons stopped, storages reset and the directory removed
     after."""
+    if isinstance(backend, Docker):
+        raise DemoError("setup", "the container demo runs with podman or containerd")
     base = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="sgdemo-", dir="/tmp"))
     if isinstance(backend, Containerd):
         daemons: list[ContainerdVm] = []

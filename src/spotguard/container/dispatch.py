@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spotguard.container import containerd_ops
+from spotguard.container import containerd_ops, docker_ops
 from spotguard.container.checkpoint import (
     ContainerCheckpoint,
     checkpoint_container,
@@ -17,13 +17,14 @@ from spotguard.container.checkpoint import (
     inspect_running as podman_running,
 )
 from spotguard.container.containerd import Containerd
+from spotguard.container.docker import Docker
 from spotguard.container.podman import Podman
 from spotguard.container.restore import ContainerRestore, restore_container
 from spotguard.container.spec import ContainerRef
 from spotguard.container.start import start_container
 from spotguard.image.settings import ImageSettings
 
-Backend = Podman | Containerd
+Backend = Podman | Containerd | Docker
 
 
 async def start(
@@ -32,6 +33,8 @@ async def start(
     """Start a container that spotguard can checkpoint (``spotguard run --container``)."""
     if isinstance(backend, Containerd):
         return await containerd_ops.start_containerd(ref, image, args, ctrd=backend, **opts)
+    if isinstance(backend, Docker):
+        return await docker_ops.start_docker(ref, image, args, docker=backend, **opts)
     return await start_container(ref, image, args, podman=backend, **opts)
 
 
@@ -41,6 +44,8 @@ async def checkpoint(
     """Checkpoint the running container ``ref`` into the store (see each backend)."""
     if isinstance(backend, Containerd):
         return await containerd_ops.checkpoint_containerd(ref, store_url, ctrd=backend, **opts)
+    if isinstance(backend, Docker):
+        return await docker_ops.checkpoint_docker(ref, store_url, docker=backend, **opts)
     return await checkpoint_container(ref, store_url, podman=backend, **opts)
 
 
@@ -56,6 +61,10 @@ async def restore(
     if isinstance(backend, Containerd):
         return await containerd_ops.restore_containerd(
             image_url, ctrd=backend, image_settings=image_settings, state_dir=state_dir, name=name
+        )
+    if isinstance(backend, Docker):
+        return await docker_ops.restore_docker(
+            image_url, docker=backend, image_settings=image_settings, state_dir=state_dir, name=name
         )
     return await restore_container(
         image_url, podman=backend, image_settings=image_settings, state_dir=state_dir, name=name
@@ -74,6 +83,8 @@ async def running(backend: Backend, ref: ContainerRef) -> None:
     """JobNotFound when there is no container ``ref``, JobError when it does not run."""
     if isinstance(backend, Containerd):
         await containerd_ops.inspect_running(backend, ref)
+    elif isinstance(backend, Docker):
+        await docker_ops.inspect_running(backend, ref)
     else:
         await podman_running(backend, ref)
 

@@ -2,10 +2,12 @@
 
 Where a parked container's state goes (``--to``), and how it comes back:
 
-* ``memory``: ``podman pause`` / ``ctr tasks pause`` (the cgroup freezer: the processes stay
-  in memory, stopped); unpark: ``podman unpause`` / ``ctr tasks resume``.
-* ``disk`` / ``tmpfs`` (podman only): ``podman container checkpoint`` (CRIU's images kept in
-  podman's storage; the processes end); unpark: ``podman container restore`` in place.
+* ``memory``: ``podman pause`` / ``docker pause`` / ``ctr tasks pause`` (the cgroup freezer:
+  the processes stay in memory, stopped); unpark: ``podman unpause`` / ``docker unpause`` /
+  ``ctr tasks resume``.
+* ``disk`` / ``tmpfs`` (podman only; docker and containerd refuse it): ``podman container
+  checkpoint`` (CRIU's images kept in podman's storage; the processes end); unpark:
+  ``podman container restore`` in place.
 * a store URL: :func:`~spotguard.container.checkpoint.checkpoint_container` (a signed image;
   the container is removed); unpark: :func:`~spotguard.container.restore.restore_container`,
   here or on any host that reaches the store (``spotguard restore URL``).
@@ -31,8 +33,8 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from spotguard import safefs
 from spotguard.container import dispatch
-from spotguard.container.containerd import Containerd
 from spotguard.container.dispatch import Backend
+from spotguard.container.podman import Podman
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import ParkError
 from spotguard.image.settings import ImageSettings
@@ -112,10 +114,11 @@ async def park(
     """Park the running container ``ref`` (see the module's table; ``podman``: the
     container's runtime backend, podman or containerd)."""
     place = place_of(to)
-    if place == "disk" and isinstance(podman, Containerd):
+    if place == "disk" and not isinstance(podman, Podman):
         raise ParkError(
-            f"--to {to}: a containerd container parks to memory or a store URL "
-            "(containerd keeps no checkpoint in place to restore from): docs/limits.md"
+            f"--to {to}: a {ref.runtime} container parks to memory or a store URL "
+            f"(spotguard keeps no {ref.runtime} checkpoint in place to restore from): "
+            "docs/limits.md"
         )
     if load(state_dir, ref) is not None:
         raise ParkError(f"{ref} is already parked: spotguard unpark {ref}")
@@ -130,7 +133,7 @@ async def park(
         await dispatch.running(podman, ref)
         if place == "memory":
             await dispatch.pause(podman, ref, what=f"parking {ref} in memory")
-        elif not isinstance(podman, Containerd):
+        elif isinstance(podman, Podman):
             await podman.checkpoint(ref.name, what=f"parking {ref} to disk")
     rec = ParkedContainer(
         container=str(ref),
@@ -188,10 +191,10 @@ async def unpark(
         raise ParkError(f"{ref} is not parked on this node")
     if rec.place == "memory":
         await dispatch.unpause(podman, ref, what=f"unparking {ref}")
-    elif rec.place == "disk" and not isinstance(podman, Containerd):
+    elif rec.place == "disk" and isinstance(podman, Podman):
         await podman.run("container", "restore", ref.name, what=f"unparking {ref}")
     elif rec.place == "disk":
-        raise ParkError(f"the park record of {ref} says disk: containerd parks no container there")
+        raise ParkError(f"the park record of {ref} says disk: only podman parks there")
     else:
         await dispatch.restore(
             rec.image_url,

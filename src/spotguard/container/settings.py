@@ -4,7 +4,9 @@ Which podman and runc spotguard drives for container jobs (``podman:NAME``) and,
 keeps containers somewhere else than podman's default, its storage (``--root`` /
 ``--runroot``: the tests always give private ones, so no container runtime configured on the
 host is touched). For ``containerd:NAMESPACE/ID`` jobs: which ``ctr`` and which containerd
-socket (``containerd_address``; the tests start their own daemon).
+socket (``containerd_address``; the tests start their own daemon). For ``docker:NAME``:
+which ``docker``, which daemon (``docker_host``) and the name of the runtime entry the daemon
+has for spotguard's runc wrapper (``docker_runtime``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from spotguard.config import Settings
 PREFIX = Path("/opt/spotguard/podman")
 #: where scripts/install-containerd puts containerd, ctr, the runc shim and runc
 CONTAINERD_PREFIX = Path("/opt/spotguard/containerd")
+#: where scripts/install-docker puts dockerd and docker
+DOCKER_PREFIX = Path("/opt/spotguard/docker")
 
 
 class ContainerSettings(Settings):
@@ -71,6 +75,30 @@ class ContainerSettings(Settings):
     containerd_address: Path = Field(
         default=Path("/run/containerd/containerd.sock"),
         description="The containerd socket ctr talks to (ctr --address)",
+    )
+    docker: str | None = Field(
+        default=None,
+        description=(
+            "docker executable (default: docker on PATH, else /opt/spotguard/docker/bin/docker "
+            "from scripts/install-docker)"
+        ),
+    )
+    docker_host: str = Field(
+        default="unix:///var/run/docker.sock",
+        description="The docker daemon docker talks to (docker -H)",
+    )
+    docker_runtime: str = Field(
+        default="spotguard",
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description=(
+            "The daemon's runtime entry for spotguard's runc wrapper (dockerd --add-runtime "
+            "NAME=<docker_runtime_dir>/runc, or daemon.json runtimes): containers spotguard "
+            "starts or restores run with it"
+        ),
+    )
+    docker_runtime_dir: Path = Field(
+        default=Path("/run/spotguard/docker"),
+        description="Where spotguard writes the runc wrapper docker's runtime entry names",
     )
     containerd_runtime_dir: Path = Field(
         default=Path("/run/spotguard/containerd"),

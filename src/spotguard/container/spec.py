@@ -27,16 +27,18 @@ from spotguard.errors import ImageError, JobError
 ARCHIVE_NAME = "podman-checkpoint.tar"
 #: the same for a containerd container: an OCI image layout (uncompressed tar)
 CONTAINERD_ARCHIVE = "containerd-checkpoint.tar"
+#: the same for a docker container: CRIU's images, the writable layer, docker's inspect
+DOCKER_ARCHIVE = "docker-checkpoint.tar"
 #: ``manifest.meta["kind"]`` of a container image (process images have none)
 KIND = "container"
 SCHEMA = 1
 
-#: job-name prefixes that address a container; docker is not built (docs/limits.md)
+#: job-name prefixes that address a container
 RUNTIMES = ("podman", "docker", "containerd")
-SUPPORTED = ("podman", "containerd")
-Runtime = Literal["podman", "containerd"]
+SUPPORTED = ("podman", "docker", "containerd")
+Runtime = Literal["podman", "docker", "containerd"]
 
-#: podman's own rule for container names
+#: podman's own rule for container names (docker's is the same, at least 2 characters)
 _NAME_RE = re.compile(r"^[a-zA-Z0-9][a-zA-Z0-9_.-]{0,127}$")
 #: containerd's rule for namespaces and container IDs (``identifiers.Validate``): alphanumeric
 #: runs joined by single ``.``, ``_`` or ``-``, at most 76 characters
@@ -70,17 +72,13 @@ class ContainerRef:
 
     @classmethod
     def parse(cls, text: str) -> ContainerRef:
-        """``podman:NAME`` or ``containerd:NAMESPACE/ID`` → the reference; anything else is a
-        one-line :class:`JobError`."""
+        """``podman:NAME``, ``docker:NAME`` or ``containerd:NAMESPACE/ID`` → the reference;
+        anything else is a one-line :class:`JobError`."""
         head, sep, name = text.partition(":")
         if not sep or head not in RUNTIMES:
             raise JobError(
-                f"{text!r} is not a container job: use podman:NAME or containerd:NAMESPACE/ID"
-            )
-        if head not in SUPPORTED:
-            raise JobError(
-                f"{head} containers are not supported yet (podman and containerd are): "
-                "see docs/limits.md"
+                f"{text!r} is not a container job: use podman:NAME, docker:NAME or "
+                "containerd:NAMESPACE/ID"
             )
         if head == "containerd":
             ns, slash, cid = name.partition("/")
@@ -91,12 +89,13 @@ class ContainerRef:
                 _containerd_part("container ID", cid, text),
                 _containerd_part("namespace", ns, text),
             )
-        if not _NAME_RE.match(name):
+        if not _NAME_RE.match(name) or (head == "docker" and len(name) < 2):
             raise JobError(
-                f"invalid container name {name!r}: podman names are 1-128 of a-z A-Z 0-9 _ . - "
+                f"invalid container name {name!r}: {head} names are "
+                f"{'2' if head == 'docker' else '1'}-128 of a-z A-Z 0-9 _ . - "
                 "(starting with a letter or digit)"
             )
-        return cls("podman", name)
+        return cls("docker" if head == "docker" else "podman", name)
 
     @property
     def job(self) -> str:

@@ -26,7 +26,8 @@ MAX_NOFILE = 65536
 NPROC = 4096
 
 
-def _nofile() -> str:
+def nofile_limit() -> str:
+    """``SOFT:HARD`` for ``nofile``: :data:`MAX_NOFILE`, or less where our hard limit is."""
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     n = MAX_NOFILE if hard == resource.RLIM_INFINITY else min(hard, MAX_NOFILE)
     return f"{n}:{n}"
@@ -48,7 +49,7 @@ async def start_container(
         raise JobError(f"a container named {ref.name!r} already exists (podman rm it first)")
     argv = ["run", "--detach", "--name", ref.name, "--network", network]
     argv += ["--annotation", f"{CRIU_CONFIG_ANNOTATION}={podman.criu_conf}"]
-    argv += ["--ulimit", f"nofile={_nofile()}", "--ulimit", f"nproc={NPROC}:{NPROC}"]
+    argv += ["--ulimit", f"nofile={nofile_limit()}", "--ulimit", f"nproc={NPROC}:{NPROC}"]
     for v in volumes:
         argv += ["--volume", v]
     for e in env:
