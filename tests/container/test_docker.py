@@ -1,7 +1,9 @@
 """A docker container checkpointed to a store and restored as a new container in another
 dockerd ("VM"), with real dockerd, containerd, runc and CRIU (issue 29): the output continues
 byte-identically and the writable layer comes along; a missing bind mount on the restoring
-host is refused, one line, before anything is created; park in memory and unpark."""
+host is refused, one line, before anything is created; park in memory and unpark; a
+leave-running checkpoint keeps the container running; an exit checkpoint whose upload fails
+brings the container back in place."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import time
 
 from docker_helpers import IMAGE, DockerVm
 
-from sgtest import wait_lines
+from sgtest import line_count, wait_lines
 from spotguard.container import ContainerImage
 from spotguard.image import ImageReader, ImageSettings
 
@@ -55,6 +57,10 @@ def _status(vm: DockerVm, name: str) -> str:
     return out.strip() or "gone"
 
 
+def _pid(vm: DockerVm, name: str) -> str:
+    return vm.cmd("inspect", "--format", "{{.State.Pid}}", name).strip()
+
+
 async def _record(url: str) -> ContainerImage:
     async with ImageReader(url, settings=ImageSettings()) as r:
         return ContainerImage.from_meta(r.manifest.meta, url)
@@ -79,6 +85,19 @@ def test_docker_container_checkpointed_removed_and_restored_in_another_dockerd(
     assert _ok(vm1, "unpark", "docker:ref")["place"] == "memory"
     assert _status(vm1, "ref") == "running"
     store = f"file://{vm1.base.parent / 'store'}"
+    # leave-running: the reference is dumped, its layer taken, and restored in place
+    lr = _ok(vm1, "checkpoint", "docker:ref", "--to", store, "--leave-running")
+    assert lr["mode"] == "resume" and _status(vm1, "ref") == "running", lr
+    # a store that takes the image's marker but no chunk: the exit checkpoint fails after
+    # CRIU ended the container, which is restored in place from its checkpoint
+    bad = vm1.base.parent / "bad-store"
+    (bad / "docker-ctr").mkdir(parents=True)
+    (bad / "docker-ctr" / "chunks").write_text("not a directory")
+    pid = _pid(vm1, "ctr")
+    said = _refused(vm1, "checkpoint", "docker:ctr", "--to", f"file://{bad}")
+    assert "docker-ctr/chunks/" in said, said  # the upload failed, after the dump
+    assert _status(vm1, "ctr") == "running" and _pid(vm1, "ctr") != pid  # restored
+    wait_lines(job_dir / "out", line_count(job_dir / "out") + 3)  # it counts on, in place
     ck = _ok(vm1, "checkpoint", "docker:ctr", "--to", store)
     assert ck["mode"] == "exit" and ck["job"] == "docker-ctr", ck
     at_checkpoint = (job_dir / "out").read_text()
