@@ -3,7 +3,10 @@ dockerd ("VM"), with real dockerd, containerd, runc and CRIU (issue 29): the out
 byte-identically and the writable layer comes along; a missing bind mount on the restoring
 host is refused, one line, before anything is created; park in memory and unpark; a
 leave-running checkpoint keeps the container running; an exit checkpoint whose upload fails
-brings the container back in place."""
+brings the container back in place. Through the agent and the controller (the scenario of
+``spotguard demo --container --runtime docker``): a rebalance's leave-running checkpoint
+(restored in place: the agent follows the new init process), a notice's exit checkpoint, the
+relaunch on VM 2 whose agent restores the container from its assignment."""
 
 from __future__ import annotations
 
@@ -12,11 +15,15 @@ import json
 import os
 import subprocess
 import time
+from pathlib import Path
+from typing import Any
 
 from docker_helpers import IMAGE, DockerVm
 
 from sgtest import line_count, wait_lines
 from spotguard.container import ContainerImage
+from spotguard.container.demo import Stage, run_container_demo
+from spotguard.container.docker import Docker
 from spotguard.image import ImageReader, ImageSettings
 
 LINES = 120
@@ -129,3 +136,58 @@ def test_docker_container_checkpointed_removed_and_restored_in_another_dockerd(
     time.sleep(0.3)
     assert (ref_dir / "out").read_text() == EXPECTED
     assert (job_dir / "out").read_text() == EXPECTED
+
+
+async def _status_of(stage: Stage) -> dict[str, Any]:
+    token = (stage.state_dir / "agent" / "api.token").read_text().strip()
+    headers = {"Authorization": f"Bearer {token}"}
+    async with stage.http.get(f"{stage.api}/status", headers=headers) as r:
+        [job] = (await r.json())["jobs"]
+        out: dict[str, Any] = job
+        return out
+
+
+async def _rebalanced_on_vm1(stage: Stage) -> None:
+    mine = await _status_of(stage)
+    assert (mine["job"], mine["container"], mine["state"]) == (
+        "docker-counter", "docker:counter", "protecting"
+    )  # fmt: skip
+    pid = mine["pid"]
+    stage.sim1.state.send("aws", "rebalance")  # leave-running: restored in place, a new pid
+    loop = asyncio.get_running_loop()
+    end = loop.time() + 60
+    while mine["checkpoints"] < 1 or mine["state"] != "protecting":
+        assert loop.time() < end and mine["state"] != "finished", mine
+        await asyncio.sleep(0.1)
+        mine = await _status_of(stage)
+    assert mine["last_image"]["mode"] == "resume" and mine["pid"] != pid, mine
+    n = line_count(stage.data / "out")
+    await asyncio.sleep(1.2)  # longer than the agent's liveness look (1 s)
+    mine = await _status_of(stage)
+    assert mine["state"] == "protecting" and line_count(stage.data / "out") > n, mine
+
+
+async def _relaunched_on_vm2(stage: Stage) -> None:
+    assert isinstance(stage.vm1, Docker) and isinstance(stage.vm2, Docker)
+    assert await stage.vm1.inspect("counter") is None  # exit mode: gone from VM 1
+    back = await stage.vm2.inspect("counter")
+    assert back is not None and back["State"]["Status"] == "running", back
+    assert [m["Source"] for m in back["Mounts"]] == [str(stage.data)]
+
+
+async def test_the_agent_guards_a_docker_container_and_the_controller_relaunches_it(
+    docker_installed: Path, criu_bin: str, tmp_path: Path
+) -> None:
+    docker = Docker(
+        binary=str(docker_installed / "bin" / "docker"), host="unix:///nonexistent.sock",
+        runc="/opt/spotguard/containerd/bin/runc", criu=criu_bin, timeout=120,
+    )  # fmt: skip
+    result = await run_container_demo(
+        docker, ImageSettings.model_validate({}), tmp_path, lambda _: None,
+        protected=_rebalanced_on_vm1, relaunched=_relaunched_on_vm2,
+    )  # fmt: skip
+    assert result.ok, result
+    assert result.history == [
+        "protected", "interrupting", "protected",  # the rebalance: resumed
+        "interrupting", "checkpointed", "launching", "restoring", "protected", "finished",
+    ]  # fmt: skip

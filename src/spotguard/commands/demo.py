@@ -105,10 +105,11 @@ from spotguard.demo.options import CLOUDS, FAULTS, KINDS, STORES, DemoOptions
 )
 @click.option(
     "--runtime",
-    type=click.Choice(["podman", "containerd"]),
+    type=click.Choice(["podman", "containerd", "docker"]),
     default="podman",
     show_default=True,
-    help="With --container: the container runtime (containerd needs scripts/install-containerd).",
+    help="With --container: the container runtime (containerd and docker need "
+    "scripts/install-containerd, scripts/install-docker).",
 )
 @click.pass_context
 def demo(ctx: click.Context, /, as_json: bool, container: bool, runtime: str, **flags: Any) -> None:

@@ -1,4 +1,5 @@
-"""Jobs in containers: a podman or containerd container checkpointed and restored like a process.
+"""Jobs in containers: a podman, docker or containerd container checkpointed and restored like
+a process.
 
 A job named ``podman:NAME`` is a container. Its checkpoint is podman's own (``podman container
 checkpoint --export``: runc drives spotguard's CRIU over the container's process tree, podman
@@ -9,21 +10,26 @@ the host (image, mounts, devices) before ``podman container restore --import`` c
 container. A ``containerd:NAMESPACE/ID`` job is the same story through ``ctr`` (``containerd``:
 the runtime, ``containerd_ops``: start, checkpoint, restore): containerd's task checkpoint
 (runc with spotguard's CRIU, the writable layer's diff, the OCI spec) carried as an OCI layout
-that ``ctr containers restore`` takes. Both backends satisfy one protocol
-(``runtime.ContainerRuntime``); ``backends.runtime_for`` picks one by the job's runtime.
+that ``ctr containers restore`` takes. A ``docker:NAME`` job: ``docker checkpoint create``
+through the daemon's runtime entry for spotguard's runc, plus the writable layer and docker's
+inspect (``docker``, ``docker_ops``). The backends satisfy one protocol
+(``runtime.ContainerRuntime``); ``backends.runtime_for`` picks one by the job's runtime and
+``dispatch`` runs the backend's own operation.
 docs/ARCHITECTURE.md, "Containers", says which piece is the runtime's and which is ours.
 
 Modules: ``spec`` (names and the typed record), ``podman`` (the one way podman is run),
 ``start`` (``spotguard run --container``), ``checkpoint``, ``restore``, ``park``, ``archive``,
 ``settings``, ``cli`` (what the commands hand over), ``guard`` (the agent's container jobs:
 ``spotguard agent --job podman:NAME`` and assignments of container images), ``demo``
-(``spotguard demo --container``).
+(``spotguard demo --container``), ``containerd_vm`` / ``docker_vm`` (daemons of spotguard's
+own: the demo's and the tests' VMs).
 """
 
 from __future__ import annotations
 
 from spotguard.container.checkpoint import ContainerCheckpoint, checkpoint_container
 from spotguard.container.containerd import Containerd
+from spotguard.container.docker import Docker
 from spotguard.container.podman import Podman
 from spotguard.container.restore import ContainerRestore, restore_container
 from spotguard.container.runtime import ContainerRuntime
@@ -46,6 +52,7 @@ __all__ = [
     "ContainerRuntime",
     "ContainerSettings",
     "Containerd",
+    "Docker",
     "Podman",
     "checkpoint_container",
     "is_container_image",

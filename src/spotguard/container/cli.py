@@ -231,8 +231,8 @@ def demo(
     keep: bool,
     runtime: str = "podman",
 ) -> bool:
-    """``spotguard demo --container [--runtime containerd]`` (:mod:`spotguard.container.demo`);
-    True if it held."""
+    """``spotguard demo --container [--runtime containerd|docker]``
+    (:mod:`spotguard.container.demo`); True if it held."""
     import shutil
     import tempfile
 
@@ -240,7 +240,10 @@ def demo(
     from spotguard.container.demo import run_container_demo
 
     criu = load(CheckpointSettings, {}, config_file=config(ctx)).criu
-    podman = backend_for(ctx, "containerd" if runtime == "containerd" else "podman", criu)
+    chosen: Runtime = "docker" if runtime == "docker" else "podman"
+    if runtime == "containerd":
+        chosen = "containerd"
+    podman = backend_for(ctx, chosen, criu)
     image = load(ImageSettings, {}, config_file=config(ctx))
     work = workdir or Path(tempfile.mkdtemp(prefix="sg-ctr-demo-", dir="/tmp"))
     work.mkdir(parents=True, exist_ok=True)

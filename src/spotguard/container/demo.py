@@ -17,7 +17,10 @@ started is stopped, and both storages reset, however it ends.
 With a :class:`~spotguard.container.containerd.Containerd` backend (``--runtime containerd``)
 the same story runs with ``containerd:demo/counter``: each VM is a containerd daemon of the
 demo's own (:class:`~spotguard.container.containerd_vm.ContainerdVm`), the image an OCI layout
-imported into both (scripts/install-containerd).
+imported into both (scripts/install-containerd). With a
+:class:`~spotguard.container.docker.Docker` backend (``--runtime docker``), ``docker:counter``
+in two dockerds of the demo's own (:class:`~spotguard.container.docker_vm.DockerVm`;
+scripts/install-docker).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from spotguard.container.containerd import Containerd
 from spotguard.container.containerd_vm import ContainerdVm, image_layout
 from spotguard.container.dispatch import Backend
 from spotguard.container.docker import Docker
+from spotguard.container.docker_vm import DockerVm
 from spotguard.container.podman import Podman
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import DemoError, SpotguardError
@@ -53,8 +57,9 @@ from spotguard.image.settings import ImageSettings
 
 IMAGE = "localhost/sg-demo-counter:1"
 CONTAINER = "podman:counter"
-#: the demo's container under containerd
+#: the demo's container under containerd, under docker
 CONTAINERD_CONTAINER = "containerd:demo/counter"
+DOCKER_CONTAINER = "docker:counter"
 TOKEN = "container-demo"
 #: counts until told to stop (a file in its bind mount)
 COUNTER = (
@@ -85,6 +90,8 @@ def rootfs_tar(dest: Path) -> Path:
 
 def container_of(backend: Backend) -> str:
     """The demo's container under ``backend``'s runtime."""
+    if isinstance(backend, Docker):
+        return DOCKER_CONTAINER
     return CONTAINERD_CONTAINER if isinstance(backend, Containerd) else CONTAINER
 
 
@@ -99,6 +106,15 @@ async def same_image_on(vms: list[Backend], image: str, work: Path) -> None:
         for v in vms:
             if isinstance(v, Containerd):
                 await v.run("images", "import", str(layout), namespace=ns, what="importing")
+        return
+    dockers = [v for v in vms if isinstance(v, Docker)]
+    if dockers:
+        first_d, *rest_d = dockers
+        await first_d.run("import", "--change", 'CMD ["/bin/sh"]', str(tar), image, what="building")
+        saved = work / "image.tar"
+        await first_d.run("save", "-o", str(saved), image, what="saving the image")
+        for d in rest_d:
+            await d.run("load", "--quiet", "-i", str(saved), what="loading the image")
         return
     first, *rest = [v for v in vms if isinstance(v, Podman)]
     await first.run("import", "--change", 'CMD ["/bin/sh"]', str(tar), image, what="building")
@@ -203,19 +219,29 @@ async def _vms(backend: Backend) -> AsyncIterator[list[Backend]]:
     own, or two podman storages (podman refuses a run root longer than 50 characters);
     every container removed, daemons stopped, storages reset and the directory removed
     after."""
-    if isinstance(backend, Docker):
-        raise DemoError("setup", "the container demo runs with podman or containerd")
     base = Path(await asyncio.to_thread(tempfile.mkdtemp, prefix="sgdemo-", dir="/tmp"))
+    if isinstance(backend, Docker):
+        dockerds: list[DockerVm] = []
+        try:
+            for n in (1, 2):
+                dvm = await asyncio.to_thread(DockerVm.start, base / f"vm{n}", backend.criu)
+                dockerds.append(dvm)
+            yield [d.docker for d in dockerds]
+        finally:
+            for dd in dockerds:
+                await asyncio.to_thread(dd.stop)
+            await asyncio.to_thread(shutil.rmtree, base, True)
+        return
     if isinstance(backend, Containerd):
         daemons: list[ContainerdVm] = []
         try:
             for n in (1, 2):
-                vm = await asyncio.to_thread(ContainerdVm.start, base / f"vm{n}", backend.criu)
-                daemons.append(vm)
-            yield [d.ctrd for d in daemons]
+                cvm = await asyncio.to_thread(ContainerdVm.start, base / f"vm{n}", backend.criu)
+                daemons.append(cvm)
+            yield [c.ctrd for c in daemons]
         finally:
-            for d in daemons:
-                await asyncio.to_thread(d.stop)
+            for c in daemons:
+                await asyncio.to_thread(c.stop)
             await asyncio.to_thread(shutil.rmtree, base, True)
         return
     podman = backend

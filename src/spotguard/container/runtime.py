@@ -1,8 +1,9 @@
-"""The one protocol a container runtime backend satisfies, and the runc wrapper both write.
+"""The one protocol a container runtime backend satisfies, and the runc wrapper they write.
 
 spotguard drives each container runtime through one class: :class:`~spotguard.container.
-podman.Podman` (``podman:NAME``) and :class:`~spotguard.container.containerd.Containerd`
-(``containerd:NAMESPACE/ID``). Both satisfy :class:`ContainerRuntime`: the few things every
+podman.Podman` (``podman:NAME``), :class:`~spotguard.container.docker.Docker`
+(``docker:NAME``) and :class:`~spotguard.container.containerd.Containerd`
+(``containerd:NAMESPACE/ID``). Each satisfies :class:`ContainerRuntime`: the few things every
 container checkpoint and restore needs from its runtime whatever the runtime is — its
 version for the image's record, the CRIU it runs, its time limit, and writing spotguard's
 runtime pieces (:func:`write_runtime_dir`). What differs (how a checkpoint is taken, what the
