@@ -100,8 +100,9 @@ from spotguard.demo.options import CLOUDS, FAULTS, KINDS, STORES, DemoOptions
 @click.option(
     "--container",
     is_flag=True,
-    help="Protect a podman container instead of a process (needs scripts/install-podman; "
-    "takes only --workdir, --keep and --json; docs/containers.md).",
+    help="Protect a container instead of a process (podman unless --runtime says otherwise; "
+    "needs scripts/install-podman; takes only --workdir, --keep, --json and --runtime; "
+    "docs/containers.md).",
 )
 @click.option(
     "--runtime",

@@ -38,7 +38,7 @@ def run_options(fn: F) -> F:
             "--container",
             "container",
             default=None,
-            metavar="podman:NAME|containerd:NS/ID",
+            metavar="podman:NAME|docker:NAME|containerd:NS/ID",
             help="Start a container instead: COMMAND is IMAGE [ARGS...] (docs/containers.md).",
         ),
         click.option(
