@@ -121,6 +121,12 @@ def test_docker_container_checkpointed_removed_and_restored_in_another_dockerd(
         ("bind", str(job_dir), "/data")
     ]
 
+    # VM 2 lacks the image, then the bind mount: refused by name, nothing created
+    saved = subprocess.run(vm2.docker.argv("save", IMAGE), capture_output=True, check=True).stdout
+    vm2.cmd("rmi", IMAGE)
+    said = _refused(vm2, "restore", url)
+    assert f"image {IMAGE} ({record.config.image_id[:19]}) is not on this host" in said, said
+    vm2.cmd("load", "--quiet", stdin=saved)
     os.rename(job_dir, job_dir.with_name("elsewhere"))
     said = _refused(vm2, "restore", url)
     assert f"bind mount {job_dir} (at /data in docker:ctr) does not exist" in said, said
