@@ -130,12 +130,30 @@ def test_containerd_container_checkpointed_removed_and_restored_in_another_conta
     assert vm2.ctr("containers", "ls", "-q").split() == []
     os.rename(job_dir.with_name("elsewhere"), job_dir)
 
-    back = _ok(vm2, "restore", url)
-    assert back["container"] == f"containerd:{NS}/ctr", back
+    # VM 2's restorer is killed (SIGKILL) the moment ctr has restored the container, before
+    # it records the outcome; run again, it takes over the container its journal names
+    # (made after the intent): one container, restored once, the counter not rerun
+    killer = vm2.base / "ctr-then-die"
+    killer.write_text(
+        f'#!/bin/sh\ncase "$*" in *"containers restore"*) {vm2.ctrd.ctr} "$@"; kill -9 $PPID;; '
+        f'*) exec {vm2.ctrd.ctr} "$@";; esac\n'
+    )
+    killer.chmod(0o755)
+    died = subprocess.run(
+        ["spotguard", "restore", "--json", url],
+        env={**vm2.cli_env(), "SPOTGUARD_CONTAINER_CTR": str(killer)},
+        capture_output=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert died.returncode == -9, died.stderr[-2000:]
+    first = _task(vm2, "ctr")
+    assert first[1] == "RUNNING", first
     mark = vm2.ctr(
         "tasks", "exec", "--exec-id", "m", "ctr", "/bin/sh", "-c", "read x </tmp/mark; echo $x"
     )
     assert mark == "layer\n"  # the writable layer came along
+    back = _ok(vm2, "restore", url)
+    assert back["container"] == f"containerd:{NS}/ctr", back
+    assert _task(vm2, "ctr") == first  # taken over, not restored again
     wait_lines(job_dir / "out", LINES)
     wait_lines(ref_dir / "out", LINES)
     time.sleep(0.3)

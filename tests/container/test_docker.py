@@ -133,10 +133,29 @@ def test_docker_container_checkpointed_removed_and_restored_in_another_dockerd(
     assert vm2.cmd("ps", "-aq").split() == []  # nothing created
     os.rename(job_dir.with_name("elsewhere"), job_dir)
 
-    back = _ok(vm2, "restore", url)
-    assert back["container"] == "docker:ctr", back
+    # VM 2's restorer is killed (SIGKILL) the moment docker has started the container from
+    # its checkpoint, before it records the outcome; run again, it takes over the container
+    # its journal names by ID: one container, restored once, the counter not rerun
+    killer = vm2.base / "docker-then-die"
+    killer.write_text(
+        f'#!/bin/sh\ncase "$*" in *"start --checkpoint"*) {vm2.docker.binary} "$@"; '
+        f'kill -9 $PPID;; *) exec {vm2.docker.binary} "$@";; esac\n'
+    )
+    killer.chmod(0o755)
+    died = subprocess.run(
+        ["spotguard", "restore", "--json", url],
+        env={**vm2.cli_env(), "SPOTGUARD_CONTAINER_DOCKER": str(killer)},
+        capture_output=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert died.returncode == -9, died.stderr[-2000:]
+    assert _status(vm2, "ctr") == "running"
     mark = vm2.cmd("exec", "ctr", "/bin/sh", "-c", "read x </tmp/mark; echo $x")
     assert mark == "layer\n"  # the writable layer came along
+    first = vm2.cmd("ps", "-aq", "--no-trunc").split()
+    back = _ok(vm2, "restore", url)
+    assert back["container"] == "docker:ctr" and [back["id"]] == first, (back, first)
+    checkpoints = vm2.base / "data" / "containers" / first[0] / "checkpoints"
+    assert not any(checkpoints.iterdir())  # CRIU's images copied in for the start: gone
     wait_lines(job_dir / "out", LINES)
     wait_lines(ref_dir / "out", LINES)
     time.sleep(0.3)

@@ -39,12 +39,13 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
-from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd
-from spotguard.container.restore import ContainerRestore
+from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd, layout_name
+from spotguard.container.restore import ContainerRestore, RestoreIntent
 from spotguard.container.spec import (
     CONTAINERD_ARCHIVE,
     ContainerConfig,
@@ -269,14 +270,64 @@ async def restore_containerd(
         if (await asyncio.to_thread(os.stat, layout)).st_size != record.archive_bytes:
             raise ImageError(f"{image_url}: {record.archive} is not of the recorded size")
         ref = ContainerRef.parse(f"containerd:{record.namespace}/{name or record.config.name}")
+        if await _ours(ctrd, state_dir, image_url, ref):  # the checkpoint image may be left
+            await ctrd.remove_image(ref.namespace, await asyncio.to_thread(layout_name, layout))
+            return ContainerRestore(str(ref), ref.name, image_url, tl)
         with tl.step("preflight"):
             await preflight(ctrd, record, ref)
         with tl.step("ctr restore"):
+            intent = RestoreIntent(image_url=image_url, name=journal_key(ref), id=ref.name)
+            await asyncio.to_thread(intent.model_copy(update={"at": time.time()}).save, state_dir)
             await _restore(ctrd, ref, layout)
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
+    done = RestoreIntent(image_url=image_url, name=journal_key(ref), id=ref.name, restored=True)
+    await asyncio.to_thread(done.save, state_dir)  # the outcome
     log.info("container restored", extra={"image": image_url, "job": str(ref)})
     return ContainerRestore(str(ref), ref.name, image_url, tl)
+
+
+def journal_key(ref: ContainerRef) -> str:
+    """The restore journal's name for a containerd container (``:`` is in no podman name)."""
+    return f"containerd:{ref.namespace}:{ref.name}"
+
+
+async def _ours(ctrd: Containerd, state_dir: Path, image_url: str, ref: ContainerRef) -> bool:
+    """Whether the container ``ref`` is one an earlier restore of ``image_url`` made (its
+    journal's intent is older than the container) whose task was restored (it runs, or ran
+    and ended): that restore completed, and restoring again would run the job twice. One of
+    ours without a restored task (ctr stopped half-way) is removed so the restore runs again;
+    a container made before the intent is never touched (the preflight refuses it)."""
+    intent = await asyncio.to_thread(RestoreIntent.load, state_dir, journal_key(ref))
+    if intent is None or intent.image_url != image_url or intent.at is None:
+        return False
+    info = await ctrd.info(ref)
+    if info is None:
+        return False
+    try:
+        created = datetime.fromisoformat(str(info.get("CreatedAt"))).timestamp()
+    except ValueError:
+        return False
+    if created < intent.at - 1.0:
+        return False
+    status = (await ctrd.task(ref))[0]
+    if status in ("RUNNING", "PAUSED", "PAUSING", "STOPPED"):  # restored: it runs or ran
+        log.warning(
+            "the container an earlier restore of this image made ran; not restoring again",
+            extra={"step": "restore", "job": str(ref), "image": image_url},
+        )
+        if not intent.restored:
+            await asyncio.to_thread(intent.model_copy(update={"restored": True}).save, state_dir)
+        return True
+    log.warning(
+        "an earlier restore of this image left its container unfinished; removing it",
+        extra={"step": "restore", "job": str(ref)},
+    )
+    if status:
+        what = f"removing the unfinished {ref}"
+        await ctrd.run("tasks", "delete", "--force", ref.name, namespace=ref.namespace, what=what)
+    await ctrd.run("containers", "delete", ref.name, namespace=ref.namespace, what="removing")
+    return False
 
 
 async def preflight(ctrd: Containerd, record: ContainerImage, ref: ContainerRef) -> None:

@@ -37,7 +37,7 @@ from typing import Any
 
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
 from spotguard.container.docker import Docker
-from spotguard.container.restore import ContainerRestore
+from spotguard.container.restore import ContainerRestore, RestoreIntent
 from spotguard.container.spec import DOCKER_ARCHIVE, ContainerConfig, ContainerImage, ContainerRef
 from spotguard.container.start import NPROC, nofile_limit
 from spotguard.contracts import Mode
@@ -310,6 +310,10 @@ async def restore_docker(
         if (await asyncio.to_thread(os.stat, archive)).st_size != record.archive_bytes:
             raise ImageError(f"{image_url}: {record.archive} is not of the recorded size")
         ref = ContainerRef.parse(f"docker:{name or record.config.name}")
+        key = f"docker:{ref.name}"
+        ours = await _ours(docker, state_dir, image_url, ref)
+        if ours is not None:
+            return ContainerRestore(str(ref), ours, image_url, tl)
         with tl.step("preflight"):
             await preflight(docker, record, ref)
         with tl.step("docker restore"):
@@ -321,10 +325,12 @@ async def restore_docker(
             )  # fmt: skip
             data = await asyncio.to_thread((parts / INSPECT).read_bytes)
             ctr = json.loads(data[:MAX_INSPECT_BYTES])
-            out = await docker.run(
-                *create_args(ctr, ref.name, docker.runtime_name), what=f"creating {ref}"
-            )
+            argv = create_args(ctr, ref.name, docker.runtime_name)
+            out = await docker.run(*argv, what=f"creating {ref}")
             cid = out.strip().splitlines()[-1]
+            # the intent names the new container's ID before it is started from the checkpoint
+            intent = RestoreIntent(image_url=image_url, name=key, id=cid)
+            await asyncio.to_thread(intent.save, state_dir)
             try:
                 await _fill(docker, ref, parts)
                 await _in_place(docker, ref, cid, parts / IMAGES)
@@ -337,8 +343,41 @@ async def restore_docker(
         ) from exc
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
+    done = RestoreIntent(image_url=image_url, name=key, id=cid, restored=True)
+    await asyncio.to_thread(done.save, state_dir)  # the outcome
     log.info("container restored", extra={"image": image_url, "job": str(ref)})
     return ContainerRestore(str(ref), cid, image_url, tl)
+
+
+async def _ours(docker: Docker, state_dir: Path, image_url: str, ref: ContainerRef) -> str | None:
+    """The ID of the container named ``ref`` when an earlier restore of ``image_url`` made
+    it (its journal names that ID) and it was started from the checkpoint (it runs, or ran
+    and ended): that restore completed, and restoring again would run the job twice. One of
+    ours that never started (stopped half-way) is removed by ID so the restore runs again; a
+    container the journal does not name is never touched (the preflight refuses it)."""
+    intent = await asyncio.to_thread(RestoreIntent.load, state_dir, f"docker:{ref.name}")
+    if intent is None or intent.id is None or intent.image_url != image_url:
+        return None
+    ctr = await docker.inspect(ref.name)
+    if ctr is None or ctr.get("Id") != intent.id:
+        return None
+    if (ctr.get("State") or {}).get("Status") != "created":  # it ran: started from the image
+        log.warning(
+            "the container an earlier restore of this image made ran; not restoring again",
+            extra={"step": "restore", "job": str(ref), "image": image_url},
+        )
+        if not intent.restored:
+            await asyncio.to_thread(intent.model_copy(update={"restored": True}).save, state_dir)
+        # CRIU's images the interrupted restore copied in are not needed any more
+        left = await docker.root_dir() / "containers" / intent.id / "checkpoints" / CHECKPOINT
+        await asyncio.to_thread(shutil.rmtree, left, True)
+        return intent.id
+    log.warning(
+        "an earlier restore of this image left its container unfinished; removing it",
+        extra={"step": "restore", "job": str(ref)},
+    )
+    await docker.run("rm", "--force", intent.id, what=f"removing the unfinished {ref}")
+    return None
 
 
 async def _fill(docker: Docker, ref: ContainerRef, parts: Path) -> None:

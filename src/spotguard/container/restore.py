@@ -160,9 +160,12 @@ class RestoreIntent(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     image_url: str
-    name: str
+    name: str  # podman: the container's name; docker:NAME, containerd:NS:ID for the others
     id: str | None  # None: renamed (--name), so podman makes a new ID: not recognisable
     restored: bool = False
+    #: Unix time the intent was written (containerd: a container of that ID made earlier is
+    #: a stranger's, not this restore's)
+    at: float | None = None
 
     def save(self, state_dir: Path) -> None:
         folder = safefs.ensure_private_dir(StateDir(state_dir).container_restores)
