@@ -89,6 +89,7 @@ FIELDS: dict[str, str] = {
     "controller": "the controller's URL",
     "listen": "an address listened on",
     "peer": "a connecting peer",
+    "ports": "TCP ports (a job's listening ports)",
     "task": "an asyncio task's name",
     "op": "a store operation (get, put, head, ...)",
     "argv": "a command line run",
