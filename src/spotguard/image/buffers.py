@@ -19,7 +19,6 @@ import contextlib
 import heapq
 import itertools
 import mmap
-import threading
 from collections import deque
 from typing import Protocol
 
@@ -164,106 +163,34 @@ class Lease:
 
 
 class OwnedChunk:
-    """One decoded chunk in a private anonymous map that nothing else will write while a
-    reader may still see it.
+    """One decoded chunk in a private anonymous map that nothing else will ever write.
 
     Why: a receiver may hand these pages to the kernel by reference (``vmsplice`` into a
     pipe) and then :meth:`close` the map. The pipe keeps the pages alive until its reader has
     copied them out, and no one can modify them meanwhile: unmapped pages are never reused
     while referenced, unlike heap memory (a freed ``bytes`` may be reused by ``malloc`` while
-    the pipe still points at it). A chunk taken from an :class:`OwnedPool` may instead be
-    recycled (:meth:`recycle`) — but only once the pipe's reader has consumed every byte of it (the
-    receiver knows from the pipe's fill level): its pages are then already faulted in and
-    the next chunk read into them costs only the copy.
+    the pipe still points at it). Fresh maps cost page faults, but those are taken by the
+    decoding threads in parallel, not by the one thread feeding the pipe.
     """
 
-    __slots__ = ("_pool", "map", "size")
+    __slots__ = ("map", "size")
 
-    def __init__(self, size: int, pool: OwnedPool | None = None) -> None:
-        length = _map_length(size)
+    def __init__(self, size: int) -> None:
+        length = max(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
         self.map = mmap.mmap(-1, length, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if length >= _HUGEPAGE and hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):
                 self.map.madvise(mmap.MADV_HUGEPAGE)
         self.size = size
-        self._pool = pool
 
     def __len__(self) -> int:
         return self.size
-
-    @property
-    def recyclable(self) -> bool:
-        """Whether :meth:`recycle` keeps the map for another chunk (it came from a pool)."""
-        return self._pool is not None
 
     def close(self) -> None:
         """Unmap; pages a pipe still references stay valid for its reader. A view still held
         somewhere defers the unmap to garbage collection (still safe: nothing writes here)."""
         with contextlib.suppress(BufferError):
             self.map.close()
-
-    def recycle(self) -> None:
-        """Give the map back to its pool for another chunk (or unmap it: no pool, pool full or
-        closed). Only once nothing — no pipe — references its pages any more."""
-        if self._pool is None:
-            self.close()
-        else:
-            self._pool.put(self)
-
-
-def _map_length(size: int) -> int:
-    return max(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
-
-
-class OwnedPool:
-    """Maps of :class:`OwnedChunk` objects whose readers are done with them, kept for the next
-    chunks of the same length, up to ``max_bytes`` (the rest are unmapped).
-
-    Why: a restore of a large job reads every non-zero chunk into fresh memory, and making
-    fresh memory (a fault, an allocation and a zeroing per page) is the slowest pass over the
-    bytes on a busy node — 2 GB/s per thread, about 21 GB/s for all 16 threads of the GPU VM
-    (docs/benchmarks.md, "Node scale: every unmet row"). Thread-safe: chunks come back from
-    the threads that fed them into pipes."""
-
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._free: dict[int, list[OwnedChunk]] = {}
-        self._bytes = 0
-        self._lock = threading.Lock()
-        self._closed = False
-        self.reused = 0
-
-    def take(self, size: int) -> OwnedChunk:
-        """A chunk of ``size`` bytes: a kept map of its length if there is one, else new."""
-        length = _map_length(size)
-        with self._lock:
-            kept = self._free.get(length)
-            if kept:
-                chunk = kept.pop()
-                self._bytes -= length
-                self.reused += 1
-                chunk.size = size
-                return chunk
-        return OwnedChunk(size, self)
-
-    def put(self, chunk: OwnedChunk) -> None:
-        length = len(chunk.map) if not chunk.map.closed else 0
-        with self._lock:
-            if length and not self._closed and self._bytes + length <= self.max_bytes:
-                self._free.setdefault(length, []).append(chunk)
-                self._bytes += length
-                return
-        chunk.close()
-
-    def close(self) -> None:
-        """Unmap every kept map; chunks given back later are unmapped at once."""
-        with self._lock:
-            self._closed = True
-            kept = [c for cs in self._free.values() for c in cs]
-            self._free.clear()
-            self._bytes = 0
-        for chunk in kept:
-            chunk.close()
 
 
 class PrioritySlots:

@@ -26,7 +26,7 @@ from typing import Any, TypeVar
 
 from spotguard.contracts import chunk_key
 from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
-from spotguard.image.buffers import BufferPool, Lease, OwnedChunk, OwnedPool, PrioritySlots
+from spotguard.image.buffers import BufferPool, Lease, OwnedChunk, PrioritySlots
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
 from spotguard.image.history import refuse_rollback, resolve
 from spotguard.image.keys import ImageKeys
@@ -110,7 +110,6 @@ class ImageReader:
         self._manifest: Manifest | None = None
         self._pool: ThreadPoolExecutor | None = None
         self._stored: BufferPool | None = None
-        self._owned: OwnedPool | None = None
         self._slots: PrioritySlots | None = None  # owned reads in progress, by priority
         self.codec = ChunkCodec()
         self.stats = TransferStats(phase="download")
@@ -156,8 +155,6 @@ class ImageReader:
         return self
 
     async def aclose(self) -> None:
-        if self._owned is not None:
-            self._owned.close()
         if self._pool is not None:
             self._pool.shutdown(wait=False, cancel_futures=True)
             self._pool = None
@@ -325,14 +322,10 @@ class ImageReader:
         return self._stored
 
     async def _fetch_decode_owned(self, ref: ChunkRef, priority: int = 0) -> OwnedChunk:
+        out = OwnedChunk(ref.size)
         if ref.digest == self.codec.zero_address(ref.size):
-            # All zero (the authenticated address says so): a fresh map already is, and a
-            # pipe that takes it by reference takes the kernel's zero page (no pages made).
-            return OwnedChunk(ref.size)
-        if self._owned is None:
-            # maps a pipe's reader is done with: as many as one file's read-ahead
-            self._owned = OwnedPool(max(self.readahead, 4) * max_stored_chunk(ref.size))
-        out = self._owned.take(ref.size)
+            # All zero (the authenticated address says so): a fresh map already is.
+            return out
         if self._slots is None:
             self._slots = PrioritySlots(max(2, self.workers))
         t0 = time.perf_counter()

@@ -15,18 +15,14 @@ arrive as :class:`~spotguard.image.buffers.OwnedChunk` maps and go into the pipe
 
 from __future__ import annotations
 
-import array
 import asyncio
 import contextlib
-import fcntl
 import logging
 import os
 import queue
 import socket
-import termios
 import threading
 import time
-from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -234,8 +230,6 @@ class Serve(SocketService):
 
         def writer() -> None:
             exc: BaseException | None = None
-            written = 0  # bytes put into the pipe
-            in_pipe: deque[tuple[int, OwnedChunk]] = deque()  # spliced, (end, chunk)
             try:
                 os.set_blocking(fd, False)
                 got = protocol.set_pipe_size(fd, self.pipe_bytes)
@@ -244,20 +238,14 @@ class Serve(SocketService):
                 splice = True
                 while (data := _get(pieces, self._stop)) is not None:
                     splice = _put(fd, data, self._stop, splice=splice)
-                    written += len(data)
-                    if isinstance(data, OwnedChunk):
-                        if splice:
-                            with self._lock:
-                                self.stats.spliced += data.size
-                        _settle(data, splice, written, in_pipe)
-                    _recycle_consumed(fd, written, in_pipe)
+                    if splice and isinstance(data, OwnedChunk):
+                        with self._lock:
+                            self.stats.spliced += data.size
                     with contextlib.suppress(RuntimeError):
                         loop.call_soon_threadsafe(slots.release)
             except BaseException as e:  # noqa: BLE001 - handed to the loop below
                 exc = e
             finally:
-                for _end, chunk in in_pipe:  # the pipe may still hold them: unmapped only
-                    chunk.close()
                 os.close(fd)
                 with contextlib.suppress(RuntimeError):
                     loop.call_soon_threadsafe(finished, exc)
@@ -313,9 +301,8 @@ class _Either:
 
 
 def _put(fd: int, data: bytes | OwnedChunk, stop: threading.Event, *, splice: bool) -> bool:
-    """Put one piece into CRIU's pipe: an owned chunk by reference (its pages go into the
-    pipe), anything else by copy. Returns whether splicing still works (an owned chunk went
-    by reference if it does). A chunk that fails midway is unmapped: the pipe may hold part."""
+    """Put one piece into CRIU's pipe: an owned chunk by reference (its pages go into the pipe,
+    then it is unmapped), anything else by copy. Returns whether splicing still works."""
     if not isinstance(data, OwnedChunk):
         pipes.put_all(fd, data, stop)
         return splice
@@ -329,40 +316,8 @@ def _put(fd: int, data: bytes | OwnedChunk, stop: threading.Event, *, splice: bo
         with memoryview(data.map) as view, view[: data.size] as part:
             pipes.put_all(fd, part, stop)
         return False
-    except BaseException:
+    finally:
         data.close()
-        raise
-
-
-def _settle(
-    chunk: OwnedChunk, spliced: bool, end: int, in_pipe: deque[tuple[int, OwnedChunk]]
-) -> None:
-    """After ``chunk`` went into the pipe (its last byte at ``end`` of what the pipe was
-    given): copied, it can be reused at once; by reference, it waits in ``in_pipe`` until the
-    pipe's reader has consumed it (a chunk that came from no pool is unmapped: the pipe keeps
-    its pages alive)."""
-    if not spliced:
-        chunk.recycle()
-    elif chunk.recyclable:
-        in_pipe.append((end, chunk))
-    else:
-        chunk.close()
-
-
-def _recycle_consumed(fd: int, written: int, in_pipe: deque[tuple[int, OwnedChunk]]) -> None:
-    """Recycle the chunks whose every byte the pipe's reader has taken: ``written`` minus
-    what the pipe still holds (``FIONREAD``) is how far it has read, and a pipe drops its
-    reference to a page once the bytes on it are read."""
-    if not in_pipe:
-        return
-    left = array.array("i", [0])
-    try:
-        fcntl.ioctl(fd, termios.FIONREAD, left, True)
-    except OSError:
-        return  # unknown: they stay in the pipe's keeping (unmapped at the end)
-    consumed = written - left[0]
-    while in_pipe and in_pipe[0][0] <= consumed:
-        in_pipe.popleft()[1].recycle()
 
 
 def _get(
