@@ -43,7 +43,7 @@ demo: venv criu
 
 ## The whole test suite (lint, types, tests). This is what CI runs.
 test: venv criu chromium podman containerd docker lint typecheck
-	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu" $(PYTEST_ARGS)
+	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu" --durations=30 $(PYTEST_ARGS)
 
 ## The fast tier: no CRIU, no GPU (tests needing CRIU are marked criu by tests/conftest.py).
 unit: venv

@@ -107,13 +107,15 @@ async def test_the_agent_page_shows_its_jobs_images_and_parked_jobs(
             jobs = {r[0]: r for r in await page.eval(_rows("jobs"))}
             assert set(jobs) == {"train"}  # web is shown under Parked, once
             assert jobs["train"][1] == str(train.pid)
-            assert jobs["train"][2] == "protecting"
+            # a periodic checkpoint runs every second: the page may catch one in progress
+            assert jobs["train"][2] in ("protecting", "checkpointing")
             image = daemon.workers["train"].last_image
             assert image is not None
             assert jobs["train"][4].startswith(image.image_url.rsplit("/", 1)[1])
             assert "old" in jobs["train"][4]
             assert int(jobs["train"][5]) >= 1  # checkpoints
-            assert jobs["train"][7].startswith("in ")  # the next periodic one
+            # the next periodic one (due a moment ago while the last one still runs)
+            assert jobs["train"][7].startswith("in ") or jobs["train"][7].endswith(" ago")
             rows = await page.eval(_rows("parked"))
             assert [(r[0], r[1], r[5]) for r in rows] == [("web", "parked tmpfs", "yes")]
             summary = await page.eval("document.getElementById('summary').innerText")
