@@ -3,7 +3,8 @@
 Order (each step timed in the result's timeline)::
 
     inspect (running? config, image digest) ─► image writer opened (an unusable store fails
-      here, before the job stops) ─► podman container checkpoint --export (CRIU through runc:
+      here, before the job stops) ─► GPU processes locked and checkpointed (:mod:`.gpu`)
+      ─► podman container checkpoint --export (CRIU through runc:
       process tree, writable layer, podman's config) ─► image writer (chunks → BLAKE3 → zstd
       → store, signed manifest LAST, with the typed ContainerImage record in its meta)
       ─► exit mode: remove the container
@@ -41,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import safefs
+from spotguard.container.gpu import ContainerGpu
 from spotguard.container.podman import Podman
 from spotguard.container.spec import (
     ARCHIVE_NAME,
@@ -84,7 +86,9 @@ class ContainerCheckpoint:
             "container": self.container,
             "job": self.job,
             "image": self.image_url,
+            "image_url": self.image_url,  # the name process checkpoints give it
             "mode": self.mode.value,
+            "pause_seconds": self.pause_seconds,
             "bytes": self.bytes,
             "stored_bytes": self.stored_bytes,
             "timeline": self.timeline.to_list(),
@@ -155,11 +159,13 @@ async def checkpoint_container(
         args.append("--tcp-established")
     tmp = await asyncio.to_thread(work_dir, state_dir)
     writer = ImageWriter(store_url, ref.job, settings=image_settings, timeline=tl)
+    gpu = ContainerGpu(podman, ref.name)
     try:
         # the writer first: a store that cannot take the image fails before the job stops
         async with writer:
             export = Export(podman, ref, tmp, writer, streamed=not leave_running)
             with tl.step("podman checkpoint", mode=mode, streamed=export.streamed) as dump:
+                await gpu.freeze(tl)  # GPU memory into the processes' host memory first
                 await export.run(args)
             frozen_at = time.time()
             pause_s: float | None = None
@@ -174,6 +180,7 @@ async def checkpoint_container(
                             f"checkpoint kept: podman container restore {ref.name})"
                         ),
                     )
+                await gpu.thaw(tl)
                 pause_s = time.time() - dump.start
             if on_frozen is not None:
                 on_frozen(frozen_at)
@@ -193,6 +200,8 @@ async def checkpoint_container(
     except BaseException:
         if not leave_running:  # exit mode: a failed checkpoint never leaves the job stopped
             await _bring_back(podman, ref)
+        if gpu.frozen:  # ... nor its GPU processes checkpointed or locked
+            await _thaw_quietly(gpu, tl)
         raise
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
@@ -302,6 +311,15 @@ def _writer_came(fd: int, stop: threading.Event) -> bool:
         if poller.poll(100):
             return True
     return False
+
+
+async def _thaw_quietly(gpu: ContainerGpu, tl: Timeline) -> None:
+    """:meth:`ContainerGpu.thaw` after a failed checkpoint: logged, never raised over the
+    error that brought us here."""
+    try:
+        await gpu.thaw(tl)
+    except SpotguardError as exc:
+        log.error("GPU state not brought back", extra={"container": gpu.name, "error": str(exc)})
 
 
 async def _bring_back(podman: Podman, ref: ContainerRef) -> None:

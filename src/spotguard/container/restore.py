@@ -29,6 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from spotguard import safefs
 from spotguard.container.archive import relocate
 from spotguard.container.checkpoint import work_dir
+from spotguard.container.gpu import ContainerGpu
 from spotguard.container.podman import Podman
 from spotguard.container.spec import ContainerImage, ContainerRef
 from spotguard.errors import (
@@ -111,6 +112,8 @@ async def restore_container(
                 )
                 expected = None
             await _podman_restore(podman, state_dir, image_url, archive, target, expected)
+        # its GPU processes come back checkpointed and locked: their memory onto the GPU
+        await ContainerGpu(podman, target).thaw(tl)
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     ctr = await podman.inspect(target)

@@ -1,0 +1,101 @@
+"""The GPU side of a podman container's checkpoint: the driver's checkpoint API
+(:mod:`spotguard.checkpoint.cuda`, the same :class:`~spotguard.checkpoint.cuda.GpuHook` a
+process job's engine uses) ordered around podman's own checkpoint and restore.
+
+Why spotguard's and not the runtime's: runc hands the container's processes to CRIU, which
+cannot dump GPU memory; the driver can move it into each process's own host memory and give
+the GPU up (no ``/dev/nvidia*`` descriptor or mapping stays), after which CRIU dumps the
+process like any other. So, for the container's processes that the driver says hold CUDA
+state::
+
+    checkpoint: lock ─► checkpoint (GPU memory → host) ─► podman checkpoint (CRIU)
+                ─► leave-running / failed exit: podman restore in place ─► restore ─► unlock
+    restore:    podman restore (CRIU) ─► restore (host → GPU) ─► unlock
+
+After podman's restore the processes are new host pids; the driver reports those it holds
+checkpointed, which is how they are found. A container with no GPU process (or a host with no
+driver: :class:`~spotguard.checkpoint.cuda.NoGpu`) passes through every step unchanged. The
+GPUs must be the same ones (same UUIDs): restoring onto other GPUs is not built for containers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.cuda import GpuHook, GpuState, gpu_hook
+from spotguard.container.podman import Podman
+from spotguard.errors import GpuError
+from spotguard.timeline import Timeline
+
+log = logging.getLogger(__name__)
+
+#: how long the driver may take to lock a container's GPU processes (work in flight finishes)
+LOCK_WAIT_S = 30.0
+
+
+async def container_pids(podman: Podman, name: str) -> list[int]:
+    """The host pids of the container's processes (its init process and every descendant);
+    none when it does not run."""
+    ctr = await podman.inspect(name)
+    pid = int((ctr or {}).get("State", {}).get("Pid") or 0)
+    return proctree.tree(pid) if pid > 0 and proctree.alive(pid) else []
+
+
+class ContainerGpu:
+    """The driver steps for one container (``hook``: the driver, or nothing on a host
+    without one)."""
+
+    def __init__(self, podman: Podman, name: str, hook: GpuHook | None = None) -> None:
+        self.podman = podman
+        self.name = name
+        self.hook: GpuHook = hook if hook is not None else gpu_hook()
+        self.frozen: list[int] = []
+
+    async def freeze(self, tl: Timeline) -> list[int]:
+        """Lock the container's GPU processes and move their GPU memory into host memory;
+        the pids frozen (empty: nothing to do). A failure unlocks what was locked and raises
+        (:class:`~spotguard.errors.GpuError`): the container runs on."""
+        pids = await container_pids(self.podman, self.name)
+        gpu = await self.hook.gpu_pids(pids) if pids else []
+        if not gpu:
+            return []
+        try:
+            with tl.step("gpu_lock", pids=gpu):
+                await self.hook.lock(gpu, LOCK_WAIT_S)
+            with tl.step("gpu_checkpoint", pids=gpu):
+                await self.hook.checkpoint(gpu)
+        except BaseException:
+            await self._undo(gpu)
+            raise
+        self.frozen = gpu
+        return gpu
+
+    async def _undo(self, pids: Sequence[int]) -> None:
+        """Bring processes whose freeze failed back to running, whatever state each reached."""
+        for pid in pids:
+            try:
+                state = await self.hook.state(pid)
+                if state is GpuState.CHECKPOINTED:
+                    await self.hook.restore([pid])
+                    state = GpuState.LOCKED
+                if state is GpuState.LOCKED:
+                    await self.hook.unlock([pid])
+            except GpuError as exc:
+                log.error("GPU state not brought back", extra={"pid": pid, "error": str(exc)})
+
+    async def thaw(self, tl: Timeline) -> list[int]:
+        """After podman has (re)started the container's processes from a checkpoint: move the
+        GPU memory of those the driver holds checkpointed back onto the GPU and unlock them;
+        the pids thawed."""
+        pids = await container_pids(self.podman, self.name)
+        cuda = await self.hook.gpu_pids(pids) if pids else []
+        held = [p for p in cuda if await self.hook.state(p) is GpuState.CHECKPOINTED]
+        if not held:
+            return []
+        with tl.step("gpu_restore", pids=held):
+            await self.hook.restore(held)
+        with tl.step("gpu_unlock", pids=held):
+            await self.hook.unlock(held)
+        return held

@@ -1,0 +1,193 @@
+"""A PyTorch job in a podman container, its GPU devices passed in, through a leave-running
+checkpoint, an exit checkpoint into a store and a restore as a new container: the driver's
+checkpoint is ordered around podman's (spotguard.container.gpu), and what the job writes is
+byte-identical to an uninterrupted run of the same program on the host.
+
+Needs an NVIDIA GPU and podman from scripts/install-podman (offline:
+``SPOTGUARD_PODMAN_DEBS`` with the Debian packages; see the script for other
+distributions). The container's image is an empty root whose /usr, /etc and /opt/torch are
+the host's, bound read-only (no registry here), so PyTorch and the driver's libraries are
+the host's own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from spotguard.checkpoint.cuda import driver_available, inventory
+
+pytestmark = pytest.mark.gpu
+
+SG = [sys.executable, "-c", "import sys; from spotguard.cli import main; sys.exit(main())"]
+ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
+STEPS = 160
+IMAGE = "localhost/sg-gpu:1"
+JOB = """
+import sys, time, torch
+out, steps = sys.argv[1], int(sys.argv[2])
+torch.manual_seed(0)
+x = torch.randn(2048, 2048, device="cuda")
+w = torch.randn(2048, 2048, device="cuda") / 48
+hold = torch.ones(256 << 20, device="cuda")  # 1 GiB more on the GPU
+with open(out, "a", buffering=1) as f:
+    for i in range(steps):
+        x = torch.tanh(x @ w)
+        f.write(f"{i} {float(x.double().sum()):.6f} {float(hold[i]):.1f}\\n")
+        time.sleep(0.05)
+"""
+
+
+class Podman:
+    """spotguard and podman with storage of the test's own."""
+
+    def __init__(self, root: Path, short: Path, podman: str, criu: str) -> None:
+        # podman wants a runroot of at most 50 characters: storage under a short path
+        self.podman = podman
+        self.storage = ["--root", str(short / "storage"), "--runroot", str(short / "run")]
+        self.env = {**os.environ, **ENV, "SPOTGUARD_STATE_DIR": str(root / "state"),
+                    "SPOTGUARD_CRIU": criu, "SPOTGUARD_CONTAINER_PODMAN": podman,
+                    "SPOTGUARD_CONTAINER_ROOT": str(short / "storage"),
+                    "SPOTGUARD_CONTAINER_RUNROOT": str(short / "run")}  # fmt: skip
+
+    def sg(self, *args: str) -> dict[str, Any]:
+        done = subprocess.run([*SG, *args], env=self.env, capture_output=True, text=True,
+                              timeout=600, check=False)  # fmt: skip
+        if done.returncode != 0:
+            logs = sorted(set(re.findall(r"log file: (/\S+?\.log)", done.stderr)))
+            tails = "".join(f"\n--- {f}:\n{_tail(Path(f))}" for f in logs)
+            pytest.fail(f"spotguard {' '.join(args[:3])} failed: {done.stderr[-3000:]}{tails}")
+        out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+        return out
+
+    def cmd(self, *args: str, stdin: bytes | None = None) -> str:
+        done = subprocess.run([self.podman, *self.storage, *args], input=stdin,
+                              capture_output=True, timeout=120, check=False)  # fmt: skip
+        if done.returncode != 0:
+            pytest.fail(f"podman {args[0]} failed: {done.stderr.decode()[-2000:]}")
+        return done.stdout.decode()
+
+    def status(self, name: str) -> str:
+        done = subprocess.run([self.podman, *self.storage, "container", "inspect", name,
+                               "--format", "{{.State.Status}}"], capture_output=True, text=True,
+                              timeout=60, check=False)  # fmt: skip
+        return done.stdout.strip() if done.returncode == 0 else "absent"
+
+
+@pytest.fixture
+def pm(tmp_path: Path, criu_bin: str) -> Iterator[Podman]:
+    if not driver_available() or not inventory().count:
+        pytest.skip("needs an NVIDIA GPU with the driver checkpoint API (driver r570+)")
+    repo = Path(__file__).resolve().parents[2]
+    done = subprocess.run([str(repo / "scripts" / "install-podman")], capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    if done.returncode != 0:
+        pytest.skip(f"podman cannot be installed here: {done.stderr.strip()[-300:]}")
+    short = Path(tempfile.mkdtemp(prefix="sgp-", dir="/tmp"))
+    p = Podman(tmp_path, short, done.stdout.strip().splitlines()[-1], criu_bin)
+    root = tmp_path / "rootfs"
+    for d in ("usr", "etc", "opt/torch", "tmp", "proc", "sys", "dev", "out", "var/tmp"):
+        (root / d).mkdir(parents=True)
+    for link, target in (("bin", "usr/bin"), ("lib", "usr/lib"), ("lib64", "usr/lib64"),
+                         ("sbin", "usr/sbin")):  # fmt: skip
+        (root / link).symlink_to(target)
+    tar = subprocess.run(["tar", "-C", str(root), "-c", "."], capture_output=True, check=True)
+    p.cmd("import", "-", IMAGE, stdin=tar.stdout)
+    yield p
+    subprocess.run([p.podman, *p.storage, "rm", "-f", "-a"], capture_output=True, timeout=120)
+    subprocess.run([p.podman, *p.storage, "system", "reset", "-f"], capture_output=True,
+                   timeout=120)  # fmt: skip
+    shutil.rmtree(short, ignore_errors=True)
+
+
+def _host_binds() -> list[str]:
+    """The host's /usr, /etc and /opt/torch, read-only, each mount on its own (not podman's
+    default recursive bind: a GPU VM mounts its driver under /usr/local/nvidia, and CRIU
+    refuses a mount inside a bind that is not one the runtime named)."""
+    tops = ("/usr", "/etc", "/opt/torch")
+    points = {
+        line.split()[1]
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+        if any(line.split()[1].startswith(t + "/") for t in tops)
+    }
+    return [f"{m}:{m}:ro,bind" for m in (*tops, *sorted(points))]
+
+
+def _tail(path: Path, n: int = 40) -> str:
+    """The last ``n`` lines of CRIU's log (what failed, when podman only says that it did)."""
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
+    except OSError as exc:
+        return f"(unreadable: {exc})"
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text().splitlines() if path.exists() else []
+
+
+def _wait(cond: Any, what: str, limit: float = 240.0) -> None:
+    deadline = time.monotonic() + limit
+    while not cond():
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for {what}")
+        time.sleep(0.2)
+
+
+def _steps(result: dict[str, Any]) -> dict[str, float]:
+    return {t["name"]: round(t.get("seconds") or 0.0, 2) for t in result["timeline"]}
+
+
+def test_a_pytorch_container_through_leave_running_exit_and_restore(
+    pm: Podman, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "job.py").write_text(JOB)
+    job = [sys.executable, str(out / "job.py"), str(tmp_path / "ref.txt"), str(STEPS)]
+    ref = subprocess.run(job, env={**os.environ, **ENV}, timeout=300, check=True)
+    assert ref.returncode == 0
+    devices = [d for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm",
+                           "/dev/nvidia-uvm-tools") if os.path.exists(d)]  # fmt: skip
+    argv = ["run", "--container", "podman:sggpu", "--json"]
+    for d in devices:
+        argv += ["--device", d]
+    for v in _host_binds():
+        argv += ["-v", v]
+    argv += ["-v", f"{out}:/out"]
+    for k, v in ENV.items():
+        argv += ["-e", f"{k}={v}"]
+    argv += ["--", IMAGE, sys.executable, "/out/job.py", "/out/out.txt", str(STEPS)]
+    pm.sg(*argv)
+    _wait(lambda: len(_lines(out / "out.txt")) >= 20, "20 steps in the container")
+
+    store = (tmp_path / "store").as_uri()
+    paused = pm.sg("checkpoint", "podman:sggpu", "--to", store, "--leave-running", "--json")
+    seen = _steps(paused)
+    assert "gpu_checkpoint" in seen and "gpu_restore" in seen, seen
+    assert pm.status("sggpu") == "running"
+    n = len(_lines(out / "out.txt"))
+    _wait(lambda: len(_lines(out / "out.txt")) >= n + 10, "ten more steps after the pause")
+
+    done = pm.sg("checkpoint", "podman:sggpu", "--to", store, "--json")
+    assert "gpu_checkpoint" in _steps(done)
+    assert pm.status("sggpu") == "absent"  # exit mode: removed once the image is durable
+    stopped_at = len(_lines(out / "out.txt"))
+    assert stopped_at < STEPS
+
+    back = pm.sg("restore", done["image_url"], "--json")
+    assert "gpu_restore" in _steps(back), _steps(back)
+    _wait(lambda: pm.status("sggpu") in ("exited", "stopped", "absent"), "the job to end", 300)
+    print(f"\ngpu container: pause {paused.get('pause_seconds')} s ({seen}); exit "
+          f"{_steps(done)}; restore {_steps(back)}; stopped at step {stopped_at}")  # fmt: skip
+    assert (out / "out.txt").read_text() == (tmp_path / "ref.txt").read_text()
