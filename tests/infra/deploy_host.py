@@ -353,7 +353,9 @@ def main(work: Path, mode: str) -> dict[str, Any]:
             )
             if out.returncode == 0:
                 status = json.loads(out.stdout)
-                break
+                # the agent answers before it has taken up its jobs: wait for the job
+                if any(j.get("job") == JOB for j in status.get("jobs", [])):
+                    break
             if agent.poll() is not None:
                 break
             time.sleep(0.2)
