@@ -234,6 +234,10 @@ async def test_staged_image_without_a_record_is_adopted_and_pushed(
     assert images.scan() == []
 
 
+#: the notice of the hanging-store test: short (the test waits it out), long enough to plan
+NOTICE_S = 8
+
+
 @pytest.mark.criu
 @pytest.mark.parametrize("policy", ["exit", "resume"])
 async def test_a_hanging_store_cannot_hold_the_job_past_the_notices_deadline(
@@ -249,10 +253,10 @@ async def test_a_hanging_store_cannot_hold_the_job_past_the_notices_deadline(
             proxy.stalled = True
             loop = asyncio.get_running_loop()
             t0 = loop.time()
-            sim.state.send("aws", "preempt", in_seconds=12)
+            sim.state.send("aws", "preempt", in_seconds=NOTICE_S)
             await wait_until(lambda: "checkpoint_failed" in sink.kinds("train"), 40)
             took = loop.time() - t0
-            assert took < 12 + 4, f"the store held the checkpoint {took:.1f} s past a 12 s notice"
+            assert took < NOTICE_S + 4, f"the store held the checkpoint {took:.1f} s past it"
             failed = next(e for e in sink.events if e["kind"] == "checkpoint_failed")
             assert "deadline" in failed["error"]["message"], failed["error"]
             if policy == "exit":  # the job is stopped; its image waits here for the store

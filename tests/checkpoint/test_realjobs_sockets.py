@@ -46,7 +46,7 @@ def _scan_detail(result: dict[str, object]) -> dict[str, object]:
 async def test_worker_pair_over_socketpair_and_loopback_tcp_parks_and_unparks(
     env: dict[str, str], state_dir: Path, tmp_path: Path
 ) -> None:
-    args = ["300", "0.05"]
+    args = ["120", "0.05"]
     out = sg_env("run", "--json", "--name", "pair", "--", sys.executable, "-I",
                selftest_job.__file__, *args, env=env)  # fmt: skip
     assert out.returncode == 0, out.stderr
@@ -65,7 +65,7 @@ async def test_worker_pair_over_socketpair_and_loopback_tcp_parks_and_unparks(
     assert out.returncode == 0, out.stderr
     assert await wait_exit(resolve_job("pair", state_dir=state_dir)) == 0
     # what an uninterrupted run prints (tests/checkpoint/test_realjobs_doctor.py runs one)
-    assert (job.dir / "stdout").read_text() == selftest_job.expected(300)
+    assert (job.dir / "stdout").read_text() == selftest_job.expected(120)
     assert (job.dir / "stderr").read_text() == ""
 
 
@@ -137,7 +137,7 @@ async def test_a_deleted_shared_memory_file_it_maps_is_carried(
 ) -> None:
     # NCCL's proxy maps a deleted /dev/shm/nccl-* file of 34 MB; CRIU's default limit for
     # such "ghost" files is 1 MiB ("Can't dump ghost file ... increase limit")
-    argv = [sys.executable, "-I", str(PROGS / "shm_ghost.py"), "120", "0.05"]
+    argv = [sys.executable, "-I", str(PROGS / "shm_ghost.py"), "40", "0.05"]
     run = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, check=True)
     assert await _park_unpark("ghost", argv, env, state_dir, tmp_path / "img") == run.stdout
 
