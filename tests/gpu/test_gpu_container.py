@@ -1,5 +1,6 @@
 """A PyTorch job in a podman container, its GPU devices passed in, through a leave-running
-checkpoint, an exit checkpoint into a store and a restore as a new container: the driver's
+checkpoint, a park in memory (the GPU freed), an exit checkpoint into a store and a restore
+as a new container: the driver's
 checkpoint is ordered around podman's (spotguard.container.gpu), and what the job writes is
 byte-identical to an uninterrupted run of the same program on the host.
 
@@ -32,7 +33,7 @@ pytestmark = pytest.mark.gpu
 
 SG = [sys.executable, "-c", "import sys; from spotguard.cli import main; sys.exit(main())"]
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
-STEPS = 160
+STEPS = 400
 IMAGE = "localhost/sg-gpu:1"
 JOB = """
 import sys, time, torch
@@ -132,6 +133,13 @@ def _tail(path: Path, n: int = 40) -> str:
         return f"(unreadable: {exc})"
 
 
+def _gpu_mib() -> int:
+    """GPU memory in use on the first GPU, MiB (as nvidia-smi reports it)."""
+    argv = ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", "0"]
+    out = subprocess.run(argv, capture_output=True, text=True, check=True, timeout=60)
+    return int(out.stdout.strip().splitlines()[0])
+
+
 def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
@@ -179,6 +187,17 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
     n = len(_lines(out / "out.txt"))
     _wait(lambda: len(_lines(out / "out.txt")) >= n + 10, "ten more steps after the pause")
 
+    # parked in memory: its GPU memory moves into host memory, the GPU is free, no progress
+    used = _gpu_mib()
+    pm.sg("park", "podman:sggpu", "--to", "memory", "--json")
+    freed = used - _gpu_mib()
+    assert freed >= 1024, f"parking freed only {freed} MiB of the GPU"
+    n = len(_lines(out / "out.txt"))
+    time.sleep(1.0)
+    assert len(_lines(out / "out.txt")) == n
+    pm.sg("unpark", "podman:sggpu", "--json")
+    _wait(lambda: len(_lines(out / "out.txt")) >= n + 10, "ten more steps after the unpark")
+
     done = pm.sg("checkpoint", "podman:sggpu", "--to", store, "--json")
     assert "gpu_checkpoint" in _steps(done)
     assert pm.status("sggpu") == "absent"  # exit mode: removed once the image is durable
@@ -188,6 +207,7 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
     back = pm.sg("restore", done["image_url"], "--json")
     assert "gpu_restore" in _steps(back), _steps(back)
     _wait(lambda: pm.status("sggpu") in ("exited", "stopped", "absent"), "the job to end", 300)
-    print(f"\ngpu container: pause {paused.get('pause_seconds')} s ({seen}); exit "
-          f"{_steps(done)}; restore {_steps(back)}; stopped at step {stopped_at}")  # fmt: skip
+    print(f"\ngpu container: park freed {freed} MiB; pause {paused.get('pause_seconds')} s "
+          f"({seen}); exit {_steps(done)}; restore {_steps(back)}; stopped at step "
+          f"{stopped_at}")  # fmt: skip
     assert (out / "out.txt").read_text() == (tmp_path / "ref.txt").read_text()

@@ -180,7 +180,8 @@ async def checkpoint_container(
                             f"checkpoint kept: podman container restore {ref.name})"
                         ),
                     )
-                await gpu.thaw(tl)
+                if not gpu.already:  # a container parked in memory stays off the GPU
+                    await gpu.thaw(tl)
                 pause_s = time.time() - dump.start
             if on_frozen is not None:
                 on_frozen(frozen_at)

@@ -11,6 +11,8 @@ state::
     checkpoint: lock ─► checkpoint (GPU memory → host) ─► podman checkpoint (CRIU)
                 ─► leave-running / failed exit: podman restore in place ─► restore ─► unlock
     restore:    podman restore (CRIU) ─► restore (host → GPU) ─► unlock
+    park (memory or disk): lock ─► checkpoint ─► podman pause / checkpoint: the GPU is free
+    unpark:     podman unpause / restore ─► restore ─► unlock
 
 After podman's restore the processes are new host pids; the driver reports those it holds
 checkpointed, which is how they are found. A container with no GPU process (or a host with no
@@ -52,13 +54,18 @@ class ContainerGpu:
         self.name = name
         self.hook: GpuHook = hook if hook is not None else gpu_hook()
         self.frozen: list[int] = []
+        #: GPU processes found already checkpointed (a container parked in memory): left so
+        self.already: list[int] = []
 
     async def freeze(self, tl: Timeline) -> list[int]:
         """Lock the container's GPU processes and move their GPU memory into host memory;
         the pids frozen (empty: nothing to do). A failure unlocks what was locked and raises
         (:class:`~spotguard.errors.GpuError`): the container runs on."""
         pids = await container_pids(self.podman, self.name)
-        gpu = await self.hook.gpu_pids(pids) if pids else []
+        cuda = await self.hook.gpu_pids(pids) if pids else []
+        states = {p: await self.hook.state(p) for p in cuda}
+        self.already = [p for p in cuda if states[p] is GpuState.CHECKPOINTED]
+        gpu = [p for p in cuda if states[p] is GpuState.RUNNING]
         if not gpu:
             return []
         try:

@@ -34,11 +34,13 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from spotguard import safefs
 from spotguard.container import dispatch
 from spotguard.container.dispatch import Backend
+from spotguard.container.gpu import ContainerGpu
 from spotguard.container.podman import Podman
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import ParkError
 from spotguard.image.settings import ImageSettings
 from spotguard.statedir import StateDir
+from spotguard.timeline import Timeline
 
 Place = Literal["memory", "disk", "store"]
 MAX_RECORD_BYTES = 1 << 20
@@ -131,10 +133,21 @@ async def park(
         url = done.image_url
     else:
         await dispatch.running(podman, ref)
-        if place == "memory":
-            await dispatch.pause(podman, ref, what=f"parking {ref} in memory")
-        elif isinstance(podman, Podman):
-            await podman.checkpoint(ref.name, what=f"parking {ref} to disk")
+        # podman: its GPU processes' memory moves into host memory first (the GPU is free
+        # while it is parked); a park that fails brings it back
+        gpu = ContainerGpu(podman, ref.name) if isinstance(podman, Podman) else None
+        tl = Timeline()
+        if gpu is not None:
+            await gpu.freeze(tl)
+        try:
+            if place == "memory":
+                await dispatch.pause(podman, ref, what=f"parking {ref} in memory")
+            elif isinstance(podman, Podman):
+                await podman.checkpoint(ref.name, what=f"parking {ref} to disk")
+        except BaseException:
+            if gpu is not None and gpu.frozen:
+                await gpu.thaw(tl)
+            raise
     rec = ParkedContainer(
         container=str(ref),
         place=place,
@@ -191,8 +204,11 @@ async def unpark(
         raise ParkError(f"{ref} is not parked on this node")
     if rec.place == "memory":
         await dispatch.unpause(podman, ref, what=f"unparking {ref}")
+        if isinstance(podman, Podman):
+            await ContainerGpu(podman, ref.name).thaw(Timeline())
     elif rec.place == "disk" and isinstance(podman, Podman):
         await podman.run("container", "restore", ref.name, what=f"unparking {ref}")
+        await ContainerGpu(podman, ref.name).thaw(Timeline())
     elif rec.place == "disk":
         raise ParkError(f"the park record of {ref} says disk: only podman parks there")
     else:
