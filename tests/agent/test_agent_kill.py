@@ -87,7 +87,12 @@ async def test_agent_killed_during_freeze_leaves_job_running_and_last_image_inta
             60,
         )
         # The rebalance recommendation is still posted: the new agent checkpoints afresh.
-        await wait_until(lambda: sink.kinds("train").count("durable") == 2, 60)
+        try:
+            await wait_until(lambda: sink.kinds("train").count("durable") >= 2, 60)
+        except BaseException:
+            tail = "\n".join(log.read_text().splitlines()[-25:])
+            print(f"events: {sink.kinds('train')}\nagent log:\n{tail}")
+            raise
         assert not (job.dir / MARKER).exists()
         assert proc_state(job.pid) in ("R", "S")
         size = (job.dir / "stdout").stat().st_size
