@@ -243,6 +243,8 @@ class Engine:
                     # Complete the image before CRIU kills the job: if this fails, CRIU
                     # resumes the tree instead and nothing is lost.
                     await finish()
+                else:  # the job goes on: its pages out of CRIU's pipes first
+                    await target.drain()
 
             with tl.step("criu_dump", leave_running=mode is Mode.RESUME) as ds:
                 await self.faults.before("criu_dump")

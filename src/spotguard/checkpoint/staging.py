@@ -64,6 +64,14 @@ class DumpTarget(Protocol):
         """Prepare for an image of about ``need_bytes`` of host memory; say where it goes."""
         ...
 
+    async def drain(self) -> None:
+        """CRIU has written the image and holds the tree frozen (post-dump) before letting a
+        leave-running job go on: take every byte it wrote out of its pipes now. A pipe holds
+        references to the job's own pages (CRIU splices them, it does not copy): read after
+        the job runs again, they would give the image pages the job changed since. Nothing
+        to do where CRIU wrote files."""
+        ...
+
     async def finish(self, meta: ImageMeta) -> None:
         """The dump succeeded: record ``meta`` and make the image complete."""
         ...
@@ -214,6 +222,9 @@ class DirectoryTarget:
             },
         )
         return self.plan
+
+    async def drain(self) -> None:
+        """CRIU wrote files: nothing is left in a pipe."""
 
     async def finish(self, meta: ImageMeta) -> None:
         """Write the metadata, then seal the directory under the host's key

@@ -259,6 +259,9 @@ class _RecordingTarget:
     async def start(self, job: str, need_bytes: int) -> StagingPlan:
         return await self.inner.start(job, need_bytes)
 
+    async def drain(self) -> None:
+        await self.inner.drain()
+
     async def finish(self, meta: ImageMeta) -> None:
         await self.inner.finish(meta)
         a, now = self.attempt, time.time()

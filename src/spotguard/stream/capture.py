@@ -138,6 +138,7 @@ class Capture(SocketService):
         self._conn: protocol.Connection | None = None
         self._idle = False  # parked waiting for CRIU's next request
         self._first_error: BaseException | None = None  # the cause, not the files it stopped
+        self._settled: CaptureStats | None = None  # what settle() found, once it has
 
     @property
     def error(self) -> BaseException | None:
@@ -156,6 +157,7 @@ class Capture(SocketService):
         self._stop = threading.Event()
         listener = protocol.listen(self.images_dir, self.SOCKET)
         self.stats = CaptureStats()
+        self._settled = None
         self._task = asyncio.create_task(self._serve(listener), name="stream-capture")
 
     async def wait(self) -> CaptureStats:
@@ -179,6 +181,8 @@ class Capture(SocketService):
         the socket open, so end-of-socket cannot be the signal there.
         """
         assert self._task is not None, "Capture.start() first"
+        if self._settled is not None:  # settled before (a leave-running dump's drain)
+            return self._settled
         while not self._task.done() and not (self._idle and not self._queued()):  # noqa: ASYNC110 - polls socket state, no event to wait on
             await asyncio.sleep(0.002)
         if self._task.done():
@@ -195,6 +199,7 @@ class Capture(SocketService):
         self._task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await self._task
+        self._settled = self.stats
         return self.stats
 
     def _queued(self) -> bool:

@@ -253,6 +253,20 @@ class StreamTarget:
         )
         return self.plan
 
+    async def drain(self) -> None:
+        """CRIU wrote the image and waits, the tree frozen, in post-dump: every byte it
+        wrote is taken out of its pipes before a leave-running job goes on (see
+        ``DumpTarget.drain``), within ``finish_timeout`` seconds."""
+        assert self._capture is not None
+        try:
+            self.capture_stats = await asyncio.wait_for(self._capture.settle(), self.finish_timeout)
+        except TimeoutError as exc:
+            await self.abort()
+            raise StreamError(
+                f"the streamed image was not read within {self.finish_timeout:.0f} s "
+                "(store too slow or unreachable); no manifest written"
+            ) from exc
+
     async def finish(self, meta: ImageMeta) -> None:
         """CRIU wrote the image (it waits frozen in post-dump, or exited 0): wait for the last
         pieces, add the extras, commit the manifest — within ``finish_timeout`` seconds (a
