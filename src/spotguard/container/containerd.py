@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from spotguard.checkpoint.criufind import find_criu, version_of
-from spotguard.container.runtime import write_runtime_dir
+from spotguard.container.runtime import run_tool, tail, write_runtime_dir
 from spotguard.container.settings import CONTAINERD_PREFIX, PREFIX, ContainerSettings
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import ConfigError, ContainerError, ImageError
@@ -83,11 +83,6 @@ def _find(explicit: str | None, name: str, candidates: list[str]) -> str:
         f"no {name} found ({', '.join(c for c in candidates if c)}): run "
         f"scripts/install-containerd (or set SPOTGUARD_CONTAINER_{name.upper()})"
     )
-
-
-def _tail(text: str, lines: int = 6) -> str:
-    kept = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return " | ".join(kept[-lines:])[:800]
 
 
 def _varint(n: int) -> bytes:
@@ -167,28 +162,9 @@ class Containerd:
         await asyncio.to_thread(self.prepare)
         argv = self.argv(namespace, *args)
         limit = self.timeout if limit_s is None else limit_s
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=self.env(),
-            )
-        except OSError as exc:
-            raise ContainerError(f"{what}: cannot run {self.ctr}: {exc}") from exc
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), limit)
-        except TimeoutError as exc:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise ContainerError(f"{what}: ctr {' '.join(args[:2])} ran past {limit:g}s") from exc
-        if proc.returncode != 0:
-            said = _tail(err.decode(errors="replace")) or _tail(out.decode(errors="replace"))
-            log.warning("ctr failed", extra={"argv": " ".join(argv), "status": proc.returncode})
-            raise ContainerError(f"{what}: ctr {' '.join(args[:2])} failed: {said}")
-        return out.decode(errors="replace")
+        return await run_tool(
+            argv, env=self.env(), limit=limit, what=what, label=f"ctr {' '.join(args[:2])}"
+        )
 
     async def version(self) -> str:
         """The daemon's version (``ctr version``, its Server part)."""
@@ -296,7 +272,7 @@ class Containerd:
                 proc.kill()
             status = proc.wait(self.timeout)
         if status != 0:
-            said = _tail(err.decode(errors="replace"))
+            said = tail(err.decode(errors="replace"))
             raise ContainerError(f"ctr content get {digest[:19]} failed: {said}")
         return copied
 
@@ -389,7 +365,7 @@ class Containerd:
                 proc.kill()
             status = proc.wait(self.timeout)
         if status != 0:
-            raise ContainerError(f"ctr content get {digest[:19]} failed: {_tail(err.decode())}")
+            raise ContainerError(f"ctr content get {digest[:19]} failed: {tail(err.decode())}")
 
     async def import_layout(self, namespace: str, layout: Path) -> str:
         """``ctr images import --no-unpack`` of a checkpoint layout; the checkpoint's name."""

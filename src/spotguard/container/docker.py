@@ -18,7 +18,6 @@ naming the command and the last thing docker said.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -28,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.criufind import find_criu, version_of
-from spotguard.container.runtime import write_runtime_dir
+from spotguard.container.runtime import run_tool, tail, write_runtime_dir
 from spotguard.container.settings import CONTAINERD_PREFIX, DOCKER_PREFIX, PREFIX, ContainerSettings
 from spotguard.errors import ConfigError, ContainerError
 
@@ -47,11 +46,6 @@ def _find(explicit: str | None, name: str, candidates: list[str]) -> str:
         f"no {name} found ({', '.join(c for c in candidates if c)}): run scripts/install-docker "
         f"(or set SPOTGUARD_CONTAINER_{name.upper()})"
     )
-
-
-def _tail(text: str, lines: int = 6) -> str:
-    kept = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return " | ".join(kept[-lines:])[:800]
 
 
 @dataclass(frozen=True)
@@ -106,29 +100,9 @@ class Docker:
         await asyncio.to_thread(self.prepare)
         argv = self.argv(*args)
         limit = self.timeout if limit_s is None else limit_s
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-            )
-        except OSError as exc:
-            raise ContainerError(f"{what}: cannot run {self.binary}: {exc}") from exc
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), limit)
-        except TimeoutError as exc:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise ContainerError(
-                f"{what}: docker {' '.join(args[:2])} ran past {limit:g}s"
-            ) from exc
-        if proc.returncode != 0:
-            said = _tail(err.decode(errors="replace")) or _tail(out.decode(errors="replace"))
-            log.warning("docker failed", extra={"argv": " ".join(argv), "status": proc.returncode})
-            raise ContainerError(f"{what}: docker {' '.join(args[:2])} failed: {said}")
-        return out.decode(errors="replace")
+        return await run_tool(
+            argv, env=None, limit=limit, what=what, label=f"docker {' '.join(args[:2])}"
+        )
 
     async def inspect_object(self, kind: str, name: str) -> dict[str, Any] | None:
         """``docker KIND inspect NAME``; None when docker knows no such object."""
@@ -144,7 +118,7 @@ class Docker:
             said = err.decode(errors="replace")
             if "No such" in said:
                 return None
-            raise ContainerError(f"docker {kind} inspect {name} failed: {_tail(said)}")
+            raise ContainerError(f"docker {kind} inspect {name} failed: {tail(said)}")
         try:
             data = json.loads(out)
         except ValueError as exc:

@@ -22,7 +22,6 @@ naming the command and the last thing podman said.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import os
@@ -32,7 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.criufind import find_criu, version_of
-from spotguard.container.runtime import write_runtime_dir
+from spotguard.container.runtime import run_tool, tail, write_runtime_dir
 from spotguard.container.settings import PREFIX, ContainerSettings
 from spotguard.errors import ConfigError, ContainerError
 
@@ -54,11 +53,6 @@ def _find(explicit: str | None, name: str, prefixed: Path) -> str:
         f"no {name} found (PATH or {prefixed}): run scripts/install-podman "
         f"(or set SPOTGUARD_CONTAINER_{name.upper()})"
     )
-
-
-def _tail(text: str, lines: int = 6) -> str:
-    kept = [ln.strip() for ln in text.splitlines() if ln.strip()]
-    return " | ".join(kept[-lines:])[:800]
 
 
 @dataclass(frozen=True)
@@ -126,28 +120,9 @@ class Podman:
         await asyncio.to_thread(self.prepare)
         argv = self.argv(*args)
         limit = self.timeout if limit_s is None else limit_s
-        try:
-            proc = await asyncio.create_subprocess_exec(
-                *argv,
-                stdin=asyncio.subprocess.DEVNULL,
-                stdout=asyncio.subprocess.PIPE,
-                stderr=asyncio.subprocess.PIPE,
-                env=self.env(),
-            )
-        except OSError as exc:
-            raise ContainerError(f"{what}: cannot run {self.binary}: {exc}") from exc
-        try:
-            out, err = await asyncio.wait_for(proc.communicate(), limit)
-        except TimeoutError as exc:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await proc.wait()
-            raise ContainerError(f"{what}: podman {args[0]} ran past {limit:g}s") from exc
-        if proc.returncode != 0:
-            said = _tail(err.decode(errors="replace")) or _tail(out.decode(errors="replace"))
-            log.warning("podman failed", extra={"argv": " ".join(argv), "status": proc.returncode})
-            raise ContainerError(f"{what}: podman {' '.join(args[:2])} failed: {said}")
-        return out.decode(errors="replace")
+        return await run_tool(
+            argv, env=self.env(), limit=limit, what=what, label=f"podman {' '.join(args[:2])}"
+        )
 
     async def checkpoint(self, name: str, *options: str, what: str) -> None:
         """``podman container checkpoint NAME OPTIONS``."""
@@ -179,7 +154,7 @@ class Podman:
         _, err = await asyncio.wait_for(proc.communicate(), self.timeout)
         if proc.returncode in (0, 1):
             return proc.returncode == 0
-        said = _tail(err.decode(errors="replace"))
+        said = tail(err.decode(errors="replace"))
         raise ContainerError(f"podman {kind} exists {name} failed: {said}")
 
     async def version(self) -> str:

@@ -19,12 +19,18 @@ find it first on their ``PATH``).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from spotguard import safefs
+from spotguard.errors import ContainerError
+
+log = logging.getLogger(__name__)
 
 #: CRIU's configuration for every container spotguard checkpoints
 CRIU_CONF = "network-lock nftables\n"
@@ -84,3 +90,40 @@ def write_runtime_dir(runtime_dir: Path, runc: str, criu: str) -> Path:
 def shell_quote(text: str) -> str:
     """Single-quote ``text`` for /bin/sh."""
     return "'" + text.replace("'", "'\"'\"'") + "'"
+
+
+def tail(text: str, lines: int = 6) -> str:
+    """The last ``lines`` non-empty lines of a tool's output, on one line (error messages)."""
+    kept = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    return " | ".join(kept[-lines:])[:800]
+
+
+async def run_tool(
+    argv: Sequence[str], *, env: dict[str, str] | None, limit: float, what: str, label: str
+) -> str:
+    """Run a runtime's CLI (podman, ctr, docker) with a time limit; its stdout. A tool that
+    cannot start, runs past ``limit`` (killed) or fails is one :class:`ContainerError` line:
+    ``what`` was being done, ``label`` (e.g. ``podman checkpoint``) and what the tool said."""
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            *argv,
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+        )
+    except OSError as exc:
+        raise ContainerError(f"{what}: cannot run {argv[0]}: {exc}") from exc
+    try:
+        out, err = await asyncio.wait_for(proc.communicate(), limit)
+    except TimeoutError as exc:
+        with contextlib.suppress(ProcessLookupError):
+            proc.kill()
+        await proc.wait()
+        raise ContainerError(f"{what}: {label} ran past {limit:g}s") from exc
+    if proc.returncode != 0:
+        said = tail(err.decode(errors="replace")) or tail(out.decode(errors="replace"))
+        log.warning(f"{label.split()[0]} failed",
+                    extra={"argv": " ".join(argv), "status": proc.returncode})  # fmt: skip
+        raise ContainerError(f"{what}: {label} failed: {said}")
+    return out.decode(errors="replace")
