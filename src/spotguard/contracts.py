@@ -25,7 +25,6 @@ the machine image; change them only together (and bump ``SCHEMA``).
 from __future__ import annotations
 
 import json
-import re
 import shlex
 import uuid
 from collections.abc import Mapping
@@ -38,6 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field
 from spotguard.errors import SpotguardError
 from spotguard.modes import Action as Action
 from spotguard.modes import Mode as Mode
+from spotguard.names import VM_TOKEN_PREFIX as VM_TOKEN_PREFIX
+from spotguard.names import check_job_name as check_job_name
+from spotguard.names import chunk_key as chunk_key
+from spotguard.names import image_prefix as image_prefix
+from spotguard.names import manifest_key as manifest_key
+from spotguard.names import new_image_id as new_image_id
+from spotguard.names import token_scope as token_scope
 
 #: 2: per-kind event models (no ``detail``), typed errors, ``epoch``.
 SCHEMA = 2
@@ -49,50 +55,6 @@ LABEL_JOB = "spotguard-job"
 
 ASSIGNMENT_PATH = "/etc/spotguard/assignment.json"
 ASSIGNMENT_ENV = "SPOTGUARD_ASSIGNMENT"
-
-_JOB_RE = re.compile(r"^[a-z0-9][a-z0-9._-]{0,62}$")
-
-
-def check_job_name(name: str) -> str:
-    """Job names are used in object keys, tags and file names: lowercase, digits, ``._-``."""
-    if not _JOB_RE.match(name):
-        raise ValueError(
-            f"invalid job name {name!r}: use 1-63 of a-z 0-9 . _ - (starting with a letter/digit)"
-        )
-    return name
-
-
-#: Prefix of VM tokens: ``sgvm1.<job>.<epoch>.<mac>`` (see :mod:`spotguard.controller.tokens`).
-VM_TOKEN_PREFIX = "sgvm1."
-
-
-def token_scope(token: str) -> tuple[str, int] | None:
-    """The (job, epoch) a VM token is scoped to, read without verifying it (the controller
-    verifies); None for any other token."""
-    if not token.startswith(VM_TOKEN_PREFIX):
-        return None
-    parts = token[len(VM_TOKEN_PREFIX) :].rsplit(".", 2)
-    if len(parts) != 3 or not _JOB_RE.match(parts[0]) or not parts[1].isdigit():
-        return None
-    return parts[0], int(parts[1])
-
-
-def new_image_id(now: datetime | None = None) -> str:
-    """Sortable image id: UTC time plus a short random suffix."""
-    t = (now or datetime.now(UTC)).strftime("%Y%m%dT%H%M%S%fZ")
-    return f"{t}-{uuid.uuid4().hex[:6]}"
-
-
-def chunk_key(job: str, digest: str) -> str:
-    return f"{job}/chunks/{digest[:2]}/{digest}"
-
-
-def image_prefix(job: str, image_id: str) -> str:
-    return f"{job}/images/{image_id}"
-
-
-def manifest_key(job: str, image_id: str) -> str:
-    return f"{image_prefix(job, image_id)}/manifest.json"
 
 
 class EventKind(StrEnum):

@@ -21,9 +21,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationError
 
 from spotguard import safefs
 from spotguard.checkpoint.jobs import JobInfo, exit_status
-from spotguard.contracts import Mode
 from spotguard.errors import SpotguardError
 from spotguard.image import ImageReader, ImageSettings, latest_image
+from spotguard.modes import Mode
 
 from .identity import Identity
 from .jobstate import LEDGER_STATES, JobState

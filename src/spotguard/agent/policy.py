@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 
-from spotguard.contracts import Action
+from spotguard.modes import Action
 from spotguard.notices.base import Notice, NoticeKind
 
 __all__ = ["DEFAULT_ACTIONS", "LIVE_MAINTENANCE", "Action", "Decision", "Policy"]

@@ -33,8 +33,8 @@ from typing import Any
 import psutil
 
 from spotguard.checkpoint import scan
-from spotguard.contracts import Mode
 from spotguard.errors import SpotguardError
+from spotguard.modes import Mode
 from spotguard.notices.base import Notice, NoticeKind
 from spotguard.operations import CheckpointResult, ImageKept
 

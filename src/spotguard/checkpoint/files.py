@@ -47,8 +47,8 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from spotguard import safefs
-from spotguard.contracts import check_job_name
 from spotguard.errors import CheckpointError, ImageError, UnsafeCarriedFile, UnsafePath
+from spotguard.names import check_job_name
 
 log = logging.getLogger(__name__)
 

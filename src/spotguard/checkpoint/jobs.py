@@ -29,8 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import safefs
-from spotguard.contracts import check_job_name
 from spotguard.errors import ConfigError, JobError, JobNotFound, UnsafePath
+from spotguard.names import check_job_name
 from spotguard.statedir import StateDir
 
 from . import jobinit, nccl, ncclctl, proctree

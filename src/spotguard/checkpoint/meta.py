@@ -15,10 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import safefs
-from spotguard.contracts import check_job_name
 from spotguard.errors import ImageError, ImageNotFound, UnsafePath
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.modes import Mode
+from spotguard.names import check_job_name
 
 from .files import CapturedFile
 from .mounts import JobMount

@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotguard.contracts import Mode
 from spotguard.facts import GpuInventory, HostFacts
+from spotguard.modes import Mode
 from spotguard.timeline import Timeline
 
 from .jobs import JobInfo

@@ -26,7 +26,6 @@ import click
 
 from spotguard import cli, config
 from spotguard.cli import verbose_option
-from spotguard.contracts import check_job_name
 from spotguard.errors import ImageCorrupt, StoreError
 from spotguard.image import (
     ImageSettings,
@@ -37,6 +36,7 @@ from spotguard.image import (
     verify_image,
 )
 from spotguard.image.reader import ImageReader
+from spotguard.names import check_job_name
 from spotguard.progress import fmt_bytes, fmt_image_size, fmt_rate, transfer_bar
 
 _TRANSFER_FIELDS = ("encryption_key", "signing_key")  # secrets never come from flags

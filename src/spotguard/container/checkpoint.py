@@ -50,12 +50,12 @@ from spotguard.container.spec import (
     ContainerImage,
     ContainerRef,
 )
-from spotguard.contracts import Mode
 from spotguard.errors import JobError, JobNotFound, SpotguardError
 from spotguard.image.settings import ImageSettings
 from spotguard.image.sink import FileSink
 from spotguard.image.stats import TransferStats
 from spotguard.image.writer import ImageWriter
+from spotguard.modes import Mode
 from spotguard.statedir import StateDir
 from spotguard.stream.protocol import set_pipe_size
 from spotguard.timeline import Timeline

@@ -55,7 +55,6 @@ from spotguard.container.spec import (
     Mount,
     Ulimit,
 )
-from spotguard.contracts import Mode
 from spotguard.errors import (
     ConfigError,
     ContainerError,
@@ -70,6 +69,7 @@ from spotguard.errors import (
 from spotguard.image.settings import ImageSettings
 from spotguard.image.transfer import pull_dir
 from spotguard.image.writer import ImageWriter
+from spotguard.modes import Mode
 from spotguard.timeline import Timeline
 
 log = logging.getLogger(__name__)

@@ -40,7 +40,6 @@ from spotguard.container.docker import Docker
 from spotguard.container.restore import ContainerRestore, RestoreIntent
 from spotguard.container.spec import DOCKER_ARCHIVE, ContainerConfig, ContainerImage, ContainerRef
 from spotguard.container.start import NPROC, nofile_limit
-from spotguard.contracts import Mode
 from spotguard.errors import (
     ConfigError,
     ContainerError,
@@ -55,6 +54,7 @@ from spotguard.errors import (
 from spotguard.image.settings import ImageSettings
 from spotguard.image.transfer import pull_dir
 from spotguard.image.writer import ImageWriter
+from spotguard.modes import Mode
 from spotguard.timeline import Timeline
 
 log = logging.getLogger(__name__)

@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from spotguard.contracts import Mode, check_job_name
 from spotguard.errors import ImageError, JobError
+from spotguard.modes import Mode
+from spotguard.names import check_job_name
 
 #: the one file of a container image: the runtime's checkpoint archive (uncompressed tar;
 #: the image's chunks are zstd frames)

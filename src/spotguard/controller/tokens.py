@@ -23,8 +23,8 @@ import hashlib
 import hmac
 from dataclasses import dataclass
 
-from spotguard.contracts import VM_TOKEN_PREFIX, check_job_name, token_scope
 from spotguard.errors import AuthError
+from spotguard.names import VM_TOKEN_PREFIX, check_job_name, token_scope
 
 _DERIVE = b"spotguard vm-token key v1"
 

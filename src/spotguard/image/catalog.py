@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from spotguard.contracts import check_job_name, chunk_key, image_prefix
 from spotguard.errors import (
     ConfigError,
     ImageCorrupt,
@@ -39,6 +38,7 @@ from spotguard.image.reader import ImageReader, VerifyReport
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn
 from spotguard.image.writer import store_for
+from spotguard.names import check_job_name, chunk_key, image_prefix
 from spotguard.store import ImageStore, ObjectInfo
 
 log = logging.getLogger(__name__)

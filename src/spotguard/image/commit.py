@@ -18,7 +18,6 @@ from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from spotguard.contracts import chunk_key
 from spotguard.errors import ImageError, ObjectNotFound, PreconditionFailed
 from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import (
@@ -30,6 +29,7 @@ from spotguard.image.manifest import (
     Manifest,
     Totals,
 )
+from spotguard.names import chunk_key
 from spotguard.store import ImageStore
 from spotguard.store.base import get_capped
 

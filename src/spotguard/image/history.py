@@ -14,7 +14,6 @@ import asyncio
 import logging
 from dataclasses import dataclass
 
-from spotguard.contracts import image_prefix, manifest_key
 from spotguard.errors import (
     ImageError,
     ImageNotFound,
@@ -24,6 +23,7 @@ from spotguard.errors import (
 )
 from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import ImageRef, Manifest, fetch_manifest
+from spotguard.names import image_prefix, manifest_key
 from spotguard.store import ImageStore
 
 log = logging.getLogger(__name__)

@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from spotguard.contracts import check_job_name, image_prefix, manifest_key
 from spotguard.errors import ConfigError, ImageError
+from spotguard.names import check_job_name, image_prefix, manifest_key
 from spotguard.store.base import ImageStore, get_capped
 
 #: bounds on what is read from a store before it is parsed (a 40 GiB image's manifest is

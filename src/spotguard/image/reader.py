@@ -24,7 +24,6 @@ from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any, TypeVar
 
-from spotguard.contracts import chunk_key
 from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
 from spotguard.image.buffers import BufferPool, Lease, OwnedChunk, PrioritySlots
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
@@ -41,6 +40,7 @@ from spotguard.image.rawframe import RawReadPlan
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.image.writer import store_for
+from spotguard.names import chunk_key
 from spotguard.store import ImageStore, get_into
 from spotguard.store.base import BlockingStore, get_capped
 

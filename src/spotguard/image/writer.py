@@ -33,7 +33,6 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from spotguard.contracts import check_job_name, chunk_key, new_image_id
 from spotguard.errors import ImageCorrupt, ImageError, ObjectNotFound, SpotguardError
 from spotguard.image import commit
 from spotguard.image.buffers import BufferPool, Lease
@@ -45,6 +44,7 @@ from spotguard.image.rawframe import raw_frame_parts, raw_frame_size
 from spotguard.image.settings import ImageSettings
 from spotguard.image.sink import SMALL_CHUNK, ChunkOwner, ChunkPipeline, FileSink
 from spotguard.image.stats import ProgressFn, TransferStats
+from spotguard.names import check_job_name, chunk_key, new_image_id
 from spotguard.store import ImageStore, RetryPolicy, get_into, open_store
 from spotguard.store.base import BlockingStore
 from spotguard.timeline import Timeline

@@ -21,8 +21,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from spotguard import safefs
-from spotguard.contracts import check_job_name
 from spotguard.errors import JobError, JobNotFound, UnsafePath
+from spotguard.names import check_job_name
 from spotguard.statedir import StateDir
 
 from .sockets import Address
