@@ -102,3 +102,57 @@ async def test_the_agent_loads_the_gpu_driver_at_start_and_says_what_it_found(
     finally:
         own.kill()
         await own.wait()
+
+
+async def test_status_names_open_files_too_large_for_a_checkpoint_from_the_start(
+    tmp_path: Path, criu_bin: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A job holding an output file over ``max_file_bytes`` or a deleted file over
+    ``ghost_limit`` would be refused at the notice; the agent says so when it starts
+    protecting the job (small limits, so the files are small)."""
+    caplog.set_level("WARNING", logger="spotguard.agent.worker")
+    out, gone = tmp_path / "out.bin", tmp_path / "gone.bin"
+    script = (
+        f"exec 3>{out}; head -c 8192 /dev/zero >&3; "
+        f"exec 4<>{gone}; head -c 16384 /dev/zero >&4; rm {gone}; exec sleep 120"
+    )
+    big = await asyncio.create_subprocess_exec("sh", "-c", script, start_new_session=True)
+    agent = Agent(
+        AgentSettings(
+            job=[str(big.pid)], store=(tmp_path / "store").as_uri(),
+            api_listen="127.0.0.1:0", assignment=tmp_path / "none.json",
+        ),
+        CheckpointSettings(
+            state_dir=tmp_path / "state", criu=criu_bin, max_file_bytes=4096, ghost_limit=4096
+        ),
+        NoticeSettings(cloud="none"),
+        image=ImageSettings(),
+    )  # fmt: skip
+    try:
+        for _ in range(100):  # the shell has become sleep, holding both files
+            comm = await asyncio.to_thread(Path(f"/proc/{big.pid}/comm").read_text)
+            if comm.strip() == "sleep":
+                break
+            await asyncio.sleep(0.02)
+        run = asyncio.create_task(agent.run())
+        try:
+            for _ in range(200):
+                jobs = {j["pid"]: j for j in agent.status()["jobs"]}
+                if big.pid in jobs and jobs[big.pid]["cannot_checkpoint"]:
+                    break
+                await asyncio.sleep(0.05)
+            found = jobs[big.pid]["cannot_checkpoint"]
+            assert len(found) == 2, found
+            too_big = next(f for f in found if "max_file_bytes" in f)
+            assert str(out) in too_big and "8192 bytes" in too_big
+            ghost = next(f for f in found if "ghost_limit" in f)
+            assert str(gone) in ghost and "16384 bytes" in ghost
+            assert jobs[big.pid]["state"] == "protecting"
+            (line,) = [r for r in caplog.records if "cannot be checkpointed" in r.getMessage()]
+            assert "max_file_bytes" in line.__dict__["reason"]
+        finally:
+            agent.request_stop()
+            await asyncio.wait_for(run, 60)
+    finally:
+        big.kill()
+        await big.wait()

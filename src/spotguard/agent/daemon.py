@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from spotguard import operations
-from spotguard.checkpoint import proctree
+from spotguard.checkpoint import proctree, scan
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.container.guard import ContainerJobs
@@ -326,8 +326,7 @@ class Agent:
             self._maybe_done()
             if not jobspec.by_name(spec):
                 return
-            state_dir = self.checkpoint_settings.state_dir
-            info = await jobspec.comes_back(spec, seen, state_dir, RESOLVE_RETRY_S)
+            info = await jobspec.comes_back(spec, seen, self._state_dir, RESOLVE_RETRY_S)
 
     async def _guard(self, info: JobInfo) -> None:
         current = self.workers.get(info.name)
@@ -379,11 +378,13 @@ class Agent:
     def _worker(
         self, info: JobInfo, last: float | None = None, ident: identity.Identity | None = None
     ) -> JobWorker:  # ident: the job's process (pid and start time), None: pid only
+        cs = self.checkpoint_settings
         worker = JobWorker(
             info.name, info.pid,
             lambda m, deadline, meta, f: self._checkpoint(info, m, deadline, meta, f),
             reporter=self.reporter, metrics=self.metrics, instance=self.instance.to_json(),
             periodic_interval=self.settings.periodic_interval, last_image_at=last, ident=ident,
+            file_limits=scan.FileLimits(info.dir, cs.max_file_bytes, cs.ghost_limit),
         )  # fmt: skip
         self.workers[info.name] = worker
         return worker

@@ -87,10 +87,12 @@ class JobWorker:
         periodic_interval: float = 0.0,
         last_image_at: float | None = None,
         ident: Identity | None = None,
+        file_limits: scan.FileLimits | None = None,
     ) -> None:
         self.name = name
         self.pid = pid
         self.ident = ident  # the job's process: pid and start time (alive() compares it)
+        self.file_limits = file_limits  # what a checkpoint carries of its files (early check)
         self.checkpointer = checkpointer
         self.reporter = reporter
         self.metrics = metrics
@@ -201,10 +203,11 @@ class JobWorker:
 
     async def _early_check(self) -> None:
         """Tell the operator now, not at the notice, when the job holds something no
-        checkpoint can carry (:data:`~spotguard.checkpoint.scan.EARLY_RULES`): a log line
-        and ``cannot_checkpoint`` in status. The job stays protected: it may let go of it."""
+        checkpoint can carry (:data:`~spotguard.checkpoint.scan.EARLY_RULES`, and files over
+        :class:`~spotguard.checkpoint.scan.FileLimits`): a log line and ``cannot_checkpoint``
+        in status. The job stays protected: it may let go of it."""
         try:
-            found = await asyncio.to_thread(scan.early_findings, self.pid)
+            found = await asyncio.to_thread(scan.early_findings, self.pid, self.file_limits)
         except (OSError, psutil.Error, SpotguardError) as exc:  # a look ahead only
             log.debug("early check failed", extra={"job": self.name, "error": str(exc)})
             return

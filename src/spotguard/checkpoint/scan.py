@@ -27,6 +27,11 @@ Built in:
   owns those); an inherited /dev/nvidia* mapping in a process without CUDA state (a forked
   worker) with no plugin to carry it is refused, naming the installer.
 
+When the agent starts protecting a job it runs :data:`EARLY_RULES` and :func:`file_findings`
+(output files over ``max_file_bytes``, deleted files over ``ghost_limit``: what the capture
+step and CRIU refuse at the freeze) through :func:`early_findings`, so status names them at
+once rather than at the notice.
+
 :func:`network_plan` decides the TCP options: ``--tcp-established`` exactly when a process
 of the tree holds a connected TCP socket, and the network lock CRIU takes while it dumps
 them (see docs/limits.md, "Sockets").
@@ -34,15 +39,18 @@ them (see docs/limits.md, "Sockets").
 
 from __future__ import annotations
 
+import os
 import re
+import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 from spotguard.errors import UndumpableError
 
-from . import proctree
-from .procfacts import Connection, FdFact, ProcFacts, TreeFacts, gather
+from . import files, proctree
+from .procfacts import Connection, FdFact, ProcFacts, TreeFacts, comm, gather
 
 __all__ = [
     "EARLY_RULES",
@@ -50,6 +58,7 @@ __all__ = [
     "RULES",
     "Connection",
     "FdFact",
+    "FileLimits",
     "Finding",
     "NetworkLock",
     "NetworkPlan",
@@ -58,6 +67,7 @@ __all__ = [
     "TreeFacts",
     "check",
     "early_findings",
+    "file_findings",
     "findings",
     "gather",
     "job_environment",
@@ -290,9 +300,88 @@ def devices(proc: ProcFacts) -> list[Finding]:
 EARLY_RULES: tuple[Rule, ...] = (session_leader, io_uring, anon_inodes, socket_families)
 
 
-def early_findings(pid: int) -> list[Finding]:
-    """What :data:`EARLY_RULES` refuse in ``pid``'s tree now (blocking /proc reads)."""
-    return findings(gather(proctree.tree(pid)), EARLY_RULES)
+@dataclass(frozen=True)
+class FileLimits:
+    """What a checkpoint carries of a job's files (``[checkpoint]`` settings): its output
+    files up to ``max_file_bytes`` in all (:func:`.files.capture`), each deleted file it
+    holds up to ``ghost_limit`` (CRIU's ``--ghost-limit``)."""
+
+    job_dir: Path
+    max_file_bytes: int
+    ghost_limit: int
+
+
+def early_findings(pid: int, limits: FileLimits | None = None) -> list[Finding]:
+    """What :data:`EARLY_RULES` refuse in ``pid``'s tree now, and with ``limits`` the files
+    no checkpoint would carry (:func:`file_findings`). Blocking /proc reads."""
+    tree = proctree.tree(pid)
+    found = findings(gather(tree), EARLY_RULES)
+    if limits is not None:
+        found += file_findings(pid, tree, limits)
+    return found
+
+
+def file_findings(root: int, tree: Sequence[int], limits: FileLimits) -> list[Finding]:
+    """The files of ``tree`` a checkpoint would refuse: output files (the job directory's
+    and those held open for writing) over ``max_file_bytes`` in all — the capture step
+    fails the freeze then — and each deleted regular file held open over ``ghost_limit``,
+    which CRIU refuses to dump."""
+    out: list[Finding] = []
+    sizes: dict[Path, int] = {}
+    for c in files.candidates(limits.job_dir, proctree.writable_files(tree)):
+        try:
+            sizes[c.path] = c.path.stat().st_size
+        except OSError:
+            continue
+    total = sum(sizes.values())
+    if total > limits.max_file_bytes:
+        largest = max(sizes, key=lambda p: sizes[p])
+        out.append(
+            Finding(
+                root,
+                comm(root),
+                f"output files of {total} bytes (largest {largest}, {sizes[largest]} bytes)",
+                f"a checkpoint carries at most max_file_bytes ({limits.max_file_bytes} bytes) "
+                "of them",
+                "raise [checkpoint] max_file_bytes or keep large outputs outside the job "
+                "(docs/limits.md)",
+            )
+        )
+    return out + _ghost_findings(tree, limits.ghost_limit)
+
+
+def _ghost_findings(tree: Sequence[int], limit: int) -> list[Finding]:
+    """Deleted regular files over ``limit`` bytes the processes hold open (each file once)."""
+    out: list[Finding] = []
+    seen: set[tuple[int, int]] = set()
+    for pid in tree:
+        try:
+            fds = os.listdir(f"/proc/{pid}/fd")
+        except OSError:
+            continue
+        for fd in fds:
+            try:
+                target = os.readlink(f"/proc/{pid}/fd/{fd}")
+                st = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            deleted = target.startswith("/") and target.endswith(" (deleted)")
+            if not deleted or target.startswith("/memfd:") or not stat.S_ISREG(st.st_mode):
+                continue
+            if st.st_size <= limit or (st.st_dev, st.st_ino) in seen:
+                continue
+            seen.add((st.st_dev, st.st_ino))
+            path = target.removesuffix(" (deleted)")
+            out.append(
+                Finding(
+                    pid,
+                    comm(pid),
+                    f"a deleted file of {st.st_size} bytes ({path}, fd {fd})",
+                    f"a checkpoint carries deleted files up to ghost_limit ({limit} bytes)",
+                    "raise [checkpoint] ghost_limit or close the file before a checkpoint",
+                )
+            )
+    return out
 
 
 def findings(facts: TreeFacts, rules: Sequence[Rule] | None = None) -> list[Finding]:
