@@ -34,11 +34,13 @@ def _settings(tmp_path: Path, criu_bin: str, lock_s: float = 10.0) -> Checkpoint
                               gpu_lock_timeout=lock_s)  # fmt: skip
 
 
-def _reference(built: Built, tmp_path: Path, *flags: str) -> list[str]:
+def _reference(
+    built: Built, tmp_path: Path, *flags: str, ranks: int = RANKS, steps: int = STEPS
+) -> list[str]:
     """The job's output uninterrupted and without the shim (the fake NCCL alone)."""
     work = tmp_path / "ref"
     work.mkdir()
-    done = subprocess.run([str(built.job), str(RANKS), str(STEPS), "0", *flags],
+    done = subprocess.run([str(built.job), str(ranks), str(steps), "0", *flags],
                           env=built.env(work), capture_output=True, text=True, timeout=120,
                           check=True)  # fmt: skip
     return done.stdout.splitlines()

@@ -31,8 +31,9 @@ process running the freeze was killed. What a freeze and a restore return is in
 
 Suspend in place (park ``--to memory``: no image) is the engine's third mode,
 :meth:`Engine.suspend` / :meth:`Engine.resume`, with its steps in :mod:`.suspend`
-(``scan ─► gpu_lock ─► gpu_checkpoint ─► stop ─► record``), under the same marker, faults
-seam, bring-back and recovery. A park's restore (``record=``) holds the marker too, its
+(``scan ─► nccl_release ─► gpu_lock ─► gpu_checkpoint ─► stop ─► record``; resume ``cont ─►
+gpu_restore ─► gpu_unlock ─► nccl_rebuild ─► record``), under the same marker, faults seam,
+bring-back and recovery. A park's restore (``record=``) holds the marker too, its
 commit the last step. What :meth:`Engine.recover` does per operation: :mod:`.recovery`.
 
 Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore``

@@ -62,7 +62,7 @@ async def recover(eng: EngineParts, job: JobInfo) -> bool:
         tree = rec.tree
         if proctree.alive(job.pid):
             tree = sorted(set(tree) | set(proctree.tree(job.pid)))
-        await eng.bring_back(job, tree, rec.gpu_pids, reopen_nccl=rec.op is Op.FREEZE)
+        await eng.bring_back(job, tree, rec.gpu_pids)  # NCCL too: suspend releases
         if rec.op is Op.RESUME and kept is not None:
             kept.unlink(missing_ok=True)  # the job runs: it is no longer suspended
     marker.clear()

@@ -13,9 +13,16 @@ work through a thread of the job's own process (a stopped process would never an
 ``Engine.resume``: this module holds their step order, the engine's faults seam is consulted
 before each step, as for a freeze)::
 
-    suspend: scan ─► gpu_lock ─► gpu_checkpoint ─► stop ─► record   (GPU processes in parallel)
-    resume:  cont ─► gpu_restore ─► gpu_unlock ─► record  (the driver works through a thread
-                                                           of the job)
+    suspend: scan ─► nccl_release ─► gpu_lock ─► gpu_checkpoint ─► stop ─► record
+    resume:  cont ─► gpu_restore ─► gpu_unlock ─► nccl_rebuild ─► record
+                    (GPU processes in parallel; the driver works through a thread of the job)
+
+``nccl_release`` / ``nccl_rebuild`` are the freeze's own (:mod:`.ncclctl`): the NCCL
+communicators of every process with spotguard's shim are released, all ranks at once, before
+the GPU lock (a rank that cannot quiesce within the lock timeout fails the suspend in one
+line, the job runs on) and rebuilt once the resumed job runs again — the driver's checkpoint
+never meets what NCCL shares between processes (P2P, SHM, NVLS). While the job is suspended
+its communicators do not exist.
 
 Both take the engine's crash marker (``operation.json``, :mod:`.marker`, ``op`` ``suspend`` /
 ``resume``) before touching the job and clear it only after ``record`` — the caller's commit
@@ -24,9 +31,9 @@ leaves a marker that :meth:`~spotguard.checkpoint.engine.Engine.recover` (a rest
 acts on: the job brought back running (GPU restored and unlocked, SIGCONT), and for a resume
 the record file removed; a suspend whose record was written is complete and stays suspended.
 
-A failure while suspending brings the job back exactly as a freeze does. A failure while
-resuming leaves the record (the job's GPU state is still in its host memory) and raises, so a
-later resume can try again.
+A failure while suspending brings the job back exactly as a freeze does (released
+communicators rebuilt). A failure while resuming leaves the record (the job's GPU state is
+still in its host memory) and raises, so a later resume can try again.
 
 A suspended job can still be checkpointed (a notice while it is parked): the engine skips the
 driver steps for processes already checkpointed, and an image of it resumes when restored.
@@ -49,6 +56,7 @@ from . import proctree
 from .cuda import GpuHook, GpuState
 from .jobs import JobInfo
 from .marker import FreezeMarker, Op
+from .ncclctl import NcclControl
 from .settings import CheckpointSettings
 
 log = logging.getLogger(__name__)
@@ -60,6 +68,7 @@ class EngineParts(Protocol):
 
     gpu: GpuHook
     settings: CheckpointSettings
+    nccl: NcclControl
 
     @property
     def faults(self) -> Faults: ...
@@ -80,8 +89,8 @@ class Faults(Protocol):
     async def before(self, step: str) -> None: ...
 
 
-SUSPEND_STEPS = ("scan", "gpu_lock", "gpu_checkpoint", "stop", "record")
-RESUME_STEPS = ("cont", "gpu_restore", "gpu_unlock", "record")
+SUSPEND_STEPS = ("scan", "nccl_release", "gpu_lock", "gpu_checkpoint", "stop", "record")
+RESUME_STEPS = ("cont", "gpu_restore", "gpu_unlock", "nccl_rebuild", "record")
 
 
 @dataclass
@@ -119,6 +128,7 @@ async def suspend(
     job.dir.mkdir(parents=True, exist_ok=True)
     marker = FreezeMarker(job)
     marker.take(Op.SUSPEND, record=record)
+    nccl_touched = False
     try:
         with tl.step("scan") as st:
             await faults.before("scan")
@@ -128,6 +138,11 @@ async def suspend(
             gpu_bytes = gpu.memory_used(gpu_pids) if gpu_pids else 0
             cpu_bytes = proctree.rss_bytes(tree)
             st.detail.update(pids=len(tree), gpu_pids=len(gpu_pids), gpu_bytes=gpu_bytes)
+        with tl.step("nccl_release") as ns:
+            await faults.before("nccl_release")
+            nccl_touched = True
+            released = await eng.nccl.release(job.name, tree, eng.settings.gpu_lock_timeout)
+            ns.detail.update(released.to_json())
         if gpu_pids:
             with tl.step("gpu_lock", pids=gpu_pids):
                 await faults.before("gpu_lock")
@@ -150,7 +165,7 @@ async def suspend(
             if commit is not None:
                 await commit(done)
     except BaseException as exc:
-        await asyncio.shield(eng.bring_back(job, tree, gpu_pids, reopen_nccl=False))
+        await asyncio.shield(eng.bring_back(job, tree, gpu_pids, reopen_nccl=nccl_touched))
         marker.clear()
         log.warning("suspend failed; job resumed", extra={"job": job.name, "error": str(exc)})
         raise
@@ -195,6 +210,9 @@ async def resume(
             with tl.step("gpu_unlock", pids=locked):
                 await faults.before("gpu_unlock")
                 await gpu.unlock(locked)
+        with tl.step("nccl_rebuild") as rb:
+            await faults.before("nccl_rebuild")
+            rb.detail.update((await eng.nccl.rebuild(job.name, tree)).to_json())
         with tl.step("record"):
             await faults.before("record")
             if commit is not None:
