@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from ckpt_helpers import Launch, lines, wait_exit, wait_for
+from ckpt_helpers import Launch, lines, proc_state, wait_exit, wait_for
 
 from conftest import Built
 from spotguard.checkpoint import proctree
@@ -21,7 +21,9 @@ from spotguard.checkpoint.ncclctl import ENV_CTL, control_dir, shim_loaded
 from spotguard.checkpoint.procfacts import read_environ
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
-from spotguard.errors import NcclError, UndumpableError
+from spotguard.errors import CheckpointError, NcclError, SpotguardError, UndumpableError
+from spotguard.park.core import park
+from spotguard.park.settings import ParkSettings
 
 pytestmark = pytest.mark.criu
 
@@ -44,6 +46,19 @@ def _reference(
                           env=built.env(work), capture_output=True, text=True, timeout=120,
                           check=True)  # fmt: skip
     return done.stdout.splitlines()
+
+
+class FailAt:
+    """The engine's faults seam (as tests/checkpoint's): raise before one named step."""
+
+    def __init__(self, step: str) -> None:
+        self.step = step
+        self.reached = False
+
+    async def before(self, step: str) -> None:
+        if step == self.step:
+            self.reached = True
+            raise CheckpointError(f"injected failure before {step}")
 
 
 def _step(result_timeline: list[dict[str, Any]], name: str) -> dict[str, Any]:
@@ -133,6 +148,12 @@ async def test_a_rank_stuck_inside_a_collective_fails_the_checkpoint_and_the_job
     assert "did not quiesce in 2 s" in text and "inside an NCCL call" in text, text
     assert "the job runs on" in text
     assert not (tmp_path / "img" / "spotguard-image.json").exists()
+    # parked in memory: the same refusal, in one line, before the GPU lock; nothing stopped
+    with pytest.raises(NcclError, match="did not quiesce in 2 s") as err:
+        await park(job, to="memory", engine=engine, settings=engine.settings,
+                   park_settings=ParkSettings())  # fmt: skip
+    assert "\n" not in str(err.value)
+    assert not any(proc_state(p) == "T" for p in proctree.tree(job.pid))
     hold.unlink()
     assert await wait_exit(job, 120) == 0, (job.dir / "stderr").read_text()
     assert lines(out) == [*want[: STEPS // 2], "done"]
@@ -158,3 +179,39 @@ async def test_what_cannot_be_released_is_refused_by_name(
     await _running(job)
     assert await wait_exit(job, 120) == 0
     assert _log_count(tmp_path, "finalize") == 0
+
+
+async def test_a_freeze_or_park_failing_after_the_release_rebuilds_the_communicators(
+    built: Built,
+    launch_shim: Launch,
+    criu_bin: str,
+    tmp_path: Path,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    ranks, steps = 2, 150
+    want = _reference(built, tmp_path, ranks=ranks, steps=steps)
+    job = await launch_shim([str(built.job), str(ranks), str(steps), str(STEP_MS)], "failed")
+    out = job.dir / "stdout"
+    await wait_for(lambda: len(lines(out)) > 5, "the job's first steps")
+    caplog.set_level(logging.INFO, logger="spotguard.checkpoint.ncclctl")
+    settings = _settings(tmp_path, criu_bin)
+    dump = FailAt("criu_dump")  # after nccl_release
+    engine = Engine(Criu(criu_bin), settings=settings, faults=dump)
+    with pytest.raises(CheckpointError, match="injected failure before criu_dump"):
+        await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    assert dump.reached
+    assert _log_count(tmp_path, "destroy") == 2 * ranks  # released, then brought back:
+    assert _log_count(tmp_path, "init") == ranks + 2 * ranks  # rebuilt from fresh ids
+    await _running(job)
+    stop = FailAt("stop")  # parked in memory: after nccl_release and the GPU steps
+    engine = Engine(Criu(criu_bin), settings=settings, faults=stop)
+    with pytest.raises(SpotguardError, match="injected failure before stop"):
+        await park(job, to="memory", engine=engine, settings=settings,
+                   park_settings=ParkSettings())  # fmt: skip
+    assert stop.reached
+    assert _log_count(tmp_path, "destroy") == 4 * ranks
+    assert _log_count(tmp_path, "init") == ranks + 4 * ranks
+    assert await wait_exit(job, 60) == 0, (job.dir / "stderr").read_text()
+    assert lines(out) == want
+    msgs = [r.getMessage() for r in caplog.records if r.getMessage().startswith("NCCL comm")]
+    assert msgs == ["NCCL communicators released", "NCCL communicators rebuilt"] * 2
