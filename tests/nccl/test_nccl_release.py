@@ -4,7 +4,9 @@ watchdog thread asking for errors) runs under spotguard's shim on a fake NCCL (C
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import re
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -162,23 +164,63 @@ async def test_a_rank_stuck_inside_a_collective_fails_the_checkpoint_and_the_job
 
 @pytest.mark.parametrize(
     ("flag", "named"),
-    [("--register", "ncclCommRegister"), ("--capture", "captured in a CUDA graph")],
+    [
+        ("--register", "ncclCommRegister"),
+        ("--capture", "captured in a CUDA graph"),
+        ("--window", "NCCL memory windows (ncclCommWindowRegister)"),
+        ("--devcomm", "NCCL's device API (ncclDevCommCreate)"),
+        ("--memalloc", "1 buffers from ncclMemAlloc"),
+    ],
 )
 async def test_what_cannot_be_released_is_refused_by_name(
     flag: str, named: str, built: Built, launch_shim: Launch, criu_bin: str, tmp_path: Path
 ) -> None:
-    argv = [str(built.job), str(RANKS), "150", str(STEP_MS), flag]
+    argv = [str(built.job), str(RANKS), "60", str(STEP_MS), flag]
     job = await launch_shim(argv, f"refused{flag.replace('-', '')}")
     out = job.dir / "stdout"
     await wait_for(lambda: len(lines(out)) > 3, "the job's first steps")
     engine = Engine(Criu(criu_bin), settings=_settings(tmp_path, criu_bin))
-    with pytest.raises(UndumpableError, match=named) as err:
+    with pytest.raises(UndumpableError, match=re.escape(named)) as err:
         await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
-    assert "rank 0 of 4" in str(err.value)
+    # named per rank (ncclMemAlloc memory is the process's, not a communicator's)
+    assert "rank 0 of 4" in str(err.value) or flag == "--memalloc"
     assert "--nccl restrict" in str(err.value)
     await _running(job)
-    assert await wait_exit(job, 120) == 0
+    assert await wait_exit(job, 60) == 0
     assert _log_count(tmp_path, "finalize") == 0
+
+
+async def test_a_communicator_with_a_rank_outside_the_job_is_refused(
+    built: Built, launch_shim: Launch, criu_bin: str, tmp_path: Path
+) -> None:
+    """Rank 3 of the world runs in a process outside the job (as on another VM): spotguard
+    could not rebuild that communicator, so the freeze refuses it, naming it; the job runs on."""
+    world = tmp_path / "world"
+    world.mkdir()  # the shared ncclUniqueId: the fake NCCL's rendezvous directory
+    env = built.env(tmp_path, NCCL_JOB_ID=str(world))
+    steps = ["60", str(STEP_MS)]
+    outside = await asyncio.create_subprocess_exec(
+        str(built.job), str(RANKS), *steps, "--only-rank", "3", env=env,
+        stdout=subprocess.DEVNULL)  # fmt: skip
+    try:
+        job = await launch_shim([str(built.job), str(RANKS), *steps, "--skip-rank", "3"],
+                                "spans", env)  # fmt: skip
+        out = job.dir / "stdout"
+        await wait_for(lambda: len(lines(out)) > 3, "the job's first steps")
+        engine = Engine(Criu(criu_bin), settings=_settings(tmp_path, criu_bin))
+        with pytest.raises(UndumpableError) as err:
+            await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+        text = str(err.value)
+        assert "has 3 of its 4 ranks in this job (ranks 0, 1, 2)" in text, text
+        assert "has 1 of its 2 ranks in this job (ranks 0)" in text, text  # the odd half
+        await _running(job)
+        assert await wait_exit(job, 60) == 0
+        assert await asyncio.wait_for(outside.wait(), 60) == 0
+        assert _log_count(tmp_path, "finalize") == 0
+    finally:
+        if outside.returncode is None:
+            outside.kill()
+            await outside.wait()
 
 
 async def test_a_freeze_or_park_failing_after_the_release_rebuilds_the_communicators(

@@ -277,6 +277,32 @@ ncclResult_t ncclCommDeregister(const ncclComm_t comm, void *handle) {
   return ncclSuccess;
 }
 
+ncclResult_t ncclCommWindowRegister(ncclComm_t comm, void *buff, size_t size, ncclWindow_t *win,
+                                    int winFlags) {
+  (void)comm, (void)buff, (void)size, (void)winFlags;
+  *win = malloc(1);
+  return *win ? ncclSuccess : ncclSystemError;
+}
+
+ncclResult_t ncclCommWindowDeregister(ncclComm_t comm, ncclWindow_t win) {
+  (void)comm;
+  free(win);
+  return ncclSuccess;
+}
+
+/* NCCL's device API, host side (nccl_device.h): the requirements and the device
+ * communicator are opaque here; the fake only says it made one. */
+ncclResult_t ncclDevCommCreate(ncclComm_t comm, const void *reqs, void *outDevComm) {
+  (void)comm, (void)reqs;
+  memset(outDevComm, 0, 8);
+  return ncclSuccess;
+}
+
+ncclResult_t ncclDevCommDestroy(ncclComm_t comm, const void *devComm) {
+  (void)comm, (void)devComm;
+  return ncclSuccess;
+}
+
 ncclResult_t ncclGroupStart(void) { return ncclSuccess; }
 ncclResult_t ncclGroupEnd(void) { return ncclSuccess; }
 

@@ -7,10 +7,16 @@
  * and CUDA devices as the application sees them. A second thread asks NCCL for errors all
  * the time, as PyTorch's watchdog does.
  *
- *   nccl_job NRANKS STEPS STEP_MS [--register] [--capture]
+ *   nccl_job NRANKS STEPS STEP_MS [--register] [--capture] [--window] [--devcomm]
+ *                                 [--memalloc] [--only-rank R | --skip-rank R]
  *
  * --register: rank 0 registers a buffer with ncclCommRegister and keeps it.
  * --capture: rank 0 issues its first all-reduce on a stream being captured (fake CUDA).
+ * --window: rank 0 registers a window (ncclCommWindowRegister) and keeps it.
+ * --devcomm: rank 0 creates a device communicator (ncclDevCommCreate) and keeps it.
+ * --memalloc: rank 0 allocates a buffer with ncclMemAlloc and keeps it.
+ * --only-rank R / --skip-rank R: this process runs rank R only / every rank but R; the
+ *   ranks meet through the id directory named by $NCCL_JOB_ID (two processes, one world).
  */
 #include <pthread.h>
 #include <stdint.h>
@@ -25,6 +31,11 @@
 
 int cuDevicePrimaryCtxRetain(void **ctx, int dev);
 int cuCtxSetCurrent(void *ctx);
+/* NCCL's device API (nccl_device.h, not in the test nccl.h): opaque here */
+ncclResult_t ncclDevCommCreate(ncclComm_t comm, const void *reqs, void *outDevComm);
+ncclResult_t ncclDevCommDestroy(ncclComm_t comm, const void *devComm);
+
+enum { REG = 1, CAPTURE = 2, WINDOW = 4, DEVCOMM = 8, MEMALLOC = 16 };
 
 #define CHECK(call)                                                                           \
   do {                                                                                        \
@@ -55,8 +66,8 @@ static void *watchdog(void *arg) {
   return NULL;
 }
 
-static int run_rank(int rank, int nranks, ncclUniqueId id, int steps, int step_ms, int reg,
-                    int capture) {
+static int run_rank(int rank, int nranks, ncclUniqueId id, int steps, int step_ms, int flags) {
+  int reg = flags & REG, capture = flags & CAPTURE;
   char env[16];
   void *ctx;
   snprintf(env, sizeof env, "%d", rank);
@@ -68,6 +79,15 @@ static int run_rank(int rank, int nranks, ncclUniqueId id, int steps, int step_m
   void *handle = NULL;
   if (reg && rank == 0)
     CHECK(ncclCommRegister(world, env, sizeof env, &handle));
+  ncclWindow_t win = NULL;
+  if ((flags & WINDOW) && rank == 0)
+    CHECK(ncclCommWindowRegister(world, env, sizeof env, &win, 0));
+  char devcomm[64];
+  if ((flags & DEVCOMM) && rank == 0)
+    CHECK(ncclDevCommCreate(world, NULL, devcomm));
+  void *mem = NULL;
+  if ((flags & MEMALLOC) && rank == 0)
+    CHECK(ncclMemAlloc(&mem, 64));
   pthread_t wd;
   pthread_create(&wd, NULL, watchdog, NULL);
   for (int step = 0; step < steps; step++) {
@@ -102,6 +122,12 @@ static int run_rank(int rank, int nranks, ncclUniqueId id, int steps, int step_m
   pthread_join(wd, NULL);
   if (handle)
     CHECK(ncclCommDeregister(world, handle));
+  if (win)
+    CHECK(ncclCommWindowDeregister(world, win));
+  if ((flags & DEVCOMM) && rank == 0)
+    CHECK(ncclDevCommDestroy(world, devcomm));
+  if (mem)
+    CHECK(ncclMemFree(mem));
   CHECK(ncclCommDestroy(half));
   CHECK(ncclCommDestroy(world));
   if (rank == 0) {
@@ -113,26 +139,45 @@ static int run_rank(int rank, int nranks, ncclUniqueId id, int steps, int step_m
 
 int main(int argc, char **argv) {
   if (argc < 4) {
-    fprintf(stderr, "usage: nccl_job NRANKS STEPS STEP_MS [--register] [--capture]\n");
+    fprintf(stderr, "usage: nccl_job NRANKS STEPS STEP_MS [--register] [--capture] "
+                    "[--window] [--devcomm] [--memalloc] [--only-rank R | --skip-rank R]\n");
     return 2;
   }
   int nranks = atoi(argv[1]), steps = atoi(argv[2]), step_ms = atoi(argv[3]);
-  int reg = 0, capture = 0, rank = -1;
+  int flags = 0, rank = -1, only = -1, skip = -1;
   for (int i = 4; i < argc; i++) {
-    reg |= !strcmp(argv[i], "--register");
-    capture |= !strcmp(argv[i], "--capture");
+    flags |= !strcmp(argv[i], "--register") ? REG : 0;
+    flags |= !strcmp(argv[i], "--capture") ? CAPTURE : 0;
+    flags |= !strcmp(argv[i], "--window") ? WINDOW : 0;
+    flags |= !strcmp(argv[i], "--devcomm") ? DEVCOMM : 0;
+    flags |= !strcmp(argv[i], "--memalloc") ? MEMALLOC : 0;
+    if (!strcmp(argv[i], "--only-rank") && i + 1 < argc)
+      only = atoi(argv[++i]);
+    else if (!strcmp(argv[i], "--skip-rank") && i + 1 < argc)
+      skip = atoi(argv[++i]);
   }
   ncclUniqueId id;
-  CHECK(ncclGetUniqueId(&id));
+  const char *shared = getenv("NCCL_JOB_ID");
+  if (shared) {
+    memset(&id, 0, sizeof id);
+    snprintf(id.internal, sizeof id.internal, "%s", shared);
+  } else {
+    CHECK(ncclGetUniqueId(&id));
+  }
   pid_t pids[64];
   for (int r = 0; r < nranks && r < 64; r++) {
+    pids[r] = -1;
+    if ((only >= 0 && r != only) || r == skip)
+      continue;
     pids[r] = fork();
     if (pids[r] == 0)
-      _exit(run_rank(r, nranks, id, steps, step_ms, reg, capture));
+      _exit(run_rank(r, nranks, id, steps, step_ms, flags));
   }
   int bad = 0;
   for (int r = 0; r < nranks && r < 64; r++) {
     int st;
+    if (pids[r] < 0)
+      continue;
     if (waitpid(pids[r], &st, 0) < 0 || !WIFEXITED(st) || WEXITSTATUS(st) != 0)
       bad = 1;
   }
