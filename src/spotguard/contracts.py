@@ -411,6 +411,8 @@ class Assignment(BaseModel):
     store: str
     controller_url: str | None = None
     controller_token: str | None = None  # scoped to this job and epoch (never the fleet's)
+    # the controller's private-network mode: plain http off loopback, accepted explicitly
+    insecure_controller: bool = False
     attempt: int = 1
     epoch: int = Field(default=0, ge=0)  # the ownership epoch this instance reports under
     instance_hint: dict[str, JsonValue] = Field(default_factory=dict)

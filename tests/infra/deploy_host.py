@@ -16,7 +16,17 @@ first-boot user-data rendered with that token and run by bash (``systemctl`` rec
 agent unit's ExecStartPre (``fetch-keys``, from Secrets Manager / SSM) and ExecStart; then a
 rebalance notice, and the controller is asked (as the operator, over HTTPS) what it heard.
 
-Usage: deploy_host.py WORK MODE (MODE: tls | private). Writes WORK/report.json.
+In private mode (``controller_tls = false``) the agent reaches the controller at
+``http://10.88.0.1:8700``, an address added to the namespace's loopback device that is not a
+loopback address: the agent refuses plain HTTP to such a host unless the first-boot config says
+``insecure_controller = true``, as the module writes it in that mode.
+
+``CLOUD`` gcp plays docs/deploy-gcp.md's controller host from the GCP module's templates and
+runs its first-boot startup script (the job started, the agent's config and token written);
+its agent is not started (no GCS or GCE metadata here).
+
+Usage: deploy_host.py WORK MODE [CLOUD] (MODE: tls | private; CLOUD: aws | gcp, default
+aws). Writes WORK/report.json.
 """
 
 from __future__ import annotations
@@ -37,7 +47,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
-MODULE = ROOT / "terraform" / "aws" / "modules" / "spotguard"
+MODULES = {cloud: ROOT / "terraform" / cloud / "modules" / "spotguard" for cloud in ("aws", "gcp")}
+MODULE = MODULES["aws"]  # main() sets the cloud's
+#: the controller host's private-network address in private mode: on lo, but not loopback
+PRIVATE_IP = "10.88.0.1"
 UNITS = ROOT / "packaging" / "systemd"
 UID = 65534
 JOB = "train-llm"
@@ -70,6 +83,7 @@ def unit(name: str) -> dict[str, list[str]]:
 def isolate(work: Path) -> None:
     """Overlays on /etc and /var/lib, a fresh /run, loopback up."""
     sh("ip", "link", "set", "lo", "up")
+    sh("ip", "addr", "add", f"{PRIVATE_IP}/32", "dev", "lo")
     for target in ("/etc", "/var/lib"):
         name = target.strip("/").replace("/", "_")
         upper, wdir = work / "overlay" / name, work / "overlay" / f"{name}.work"
@@ -143,6 +157,7 @@ def aws_fixtures(endpoint: str, verify_key: str, signing_key: str) -> dict[str, 
         "signing": f"aws-secretsmanager:{secret}",
         "verify": f"aws-ssm:{param}",
         "verify_key": verify_key,
+        "store": f"s3://{BUCKET}",
     }
 
 
@@ -187,7 +202,7 @@ def load_credentials(svc: dict[str, list[str]]) -> dict[str, str]:
     return env
 
 
-def start_controller(aws: dict[str, str], endpoint: str) -> subprocess.Popen[str]:
+def start_controller(endpoint: str) -> subprocess.Popen[str]:
     svc = unit("spotguard-controller.service")
     env = load_credentials(svc)
     (state_name,) = svc["StateDirectory"]
@@ -195,13 +210,13 @@ def start_controller(aws: dict[str, str], endpoint: str) -> subprocess.Popen[str
     state.mkdir(mode=0o700)
     os.chown(state, UID, UID)
     site = next(p for p in sys.path if p.endswith("site-packages") and Path(p).is_dir())
-    env |= {
-        "PYTHONPATH": f"{ROOT / 'src'}:{site}",
-        "AWS_ENDPOINT_URL": endpoint,
-        "AWS_ACCESS_KEY_ID": "testing",
-        "AWS_SECRET_ACCESS_KEY": "testing",
-        "HOME": str(state),
-    }
+    env |= {"PYTHONPATH": f"{ROOT / 'src'}:{site}", "HOME": str(state)}
+    if endpoint:  # AWS is the moto server
+        env |= {
+            "AWS_ENDPOINT_URL": endpoint,
+            "AWS_ACCESS_KEY_ID": "testing",
+            "AWS_SECRET_ACCESS_KEY": "testing",
+        }
     (execstart,) = svc["ExecStart"]
     argv = shlex.split(execstart)
     assert argv[0] == "/usr/local/bin/spotguard"
@@ -212,16 +227,19 @@ def start_controller(aws: dict[str, str], endpoint: str) -> subprocess.Popen[str
     )  # fmt: skip
 
 
-def first_boot(work: Path, paths: dict[str, str], aws: dict[str, str], url: str, token: str) -> str:
+def first_boot(
+    work: Path, paths: dict[str, str], keys: dict[str, str], url: str, token: str, *, tls: bool
+) -> str:
     command = "i=0; while :; do i=$((i+1)); echo step $i; sleep 0.2; done"
     script = render(
         "first-boot.sh.tftpl",
         {
             "job": JOB,
-            "store_url": f"s3://{BUCKET}",
+            "store_url": keys["store"],
             "controller_url": url,
+            "insecure_controller": not tls,  # the module: !var.controller_tls
             "job_token": token,
-            "key_sources": {"signing": aws["signing"], "verify": aws["verify"]},
+            "key_sources": {"signing": keys["signing"], "verify": keys["verify"]},
             "command": command,
             "paths": paths,
             "run_command": paths["run_command"] % (JOB, paths["job_script_path"]),
@@ -280,44 +298,97 @@ def admin_get(url: str, ctx: ssl.SSLContext | None) -> dict[str, Any]:
         return dict(json.loads(r.read()))
 
 
-def main(work: Path, mode: str) -> dict[str, Any]:
+def controller_vars(
+    cloud: str, url: str, tls: bool, paths: dict[str, str], keys: dict[str, str]
+) -> dict[str, Any]:
+    """The arguments the module's outputs.tf passes to its controller template."""
+    tvars: dict[str, Any] = {
+        "listen": "0.0.0.0:8700",  # the module's default controller_listen, as rendered
+        "advertise_url": url,
+        "store_url": keys["store"],
+        "token_path": paths["token_path"],
+        "tls": tls,
+        "credentials_dir": paths["credentials_dir"],
+        "signing_key_sources": {JOB: keys["signing"]},
+        "verify_key_sources": {JOB: keys["verify"]},
+        "verify_key": keys["verify_key"],
+    }
+    if cloud == "aws":
+        return tvars | {
+            "queue_url": keys["queue"],
+            "region": REGION,
+            "launch_template": "spotguard-demo-{job}",
+            "subnets": {},
+        }
+    return tvars | {
+        "project": "my-project",
+        "zones": ["us-central1-a", "us-central1-b"],
+        "image": "projects/my-project/global/images/family/spotguard",
+        "network": "global/networks/default",
+        "subnetwork": None,
+        "disk_gb": 200,
+        "termination_action": "DELETE",
+        "job_accounts": {JOB: "spotguard-1a2b3c4d5e@my-project.iam.gserviceaccount.com"},
+    }
+
+
+def gcp_fixtures(verify_key: str) -> dict[str, str]:
+    """What the GCP module names (nothing here serves them: its agent is not started)."""
+    secrets = "gcp-secretmanager:projects/my-project/secrets/spotguard-demo"
+    return {
+        "store": "gs://my-project-spotguard-demo-images",
+        "signing": f"{secrets}-signing-key-{JOB}",
+        "verify": f"{secrets}-verify-key-{JOB}",
+        "verify_key": verify_key,
+    }
+
+
+def wait_status(agent: subprocess.Popen[str]) -> dict[str, Any]:
+    """``spotguard status --json`` once the agent has taken up the job (or has stopped)."""
+    status: dict[str, Any] = {}
+    for _ in range(300):
+        out = subprocess.run(
+            [str(BIN / "spotguard"), "status", "--json"], capture_output=True, text=True
+        )
+        if out.returncode == 0:
+            status = json.loads(out.stdout)
+            # the agent answers before it has taken up its jobs: wait for the job
+            if any(j.get("job") == JOB for j in status.get("jobs", [])):
+                break
+        if agent.poll() is not None:
+            break
+        time.sleep(0.2)
+    return status
+
+
+def main(work: Path, mode: str, cloud: str = "aws") -> dict[str, Any]:
+    global MODULE
     from moto.server import ThreadedMotoServer
 
     from spotguard.image.keys import generate_signing_key
 
-    report: dict[str, Any] = {"mode": mode}
+    MODULE = MODULES[cloud]
+    report: dict[str, Any] = {"mode": mode, "cloud": cloud}
     isolate(work)
-    moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
-    moto.start()
-    host, port = moto.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    os.environ |= {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
     private, public = generate_signing_key()
-    aws = aws_fixtures(endpoint, public.decode().strip(), private.decode())
+    endpoint = ""
+    if cloud == "aws":
+        moto = ThreadedMotoServer(ip_address="127.0.0.1", port=0)
+        moto.start()
+        host, port = moto.get_host_and_port()
+        endpoint = f"http://{host}:{port}"
+        os.environ |= {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing"}
+        keys = aws_fixtures(endpoint, public.decode().strip(), private.decode())
+    else:
+        keys = gcp_fixtures(public.decode().strip())
     paths = module_paths()
     tls = mode == "tls"
-    url = "https://127.0.0.1:8700" if tls else "http://127.0.0.1:8700"
+    # private mode: the controller host's network address, not loopback (the agent must opt in)
+    url = "https://127.0.0.1:8700" if tls else f"http://{PRIVATE_IP}:8700"
+    report["url"] = url
 
-    # --- the controller host (docs/deploy-aws.md step 3) ---
-    config = render(
-        "controller.toml.tftpl",
-        {
-            "listen": "0.0.0.0:8700",  # the module's default controller_listen, as rendered
-            "advertise_url": url,
-            "store_url": f"s3://{BUCKET}",
-            "token_path": paths["token_path"],
-            "tls": tls,
-            "credentials_dir": paths["credentials_dir"],
-            "queue_url": aws["queue"],
-            "region": REGION,
-            "launch_template": "spotguard-demo-{job}",
-            "signing_key_sources": {JOB: aws["signing"]},
-            "verify_key_sources": {JOB: aws["verify"]},
-            "verify_key": aws["verify_key"],
-            "subnets": {},
-        },
-        work,
-    )
+    # --- the controller host (docs/deploy-*.md step 3) ---
+    config = render("controller.toml.tftpl", controller_vars(cloud, url, tls, paths, keys), work)
     report["controller_config"] = config
     etc = Path(paths["etc_dir"])
     etc.mkdir(mode=0o700)
@@ -326,17 +397,21 @@ def main(work: Path, mode: str) -> dict[str, Any]:
     Path(paths["token_path"]).write_text(ADMIN + "\n")
     Path(paths["token_path"]).chmod(0o600)
     ctx = ssl.create_default_context(cafile=str(tls_files(etc))) if tls else None
-    controller = start_controller(aws, endpoint)
+    controller = start_controller(endpoint)
     try:
         wait_http(f"{url}/healthz", ctx, controller)
         issued = sh(str(BIN / "spotguard"), "controller", "--issue-token", JOB)
         token = issued.stdout.strip()
         report["token"] = token
+        report["jobs"] = admin_get(f"{url}/v1/jobs", ctx)
 
         # --- the job's first VM (step 4): the launch template's user-data ---
-        report["user_data"] = first_boot(work, paths, aws, url, token)
+        report["user_data"] = first_boot(work, paths, keys, url, token, tls=tls)
         report["systemctl"] = (work / "systemctl.calls").read_text().splitlines()
         report["token_file"] = Path(paths["token_path"]).read_text().strip()
+        report["agent_config"] = Path(paths["config_path"]).read_text()
+        if cloud != "aws":
+            return report
         sim_port = free_port()
         sim = subprocess.Popen(
             [str(BIN / "spotguard"), "metadata-sim", "--clouds", "aws", "--port", str(sim_port),
@@ -346,20 +421,7 @@ def main(work: Path, mode: str) -> dict[str, Any]:
         sim_url = f"http://127.0.0.1:{sim_port}"
         wait_http(f"{sim_url}/latest/meta-data/instance-id", None, sim)
         agent = start_agent(work, sim_url, endpoint)
-        status: dict[str, Any] = {}
-        for _ in range(300):
-            out = subprocess.run(
-                [str(BIN / "spotguard"), "status", "--json"], capture_output=True, text=True
-            )
-            if out.returncode == 0:
-                status = json.loads(out.stdout)
-                # the agent answers before it has taken up its jobs: wait for the job
-                if any(j.get("job") == JOB for j in status.get("jobs", [])):
-                    break
-            if agent.poll() is not None:
-                break
-            time.sleep(0.2)
-        report["status"] = status
+        report["status"] = wait_status(agent)
         sh(str(BIN / "spotguard"), "notice", "--sim", sim_url, "send", "--cloud", "aws",
            "--kind", "rebalance")  # fmt: skip
         job: dict[str, Any] = {}
@@ -368,7 +430,7 @@ def main(work: Path, mode: str) -> dict[str, Any]:
                 job = admin_get(f"{url}/v1/jobs/{JOB}", ctx)
             except OSError:
                 job = {}
-            if job.get("image_url"):
+            if job.get("image_url") or agent.poll() is not None:
                 break
             time.sleep(0.2)
         report["job"] = job
@@ -382,7 +444,7 @@ def main(work: Path, mode: str) -> dict[str, Any]:
 if __name__ == "__main__":
     out = Path(sys.argv[1])
     try:
-        result = main(out, sys.argv[2])
+        result = main(out, sys.argv[2], *sys.argv[3:4])
     except Exception as exc:  # noqa: BLE001 - the report says what failed; the test shows it
         import traceback
 

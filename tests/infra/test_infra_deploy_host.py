@@ -21,7 +21,7 @@ import pytest
 HOST = Path(__file__).with_name("deploy_host.py")
 
 
-def deploy(tmp_path: Path, mode: str) -> dict[str, Any]:
+def deploy(tmp_path: Path, mode: str, cloud: str = "aws") -> dict[str, Any]:
     if os.geteuid() != 0:
         pytest.skip("needs root (namespaces, overlays, CRIU)")
     for tool in ("unshare", "setpriv", "ip", "openssl", "terraform"):
@@ -30,7 +30,7 @@ def deploy(tmp_path: Path, mode: str) -> dict[str, Any]:
     tmp_path.chmod(0o755)
     cmd = ["unshare", "-m", "-n", "-p", "-f", "--mount-proc", "--propagation", "private"]
     proc = subprocess.run(
-        [*cmd, sys.executable, str(HOST), str(tmp_path), mode],
+        [*cmd, sys.executable, str(HOST), str(tmp_path), mode, cloud],
         capture_output=True,
         text=True,
         timeout=240,
@@ -74,7 +74,12 @@ def test_the_documented_aws_deploy_runs_a_controller_and_an_agent(
     jobs = {j["job"]: j for j in report["status"].get("jobs", [])}
     assert "train-llm" in jobs, json.dumps(report, indent=1)[-6000:]
     assert jobs["train-llm"]["state"] == "protecting", report["status"]
-    assert report["status"]["agent"]["controller"] == f"{scheme}://127.0.0.1:8700/v1/events"
+    # private mode: the controller's network address (not loopback), by the agent's opt-in
+    host = "127.0.0.1" if mode == "tls" else "10.88.0.1"
+    assert report["url"] == f"{scheme}://{host}:8700"
+    assert report["status"]["agent"]["controller"] == f"{report['url']}/v1/events"
+    agent = tomllib.loads(report["agent_config"])["agent"]
+    assert agent.get("insecure_controller", False) is (mode == "private"), agent
 
     # the controller heard the agent (its VM token, over HTTPS in TLS mode): a checkpoint
     # after the rebalance notice, its image recorded
@@ -82,5 +87,34 @@ def test_the_documented_aws_deploy_runs_a_controller_and_an_agent(
     assert job.get("name") == "train-llm", json.dumps(report, indent=1)[-6000:]
     assert job.get("image_url", "").startswith("s3://"), job
     assert job["state"] == "protected" and job["owner"]["epoch"] == 0, job
+    errors = [r for r in ctl if r.get("level") == "error"]
+    assert not errors, json.dumps(errors, indent=1)[-3000:]
+
+
+@pytest.mark.parametrize("mode", ["tls", "private"])
+def test_the_documented_gcp_deploy_starts_the_controller_and_the_first_boot(
+    tmp_path: Path, mode: str
+) -> None:
+    """docs/deploy-gcp.md: the GCP module's controller_config (provider gcp, listen as
+    rendered) starts the controller as its unit says, and its first-boot startup script
+    writes the agent's config and its job's own token (its agent needs GCE and GCS: not
+    started here)."""
+    report = deploy(tmp_path, mode, "gcp")
+    config = tomllib.loads(report["controller_config"])["controller"]
+    assert config["provider"] == "gcp" and config["listen"] == "0.0.0.0:8700"
+    assert ("tls_cert_file" in config) is (mode == "tls"), config
+    ctl = log_lines(report["controller_log"])
+    (listening,) = [r for r in ctl if r.get("msg") == "controller listening"]
+    scheme = "https" if mode == "tls" else "http"
+    assert listening["url"] == f"{scheme}://0.0.0.0:8700", listening
+    assert report["jobs"] == {"jobs": []}, report["jobs"]
+    token = report["token"]
+    assert token.startswith("sgvm1.train-llm.0.") and report["token_file"] == token
+    assert "admin-token-never-on-a-vm" not in report["user_data"]
+    agent = tomllib.loads(report["agent_config"])
+    assert agent["notices"]["cloud"] == "gcp" and agent["agent"]["store"].startswith("gs://")
+    assert agent["agent"]["controller_url"] == report["url"]
+    assert agent["agent"].get("insecure_controller", False) is (mode == "private"), agent
+    assert "enable --now spotguard-agent.service" in report["systemctl"]
     errors = [r for r in ctl if r.get("level") == "error"]
     assert not errors, json.dumps(errors, indent=1)[-3000:]

@@ -135,13 +135,14 @@ class Agent:
 
     # --- wiring ---------------------------------------------------------------------------
 
-    def _reporter(self, url: str | None, token: str | None) -> Reporter:
+    def _reporter(self, url: str | None, token: str | None, insecure: bool = False) -> Reporter:
         bearer = token or self.settings.controller_bearer()
         self.controller_url, self.controller_token = url, bearer
         told = self.notifier.agent_event if self.notifier is not None else None
         return Reporter(
             url, bearer, self.layout.outbox, metrics=self.metrics,
             on_answer=self._controller_says, on_emit=told,
+            insecure=insecure or self.settings.insecure_controller,
         )  # fmt: skip
 
     def _spawn(self, coro: Coroutine[Any, Any, Any], name: str) -> asyncio.Task[Any]:
@@ -181,8 +182,9 @@ class Agent:
             if assignment is not None:
                 if not self.settings.controller_url and assignment.controller_url:
                     self.reporter = self._reporter(
-                        assignment.controller_url, assignment.controller_token
-                    )
+                        assignment.controller_url, assignment.controller_token,
+                        assignment.insecure_controller,
+                    )  # fmt: skip
                 if assignment.store and self.store == AgentSettings.model_fields["store"].default:
                     self.store = self.pusher.store_url = assignment.store
             self.store = await startup.check_store(self.store, self.image_settings)

@@ -64,9 +64,10 @@ class Reporter:
         timeout_s: float = 10.0,
         on_answer: Callable[[EventAnswer], None] | None = None,
         on_emit: Callable[[AnyEvent], None] | None = None,
+        insecure: bool = False,
     ) -> None:
-        if controller_url:  # from the settings or an assignment: https, or loopback http
-            check_controller_url(controller_url)
+        if controller_url:  # https, or loopback http, or http with the explicit opt-in
+            check_controller_url(controller_url, insecure=insecure)
         self.url = controller_url.rstrip("/") + routes.EVENTS if controller_url else None
         self.client = (
             ControllerClient(controller_url, token, timeout_s=timeout_s) if controller_url else None

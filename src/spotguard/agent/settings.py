@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self
 from urllib.parse import urlsplit
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode
 
 from spotguard.config import Settings
@@ -30,14 +30,13 @@ DEFAULT_LISTEN = "127.0.0.1:9901"
 
 log = logging.getLogger(__name__)
 
-#: logged once per process when the controller token is given inline (flag or config file)
+#: logged once per process when the controller token is written in the config file
 INLINE_TOKEN_WARNING = (
-    "controller token given inline: --controller-token is visible in ps to every user of "
-    "this host, and a config file may be readable by others; use --controller-token-file "
-    "(or SPOTGUARD_CONTROLLER_TOKEN_FILE) or SPOTGUARD_CONTROLLER_TOKEN instead"
+    "controller token given inline in the config file, which may be readable by others: "
+    "use controller_token_file (--controller-token-file, SPOTGUARD_CONTROLLER_TOKEN_FILE) "
+    "or SPOTGUARD_CONTROLLER_TOKEN instead"
 )
 _warned_inline_token = False
-
 
 #: The longest deadline an operator drain may have (``drain --deadline``, the API's
 #: ``deadline_s``, ``drain_deadline``): a day; more is a mistake, not a plan.
@@ -68,15 +67,21 @@ class AgentSettings(Settings):
     discover_interval_s: float = Field(
         2.0, gt=0, description="Seconds between looks for new 'spotguard run' jobs"
     )
+    insecure_controller: bool = Field(
+        False,
+        description="Allow a plain http:// controller_url off this host: the controller's "
+        "private-network mode (insecure_listen), on a network you trust; the token and "
+        "events cross it in clear",
+    )
     controller_url: str | None = Field(
         None,
         description="Controller to report to (optional: the agent works alone); https://, "
-        "or http:// only to a loopback address",
+        "or http:// only to a loopback address (or with insecure_controller)",
     )
     controller_token: str | None = Field(
         None,
-        description="Bearer token for the controller, inline: visible in ps (a warning is "
-        "logged); prefer controller_token_file or SPOTGUARD_CONTROLLER_TOKEN",
+        description="Bearer token for the controller: in the config file or "
+        "SPOTGUARD_CONTROLLER_TOKEN (never a flag: ps shows flags); prefer controller_token_file",
     )
     controller_token_file: Path | None = Field(
         None, description="File holding the controller token (instead of controller_token)"
@@ -164,17 +169,17 @@ class AgentSettings(Settings):
 
     @field_validator("controller_url")
     @classmethod
-    def _controller_url(cls, v: str | None) -> str | None:
-        if v:
+    def _controller_url(cls, v: str | None, info: ValidationInfo) -> str | None:
+        if v:  # insecure_controller is declared first: validated before this one
             try:
-                check_controller_url(v)
+                check_controller_url(v, insecure=bool(info.data.get("insecure_controller")))
             except ConfigError as exc:
                 raise ValueError(str(exc)) from None
         return v
 
     @model_validator(mode="after")
     def _inline_token(self) -> Self:
-        """A token from the flag or the config file (not the environment) is logged once."""
+        """A token from the config file (not the environment) is logged once."""
         global _warned_inline_token
         from_env = os.environ.get(self.env_name("controller_token"))
         if self.controller_token and self.controller_token != from_env and not _warned_inline_token:
@@ -215,10 +220,11 @@ def _loopback(host: str) -> bool:
         return False
 
 
-def check_controller_url(url: str) -> str:
+def check_controller_url(url: str, *, insecure: bool = False) -> str:
     """``url`` if an agent may send its token there, else :class:`ConfigError`: https to any
-    host, plain http only to this host (a loopback address). Plain http across a network
-    hands the bearer token (and every event) to whoever can watch the traffic."""
+    host, plain http only to this host (a loopback address) unless ``insecure`` (the
+    operator's explicit private-network opt-in, ``insecure_controller``). Plain http across a
+    network hands the bearer token (and every event) to whoever can watch the traffic."""
     try:
         parts = urlsplit(url)
         host = parts.hostname
@@ -230,11 +236,13 @@ def check_controller_url(url: str) -> str:
             f"controller URL {url!r} is not an http(s) URL: use https://HOST[:PORT] "
             "(http:// only to a loopback address)"
         )
-    if parts.scheme == "http" and not _loopback(host):
+    if parts.scheme == "http" and not _loopback(host) and not insecure:
         raise ConfigError(
             f"controller URL {url} is plain HTTP to {host}, not this host: the agent's token "
             "and events would cross the network in clear; use https:// (the controller's "
-            "--tls-cert-file, or a TLS proxy in front of it), or a loopback address"
+            "--tls-cert-file, or a TLS proxy in front of it), a loopback address, or on a "
+            "private network you trust insecure_controller = true "
+            "(SPOTGUARD_INSECURE_CONTROLLER=1)"
         )
     return url
 

@@ -254,6 +254,7 @@ class Reconciler:
             store=store,
             controller_url=self.public_url,
             controller_token=self.keys.issue(rec.name, epoch),
+            insecure_controller=self.settings.insecure_listen,
             attempt=rec.restarts,
             epoch=epoch,
             instance_hint=offer_hint,

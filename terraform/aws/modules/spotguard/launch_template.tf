@@ -42,10 +42,11 @@ resource "aws_launch_template" "job" {
   }
 
   user_data = base64encode(templatefile("${path.module}/templates/first-boot.sh.tftpl", {
-    job            = each.key
-    store_url      = local.store_url
-    controller_url = var.controller_url
-    job_token      = lookup(var.job_tokens, each.key, null)
+    job                 = each.key
+    store_url           = local.store_url
+    controller_url      = var.controller_url
+    insecure_controller = !var.controller_tls
+    job_token           = lookup(var.job_tokens, each.key, null)
     key_sources = {
       signing = local.signing_key_source[each.key]
       verify  = local.verify_key_source[each.key]

@@ -65,10 +65,11 @@ resource "google_compute_instance_template" "job" {
     enable-oslogin         = "TRUE"
     serial-port-enable     = "FALSE"
     startup-script = templatefile("${path.module}/templates/first-boot.sh.tftpl", {
-      job            = each.key
-      store_url      = local.store_url
-      controller_url = var.controller_url
-      job_token      = lookup(var.job_tokens, each.key, null)
+      job                 = each.key
+      store_url           = local.store_url
+      controller_url      = var.controller_url
+      insecure_controller = !var.controller_tls
+      job_token           = lookup(var.job_tokens, each.key, null)
       key_sources = {
         signing = local.signing_key_source[each.key]
         verify  = local.verify_key_source[each.key]
