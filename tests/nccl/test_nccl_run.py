@@ -1,0 +1,60 @@
+"""``spotguard run``'s NCCL settings as the job sees them (its /proc/PID/environ): the shim
+preloaded is tests/nccl/test_nccl_release.py's; ``--nccl restrict`` and a missing shim (the
+fallback, said in one line) turn the fast transports off here."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+
+from conftest import Built
+from sgtest import sg, wait_for
+from spotguard.checkpoint import proctree
+from spotguard.checkpoint.nccl import CHECKPOINTABLE
+from spotguard.checkpoint.ncclctl import ENV_CTL
+from spotguard.checkpoint.procfacts import comm, read_environ
+
+pytestmark = pytest.mark.criu  # spotguard run needs root
+
+RESTRICTED = {key: value for key, (value, _why) in CHECKPOINTABLE.items()}
+
+
+def _run(state: Path, name: str, *flags: str) -> tuple[dict[str, str], str]:
+    """Start ``sleep`` through ``spotguard run``: its environment and run's stderr."""
+    res = sg("run", "--json", "--state-dir", str(state), "--name", name, *flags, "--",
+             "sleep", "60", timeout=60)  # fmt: skip
+    assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
+    pid = int(json.loads(res.stdout.splitlines()[-1])["pid"])
+    try:
+        found: list[int] = []
+
+        def sleeping() -> bool:
+            found[:] = [p for p in proctree.tree(pid) if comm(p) == "sleep"]
+            return bool(found)
+
+        wait_for(sleeping, f"job {name}'s command")
+        return read_environ(found[0]), res.stderr
+    finally:
+        proctree.signal_all(proctree.tree(pid), signal.SIGKILL)
+
+
+def test_run_restricts_nccl_when_asked_and_when_the_shim_is_missing(
+    built: Built, tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    env, err = _run(state, "restricted", "--nccl", "restrict", "--nccl-shim", str(built.shim))
+    assert {k: env.get(k) for k in RESTRICTED} == RESTRICTED
+    assert str(built.shim) not in env.get("LD_PRELOAD", "") and ENV_CTL not in env
+    assert "no NCCL shim" not in err
+
+    missing = tmp_path / "none" / "libspotguard_nccl.so"
+    env, err = _run(state, "fallback", "--nccl", "release", "--nccl-shim", str(missing))
+    assert {k: env.get(k) for k in RESTRICTED} == RESTRICTED
+    fallback = [line for line in err.splitlines() if "no NCCL shim" in line]
+    assert fallback == [
+        f"spotguard run: no NCCL shim at {missing} (scripts/install-nccl-shim): NCCL's fast "
+        "transports are turned off for this job (--nccl restrict)"
+    ]
