@@ -24,7 +24,12 @@ from spotguard.controller.settings import ControllerSettings
 ROOT = Path(__file__).resolve().parents[2]
 UNITS = ROOT / "packaging" / "systemd"
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-DEPLOY = [ROOT / "README.md", ROOT / "docs" / "deploy-aws.md", ROOT / "docs" / "deploy-gcp.md"]
+DEPLOY = [
+    ROOT / "README.md",
+    ROOT / "docs" / "deploy-aws.md",
+    ROOT / "docs" / "deploy-gcp.md",
+    ROOT / "packaging" / "spotguard.toml.example",
+]
 CONFIG = str(DEFAULT_CONFIG_PATHS[0])
 STATE = str(CheckpointSettings.model_fields["state_dir"].default)
 TOKEN = "/etc/spotguard/controller-token"
