@@ -123,6 +123,7 @@ def test_containerd_container_checkpointed_removed_and_restored_in_another_conta
     # VM 2 lacks the image, then the bind mount: refused by name, nothing created
     said = _refused(vm2, "restore", url)
     assert f"image {IMAGE}" in said and "not in containerd namespace sg" in said, said
+    assert "cannot be pulled" in said, said  # a localhost/ image: no registry to pull from
     vm2.ctr("images", "import", str(vm1.base.parent / "image.tar"))
     os.rename(job_dir, job_dir.with_name("elsewhere"))
     said = _refused(vm2, "restore", url)

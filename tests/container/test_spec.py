@@ -135,3 +135,23 @@ def test_work_dirs_left_by_a_killed_run_are_removed_after_a_day(tmp_path: Path) 
     fresh = work_dir(tmp_path)
     assert not old.exists() and young.is_dir() and fresh.is_dir()
     assert (tmp_path / "containers").stat().st_mode & 0o777 == 0o700
+
+
+def test_a_containerd_restore_pulls_the_exact_image_only_from_a_registry() -> None:
+    """A missing image is pulled by the digest the container ran (never by a tag that may
+    have moved), and only where a registry host names it."""
+    from spotguard.container.containerd_ops import pull_reference
+
+    digest = "sha256:" + "ab" * 32
+    assert pull_reference("nvcr.io/nvidia/pytorch:25.01-py3", digest) == (
+        f"nvcr.io/nvidia/pytorch@{digest}"
+    )
+    assert (
+        pull_reference("registry:5000/team/train", digest) == f"registry:5000/team/train@{digest}"
+    )
+    assert pull_reference(f"docker.io/library/busybox@{digest}", digest) == (
+        f"docker.io/library/busybox@{digest}"
+    )
+    for local in ("localhost/sg-counter:1", "sg-counter:1", "team/train:2"):
+        assert pull_reference(local, digest) is None, local
+    assert pull_reference("nvcr.io/nvidia/pytorch:1", "not-a-digest") is None

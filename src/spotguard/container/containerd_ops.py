@@ -330,6 +330,23 @@ async def _ours(ctrd: Containerd, state_dir: Path, image_url: str, ref: Containe
     return False
 
 
+def pull_reference(image: str, digest: str) -> str | None:
+    """``NAME@DIGEST`` to pull the exact image a container ran (``image``: its recorded
+    ``NAME[:TAG]``; ``digest``: its target), or None where no registry can serve it: a
+    ``localhost/`` name or one without a registry host (containerd wants fully qualified
+    references)."""
+    name = image.split("@", 1)[0]
+    slash, colon = name.rfind("/"), name.rfind(":")
+    if colon > slash:
+        name = name[:colon]  # the tag: the digest names the image
+    host = name.split("/", 1)[0] if "/" in name else ""
+    if not host or host == "localhost" or not ("." in host or ":" in host):
+        return None
+    if not digest.startswith("sha256:"):
+        return None
+    return f"{name}@{digest}"
+
+
 async def preflight(ctrd: Containerd, record: ContainerImage, ref: ContainerRef) -> None:
     """Refuse, before anything is created, what would make the restore fail or differ."""
     if await ctrd.exists(ref):
@@ -339,11 +356,23 @@ async def preflight(ctrd: Containerd, record: ContainerImage, ref: ContainerRef)
         )
     cfg = record.config
     have = (await ctrd.images(ref.namespace)).get(cfg.image)
+    tried = ""
+    if have is None and (pullable := pull_reference(cfg.image, cfg.image_id)) is not None:
+        tried = f" (pull of {pullable} failed)"
+        try:
+            await ctrd.run("images", "pull", pullable, namespace=ref.namespace, what="pulling")
+            await ctrd.run(
+                "images", "tag", "--force", pullable, cfg.image,
+                namespace=ref.namespace, what="naming the pulled image",
+            )  # fmt: skip
+        except SpotguardError as exc:
+            log.warning("image pull failed", extra={"image": pullable, "error": str(exc)})
+        have = (await ctrd.images(ref.namespace)).get(cfg.image)
     if have is None:
         raise PreflightError(
             f"the container's image {cfg.image} ({cfg.image_id[:19]}) is not in containerd "
-            f"namespace {ref.namespace} on this host: import or pull it (ctr -n "
-            f"{ref.namespace} images import/pull), then restore again"
+            f"namespace {ref.namespace} on this host and cannot be pulled{tried}: import or "
+            f"pull it (ctr -n {ref.namespace} images import/pull), then restore again"
         )
     if have != cfg.image_id:
         raise MismatchError("container image " + cfg.image, cfg.image_id, have)
