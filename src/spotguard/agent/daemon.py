@@ -13,8 +13,9 @@ Start-up, in order (each step one log line; :mod:`spotguard.agent.startup`):
 5. protect every job (``--job`` values and the restored one): a :class:`JobWorker` each. A job
    this agent stopped with an exit checkpoint (its :mod:`ledger <spotguard.agent.ledger>`
    says so) is not "finished by itself"; a job whose newest image was written by another
-   instance is left alone (the agent stands down); a job named by name is watched after it
-   ends, and protected again when it comes back (``spotguard restore`` by hand);
+   instance, or that another agent (another state dir) protects — :mod:`.joblock` — is left
+   alone; a job named by name is watched after it ends, and protected again when it comes
+   back (``spotguard restore`` by hand);
 6. the local API and the controller reporter; with a controller, a directive poll every
    ``directive_poll_s`` seconds per protected job (:mod:`~spotguard.agent.directives`); a
    job owned elsewhere: the agent stands down for it (:mod:`~spotguard.agent.standdown`);
@@ -55,7 +56,7 @@ from spotguard.notify import Notifier
 from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
 
-from . import discovery, identity, jobspec, journal, parking, startup
+from . import discovery, identity, joblock, jobspec, journal, parking, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
 from .dispatch import NoticeDispatcher
@@ -207,16 +208,10 @@ class Agent:
         self.pusher.add_all(self.kept.scan())
         self.cloud, sources = await cloud_sources(self.notice_settings, self._extra_sources)
         self.instance = await instance_facts(self.cloud, self.notice_settings)
-        log.info(
-            "agent starting",
-            extra={
-                "step": "start",
-                "cloud": self.cloud or "none",
-                "store": self.store,
-                "instance": self.instance.to_json(),
-                "controller": self.reporter.url,
-            },
-        )
+        log.info("agent starting", extra={
+            "step": "start", "cloud": self.cloud or "none", "store": self.store,
+            "instance": self.instance.to_json(), "controller": self.reporter.url,
+        })  # fmt: skip
         self.notices = self._dispatcher()
         self.containers = ContainerJobs(  # jobs named podman:NAME (spotguard.container.guard)
             self.notices, self.workers, self._maybe_done, self.settings, self.checkpoint_settings,
@@ -358,8 +353,11 @@ class Agent:
         if ident is None and proctree.alive(info.pid):  # a stranger was given the job's pid
             self._worker(info).job_ended()
             return
-        last = newest[1] if newest is not None else None
-        worker = self._worker(info, last, ident)
+        held = joblock.take(ident, self._state_dir)  # one agent per job, across state dirs
+        if held.other is not None:
+            self._worker(info).held_elsewhere(held.other)
+            return
+        worker = self._worker(info, newest[1] if newest is not None else None, ident)
         log.info(
             "protecting job",
             extra={"step": "protect", "job": info.name, "pid": info.pid, "dir": str(info.dir)},
@@ -376,6 +374,7 @@ class Agent:
             await worker.run()
         finally:
             watcher.cancel()
+            held.release()
 
     def _worker(
         self, info: JobInfo, last: float | None = None, ident: identity.Identity | None = None
@@ -454,11 +453,9 @@ class Agent:
 
     async def _restore(self, image_url: str, job: str) -> operations.RestoreResult:
         return await operations.restore(
-            image_url,
-            settings=self.checkpoint_settings,
-            image_settings=self.image_settings,
+            image_url, settings=self.checkpoint_settings, image_settings=self.image_settings,
             job_name=job,
-        )
+        )  # fmt: skip
 
     async def _newest_image(self, job: str) -> tuple[str, float] | None:
         """The newest complete image of ``job`` and when it was taken (None: none, or the

@@ -256,6 +256,16 @@ class JobWorker:
         self._wake.set()
         return True
 
+    def held_elsewhere(self, reason: str) -> None:
+        """Another agent (another state dir) protects the job (:mod:`.joblock`): this one
+        never acts for it, so two agents never dump it at one notice."""
+        self.stood_down = reason
+        self.move(JobState.STOOD_DOWN)
+        log.error(
+            "another agent protects this job; this agent leaves it alone",
+            extra={"step": "protect", "job": self.name, "pid": self.pid, "reason": reason},
+        )
+
     def alive(self) -> bool:
         """Whether the job's own process runs: by identity (pid and start time) when the
         agent recorded it, so a stranger given the job's pid is never taken for the job."""
@@ -372,6 +382,7 @@ class JobWorker:
             "job": self.name,
             "pid": self.pid,
             "state": self.state,
+            "reason": self.stood_down,  # why this agent does not act for it (stood_down)
             "activity": self.activity,
             "last_image": (
                 {**self.last_image.summary(), "notice": self.last_notice}
