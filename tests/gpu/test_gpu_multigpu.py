@@ -20,8 +20,9 @@ from pathlib import Path
 
 import pytest
 from test_gpu_nccl import installed_shim, nccl_step
-from test_gpu_realjobs import JOBS, Spotguard, _free_port, gpu_mib_used, lines, wait
+from test_gpu_realjobs import JOBS, Spotguard, gpu_mib_used, lines, wait
 
+from sgtest import free_port
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.cuda import driver_available, inventory
 from spotguard.checkpoint.scan import job_environment
@@ -61,7 +62,7 @@ def test_a_ddp_job_on_every_gpu_survives_pause_exit_and_a_swapped_restore(
     gpus: int, tmp_path: Path, criu_bin: str
 ) -> None:
     steps = 260
-    argv = [sys.executable, str(JOBS / "ddp_nccl.py"), str(steps), "0.05", str(_free_port())]
+    argv = [sys.executable, str(JOBS / "ddp_nccl.py"), str(steps), "0.05", str(free_port())]
     shim = installed_shim()
     sg = Spotguard(tmp_path, criu_bin, {"SPOTGUARD_NCCL_SHIM": str(shim)})
     # the reference runs with NCCL's own transport choices, as the protected job does
@@ -132,3 +133,73 @@ def test_a_ddp_job_on_every_gpu_survives_pause_exit_and_a_swapped_restore(
     finally:
         sg.kill_all()
         time.sleep(0.5)
+
+
+def _pause_exit_restore(
+    tmp_path: Path, criu_bin: str, name: str, argv: list[str], want_lines: int, comms: int
+) -> None:
+    """Run ``argv`` under ``spotguard run`` (NCCL's default transports, the shim preloaded)
+    through a leave-running checkpoint, a checkpoint with exit and a restore; its output must
+    equal an uninterrupted run's byte for byte, and every freeze and restore must release and
+    rebuild exactly ``comms`` communicators (all ranks together)."""
+    sg = Spotguard(tmp_path, criu_bin, {"SPOTGUARD_NCCL_SHIM": str(installed_shim())})
+    err = tmp_path / "none"
+    try:
+        ref = subprocess.run(argv, env=job_environment(sg.env), capture_output=True, text=True,
+                             timeout=300, check=False)  # fmt: skip
+        assert ref.returncode == 0, ref.stderr[-3000:]
+        want = ref.stdout.splitlines()
+        assert len(want) == want_lines, want[-3:]
+        job = sg.run(name, argv)
+        out = Path(job["dir"]) / "stdout"
+        err = Path(job["dir"]) / "stderr"
+        wait(lambda: len(lines(out)) >= 5, f"the {name} job to start")
+        paused = sg("checkpoint", name, "--to", str(sg.root / "img-pause"), "--leave-running")
+        counts = (nccl_step(paused, "nccl_release"), nccl_step(paused, "nccl_rebuild"))
+        assert counts == (comms, comms), (counts, paused["timeline"])
+        n = len(lines(out))
+        wait(lambda: len(lines(out)) > n + 3, f"the {name} job to go on after the pause")
+
+        parked = sg("checkpoint", name, "--to", str(sg.root / "img-park"))
+        wait(lambda: not proctree.alive(job["pid"]), f"the {name} job to stop")
+        assert len(lines(out)) < want_lines - 3, "the job ended before it was parked"
+        assert gpu_mib_used() == 0, "GPU memory still held while parked"
+        assert nccl_step(parked, "nccl_release") == comms, parked["timeline"]
+        restored = sg("restore", str(sg.root / "img-park"))
+        assert nccl_step(restored, "nccl_rebuild") == comms, restored["timeline"]
+
+        status = Path(job["dir"]) / "exit_status"
+        wait(status.exists, f"the {name} job to finish", 300)
+        assert status.read_text().strip() == "0", err.read_text()[-3000:]
+        assert lines(out) == want
+        print(
+            f"\n{name}: {comms} communicators; pause {paused['pause_seconds']:.2f} s "
+            f"({sg.steps(paused)}); park: {sg.steps(parked)}; unpark: {sg.steps(restored)}; "
+            f"output byte-identical to an uninterrupted run ({len(want)} lines)"
+        )
+    except BaseException:
+        print(f"{name} stderr:", err.read_text()[-4000:] if err.exists() else "(none)")
+        raise
+    finally:
+        sg.kill_all()
+        time.sleep(0.5)
+
+
+def test_an_fsdp_job_on_two_gpus_survives_pause_exit_and_restore(
+    gpus: int, tmp_path: Path, criu_bin: str
+) -> None:
+    steps = 200
+    argv = [sys.executable, str(JOBS / "fsdp_nccl.py"), str(steps), "0.05", str(free_port()), "2"]
+    # FSDP's all-gathers and reduce-scatters run on the default group: one communicator a rank
+    _pause_exit_restore(tmp_path, criu_bin, "fsdp", argv, steps + 1, comms=2)
+
+
+def test_a_job_with_tensor_and_data_parallel_groups_survives_pause_exit_and_restore(
+    gpus: int, tmp_path: Path, criu_bin: str
+) -> None:
+    steps = 200
+    port = str(free_port())
+    argv = [sys.executable, str(JOBS / "ddp_nccl.py"), str(steps), "0.05", port, "2", "--groups"]
+    # world, tensor-parallel and data-parallel groups: three communicators a rank
+    # (ddp_nccl.comms_per_rank), each with collectives at every step
+    _pause_exit_restore(tmp_path, criu_bin, "groups", argv, steps, comms=3 * 2)
