@@ -281,6 +281,17 @@ async def test_a_park_to_an_image_killed_midway_leaves_no_partial_image(
     done = await core.unpark(job.name, engine=eng, settings=settings, park_settings=park_settings)
     assert proctree.alive(done.pid) and rec.place == to
 
+    # killed once more, and no park or unpark follows: the agent's start-up recovery cleans
+    # the partial image of every job (the freeze's marker first: the job runs again)
+    (again,) = list_jobs(settings.state_dir)
+    await _kill_at(
+        settings, again, gpufile, gpu="cpu", op="park", pause="step:capture_files", to=to
+    )
+    assert (base / job.name).is_dir()
+    await startup.recover_interrupted(settings, lambda _j, _s: None, park_settings)
+    assert not (base / job.name).exists(), "the agent's start left the partial image"
+    assert proctree.alive(again.pid)
+
 
 def _copies(job: JobInfo) -> list[int]:
     """Processes running the job's init (``spotguard run``'s, naming its directory)."""

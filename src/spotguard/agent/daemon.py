@@ -204,7 +204,7 @@ class Agent:
     async def _start(self, assignment: Any) -> None:
         self._spawn(startup.warm_gpu(self.settings.transparent_hugepages), "warm-gpu")
         recovered = startup.report_recovered(self.reporter, self.metrics)
-        await startup.recover_interrupted(self.checkpoint_settings, recovered)
+        await startup.recover_interrupted(self.checkpoint_settings, recovered, self.park_settings)
         self.pusher.add_all(self.kept.scan())
         self.cloud, sources = await cloud_sources(self.notice_settings, self._extra_sources)
         self.instance = await instance_facts(self.cloud, self.notice_settings)

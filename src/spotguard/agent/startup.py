@@ -7,7 +7,8 @@
    resolved once and logged): the agent refuses to start rather than fail at the first
    notice, after the job was stopped.
 3. :func:`recover_interrupted` — a job a killed agent (or CLI) left mid-freeze is brought back
-   by the engine (``recover``, from the engine's ``operation.json`` marker: the one marker).
+   by the engine (``recover``, from the engine's ``operation.json`` marker: the one marker);
+   then the partial image a killed park to tmpfs or disk left, of every job, is removed.
 4. :func:`warm_gpu` — the driver's checkpoint API and NVML are loaded at start, in the
    background, so the first notice does not pay for it; the host's transparent huge page mode
    is set first (``[agent] transparent_hugepages``, :func:`spotguard.planner.set_thp`).
@@ -37,6 +38,8 @@ from spotguard.contracts import CheckpointFailedEvent, WireError
 from spotguard.errors import ConfigError, SpotguardError, StoreError, StoreUnavailable
 from spotguard.image import ImageSettings
 from spotguard.image.keys import ImageKeys
+from spotguard.park import local as park_local
+from spotguard.park.settings import ParkSettings
 from spotguard.statedir import StateDir
 from spotguard.store import open_store
 from spotguard.store.base import RetryPolicy
@@ -173,10 +176,14 @@ def _jobs_with_a_marker(settings: CheckpointSettings) -> list[JobInfo]:
 
 
 async def recover_interrupted(
-    settings: CheckpointSettings, on_recovered: Callable[[JobInfo, float], None]
+    settings: CheckpointSettings,
+    on_recovered: Callable[[JobInfo, float], None],
+    park: ParkSettings | None = None,
 ) -> list[str]:
     """Bring back every job under the state dir that a killed freeze left behind; call
-    ``on_recovered(job, seconds)`` for each. Returns the names of the jobs recovered."""
+    ``on_recovered(job, seconds)`` for each; then, with ``park``, remove the partial parked
+    image of every job (a park killed midway: :func:`spotguard.park.local.clear_partials`).
+    Returns the names of the jobs recovered."""
     done = []
     for info in _jobs_with_a_marker(settings):
         t0 = time.monotonic()
@@ -190,6 +197,8 @@ async def recover_interrupted(
         if thawed:
             on_recovered(info, time.monotonic() - t0)
             done.append(info.name)
+    if park is not None:
+        await asyncio.to_thread(park_local.clear_partials, settings, park)
     return done
 
 

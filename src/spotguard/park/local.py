@@ -1,5 +1,6 @@
 """Parked images on this node (``park --to tmpfs`` / ``disk``): where each job's lives, what
-a killed park left (a partial image: removed by the next park or unpark), an earlier image
+a killed park left (a partial image: removed by the next park or unpark of the job, and of
+every job by the agent's start, :func:`clear_partials`), an earlier image
 set aside (never deleted), a complete image with no record found again. Only this host's
 sealed images in its private park directories count (:mod:`spotguard.checkpoint.seal`).
 """
@@ -17,8 +18,10 @@ from spotguard.checkpoint import seal
 from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import dir_bytes
-from spotguard.errors import UnsafePath
+from spotguard.errors import JobError, UnsafePath
+from spotguard.names import check_job_name
 
+from . import record
 from .record import ParkRecord, Place
 from .settings import ParkSettings
 
@@ -45,6 +48,36 @@ def clear_partial(d: Path) -> None:
     if d.is_dir() and not (d / META_NAME).exists():
         shutil.rmtree(d, ignore_errors=True)
         log.warning("removed a partial parked image (a park killed midway)", extra={"path": str(d)})
+
+
+def clear_partials(settings: CheckpointSettings, ps: ParkSettings) -> list[str]:
+    """Remove the partial parked image of every job on this node, in both places (the
+    agent's start, after its recovery: a park killed midway and never followed by another
+    park or unpark of the job). Each under the job's park lock, never waiting: a park that
+    runs now keeps what it is writing. Set-aside images (``<job>.old-…``) and anything not
+    named like a job are left alone. Returns the jobs whose partial image went."""
+    done: list[str] = []
+    for base in (ps.memory_dir, settings.layout.parked_images):
+        try:
+            entries = sorted(base.iterdir()) if base.is_dir() else []
+        except OSError:
+            continue
+        for d in entries:
+            try:
+                check_job_name(d.name)
+            except ValueError:
+                continue
+            if d.is_symlink() or not d.is_dir() or (d / META_NAME).exists():
+                continue
+            try:
+                with record.locked(settings.state_dir, d.name, wait=False):
+                    private_base(d)
+                    clear_partial(d)
+            except (JobError, UnsafePath, OSError) as exc:
+                log.debug("partial image left", extra={"path": str(d), "error": str(exc)})
+                continue
+            done.append(d.name)
+    return done
 
 
 def set_aside(d: Path) -> None:
