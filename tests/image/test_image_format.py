@@ -279,3 +279,31 @@ async def test_progress_stats_are_json(tmp_path: Path) -> None:
         await push_dir(tmp_path / "nope", str(tmp_path / "s"), "job", settings=S)
     with pytest.raises(ConfigError, match="not an image URL"):
         await pull_dir(str(tmp_path / "s" / "job"), tmp_path / "d", settings=S)
+
+
+def test_a_1_tib_manifest_is_within_the_reader_limits_and_a_larger_one_is_never_written() -> None:
+    """Readers bound what they parse (spotguard.image.manifest): a 1 TiB image at 16 MiB
+    chunks (65,536 chunk references, the limit) writes and parses; one chunk more is refused
+    by the writer (an image its readers would refuse is never written) and by the reader."""
+    from spotguard.image.manifest import MAX_CHUNKS, MAX_MANIFEST_BYTES, ChunkRef, Codec, FileEntry
+
+    size = 16 << 20
+    chunks = [
+        ChunkRef.model_construct(digest=f"{i:064x}", size=size, stored_size=size, raw=False)
+        for i in range(MAX_CHUNKS)
+    ]
+    m = Manifest(
+        job="big",
+        image_id="20261126T000000000000Z",
+        codec=Codec(chunk_size=size),
+        files=[FileEntry(name="pages-1.img", size=size * MAX_CHUNKS, chunks=chunks)],
+    )
+    data = m.to_bytes()
+    assert m.files[0].size == 1 << 40 and len(data) < MAX_MANIFEST_BYTES  # 10.9 MB
+    assert Manifest.parse(data, "big")[0].files[0].chunks[-1] == chunks[-1]
+    m.files[0].chunks.append(ChunkRef(digest="f" * 64, size=1, stored_size=1))
+    with pytest.raises(ImageError, match="65537 chunk references"):
+        m.to_bytes()
+    one_more = b'"chunks": [{"digest": "' + b"f" * 64 + b'", "size": 1, "stored_size": 1}, '
+    with pytest.raises(ImageError, match="65537 chunk references"):
+        Manifest.parse(data.replace(b'"chunks": [', one_more, 1), "big")

@@ -21,6 +21,7 @@ from spotguard.errors import ImageError
 from spotguard.image import ImageReader, ImageSettings, push_dir
 from spotguard.image.history import next_sequence
 from spotguard.image.keys import ImageKeys
+from spotguard.image.manifest import Manifest
 from spotguard.store import open_store
 
 NESTED = r"""
@@ -79,14 +80,18 @@ def test_a_200000_level_manifest_is_a_typed_error_and_later_checkpoints_still_wo
         push = await push_dir(_image_dir(world), url, "j1", settings=settings)
         async with ImageReader(push.image_url, settings=settings) as r:
             assert r.manifest.sequence == 1
-        with pytest.raises(ImageError, match="nests"):
+        with pytest.raises(ImageError, match="200000 JSON arrays"):
             async with ImageReader(f"{url}/j1/images/29990101T000000000000Z", settings=settings):
                 pass
+        # within the count limits, nesting still has its own bound
+        deep = b'{"format": "spotguard-image/2", "meta": ' + b"[" * 100 + b"]" * 100 + b"}"
+        with pytest.raises(ImageError, match="nests 101"):
+            Manifest.parse(deep, "deep")
 
     asyncio.run(go())
     res = _sg("images", "verify", f"{url}/j1/images/29990101T000000000000Z")
     assert res.returncode != 0 and "Traceback" not in res.stderr
-    assert res.stderr.strip().count("\n") == 0 and "nests" in res.stderr
+    assert res.stderr.strip().count("\n") == 0 and "JSON arrays" in res.stderr
 
 
 def test_a_1_gib_object_at_a_chunk_address_is_never_read_whole(
@@ -149,3 +154,74 @@ def test_gc_without_keys_deletes_nothing_it_cannot_authenticate(
     assert genuine.exists() and forged.exists()
     res = _sg("images", "verify", push.image_url)
     assert res.returncode == 0, res.stderr
+
+
+JUNK = r"""
+import os, sys
+images, count, size = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+head, tail = b'{"format": "spotguard-image/2", "job": "j1", "meta": [', b"{}]}"
+body = b"{}," * ((size - len(head) - len(tail)) // 3)
+for i in range(count):
+    d = os.path.join(images, "29990101T0000000000%02dZ" % i)
+    os.makedirs(d)
+    with open(os.path.join(d, "manifest.json"), "wb") as f:
+        f.write(head + body + tail)
+d = os.path.join(images, "29990101T000000000099Z")
+os.makedirs(d)
+with open(os.path.join(d, "manifest.json"), "wb") as f:
+    f.truncate(1 << 30)
+"""
+
+CHECKPOINT = r"""
+import asyncio, resource, sys, time
+from spotguard.image import ImageReader, ImageSettings, push_dir
+src, url = sys.argv[1:3]
+base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+t0 = time.monotonic()
+async def go():
+    settings = ImageSettings()
+    push = await push_dir(src, url, "j1", settings=settings)
+    async with ImageReader(push.image_url, settings=settings) as r:
+        return r.manifest.sequence
+seq = asyncio.run(go())
+grown = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base
+print(seq, grown, round(time.monotonic() - t0, 2))
+"""
+
+JUNK_MANIFESTS = 16
+JUNK_BYTES = 15 << 20  # each just under the manifest cap, as many JSON objects as bytes allow
+
+
+def test_sixteen_large_junk_manifests_leave_the_next_checkpoint_whole_in_bounded_memory(
+    attacker: Attacker, world: Path
+) -> None:
+    """A bucket writer plants 16 manifests of 15 MiB each that are valid JSON made of five
+    million empty objects (parsed, each would take ~400 MB), and one of 1 GiB: the job's next
+    checkpoint (its writer reads every manifest of the job for the sequence) still succeeds,
+    its process grows by less than 150 MiB at its peak, and ``images verify`` of a junk
+    manifest is a one-line error in bounded memory."""
+    store = world / "store"
+    (store / "j1" / "images").mkdir(parents=True)
+    _give(store / "j1", attacker)
+    attacker.python(JUNK, str(store / "j1" / "images"), str(JUNK_MANIFESTS), str(JUNK_BYTES))
+    url = f"file://{store}"
+    res = subprocess.run(
+        [sys.executable, "-c", CHECKPOINT, str(_image_dir(world)), url],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr
+    seq, grown_kib, secs = res.stdout.split()
+    assert int(seq) == 1
+    assert int(grown_kib) < 150 << 10, f"peak RSS grew {int(grown_kib) >> 10} MiB in {secs} s"
+    junk = f"{url}/j1/images/29990101T000000000000Z"
+    res = subprocess.run(
+        [sys.executable, "-c", RSS, sys.executable, "-m", "spotguard", "images", "verify", junk],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    code, rss_kib = (int(x) for x in res.stdout.split()[:2])
+    assert code != 0 and "Traceback" not in res.stdout and "manifest of" in res.stdout
+    assert rss_kib < 250 << 10, f"images verify: peak RSS {rss_kib >> 10} MiB"

@@ -31,9 +31,15 @@ from spotguard.errors import (
     SpotguardError,
 )
 from spotguard.image.codec import Cipher
-from spotguard.image.history import complete_image_ids, genuine_images, resolve
+from spotguard.image.history import complete_images, genuine_images, resolve
 from spotguard.image.keys import ImageKeys
-from spotguard.image.manifest import WRITING_MARKER, ImageRef, Manifest, fetch_manifest
+from spotguard.image.manifest import (
+    WRITING_MARKER,
+    ImageRef,
+    Manifest,
+    ManifestBudget,
+    fetch_manifest,
+)
 from spotguard.image.reader import ImageReader, VerifyReport
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn
@@ -126,8 +132,8 @@ async def _jobs(store: ImageStore, job: str | None) -> list[str]:
     return out
 
 
-async def _manifest(store: ImageStore, ref: ImageRef) -> Manifest:
-    return (await fetch_manifest(store, ref.manifest_key, ref.url))[0]
+async def _manifest(store: ImageStore, ref: ImageRef, size: int | None = None) -> Manifest:
+    return (await fetch_manifest(store, ref.manifest_key, ref.url, size=size))[0]
 
 
 async def latest_image(
@@ -157,21 +163,25 @@ async def list_images(
     try:
         out: list[ImageInfo] = []
         sem = asyncio.Semaphore(s.io_workers)
+        budget = ManifestBudget()  # manifest bytes read and parsed at once
         for j in await _jobs(store, job):
             prefix = image_prefix(j, "")
-            ids: dict[str, bool] = {}
+            ids: dict[str, int | None] = {}  # image id -> its manifest's size (None: none)
             for info in await store.list(prefix):
                 rest = info.key[len(prefix) :]
                 image_id = rest.split("/", 1)[0]
-                ids[image_id] = ids.get(image_id, False) or rest.endswith("/manifest.json")
+                if rest == f"{image_id}/manifest.json":
+                    ids[image_id] = info.size
+                else:
+                    ids.setdefault(image_id, None)
             refs = [ImageRef(store.url, j, i) for i in sorted(ids)]
 
-            async def info_of(ref: ImageRef, complete: bool) -> ImageInfo:
-                if not complete:
+            async def info_of(ref: ImageRef, size: int | None) -> ImageInfo:
+                if size is None:
                     return ImageInfo(ref.url, ref.job, ref.image_id, complete=False)
-                async with sem:
+                async with sem, budget.hold(size):
                     try:
-                        m = await _manifest(store, ref)
+                        m = await _manifest(store, ref, size)
                     except ImageError as exc:
                         log.warning(
                             "unreadable manifest", extra={"image": ref.url, "error": str(exc)}
@@ -305,7 +315,7 @@ async def _gc_job(
     by_image: dict[str, list[ObjectInfo]] = {}
     for info in listing:
         by_image.setdefault(info.key[len(prefix) :].split("/", 1)[0], []).append(info)
-    complete = await complete_image_ids(store, job)
+    complete = await complete_images(store, job)
     ranked = [g.image_id for g in await genuine_images(store, job, keys, complete)]
     kept, dropped = ranked[-keep:], ranked[:-keep]
     untrusted = sorted(set(complete) - set(ranked))

@@ -22,13 +22,14 @@ from spotguard.errors import (
     UnsignedImage,
 )
 from spotguard.image.keys import ImageKeys
-from spotguard.image.manifest import ImageRef, Manifest, fetch_manifest
+from spotguard.image.manifest import ImageRef, Manifest, ManifestBudget, fetch_manifest
 from spotguard.names import image_prefix, manifest_key
 from spotguard.store import ImageStore
 
 log = logging.getLogger(__name__)
 
-SCAN_REQUESTS = 16  # manifests fetched at once when scanning a job's images
+SCAN_REQUESTS = 16  # manifests fetched at once when scanning a job's images (and at most
+# MAX_MANIFEST_BYTES of them read and parsed at once: ManifestBudget)
 
 
 @dataclass(frozen=True, order=True)
@@ -39,41 +40,51 @@ class Genuine:
     image_id: str
 
 
-async def complete_image_ids(store: ImageStore, job: str) -> list[str]:
-    """Ids of the job's images that have a manifest, in id order."""
+async def complete_images(store: ImageStore, job: str) -> dict[str, int]:
+    """The job's images that have a manifest: id -> the manifest's listed size, in id order."""
     prefix = image_prefix(job, "")
-    ids = []
+    found = {}
     for info in await store.list(prefix):
         rest = info.key[len(prefix) :]
         if rest.count("/") == 1 and rest.endswith("/manifest.json"):
-            ids.append(rest.split("/", 1)[0])
-    return sorted(ids)
+            found[rest.split("/", 1)[0]] = info.size
+    return dict(sorted(found.items()))
+
+
+async def complete_image_ids(store: ImageStore, job: str) -> list[str]:
+    """Ids of the job's images that have a manifest, in id order."""
+    return list(await complete_images(store, job))
 
 
 async def genuine_images(
-    store: ImageStore, job: str, keys: ImageKeys, ids: list[str] | None = None
+    store: ImageStore, job: str, keys: ImageKeys, listed: dict[str, int] | None = None
 ) -> list[Genuine]:
     """The job's complete images that authenticate under ``keys`` (on a host without keys:
-    every readable one), oldest sequence first. Manifests that fail are skipped, not raised:
-    anyone with store access can put junk there."""
-    if ids is None:
-        ids = await complete_image_ids(store, job)
-    sem = asyncio.Semaphore(SCAN_REQUESTS)
+    every readable one), oldest sequence first; ``listed`` is :func:`complete_images`.
 
-    async def one(image_id: str) -> Genuine | None:
+    Anyone with store access can put junk there, so a manifest that fails is skipped with its
+    :class:`ImageError` logged, never raised, and the scan is bounded: 16 requests at once, at
+    most one manifest cap of bytes read and parsed at once (:class:`ManifestBudget`), a
+    manifest listed over the cap is not read at all."""
+    if listed is None:
+        listed = await complete_images(store, job)
+    sem = asyncio.Semaphore(SCAN_REQUESTS)
+    budget = ManifestBudget()
+
+    async def one(image_id: str, size: int) -> Genuine | None:
         where = ImageRef(store.url, job, image_id).url
-        async with sem:
+        async with sem, budget.hold(size):
             try:
-                m, raw = await fetch_manifest(store, manifest_key(job, image_id), where)
+                m, raw = await fetch_manifest(store, manifest_key(job, image_id), where, size=size)
                 keys.authenticate(raw, m, where)
             except (ImageError, ObjectNotFound) as exc:
                 log.debug("image skipped", extra={"image": where, "error": str(exc)})
                 return None
-        if m.job != job or m.image_id != image_id:
-            return None  # a genuine manifest copied to another place
-        return Genuine(m.sequence, image_id)
+            if m.job != job or m.image_id != image_id:
+                return None  # a genuine manifest copied to another place
+            return Genuine(m.sequence, image_id)
 
-    found = await asyncio.gather(*(one(i) for i in ids))
+    found = await asyncio.gather(*(one(i, n) for i, n in listed.items()))
     return sorted(g for g in found if g is not None)
 
 
@@ -88,7 +99,7 @@ async def resolve(store: ImageStore, ref: ImageRef, keys: ImageKeys) -> ImageRef
     ties); any other ref unchanged."""
     if ref.image_id != "latest":
         return ref
-    ids = await complete_image_ids(store, ref.job)
+    ids = await complete_images(store, ref.job)
     if not ids:
         raise ImageNotFound(f"no complete image of job {ref.job!r} in {store.url}")
     genuine = await genuine_images(store, ref.job, keys, ids)

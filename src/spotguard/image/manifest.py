@@ -6,22 +6,42 @@ See docs/image-format.md for the format this model writes.
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import re
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+)
 
 from spotguard.errors import ConfigError, ImageError
 from spotguard.names import check_job_name, image_prefix, manifest_key
 from spotguard.store.base import ImageStore, get_capped
 
-#: bounds on what is read from a store before it is parsed (a 40 GiB image's manifest is
-#: about 2 MB; the deepest genuine nesting is under 10 levels)
-MAX_MANIFEST_BYTES = 64 << 20
+#: Bounds on what is read from a store before it is parsed. A genuine manifest takes about 154
+#: bytes per chunk reference and 90 per file plus its ``meta`` (a real 0.8 GiB CRIU image:
+#: 25 files, 35 chunks, 17 KB; at the default 64 MiB chunks about 2.5 KB per GiB of image, so a
+#: 1 TiB image's manifest is about 2.6 MB). MAX_CHUNKS chunk references make 4 TiB at 64 MiB
+#: chunks and 1 TiB at 16 MiB (docs/image-format.md, "Limits"); the writer refuses a manifest
+#: its readers would refuse (:meth:`Manifest.to_bytes`).
+MAX_MANIFEST_BYTES = 16 << 20
+MAX_FILES = 16384
+MAX_CHUNKS = 65536
+MAX_META_OBJECTS = 4096  # JSON objects in ``meta`` (timeline entries, GPU devices, ...)
+MAX_OBJECTS = 1 + MAX_FILES + MAX_CHUNKS + MAX_META_OBJECTS + 16
+MAX_ARRAYS = MAX_FILES + MAX_META_OBJECTS + 16
+MAX_VALUES = 1 << 19  # commas: a chunk reference has 4 members, a file 4, meta the rest
 MAX_DEPTH = 64
 MAX_CHUNK_BYTES = 1 << 30
 
@@ -127,6 +147,16 @@ class Manifest(BaseModel):
     def _job(cls, v: str) -> str:
         return check_job_name(v)
 
+    def check_bounds(self, where: str) -> None:
+        """:class:`ImageError` when the manifest has more files or chunk references than a
+        reader accepts (:data:`MAX_FILES`, :data:`MAX_CHUNKS`)."""
+        chunks = sum(len(f.chunks) for f in self.files)
+        if len(self.files) > MAX_FILES or chunks > MAX_CHUNKS:
+            raise ImageError(
+                f"manifest of {where} has {len(self.files)} files and {chunks} chunk references "
+                f"(at most {MAX_FILES} and {MAX_CHUNKS}: a larger chunk_size makes fewer)"
+            )
+
     def file(self, name: str) -> FileEntry:
         for f in self.files:
             if f.name == name:
@@ -138,7 +168,13 @@ class Manifest(BaseModel):
         return {c.digest: c for f in self.files for c in f.chunks}
 
     def to_bytes(self) -> bytes:
-        return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False).encode()
+        """The manifest's JSON; :class:`ImageError` when readers would refuse it (more than
+        :data:`MAX_MANIFEST_BYTES` or the shape limits): never an image that cannot be read."""
+        where = f"image {self.job}/{self.image_id} (as written)"
+        self.check_bounds(where)
+        data = json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False).encode()
+        check_shape(data, where)
+        return data
 
     def unsigned(self) -> dict[str, Any]:
         """The manifest as JSON data without ``auth``: what authenticators cover."""
@@ -156,18 +192,10 @@ class Manifest(BaseModel):
         """The manifest and the JSON data it was parsed from (what authentication checks).
 
         Anyone who can write the store can put anything at a manifest's key, so the bytes are
-        bounded before they are parsed: at most :data:`MAX_MANIFEST_BYTES` (callers read them
-        with that cap, :func:`read_manifest`) and :data:`MAX_DEPTH` levels of nesting; every
-        failure is an :class:`ImageError` (never ``RecursionError`` or ``MemoryError``)."""
-        if len(data) > MAX_MANIFEST_BYTES:
-            raise ImageError(
-                f"manifest of {where} is larger than {MAX_MANIFEST_BYTES} bytes: refused unread"
-            )
-        depth = json_depth(data)
-        if depth > MAX_DEPTH:
-            raise ImageError(
-                f"manifest of {where} nests {depth}+ levels deep (at most {MAX_DEPTH}): refused"
-            )
+        bounded before they are parsed (:func:`check_shape`: size, counts of objects, arrays and
+        values, nesting); every failure is an :class:`ImageError` (never ``RecursionError`` or
+        ``MemoryError``). CPU-bound: async callers run it in a thread (:func:`fetch_manifest`)."""
+        check_shape(data, where)
         try:
             raw = json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -178,12 +206,14 @@ class Manifest(BaseModel):
                 f"manifest of {where} has format {fmt!r}; this build reads {', '.join(READABLE)}"
             )
         try:
-            return cls.model_validate(raw), raw
+            m = cls.model_validate(raw)
         except (ValidationError, RecursionError, ValueError, TypeError) as exc:
             first = str(exc).splitlines()
             raise ImageError(
                 f"manifest of {where} is malformed: {' '.join(first[:3])[:300]}"
             ) from exc
+        m.check_bounds(where)
+        return m, raw
 
 
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
@@ -191,22 +221,94 @@ _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = {0x5B: 1, 0x7B: 1, 0x5D: -1, 0x7D: -1}
 
 
+def check_shape(data: bytes, where: str) -> None:
+    """Refuse (:class:`ImageError`) bytes that no genuine manifest has, before ``json.loads``
+    turns them into objects: more than :data:`MAX_MANIFEST_BYTES`, more JSON objects, arrays
+    or values (commas) than :data:`MAX_FILES` files and :data:`MAX_CHUNKS` chunk references
+    need, or deeper than :data:`MAX_DEPTH`. Counted outside strings, in C (``bytes.count``):
+    16 MiB of ``{},`` would otherwise parse into five million dicts (about 400 MB)."""
+    if len(data) > MAX_MANIFEST_BYTES:
+        raise ImageError(
+            f"manifest of {where} is larger than {MAX_MANIFEST_BYTES} bytes: refused unread"
+        )
+    bare = _STRING.sub(b"", data)
+    for what, n, most in (
+        ("objects", bare.count(b"{"), MAX_OBJECTS),
+        ("arrays", bare.count(b"["), MAX_ARRAYS),
+        ("values", bare.count(b","), MAX_VALUES),
+    ):
+        if n > most:
+            raise ImageError(
+                f"manifest of {where} holds {n} JSON {what} (at most {most}): refused unparsed"
+            )
+    depth = _depth(bare)
+    if depth > MAX_DEPTH:
+        raise ImageError(
+            f"manifest of {where} nests {depth}+ levels deep (at most {MAX_DEPTH}): refused"
+        )
+
+
 def json_depth(data: bytes) -> int:
     """How deep ``data``'s arrays and objects nest (counted outside strings): checked before
     ``json.loads``, whose recursion a few hundred thousand ``[`` would exhaust, and before
     anything walks the parsed value (validation, canonical re-serialisation)."""
-    brackets = _STRING.sub(b"", data).translate(None, _NOT_BRACKET)
+    return _depth(_STRING.sub(b"", data))
+
+
+def _depth(bare: bytes) -> int:
+    brackets = bare.translate(None, _NOT_BRACKET)
     return max(itertools.accumulate(_STEP[b] for b in brackets), default=0)
 
 
+class ManifestBudget:
+    """Manifest bytes read and parsed at once by one scan (a job's images, a listing): with
+    16 requests in flight, 16 manifests at the cap would otherwise be held together. A
+    reservation larger than the budget waits until it is the only one."""
+
+    def __init__(self, limit: int = MAX_MANIFEST_BYTES) -> None:
+        self.limit = limit
+        self._used = 0
+        self._cond = asyncio.Condition()
+
+    @asynccontextmanager
+    async def hold(self, size: int) -> AsyncIterator[None]:
+        n = min(max(size, 1), self.limit)
+        async with self._cond:
+            await self._cond.wait_for(lambda: self._used + n <= self.limit)
+            self._used += n
+        try:
+            yield
+        finally:
+            self._used -= n
+            async with self._cond:
+                self._cond.notify_all()
+
+
 async def fetch_manifest(
-    store: ImageStore, key: str, where: str
+    store: ImageStore, key: str, where: str, *, size: int | None = None
 ) -> tuple[Manifest, dict[str, Any]]:
-    """Read the manifest at ``key`` with a cap (:data:`MAX_MANIFEST_BYTES`: a larger object is
-    never read whole) and parse it (:meth:`Manifest.parse`). Raises the store's errors
-    (:class:`~spotguard.errors.ObjectNotFound`) and :class:`ImageError`."""
-    data = await get_capped(store, key, MAX_MANIFEST_BYTES)
-    return Manifest.parse(data, where)
+    """Read the manifest at ``key`` with a cap and parse it in a thread (:meth:`Manifest.parse`).
+    The cap is :data:`MAX_MANIFEST_BYTES`, or ``size`` (what a listing said) when given: a
+    larger object is never read whole, and one the listing shows over the cap is not read at
+    all. Raises the store's errors (:class:`~spotguard.errors.ObjectNotFound`) and
+    :class:`ImageError`."""
+    cap = MAX_MANIFEST_BYTES if size is None or size <= 0 else size
+    if cap > MAX_MANIFEST_BYTES:
+        raise ImageError(
+            f"manifest of {where} is {cap} bytes, more than {MAX_MANIFEST_BYTES}: refused unread"
+        )
+    data = await get_capped(store, key, cap)
+    if len(data) > cap:
+        raise ImageError(f"manifest of {where} is larger than {cap} bytes: refused")
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_PARSER, Manifest.parse, data, where)
+
+
+#: one thread parses manifests, off the event loop: parsing holds the GIL, so more threads
+#: would not parse faster, and each would keep its own malloc arena of freed parse memory
+#: (16 junk manifests of 15 MiB: 105 MiB more peak RSS across the default pool's threads
+#: than one thread's 30 MiB)
+_PARSER = ThreadPoolExecutor(1, thread_name_prefix="manifest-parse")
 
 
 def max_stored_chunk(size: int) -> int:
