@@ -16,6 +16,7 @@ exact state such a kill leaves on the host, then starts the agent again:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import time
@@ -25,6 +26,9 @@ import pytest
 from agent_helpers import EventSink, Host, job_argv, running_agent, wait_until
 
 from spotguard import operations
+from spotguard.agent import journal
+from spotguard.agent.jobstate import JobState
+from spotguard.agent.ledger import Ledger
 from spotguard.agent.restore import RestoreProgress, RestoreRecords, RestoreStep
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import resolve_job, start_job
@@ -53,20 +57,29 @@ def _copies() -> list[int]:
     return found
 
 
+@pytest.mark.parametrize("record", [JobState.PROTECTING, JobState.EXITING])
 async def test_agent_killed_when_its_exit_checkpoint_stopped_the_job_reports_the_image(
-    host: Host, sink: EventSink, tmp_path: Path
+    host: Host, sink: EventSink, tmp_path: Path, record: JobState
 ) -> None:
+    """``protecting``: killed before the exit checkpoint's intent was written (an older
+    agent); ``exiting``: the intent written (journal.checkpointing), its outcome not."""
     store = f"file://{tmp_path}/store"
     job = await start_job(LONG_JOB, "train", state_dir=host.state)
     try:
         async with running_agent(host, sink, cloud="none", job=["train"], store=store):
             await wait_until(lambda: "started" in sink.kinds("train"), 30)
+        ledger = Ledger(StateDir(host.state).ledger)
         # What the killed agent's checkpoint did before it could write its record:
-        result = await operations.checkpoint(
-            job, store, mode=Mode.EXIT, settings=host.checkpoint_settings(),
-            image_settings=ImageSettings(),
-        )  # fmt: skip
+        with contextlib.ExitStack() as journaled:
+            if record is JobState.EXITING:  # the intent, as the agent writes it; no outcome
+                journaled.enter_context(journal.checkpointing(ledger, job, Mode.EXIT, bool))
+            result = await operations.checkpoint(
+                job, store, mode=Mode.EXIT, settings=host.checkpoint_settings(),
+                image_settings=ImageSettings(),
+            )  # fmt: skip
         assert not proctree.alive(job.pid)
+        before = ledger.get("train")
+        assert before is not None and before.state is record
         sink.events.clear()
         async with running_agent(host, sink, cloud="none", job=["train"], store=store) as agent:
             await wait_until(lambda: "exited" in sink.kinds("train"), 30)
