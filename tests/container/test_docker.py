@@ -20,7 +20,7 @@ from typing import Any
 
 from docker_helpers import IMAGE, DockerVm
 
-from sgtest import line_count, wait_lines
+from sgtest import line_count, sg_env, wait_lines
 from spotguard.container import ContainerImage
 from spotguard.container.demo import Stage, run_container_demo
 from spotguard.container.docker import Docker
@@ -36,10 +36,8 @@ EXPECTED = "".join(f"{i}\n" for i in range(LINES))
 
 
 def _sg(vm: DockerVm, *args: str) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(
-        ["spotguard", args[0], "--json", *args[1:]],
-        env=vm.cli_env(), capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+    """``spotguard COMMAND --json ARGS`` against the VM (:func:`sgtest.sg_env`)."""
+    out = sg_env(args[0], "--json", *args[1:], env=vm.cli_env(), timeout=180)
     assert "Traceback" not in out.stderr, out.stderr
     return out
 

@@ -14,11 +14,11 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from sgtest import until
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import CudaHook, driver_available, inventory
@@ -48,14 +48,6 @@ def _lines(p: Path) -> list[str]:
     return p.read_text().splitlines() if p.exists() else []
 
 
-async def _wait(cond: object, what: str, limit: float = 120.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():  # type: ignore[operator]
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
-
-
 async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_restore(
     gpu_ready: None, criu_bin: str, tmp_path: Path
 ) -> None:
@@ -79,25 +71,29 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
     out = job.dir / "stdout"
     err = job.dir / "stderr"
     try:
-        await _wait(lambda: len(_lines(out)) > 10, "first training steps")
+        await until(lambda: len(_lines(out)) > 10, "first training steps", limit=120)
         paused = await engine.freeze(job, DirectoryTarget(tmp_path / "img-resume"), Mode.RESUME)
         assert paused.gpu_pids, "the job's GPU process was not found"
         n = len(_lines(out))
-        await _wait(lambda: len(_lines(out)) > n + 5, "training to continue after the pause")
+        await until(
+            lambda: len(_lines(out)) > n + 5, "training to continue after the pause", limit=120
+        )
         print(
             f"\nleave-running pause: {paused.pause_seconds:.3f} s "
             f"({', '.join(f'{s.name} {s.seconds:.3f}' for s in paused.timeline.steps)})"
         )
 
         frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img-exit"), Mode.EXIT)
-        await _wait(lambda: not proctree.alive(job.pid), "the job to stop")
+        await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=120)
         assert len(_lines(out)) < len(ref), "the job finished before the checkpoint"
         shutil.rmtree(job.dir)
         restored = await engine.restore(DirectorySource(frozen.images_dir))
         assert restored.gpu_pids
         print(f"exit-mode freeze: {_steps(frozen.timeline.steps)}")
         print(f"restore: {_steps(restored.timeline.steps)}")
-        await _wait(lambda: exit_status(restored.job) is not None, "the restored job to finish")
+        await until(
+            lambda: exit_status(restored.job) is not None, "the restored job to finish", limit=120
+        )
         assert exit_status(restored.job) == 0
         assert _lines(out) == ref
         print(f"losses bit-identical to the reference over {len(ref)} lines")

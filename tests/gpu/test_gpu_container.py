@@ -27,6 +27,7 @@ from typing import Any
 
 import pytest
 
+from sgtest import wait_for
 from spotguard.checkpoint.cuda import driver_available, inventory
 
 pytestmark = pytest.mark.gpu
@@ -144,14 +145,6 @@ def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def _wait(cond: Any, what: str, limit: float = 240.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.2)
-
-
 def _steps(result: dict[str, Any]) -> dict[str, float]:
     return {t["name"]: round(t.get("seconds") or 0.0, 2) for t in result["timeline"]}
 
@@ -177,7 +170,12 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
         argv += ["-e", f"{k}={v}"]
     argv += ["--", IMAGE, sys.executable, "/out/job.py", "/out/out.txt", str(STEPS)]
     pm.sg(*argv)
-    _wait(lambda: len(_lines(out / "out.txt")) >= 20, "20 steps in the container")
+    wait_for(
+        lambda: len(_lines(out / "out.txt")) >= 20,
+        "20 steps in the container",
+        limit=240,
+        every=0.2,
+    )
 
     store = (tmp_path / "store").as_uri()
     paused = pm.sg("checkpoint", "podman:sggpu", "--to", store, "--leave-running", "--json")
@@ -185,7 +183,12 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
     assert "gpu_checkpoint" in seen and "gpu_restore" in seen, seen
     assert pm.status("sggpu") == "running"
     n = len(_lines(out / "out.txt"))
-    _wait(lambda: len(_lines(out / "out.txt")) >= n + 10, "ten more steps after the pause")
+    wait_for(
+        lambda: len(_lines(out / "out.txt")) >= n + 10,
+        "ten more steps after the pause",
+        limit=240,
+        every=0.2,
+    )
 
     # parked in memory: its GPU memory moves into host memory, the GPU is free, no progress
     used = _gpu_mib()
@@ -196,7 +199,12 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
     time.sleep(1.0)
     assert len(_lines(out / "out.txt")) == n
     pm.sg("unpark", "podman:sggpu", "--json")
-    _wait(lambda: len(_lines(out / "out.txt")) >= n + 10, "ten more steps after the unpark")
+    wait_for(
+        lambda: len(_lines(out / "out.txt")) >= n + 10,
+        "ten more steps after the unpark",
+        limit=240,
+        every=0.2,
+    )
 
     done = pm.sg("checkpoint", "podman:sggpu", "--to", store, "--json")
     assert "gpu_checkpoint" in _steps(done)
@@ -206,7 +214,12 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
 
     back = pm.sg("restore", done["image_url"], "--json")
     assert "gpu_restore" in _steps(back), _steps(back)
-    _wait(lambda: pm.status("sggpu") in ("exited", "stopped", "absent"), "the job to end", 300)
+    wait_for(
+        lambda: pm.status("sggpu") in ("exited", "stopped", "absent"),
+        "the job to end",
+        limit=300,
+        every=0.2,
+    )
     print(f"\ngpu container: park freed {freed} MiB; pause {paused.get('pause_seconds')} s "
           f"({seen}); exit {_steps(done)}; restore {_steps(back)}; stopped at step "
           f"{stopped_at}")  # fmt: skip

@@ -18,8 +18,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from test_gpu_realjobs import JOBS, Spotguard, _free_port, gpu_mib_used, lines, wait
+from test_gpu_realjobs import JOBS, Spotguard, gpu_mib_used, lines, wait
 
+from sgtest import free_port
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.cuda import driver_available, inventory
 from spotguard.checkpoint.ncclctl import shim_loaded
@@ -51,7 +52,7 @@ def test_a_single_rank_nccl_job_with_default_transports_is_released_and_rebuilt(
         pytest.skip("needs an NVIDIA GPU with the driver checkpoint API")
     shim = installed_shim()
     steps = 160
-    argv = [sys.executable, str(JOBS / "ddp_nccl.py"), str(steps), "0.05", str(_free_port()), "1"]
+    argv = [sys.executable, str(JOBS / "ddp_nccl.py"), str(steps), "0.05", str(free_port()), "1"]
     sg = Spotguard(tmp_path, criu_bin, {"SPOTGUARD_NCCL_SHIM": str(shim)})
     ref = subprocess.run(argv, env=sg.env, capture_output=True, text=True, timeout=600,
                          check=False)  # fmt: skip

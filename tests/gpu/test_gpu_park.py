@@ -25,12 +25,13 @@ import sys
 import textwrap
 import time
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from sgtest import wait_for
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.cuda import driver_available, inventory
 from spotguard.park import gpu
@@ -52,14 +53,6 @@ def _port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-def _wait(cond: Callable[[], bool], what: str, limit: float = 300.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.05)
 
 
 class Sg:
@@ -109,7 +102,7 @@ def test_server_parked_to_memory_frees_gpu_and_wakes_on_connect(gpu_ready: None,
     port = _port()
     sg("run", "--name", "srv", "--", sys.executable, str(JOBS / "server.py"), str(port),
        str(MODEL_MB))  # fmt: skip
-    _wait(lambda: _ready(port), "the server to answer")
+    wait_for(lambda: _ready(port), "the server to answer", limit=300)
     before = _get(port, "/infer?x=3")
     held = gpu.used_bytes(proctree.tree(sg.pid("srv")))
     assert held > MODEL_MB * 2**20 * 0.9
@@ -246,7 +239,7 @@ def _server(sg: Sg) -> tuple[int, str]:
         str(port),
         str(KILL_MB),
     )
-    _wait(lambda: _ready(port), "the server to answer")
+    wait_for(lambda: _ready(port), "the server to answer", limit=300)
     return port, _get(port, "/infer?x=3")
 
 
@@ -303,7 +296,11 @@ def test_an_unpark_killed_while_criu_restores_is_cleaned_by_the_next_unpark(
     conf.write_text(f"action-script {script}\n")
     child = subprocess.Popen([*(sys.executable, "-m", "spotguard"), "unpark", "srv"],
                              env={**sg.env, "CRIU_CONFIG_FILE": str(conf)})  # fmt: skip
-    _wait(lambda: reached.exists() or child.poll() is not None, "CRIU to reach post-restore")
+    wait_for(
+        lambda: reached.exists() or child.poll() is not None,
+        "CRIU to reach post-restore",
+        limit=300,
+    )
     assert reached.exists(), "the unpark ended before CRIU reached post-restore"
     child.send_signal(signal.SIGKILL)
     child.wait()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import time
@@ -27,6 +26,7 @@ from typing import Any
 
 import pytest
 
+from sgtest import free_port, wait_for
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.cuda import driver_available, inventory
 
@@ -91,11 +91,8 @@ def sg(tmp_path: Path, criu_bin: str) -> Iterator[Spotguard]:
 
 
 def wait(cond: Callable[[], bool], what: str, limit: float = 180.0) -> None:
-    deadline = time.monotonic() + limit
-    while not cond():
-        if time.monotonic() > deadline:
-            pytest.fail(f"timed out waiting for {what}")
-        time.sleep(0.1)
+    """:func:`sgtest.wait_for` with this module's limit and pace (the GPU tests share it)."""
+    wait_for(cond, what, limit, every=0.1)
 
 
 def lines(path: Path) -> list[str]:
@@ -151,12 +148,6 @@ def test_a_trainer_with_fork_workers_and_pinned_memory(gpu_ready: None, sg: Spot
     park_unpark_batch_job(sg, "trainer", argv, 120)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _get(port: int, path: str) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=60) as r:
         return str(r.read().decode())
@@ -165,7 +156,7 @@ def _get(port: int, path: str) -> str:
 def test_an_inference_server_parked_frees_the_gpu_and_answers_the_same(
     gpu_ready: None, sg: Spotguard
 ) -> None:
-    port = _free_port()
+    port = free_port()
     job = sg.run("server", [sys.executable, str(JOBS / "server.py"), str(port), "2048"])
 
     def ready() -> bool:
@@ -220,7 +211,7 @@ def _execute(conn: Path, code: str) -> str:
 
 
 def test_a_jupyter_kernel_holding_cuda_tensors(gpu_ready: None, sg: Spotguard) -> None:
-    ports = [_free_port() for _ in range(5)]
+    ports = [free_port() for _ in range(5)]
     conn = sg.root / "kernel.json"
     conn.write_text(json.dumps({
         "transport": "tcp", "ip": "127.0.0.1", "key": secrets.token_hex(16),
@@ -257,7 +248,7 @@ def test_a_two_process_gloo_job_sharing_the_gpu(
     sg = Spotguard(tmp_path, criu_bin, {"SPOTGUARD_TCP_ESTABLISHED": "true",
                                         "CRIU_CONFIG_FILE": str(cfg)})  # fmt: skip
     try:
-        argv = [sys.executable, str(JOBS / "ddp_gloo.py"), "150", "0.05", str(_free_port())]
+        argv = [sys.executable, str(JOBS / "ddp_gloo.py"), "150", "0.05", str(free_port())]
         park_unpark_batch_job(sg, "ddp", argv, 150)
     finally:
         sg.kill_all()

@@ -24,7 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from test_gpu_park import JOBS, Sg, _get, _port, _ready, _wait, gpu_ready, sg
+from test_gpu_park import JOBS, Sg, _get, _port, _ready, gpu_ready, sg
+
+from sgtest import wait_for
 
 pytestmark = [pytest.mark.gpu, pytest.mark.criu]
 __all__ = ["gpu_ready", "sg"]
@@ -74,7 +76,7 @@ def test_gpu_server_parked_to_tmpfs_wakes_while_another_user_loops_on_bind(
     port = _port()
     sg("run", "--name", "srv", "--", sys.executable, str(JOBS / "server.py"), str(port),
        str(MB))  # fmt: skip
-    _wait(lambda: _ready(port), "the server to answer")
+    wait_for(lambda: _ready(port), "the server to answer", limit=300)
     before = _get(port, "/infer?x=3")
     record = Path(sg.root) / "state" / "parked" / "srv.json"
     # the other user loops on bind from before the park: through the GPU dump (which ends the
