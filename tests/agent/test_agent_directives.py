@@ -57,7 +57,7 @@ async def test_migrate_of_an_idle_job_is_drained_through_the_directive_poll(
                 await wait_until(lambda: agent.reporter.sent >= 1)  # STARTED reached it
                 proc = await asyncio.create_subprocess_exec(
                     SPOTGUARD, "migrate", "train", "--to", "local", "--controller-url", srv.url,
-                    "--controller-token", TOKEN,
+                    env={**os.environ, "SPOTGUARD_CONTROLLER_TOKEN": TOKEN},  # never argv (ps)
                     stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
                 )  # fmt: skip
                 _, err = await proc.communicate()

@@ -82,8 +82,8 @@ async def _agent_process(
             "--poll-interval", "0.2", "--state-dir", str(host.state), "--shm-dir", str(host.shm),
             "--criu", host.criu, "--api-listen", "127.0.0.1:0", "--stream", "off",
             "--assignment", str(host.state / "none.json"), "--push-retry-max-s", "0.5",
-            "--controller-url", sink.url, "--controller-token", TOKEN, *flags,
-            env={**os.environ, "SPOTGUARD_LOG_FORMAT": "json"},
+            "--controller-url", sink.url, *flags,
+            env={**os.environ, "SPOTGUARD_LOG_FORMAT": "json", "SPOTGUARD_CONTROLLER_TOKEN": TOKEN},
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=err, start_new_session=True,
         )  # fmt: skip

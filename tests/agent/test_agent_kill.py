@@ -52,8 +52,9 @@ async def start_agent(
             "--poll-interval", "0.2", "--state-dir", str(host.state), "--shm-dir", str(host.shm),
             "--criu", host.criu, "--api-listen", "127.0.0.1:0",
             "--assignment", str(host.state / "none.json"), "--periodic-interval", "3600",
-            "--controller-url", sink.url, "--controller-token", TOKEN,
-            env=env, stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
+            "--controller-url", sink.url,
+            env={**env, "SPOTGUARD_CONTROLLER_TOKEN": TOKEN},
+            stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=err, start_new_session=True,
         )  # fmt: skip
 

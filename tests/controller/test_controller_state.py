@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import sqlite3
 import subprocess
 import sys
@@ -105,7 +106,8 @@ def test_controller_command_on_a_corrupt_state_file_prints_one_line(tmp_path: Pa
     path.write_bytes(b"\x00garbage" * 512)
     exe = Path(sys.executable).with_name("spotguard")
     out = subprocess.run(
-        [str(exe), "controller", "--state", str(path), "--token", "t", "--listen", "127.0.0.1:0"],
+        [str(exe), "controller", "--state", str(path), "--listen", "127.0.0.1:0"],
+        env={**os.environ, "SPOTGUARD_CONTROLLER_TOKEN": "t"},
         capture_output=True,
         text=True,
         timeout=60,

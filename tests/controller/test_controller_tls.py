@@ -138,7 +138,7 @@ def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]
     )
 
 
-def test_cli_issues_vm_tokens_and_warns_about_a_token_on_argv(tmp_path: Path) -> None:
+def test_cli_issues_vm_tokens_and_refuses_a_token_on_argv(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("SPOTGUARD_")}
     token_file = tmp_path / "admin.token"
     token_file.write_text(TOKEN + "\n")
@@ -146,10 +146,9 @@ def test_cli_issues_vm_tokens_and_warns_about_a_token_on_argv(tmp_path: Path) ->
     out = run_cli("controller", "--issue-token", "train", env=env)
     assert out.returncode == 0, out.stderr
     assert TokenKeys(TOKEN).verify(out.stdout.strip()) == Caller(False, "train", 0)
-    assert "ps" not in out.stderr  # no warning without --token
+    assert "ps" not in out.stderr
     argv = run_cli("controller", "--token", "inline", "--issue-token", "train", env=env)
-    assert argv.returncode == 0
-    assert "process list (ps)" in argv.stderr
+    assert argv.returncode == 2 and "(ps)" in argv.stderr and "inline" not in argv.stderr
     refused = run_cli(
         "controller", "--listen", "0.0.0.0:0", "--state", str(tmp_path / "x.db"), env=env
     )

@@ -68,6 +68,7 @@ class Controller:
         cfg = self.root / "controller.toml"
         env = {"STANDIN_GATE": str(self.gate), "STANDIN_LOG": str(self.vm_log)}
         cfg.write_text(
+            f"[controller]\ncontroller_token = {json.dumps(TOKEN)}\n\n"  # never on argv (ps)
             "[local]\n"
             f"local_root = {json.dumps(str(self.root / 'local'))}\n"
             f"local_agent_command = {json.dumps([sys.executable, GATED])}\n"
@@ -80,7 +81,7 @@ class Controller:
         argv = [
             sys.executable, "-m", "spotguard", "--config", str(self.config()), "controller",
             "--listen", f"127.0.0.1:{self.port}", "--provider", "local",
-            "--state", str(self.root / "controller.db"), "--token", TOKEN,
+            "--state", str(self.root / "controller.db"),
             "--default-store", (self.root / "store").as_uri(), "--tick-s", "0.05",
             "--notice-grace-s", "0.3", "--capacity-retry-s", "0", "--liveness-s", "0.5",
         ]  # fmt: skip

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from sec_helpers import Attacker
 
 from sgtest import free_port as _port
 from spotguard.agent.settings import AgentSettings
@@ -127,6 +128,11 @@ def test_an_assignment_naming_a_plain_http_controller_off_this_host_refuses_the_
     stop_all.append(proc)
     line = _refused(proc)
     assert "192.0.2.7" in line and "https" in line, line
+    # the controller's private-network mode says so in the assignment: the agent starts
+    assignment.write_text(json.dumps(body | {"insecure_controller": True}))
+    proc = _agent(base)
+    stop_all.append(proc)
+    assert "192.0.2.7" in _started(proc)
 
 
 def test_https_and_loopback_controllers_are_accepted() -> None:
@@ -138,24 +144,42 @@ def test_https_and_loopback_controllers_are_accepted() -> None:
             load(AgentSettings, {"controller_url": bad})
 
 
-def test_an_inline_controller_token_warns_once_a_file_or_the_environment_does_not(
+def test_a_token_on_the_command_line_is_refused_with_one_line(
+    base: list[str], stop_all: list[subprocess.Popen[str]]
+) -> None:
+    """``ps`` shows every process's arguments to every user: no command takes a token there."""
+    url = f"http://127.0.0.1:{_port()}"
+    proc = _agent([*base, "--controller-url", url, "--controller-token", TOKEN])
+    stop_all.append(proc)
+    line = _refused(proc)
+    assert line.startswith("spotguard: error: --controller-token"), line
+    assert "SPOTGUARD_CONTROLLER_TOKEN" in line and "controller_token_file" in line, line
+    assert TOKEN not in line, line
+    for argv in (["controller", "--token", TOKEN, "--issue-token", "train"],
+                 ["jobs", "list", "--controller-token", TOKEN]):  # fmt: skip
+        out = subprocess.run(
+            [sys.executable, "-m", "spotguard", *argv], capture_output=True, text=True, timeout=30
+        )
+        assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+        (line,) = out.stderr.strip().splitlines()
+        assert "SPOTGUARD_CONTROLLER_TOKEN" in line and "controller_token_file" in line, line
+        assert TOKEN not in line, line
+
+
+def test_an_inline_token_in_the_config_file_warns_once_a_file_or_the_environment_does_not(
     base: list[str], tmp_path: Path, stop_all: list[subprocess.Popen[str]]
 ) -> None:
     url = f"http://127.0.0.1:{_port()}"
-    # on the command line: works, and says once that ps shows it
-    proc = _agent([*base, "--controller-url", url, "--controller-token", TOKEN])
-    stop_all.append(proc)
-    out = _started(proc)
-    assert out.count(WARNING) == 1, out
-    line = next(ln for ln in out.splitlines() if WARNING in ln)
-    assert "ps" in line and "--controller-token-file" in line, line
-    assert "SPOTGUARD_CONTROLLER_TOKEN" in line and TOKEN not in line, line
-    # in a config file: the same warning
+    # in a config file: works, and says once that others may read it
     cfg = tmp_path / "spotguard.toml"
     cfg.write_text(f'[agent]\ncontroller_url = "{url}"\ncontroller_token = "{TOKEN}"\n')
     proc = _agent(base, config=cfg)
     stop_all.append(proc)
-    assert _started(proc).count(WARNING) == 1
+    out = _started(proc)
+    assert out.count(WARNING) == 1, out
+    line = next(ln for ln in out.splitlines() if WARNING in ln)
+    assert "controller_token_file" in line and "SPOTGUARD_CONTROLLER_TOKEN" in line, line
+    assert TOKEN not in line, line
     # from a file, or from the environment: no warning
     tok = tmp_path / "token"
     tok.write_text(TOKEN)
@@ -166,3 +190,39 @@ def test_an_inline_controller_token_warns_once_a_file_or_the_environment_does_no
     proc = _agent([*base, "--controller-url", url], env={"SPOTGUARD_CONTROLLER_TOKEN": TOKEN})
     stop_all.append(proc)
     assert WARNING not in _started(proc)
+
+
+def test_another_user_sees_no_token_in_ps_for_an_agent_started_as_documented(
+    base: list[str], tmp_path: Path, attacker: Attacker, stop_all: list[subprocess.Popen[str]]
+) -> None:
+    """docs/agent.md: the token in a file (--controller-token-file, the unit's config) or in
+    SPOTGUARD_CONTROLLER_TOKEN. An ordinary user of the host lists every process's arguments
+    while the agents run and finds neither token (the agents' own arguments it does see)."""
+    url = f"http://127.0.0.1:{_port()}"
+    tok = tmp_path / "token"
+    tok.write_text(TOKEN)
+    tok.chmod(0o600)
+    env_token = TOKEN + "-from-env"
+    by_file = _agent([*base, "--controller-url", url, "--controller-token-file", str(tok)])
+    stop_all.append(by_file)
+    _wait_listening(by_file)
+    base2 = [*base[:-1], f"127.0.0.1:{_port()}"]
+    base2[1] = str(tmp_path / "state2")
+    by_env = _agent(
+        [*base2, "--controller-url", url], env={"SPOTGUARD_CONTROLLER_TOKEN": env_token}
+    )
+    stop_all.append(by_env)
+    _wait_listening(by_env)
+    seen = attacker.run("ps", "-ww", "-eo", "args").stdout
+    assert str(tok) in seen and str(tmp_path / "state2") in seen, seen[-3000:]
+    assert TOKEN not in seen, "the token is in ps"
+
+
+def _wait_listening(proc: subprocess.Popen[str]) -> None:
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 30
+    for line in proc.stdout:
+        if "local API listening" in line:
+            return
+        assert time.monotonic() < deadline, "the agent did not start"
+    pytest.fail(f"the agent stopped: exit {proc.wait()}")

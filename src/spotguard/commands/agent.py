@@ -27,6 +27,7 @@ import click
 from spotguard.agent.settings import DRAIN_DEADLINE_MAX, AgentSettings, parse_listen, read_secret
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.cli import config, config_file
+from spotguard.commands.common import no_inline_token
 from spotguard.commands.joblogs import logs
 from spotguard.config import load, options
 from spotguard.errors import AgentNotRunning, ConfigError, SpotguardError
@@ -47,7 +48,8 @@ _STATE_ONLY = tuple(n for n in CheckpointSettings.model_fields if n != "state_di
 
 
 @click.command("agent")
-@options(AgentSettings)
+@options(AgentSettings, exclude=("controller_token",))  # a file or the environment: not ps
+@no_inline_token("--controller-token")
 @options(NoticeSettings)
 @options(CheckpointSettings)
 @options(ImageSettings)

@@ -7,6 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import click
+
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.cli import verbose_option
 from spotguard.config import options
@@ -33,3 +35,19 @@ def checkpoint_options(*, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
         return verbose_option(opts(fn))
 
     return decorate
+
+
+def no_inline_token(flag: str) -> Callable[[F], F]:
+    """A hidden ``flag`` that refuses a token on the command line (``ps`` shows every
+    process's arguments to every user of the host) with one line naming the safe ways."""
+    from spotguard.errors import ConfigError
+
+    def refuse(ctx: Any, param: Any, value: str | None) -> None:
+        if value is not None:
+            raise ConfigError(
+                f"{flag} would show the token to every user of this host (ps): set "
+                "SPOTGUARD_CONTROLLER_TOKEN, or controller_token_file (--controller-token-file, "
+                "SPOTGUARD_CONTROLLER_TOKEN_FILE) naming a file that holds it"
+            )
+
+    return click.option(flag, default=None, hidden=True, expose_value=False, callback=refuse)

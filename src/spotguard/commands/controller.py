@@ -11,6 +11,7 @@ from typing import Any
 import click
 
 from spotguard.cli import config
+from spotguard.commands.common import no_inline_token
 from spotguard.config import load, options
 from spotguard.contracts import EventAnswer
 from spotguard.controller.client import ControllerClient
@@ -34,14 +35,8 @@ log = logging.getLogger(__name__)
     default=None,
     help="SQLite state file. [default: STATE_DIR/controller.db] [env: SPOTGUARD_STATE]",
 )
-@click.option(
-    "--token",
-    "controller_token",
-    default=None,
-    help="Admin token on the command line: visible in ps to every user of this host, so "
-    "discouraged (a warning is logged); use --controller-token-file or "
-    "SPOTGUARD_CONTROLLER_TOKEN.",
-)
+@no_inline_token("--token")  # the admin token: a file or the environment, never ps
+@no_inline_token("--controller-token")
 @click.option(
     "--issue-token",
     "issue_token",
@@ -66,12 +61,6 @@ def controller(ctx: click.Context, /, issue_token: str | None, epoch: int, **fla
     from spotguard.notices.fleet import SqsFleetSource
     from spotguard.providers import open_provider, provider_settings
 
-    if flags.get("controller_token"):
-        # Kept for existing units; refusing would stop them on upgrade. The warning says why.
-        log.warning(
-            "--token puts the admin token in the process list (ps) of this host; use "
-            "--controller-token-file or SPOTGUARD_CONTROLLER_TOKEN instead"
-        )
     cfg = config(ctx)  # read once; every settings group below comes from the same file
     settings = load(ControllerSettings, flags, config_file=cfg)
     keys = settings.token_keys()  # refuse to start without an admin token
@@ -111,7 +100,8 @@ def jobs() -> None:
 
 
 @jobs.command("list")
-@options(ClientSettings)
+@options(ClientSettings, exclude=("controller_token",))
+@no_inline_token("--controller-token")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def jobs_list(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
@@ -132,7 +122,8 @@ def jobs_list(ctx: click.Context, /, as_json: bool, **flags: Any) -> None:
 
 @jobs.command("show")
 @click.argument("job")
-@options(ClientSettings)
+@options(ClientSettings, exclude=("controller_token",))
+@no_inline_token("--controller-token")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON.")
 @click.pass_context
 def jobs_show(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> None:
@@ -189,7 +180,8 @@ def _relaunch(
     help="Bring the job back in this region or on this instance type (checked first).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the job's summary as JSON.")
-@options(ClientSettings)
+@options(ClientSettings, exclude=("controller_token",))
+@no_inline_token("--controller-token")
 @click.pass_context
 def jobs_unpark(
     ctx: click.Context, /, job: str, to: str | None, as_json: bool, **flags: Any
@@ -212,7 +204,8 @@ def jobs_unpark(
     help="Relaunch the job in this region or on this instance type (checked first).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the job's summary as JSON.")
-@options(ClientSettings)
+@options(ClientSettings, exclude=("controller_token",))
+@no_inline_token("--controller-token")
 @click.pass_context
 def jobs_retry(
     ctx: click.Context, /, job: str, to: str | None, as_json: bool, **flags: Any
@@ -235,7 +228,8 @@ def jobs_retry(
     is_flag=True,
     help="Relaunch from the newest durable image now instead of asking the agent to drain.",
 )
-@options(ClientSettings)
+@options(ClientSettings, exclude=("controller_token",))
+@no_inline_token("--controller-token")
 @click.pass_context
 def migrate(ctx: click.Context, /, job: str, to: str, immediate: bool, **flags: Any) -> None:
     """Move JOB to another region or instance type (bursting, rightsizing)."""
