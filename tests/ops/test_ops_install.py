@@ -149,3 +149,15 @@ def test_doctor_hints_at_the_installer_the_wheel_has(tmp_path: Path) -> None:
     assert r.returncode == 1
     assert "fix: run: sudo spotguard install-criu" in r.stdout
     assert "scripts/install-criu" not in r.stdout
+
+
+def test_install_sh_without_an_argument_says_spotguard_is_not_on_the_package_index() -> None:
+    """``sh packaging/install.sh`` with nothing to install: exit 2 and a usage line saying
+    why no default (the package index has no spotguard) and how to build a wheel."""
+    out = subprocess.run(
+        ["sh", str(ROOT / "packaging" / "install.sh")], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 2, out
+    assert out.stdout == "", out.stdout
+    assert "spotguard is not on the package index" in out.stderr, out.stderr
+    assert "pip wheel" in out.stderr and "Traceback" not in out.stderr, out.stderr
