@@ -15,8 +15,9 @@ import os
 import shutil
 import signal
 import sys
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from sec_helpers import Attacker
@@ -29,6 +30,10 @@ from spotguard.checkpoint.meta import META_NAME
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import BadSignature, ParkError, UnsignedImage
+from spotguard.image import ImageSettings
+from spotguard.operations.checkpoint import checkpoint, kept_images_of
+from spotguard.operations.kept import KeptImages, push_kept
+from spotguard.operations.paths import ImageKept
 from spotguard.park import core, record
 from spotguard.park.settings import ParkSettings
 
@@ -154,3 +159,55 @@ async def test_an_unsealed_image_directory_is_refused_by_restore(
     (res.images_dir / seal.SEAL_NAME).unlink()
     with pytest.raises(UnsignedImage, match="has no seal"):
         await engine.restore(DirectorySource(res.images_dir), state_dir=cs.state_dir)
+
+
+def _flip_staged_page(kept: KeptImages, job: str) -> Callable[[float], None]:
+    """An ``on_frozen`` hook that alters the staged image between its seal and its push (what
+    any way into the staging directory would do): the first byte of its first pages file."""
+
+    def alter(_frozen_at: float) -> None:
+        (image,) = kept.scan(job=job)
+        pages = sorted(image.dir.glob("pages-*.img"))[0]
+        data = bytearray(pages.read_bytes())
+        data[0] ^= 0xFF
+        pages.write_bytes(bytes(data))
+
+    return alter
+
+
+async def test_a_staged_image_altered_before_its_push_is_never_pushed_nor_signed(
+    setup: tuple[CheckpointSettings, ParkSettings, Engine], shm_world: Path, tmp_path: Path
+) -> None:
+    """A staged checkpoint altered after its seal and before its push is refused before a
+    byte of it reaches the store (a push signs what it uploads with the fleet's key). In
+    ``resume`` mode the job runs on and the staged copy is dropped; in ``exit`` mode the job
+    was stopped by the dump, so the image stays kept on this host, the failure is loud
+    (``ImageKept`` names the seal's refusal) and the kept image is never pushed either."""
+    cs0, _ps, engine = setup
+    cs = CheckpointSettings(
+        state_dir=cs0.state_dir, criu=cs0.criu, criu_timeout=60, shm_dir=shm_world / "staging"
+    )
+    store = tmp_path / "store"
+    url = f"file://{store}"
+    kept = kept_images_of(cs)
+    image = ImageSettings()
+
+    def run(job: JobInfo, mode: Mode) -> Any:
+        return checkpoint(
+            job, url, mode=mode, settings=cs, image_settings=image, engine=engine,
+            stream="off", on_frozen=_flip_staged_page(kept, job.name),
+        )  # fmt: skip
+
+    job = await _job(cs, "nb")
+    with pytest.raises(BadSignature, match="altered after its seal"):
+        await run(job, Mode.RESUME)
+    assert proctree.alive(job.pid) and not kept.scan(job="nb")
+    assert not list(store.rglob("manifest.json"))
+    with pytest.raises(ImageKept, match="altered after its seal") as caught:
+        await run(job, Mode.EXIT)
+    assert not proctree.alive(job.pid)
+    (left,) = kept.scan(job="nb")
+    assert left.dir == caught.value.kept.dir and "altered" in (left.error or "")
+    with pytest.raises(BadSignature, match="altered after its seal"):
+        await push_kept(left, url, images=kept, image_settings=image)
+    assert not list(store.rglob("manifest.json"))

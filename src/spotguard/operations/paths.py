@@ -12,7 +12,10 @@ A :class:`CheckpointPath` has two steps, always called in this order by the chai
 writer; dump, compression and upload overlap). :class:`StagedPath` dumps into a staging
 directory (tmpfs or disk) and pushes it; the staged image is recorded as kept
 (:mod:`.kept`) the moment it is complete — before CRIU stops the job in ``exit`` mode — and
-the record goes only when the manifest is durable.
+the record goes only when the manifest is durable. It is pushed only as this host sealed it
+(:func:`spotguard.checkpoint.seal.verify` right before the push, which signs what it uploads):
+an image altered in between fails like an upload (the job runs on, or in ``exit`` mode the
+image stays kept, :class:`ImageKept` naming the refusal, and is never pushed).
 
 The fallback rule (:data:`FALLBACK`, applied by :func:`falls_back`) is declared, not inferred:
 the staged path runs after the streamed one when
@@ -364,6 +367,9 @@ class StagedPath:
         left = None if a.budget_s is None else a.budget_s - (time.monotonic() - t0)
         try:
             async with _within(left):
+                # exactly as this host sealed it, or nothing of it is signed and uploaded
+                key = target.inner.key or seal.HostKey.default()
+                await asyncio.to_thread(seal.verify, fr.images_dir, key)
                 push = await push_dir(
                     fr.images_dir,
                     a.store_url,
