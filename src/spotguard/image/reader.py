@@ -258,7 +258,8 @@ class ImageReader:
         self.refetches += 1
         log.warning(
             "chunk failed verification, fetching it again",
-            extra={"image": self.url, "chunk": ref.digest, "error": _why(err, ref)},
+            # short: the error that follows a second failure names the whole digest
+            extra={"image": self.url, "chunk": ref.digest[:12], "error": _why(err, ref)},
         )
 
     def _corrupt(self, ref: ChunkRef, exc: ImageCorrupt) -> ImageCorrupt:
