@@ -13,6 +13,7 @@ import signal
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -208,3 +209,38 @@ def test_a_job_link_is_followed_only_where_only_root_could_have_made_it(
     os.chown(jobs, 0, 0)
     with pytest.raises(JobError, match="symlink"):
         resolve_job("j1", state_dir=state)
+
+
+def test_a_jobs_output_is_never_written_through_a_link(attacker: Attacker, world: Path) -> None:
+    """A user who can write a job's directory plants links at ``stdout`` and ``stderr``, to a
+    root-only file, and the job is started there (its output is appended as root): the job
+    directory is refused (not root's); links left in a directory of root's are not followed
+    either (``O_NOFOLLOW``: the job's init exits before it runs the command). Nothing is
+    written through a link; the root-only file stays as it was."""
+    from spotguard.checkpoint import proctree
+    from spotguard.checkpoint.jobs import start_job
+
+    secret = _root_only_secret(world)
+    state = world / "state"
+    jobdir = state / "jobs" / "j1"
+    jobdir.mkdir(parents=True, mode=0o700)
+    os.chown(jobdir, attacker.uid, attacker.gid)
+    for d in (state, state / "jobs"):
+        d.chmod(0o755)  # reachable while the user plants (as an earlier build left them)
+    argv = ["sh", "-c", "echo PWNED; echo PWNED >&2"]
+    for name in ("stdout", "stderr"):
+        attacker.run("ln", "-s", str(secret), str(jobdir / name))
+    for d in (state, state / "jobs"):
+        d.chmod(0o700)
+    with pytest.raises(UnsafePath, match="belongs to uid"):
+        asyncio.run(start_job(argv, "j1", state_dir=state))
+    assert secret.read_text() == "root:SECRET\n"
+    os.chown(jobdir, 0, 0)  # root's now, the links still in it
+    job = asyncio.run(start_job(argv, "j1", state_dir=state))
+    for _ in range(200):  # its init cannot open its output (O_NOFOLLOW) and exits 126
+        if not proctree.alive(job.pid):
+            break
+        time.sleep(0.02)
+    assert not proctree.alive(job.pid)
+    assert secret.read_text() == "root:SECRET\n"
+    assert all((jobdir / n).is_symlink() for n in ("stdout", "stderr"))
