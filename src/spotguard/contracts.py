@@ -35,6 +35,7 @@ from typing import Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, TypeAdapter, field_validator
 
 from spotguard.errors import SpotguardError
+from spotguard.lifecycle import JobState as JobState
 from spotguard.modes import Action as Action
 from spotguard.modes import Mode as Mode
 from spotguard.names import VM_TOKEN_PREFIX as VM_TOKEN_PREFIX
@@ -74,10 +75,23 @@ class EventKind(StrEnum):
     PARKED = "parked"  # the job was parked to a store: its process ended, its image is kept
 
 
-class Wire(BaseModel):
-    """Base of every shape on the wire: unknown fields are refused."""
+#: Bounds of the numbers on the wire, checked where a report is parsed (the controller's
+#: edge): no agent sends more, and a larger one (1e308, an integer SQLite cannot hold) is a
+#: 400, never a 500 nor a value stored in a job's record. inf and NaN are refused by
+#: :class:`Wire` itself.
+MAX_SECONDS = 1e9  # about 31 years: a duration, or a wall-clock time in seconds
+MAX_BYTES = 1 << 60  # 1 EiB
+MAX_COUNT = (1 << 31) - 1  # pids, attempts, epochs, GPU indices and counts, versions
+Seconds = Annotated[float, Field(ge=-MAX_SECONDS, le=MAX_SECONDS)]
+Timestamp = Annotated[float, Field(ge=0, le=100 * MAX_SECONDS)]
+Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
+Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
 
-    model_config = ConfigDict(extra="forbid")
+
+class Wire(BaseModel):
+    """Base of every shape on the wire: unknown fields are refused, so are inf and NaN."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class InstanceInfo(Wire):
@@ -114,17 +128,17 @@ class NoticeInfo(Wire):
 
 
 class GpuDeviceInfo(Wire):
-    index: int
+    index: Count
     uuid: str
     model: str
-    memory_total: int
+    memory_total: Bytes
 
 
 class GpuInfo(Wire):
     """:class:`spotguard.facts.GpuInventory` on the wire."""
 
     model: str | None = None
-    count: int = 0
+    count: Count = 0
     driver: str | None = None
     devices: list[GpuDeviceInfo] = Field(default_factory=list)
 
@@ -134,7 +148,7 @@ class HostInfo(Wire):
 
     kernel: str
     arch: str
-    memory_total: int
+    memory_total: Bytes
     criu_version: str | None = None
 
 
@@ -142,9 +156,9 @@ class StepInfo(Wire):
     """One step of a :class:`spotguard.timeline.Timeline`."""
 
     name: str
-    start: float
+    start: Timestamp
     start_iso: str | None = None
-    seconds: float | None = None
+    seconds: Seconds | None = None
     ok: bool = True
     detail: dict[str, JsonValue] = Field(default_factory=dict)
 
@@ -176,12 +190,12 @@ class _Event(Wire):
     the sender's ownership epoch (from its assignment or scoped token, see docs/security.md):
     the controller records and ignores reports from an epoch that no longer owns the job."""
 
-    schema_version: int = SCHEMA
+    schema_version: Count = SCHEMA
     event_id: str = Field(default_factory=lambda: uuid.uuid4().hex)
     job: str
     at: datetime = Field(default_factory=lambda: datetime.now(UTC))
     instance: InstanceInfo = Field(default_factory=InstanceInfo)
-    epoch: int | None = Field(default=None, ge=0)
+    epoch: Count | None = None
 
     @field_validator("job")
     @classmethod
@@ -193,7 +207,7 @@ class StartedEvent(_Event):
     """The agent protects the job on this instance."""
 
     kind: Literal[EventKind.STARTED] = EventKind.STARTED
-    pid: int | None = None
+    pid: Count | None = None
     store: str | None = None
 
 
@@ -211,7 +225,7 @@ class FrozenEvent(_Event):
     kind: Literal[EventKind.FROZEN] = EventKind.FROZEN
     notice: NoticeInfo | None = None
     mode: Mode
-    notice_to_frozen_s: float | None = None
+    notice_to_frozen_s: Seconds | None = None
 
 
 class DurableEvent(_Event):
@@ -220,15 +234,15 @@ class DurableEvent(_Event):
     kind: Literal[EventKind.DURABLE] = EventKind.DURABLE
     notice: NoticeInfo | None = None
     image_url: str
-    image_bytes: int | None = Field(default=None, ge=0)
+    image_bytes: Bytes | None = None
     mode: Mode = Mode.EXIT
     gpu: GpuInfo | None = None
     host: HostInfo | None = None
     timeline: list[StepInfo] | None = None
-    stored_bytes: int | None = None
-    skipped_bytes: int | None = None
-    freeze_seconds: float | None = None
-    pause_seconds: float | None = None
+    stored_bytes: Bytes | None = None
+    skipped_bytes: Bytes | None = None
+    freeze_seconds: Seconds | None = None
+    pause_seconds: Seconds | None = None
 
 
 class CheckpointFailedEvent(_Event):
@@ -261,7 +275,7 @@ class ReadyToRelaunchEvent(_Event):
 class RestoringEvent(_Event):
     kind: Literal[EventKind.RESTORING] = EventKind.RESTORING
     image_url: str
-    attempt: int | None = None
+    attempt: Count | None = None
 
 
 class RestoredEvent(_Event):
@@ -269,9 +283,9 @@ class RestoredEvent(_Event):
 
     kind: Literal[EventKind.RESTORED] = EventKind.RESTORED
     image_url: str
-    attempt: int | None = None
-    pid: int | None = None
-    seconds: float | None = None
+    attempt: Count | None = None
+    pid: Count | None = None
+    seconds: Seconds | None = None
     gpu: GpuInfo | None = None
     timeline: list[StepInfo] | None = None
 
@@ -281,7 +295,7 @@ class RestoreFailedEvent(_Event):
 
     kind: Literal[EventKind.RESTORE_FAILED] = EventKind.RESTORE_FAILED
     image_url: str
-    attempt: int | None = None
+    attempt: Count | None = None
     error: WireError
 
 
@@ -298,7 +312,7 @@ class ParkedEvent(_Event):
 
     kind: Literal[EventKind.PARKED] = EventKind.PARKED
     image_url: str
-    image_bytes: int | None = Field(default=None, ge=0)
+    image_bytes: Bytes | None = None
     reason: str | None = None
 
 
@@ -369,7 +383,7 @@ class Directive(Wire):
     """
 
     job: str
-    state: str
+    state: JobState
     action: Literal["drain"] | None = None
     reason: str | None = None
     target: dict[str, str] | None = None

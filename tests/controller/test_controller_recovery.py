@@ -252,3 +252,44 @@ async def test_the_older_image_after_a_corrupt_one_is_chosen_by_sequence_not_by_
     view = await api.wait_state("skewed", "protected", within=30)
     assert view["image_url"] == first
     assert any(f"falling back to the older image {first}" in h["reason"] for h in view["history"])
+
+
+#: reports with numbers no agent sends: each must be refused (4xx), never a 500, and leave
+#: the job's answers and ``jobs list`` whole
+OUT_OF_RANGE: list[tuple[EventKind, dict[str, Any]]] = [
+    (EventKind.DURABLE, {"image_url": "file:///s/j/images/x", "freeze_seconds": 1e308}),
+    (EventKind.DURABLE, {"image_url": "file:///s/j/images/x", "pause_seconds": "NaN"}),
+    (EventKind.DURABLE, {"image_url": "file:///s/j/images/x", "image_bytes": 10**30}),
+    (EventKind.DURABLE, {"image_url": "file:///s/j/images/x", "stored_bytes": 10**30}),
+    (EventKind.STARTED, {"epoch": 10**30}),
+    (EventKind.STARTED, {"pid": 10**30}),
+    (EventKind.RESTORED, {"image_url": "file:///s/j/images/x", "seconds": "Infinity"}),
+    (EventKind.RESTORED, {"image_url": "file:///s/j/images/x", "attempt": 10**30}),
+    (EventKind.FROZEN, {"mode": "exit", "notice_to_frozen_s": -1e308}),
+]
+
+
+async def test_a_report_with_numbers_out_of_range_is_a_4xx_and_never_poisons_the_job(
+    api_factory: Factory, tmp_path: Path
+) -> None:
+    """inf, NaN, 1e308 and integers past any sane size were taken as they came: an integer
+    SQLite cannot hold made the report a 500 (the agent retries it for ever), a float one
+    stayed in the job's record. Now the edge refuses each with a 400 and the job's answers
+    stay whole."""
+    api, _, _ = await api_factory()
+    job = "bounded"
+    assert (await api.event(job, EventKind.STARTED, instance=VM1))["_status"] == 200
+    for n, (kind, fields) in enumerate(OUT_OF_RANGE):
+        ok = {k: v for k, v in fields.items() if k in ("image_url", "mode")}
+        ev = json.loads(make_event(job=job, kind=kind, instance=VM1, **ok).model_dump_json())
+        ev.update(fields, event_id=f"bad-{n}")
+        body = json.dumps(ev).replace('"NaN"', "NaN").replace('"Infinity"', "Infinity")
+        r = await api.post_raw(body)
+        assert 400 <= r["_status"] < 500, (kind, fields, r)
+    view = await api.get(f"/v1/jobs/{job}")
+    assert (view["_status"], view["state"]) == (200, "protected"), view
+    assert len(view["history"]) == 1, view["history"]  # the first report only
+    listed = await api.get("/v1/jobs")
+    assert listed["_status"] == 200 and [j["job"] for j in listed["jobs"]] == [job], listed
+    r = await api.event(job, EventKind.EXITED, instance=VM1, image_url=_image(tmp_path, job))
+    assert (r["_status"], r["state"]) == (200, "launching"), r
