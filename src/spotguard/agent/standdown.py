@@ -24,9 +24,10 @@ same sign, read from the store at start (:func:`spotguard.agent.ledger.runs_else
 from __future__ import annotations
 
 from spotguard.contracts import Directive, EventAnswer
+from spotguard.lifecycle import MOVING
 
-#: controller states in which a job has no settled owner yet
-MOVING_STATES = frozenset({"launching", "restoring"})
+#: controller states in which a job has no settled owner yet (launching, restoring)
+MOVING_STATES = MOVING
 
 
 def owned_elsewhere(answer: Directive, instance_id: str | None) -> str | None:

@@ -130,30 +130,30 @@ def jobs_show(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> N
     """One job: state, history timeline, current instance, images."""
     v = asyncio.run(_client(ctx, flags).job(job))
     if as_json:
-        click.echo(json.dumps(v, indent=2))
+        click.echo(json.dumps(v.to_json(), indent=2))
         return
-    inst = v.get("instance") or {}
-    click.echo(f"job       {v['name']}")
-    click.echo(f"state     {v['state']}  (since {_when(v.get('since'))})  {v.get('reason', '')}")
+    inst = v.instance
+    click.echo(f"job       {v.name}")
+    click.echo(f"state     {v.state}  (since {_when(v.since)})  {v.reason}")
     click.echo(
         f"instance  {inst.get('instance_id') or '-'}  {inst.get('instance_type') or ''} "
         f"{inst.get('zone') or ''}".rstrip()
     )
-    if v.get("pending"):
-        p = v["pending"]
+    if v.pending:
+        p = v.pending
         click.echo(
             f"launching {p['instance_id']}  {p['instance_type']} {p['zone']} ({p['market']})"
         )
-    click.echo(f"restarts  {v['restarts']}")
-    click.echo(f"image     {v.get('image_url') or '-'}")
+    click.echo(f"restarts  {v.restarts}")
+    click.echo(f"image     {v.image_url or '-'}")
     click.echo("history:")
-    for h in v.get("history", []):
-        move = h["to"] if h["from"] in (None, h["to"]) else f"{h['from']} -> {h['to']}"
-        click.echo(f"  {_when(h['at'])}  {move:28} {h['reason']}")
-    if v.get("images"):
+    for h in v.history:
+        move = h.to if h.from_state in (None, h.to) else f"{h.from_state} -> {h.to}"
+        click.echo(f"  {_when(h.at)}  {move:28} {h.reason}")
+    if v.images:
         click.echo("images:")
-        for i in v["images"]:
-            click.echo(f"  {_when(i['at'])}  {i['image_url']}")
+        for i in v.images:
+            click.echo(f"  {_when(i.at)}  {i.image_url}")
 
 
 def _relaunch(

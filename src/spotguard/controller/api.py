@@ -58,6 +58,7 @@ from spotguard.controller.core import Controller, directive_of
 from spotguard.controller.edge import LOGGED_FIELDS, instance_info, parse_lenient
 from spotguard.controller.state import JobRecord
 from spotguard.controller.tokens import Caller
+from spotguard.controller.views import JobView
 from spotguard.errors import (
     AuthError,
     ConfigError,
@@ -290,7 +291,7 @@ async def list_jobs(request: web.Request) -> web.Response:
 async def show_job(request: web.Request) -> web.Response:
     _admin(request)
     view = await request.app[CONTROLLER_KEY].view(request.match_info["job"])
-    return web.json_response(view)
+    return web.json_response(JobView.model_validate(view).to_json())
 
 
 async def migrate_job(request: web.Request) -> web.Response:

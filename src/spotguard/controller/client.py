@@ -1,6 +1,6 @@
 """The one client of the controller's HTTP API, for everything that talks to it: the agent's
 reports (:mod:`spotguard.agent.reporter`) and directive polls (:mod:`spotguard.agent.
-directives`), the park side asking who owns a parked job (:mod:`spotguard.agent.parking`),
+directives`), the park side asking who owns a parked job (:mod:`spotguard.park.report`),
 and the CLI (``jobs``, ``migrate``).
 
 Paths come from :mod:`spotguard.controller.routes`; answers are the wire models
@@ -38,6 +38,7 @@ from pydantic import BaseModel, ValidationError
 
 from spotguard.contracts import Directive, EventAnswer
 from spotguard.controller import routes
+from spotguard.controller.views import JobView
 from spotguard.errors import (
     AuthError,
     ControllerError,
@@ -194,12 +195,13 @@ class ControllerClient:
         out = [read_answer(EventAnswer, row) for row in rows or []]
         return [a for a in out if a is not None]
 
-    async def job(self, job: str) -> dict[str, Any]:
+    async def job(self, job: str) -> JobView:
         """One job as the controller shows it: state, owner, history, images."""
         data = await self._json("GET", routes.path(routes.JOB, job))
-        if not isinstance(data, dict):
+        view = read_answer(JobView, data)
+        if view is None:
             raise ControllerError(f"the controller's view of {job!r} is not understood")
-        return data
+        return view
 
     async def migrate(self, job: str, to: str, *, immediate: bool) -> EventAnswer:
         """Move ``job`` to the region or instance type ``to`` (now: from its newest image)."""

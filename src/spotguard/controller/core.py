@@ -432,7 +432,7 @@ def directive_of(rec: JobRecord, asker_epoch: int | None) -> Directive:
         reason = f"the job is owned by epoch {owner.epoch}; this agent's epoch is {asker_epoch}"
     return Directive(
         job=rec.name,
-        state=rec.state.value,
+        state=rec.state,
         action=action,
         reason=reason,
         target=target,

@@ -25,7 +25,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, fields, replace
-from enum import StrEnum
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -35,27 +34,14 @@ from spotguard.contracts import Action, NoticeInfo, Owner
 from spotguard.controller.retention import EventRetention, prune_events, upgrade_events
 from spotguard.controller.schema import SCHEMA as _SCHEMA
 from spotguard.errors import StateError
+from spotguard.lifecycle import TERMINAL as TERMINAL
+from spotguard.lifecycle import JobState as JobState
 
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
 T = TypeVar("T")
 
-
-class JobState(StrEnum):
-    """Where a job is in its life. See docs/controller.md for the diagram."""
-
-    PROTECTED = "protected"  # an agent protects it on its current instance
-    INTERRUPTING = "interrupting"  # a notice arrived; waiting for a durable image
-    CHECKPOINTED = "checkpointed"  # a durable image exists; waiting for the VM to let go
-    LAUNCHING = "launching"  # choosing an offer / launching (round token persisted first)
-    RESTORING = "restoring"  # instance launched with the assignment; waiting for the agent
-    PARKED = "parked"  # parked to a store: no process, the image kept; waits for an unpark
-    FAILED = "failed"  # gave up; ``reason`` says why
-    FINISHED = "finished"  # the job exited by itself
-
-
-TERMINAL = frozenset({JobState.FAILED, JobState.FINISHED})
 
 _JSON_COLS = ("spec", "instance", "pending", "data")
 

@@ -366,7 +366,7 @@ async def run_demo(opts: DemoOptions, ui: Ui, image: ImageSettings) -> DemoRepor
 async def _history(stack: DemoStack) -> list[dict[str, Any]]:
     assert stack.client is not None
     try:
-        view = await stack.client.job(JOB_NAME)
+        view = (await stack.client.job(JOB_NAME)).to_json()
     except SpotguardError:
         return []
     history: list[dict[str, Any]] = view.get("history") or []

@@ -100,7 +100,7 @@ class Follower:
     async def refresh(self, step: str) -> View:
         """The job's current view; new history rows announced (and checked) once each."""
         try:
-            view = await self.client.job(self.job)
+            view = (await self.client.job(self.job)).to_json()
         except JobNotFound:
             return {}
         except SpotguardError as exc:
