@@ -24,6 +24,7 @@ from spotguard.checkpoint.jobs import JobInfo, list_jobs, resolve_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.park import record
 from spotguard.park.policy import ParkPolicy
+from spotguard.park.service import ParkService
 from spotguard.park.settings import ParkSettings
 
 pytestmark = pytest.mark.criu
@@ -42,10 +43,10 @@ def _policy(
     def jobs() -> list[JobInfo]:
         return [j for j in list_jobs(state_dir) if j.name in names]
 
-    policy = ParkPolicy(
-        settings=ps, checkpoint=cs, engine=Engine(Criu(criu_bin), settings=cs), jobs=jobs,
-        notify=notify,
-    )  # fmt: skip
+    service = ParkService(
+        settings=ps, checkpoint=cs, engine=Engine(Criu(criu_bin), settings=cs), notify=notify
+    )
+    policy = ParkPolicy(service=service, jobs=jobs)
     return policy, sent
 
 

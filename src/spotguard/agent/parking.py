@@ -6,17 +6,10 @@ A job parked as an image (tmpfs, disk, store) has no process: its worker is set 
 under its new pid. A job suspended in place keeps its process and stays protected: a notice
 checkpoints it like any other (the engine knows what a suspended job needs).
 
-A job parked to a store is reported to the controller (:class:`~spotguard.contracts.
-ParkedEvent`), whoever parked it — the agent's policies or ``spotguard park --to URL``: the
-controller holds it as ``parked`` (not finished) and can unpark it on any node. The event's
-id is derived from the image, so the agent and the command reporting the same park are one
-event to the controller.
-
-Before a store park is restored on this node by hand (or by a wake-on-connect client), the
-controller is asked (:func:`owned_elsewhere`): once ``spotguard jobs unpark`` has brought the
-job back on another node, the controller holds it under a later ownership epoch, and this
-node's copy must not run too. The epoch the job was parked under is kept in the park record
-(:func:`controller_epoch`), or comes from the node's assignment.
+A job parked to a store is reported to the controller when its worker sees the job gone
+(:func:`spotguard.park.report.parked_event`), and a store park is unparked here only when
+the controller agrees (:func:`spotguard.park.report.owned_elsewhere`). The parks and unparks
+themselves go through :class:`spotguard.park.service.ParkService`, as ``spotguard park``'s do.
 
 A job parked as an image in the node's tmpfs or on its disk would go with the node: a notice
 that asks for a checkpoint has the agent push it to the store first (:func:`evacuate`).
@@ -26,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
 import logging
 import shutil
 from collections.abc import Awaitable, Callable, Mapping
@@ -38,26 +30,23 @@ from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo, resolve_job
 from spotguard.checkpoint.meta import META_NAME, ImageMeta
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.contracts import Directive, InstanceInfo, ParkedEvent
-from spotguard.controller.client import ControllerClient
 from spotguard.errors import SpotguardError
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings, push_dir
 from spotguard.notify import Notifier
 from spotguard.operations.kept import image_meta
-from spotguard.park import record, waker
-from spotguard.park.policy import ParkPolicy, webhooks
+from spotguard.park import record
+from spotguard.park.policy import ParkPolicy
 from spotguard.park.record import ParkRecord
+from spotguard.park.report import parked_event
+from spotguard.park.service import ParkService, no_notify, spawn_waker, webhooks
 from spotguard.park.settings import ParkSettings
 from spotguard.park.store import store_path
-from spotguard.statedir import StateDir
 
 from .jobstate import JobState
 from .metrics import AgentMetrics
 from .reporter import Reporter
-from .restore import read_assignment
 from .settings import AgentSettings
-from .standdown import MOVING_STATES
 from .worker import JobWorker
 
 
@@ -70,24 +59,6 @@ def is_parked(state_dir: Path, job: str) -> bool:
 
 
 log = logging.getLogger(__name__)
-
-#: How long ``spotguard park --to URL`` waits for the controller to take its report.
-REPORT_WAIT_S = 10.0
-
-
-def parked_event(rec: ParkRecord, instance: dict[str, Any] | None = None) -> ParkedEvent | None:
-    """The controller's report of a park to a store (None for a park kept on this node)."""
-    if rec.place != "store":
-        return None
-    digest = hashlib.sha256(f"{rec.job}\0{rec.location}".encode()).hexdigest()[:32]
-    return ParkedEvent(
-        event_id=f"parked-{digest}",
-        job=rec.job,
-        instance=InstanceInfo.model_validate(instance or {}),
-        image_url=rec.location,
-        image_bytes=rec.bytes,
-        reason=rec.reason or None,
-    )
 
 
 async def gone(worker: JobWorker, state_dir: Path) -> None:
@@ -123,114 +94,6 @@ def parked_away(info: JobInfo, state_dir: Path) -> bool:
     """A job whose process is gone and which is parked (an agent started after the park):
     nothing to protect until it is unparked, and nothing to report as started."""
     return not proctree.alive(info.pid) and is_parked(state_dir, info.name)
-
-
-def controller_of(settings: AgentSettings, job: str) -> tuple[str, str | None] | None:
-    """The controller this node's agent reports ``job`` to, and the token: the agent's
-    settings, else the assignment this node was launched with (for that job); None when
-    there is none."""
-    url, token = settings.controller_url, settings.controller_bearer()
-    if not url:
-        with contextlib.suppress(SpotguardError):
-            got = read_assignment(settings.assignment)
-            if got is not None and got.job == job and got.controller_url:
-                url, token = got.controller_url, token or got.controller_token
-    return (url, token) if url else None
-
-
-async def report_parked(rec: ParkRecord, settings: AgentSettings, state_dir: Path) -> str | None:
-    """For ``spotguard park --to URL``: tell this node's controller that the job is parked to
-    a store. Returns ``"reported"``, ``"queued"`` (the controller did not take it within
-    :data:`REPORT_WAIT_S`; the event waits in the agent's outbox, which the agent sends) or
-    None (not a store, or no controller configured)."""
-    ev = parked_event(rec)
-    if ev is None:
-        return None
-    try:
-        where = controller_of(settings, rec.job)
-        if where is None:
-            return None
-        reporter = Reporter(where[0], where[1], StateDir(state_dir).outbox)
-    except (SpotguardError, OSError) as exc:  # the job is parked all the same
-        log.warning("the park is not reported", extra={"job": rec.job, "error": str(exc)})
-        return None
-    reporter.emit(ev)
-    await reporter.start()
-    try:
-        done = await reporter.flush(REPORT_WAIT_S)
-    finally:
-        await reporter.aclose()
-    if not done:
-        log.warning(
-            "the controller has not taken the park report yet; the agent will send it",
-            extra={"job": rec.job, "controller": where[0]},
-        )
-    return "reported" if done else "queued"
-
-
-def _assigned_epoch(settings: AgentSettings, job: str) -> int | None:
-    """The epoch this node's assignment gives ``job`` (None: no assignment for it)."""
-    with contextlib.suppress(SpotguardError):
-        got = read_assignment(settings.assignment)
-        if got is not None and got.job == job:
-            return got.epoch
-    return None
-
-
-async def ask_controller(settings: AgentSettings, job: str, epoch: int | None) -> Directive | None:
-    """The controller's directive for ``job`` as an agent of ``epoch`` sees it; None when no
-    controller is configured, it does not know the job, or it cannot be reached in time."""
-    where = controller_of(settings, job)
-    if where is None:
-        return None
-    try:
-        return await ControllerClient(*where, timeout_s=REPORT_WAIT_S).directive(job, epoch)
-    except SpotguardError as exc:
-        log.debug("no directive", extra={"step": "directive", "job": job, "error": str(exc)})
-        return None
-
-
-async def controller_epoch(settings: AgentSettings, job: str) -> int | None:
-    """The ownership epoch the controller holds ``job`` under now (kept with a store park)."""
-    epoch = _assigned_epoch(settings, job)
-    if epoch is not None:
-        return epoch
-    answer = await ask_controller(settings, job, None)
-    return answer.owner.epoch if answer is not None else None
-
-
-def owned_elsewhere(settings: AgentSettings) -> Callable[[ParkRecord], Awaitable[str | None]]:
-    """The check :func:`spotguard.park.core.unpark` runs before restoring a store park here:
-    why the job must not come back on this node, or None. Refused when the controller says
-    this node's epoch no longer owns the job, or that it is bringing the job back now; a
-    controller that is not configured, does not know the job or cannot be reached does not
-    stop the unpark (the fencing of reports still holds)."""
-
-    async def check(rec: ParkRecord) -> str | None:
-        epoch = rec.controller_epoch
-        if epoch is None:
-            epoch = _assigned_epoch(settings, rec.job)
-        answer = await ask_controller(settings, rec.job, epoch)
-        if answer is None:
-            log.warning(
-                "the controller could not say who owns the parked job; unparking here",
-                extra={"job": rec.job},
-            )
-            return None
-        if answer.state == "parked" and not answer.stand_down:
-            return None
-        owner = answer.owner
-        on = f"on {owner.instance_id}" if owner.instance_id else "on a new instance"
-        if answer.stand_down:
-            return (
-                f"the controller brought it back {on} (epoch {owner.epoch}; this node parked "
-                f"it under epoch {epoch})"
-            )
-        if answer.state in MOVING_STATES:
-            return f"the controller is bringing it back {on} now (state {answer.state})"
-        return None
-
-    return check
 
 
 #: parks whose state lives only on this node's memory or disk (gone with the VM)
@@ -416,15 +279,12 @@ def park_policy(
     """The park policy over the agent's ``workers``: a job is busy while checkpointing or
     with a notice pending; webhooks told; wake-on-connect listeners started with the agent's
     ``config`` file; a store park is unparked here only when the controller ``agent`` names
-    agrees (:func:`owned_elsewhere`)."""
+    agrees (:func:`spotguard.park.report.owned_elsewhere`)."""
     state_dir = checkpoint.state_dir
 
     def busy(job: str) -> bool:
         w = workers.get(job)
         return w is None or w.state is not JobState.PROTECTING or bool(w.pending)
-
-    async def start_waker(job: str) -> None:
-        await asyncio.to_thread(waker.spawn, state_dir, job, config)
 
     def jobs() -> list[JobInfo]:
         out = []
@@ -434,15 +294,13 @@ def park_policy(
                     out.append(resolve_job(w.name, state_dir=state_dir))
         return out
 
-    policy = ParkPolicy(
+    service = ParkService(
         settings=park,
         checkpoint=checkpoint,
         engine=engine,
-        jobs=jobs,
-        busy=busy,
-        start_waker=start_waker,
-        store=store_path(checkpoint, image, engine, owned_elsewhere(agent)),
+        store=store_path(checkpoint, image, engine),
+        notify=webhooks(notifier) if notifier is not None else no_notify,
+        start_waker=spawn_waker(state_dir, config),
+        controller=lambda: agent,
     )
-    if notifier is not None:
-        policy.notify = webhooks(notifier)
-    return policy
+    return ParkPolicy(service=service, jobs=jobs, busy=busy)

@@ -25,10 +25,10 @@ from spotguard.container.spec import is_container_job
 from spotguard.errors import ParkError
 from spotguard.image.settings import ImageSettings
 from spotguard.notify import Notifier, NotifySettings
-from spotguard.park import core, gpu, record, wake, waker
-from spotguard.park.core import StorePath
-from spotguard.park.policy import ParkPolicy, webhooks
+from spotguard.park import core, record, wake
+from spotguard.park.policy import ParkPolicy
 from spotguard.park.priority import Claim
+from spotguard.park.service import ParkService, spawn_waker, webhooks
 from spotguard.park.settings import ParkSettings
 from spotguard.park.store import store_path
 
@@ -67,17 +67,6 @@ def _ctx(ctx: click.Context, flags: dict[str, Any]) -> _Ctx:
     )
 
 
-def _store_path(c: _Ctx, job: str) -> StorePath:
-    """The store path of an unpark; for a job parked to a store its controller (if this
-    node's agent settings name one) is asked first whether the job came back elsewhere."""
-    rec = record.load(c.cs.state_dir, job)
-    if rec is None or rec.place != "store":
-        return store_path(c.cs, c.image, c.engine)
-    from spotguard.agent.parking import owned_elsewhere
-
-    return store_path(c.cs, c.image, c.engine, owned_elsewhere(_agent_settings(c)))
-
-
 def _agent_settings(c: _Ctx) -> AgentSettings:
     """This node's agent settings: where a park to a store is reported (the controller)."""
     from spotguard.agent.settings import AgentSettings
@@ -85,11 +74,27 @@ def _agent_settings(c: _Ctx) -> AgentSettings:
     return load(AgentSettings, {}, config_file=c.file)
 
 
-async def _notify(c: _Ctx, event: str, details: dict[str, Any]) -> None:
-    """Tell the webhooks ([notify]) and let the message go out before the command ends."""
-    notifier = Notifier(c.notify)
-    await webhooks(notifier)(event, details)
-    await notifier.aclose()
+def _service(c: _Ctx) -> ParkService:
+    """The park service of this command: the webhooks told, wake-on-connect listeners
+    started with the ``--config`` given, a store park reported to this node's controller
+    (its agent settings), which is asked before a store park is unparked here."""
+
+    async def notify(event: str, details: dict[str, Any]) -> None:
+        # tell the webhooks ([notify]); the message goes out before the command ends
+        notifier = Notifier(c.notify)
+        await webhooks(notifier)(event, details)
+        await notifier.aclose()
+
+    return ParkService(
+        settings=c.ps,
+        checkpoint=c.cs,
+        engine=c.engine,
+        store=store_path(c.cs, c.image, c.engine),
+        notify=notify,
+        start_waker=spawn_waker(c.cs.state_dir, c.config),
+        controller=lambda: _agent_settings(c),
+        report=True,
+    )
 
 
 def _summary(rec: record.ParkRecord) -> dict[str, Any]:
@@ -157,40 +162,10 @@ def park(
         )
         return
     info = resolve_job(job, state_dir=c.cs.state_dir)
-    agent = _agent_settings(c) if core.place_of(to or c.ps.to) == "store" else None
-
-    async def go() -> tuple[record.ParkRecord, str | None]:
-        rec = await core.park(
-            info,
-            to=to or c.ps.to,
-            engine=c.engine,
-            settings=c.cs,
-            park_settings=c.ps,
-            store=store_path(c.cs, c.image, c.engine),
-            reason=reason,
-            wake_on_connect=wake_on_connect,
-        )
-        if rec.wake_on_connect:
-            await asyncio.to_thread(waker.spawn, c.cs.state_dir, rec.job, c.config)
-        back = f"spotguard unpark {rec.job}"
-        if rec.wake_on_connect:
-            back += " or connect to " + ", ".join(str(a.address()) for a in rec.listen)
-        await _notify(c, "parked", {"job": rec.job, "reason": reason, "comes_back": back})
-        told = None  # a park to a store is reported to this node's controller, if any
-        if agent is not None:
-            from spotguard.agent.parking import controller_epoch, report_parked
-
-            told = await report_parked(rec, agent, c.cs.state_dir)
-            if told == "reported":  # kept: a later epoch means it came back elsewhere
-                epoch = await controller_epoch(agent, rec.job)
-                async with record.alocked(c.cs.state_dir, rec.job):
-                    now = record.load(c.cs.state_dir, rec.job)
-                    if now is not None and epoch is not None:
-                        now = now.model_copy(update={"controller_epoch": epoch})
-                        record.save(c.cs.state_dir, now)
-        return record.load(c.cs.state_dir, rec.job) or rec, told
-
-    rec, told = asyncio.run(go())
+    core.place_of(to or c.ps.to)  # a bad --to is refused before anything else
+    service = _service(c)
+    done = asyncio.run(service.park(info, reason, wake=wake_on_connect, to=to))
+    rec, told = done.record, done.controller
     out = _summary(rec) | ({"controller": told} if told else {})
     if as_json:
         click.echo(json.dumps(out))
@@ -217,19 +192,8 @@ def unpark(ctx: click.Context, /, job: str, as_json: bool, **flags: Any) -> None
         container_cli.unpark(ctx, job, as_json=as_json, state_dir=c.cs.state_dir, criu=c.cs.criu)
         return
 
-    async def go() -> core.Unparked:
-        done = await core.unpark(
-            job,
-            engine=c.engine,
-            settings=c.cs,
-            park_settings=c.ps,
-            store=_store_path(c, job),
-            gpu_free=gpu.free_bytes,
-        )
-        await _notify(c, "unparked", {"job": done.job, "reason": f"pid {done.pid}"})
-        return done
-
-    done = asyncio.run(go())
+    service = _service(c)
+    done = asyncio.run(service.unpark(job, reason=lambda d: f"pid {d.pid}"))
     if as_json:
         click.echo(json.dumps(done.to_json()))
     else:
@@ -256,19 +220,13 @@ def park_wake(ctx: click.Context, /, job: str, **flags: Any) -> None:
             if now is not None:
                 record.save(c.cs.state_dir, now.model_copy(update={"waker_pid": os.getpid()}))
 
+    service = _service(c)
+
     async def wake_job() -> None:
-        done = await core.unpark(
-            job,
-            engine=c.engine,
-            settings=c.cs,
-            park_settings=c.ps,
-            store=_store_path(c, job),
-            gpu_free=gpu.free_bytes,
-        )  # waits for an unpark under way, then finds the job running: see wake.serve
-        # woken by a client: the webhooks hear it as from 'spotguard unpark' (an unpark by
-        # hand that came first raised above, and sent its own)
-        reason = f"pid {done.pid}, woken by a client connecting"
-        await _notify(c, "unparked", {"job": done.job, "reason": reason})
+        # waits for an unpark under way, then finds the job running: see wake.serve; woken
+        # by a client, the webhooks hear it as from 'spotguard unpark' (an unpark by hand
+        # that came first raised, and sent its own)
+        await service.unpark(job, reason=lambda d: f"pid {d.pid}, woken by a client connecting")
 
     if rec.place == "memory":
         from spotguard.checkpoint import proctree
@@ -316,11 +274,8 @@ def make_room(
         load(NotifySettings, {}, config_file=cfg), cfg,
     )  # fmt: skip
     claim = Claim(prio, _size(gpu_memory))
-    policy = ParkPolicy(
-        settings=ps,
-        checkpoint=cs,
-        engine=c.engine,
-        jobs=lambda: list_jobs(cs.state_dir),
-        store=store_path(cs, c.image, c.engine),
+    service = ParkService(
+        settings=ps, checkpoint=cs, engine=c.engine, store=store_path(cs, c.image, c.engine)
     )
+    policy = ParkPolicy(service=service, jobs=lambda: list_jobs(cs.state_dir))
     return claim, asyncio.run(policy.make_room(claim, for_job))

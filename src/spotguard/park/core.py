@@ -75,7 +75,7 @@ class StorePath:
     checkpoint: StoreCheckpoint
     restore: StoreRestore
     #: asked before a store park is restored here: why the job must not come back on this
-    #: node (its controller brought it back elsewhere), or None. See ``agent.parking``.
+    #: node (its controller brought it back elsewhere), or None. See ``park.report``.
     owned_elsewhere: OwnedElsewhere | None = None
 
 

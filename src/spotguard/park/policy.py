@@ -7,125 +7,59 @@
   priority first, once the GPU memory they need is free again (:mod:`.priority`).
 
 A job that is being checkpointed or has a notice pending is never parked (the agent says
-which through ``busy``). Everything the policy does goes through :func:`.core.park` and
-:func:`.core.unpark`, so their guarantees hold: a failed park leaves the job running.
+which through ``busy``). Everything the policy does goes through the
+:class:`~.service.ParkService` (over :func:`.core.park` and :func:`.core.unpark`), so their
+guarantees hold: a failed park leaves the job running.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from spotguard.checkpoint import proctree
-from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo
-from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import SpotguardError
-from spotguard.notify import Notification, Notifier, NotifyEvent
 
-from . import bridge, core, gpu, priority, record
+from . import core, priority, record
 from .idle import IdleTracker
 from .record import ParkRecord
+from .service import ParkService
 from .settings import ParkSettings
 
 log = logging.getLogger(__name__)
 
-#: (event, details) → a notification (webhooks); failures are the notifier's to log
-Notify = Callable[[str, dict[str, Any]], Awaitable[None]]
-#: job name → start its wake-on-connect listener
-StartWaker = Callable[[str], Awaitable[None]]
-
-
-async def _no_notify(event: str, details: dict[str, Any]) -> None:
-    return None
-
-
-def webhooks(notifier: Notifier) -> Notify:
-    """A :data:`Notify` that sends through the webhooks (``parked``, ``unparked``; a failed
-    park as ``failed``), with the reason and how the job comes back in words."""
-
-    async def send(event: str, details: dict[str, Any]) -> None:
-        kind = {"parked": NotifyEvent.PARKED, "unparked": NotifyEvent.UNPARKED}.get(
-            event, NotifyEvent.FAILED
-        )
-        words = [str(details[k]) for k in ("reason", "error") if details.get(k)]
-        if details.get("comes_back"):
-            words.append(f"back with: {details['comes_back']}")
-        notifier.notify(
-            Notification(
-                event=kind, job=str(details["job"]), source="park",
-                reason="; ".join(words) or None,
-            )
-        )  # fmt: skip
-
-    return send
-
 
 @dataclass
 class ParkPolicy:
-    """Idle parking and priority unparking for the jobs an agent protects."""
+    """Idle parking and priority unparking for the jobs an agent protects; the parks and
+    unparks go through the ``service`` (the same one ``spotguard park`` uses)."""
 
-    settings: ParkSettings
-    checkpoint: CheckpointSettings
-    engine: Engine
+    service: ParkService
     jobs: Callable[[], Sequence[JobInfo]]
     busy: Callable[[str], bool] = lambda _job: False
-    notify: Notify = _no_notify
-    start_waker: StartWaker | None = None
-    store: core.StorePath | None = None
     trackers: dict[str, IdleTracker] = field(default_factory=dict)
+
+    @property
+    def settings(self) -> ParkSettings:
+        return self.service.settings
 
     def running(self) -> list[JobInfo]:
         """Protected jobs that run now (not parked, process alive)."""
-        state = self.checkpoint.state_dir
+        state = self.service.checkpoint.state_dir
         return [
             j for j in self.jobs() if record.load(state, j.name) is None and proctree.alive(j.pid)
         ]
 
     async def park(self, job: JobInfo, reason: str, *, wake: bool) -> ParkRecord:
         claim = priority.read_claim(job.dir)
-        rec = await core.park(
-            job,
-            to=self.settings.to,
-            engine=self.engine,
-            settings=self.checkpoint,
-            park_settings=self.settings,
-            store=self.store,
-            reason=reason,
-            wake_on_connect=wake,
-            priority=claim.priority,
-        )
-        if rec.wake_on_connect and self.start_waker is not None:
-            await self.start_waker(job.name)
-        else:
-            bridge.release(job.name)  # the job's sockets kept for a listener: none comes
-        how = (
-            f"spotguard unpark {job.name}"
-            + (" or connect to " + ", ".join(str(a.address()) for a in rec.listen))
-            if rec.wake_on_connect
-            else f"spotguard unpark {job.name}"
-        )
-        await self.notify(
-            "parked",
-            {"job": job.name, "reason": reason, "place": rec.place, "bytes": rec.bytes,
-             "gpu_memory_freed": rec.gpu_bytes_freed, "comes_back": how},
-        )  # fmt: skip
-        return rec
+        done = await self.service.park(job, reason, wake=wake, priority=claim.priority)
+        return done.record
 
     async def unpark(self, job: str) -> core.Unparked:
-        done = await core.unpark(
-            job,
-            engine=self.engine,
-            settings=self.checkpoint,
-            park_settings=self.settings,
-            store=self.store,
-            gpu_free=gpu.free_bytes,
-        )
-        await self.notify("unparked", {"job": job, "pid": done.pid, "seconds": done.seconds})
-        return done
+        return await self.service.unpark(job)
 
     async def park_idle(self) -> list[str]:
         """Park every running job idle for ``idle_after`` seconds; the names parked."""
@@ -150,7 +84,7 @@ class ParkPolicy:
                 await self.park(job, reason, wake=self.settings.wake_on_connect)
             except SpotguardError as exc:
                 log.warning("idle job not parked", extra={"job": job.name, "error": str(exc)})
-                await self.notify("park_failed", {"job": job.name, "error": str(exc)})
+                await self.service.notify("park_failed", {"job": job.name, "error": str(exc)})
                 continue
             del self.trackers[job.name]
             parked.append(job.name)
@@ -168,7 +102,7 @@ class ParkPolicy:
     async def bring_back(self) -> list[str]:
         cap = priority.capacity_bytes(self.settings.gpu_capacity_mib)
         return await priority.bring_back(
-            self.checkpoint.state_dir, self.running(), cap, self.unpark
+            self.service.checkpoint.state_dir, self.running(), cap, self.unpark
         )
 
     async def tick(self) -> None:
