@@ -31,6 +31,7 @@ from typing import Any, ClassVar, Protocol
 import aiohttp
 from pydantic import BaseModel, Field
 
+from spotguard import retry as retries
 from spotguard.config import Settings
 from spotguard.contracts import AnyEvent, EventKind
 
@@ -47,6 +48,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 ATTEMPTS = 3
+#: a webhook is tried :data:`ATTEMPTS` times, 1 s then 2 s apart (a redirect only once)
+WEBHOOK_RETRY = retries.RetryPolicy(
+    attempts=ATTEMPTS, initial=1.0, maximum=2.0**ATTEMPTS, jitter=0.0
+)
 
 
 class NotifyEvent(StrEnum):
@@ -268,34 +273,54 @@ class Notifier:
         if self._session is None:
             timeout = aiohttp.ClientTimeout(total=self.settings.webhook_timeout_s)
             self._session = aiohttp.ClientSession(timeout=timeout)
-        error = ""
-        for attempt in range(ATTEMPTS):
+        session = self._session
+
+        async def attempt() -> None:
             try:
                 # never a redirect: a webhook answering 30x must not send the job's events (or
                 # the POST itself) on to another host, e.g. the instance metadata endpoint
-                async with self._session.post(url, json=data, allow_redirects=False) as resp:
+                async with session.post(url, json=data, allow_redirects=False) as resp:
                     if resp.status < 300:
-                        self.sent += 1
                         return
-                    error = f"HTTP {resp.status}"
                     if 300 <= resp.status < 400:
-                        error += " (a redirect: webhooks never follow one)"
-                        break
+                        error = f"HTTP {resp.status} (a redirect: webhooks never follow one)"
+                        raise _NotDelivered(error, again=False)
+                    raise _NotDelivered(f"HTTP {resp.status}")
             except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-                error = (str(exc) or type(exc).__name__).replace(url, _redact(url))
-            if attempt + 1 < ATTEMPTS:
-                await asyncio.sleep(2**attempt)
-        self.failed += 1
-        log.warning(
-            "webhook failed",
-            extra={
-                "step": "notify",
-                "url": _redact(url),
-                "event": n.event.value,
-                "job": n.job,
-                "error": error,
-            },
-        )
+                raise _NotDelivered(
+                    (str(exc) or type(exc).__name__).replace(url, _redact(url))
+                ) from exc
+
+        try:
+            await retries.call(attempt, WEBHOOK_RETRY, _NotDelivered.retried)
+        except _NotDelivered as exc:
+            self.failed += 1
+            log.warning(
+                "webhook failed",
+                extra={
+                    "step": "notify",
+                    "url": _redact(url),
+                    "event": n.event.value,
+                    "job": n.job,
+                    "error": exc.error,
+                },
+            )
+            return
+        self.sent += 1
+
+
+class _NotDelivered(Exception):
+    """One webhook attempt that did not deliver: why (no URL secrets), and whether another
+    attempt may (a redirect is never retried)."""
+
+    def __init__(self, error: str, *, again: bool = True) -> None:
+        super().__init__(error)
+        self.error = error
+        self.again = again
+
+    @staticmethod
+    def retried(exc: BaseException) -> bool:
+        return isinstance(exc, _NotDelivered) and exc.again
 
 
 def _redact(url: str) -> str:
