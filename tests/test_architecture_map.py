@@ -5,7 +5,8 @@ A module counts as named when its path under ``src/spotguard`` (``agent/api.py``
 anywhere in the document, or its file name (``api.py``) appears in its package's row of the
 table (the row that starts with ``| `agent/` |``; a top-level module's row starts with its own
 name), as ``api.py``, as `` `api` `` (the notice sources, the providers) or in a brace group
-(``{files,meta}.py``). Package ``__init__`` and ``__main__`` files are not modules to find one's way by.
+(``{files,meta}.py``). Package ``__init__`` and ``__main__`` files are not modules to find
+one's way by.
 """
 
 from __future__ import annotations
