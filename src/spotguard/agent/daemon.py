@@ -43,6 +43,7 @@ from spotguard import operations
 from spotguard.checkpoint import proctree, scan
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.config import ConfigFile
 from spotguard.container.guard import ContainerJobs
 from spotguard.contracts import Directive, InstanceInfo, Mode, StartedEvent
 from spotguard.errors import AgentNotRunning, AgentTaskDied, SpotguardError
@@ -93,10 +94,12 @@ class Agent:
         notifier: Notifier | None = None,
         park: ParkSettings | None = None,
         config: str | None = None,  # the --config file, for processes the agent starts
+        config_file: ConfigFile | None = None,  # that file as the command read it
     ) -> None:
         self.settings = settings
         self.park_settings = park or ParkSettings()
         self.config = config
+        self.config_file = config_file
         self.notifier = notifier  # webhooks told of notices, freezes, images, restores
         self.image_settings = image
         self.planner_settings = planner
@@ -215,7 +218,8 @@ class Agent:
         self.notices = self._dispatcher()
         self.containers = ContainerJobs(  # jobs named podman:NAME (spotguard.container.guard)
             self.notices, self.workers, self._maybe_done, self.settings, self.checkpoint_settings,
-            self.image_settings, store=self.store, config=self.config)  # fmt: skip
+            self.image_settings, store=self.store, config=self.config,
+            config_file=self.config_file)  # fmt: skip
         token = ensure_token(
             self.layout.api_token,
             read_secret(self.settings.api_token, self.settings.api_token_file, "api_token"),

@@ -74,7 +74,7 @@ def agent(ctx: click.Context, /, **flags: Any) -> None:
     async def main() -> None:
         daemon = Agent(
             settings, ckpt, notices, image=image, planner=planner, notifier=notifier,
-            park=park, config=config_file(ctx),
+            park=park, config=config_file(ctx), config_file=cfg,
         )  # fmt: skip
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

@@ -53,7 +53,7 @@ from spotguard.agent.worker import JobWorker
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.meta import ImageMeta
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.config import load
+from spotguard.config import ConfigFile, load
 from spotguard.container import dispatch
 from spotguard.container import park as container_park
 from spotguard.container.backends import runtime_for
@@ -84,7 +84,7 @@ MAX_RECORD_BYTES = 4096
 Restore = Callable[[str, str], Awaitable[RestoreResult]]
 
 
-class JobRecord(BaseModel):
+class ContainerJobRecord(BaseModel):
     """``<state_dir>/containers/jobs/<job>.json``: the container a job name stands for."""
 
     model_config = ConfigDict(extra="forbid")
@@ -98,7 +98,7 @@ def _records(state_dir: Path) -> Path:
 
 def remember(state_dir: Path, ref: ContainerRef) -> None:
     """Record that job ``ref.job`` is the container ``ref`` (written atomically, root-only)."""
-    data = JobRecord(container=str(ref)).model_dump_json().encode()
+    data = ContainerJobRecord(container=str(ref)).model_dump_json().encode()
     safefs.write_file(_records(state_dir) / f"{ref.job}.json", data)
 
 
@@ -119,7 +119,7 @@ def ref_of(spec: str, state_dir: Path) -> ContainerRef | None:
             data = safefs.read_at(fd, f"{spec}.json", limit=MAX_RECORD_BYTES)
         finally:
             os.close(fd)
-        return ContainerRef.parse(JobRecord.model_validate_json(data).container)
+        return ContainerRef.parse(ContainerJobRecord.model_validate_json(data).container)
     except FileNotFoundError:
         return None
     except (OSError, ValidationError, SpotguardError) as exc:
@@ -168,6 +168,7 @@ class ContainerJobs:
         *,
         store: str,
         config: str | None,
+        config_file: ConfigFile | None = None,
     ) -> None:
         self.notices = notices
         self.workers = workers
@@ -178,6 +179,7 @@ class ContainerJobs:
         self.image = image
         self.store = store
         self.config = config
+        self.config_file = config_file  # the file the command read (else read at first use)
         self.guarded: set[str] = set()  # job names with a guard loop
         self._backends: dict[Runtime, Backend] = {}
 
@@ -185,7 +187,8 @@ class ContainerJobs:
         """The runtime's backend as ``[container]`` says (loaded once, when a container job
         of that runtime first needs it)."""
         if runtime not in self._backends:
-            s = load(ContainerSettings, {}, config_file=self.config)
+            cfg = self.config_file if self.config_file is not None else self.config
+            s = load(ContainerSettings, {}, config_file=cfg)
             self._backends[runtime] = runtime_for(runtime, s, criu=self.criu)
         return self._backends[runtime]
 
@@ -300,7 +303,7 @@ class ContainerJobs:
         self, worker: ContainerWorker, rec: container_park.ParkedContainer | None
     ) -> None:
         """A container parked to a store is reported to the controller as a process's park
-        is (:func:`spotguard.agent.parking.parked_event`: the event's id comes from the job
+        is (:func:`spotguard.park.report.parked_event`: the event's id comes from the job
         and the image, so reporting it again is one event): the controller holds the job as
         parked, not finished, and can unpark it anywhere. A park kept on this node is not
         reported (nor is a process's)."""
