@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -91,7 +92,7 @@ class ImageStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-class BlockingStore:
+class BlockingStore(ABC):
     """Base for backends built on blocking SDK calls.
 
     Subclasses implement the ``_put/_get/_stat/_list/_list_dirs/_delete`` methods (blocking,
@@ -112,14 +113,16 @@ class BlockingStore:
         self.retries = 0  # transient failures retried so far (reported by transfers)
 
     # --- to implement -------------------------------------------------------------------
+    @abstractmethod
     def _put(self, key: str, data: Data, if_absent: bool) -> None:
-        raise NotImplementedError
+        """Write ``data`` at ``key`` (``if_absent``: refuse an existing object)."""
 
     def _put_parts(self, key: str, parts: Sequence[Data], if_absent: bool) -> None:
         self._put(key, b"".join(parts), if_absent)
 
+    @abstractmethod
     def _get(self, key: str) -> bytes:
-        raise NotImplementedError
+        """The object's bytes."""
 
     def _get_into(self, key: str, buf: memoryview) -> memoryview:
         """The object's bytes in ``buf`` when they fit; backends that can read into a buffer
@@ -132,21 +135,25 @@ class BlockingStore:
         read, this fallback reads it whole."""
         return self._get(key)[: limit + 1]
 
+    @abstractmethod
     def _stat(self, key: str) -> ObjectInfo | None:
-        raise NotImplementedError
+        """The object's size and time, or None when there is none."""
 
+    @abstractmethod
     def _list(self, prefix: str) -> list[ObjectInfo]:
-        raise NotImplementedError
+        """Every object under ``prefix``."""
 
+    @abstractmethod
     def _list_dirs(self, prefix: str) -> list[str]:
-        raise NotImplementedError
+        """The next path segments under ``prefix`` (its "directories")."""
 
+    @abstractmethod
     def _delete(self, key: str) -> None:
-        raise NotImplementedError
+        """Remove the object (none there is not an error)."""
 
+    @abstractmethod
     def _map_error(self, exc: Exception, key: str) -> StoreError | None:
         """The spotguard error for an SDK exception, or None to let it propagate."""
-        raise NotImplementedError
 
     # --- machinery ----------------------------------------------------------------------
     async def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from abc import ABC, abstractmethod
 from pathlib import Path
 from types import TracebackType
 from typing import ClassVar, Self
 
 
-class SocketService:
+class SocketService(ABC):
     """Base of :class:`~spotguard.stream.capture.Capture` and
     :class:`~spotguard.stream.serve.Serve`; subclasses set ``SOCKET`` and implement
     ``start`` (listen, then run ``_task``) and ``abort``."""
@@ -24,11 +25,13 @@ class SocketService:
     def socket_path(self) -> Path:
         return self.images_dir / self.SOCKET
 
+    @abstractmethod
     async def start(self) -> None:
-        raise NotImplementedError
+        """Listen on :attr:`socket_path`, then serve in ``_task``."""
 
+    @abstractmethod
     async def abort(self) -> None:
-        raise NotImplementedError
+        """Stop a service still running (CRIU then sees its pipes close)."""
 
     async def __aenter__(self) -> Self:
         await self.start()
