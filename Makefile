@@ -5,6 +5,10 @@ PYTHON  ?= python3
 BIN      = $(VENV)/bin
 STAMP    = $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
+## Test processes (pytest-xdist): each file's tests stay on one worker (tests/conftest.py).
+## Two on the 2-core CI machine: most of a CRIU test's time is waiting on real processes.
+TEST_WORKERS ?= 2
+XDIST    = -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: demo test lint typecheck unit gpu-test bench criu chromium podman containerd docker venv clean
 
@@ -43,11 +47,11 @@ demo: venv criu
 
 ## The whole test suite (lint, types, tests). This is what CI runs.
 test: venv criu chromium podman containerd docker lint typecheck
-	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu" --durations=30 $(PYTEST_ARGS)
+	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu" $(XDIST) --durations=30 $(PYTEST_ARGS)
 
 ## The fast tier: no CRIU, no GPU (tests needing CRIU are marked criu by tests/conftest.py).
 unit: venv
-	$(BIN)/pytest -m "not criu and not gpu" $(PYTEST_ARGS)
+	$(BIN)/pytest -m "not criu and not gpu and not slow" $(XDIST) $(PYTEST_ARGS)
 
 lint: venv
 	$(BIN)/ruff check src tests bench

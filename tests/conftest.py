@@ -63,7 +63,47 @@ def pytest_configure(config: pytest.Config) -> None:
     path = os.environ.get("PATH", "")
     if bindir not in path.split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + path
-    leftovers.mark_session(os.environ)
+    if getattr(config, "workerinput", None) is None:
+        # the session's mark; an xdist worker keeps the one it inherited from the controller,
+        # which checks for leftovers once for every worker's processes
+        leftovers.mark_session(os.environ)
+
+
+#: Test areas whose files share host-wide state beyond one test (runtime daemons' roots and
+#: wrappers under /run/spotguard, one container image store): under pytest-xdist each area
+#: runs on one worker, its files one after the other.
+SERIAL_AREAS = ("container",)
+
+#: Files that need no CRIU but start whole systems (terraform and checkov, a deploy in
+#: namespaces, moto or fake-gcs fleets, controllers and agents end to end, Chromium): marked
+#: ``slow``, which ``make unit`` (the fast tier, under two minutes on the CI machine) leaves
+#: out; ``make test`` runs them. Measured with ``--durations``: each takes 5-60 s.
+SLOW_FILES = frozenset(
+    {
+        "agent/test_agent_discovery.py",
+        "controller/test_controller_aws.py",
+        "controller/test_controller_local.py",
+        "controller/test_controller_park.py",
+        "controller/test_controller_recovery.py",
+        "controller/test_controller_tls.py",
+        "faults/test_faults_controller.py",
+        "faults/test_faults_image.py",
+        "fleet/test_fleet_sqs.py",
+        "image/test_image_faults.py",
+        "image/test_image_trust.py",
+        "infra/test_infra_deploy_host.py",
+        "infra/test_infra_job_keys.py",
+        "infra/test_infra_keys.py",
+        "infra/test_infra_terraform.py",
+        "ops/test_ops_controller_cli.py",
+        "ops/test_ops_images_cli.py",
+        "ops/test_ops_progress.py",
+        "providers/test_providers_aws_template.py",
+        "providers/test_providers_gcp.py",
+        "security/test_agent_controller.py",
+        "test_isolation.py",
+    }
+)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -72,6 +112,14 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "criu_bin" in getattr(item, "fixturenames", ()):
             item.add_marker(pytest.mark.criu)
+        # pytest-xdist (make test / make unit run it with --dist loadgroup): a file's tests
+        # stay on one worker (its module and session fixtures are made once), and a
+        # SERIAL_AREAS area's files all on one
+        rel = Path(str(item.path)).relative_to(Path(__file__).parent)
+        if rel.as_posix() in SLOW_FILES or rel.parts[0] == "ui":
+            item.add_marker(pytest.mark.slow)
+        group = rel.parts[0] if rel.parts[0] in SERIAL_AREAS else str(rel)
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:
