@@ -11,6 +11,7 @@ the module's KMS key through any service. On GCP the controller held
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import re
@@ -460,3 +461,130 @@ def test_gcp_controller_condition_follows_the_names_spotguard_gives_and_the_give
     assert allows(fam, "Network", "projects/p-123456/global/networks/default")
     assert allows(fam, "Subnetwork", "projects/p-123456/regions/us-east1/subnetworks/default")
     assert not allows(fam, "Subnetwork", "projects/other/regions/us-east1/subnetworks/default")
+
+
+# ----- the images bucket: what the controller may do with objects ---------------------------
+
+
+def test_gcp_controller_reads_and_deletes_images_and_nothing_more(gcp: dict[str, Any]) -> None:
+    """As on AWS (GetObject, DeleteObject, ListBucket): the controller reads images and
+    deletes what gc collects. Before: roles/storage.objectUser on the bucket, which also
+    creates and overwrites objects — a controller's credentials could write images."""
+    members = [
+        m for m in gcp["google_storage_bucket_iam_member"] if label_of(m).startswith("controller")
+    ]
+    assert len(members) == 1, [label_of(m) for m in members]
+    (member,) = members
+    role = by_label(gcp["google_project_iam_custom_role"], "controller_images")[None]
+    assert member["role"] == role["id"] and not member.get("condition")
+    assert set(role["permissions"]) == {
+        "storage.objects.delete",
+        "storage.objects.get",
+        "storage.objects.list",
+    }
+    assert not any(p.endswith((".create", ".update", ".setIamPolicy")) for p in role["permissions"])
+
+
+# ----- tokens: the admin token never reaches a VM, each VM gets its own job's -------------------
+
+MODULES = {"aws": AWS_MODULE, "gcp": GCP_MODULE}
+
+
+def _block(text: str, head: str) -> str:
+    """The HCL block or object literal that starts at the first ``{`` after ``head``."""
+    start = text.index("{", text.index(head) + len(head))
+    depth = 0
+    for i in range(start, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[start : i + 1]
+    raise AssertionError(f"unbalanced block after {head!r}")
+
+
+def _console(tmp: Path, main_tf: str, expr: str, *args: str) -> str:
+    """``terraform console`` of ``expr`` in a root module of ``main_tf``: its output and its
+    diagnostics (a failed variable validation is printed there, the exit status stays 0)."""
+    terraform = shutil.which("terraform")
+    if terraform is None:
+        pytest.fail("terraform is not installed")
+    tmp.mkdir(parents=True)
+    (tmp / "main.tf").write_text(main_tf)
+    out = subprocess.run(
+        [terraform, "console", "-no-color", *args],
+        input=expr,
+        cwd=tmp,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    return out.stdout + out.stderr
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp"])
+def test_the_admin_token_and_another_jobs_token_are_refused_by_the_module(
+    cloud: str, tmp_path: Path
+) -> None:
+    """The module's own variable rules (variables.tf), evaluated by terraform: a non-null
+    ``controller_token`` (the admin token in every VM's user data, before) and a
+    ``job_tokens`` value that is not ``sgvm1.<that job>.`` are refused."""
+    text = (MODULES[cloud] / "variables.tf").read_text()
+    heads = [f'variable "{n}"' for n in ("controller_token", "job_tokens")]
+    main_tf = "".join(f"{head} {_block(text, head)}\n" for head in heads)
+    refused = "Invalid value for variable"
+    cases = {
+        "admin": ["-var", "controller_token=the-admin-token"],
+        "b-for-a": ["-var", 'job_tokens={"train-a"="sgvm1.train-b.0.x"}'],
+        "prefix": ["-var", 'job_tokens={"train-a"="sgvm1.train-ab.0.x"}'],
+        "plain": ["-var", 'job_tokens={"train-a"="the-admin-token"}'],
+    }
+    for case, args in cases.items():
+        out = _console(tmp_path / case, main_tf, "1", *args)
+        assert refused in out, (case, out)
+        assert "never the admin token" in out or "no longer accepted" in out, (case, out)
+    ok = ["-var", 'job_tokens={"train-a"="sgvm1.train-a.0.x","train-b"="sgvm1.train-b.0.y"}']
+    out = _console(tmp_path / "ok", main_tf, "1", *ok)
+    assert refused not in out and "Error" not in out, out
+
+
+def _user_data(cloud: str, tmp: Path, tokens: dict[str, str]) -> dict[str, str]:
+    """Each job's first-boot script as the module renders it: the module's own
+    ``templatefile`` call (its argument object, ``each.key`` / ``each.value`` bound per job)
+    of its own template, by ``terraform console``, with sample values for the locals the
+    call reads (the store URL and key sources) and the module's ``local.spotguard``."""
+    module = MODULES[cloud]
+    tf = "launch_template.tf" if cloud == "aws" else "instance_template.tf"
+    call = 'templatefile("${path.module}/templates/first-boot.sh.tftpl",'
+    args = _block((module / tf).read_text(), call)
+    args = args.replace("each.key", "k").replace("each.value", "v")
+    spotguard = _block((module / "main.tf").read_text(), "  spotguard = ")
+    tpl = json.dumps(str(module / "templates" / "first-boot.sh.tftpl"))
+    main_tf = (
+        'variable "jobs" {\n  default = {"train-a" = {command = "a"}, "train-b" = '
+        '{command = "b"}}\n}\n'
+        f'variable "job_tokens" {{\n  default = {json.dumps(tokens)}\n}}\n'
+        'variable "controller_url" {\n  default = "https://controller.example:8700"\n}\n'
+        'variable "controller_tls" {\n  default = true\n}\n'
+        "locals {\n"
+        f"  spotguard = {spotguard}\n"
+        '  store_url = "s3://bucket-x"\n'
+        '  signing_key_source = {for k in keys(var.jobs) : k => "sign-${k}"}\n'
+        '  verify_key_source = {for k in keys(var.jobs) : k => "verify-${k}"}\n'
+        f"  user_data = {{for k, v in var.jobs : k => base64encode(templatefile({tpl}, {args}))}}\n"
+        "}\n"
+    )
+    out = _console(tmp / "render", main_tf, "jsonencode(local.user_data)")
+    assert "Error" not in out, out
+    line = next(ln for ln in out.splitlines() if ln.startswith('"'))
+    return {k: base64.b64decode(v).decode() for k, v in json.loads(json.loads(line)).items()}
+
+
+@pytest.mark.parametrize("cloud", ["aws", "gcp"])
+def test_each_jobs_user_data_holds_its_own_token_and_no_other(cloud: str, tmp_path: Path) -> None:
+    tokens = {"train-a": "sgvm1.train-a.0.TOKEN-OF-A", "train-b": "sgvm1.train-b.0.TOKEN-OF-B"}
+    scripts = _user_data(cloud, tmp_path, tokens)
+    assert set(scripts) == set(JOBS)
+    for job, other in (("train-a", "train-b"), ("train-b", "train-a")):
+        assert tokens[job] in scripts[job]
+        assert tokens[other] not in scripts[job] and "TOKEN-OF" not in scripts[job].replace(
+            tokens[job], ""
+        )

@@ -175,8 +175,23 @@ resource "google_service_account_iam_member" "controller_acts_as_agent" {
   member             = "serviceAccount:${google_service_account.controller.email}"
 }
 
+# Images: read (list, get) and delete what gc collects, as on AWS (ListBucket, GetObject,
+# DeleteObject). Not roles/storage.objectUser, which also creates and overwrites objects: the
+# controller never writes an image.
+resource "google_project_iam_custom_role" "controller_images" {
+  project     = var.project_id
+  role_id     = "${replace(var.name, "-", "_")}_controller_images"
+  title       = "spotguard controller (${var.name}): read images, delete what gc collects"
+  description = "List and read the images bucket's objects; delete them (gc). No create or update."
+  permissions = [
+    "storage.objects.delete",
+    "storage.objects.get",
+    "storage.objects.list",
+  ]
+}
+
 resource "google_storage_bucket_iam_member" "controller_images" {
   bucket = google_storage_bucket.images.name
-  role   = "roles/storage.objectUser"
+  role   = google_project_iam_custom_role.controller_images.id
   member = "serviceAccount:${google_service_account.controller.email}"
 }
