@@ -18,7 +18,7 @@ from typing import Any
 
 from containerd_helpers import IMAGE, NS, CtrVm
 
-from sgtest import line_count, wait_lines
+from sgtest import line_count, sg_env, wait_lines
 from spotguard.container import Containerd, ContainerImage, ContainerRef
 from spotguard.container.demo import Stage, run_container_demo
 from spotguard.image import ImageReader, ImageSettings
@@ -33,10 +33,8 @@ EXPECTED = "".join(f"{i}\n" for i in range(LINES))
 
 
 def _sg(vm: CtrVm, *args: str) -> subprocess.CompletedProcess[str]:
-    out = subprocess.run(
-        ["spotguard", args[0], "--json", *args[1:]],
-        env=vm.cli_env(), capture_output=True, text=True, timeout=180, check=False,
-    )  # fmt: skip
+    """``spotguard COMMAND --json ARGS`` against the VM (:func:`sgtest.sg_env`)."""
+    out = sg_env(args[0], "--json", *args[1:], env=vm.cli_env(), timeout=180)
     assert "Traceback" not in out.stderr, out.stderr
     return out
 
