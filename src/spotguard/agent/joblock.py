@@ -13,9 +13,10 @@ stranger given its old pid, never meets a stale lock. The files live in
 ``/run/spotguard/jobs/`` (memory, gone at reboot; the directory root's only, 0700), each
 holding the pid and state dir of the agent that holds it; ``flock`` goes with the holder's
 process, so a killed agent holds nothing. A lock file is removed on release once its job's
-process is gone (its key never comes back); while the job runs it stays, so a waiting agent
-never locks an unlinked file. An agent that cannot make the directory (not root) protects
-the job without the lock, with one debug line.
+process is gone (its key never comes back), and each :func:`take` removes the files of
+processes gone since (an agent stopped while its job ran on); while the job runs its file
+stays, so a waiting agent never locks an unlinked file. An agent that cannot make the
+directory (not root) protects the job without the lock, with one debug line.
 """
 
 from __future__ import annotations
@@ -60,6 +61,22 @@ def _key(ident: Identity) -> str:
     return f"{ident.boot or 'noboot'}-{ident.pid}-{ident.start}.lock"
 
 
+def _sweep(root: Path) -> None:
+    """Remove the lock files of processes that are gone (another boot, or pid and start
+    time no longer a live process): nobody protects those any more."""
+    with contextlib.suppress(OSError):
+        for f in root.iterdir():
+            rest, _, start = f.name.removesuffix(".lock").rpartition("-")
+            boot, _, pid = rest.rpartition("-")
+            try:
+                ident = Identity(int(pid), int(start), boot if boot != "noboot" else None)
+            except ValueError:
+                continue
+            if not ident.alive():
+                with contextlib.suppress(OSError):
+                    f.unlink()
+
+
 def _lock_dir(root: Path) -> bool:
     """Make ``root`` (root's only, 0700); False when this process cannot."""
     try:
@@ -78,6 +95,7 @@ def take(ident: Identity | None, state_dir: Path, root: Path = LOCK_DIR) -> JobL
     never waits. A job without an identity (its process is gone) is not locked."""
     if ident is None or not _lock_dir(root):
         return JobLock(ident, None, None, None)
+    _sweep(root)
     path = root / _key(ident)
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
