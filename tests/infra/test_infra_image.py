@@ -138,6 +138,7 @@ def render(cloud: str, tmp: Path, url: str | None, token: str | None, command: s
         "job": job,
         "store_url": f"{'s3' if cloud == 'aws' else 'gs'}://bucket-x",
         "controller_url": url,
+        "insecure_controller": False,  # the module: !var.controller_tls (deploy_host: True)
         "job_token": token,
         "command": command,
         "paths": paths,
