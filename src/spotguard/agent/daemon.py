@@ -11,20 +11,17 @@ Start-up, in order (each step one log line; :mod:`spotguard.agent.startup`):
 3. instance facts from the metadata service (for reports and image metadata);
 4. the assignment, if any and not done yet: restore the job, report RESTORING/RESTORED;
 5. protect every job (``--job`` values and the restored one): a :class:`JobWorker` each. A job
-   this agent stopped with an exit checkpoint (its :mod:`ledger <spotguard.agent.ledger>`
-   says so) is not "finished by itself"; a job whose newest image was written by another
-   instance, or that another agent (another state dir) protects — :mod:`.joblock` — is left
-   alone; a job named by name is watched after it ends, and protected again when it comes
-   back (``spotguard restore`` by hand);
-6. the local API and the controller reporter; with a controller, a directive poll every
-   ``directive_poll_s`` seconds per protected job (:mod:`~spotguard.agent.directives`); a
-   job owned elsewhere: the agent stands down for it (:mod:`~spotguard.agent.standdown`);
+   this agent stopped with an exit checkpoint (its :mod:`.ledger` says so) is not "finished
+   by itself"; one whose newest image another instance wrote, or that another agent protects
+   (:mod:`.joblock`), is left alone; one named by name is protected again when it comes back;
+6. the local API and the controller reporter; with a controller, a directive poll per job
+   (:mod:`.directives`); for a job owned elsewhere the agent stands down (:mod:`.standdown`);
 7. watch notices (:mod:`spotguard.agent.dispatch`) and run the park policies
    (:mod:`spotguard.agent.parking`; a job parked as an image is not "finished").
 
-The :class:`Agent` composes objects built with what each works with — the notice dispatcher
-(:class:`~spotguard.agent.dispatch.NoticeDispatcher`), the node's parks and park policy, a
-:class:`JobWorker` per job, reporter, pusher, directive poll — none reaches into the agent.
+The :class:`Agent` composes objects built with what each works with — the notice dispatcher,
+the node's parks and park policy, a :class:`JobWorker` per job, reporter, pusher, directive
+poll — none reaches into the agent.
 """
 
 from __future__ import annotations
