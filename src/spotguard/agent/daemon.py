@@ -122,8 +122,7 @@ class Agent:
         self.pusher = KeptPusher(
             metrics=self.metrics, on_durable=self._kept_durable, store_url=self.store,
             images=self.kept, image_settings=image, instance=lambda: self.instance,
-            max_backoff_s=settings.push_retry_max_s,
-        )  # fmt: skip
+            max_backoff_s=settings.push_retry_max_s)  # fmt: skip
         self.directives: DirectivePoller | None = None
         self.api: AgentApi | None = None
         self.bus: NoticeBus | None = None
