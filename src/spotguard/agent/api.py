@@ -6,8 +6,10 @@ route           token   answer
 ``GET /healthz``  no    ``{"ok": true}`` while the agent's loop runs
 ``GET /metrics``  no    Prometheus text (see :mod:`spotguard.agent.metrics`)
 ``GET /status``   yes   jobs, last images, current activity, pending notices
+``GET /events``   yes   the recent events, newest first (:class:`~.recent.RecentAnswer`:
+                        notices, checkpoints, parks, unparks, restores; the last 200)
 ``GET /ui``       no    the read-only web page (:mod:`spotguard.webui`); its data comes
-                        from ``/status``, with the token
+                        from ``/status`` and ``/events``, with the token
 ``POST /drain``   yes   body ``{"reason": str, "wait": bool, "deadline_s": float|null}``:
                         checkpoint every job and stop it (operator drain); with ``wait``
                         the answer comes once the images are durable
@@ -35,6 +37,7 @@ from spotguard.webui import add_routes as add_ui
 from spotguard.webui import is_ui_path
 
 from .metrics import CONTENT_TYPE, AgentMetrics
+from .recent import RecentEvents
 from .settings import DRAIN_DEADLINE_MAX, parse_listen
 
 log = logging.getLogger(__name__)
@@ -42,6 +45,11 @@ log = logging.getLogger(__name__)
 
 class Controls(Protocol):
     """What the API asks of the daemon."""
+
+    recent: RecentEvents
+
+    @property
+    def notices_seen(self) -> list[dict[str, Any]]: ...
 
     def status(self) -> dict[str, Any]: ...
 
@@ -85,6 +93,7 @@ class AgentApi:
         app.router.add_get("/healthz", self._healthz)
         app.router.add_get("/metrics", self._metrics)
         app.router.add_get("/status", self._status)
+        app.router.add_get("/events", self._events)
         app.router.add_post("/drain", self._drain)
         add_ui(app, "agent")
         return app
@@ -146,6 +155,10 @@ class AgentApi:
 
     async def _status(self, request: web.Request) -> web.Response:
         return web.json_response(self.controls.status(), dumps=_dumps)
+
+    async def _events(self, request: web.Request) -> web.Response:
+        answer = self.controls.recent.read(self.controls.notices_seen)
+        return web.Response(text=answer.model_dump_json(), content_type="application/json")
 
     async def _drain(self, request: web.Request) -> web.Response:
         try:

@@ -54,7 +54,7 @@ from spotguard.notify import Notifier
 from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
 
-from . import discovery, identity, joblock, jobspec, journal, parking, startup
+from . import discovery, identity, joblock, jobspec, journal, parking, recent, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
 from .dispatch import NoticeDispatcher
@@ -118,6 +118,7 @@ class Agent:
         self.store = settings.store
         self.controller_url: str | None = None
         self.controller_token: str | None = None
+        self.recent = recent.RecentEvents()  # for the web page (GET /events)
         self.reporter: Reporter = self._reporter(settings.controller_url, None)
         self.pusher = KeptPusher(
             metrics=self.metrics, on_durable=self._kept_durable, store_url=self.store,
@@ -138,7 +139,7 @@ class Agent:
     def _reporter(self, url: str | None, token: str | None, insecure: bool = False) -> Reporter:
         bearer = token or self.settings.controller_bearer()
         self.controller_url, self.controller_token = url, bearer
-        told = self.notifier.agent_event if self.notifier is not None else None
+        told = self.recent.tee(self.notifier.agent_event if self.notifier is not None else None)
         return Reporter(
             url, bearer, self.layout.outbox, metrics=self.metrics,
             on_answer=self._controller_says, on_emit=told,
@@ -243,6 +244,7 @@ class Agent:
         self._poll_directives()
         self.bus = NoticeBus([*sources, self.manual], backoff_max=self.notice_settings.backoff_max)
         self._spawn(self.notices.watch(self.bus), "notices")
+        self._spawn(self.recent.watch_parks(self._state_dir), "recent-parks")
         self.metrics.count_parked(self._state_dir)
         policy = parking.park_policy(
             self.workers, checkpoint=self.checkpoint_settings, park=self.park_settings,
@@ -494,7 +496,5 @@ class Agent:
             ],
             "parked": parking.parked_status(self.checkpoint_settings.state_dir),
             "notices": list(self.notices_seen),
-            "sources": (
-                {n: vars(h) for n, h in self.bus.health.items()} if self.bus is not None else {}
-            ),
+            "sources": {n: vars(h) for n, h in (self.bus.health if self.bus else {}).items()},
         }

@@ -193,7 +193,7 @@
 
   // --- agent ------------------------------------------------------------------------------
   async function showAgent() {
-    const s = await api("/status");
+    const [s, recent] = await Promise.all([api("/status"), api("/events")]);
     const a = s.agent || {};
     const kept = Array.isArray(a.kept_images) ? a.kept_images.length : 0;
     $("summary").replaceChildren(
@@ -225,14 +225,12 @@
         cell(p.where || "-", "url"), cell(ago(p.since), "when", iso(p.since)), cell(bytes(p.bytes), "num"),
         cell(p.wake_on_connect ? "yes" : "no"), cell(p.reason || "", "reason"))));
     $("parked-empty").hidden = parked.length > 0;
-    $("events-title").textContent = "Recent notices";
-    const notices = (s.notices || []).slice().reverse();
-    fill("events", ["received", "kind", "cloud", "action", "deadline", "id"],
-      notices.map((n) => el("tr", {}, cell(ago(n.received_at), "when", iso(n.received_at)),
-        cell(n.kind + (n.cancelled ? " (withdrawn)" : "")), cell(n.cloud || "-"), cell(n.action || "-"),
-        cell(inFuture(n.deadline), null, iso(n.deadline)), cell(n.id || "", "url"))));
-    $("events-empty").textContent = "no notice yet";
-    $("events-empty").hidden = notices.length > 0;
+    // notices, checkpoints, parks and unparks, newest first (the agent's GET /events)
+    const events = (recent.events || []).slice(0, EVENTS_SHOWN);
+    fill("events", ["when", "job", "event", "what"],
+      events.map((e) => el("tr", { "data-kind": e.kind }, cell(ago(e.at), "when", iso(e.at)),
+        cell(e.job || "-"), el("td", {}, badge(e.kind)), cell(e.text || "", "reason"))));
+    $("events-empty").hidden = events.length > 0;
     const sources = Object.entries(s.sources || {});
     fill("sources", ["source", "health"],
       sources.map(([name, h]) => el("tr", {}, cell(name),
