@@ -105,8 +105,8 @@ def _text(ev: AnyEvent) -> str | None:
             decision = f": {ev.decision.value}" if ev.decision else ""
             return words + decision + (f" ({ev.reason})" if ev.reason else "")
         case FrozenEvent():
-            after = ev.notice_to_frozen_s
-            took = f", {after:.1f} s after the notice" if after is not None else ""
+            after, since = ev.notice_to_frozen_s, "the notice" if ev.notice else "it began"
+            took = f", {after:.1f} s after {since}" if after is not None else ""
             return f"frozen for a {ev.mode.value} checkpoint{_notice(ev.notice)}{took}"
         case DurableEvent():
             return f"image {_image(ev.image_url)} durable ({ev.mode.value}{_mib(ev.image_bytes)})"
