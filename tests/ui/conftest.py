@@ -4,6 +4,9 @@ scripts/install-chromium; ``make test`` runs it first)."""
 from __future__ import annotations
 
 import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from ui_cdp import find_chromium
@@ -26,3 +29,14 @@ def chromium() -> str:
             pytest.fail(msg)
         pytest.skip(msg)
     return path
+
+
+@pytest.fixture
+def docs_root() -> Iterator[Path]:
+    """A fresh ``/tmp/spotguard-docs`` for the docs' screenshots (``SPOTGUARD_UI_SCREENSHOTS``):
+    a plain path where the page shows one, never a pytest temp dir. Removed after."""
+    root = Path("/tmp/spotguard-docs")
+    shutil.rmtree(root, ignore_errors=True)
+    root.mkdir()
+    yield root
+    shutil.rmtree(root, ignore_errors=True)

@@ -4,7 +4,10 @@ against a real controller over HTTP (the local provider; its "VMs" run the stand
 The page must show every job with its state, the parked job apart, the recent events and a
 job's timeline; take the data only with the bearer token (typed in, sent in a header, never in
 a URL); show hostile text as text; and run under a Content-Security-Policy the browser
-enforces. It fails when the page is broken: every check reads what the browser rendered."""
+enforces. It fails when the page is broken: every check reads what the browser rendered.
+
+The docs' screenshot (docs/img/controller-ui.png) comes from the same fleet with plain names and
+no hostile text, written only with ``SPOTGUARD_UI_SCREENSHOTS=DIR``."""
 
 from __future__ import annotations
 
@@ -13,6 +16,7 @@ import json
 import os
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +37,8 @@ STANDIN = str(Path(__file__).parents[1] / "controller" / "sg_standin_agent.py")
 VM1 = {"provider": "local", "instance_id": "vm-first", "region": "local", "zone": "local-1"}
 #: a park reason an agent could send: must be shown as these characters, never run
 HOSTILE = '<img src=x onerror="window.__pwned=1"><script>window.__pwned=2</script>'
+#: the docs' screenshot is written here (``SPOTGUARD_UI_SCREENSHOTS=docs/img``)
+SHOTS = os.environ.get("SPOTGUARD_UI_SCREENSHOTS")
 
 
 class Fleet:
@@ -58,8 +64,13 @@ class Fleet:
         return f"file://{self.tmp}/store/{job}/images/{stamp}"
 
 
-@pytest.fixture
-async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
+@asynccontextmanager
+async def _fleet(
+    tmp_path: Path, train: str = "train", notebook: str = "notebook", batch: str = "batch",
+    reason: str = HOSTILE,
+) -> AsyncIterator[Fleet]:  # fmt: skip
+    """Jobs ``train`` (interrupted, relaunched, restored), ``notebook`` (parked with
+    ``reason``) and ``batch`` (finished) on a real controller under ``tmp_path``."""
     prov = LocalProvider(
         LocalSettings(
             local_root=tmp_path / "local",
@@ -76,26 +87,31 @@ async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
     async with srv, aiohttp.ClientSession() as session:
         f = Fleet(srv.url, session, tmp_path)
         # train: interrupted, relaunched onto a local VM, restored there (a long timeline)
-        await f.event("train", EventKind.STARTED, instance=VM1, pid=42)
-        await f.event("train", EventKind.EXITED, instance=VM1, image_url=f.image("train"))
+        await f.event(train, EventKind.STARTED, instance=VM1, pid=42)
+        await f.event(train, EventKind.EXITED, instance=VM1, image_url=f.image(train))
         # notebook: parked to the store by its agent, with a reason full of markup
-        await f.event("notebook", EventKind.STARTED, instance=VM1, pid=43)
+        await f.event(notebook, EventKind.STARTED, instance=VM1, pid=43)
         await f.event(
-            "notebook", EventKind.PARKED, instance=VM1, image_url=f.image("notebook"),
-            reason=HOSTILE,
-        )  # fmt: skip
+            notebook, EventKind.PARKED, instance=VM1, image_url=f.image(notebook), reason=reason
+        )
         # batch: ran to its end
-        await f.event("batch", EventKind.STARTED, instance=VM1, pid=44)
-        await f.event("batch", EventKind.JOB_FINISHED, instance=VM1)
+        await f.event(batch, EventKind.STARTED, instance=VM1, pid=44)
+        await f.event(batch, EventKind.JOB_FINISHED, instance=VM1)
         for _ in range(1200):
-            if await f.state("train") == "protected":
+            if await f.state(train) == "protected":
                 break
             await asyncio.sleep(0.05)
-        assert await f.state("train") == "protected"
+        assert await f.state(train) == "protected"
         yield f
     for vm in sorted((tmp_path / "local" / "vms").glob("vm-*")):
         ref = InstanceRef("local", vm.name, "local", "local-1", "local", Market.ON_DEMAND)
         await prov.terminate(ref)
+
+
+@pytest.fixture
+async def fleet(tmp_path: Path) -> AsyncIterator[Fleet]:
+    async with _fleet(tmp_path) as f:
+        yield f
 
 
 def _rows(table: str) -> str:
@@ -226,6 +242,27 @@ async def test_the_controller_page_shows_jobs_parked_events_and_a_timeline(
         assert others == [], others  # the page itself ran without an error
         shot = await page.screenshot(tmp_path / "controller-ui.png")
         assert shot.startswith(b"\x89PNG") and len(shot) > 20_000
-        out = os.environ.get("SPOTGUARD_UI_SCREENSHOTS")
-        if out:  # refresh the screenshot in docs: SPOTGUARD_UI_SCREENSHOTS=docs/img
-            (Path(out) / "controller-ui.png").write_bytes(shot)
+
+
+@pytest.mark.skipif(
+    not SHOTS, reason="writes docs/img/controller-ui.png: SPOTGUARD_UI_SCREENSHOTS=DIR"
+)
+async def test_the_controller_page_screenshot_for_the_docs(chromium: str, docs_root: Path) -> None:
+    """The docs' screenshot: plain job names, no test payload, no pytest paths."""
+    assert SHOTS is not None
+    root = docs_root
+    fleet = _fleet(
+        root, train="train-llm", notebook="notebook", batch="batch-eval",
+        reason="idle for 30 min",
+    )  # fmt: skip
+    async with fleet as f, Browser(chromium, root / "profile") as page:
+        await page.navigate(f.url + "/ui")
+        await _login(page, TOKEN)
+        await page.wait_for(
+            "document.getElementById('status').innerText.startsWith('updated')", "a refresh"
+        )
+        await page.click("#jobs button[data-job='train-llm']")
+        await page.wait_for("!document.getElementById('timeline-section').hidden", "the timeline")
+        shot = await page.screenshot(root / "controller-ui.png")
+        assert shot.startswith(b"\x89PNG") and len(shot) > 20_000
+        (Path(SHOTS) / "controller-ui.png").write_bytes(shot)
