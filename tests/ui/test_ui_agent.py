@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import shutil
 import signal
 import sys
 from collections.abc import AsyncIterator, Iterator
@@ -192,12 +191,12 @@ async def test_the_agent_page_shows_its_jobs_images_parked_jobs_and_events(
 
 
 @pytest.mark.skipif(not SHOTS, reason="writes docs/img/agent-ui.png: SPOTGUARD_UI_SCREENSHOTS=DIR")
-async def test_the_agent_page_screenshot_for_the_docs(criu_bin: str, chromium: str) -> None:
+async def test_the_agent_page_screenshot_for_the_docs(
+    criu_bin: str, chromium: str, docs_root: Path
+) -> None:
     """The docs' screenshot: plain job names, no test payload, no pytest paths."""
     assert SHOTS is not None
-    root = Path("/tmp/spotguard-docs")  # what the page shows of the paths (store, park place)
-    shutil.rmtree(root, ignore_errors=True)
-    root.mkdir()
+    root = docs_root
     try:
         scenario = _agent(
             root, criu_bin, train="train-llm", web="notebook", reason="idle for 30 min"
@@ -212,4 +211,3 @@ async def test_the_agent_page_screenshot_for_the_docs(criu_bin: str, chromium: s
             (Path(SHOTS) / "agent-ui.png").write_bytes(shot)
     finally:
         _kill_left(root / "state")
-        shutil.rmtree(root, ignore_errors=True)
