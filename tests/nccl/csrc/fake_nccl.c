@@ -10,7 +10,9 @@
  * exchanges (color, key) the same way and gives each color a directory of its own.
  *
  * Holding an operation in flight: while the file $FAKE_NCCL_HOLD exists, the process whose
- * $FAKE_NCCL_RANK equals $FAKE_NCCL_HOLD_RANK stays inside its next collective.
+ * $FAKE_NCCL_RANK equals $FAKE_NCCL_HOLD_RANK stays inside its next collective. With
+ * $FAKE_NCCL_HOLD_AFTER=N it stays inside only after its part of the next collective of N
+ * bytes on a communicator of more than one rank is done (its peers go on past it).
  *
  * Every call that creates or ends a communicator is appended to $FAKE_NCCL_LOG
  * ("<pid> <call> <rank>/<nranks> dev <d> <dir>"). CPU only; the data types are the 32 and
@@ -63,10 +65,13 @@ static int exists(const char *path) {
   return stat(path, &st) == 0;
 }
 
-static void held(void) {
+/* after: 0 before the exchange, else the bytes of the exchange that has just ended */
+static void held(size_t after, int nranks) {
   const char *hold = getenv("FAKE_NCCL_HOLD"), *who = getenv("FAKE_NCCL_HOLD_RANK");
-  const char *me = getenv("FAKE_NCCL_RANK");
+  const char *me = getenv("FAKE_NCCL_RANK"), *when = getenv("FAKE_NCCL_HOLD_AFTER");
   if (!hold || !who || !me || strcmp(who, me))
+    return;
+  if (when ? (after == 0 || nranks < 2 || (size_t)atoll(when) != after) : after != 0)
     return;
   while (exists(hold))
     pause_us(1000);
@@ -319,13 +324,14 @@ ncclResult_t ncclMemFree(void *ptr) {
 /* one collective: exchange n bytes per rank, then combine */
 static ncclResult_t exchange(ncclComm_t comm, const void *mine, size_t n, void *all) {
   char tag[32];
-  held();
+  held(0, comm->nranks);
   snprintf(tag, sizeof tag, "op%llu", (unsigned long long)comm->seq);
   if (put(comm->dir, tag, comm->rank, mine, n) || gather(comm->dir, tag, comm->nranks, all, n))
     return ncclSystemError;
   if (comm->seq >= 2)
     forget_op(comm, comm->seq - 2);
   comm->seq++;
+  held(n, comm->nranks);
   return ncclSuccess;
 }
 
