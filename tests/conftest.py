@@ -74,6 +74,16 @@ def pytest_configure(config: pytest.Config) -> None:
 #: runs on one worker, its files one after the other.
 SERIAL_AREAS = ("container",)
 
+#: Files that run ``spotguard doctor``'s self-test, whose tests check that no self-test
+#: directory or process is left on the host: one worker runs them one after the other.
+SELFTEST_FILES = frozenset(
+    {
+        "checkpoint/test_realjobs_doctor.py",
+        "checkpoint/test_checkpoint_preflight_cli.py",
+        "ops/test_ops_cli_output.py",
+    }
+)
+
 #: Files that need no CRIU but start whole systems (terraform and checkov, a deploy in
 #: namespaces, moto or fake-gcs fleets, controllers and agents end to end, Chromium): marked
 #: ``slow``, which ``make unit`` (the fast tier, under two minutes on the CI machine) leaves
@@ -119,6 +129,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if rel.as_posix() in SLOW_FILES or rel.parts[0] == "ui":
             item.add_marker(pytest.mark.slow)
         group = rel.parts[0] if rel.parts[0] in SERIAL_AREAS else str(rel)
+        group = "selftest" if rel.as_posix() in SELFTEST_FILES else group
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -64,7 +64,7 @@ async def test_agent_calls_are_typed_and_a_fenced_report_says_stand_down(
     [row] = await admin.jobs()
     assert row.job == "train" and row.owner.epoch == 1
     view = await admin.job("train")
-    assert view["name"] == "train" and view["history"]
+    assert view.name == "train" and view.history
 
 
 async def test_each_failure_is_a_typed_error(api_factory: Factory, tmp_path: Path) -> None:
