@@ -26,7 +26,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 
 JOB = """
@@ -64,9 +63,8 @@ def _one(src: Path, state: Path, store: str) -> tuple[float, float]:
     if out.returncode != 0:
         raise SystemExit(f"checkpoint failed: {out.stderr.strip()[-400:]}")
     res = json.loads(out.stdout)
-    start = float(res["frozen_at_unix"]) - float(res["freeze_seconds"])
-    durable = datetime.fromisoformat(res["durable_at"]).timestamp()
-    return wall, durable - start
+    start = float(res["frozen_at"]) - float(res["freeze_seconds"])  # Unix times
+    return wall, float(res["durable_at"]) - start
 
 
 def _import_seconds(src: Path, state: Path) -> float:
