@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -21,38 +22,53 @@ from spotguard.errors import CriuError, StepTimeout
 pytestmark = pytest.mark.criu
 
 
-def _leftovers() -> set[Path]:
-    return set(Path("/tmp").glob("spotguard-selftest-*"))
+@pytest.fixture
+def scratch(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The self-test's scratch directories go under this test's own directory: other tests
+    (``spotguard doctor`` in other files, on other test workers) run self-tests at the same
+    time, and what this one left is told apart by where it lives."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    return tmp_path
 
 
-def _selftest_pids() -> list[int]:
+def _leftovers(root: Path) -> set[Path]:
+    return set(root.glob("spotguard-selftest-*"))
+
+
+def _selftest_pids(root: Path) -> list[int]:
+    """Live self-test jobs with a file open under ``root`` (their output, in the scratch)."""
     out = []
     for proc in Path("/proc").iterdir():
         if proc.name.isdigit():
             try:
                 cmd = (proc / "cmdline").read_bytes()
+                if b"selftest_job.py" not in cmd:
+                    continue
+                fds = [os.readlink(fd) for fd in (proc / "fd").iterdir()]
             except OSError:
                 continue
-            if b"selftest_job.py" in cmd:
+            if any(f.startswith(str(root)) for f in fds):
                 out.append(int(proc.name))
     return out
 
 
-async def test_self_test_parks_and_unparks_a_job_with_sockets(criu_bin: str) -> None:
-    before = _leftovers()
+async def test_self_test_parks_and_unparks_a_job_with_sockets(criu_bin: str, scratch: Path) -> None:
+    before = _leftovers(scratch)
     result = await run_selftest(Criu(criu_bin))
     assert result.ok, f"{result.found} / {result.fix}"
     assert result.found.startswith(
         "dumped and restored a 2-process job with a listening TCP socket, an established "
         "loopback connection and a socketpair; output exact (network lock "
     )
-    assert _leftovers() == before and _selftest_pids() == []
+    assert _leftovers(scratch) == before and _selftest_pids(scratch) == []
 
 
-async def test_a_failing_self_test_says_what_to_do_and_leaves_nothing(criu_bin: str) -> None:
+async def test_a_failing_self_test_says_what_to_do_and_leaves_nothing(
+    criu_bin: str, scratch: Path
+) -> None:
     if shutil.which("iptables-restore"):
         pytest.skip("iptables is installed here: the iptables lock would work")
-    before = _leftovers()
+    before = _leftovers(scratch)
     result = await run_selftest(Criu(criu_bin), network_lock="iptables")
     assert not result.ok
     assert result.found == "failed: criu dump failed (criu exit 1)"
@@ -60,7 +76,7 @@ async def test_a_failing_self_test_says_what_to_do_and_leaves_nothing(criu_bin: 
         "CRIU's network lock needs iptables, which is missing: enable nf_tables in the kernel "
         '(network_lock = "nftables") or install iptables'
     )
-    assert _leftovers() == before and _selftest_pids() == []
+    assert _leftovers(scratch) == before and _selftest_pids(scratch) == []
 
 
 def test_the_self_test_job_prints_what_its_expected_output_says() -> None:

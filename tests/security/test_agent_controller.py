@@ -213,7 +213,10 @@ def test_another_user_sees_no_token_in_ps_for_an_agent_started_as_documented(
     )
     stop_all.append(by_env)
     _wait_listening(by_env)
-    seen = attacker.run("ps", "-ww", "-eo", "args").stdout
+    # the two agents' arguments as the other user lists them (only theirs: other tests run
+    # at the same time, one of them giving a token on the command line to see it refused)
+    pids = f"{by_file.pid},{by_env.pid}"
+    seen = attacker.run("ps", "-ww", "-o", "args", "-p", pids).stdout
     assert str(tok) in seen and str(tmp_path / "state2") in seen, seen[-3000:]
     assert TOKEN not in seen, "the token is in ps"
 

@@ -217,6 +217,10 @@ async def checkpoint_docker(
     )  # fmt: skip
 
 
+#: ``docker start --checkpoint`` tries while containerd still holds the checkpoint's content
+IN_PLACE_TRIES = 4
+
+
 async def _in_place(docker: Docker, ref: ContainerRef, cid: str, images: Path) -> None:
     """Restore the (exited) container ``cid`` from CRIU's images in ``images`` (a copy goes
     into its checkpoints directory, where ``docker start --checkpoint`` reads it)."""
@@ -224,9 +228,21 @@ async def _in_place(docker: Docker, ref: ContainerRef, cid: str, images: Path) -
     await asyncio.to_thread(shutil.rmtree, target, True)
     await asyncio.to_thread(shutil.copytree, images, target, symlinks=True)
     try:
-        await docker.run(
-            "start", "--checkpoint", CHECKPOINT, ref.name, what=f"restoring {ref} in place"
-        )
+        for attempt in range(IN_PLACE_TRIES):
+            try:
+                await docker.run(
+                    "start", "--checkpoint", CHECKPOINT, ref.name, what=f"restoring {ref} in place"
+                )
+                return
+            except ContainerError as exc:
+                # the checkpoint's own upload into containerd (docker checkpoint create) is
+                # still in its content store until containerd's garbage collection runs, and
+                # docker's upload of the same bytes then fails "already exists" (seen on a
+                # loaded host): wait for the collection and start again
+                if "already exists" not in str(exc) or attempt == IN_PLACE_TRIES - 1:
+                    raise
+                log.warning("restore in place waits for containerd", extra={"error": str(exc)})
+                await asyncio.sleep(1.0 + attempt)
     finally:
         await asyncio.to_thread(shutil.rmtree, target, True)
 
