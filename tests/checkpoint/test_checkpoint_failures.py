@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -178,3 +181,93 @@ async def test_kill_9_mid_freeze_then_recover(
     assert not (job.dir / "operation.json").exists()
     assert await engine.recover(job) is False
     await assert_running_and_unlocked(job.pid, job.dir / "stdout", RecordingGpu())
+
+
+KILLED_IN_POST_DUMP = """
+import asyncio, pathlib, subprocess, sys
+from spotguard.checkpoint.criu import Criu
+
+async def main() -> None:
+    job = subprocess.Popen(["setsid", "sleep", "600"])
+    await asyncio.sleep(0.2)
+    here = pathlib.Path(sys.argv[2])
+
+    async def frozen() -> None:  # the engine's post-dump work: it never ends here
+        (here / "frozen").touch()
+        await asyncio.sleep(3600)
+
+    (here / "job.pid").write_text(str(job.pid))
+    await Criu(sys.argv[1]).dump(job.pid, here / "img", leave_running=True, on_frozen=frozen)
+
+asyncio.run(main())
+"""
+
+
+def test_a_process_killed_while_criu_waits_in_post_dump_leaves_no_action_script(
+    criu_bin: str, tmp_path: Path
+) -> None:
+    """The process that runs CRIU (an agent, ``spotguard checkpoint``) is killed while CRIU's
+    post-dump action script waits for its answer: CRIU dies with it, and the script must not
+    wait on the answer's FIFO for ever (an orphaned ``/bin/sh …/action.sh`` per kill)."""
+    (tmp_path / "img").mkdir()
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the hook's FIFOs and script under here
+    runner = subprocess.Popen([sys.executable, "-c", KILLED_IN_POST_DUMP, criu_bin,
+                               str(tmp_path)], env=env)  # fmt: skip
+    job = 0
+    try:
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "frozen").exists():
+            assert runner.poll() is None and time.monotonic() < deadline, "no post-dump"
+            time.sleep(0.05)
+        job = int((tmp_path / "job.pid").read_text())
+        runner.kill()
+        runner.wait()
+
+        def scripts() -> list[int]:
+            found = []
+            for proc in Path("/proc").iterdir():
+                with contextlib.suppress(OSError):
+                    if proc.name.isdigit() and str(tmp_path) in (proc / "cmdline").read_text():
+                        found.append(int(proc.name))
+            return found
+
+        deadline = time.monotonic() + 10
+        while scripts() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert scripts() == [], "CRIU's action script outlived the process that ran CRIU"
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        if job:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(job, signal.SIGKILL)
+
+
+def test_crius_action_script_never_outlives_criu(tmp_path: Path) -> None:
+    """CRIU's post-dump action script, run with nobody on the other end of its FIFOs (the
+    process that ran CRIU gone, or its hook already closed), exits once its parent — CRIU —
+    has gone, instead of waiting in the FIFO's open for ever (seen in CI: two orphaned
+    ``/bin/sh …/action.sh`` after the agent-kill tests)."""
+    from spotguard.checkpoint.criu import _ACTION_SCRIPT
+
+    script = tmp_path / "action.sh"
+    script.write_text(_ACTION_SCRIPT)
+    script.chmod(0o700)
+    req, ack = tmp_path / "req", tmp_path / "ack"
+    os.mkfifo(req)
+    os.mkfifo(ack)
+    env = {**os.environ, "CRTOOLS_SCRIPT_ACTION": "post-dump",
+           "SPOTGUARD_HOOK_REQ": str(req), "SPOTGUARD_HOOK_ACK": str(ack)}  # fmt: skip
+    # a stand-in for CRIU: starts the script, then dies (SIGKILL) a moment later
+    criu = subprocess.Popen(["sh", "-c", f'"{script}" & echo $!; sleep 0.3; kill -9 $$'],
+                            env=env, stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert criu.stdout is not None
+    pid = int(criu.stdout.readline())
+    criu.wait()
+    deadline = time.monotonic() + 5
+    while proctree.alive(pid) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    alive = proctree.alive(pid)
+    if alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "the action script outlived its CRIU"

@@ -108,13 +108,22 @@ _PR_SET_PDEATHSIG = 1
 _MOUNT_NS_DUMP = ["--external", "mnt[]"]
 _MOUNT_NS_RESTORE = ["--external", "mnt[]", "--root", "/"]
 
-#: runs under /bin/sh for every CRIU action; only post-dump talks to us
+#: runs under /bin/sh for every CRIU action; only post-dump talks to us. Opening a FIFO
+#: waits for its other end: with spotguard gone (killed, or its hook closed while CRIU ran
+#: on) nobody ever opens it, so a watcher ends the script once CRIU, its parent, is gone
+#: (an orphaned script per killed agent otherwise, waiting for ever)
 _ACTION_SCRIPT = """#!/bin/sh
 [ "$CRTOOLS_SCRIPT_ACTION" = "post-dump" ] || exit 0
 [ -n "$SPOTGUARD_HOOK_REQ" ] || exit 0
-echo frozen > "$SPOTGUARD_HOOK_REQ" || exit 1
-read -r reply < "$SPOTGUARD_HOOK_ACK" || exit 1
-[ "$reply" = ok ]
+criu=$PPID
+( while kill -0 "$criu" 2>/dev/null; do sleep 0.5; done; kill -9 "$$" 2>/dev/null ) &
+watcher=$!
+rc=1
+if echo frozen > "$SPOTGUARD_HOOK_REQ" && read -r reply < "$SPOTGUARD_HOOK_ACK"; then
+  [ "$reply" = ok ] && rc=0
+fi
+kill "$watcher" 2>/dev/null
+exit $rc
 """
 
 
