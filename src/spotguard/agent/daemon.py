@@ -355,7 +355,7 @@ class Agent:
         if ident is None and proctree.alive(info.pid):  # a stranger was given the job's pid
             self._worker(info).job_ended()
             return
-        held = joblock.take(ident, self._state_dir)  # one agent per job, across state dirs
+        held = joblock.take(ident, self._state_dir, self.settings.job_lock_dir)  # one agent/job
         if held.other is not None:
             self._worker(info).held_elsewhere(held.other)
             return

@@ -142,6 +142,14 @@ class AgentSettings(Settings):
             "(exit mode, store unreachable) until it is durable"
         ),
     )
+    job_lock_dir: Path = Field(
+        Path("/run/spotguard/jobs"),
+        description=(
+            "Where the agents of this machine lock the jobs they protect (one agent per job "
+            "across state dirs); a directory in memory, root's only. Machines simulated on "
+            "one host (the local provider's VMs) each have their own, as real VMs do"
+        ),
+    )
 
     transparent_hugepages: Literal["always", "madvise", "never", "keep"] = Field(
         "always",

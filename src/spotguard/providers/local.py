@@ -8,6 +8,7 @@ A VM launched for client token ``T`` lives in ``<root>/vms/vm-T/``::
     assignment.json  the Assignment (what user-data would write to /etc/spotguard/)
     user-data        the same, as the cloud-init script a cloud VM would receive
     state/           the agent's state dir (SPOTGUARD_STATE_DIR)
+    run/jobs/        its agent's job locks (SPOTGUARD_JOB_LOCK_DIR: a VM's own /run)
     agent.log        the agent's stdout and stderr
 
 The agent is started as ``local_agent_command`` (default ``spotguard agent``) in its own
@@ -257,6 +258,8 @@ class LocalProvider:
                 "SPOTGUARD_STATE_DIR": str(d / "state"),
                 "SPOTGUARD_LOCAL_VM_ID": vm_id,
                 "SPOTGUARD_STORE": assignment.store,
+                # this VM's own /run: its agent's job locks are not another VM's
+                "SPOTGUARD_JOB_LOCK_DIR": str(d / "run" / "jobs"),
                 **self.settings.local_env,
             }
             if assignment.controller_url:
