@@ -82,7 +82,9 @@ async def report_parked(rec: ParkRecord, settings: AgentSettings, state_dir: Pat
         where = controller_of(settings, rec.job)
         if where is None:
             return None
-        reporter = Reporter(where[0], where[1], StateDir(state_dir).outbox)
+        reporter = Reporter(
+            where[0], where[1], StateDir(state_dir).outbox, insecure=_insecure(settings, rec.job)
+        )
     except (SpotguardError, OSError) as exc:  # the job is parked all the same
         log.warning("the park is not reported", extra={"job": rec.job, "error": str(exc)})
         return None
@@ -98,6 +100,18 @@ async def report_parked(rec: ParkRecord, settings: AgentSettings, state_dir: Pat
             extra={"job": rec.job, "controller": where[0]},
         )
     return "reported" if done else "queued"
+
+
+def _insecure(settings: AgentSettings, job: str) -> bool:
+    """Whether plain http to a controller off this host is the operator's choice here (the
+    private-network mode: ``insecure_controller`` in the settings or this node's assignment
+    for ``job``), as the agent's own reporter allows it."""
+    if settings.insecure_controller:
+        return True
+    with contextlib.suppress(SpotguardError):
+        got = read_assignment(settings.assignment)
+        return got is not None and got.job == job and got.insecure_controller
+    return False
 
 
 def _assigned_epoch(settings: AgentSettings, job: str) -> int | None:
