@@ -1,17 +1,13 @@
 """One exception tree for all of spotguard.
 
 Every error spotguard raises on purpose derives from :class:`SpotguardError`. Low-level errors
-(OSError, botocore, aiohttp, CRIU exit codes, driver return codes) are mapped to one of these
-in the module that talks to the low-level thing, re-raised ``from`` the original, so callers
-decide on the *kind* of failure — retry, fail over, or give up — never on a library's class.
-The CLI turns any ``SpotguardError`` into one clear line and a non-zero exit, never a traceback.
-
-Every class says whether it is **retryable** — whether the same step, tried again later or on
-another machine, may succeed — and has a stable snake_case **code** (``ImageCorrupt`` →
-``image_corrupt``). Errors cross machines as :class:`spotguard.contracts.WireError` carrying
-both, so the controller decides by them, never by class names. ``image_fault`` marks errors
-whose cause is the image itself (another, older image may restore where this one cannot).
-In the tree, ``[r]`` marks retryable classes.
+(OSError, botocore, aiohttp, CRIU and driver codes) are mapped to one of these where they are
+met, raised ``from`` the original: callers decide by the *kind* of failure, never a library's
+class; the CLI prints one clear line and exits non-zero, never a traceback. Every class says
+whether it is **retryable** (``[r]`` in the tree: tried again later or elsewhere, the same step
+may succeed) and has a stable snake_case **code** (``ImageCorrupt`` → ``image_corrupt``);
+errors cross machines as :class:`spotguard.contracts.WireError` carrying both.
+``image_fault`` marks errors caused by the image itself (an older image may restore).
 
 ::
 
@@ -69,6 +65,7 @@ In the tree, ``[r]`` marks retryable classes.
     │   ├── EventTooLarge           an agent event over the controller's size limit (413)
     │   ├── EventRateLimited    [r] too many events or bytes from one token for one job (429)
     │   └── StateError          [r] the state file is unreadable or inconsistent
+    │       └── StateRefused        empty, corrupt or another program's: the operator acts (exit 2)
     └── DemoError                   ``spotguard demo``: a link of the chain did not hold (names it)
 """
 
@@ -477,10 +474,14 @@ class StateError(ControllerError):
     retryable = True
 
 
+class StateRefused(StateError):
+    """A state file the controller will not use as it is: exit 2, no restart loop."""
+
+    exit_code, retryable = 2, False
+
+
 class DemoError(SpotguardError):
     """``spotguard demo``: one link of the end-to-end chain did not hold; ``step`` names it."""
-
-    retryable = False
 
     def __init__(self, step: str, message: str) -> None:
         super().__init__(f"{step}: {message}")
@@ -489,9 +490,8 @@ class DemoError(SpotguardError):
 
 
 def without_type(message: str) -> str:
-    """``"PreflightError: criu … is not an executable"`` → ``"criu … is not an executable"``:
-    a message that crossed an API or a report with its error type in front (for machines),
-    as a person reads it. Only the names of this module's errors are taken off."""
+    """``"PreflightError: criu … not executable"`` → ``"criu … not executable"``: a message
+    that crossed an API with its error type in front, as a person reads it (this module's)."""
     head, sep, rest = message.partition(": ")
     cls = globals().get(head) if sep else None
     if isinstance(cls, type) and issubclass(cls, SpotguardError):

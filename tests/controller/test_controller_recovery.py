@@ -207,7 +207,7 @@ async def test_an_empty_state_file_is_refused_at_start_unless_initialised(
     argv = [exe, "controller", "--state", str(state), "--listen", f"127.0.0.1:{port}"]
     monkeypatch.setenv("SPOTGUARD_CONTROLLER_TOKEN", TOKEN)
     rc, out = await _serve_until_healthy(argv, url)
-    assert rc == 1, out
+    assert rc == 2, out  # the operator must act: the unit's RestartPreventExitStatus=2
     last = out.strip().splitlines()[-1]
     assert last.startswith("spotguard: error: state file") and "--init-state" in last, out
     assert "Traceback" not in out

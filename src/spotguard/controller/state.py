@@ -33,7 +33,7 @@ from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, m
 from spotguard.contracts import Action, NoticeInfo, Owner
 from spotguard.controller.retention import EventRetention, prune_events, upgrade_events
 from spotguard.controller.schema import SCHEMA as _SCHEMA
-from spotguard.errors import StateError
+from spotguard.errors import StateError, StateRefused
 from spotguard.lifecycle import TERMINAL as TERMINAL
 from spotguard.lifecycle import JobState as JobState
 
@@ -232,7 +232,7 @@ class StateDB:
         fresh = not self.path.exists()
         empty = self._empty()
         if empty and not self.init:
-            raise StateError(
+            raise StateRefused(
                 f"{where} is empty (0 bytes): its jobs would be forgotten; it was left as is — "
                 "restore it from a backup, or start with --init-state (SPOTGUARD_INIT_STATE=1) "
                 "to initialise an empty state there"
@@ -246,17 +246,17 @@ class StateDB:
             conn.execute("PRAGMA busy_timeout=5000")
             check = conn.execute("PRAGMA quick_check").fetchone()
             if check is None or check[0] != "ok":
-                raise StateError(f"{where} failed SQLite's integrity check: {check}")
+                raise StateRefused(f"{where} failed SQLite's integrity check: {check}")
             version = int(conn.execute("PRAGMA user_version").fetchone()[0])
             tables = {
                 r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")
             }
             if version == 0 and tables - {"sqlite_sequence"}:
-                raise StateError(
+                raise StateRefused(
                     f"{where} is an SQLite database of something else (tables {sorted(tables)})"
                 )
             if version > SCHEMA_VERSION:
-                raise StateError(
+                raise StateRefused(
                     f"{where} has schema version {version}; this spotguard reads up to "
                     f"{SCHEMA_VERSION} — upgrade spotguard"
                 )
@@ -272,7 +272,7 @@ class StateDB:
             upgrade_events(conn, self.retention, self.clock())
         except sqlite3.DatabaseError as exc:
             conn.close()
-            raise StateError(
+            raise StateRefused(
                 f"{where} is not a readable spotguard state database ({exc}); it was left as is — "
                 "move it aside to start with an empty state, or restore it from a backup"
             ) from exc
