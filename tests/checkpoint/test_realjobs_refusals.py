@@ -124,7 +124,9 @@ async def test_a_process_whose_session_leader_is_outside_its_pid_namespace_is_re
     a container started without setsid; CI runners) cannot be dumped: CRIU fails with "A
     session leader of N is outside of its pid namespace" even with --shell-job. The
     preflight says so in one line, with the fix, and the process runs on untouched."""
-    outer = await asyncio.create_subprocess_exec("unshare", "--pid", "--fork", "sleep", "60")
+    outer = await asyncio.create_subprocess_exec(  # --kill-child: its sleep dies with it
+        "unshare", "--pid", "--fork", "--kill-child", "sleep", "60"
+    )
     try:
         await wait_for(lambda: len(proctree.tree(outer.pid)) == 2, "the process in its namespace")
         inner = proctree.tree(outer.pid)[1]

@@ -250,7 +250,8 @@ def test_a_session_begun_outside_the_pid_namespace_is_found() -> None:
     assert found.resource.startswith("a session whose session leader is outside")
     assert "setsid" in found.fix
     own = _start([sys.executable, "-c", "print('up', flush=True); import time; time.sleep(60)"])
-    outer = subprocess.Popen(["unshare", "--pid", "--fork", "sleep", "60"], start_new_session=True)
+    inner_argv = ["unshare", "--pid", "--fork", "--kill-child", "sleep", "60"]  # dies with it
+    outer = subprocess.Popen(inner_argv, start_new_session=True)
     try:
         assert not procfacts.session_outside(own.pid)
         for _ in range(100):
