@@ -84,3 +84,16 @@ async def test_webhook_deliveries_pending_at_shutdown_are_logged_with_their_coun
     assert len(lines) == 1, [r.getMessage() for r in caplog.records]
     assert lines[0].__dict__["pending"] == 3
     assert n.sent == 0
+
+
+def test_the_store_is_checked_within_the_prefix_of_a_job_the_agent_protects() -> None:
+    """The documented deploy scopes a VM's role to its own job's prefix (s3:ListBucket with
+    s3:prefix JOB/*): a listing of any other prefix is denied, and the start check made the
+    agent refuse to start there. It lists the first job's images (the assignment's first),
+    and an unused prefix only when no job is named (discovered jobs)."""
+    from spotguard.agent.startup import probe_prefix
+
+    assert probe_prefix(["train-llm", "other"]) == "train-llm/images/"
+    assert probe_prefix(["1234", "podman:web", "Bad Name", "eval"]) == "eval/images/"
+    assert probe_prefix(["podman:web", "/sys/fs/cgroup/x", "eval"]) == "eval/images/"
+    assert probe_prefix([]) == ".spotguard-start-check/"

@@ -188,7 +188,8 @@ class Agent:
                     )  # fmt: skip
                 if assignment.store and self.store == AgentSettings.model_fields["store"].default:
                     self.store = self.pusher.store_url = assignment.store
-            self.store = await startup.check_store(self.store, self.image_settings)
+            named = [*([assignment.job] if assignment else []), *self.settings.job]  # its prefix
+            self.store = await startup.check_store(self.store, self.image_settings, named)
             self.pusher.store_url = self.store  # a file:// store's links resolved, once
             await self.reporter.start()
             try:
@@ -274,8 +275,7 @@ class Agent:
         self._spawn(self.containers.guard(spec) or self._protect(spec), f"protect-{spec}")
 
     def _controller_says(self, answer: Directive) -> None:
-        """An answer of the controller (to a report or a directive poll): the notice
-        handling acts on it (an answer before it exists finds no job to act for)."""
+        """A controller's answer (report, directive poll): for the notice handling, if any."""
         if self.notices is not None:
             self.notices.controller_says(answer)
 

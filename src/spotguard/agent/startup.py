@@ -17,13 +17,14 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import fcntl
 import importlib.util
 import json
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO
 from urllib.parse import unquote, urlparse
@@ -38,6 +39,7 @@ from spotguard.contracts import CheckpointFailedEvent, WireError
 from spotguard.errors import ConfigError, SpotguardError, StoreError, StoreUnavailable
 from spotguard.image import ImageSettings
 from spotguard.image.keys import ImageKeys
+from spotguard.names import check_job_name
 from spotguard.park import local as park_local
 from spotguard.park.settings import ParkSettings
 from spotguard.statedir import StateDir
@@ -92,14 +94,24 @@ def _writable_dir(url: str, root: Path) -> None:
 BUCKET_CHECK_S = 5.0
 
 
-async def _bucket_exists(url: str) -> None:
-    """One listing of an unused prefix: a bucket that does not exist, or that these
-    credentials may not read, is a :class:`ConfigError` now, not a failed image at the first
-    notice; a store that does not answer now (it may come back) is a warning."""
+def probe_prefix(jobs: Sequence[str]) -> str:
+    """The prefix the start check lists: the first of ``jobs`` (the names this agent is told
+    to protect, its assignment's first) that is a store name — in the documented deploy a
+    VM's role may list only its own job's prefix (``JOB/``) — else an unused one."""
+    for name in (j.strip() for j in jobs if not j.strip().isdigit()):  # a pid names no job
+        with contextlib.suppress(ValueError):
+            return f"{check_job_name(name)}/images/"
+    return ".spotguard-start-check/"
+
+
+async def _bucket_exists(url: str, jobs: Sequence[str]) -> None:
+    """One listing of a prefix (:func:`probe_prefix`): a bucket that does not exist, or that
+    these credentials may not read, is a :class:`ConfigError` now, not a failed image at the
+    first notice; a store that does not answer now (it may come back) is a warning."""
     store = open_store(url, retry=RetryPolicy(attempts=1, timeout=BUCKET_CHECK_S))
     try:
         async with asyncio.timeout(BUCKET_CHECK_S):
-            await store.list(".spotguard-start-check/")
+            await store.list(probe_prefix(jobs))
     except (StoreUnavailable, TimeoutError) as exc:
         log.warning(
             "the store does not answer now; going on (images wait for it)",
@@ -118,9 +130,10 @@ def _module_present(name: str) -> bool:
         return False
 
 
-async def check_store(url: str, image: ImageSettings) -> str:
+async def check_store(url: str, image: ImageSettings, jobs: Sequence[str] = ()) -> str:
     """Refuse a store the agent could not write an image to (see the module docstring);
-    returns the URL the agent uses from now on (:func:`resolved_store`)."""
+    returns the URL the agent uses from now on (:func:`resolved_store`). ``jobs``: the names
+    of the jobs it is told to protect (the store is checked within the first one's prefix)."""
     store = open_store(url)  # ConfigError for an unknown scheme or a URL without a bucket
     await store.aclose()
     scheme = urlparse(url).scheme.lower()
@@ -131,7 +144,7 @@ async def check_store(url: str, image: ImageSettings) -> str:
                 f"store {url} needs {module}, which is not installed: "
                 f"pip install 'spotguard[{extra}]'"
             )
-        await _bucket_exists(url)
+        await _bucket_exists(url, jobs)
     elif scheme in ("", "file"):
         await asyncio.to_thread(_writable_dir, url, Path(unquote(urlparse(url).path) or url))
         url = resolved_store(url)
