@@ -15,6 +15,8 @@ from pathlib import Path
 import pytest
 
 import sg_leftovers as leftovers
+from sg_faultcount import pytest_runtest_logreport as pytest_runtest_logreport
+from sg_faultcount import pytest_terminal_summary as pytest_terminal_summary
 
 REQUIRE_CRIU = os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1"
 MIN_TESTS = 1
