@@ -20,7 +20,13 @@ import pytest
 from agent_helpers import Host
 from aiohttp import web
 
+from sgtest import store_servers
 from spotguard.notify import Notification, Notifier, NotifyEvent, NotifySettings
+
+_stores = store_servers()
+s3_bucket = _stores.s3_bucket  # type: ignore[attr-defined]
+fault_proxy = _stores.fault_proxy  # type: ignore[attr-defined]
+FaultProxy = _stores.FaultProxy  # type: ignore[attr-defined]
 
 SPOTGUARD = str(Path(sys.executable).with_name("spotguard"))
 
@@ -97,3 +103,26 @@ def test_the_store_is_checked_within_the_prefix_of_a_job_the_agent_protects() ->
     assert probe_prefix(["1234", "podman:web", "Bad Name", "eval"]) == "eval/images/"
     assert probe_prefix(["podman:web", "/sys/fs/cgroup/x", "eval"]) == "eval/images/"
     assert probe_prefix([]) == ".spotguard-start-check/"
+
+
+async def test_a_store_this_vm_may_read_but_not_write_refuses_to_start_the_agent(
+    host: Host, tmp_path: Path, s3_bucket: str, fault_proxy: FaultProxy
+) -> None:
+    """The bucket exists and lists, but this VM's credentials may not write its job's
+    images (a real moto server behind a proxy that denies the write): the agent refuses to
+    start in one line instead of finding out at the first notice, after the job was
+    stopped. The start check writes one small object under the job's prefix."""
+    fault_proxy.add("PUT", "/train/.spotguard-start-check", "denied", times=5)
+    proc = await asyncio.create_subprocess_exec(
+        SPOTGUARD, "agent", "--store", s3_bucket, "--cloud", "none", "--job", "train",
+        "--state-dir", str(host.state), "--api-listen", "127.0.0.1:0",
+        "--assignment", str(tmp_path / "none.json"), "--exit-when-done",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    _, err = await asyncio.wait_for(proc.communicate(), 60)
+    stderr = err.decode()
+    assert proc.returncode == 2, stderr
+    last = stderr.strip().splitlines()[-1]
+    assert last.startswith("spotguard: error: store s3://") and "AccessDenied" in last, stderr
+    assert "Traceback" not in stderr
+    assert fault_proxy.faults[0].hits >= 1  # the write was tried, and refused

@@ -110,6 +110,7 @@ _ERRORS = {
     "503": (503, "ServiceUnavailable", "injected"),
     "507": (507, "XMinioStorageFull", "injected: storage backend has reached its minimum free"),
     "too-large": (400, "EntityTooLarge", "injected: your proposed upload exceeds the maximum"),
+    "denied": (403, "AccessDenied", "injected: access denied"),
 }
 
 

@@ -94,6 +94,13 @@ def _writable_dir(url: str, root: Path) -> None:
 BUCKET_CHECK_S = 5.0
 
 
+#: listed when no job is named (a discovery-only agent: where it may write is not known yet)
+UNUSED_PREFIX = ".spotguard-start-check/"
+#: the object an agent writes under its first job's prefix at start (one, overwritten): the
+#: store must take an image's writes there (no delete: a VM's role may not have that right)
+START_CHECK = ".spotguard-start-check"
+
+
 def probe_prefix(jobs: Sequence[str]) -> str:
     """The prefix the start check lists: the first of ``jobs`` (the names this agent is told
     to protect, its assignment's first) that is a store name — in the documented deploy a
@@ -101,17 +108,22 @@ def probe_prefix(jobs: Sequence[str]) -> str:
     for name in (j.strip() for j in jobs if not j.strip().isdigit()):  # a pid names no job
         with contextlib.suppress(ValueError):
             return f"{check_job_name(name)}/images/"
-    return ".spotguard-start-check/"
+    return UNUSED_PREFIX
 
 
 async def _bucket_exists(url: str, jobs: Sequence[str]) -> None:
-    """One listing of a prefix (:func:`probe_prefix`): a bucket that does not exist, or that
-    these credentials may not read, is a :class:`ConfigError` now, not a failed image at the
-    first notice; a store that does not answer now (it may come back) is a warning."""
+    """One listing of a prefix (:func:`probe_prefix`) and, within a job's prefix, one small
+    write: a bucket that does not exist, or that these credentials may not read or write, is a
+    :class:`ConfigError` now, not a failed image at the first notice; a store that does not
+    answer now (it may come back) is a warning."""
     store = open_store(url, retry=RetryPolicy(attempts=1, timeout=BUCKET_CHECK_S))
+    prefix = probe_prefix(jobs)
     try:
         async with asyncio.timeout(BUCKET_CHECK_S):
-            await store.list(probe_prefix(jobs))
+            await store.list(prefix)
+            if prefix != UNUSED_PREFIX:  # a job's own prefix: an image must be written there
+                job = prefix.split("/", 1)[0]
+                await store.put(f"{job}/{START_CHECK}", b"written by a spotguard agent's start\n")
     except (StoreUnavailable, TimeoutError) as exc:
         log.warning(
             "the store does not answer now; going on (images wait for it)",
