@@ -202,6 +202,7 @@ def test_a_bad_environment_value_is_a_clear_error(
 PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
 
 
+@pytest.mark.serial  # sets fs.pipe-max-size, which every stream on the host reads
 async def test_a_large_task_never_runs_criu_out_of_descriptors(
     criu_bin: str, settings: CheckpointSettings, tmp_path: Path
 ) -> None:
