@@ -118,6 +118,7 @@ SLOW_FILES = frozenset(
 )
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist reads the xdist_group marks
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A test that needs CRIU (the ``criu_bin`` fixture, directly or through another fixture)
     is marked ``criu``: ``make unit`` (``-m "not criu and not gpu"``) leaves it out."""
