@@ -61,6 +61,7 @@ from spotguard.errors import CriuError, PreflightError, StepTimeout
 
 from .criufind import (
     DEFAULT_LEFTOVER_DEVICES,
+    EXTERNAL_PAGES_FLAG,
     HARMLESS,
     INSTALLED,
     LEFTOVER_DEVICES_ENV,
@@ -72,6 +73,7 @@ from .criufind import (
     default_page_workers,
     find_criu,
     find_plugin_dir,
+    has_external_pages,
     has_page_workers,
     log_tail,
     parse_version,
@@ -81,6 +83,7 @@ from .criufind import (
 
 __all__ = [
     "DEFAULT_LEFTOVER_DEVICES",
+    "EXTERNAL_PAGES_FLAG",
     "INSTALLED",
     "LEFTOVER_DEVICES_ENV",
     "MIN_VERSION",
@@ -92,6 +95,7 @@ __all__ = [
     "default_page_workers",
     "find_criu",
     "find_plugin_dir",
+    "has_external_pages",
     "has_page_workers",
     "log_tail",
     "parse_version",
@@ -248,6 +252,10 @@ class Criu:
             libdir = self._no_plugins
         return ["--libdir", str(libdir)]
 
+    async def has_external_pages(self) -> bool:
+        """Whether this CRIU can leave ranges of memory to spotguard (``--external-pages``)."""
+        return await asyncio.to_thread(has_external_pages, self.path)
+
     async def page_worker_args(self) -> list[str]:
         """``--page-workers N`` when it is on and this CRIU has it, else nothing."""
         if self.page_workers < 2:
@@ -323,8 +331,12 @@ class Criu:
         mount_ns: bool = False,
         ghost_limit: int | None = None,
         external_mounts: Sequence[str] = (),
+        external_pages: Sequence[str] = (),
     ) -> Path:
         """Dump the tree rooted at ``pid`` into ``images_dir``; returns CRIU's log path.
+
+        ``external_pages``: ``PID:START-END`` ranges whose pages CRIU leaves out (spotguard
+        copies them itself, :mod:`.gpupages`); only given where :meth:`has_external_pages`.
 
         ``external_mounts``: ``--external mnt[...]`` options naming the host mounts of the
         job's namespace (:mod:`.mounts`), given before CRIU's own detection.
@@ -352,6 +364,8 @@ class Criu:
             args += ["--ghost-limit", str(ghost_limit)]
         args += self._plugin_args()
         args += await self.page_worker_args()
+        for r in external_pages:
+            args += [EXTERNAL_PAGES_FLAG, r]
         if mount_ns:
             args += [*external_mounts, *_MOUNT_NS_DUMP]
         hook = _FrozenHook(on_frozen) if on_frozen else None

@@ -28,8 +28,10 @@ HARMLESS = ("RLIMIT_NOFILE", "kdat", "Unable to get $HOME")
 #: environment default for :class:`Criu`'s ``page_workers`` (0 or 1: off)
 PAGE_WORKERS_ENV = "SPOTGUARD_CRIU_PAGE_WORKERS"
 PAGE_WORKERS_FLAG = "--page-workers"
-#: (realpath, mtime) -> whether that criu binary has --page-workers
-_PAGE_WORKERS_PROBED: dict[tuple[str, float], bool] = {}
+EXTERNAL_PAGES_FLAG = "--external-pages"
+#: (realpath, mtime) -> that criu binary's --help
+_HELP_PROBED: dict[tuple[str, float], str] = {}
+_TOLD: set[str] = set()
 
 
 def version_of(path: str) -> str | None:
@@ -43,31 +45,45 @@ def version_of(path: str) -> str | None:
     return m.group(1) if m else None
 
 
-def has_page_workers(path: str) -> bool:
-    """Whether the criu at ``path`` has ``--page-workers`` (its ``--help`` lists it); probed
-    once per binary (a reinstalled one is probed again)."""
+def _help_text(path: str) -> str | None:
+    """``criu --help`` of the binary at ``path``, probed once per binary (a reinstalled one is
+    probed again); None if it is not there."""
     real = os.path.realpath(path)
     try:
         key = (real, os.stat(real).st_mtime)
     except OSError:
-        return False
-    if key not in _PAGE_WORKERS_PROBED:
+        return None
+    if key not in _HELP_PROBED:
         try:
             out = subprocess.run(
                 [path, "--help"], capture_output=True, text=True, timeout=10, check=False
             )
-            text = out.stdout + out.stderr
+            _HELP_PROBED[key] = out.stdout + out.stderr
         except (OSError, subprocess.SubprocessError):
-            text = ""
-        _PAGE_WORKERS_PROBED[key] = PAGE_WORKERS_FLAG in text
-        if PAGE_WORKERS_FLAG not in text:
-            log.info(
-                "%s has no %s: processes are dumped and restored one after another "
-                "(scripts/install-criu builds the patched criu)",
-                path,
-                PAGE_WORKERS_FLAG,
-            )
-    return _PAGE_WORKERS_PROBED[key]
+            _HELP_PROBED[key] = ""
+    return _HELP_PROBED[key]
+
+
+def has_page_workers(path: str) -> bool:
+    """Whether the criu at ``path`` has ``--page-workers`` (its ``--help`` lists it)."""
+    text = _help_text(path)
+    if text is None:
+        return False
+    if PAGE_WORKERS_FLAG not in text and path not in _TOLD:
+        _TOLD.add(path)
+        log.info(
+            "%s has no %s: processes are dumped and restored one after another "
+            "(scripts/install-criu builds the patched criu)",
+            path,
+            PAGE_WORKERS_FLAG,
+        )
+    return PAGE_WORKERS_FLAG in text
+
+
+def has_external_pages(path: str) -> bool:
+    """Whether the criu at ``path`` has ``--external-pages`` (spotguard's patch 0004: the
+    GPU memory the driver staged is then moved by spotguard, :mod:`.gpupages`)."""
+    return EXTERNAL_PAGES_FLAG in (_help_text(path) or "")
 
 
 def default_page_workers() -> int:

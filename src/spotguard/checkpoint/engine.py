@@ -15,8 +15,10 @@ Freeze (dump)::
   released (all ranks at once) before the GPU lock, rebuilt after resume/restore (:mod:`.ncclctl`).
 * GPU lock and checkpoint run for every GPU process at once; the driver must release the GPU
   before CRIU freezes the tree (it does its work through a thread of the job itself).
-* ``criu_dump`` freezes and dumps the tree; while it is still frozen, ``capture_files``
-  snapshots the job's output files into the image (see :mod:`.files`).
+* ``criu_dump`` freezes and dumps the tree; while it is still frozen, ``gpu_pages`` copies the
+  GPU memory the driver staged in host memory, which CRIU was told to leave out, with
+  several threads (:mod:`.gpupages`; restore writes it back right after ``criu_restore``),
+  and ``capture_files`` snapshots the job's output files into the image (see :mod:`.files`).
 * ``resume`` (leave-running) brings the GPU state back and unlocks; in ``exit`` mode the
   image is completed (``finish``) while the tree is still frozen, and only then does CRIU
   kill it — a failure up to that point leaves the job running.
@@ -37,7 +39,8 @@ bring-back and recovery. A park's restore (``record=``) holds the marker too, it
 commit the last step. What :meth:`Engine.recover` does per operation: :mod:`.recovery`.
 
 Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore``
-─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock`` ─► ``nccl_rebuild`` ─► finish.
+─► ``gpu_pages`` ─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock``
+─► ``nccl_rebuild`` ─► finish.
 
 Every step is timed in a :class:`~spotguard.timeline.Timeline`, which goes into the result
 and the image's metadata. Tests inject failures through :class:`Faults` (consulted before
@@ -56,10 +59,23 @@ from pathlib import Path
 
 from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
+from spotguard.image.settings import DEFAULT_CHUNK_SIZE as CHUNK
 from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
-from . import files, mounts, nccl, ncclctl, procfacts, proctree, recovery, restart, scan, suspend
+from . import (
+    files,
+    gpupages,
+    mounts,
+    nccl,
+    ncclctl,
+    procfacts,
+    proctree,
+    recovery,
+    restart,
+    scan,
+    suspend,
+)
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
 from .jobs import JobInfo, link_job_dir, own_mount_ns, own_net_ns
@@ -93,6 +109,7 @@ FREEZE_STEPS = (
     "gpu_lock",
     "gpu_checkpoint",
     "criu_dump",
+    "gpu_pages",
     "capture_files",
     "gpu_restore",
     "gpu_unlock",
@@ -104,6 +121,7 @@ RESTORE_STEPS = (
     "preflight",
     "put_files",
     "criu_restore",
+    "gpu_pages",
     "gpu_restore",
     "gpu_unlock",
     "nccl_rebuild",
@@ -198,6 +216,10 @@ class Engine:
                 nccl_touched = True
                 released = await self.nccl.release(job.name, awake, s.gpu_lock_timeout)
                 ns.detail.update(released.to_json())
+            carry = bool(active) and s.gpu_pages == "spotguard"
+            carry = carry and await self.criu.has_external_pages()
+            before = {p: gpupages.writable_anon(p) for p in active} if carry else {}
+            staged: list[gpupages.Range] = []
             if active:
                 with tl.step("gpu_lock", pids=active):
                     await self.faults.before("gpu_lock")
@@ -205,6 +227,7 @@ class Engine:
                 with tl.step("gpu_checkpoint", pids=active):
                     await self.faults.before("gpu_checkpoint")
                     await self.gpu.checkpoint(active)
+                staged = gpupages.staged_ranges(before)
             host = HostFacts.probe(criu_version)
             meta = ImageMeta(
                 job=job.to_json(),
@@ -231,6 +254,11 @@ class Engine:
 
             async def on_frozen() -> None:
                 # CRIU has written the image; the tree is still frozen.
+                if carry:  # the GPU memory CRIU left out, copied while nothing can change it
+                    with tl.step("gpu_pages", ranges=len(staged)) as gs:
+                        await self.faults.before("gpu_pages")
+                        meta.gpu_pages = await gpupages.save(target, staged, ns_of, chunk=CHUNK)
+                        gs.detail["bytes"] = sum(r.size for r in staged)
                 with tl.step("capture_files") as cs:
                     await self.faults.before("capture_files")
                     paths = files.candidates(job.dir, proctree.writable_files(tree))
@@ -264,6 +292,7 @@ class Engine:
                     mount_ns=meta.mount_ns,
                     ghost_limit=s.ghost_limit,
                     external_mounts=survey.dump_args() if survey is not None else (),
+                    external_pages=[r.criu_arg() for r in staged],
                 )
                 if not target.stream:
                     ds.detail["bytes"] = dir_bytes(images_dir)
@@ -448,6 +477,10 @@ class Engine:
                 )
             if marker is not None:
                 marker.update(gpu_pids=gpu_pids, tree=[*by_ns.values()], job_pid=pid)
+            if meta.gpu_pages:  # the GPU memory the driver staged, back before it reads it
+                with tl.step("gpu_pages", ranges=len(meta.gpu_pages)) as gs:
+                    await self.faults.before("gpu_pages")
+                    gs.detail["bytes"] = await gpupages.load(source, meta.gpu_pages, by_ns)
             suspend.continue_stopped(list(by_ns.values()))  # the driver needs them running
             if gpu_pids:
                 with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}):

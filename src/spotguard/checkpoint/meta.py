@@ -21,10 +21,13 @@ from spotguard.modes import Mode
 from spotguard.names import check_job_name
 
 from .files import CapturedFile
+from .gpupages import GpuPages
 from .mounts import JobMount
 
 META_NAME = "spotguard-image.json"
-META_SCHEMA = 3  # 2: carried files record open_for_writing, uid and gid; 3: host mounts
+#: 2: carried files record open_for_writing, uid and gid; 3: host mounts; 4: GPU memory
+#: carried beside CRIU (``gpu_pages``)
+META_SCHEMA = 4
 MAX_META_BYTES = 64 << 20
 
 
@@ -51,6 +54,9 @@ class ImageMeta:
     #: the local ports of its listening TCP sockets, when it shared the host's network
     #: namespace (restore clears TIME_WAIT connections off them); empty in older images
     listen_ports: list[int] = field(default_factory=list)
+    #: the GPU memory the driver staged, copied by spotguard beside CRIU's files
+    #: (:mod:`.gpupages`); empty in older images and where CRIU moved it
+    gpu_pages: list[GpuPages] = field(default_factory=list)
     schema: int = META_SCHEMA
 
     def to_json(self) -> dict[str, Any]:
@@ -70,6 +76,7 @@ class ImageMeta:
             "mount_ns": self.mount_ns,
             "mounts": [m.to_json() for m in self.mounts],
             "listen_ports": self.listen_ports,
+            "gpu_pages": [g.to_json() for g in self.gpu_pages],
         }
 
     @classmethod
@@ -99,7 +106,8 @@ class ImageMeta:
             mount_ns=bool(d.get("mount_ns", False)),
             mounts=[JobMount.from_json(m) for m in d.get("mounts", [])],
             listen_ports=[_port(p) for p in d.get("listen_ports", [])],
-            schema=int(d.get("schema", META_SCHEMA)),
+            gpu_pages=_gpu_pages(d.get("gpu_pages", []), d.get("gpu_processes", [])),
+            schema=_schema(d.get("schema", META_SCHEMA)),
         )
 
     def write(self, images_dir: Path) -> Path:
@@ -127,6 +135,41 @@ class ImageMeta:
             raise ImageNotFound(msg) from exc
         except (OSError, ValueError, KeyError, TypeError, RecursionError, UnsafePath) as exc:
             raise ImageError(f"{path} is unreadable: {str(exc)[:200]}") from exc
+
+
+def _schema(value: object) -> int:
+    """The image's schema; a newer one than this spotguard knows is refused (it may carry
+    state this version would silently leave out, such as GPU memory beside CRIU's files)."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"schema: {value!r} is not a number")
+    if value > META_SCHEMA:
+        raise ValueError(
+            f"image schema {value} is newer than this spotguard reads ({META_SCHEMA}): "
+            "upgrade spotguard on this host"
+        )
+    return value
+
+
+def _gpu_pages(raw: object, gpu_processes: object) -> list[GpuPages]:
+    """The carried GPU memory ranges: each of a GPU process, none overlapping another."""
+    if not isinstance(raw, list) or len(raw) > 1024:
+        raise ValueError("gpu_pages: not a list")
+    pages = [GpuPages.from_json(g) for g in raw]
+    owners = set(gpu_processes) if isinstance(gpu_processes, list) else set()
+    seen: dict[int, list[tuple[int, int]]] = {}
+    names: set[str] = set()
+    for g in pages:
+        if g.ns_pid not in owners:
+            raise ValueError(f"gpu_pages: pid {g.ns_pid} held no GPU state")
+        for lo, hi in seen.get(g.ns_pid, []):
+            if g.start < hi and lo < g.end:
+                raise ValueError(f"gpu_pages: ranges of pid {g.ns_pid} overlap")
+        seen.setdefault(g.ns_pid, []).append((g.start, g.end))
+        for p in g.parts:
+            if p.name in names:
+                raise ValueError(f"gpu_pages: part {p.name} named twice")
+            names.add(p.name)
+    return pages
 
 
 def _port(value: object) -> int:

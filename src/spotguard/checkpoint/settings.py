@@ -108,6 +108,14 @@ class CheckpointSettings(Settings):
             "CRIU supports --stream, else stage; on: always; off: stage in tmpfs/disk, then push)"
         ),
     )
+    gpu_pages: Literal["spotguard", "criu"] = Field(
+        default="spotguard",
+        description=(
+            "Who moves the GPU memory the driver staged in host memory: spotguard, several "
+            "threads at once beside CRIU (needs spotguard's CRIU; else CRIU), or CRIU, one "
+            "pipe per process"
+        ),
+    )
     max_file_bytes: int = Field(
         default=1024 * 1024 * 1024,
         ge=0,

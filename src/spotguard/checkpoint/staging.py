@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import mmap
 import os
 import shutil
 from dataclasses import asdict, dataclass
@@ -23,9 +24,11 @@ from typing import Any, Protocol
 import psutil
 
 from spotguard import safefs
-from spotguard.errors import CheckpointError
+from spotguard.errors import CheckpointError, ImageError
+from spotguard.image import memops
 
 from . import seal
+from .gpupages import PageFill, PagePut, check_part_name
 from .meta import META_NAME, ImageMeta
 
 log = logging.getLogger(__name__)
@@ -72,6 +75,12 @@ class DumpTarget(Protocol):
         to do where CRIU wrote files."""
         ...
 
+    async def put_pages(self, name: str, size: int, fill: PageFill) -> None:
+        """Add file ``name`` of ``size`` bytes to the image, its bytes put by
+        ``fill(offset, view)`` (called in a worker thread, one buffer after another): the
+        GPU memory spotguard copies beside CRIU (:mod:`.gpupages`). Several run at once."""
+        ...
+
     async def finish(self, meta: ImageMeta) -> None:
         """The dump succeeded: record ``meta`` and make the image complete."""
         ...
@@ -97,6 +106,12 @@ class RestoreSource(Protocol):
 
     async def start(self) -> ImageMeta:
         """Make the image available (download, verify, serve) and return its metadata."""
+        ...
+
+    async def get_pages(self, name: str, size: int, put: PagePut) -> None:
+        """Hand file ``name`` (which must hold exactly ``size`` bytes) to ``put(offset,
+        view)`` (called in a worker thread), every byte verified first; all-zero stretches
+        may be left out (the memory they go to already reads zero)."""
         ...
 
     async def finish(self) -> None: ...
@@ -226,6 +241,12 @@ class DirectoryTarget:
     async def drain(self) -> None:
         """CRIU wrote files: nothing is left in a pipe."""
 
+    async def put_pages(self, name: str, size: int, fill: PageFill) -> None:
+        """A file of the directory, written in one thread buffer by buffer (sealed with the
+        rest by :meth:`finish`)."""
+        path = self.images_dir / check_part_name(name)
+        await asyncio.to_thread(_write_part, path, size, fill)
+
     async def finish(self, meta: ImageMeta) -> None:
         """Write the metadata, then seal the directory under the host's key
         (:mod:`.seal`): a local image restores only as it was dumped."""
@@ -288,8 +309,57 @@ class DirectorySource:
             self.authenticated = bool(self.verified_by)
         return ImageMeta.read(self.path)
 
+    async def get_pages(self, name: str, size: int, put: PagePut) -> None:
+        """The directory's file (its seal was verified by :meth:`start`)."""
+        path = self.path / check_part_name(name)
+        await asyncio.to_thread(_read_part, path, size, put)
+
     async def finish(self) -> None:
         return None
 
     async def abort(self) -> None:
         return None
+
+
+#: bytes one buffer of :func:`_write_part` / :func:`_read_part` holds
+PART_BUFFER = 64 << 20
+
+
+def _write_part(path: Path, size: int, fill: PageFill) -> None:
+    buf = mmap.mmap(-1, min(PART_BUFFER, max(size, 1)))
+    view = memoryview(buf)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
+    try:
+        for off in range(0, size, len(buf)):
+            n = min(len(buf), size - off)
+            fill(off, view[:n])
+            done = 0
+            while done < n:
+                done += os.pwrite(fd, view[done:n], off + done)
+    finally:
+        os.close(fd)
+        view.release()
+        buf.close()
+
+
+def _read_part(path: Path, size: int, put: PagePut) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+    buf = mmap.mmap(-1, min(PART_BUFFER, max(size, 1)))
+    view = memoryview(buf)
+    try:
+        if os.fstat(fd).st_size != size:
+            raise ImageError(f"{path} holds {os.fstat(fd).st_size} bytes, the image says {size}")
+        for off in range(0, size, len(buf)):
+            n = min(len(buf), size - off)
+            got = 0
+            while got < n:
+                r = os.preadv(fd, [view[got:n]], off + got)
+                if r <= 0:
+                    raise ImageError(f"{path} ends at {off + got} of {size} bytes")
+                got += r
+            if not memops.is_zero(view[:n]):
+                put(off, view[:n])
+    finally:
+        os.close(fd)
+        view.release()
+        buf.close()

@@ -10,6 +10,7 @@ stores, codecs or manifests; :mod:`spotguard.image.writer` owns the pipeline it 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from spotguard.errors import ImageError
@@ -178,6 +179,28 @@ class FileSink:
             await self._w.submit_chunk(self, lease.view[:n], lease)
             if n < cs:
                 return
+
+    async def produce(self, size: int, fill: Callable[[int, memoryview], None]) -> None:
+        """Write ``size`` bytes that ``fill(offset, view)`` puts straight into each pooled
+        chunk buffer (in a worker thread; no other copy), then close the file. For bytes a
+        producer copies in itself, such as another process's memory (:mod:`spotguard.
+        checkpoint.gpupages`)."""
+        if self.size or self._small or self._lease is not None:
+            raise ImageError(f"file {self.name!r}: produce() on a file already written to")
+        cs = self._w.chunk_size
+        for off in range(0, size, cs):
+            n = min(cs, size - off)
+            lease = await self._w.acquire_input()
+            try:
+                await asyncio.to_thread(fill, off, lease.view[:n])
+                self._raise_if_closed()
+                self._w.raise_if_failed()
+            except BaseException:
+                lease.release()
+                raise
+            self.size += n
+            await self._w.submit_chunk(self, lease.view[:n], lease)
+        await self.close()
 
     def drop(self) -> None:
         """The write is abandoned: give back a half-filled buffer."""

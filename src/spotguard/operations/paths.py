@@ -49,6 +49,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from spotguard.checkpoint import seal
 from spotguard.checkpoint.engine import Engine, FreezeResult, Mode
+from spotguard.checkpoint.gpupages import PageFill
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.meta import ImageMeta
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -264,6 +265,9 @@ class _RecordingTarget:
 
     async def drain(self) -> None:
         await self.inner.drain()
+
+    async def put_pages(self, name: str, size: int, fill: PageFill) -> None:
+        await self.inner.put_pages(name, size, fill)
 
     async def finish(self, meta: ImageMeta) -> None:
         await self.inner.finish(meta)

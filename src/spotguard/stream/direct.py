@@ -36,6 +36,7 @@ from spotguard.stream.serve import Serve, ServeStats
 from spotguard.timeline import Step, Timeline
 
 if TYPE_CHECKING:
+    from spotguard.checkpoint.gpupages import PageFill, PagePut
     from spotguard.checkpoint.meta import ImageMeta
     from spotguard.checkpoint.staging import StagingPlan
     from spotguard.image.buffers import Lease, OwnedChunk
@@ -267,6 +268,16 @@ class StreamTarget:
                 "(store too slow or unreachable); no manifest written"
             ) from exc
 
+    async def put_pages(self, name: str, size: int, fill: PageFill) -> None:
+        """A file of the image whose chunk buffers ``fill`` writes straight into; its chunks
+        are hashed, compressed and stored in the writer's pipeline like CRIU's files."""
+        from spotguard.checkpoint.gpupages import check_part_name
+
+        if self._writer is None or self._sink is None:
+            raise StreamError("StreamTarget used before start()")
+        sink = self._writer.file(check_part_name(name), mode=0o600)
+        await sink.produce(size, fill)
+
     async def finish(self, meta: ImageMeta) -> None:
         """CRIU wrote the image (it waits frozen in post-dump, or exited 0): wait for the last
         pieces, add the extras, commit the manifest — within ``finish_timeout`` seconds (a
@@ -436,6 +447,33 @@ class StreamSource:
             await self.abort()
             raise
         return meta
+
+    async def get_pages(self, name: str, size: int, put: PagePut) -> None:
+        """The file's chunks, each verified against its authenticated address as it is read
+        (several read ahead); all-zero chunks are not fetched and not handed on."""
+        from spotguard.checkpoint.gpupages import check_part_name
+
+        if self._reader is None:
+            raise StreamError("StreamSource used before start()")
+        reader = self._reader
+        refs = reader.manifest.file(check_part_name(name)).chunks
+        if sum(r.size for r in refs) != size:
+            raise ImageError(f"{self.image_url}: {name} does not hold the {size} bytes it should")
+        zero = reader.codec.zero_address
+        off = 0
+        chunks = reader.iter_file_owned(name)
+        try:
+            for ref in refs:
+                chunk = await anext(chunks)
+                try:
+                    if ref.digest != zero(ref.size):
+                        with memoryview(chunk.map) as view:
+                            await asyncio.to_thread(put, off, view[: chunk.size])
+                finally:
+                    chunk.close()
+                off += ref.size
+        finally:
+            await chunks.aclose()  # type: ignore[attr-defined]
 
     async def finish(self) -> None:
         """CRIU restore exited 0: every file it asked for has been fed."""

@@ -1,0 +1,343 @@
+"""The GPU memory the driver staged in host memory, moved by spotguard beside CRIU, in parallel.
+
+After ``cuCheckpointProcessCheckpoint`` the device memory of a GPU process sits in host memory
+the driver mapped for it: one anonymous private mapping the size of the process's GPU memory
+(docs/benchmarks.md, "Huge pages for the driver's checkpoint"). CRIU moves a process's pages
+through one pipe, one thread each way: a 40 GiB process dumped at ~3 GB/s and paged in at
+~2.4 GB/s, however many cores the machine has. So spotguard moves those pages itself:
+
+* **freeze** — the address ranges that became writable anonymous memory during the driver's
+  checkpoint (:func:`writable_anon` before, :func:`staged_ranges` after) are named to CRIU
+  with ``--external-pages PID:START-END`` (spotguard's CRIU patch 0004: it writes no pages for
+  them) and, while CRIU holds the tree frozen, read with ``process_vm_readv`` by several
+  threads into image files of their own (``gpupages-NSPID-START-K``, one per part, each part
+  its own stream of chunks through the image writer: hashed, compressed and stored in
+  parallel like every file of the image);
+* **restore** — CRIU restores each range as a mapping with no pages yet; before the driver's
+  restore reads it, the parts are fetched (every chunk verified against its authenticated
+  address) and written back with ``process_vm_writev`` by several threads. All-zero chunks
+  are not written: the fresh mapping already reads zero.
+
+Reading only while the tree is frozen makes the copy exact whoever mapped the range (a thread
+of the job mapping memory during the checkpoint included). The ranges, their parts and sizes
+are in the image's metadata (:class:`GpuPages`, schema 4); an older image has none and
+restores as before. Where CRIU lacks the option or ``[checkpoint] gpu_pages = "criu"``, CRIU
+moves the pages as it always did.
+
+Why ``process_vm_readv``/``writev`` through ``ctypes``: no maintained library wraps them, and
+the call releases the GIL, so the threads copy on separate cores.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import logging
+import os
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from spotguard.errors import CheckpointError, ImageError
+
+log = logging.getLogger(__name__)
+
+#: a range smaller than this stays with CRIU (not worth a file of its own)
+MIN_RANGE_BYTES = 64 << 20
+#: the most threads copying at once
+MAX_WORKERS = 8
+#: bytes moved by one process_vm_readv/writev call
+_STEP = 64 << 20
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_PART_NAME = re.compile(r"gpupages-[0-9]+-[0-9a-f]+-[0-9]+")
+
+#: fill(offset, view): put the part's bytes at ``offset`` into ``view`` (runs in a thread)
+PageFill = Callable[[int, memoryview], None]
+#: put(offset, view): write ``view`` at ``offset`` of the part into the job (runs in a thread)
+PagePut = Callable[[int, memoryview], None]
+
+
+class PagesTarget(Protocol):
+    async def put_pages(self, name: str, size: int, fill: PageFill) -> None: ...
+
+
+class PagesSource(Protocol):
+    async def get_pages(self, name: str, size: int, put: PagePut) -> None: ...
+
+
+@dataclass(frozen=True)
+class Range:
+    """``[start, end)`` of host process ``pid``'s memory."""
+
+    pid: int
+    start: int
+    end: int
+
+    @property
+    def size(self) -> int:
+        return self.end - self.start
+
+    def criu_arg(self) -> str:
+        return f"{self.pid}:{self.start:x}-{self.end:x}"
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str
+    offset: int  # from the range's start
+    size: int
+
+
+@dataclass(frozen=True)
+class GpuPages:
+    """One range carried beside CRIU, as the image's metadata records it."""
+
+    ns_pid: int
+    start: int
+    end: int
+    parts: tuple[Part, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ns_pid": self.ns_pid,
+            "start": self.start,
+            "end": self.end,
+            "parts": [{"name": p.name, "offset": p.offset, "size": p.size} for p in self.parts],
+        }
+
+    @classmethod
+    def from_json(cls, d: object) -> GpuPages:
+        """Parse and check one entry: page-aligned, parts that tile the range exactly and
+        carry the names this module gives (``ValueError`` otherwise)."""
+        if not isinstance(d, dict):
+            raise ValueError(f"gpu_pages: {d!r} is not an object")
+        ns_pid, start, end = d.get("ns_pid"), d.get("start"), d.get("end")
+        for v in (ns_pid, start, end):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"gpu_pages: {d!r} has a bad pid or address")
+        assert isinstance(ns_pid, int) and isinstance(start, int) and isinstance(end, int)
+        if ns_pid < 1 or start >= end or (start | end) % _PAGE or end > 1 << 57:
+            raise ValueError(f"gpu_pages: {start:#x}-{end:#x} of pid {ns_pid} is not a range")
+        raw = d.get("parts")
+        if not isinstance(raw, list) or not raw or len(raw) > 4096:
+            raise ValueError("gpu_pages: no parts")
+        parts: list[Part] = []
+        at = 0
+        for p in raw:
+            if not isinstance(p, dict):
+                raise ValueError(f"gpu_pages: part {p!r} is not an object")
+            name, off, size = p.get("name"), p.get("offset"), p.get("size")
+            if not isinstance(name, str) or not _PART_NAME.fullmatch(name):
+                raise ValueError(f"gpu_pages: part name {name!r}")
+            if off != at or isinstance(size, bool) or not isinstance(size, int) or size <= 0:
+                raise ValueError(f"gpu_pages: part {name} does not follow the one before")
+            parts.append(Part(name, at, size))
+            at += size
+        if at != end - start:
+            raise ValueError(f"gpu_pages: parts hold {at} bytes of a {end - start}-byte range")
+        return cls(ns_pid, start, end, tuple(parts))
+
+
+def check_part_name(name: str) -> str:
+    """``name`` if it is a part's name (a plain file name this module gives), else ImageError."""
+    if not _PART_NAME.fullmatch(name):
+        raise ImageError(f"{name!r} is not a part of carried GPU memory")
+    return name
+
+
+# --- which ranges -------------------------------------------------------------------------
+def _maps(pid: int) -> list[tuple[int, int, str, bool]]:
+    """(start, end, perms, anonymous) of every mapping of ``pid``."""
+    out: list[tuple[int, int, str, bool]] = []
+    with open(f"/proc/{pid}/maps", encoding="ascii", errors="replace") as f:
+        for line in f:
+            fields = line.split(maxsplit=5)
+            lo, _, hi = fields[0].partition("-")
+            anon = len(fields) < 6 and fields[4] == "0"
+            out.append((int(lo, 16), int(hi, 16), fields[1], anon))
+    return out
+
+
+def writable_anon(pid: int) -> list[tuple[int, int]]:
+    """The writable private anonymous ranges of ``pid`` now (empty if it is gone)."""
+    try:
+        return [(lo, hi) for lo, hi, perms, anon in _maps(pid) if anon and perms == "rw-p"]
+    except (OSError, ValueError, IndexError):
+        return []
+
+
+def _minus(ranges: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """``ranges`` without any address in ``cut`` (both sorted, each without overlaps)."""
+    out: list[tuple[int, int]] = []
+    for lo, hi in ranges:
+        at = lo
+        for clo, chi in cut:
+            if chi <= at or clo >= hi:
+                continue
+            if clo > at:
+                out.append((at, clo))
+            at = max(at, chi)
+        if at < hi:
+            out.append((at, hi))
+    return out
+
+
+def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    out: list[tuple[int, int]] = []
+    for lo, hi in sorted(ranges):
+        if out and lo <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], hi))
+        else:
+            out.append((lo, hi))
+    return out
+
+
+def staged_ranges(
+    before: Mapping[int, list[tuple[int, int]]], min_bytes: int = MIN_RANGE_BYTES
+) -> list[Range]:
+    """For each pid of ``before`` (its :func:`writable_anon` before the driver's checkpoint):
+    the writable anonymous memory it has now that it did not have then, in ranges of at least
+    ``min_bytes`` — what the driver staged the GPU memory in."""
+    found: list[Range] = []
+    for pid, old in before.items():
+        new = _minus(_merged(writable_anon(pid)), _merged(old))
+        found += [Range(pid, lo, hi) for lo, hi in new if hi - lo >= min_bytes]
+    return found
+
+
+def default_workers() -> int:
+    return max(2, min(MAX_WORKERS, (os.cpu_count() or 2) // 2))
+
+
+def split(r: Range, ns_pid: int, workers: int, chunk: int) -> GpuPages:
+    """Cut ``r`` into up to ``workers`` parts of whole chunks (the last takes the rest)."""
+    chunks = -(-r.size // chunk)
+    n = max(1, min(workers, chunks))
+    per = -(-chunks // n) * chunk
+    parts = []
+    for i, off in enumerate(range(0, r.size, per)):
+        name = f"gpupages-{ns_pid}-{r.start:x}-{i}"
+        parts.append(Part(name, off, min(per, r.size - off)))
+    return GpuPages(ns_pid, r.start, r.end, tuple(parts))
+
+
+# --- moving the bytes ---------------------------------------------------------------------
+class _Iovec(ctypes.Structure):
+    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_readv = _libc.process_vm_readv
+_writev = _libc.process_vm_writev
+for _fn in (_readv, _writev):
+    _fn.restype = ctypes.c_ssize_t
+    _fn.argtypes = (
+        ctypes.c_int,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.POINTER(_Iovec),
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    )
+
+
+def _move(call: Any, what: str, pid: int, addr: int, view: memoryview) -> None:
+    """Copy all of ``view`` from (readv) or to (writev) ``addr`` in ``pid``."""
+    n = len(view)
+    holder = (ctypes.c_char * n).from_buffer(view)
+    try:
+        base = ctypes.addressof(holder)
+        done = 0
+        while done < n:
+            step = min(_STEP, n - done)
+            local = _Iovec(base + done, step)
+            remote = _Iovec(addr + done, step)
+            got = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
+            if got <= 0:
+                err = ctypes.get_errno()
+                raise OSError(err, f"{what} of pid {pid} at {addr + done:#x}: {os.strerror(err)}")
+            done += got
+    finally:
+        del holder
+
+
+def read_memory(pid: int, addr: int, view: memoryview) -> None:
+    _move(_readv, "process_vm_readv", pid, addr, view)
+
+
+def write_memory(pid: int, addr: int, view: memoryview) -> None:
+    _move(_writev, "process_vm_writev", pid, addr, view)
+
+
+async def save(
+    target: PagesTarget,
+    ranges: Sequence[Range],
+    ns_of: Mapping[int, int],
+    *,
+    chunk: int,
+    workers: int | None = None,
+) -> list[GpuPages]:
+    """Copy ``ranges`` (the tree frozen) into the image, ``workers`` parts at once; return
+    what the metadata records."""
+    k = workers or default_workers()
+    plan = [(r, split(r, ns_of[r.pid], k, chunk)) for r in ranges]
+    gate = asyncio.Semaphore(k)
+
+    async def one(r: Range, part: Part) -> None:
+        def fill(off: int, view: memoryview) -> None:
+            read_memory(r.pid, r.start + part.offset + off, view)
+
+        async with gate:
+            await target.put_pages(part.name, part.size, fill)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for r, gp in plan:
+                for part in gp.parts:
+                    tg.create_task(one(r, part))
+    except* OSError as eg:
+        raise CheckpointError(f"copying the GPU memory staged in host memory failed: "
+                              f"{eg.exceptions[0]}") from eg.exceptions[0]  # fmt: skip
+    total = sum(r.size for r in ranges)
+    log.info("staged GPU memory copied", extra={"ranges": len(ranges), "bytes": total})
+    return [gp for _, gp in plan]
+
+
+async def load(
+    source: PagesSource,
+    pages: Sequence[GpuPages],
+    host_pid: Mapping[int, int],
+    *,
+    workers: int | None = None,
+) -> int:
+    """Write every part back into the restored processes (``host_pid``: namespace pid →
+    host pid), ``workers`` parts at once; return the bytes written."""
+    k = workers or default_workers()
+    gate = asyncio.Semaphore(k)
+    for gp in pages:
+        if gp.ns_pid not in host_pid:
+            raise ImageError(f"the image carries GPU memory of pid {gp.ns_pid}, not restored")
+
+    async def one(gp: GpuPages, part: Part) -> None:
+        pid = host_pid[gp.ns_pid]
+
+        def put(off: int, view: memoryview) -> None:
+            if off < 0 or off + len(view) > part.size:
+                raise ImageError(f"{part.name}: {len(view)} bytes at {off} outside the part")
+            write_memory(pid, gp.start + part.offset + off, view)
+
+        async with gate:
+            await source.get_pages(part.name, part.size, put)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for gp in pages:
+                for part in gp.parts:
+                    tg.create_task(one(gp, part))
+    except* OSError as eg:
+        raise CheckpointError(f"writing the staged GPU memory back failed: "
+                              f"{eg.exceptions[0]}") from eg.exceptions[0]  # fmt: skip
+    except* ImageError as eg:
+        raise eg.exceptions[0] from None
+    return sum(gp.end - gp.start for gp in pages)

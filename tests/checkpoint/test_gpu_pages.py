@@ -1,0 +1,330 @@
+"""The GPU memory the driver stages in host memory, moved by spotguard beside CRIU
+(:mod:`spotguard.checkpoint.gpupages`), with real CRIU and real processes.
+
+The stand-in for the driver: a job that, told "checkpoint" (SIGUSR1), maps a fresh anonymous
+range and fills it — as ``cuCheckpointProcessCheckpoint`` stages device memory — and told
+"restore" (SIGUSR2) checks every byte of it and unmaps it, as the driver's restore does. The
+range must come back exact through CRIU's restore, having never been in CRIU's pages."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import signal
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sgtest import until
+from spotguard.checkpoint import gpupages
+from spotguard.checkpoint.criu import Criu, has_external_pages
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import JobInfo, start_job
+from spotguard.checkpoint.meta import ImageMeta
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.testing import RecordingGpu
+from spotguard.errors import ImageError, SpotguardError
+from spotguard.image import ImageSettings
+from spotguard.image.reader import ImageReader
+from spotguard.stream import StreamSource, StreamTarget
+from spotguard.timeline import Step, Timeline
+
+MIB = 1 << 20
+#: the staged range: a quarter left zero (never written), the rest stamped per page
+STAGED_MIB = 192
+
+JOB = """
+import ctypes, mmap, os, signal, sys, time
+here, n = sys.argv[1], int(sys.argv[2]) << 20
+held = {}
+
+def stamp(off):
+    return b"%016x" % (off * 2654435761 % (1 << 64))
+
+def staged(sig, frame):
+    m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for off in range(n // 4, n, 4096):
+        m[off:off + 16] = stamp(off)
+    c = ctypes.c_char.from_buffer(m)
+    addr = ctypes.addressof(c)
+    del c
+    held["m"] = m
+    open(os.path.join(here, "staged"), "w").write("%x %x\\n" % (addr, addr + n))
+
+def restored(sig, frame):
+    m = held.pop("m")
+    ok = all(m[off:off + 16] == stamp(off) for off in range(n // 4, n, 4096))
+    ok = ok and m[: n // 4] == bytes(n // 4)
+    m.close()
+    open(os.path.join(here, "checked"), "a").write("ok\\n" if ok else "BAD\\n")
+
+signal.signal(signal.SIGUSR1, staged)
+signal.signal(signal.SIGUSR2, restored)
+i = 0
+while True:
+    print(i, flush=True)
+    i += 1
+    time.sleep(0.02)
+"""
+
+
+class StagingGpu(RecordingGpu):
+    """RecordingGpu whose checkpoint and restore make the job stage and check its range."""
+
+    def __init__(self, here: Path) -> None:
+        super().__init__(select=lambda pids: [p for p in pids if _is_job(p)][:1])
+        self.here = here
+
+    async def checkpoint(self, pids: Sequence[int]) -> None:
+        await super().checkpoint(pids)
+        for p in pids:
+            os.kill(p, signal.SIGUSR1)
+        await until(lambda: (self.here / "staged").exists(), "the job staging its range")
+
+    async def restore(self, pids: Sequence[int], remap: object = None) -> None:
+        await super().restore(pids)
+        had = self.checks()
+        for p in pids:
+            os.kill(p, signal.SIGUSR2)
+        await until(lambda: len(self.checks()) > len(had), "the job checking its range")
+
+    def checks(self) -> list[str]:
+        path = self.here / "checked"
+        return path.read_text().split() if path.exists() else []
+
+
+@pytest.fixture
+def here(tmp_path: Path) -> Path:
+    d = tmp_path / "here"
+    d.mkdir()
+    return d
+
+
+@pytest.fixture
+def patched(criu_bin: str) -> str:
+    if not has_external_pages(criu_bin):
+        pytest.fail(f"{criu_bin} has no --external-pages: run scripts/install-criu")
+    return criu_bin
+
+
+async def _start(tmp_path: Path, here: Path, name: str) -> JobInfo:
+    script = tmp_path / "staging_job.py"
+    script.write_text(JOB)
+    argv = [sys.executable, str(script), str(here), str(STAGED_MIB)]
+    job = await start_job(argv, name, state_dir=tmp_path / "state")
+    await until(lambda: _count(job) > 3, "the job's first lines")
+    return job
+
+
+def _is_job(pid: int) -> bool:
+    """The job's Python process (the tree's root is spotguard's job init)."""
+    with contextlib.suppress(psutil.Error):
+        argv = psutil.Process(pid).cmdline()
+        return len(argv) > 1 and argv[1].endswith("staging_job.py")
+    return False
+
+
+def _count(job: JobInfo) -> int:
+    path = job.dir / "stdout"
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+def _numbers(job: JobInfo) -> list[int]:
+    return [int(x) for x in (job.dir / "stdout").read_text().split()]
+
+
+def _step(tl: Timeline, name: str) -> Step:
+    [st] = [st for st in tl.steps if st.name == name]
+    return st
+
+
+def _kill(pid: int | None) -> None:
+    if pid is None:
+        return
+    with contextlib.suppress(psutil.Error):
+        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+
+
+def _settings(tmp_path: Path, criu: str, **kw: object) -> CheckpointSettings:
+    return CheckpointSettings(
+        state_dir=tmp_path / "state", criu=criu, shm_dir=tmp_path / "shm", criu_timeout=60, **kw
+    )
+
+
+async def _continues(job: JobInfo, before: int) -> None:
+    """The restored job counts on from where it stopped: no number skipped or repeated."""
+    await until(lambda: _count(job) > before + 5, "the restored job's next lines")
+    nums = _numbers(job)
+    assert nums == list(range(len(nums)))
+
+
+async def test_staged_memory_streams_beside_criu_and_comes_back_exact(
+    patched: str, tmp_path: Path, here: Path
+) -> None:
+    job = await _start(tmp_path, here, "gpupages-stream")
+    gpu = StagingGpu(here)
+    engine = Engine(Criu(patched), gpu, settings=_settings(tmp_path, patched))
+    settings = ImageSettings()
+    store = f"file://{tmp_path / 'store'}"
+    target = StreamTarget(
+        store, work_root=tmp_path / "w", writer_options={"chunk_size": 4 * MIB}, settings=settings
+    )
+    frozen = await engine.freeze(job, target, Mode.EXIT)
+    lo, hi = (int(x, 16) for x in (here / "staged").read_text().split())
+    [carried] = frozen.meta.gpu_pages
+    assert (carried.start, carried.end) == (lo, hi)
+    assert len(carried.parts) == gpupages.default_workers()
+    assert _step(frozen.timeline, "gpu_pages").detail["bytes"] == STAGED_MIB * MIB
+    # CRIU wrote none of the range: its pages images hold only the interpreter's memory
+    assert target.capture_stats is not None
+    assert target.capture_stats.bytes < STAGED_MIB * MIB // 2
+    assert target.url is not None
+    async with ImageReader(target.url, settings=settings) as reader:
+        names = {f.name for f in reader.manifest.files}
+        assert {p.name for p in carried.parts} <= names
+        # the quarter left zero is stored as zero chunks (never fetched back)
+        zero = reader.codec.zero_address
+        refs = [r for p in carried.parts for r in reader.manifest.file(p.name).chunks]
+        assert sum(r.digest == zero(r.size) for r in refs) >= (STAGED_MIB // 4) // 4
+    stopped_at = _count(job)
+    restored = None
+    try:
+        source = StreamSource(target.url, work_root=tmp_path / "w", settings=settings)
+        restored = await engine.restore(source, state_dir=tmp_path / "state")
+        assert _step(restored.timeline, "gpu_pages").detail["bytes"] == STAGED_MIB * MIB
+        assert gpu.checks() == ["ok"]
+        await _continues(job, stopped_at)
+    finally:
+        _kill(restored.pid if restored else None)
+
+
+async def test_a_leave_running_pause_and_a_staged_image_in_a_directory(
+    patched: str, tmp_path: Path, here: Path
+) -> None:
+    job = await _start(tmp_path, here, "gpupages-dir")
+    gpu = StagingGpu(here)
+    engine = Engine(Criu(patched), gpu, settings=_settings(tmp_path, patched))
+    frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.RESUME)
+    assert gpu.checks() == ["ok"]  # the running job's range was never touched
+    [carried] = frozen.meta.gpu_pages
+    for part in carried.parts:
+        assert (tmp_path / "img" / part.name).stat().st_size == part.size
+    await until(lambda: _count(job) > 10, "the job running on")
+    _kill(job.pid)
+    await until(lambda: not psutil.pid_exists(job.pid), "the job gone")
+    (here / "checked").unlink()
+    stopped_at = _count(job)
+    restored = None
+    try:
+        restored = await engine.restore(DirectorySource(tmp_path / "img"))
+        assert gpu.checks() == ["ok"]
+        # its output as it was at the pause (carried in the image), then counting on from there
+        await _continues(job, stopped_at)
+    finally:
+        _kill(restored.pid if restored else None)
+
+
+async def test_a_tampered_chunk_of_staged_memory_fails_the_restore_and_leaves_nothing(
+    patched: str, tmp_path: Path, here: Path
+) -> None:
+    job = await _start(tmp_path, here, "gpupages-tamper")
+    gpu = StagingGpu(here)
+    engine = Engine(Criu(patched), gpu, settings=_settings(tmp_path, patched))
+    settings = ImageSettings()
+    store = tmp_path / "store"
+    target = StreamTarget(
+        f"file://{store}", work_root=tmp_path / "w", writer_options={"chunk_size": 4 * MIB},
+        settings=settings,
+    )  # fmt: skip
+    frozen = await engine.freeze(job, target, Mode.EXIT)
+    assert target.url is not None
+    part = frozen.meta.gpu_pages[0].parts[-1]
+    async with ImageReader(target.url, settings=settings) as reader:
+        ref = reader.manifest.file(part.name).chunks[-1]
+    [stored] = [p for p in store.rglob(f"*{ref.digest}*") if p.is_file()]
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stored.chmod(0o600)
+    stored.write_bytes(bytes(data))
+    with pytest.raises(SpotguardError, match=r"(?i)corrupt|damaged|digest|verif"):
+        await engine.restore(
+            StreamSource(target.url, work_root=tmp_path / "w", settings=settings),
+            state_dir=tmp_path / "state",
+        )
+    await asyncio.sleep(0.2)
+    assert gpu.checks() == []  # the driver's restore never ran on a half-written range
+    assert not any(
+        str(tmp_path / "staging_job.py") in " ".join(p.info["cmdline"] or [])
+        for p in psutil.process_iter(["cmdline"])
+    ), "a restored process was left behind"
+
+
+async def test_with_gpu_pages_criu_the_pages_go_through_criu_as_before(
+    patched: str, tmp_path: Path, here: Path
+) -> None:
+    job = await _start(tmp_path, here, "gpupages-criu")
+    gpu = StagingGpu(here)
+    engine = Engine(Criu(patched), gpu, settings=_settings(tmp_path, patched, gpu_pages="criu"))
+    frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    assert frozen.meta.gpu_pages == []
+    assert all(st.name != "gpu_pages" for st in frozen.timeline.steps)
+    stopped_at = _count(job)
+    restored = None
+    try:
+        restored = await engine.restore(DirectorySource(tmp_path / "img"))
+        assert gpu.checks() == ["ok"]
+        await _continues(job, stopped_at)
+    finally:
+        _kill(restored.pid if restored else None)
+
+
+# --- no CRIU ------------------------------------------------------------------------------
+def test_the_staged_ranges_are_the_new_writable_memory_only() -> None:
+    assert gpupages._minus([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
+    assert gpupages._minus([(0, 100)], [(0, 100)]) == []
+    assert gpupages._minus([(0, 100)], [(200, 300)]) == [(0, 100)]
+    assert gpupages._merged([(10, 20), (0, 10), (30, 40)]) == [(0, 20), (30, 40)]
+    r = gpupages.Range(7, 0x10000000, 0x10000000 + 200 * MIB)
+    gp = gpupages.split(r, 3, 4, 64 * MIB)
+    assert [p.size for p in gp.parts] == [64 * MIB, 64 * MIB, 64 * MIB, 8 * MIB]
+    assert gpupages.GpuPages.from_json(gp.to_json()) == gp
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        ({"ns_pid": 9}, "held no GPU state"),
+        ({"start": 5}, "not a range"),
+        ({"parts": [{"name": "../../etc/passwd", "offset": 0, "size": 4096}]}, "part name"),
+        ({"parts": [{"name": "gpupages-3-1000-0", "offset": 0, "size": 4096}]}, "bytes of a"),
+        ({"schema": 99}, "newer than this spotguard"),
+    ],
+)
+def test_metadata_naming_staged_memory_is_checked(change: dict[str, object], why: str) -> None:
+    entry: dict[str, object] = {
+        "ns_pid": 3,
+        "start": 0x1000,
+        "end": 0x3000,
+        "parts": [{"name": "gpupages-3-1000-0", "offset": 0, "size": 0x2000}],
+    }
+    doc: dict[str, object] = {
+        "job": {"name": "j"},
+        "mode": "exit",
+        "criu_version": "4.2.1",
+        "host": {"kernel": "6.1", "arch": "x86_64", "memory_total": 1 << 30},
+        "gpu_processes": [3],
+        "gpu_pages": [entry],
+    }
+    if "schema" in change:
+        doc.update(change)
+    else:
+        entry.update(change)
+    with pytest.raises((ImageError, ValueError), match=why):
+        ImageMeta.from_json(doc)
