@@ -328,3 +328,23 @@ def test_metadata_naming_staged_memory_is_checked(change: dict[str, object], why
         entry.update(change)
     with pytest.raises((ImageError, ValueError), match=why):
         ImageMeta.from_json(doc)
+
+
+async def test_a_file_of_the_image_may_set_its_own_raw_threshold(tmp_path: Path) -> None:
+    """GPU memory (``gpu_raw_saving``) is stored raw unless it packs by half; the image's
+    other files keep ``raw_saving``."""
+    from spotguard.image.writer import ImageWriter
+
+    # packs by about half: random halves, zero halves
+    data = b"".join(os.urandom(2048) + bytes(2048) for _ in range(8 * MIB // 4096))
+    async with ImageWriter(f"file://{tmp_path}", "j", settings=ImageSettings()) as w:
+        gpu = w.file("gpupages-1-1000-0")
+        gpu.raw_saving = 0.9
+        await gpu.write(data)
+        await gpu.close()
+        other = w.file("other")
+        await other.write(data[::-1])  # not the same chunk (that one is stored once)
+        await other.close()
+        m = await w.commit({})
+    assert all(r.raw for r in m.file("gpupages-1-1000-0").chunks)
+    assert not any(r.raw for r in m.file("other").chunks)

@@ -289,11 +289,13 @@ class ChunkCodec:
             return frame
         return self._seal(frame, address)
 
-    def incompressible(self, plain: bytes | memoryview) -> bool:
-        """Whether a sample of ``plain`` compresses by less than ``raw_saving`` (chunks under
-        the sample's size are always compressed: the sample would be the chunk)."""
+    def incompressible(self, plain: bytes | memoryview, raw_saving: float | None = None) -> bool:
+        """Whether a sample of ``plain`` compresses by less than ``raw_saving`` (default: the
+        codec's; chunks under the sample's size are always compressed: the sample would be
+        the chunk)."""
         n = len(plain)
-        if self.raw_saving <= 0 or n < 2 * SAMPLES * SAMPLE_BYTES:
+        threshold = self.raw_saving if raw_saving is None else raw_saving
+        if threshold <= 0 or n < 2 * SAMPLES * SAMPLE_BYTES:
             return False
         view = memoryview(plain).cast("B")
         cctx = _compressor(self.level)
@@ -301,15 +303,20 @@ class ChunkCodec:
         packed = sum(
             len(cctx.compress(view[i * step : i * step + SAMPLE_BYTES])) for i in range(SAMPLES)
         )
-        return 1 - packed / (SAMPLES * SAMPLE_BYTES) < self.raw_saving
+        return 1 - packed / (SAMPLES * SAMPLE_BYTES) < threshold
 
     def pack(
-        self, plain: bytes | memoryview, address: str, out: Any = None, raw: bool | None = None
+        self,
+        plain: bytes | memoryview,
+        address: str,
+        out: Any = None,
+        raw: bool | None = None,
+        raw_saving: float | None = None,
     ) -> tuple[memoryview | bytes, bool]:
         """The stored object of ``plain`` and whether it is a raw frame: compressed (into
-        ``out`` when given, see :meth:`encode_into`) unless :meth:`incompressible` (or
-        ``raw``, when the caller asked that already)."""
-        if not (self.incompressible(plain) if raw is None else raw):
+        ``out`` when given, see :meth:`encode_into`) unless :meth:`incompressible` under
+        ``raw_saving`` (or ``raw``, when the caller asked that already)."""
+        if not (self.incompressible(plain, raw_saving) if raw is None else raw):
             if out is None:
                 return self.encode(plain, address), False
             return self.encode_into(plain, address, out), False

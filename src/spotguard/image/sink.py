@@ -80,6 +80,8 @@ class FileSink:
         self._lease: Lease | None = None  # the chunk being filled, once it is not small
         self._fill = 0
         self.refs: list[asyncio.Task[ChunkRef]] = []  # one per chunk, in order
+        #: this file's threshold for storing a chunk raw (None: the writer's ``raw_saving``)
+        self.raw_saving: float | None = None
 
     def _raise_if_closed(self) -> None:
         if self.closed:

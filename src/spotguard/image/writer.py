@@ -279,7 +279,7 @@ class ImageWriter:
             if lease is not None:
                 lease.release()
             raise self._error
-        task = asyncio.create_task(self._process(plain, lease))
+        task = asyncio.create_task(self._process(plain, lease, sink.raw_saving))
         self._tasks.add(task)
         sink.refs.append(task)
         task.add_done_callback(lambda t: self._done(t, lease))
@@ -294,7 +294,9 @@ class ImageWriter:
         if not task.cancelled() and task.exception() is not None and self._error is None:
             self._error = task.exception()
 
-    async def _process(self, plain: bytes | memoryview, lease: ChunkOwner | None) -> ChunkRef:
+    async def _process(
+        self, plain: bytes | memoryview, lease: ChunkOwner | None, raw_saving: float | None = None
+    ) -> ChunkRef:
         size = len(plain)
         t0 = time.perf_counter()
         addr: str = await self._cpu(self.codec.address_of, plain)
@@ -325,11 +327,11 @@ class ImageWriter:
                 raw = info.size >= size
                 return ChunkRef(digest=addr, size=size, stored_size=info.size, raw=raw)
         if size < SMALL_CHUNK:
-            blob, raw = await self._cpu(self.codec.pack, plain, addr)
+            blob, raw = await self._cpu(self.codec.pack, plain, addr, None, None, raw_saving)
             await self.store.put(key, blob)
             stored = len(blob)
         else:
-            stored, raw = await self._encode_put(key, plain, addr, lease)
+            stored, raw = await self._encode_put(key, plain, addr, lease, raw_saving)
         self._count(size, stored, raw=raw)
         return ChunkRef(digest=addr, size=size, stored_size=stored, raw=raw)
 
@@ -358,7 +360,12 @@ class ImageWriter:
                 out.discard()
 
     async def _encode_put(
-        self, key: str, plain: bytes | memoryview, addr: str, lease: ChunkOwner | None
+        self,
+        key: str,
+        plain: bytes | memoryview,
+        addr: str,
+        lease: ChunkOwner | None,
+        raw_saving: float | None = None,
     ) -> tuple[int, bool]:
         """Compress (or frame raw) into a pooled buffer, free the plaintext, upload straight
         from the buffer. Returns the stored size and whether the frame is raw."""
@@ -366,7 +373,7 @@ class ImageWriter:
         raw: bool | None = None  # pack decides
         if self.codec.cipher is None and isinstance(store, BlockingStore) and store.writes_parts:
             t0 = time.perf_counter()
-            raw = await self._cpu(self.codec.incompressible, plain)
+            raw = await self._cpu(self.codec.incompressible, plain, raw_saving)
             self.stats.add_step("pack", t0)
             if raw:  # stored from the plaintext itself, its headers between the blocks
                 t0 = time.perf_counter()
@@ -379,7 +386,7 @@ class ImageWriter:
         reuse = True
         try:
             t0 = time.perf_counter()
-            data, raw = await self._cpu(self.codec.pack, plain, addr, out.view, raw)
+            data, raw = await self._cpu(self.codec.pack, plain, addr, out.view, raw, raw_saving)
             self.stats.add_step("pack", t0)
             if lease is not None:
                 lease.release()  # compressed: the plaintext buffer can take the next chunk

@@ -276,6 +276,7 @@ class StreamTarget:
         if self._writer is None or self._sink is None:
             raise StreamError("StreamTarget used before start()")
         sink = self._writer.file(check_part_name(name), mode=0o600)
+        sink.raw_saving = self.settings.gpu_raw_saving
         await sink.produce(size, fill)
 
     async def finish(self, meta: ImageMeta) -> None:
