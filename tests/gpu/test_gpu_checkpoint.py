@@ -89,6 +89,11 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
         shutil.rmtree(job.dir)
         restored = await engine.restore(DirectorySource(frozen.images_dir))
         assert restored.gpu_pids
+        # the driver's staged GPU memory went beside CRIU, in files of its own, and came back
+        if frozen.meta.gpu_pages:
+            assert any(s.name == "gpu_pages" for s in restored.timeline.steps)
+            staged = sum(g.end - g.start for g in frozen.meta.gpu_pages)
+            print(f"GPU memory carried beside CRIU: {staged >> 20} MiB")
         print(f"exit-mode freeze: {_steps(frozen.timeline.steps)}")
         print(f"restore: {_steps(restored.timeline.steps)}")
         await until(
