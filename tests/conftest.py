@@ -75,6 +75,12 @@ def pytest_configure(config: pytest.Config) -> None:
 #: wrappers under /run/spotguard, one container image store): under pytest-xdist each area
 #: runs on one worker, its files one after the other.
 SERIAL_AREAS = ("container",)
+#: Areas that change the host's mount table while they run (container runtimes mount
+#: overlays, shm and network namespaces): a ``spotguard run`` job started meanwhile copies
+#: those mounts into its own namespace, and CRIU failed on them once they were gone
+#: ("doesn't have a proper root mount", "Can't stat mountpoint …/userdata/shm"). They are
+#: marked ``serial``: ``make test`` runs them alone, after the parallel pass.
+MOUNTING_AREAS = ("container",)
 
 #: Files that run ``spotguard doctor``'s self-test, whose tests check that no self-test
 #: directory or process is left on the host: one worker runs them one after the other.
@@ -131,6 +137,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         rel = Path(str(item.path)).relative_to(Path(__file__).parent)
         if rel.as_posix() in SLOW_FILES or rel.parts[0] == "ui":
             item.add_marker(pytest.mark.slow)
+        if rel.parts[0] in MOUNTING_AREAS:
+            item.add_marker(pytest.mark.serial)
         group = rel.parts[0] if rel.parts[0] in SERIAL_AREAS else str(rel)
         group = "selftest" if rel.as_posix() in SELFTEST_FILES else group
         item.add_marker(pytest.mark.xdist_group(group))

@@ -131,6 +131,7 @@ FIELDS: dict[str, str] = {
     "met": "whether the deadline was met",
     "thp": "the host's transparent huge page setting",
     "record": "a kept-image record",
+    "ranges": "how many ranges of a process's memory (the GPU memory carried beside CRIU)",
     "criu": "the CRIU binary and version",
     "gpus": "GPUs an image needs",
     "gpu_pids": "processes holding a GPU",

@@ -54,7 +54,6 @@ import logging
 import os
 import signal
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 
 from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
@@ -191,7 +190,7 @@ class Engine:
                 done_gpu, held = await suspend.parked(self.gpu, tree, gpu_pids)
                 active = [p for p in gpu_pids if p not in done_gpu]
                 nccl.refuse_uncheckpointable(job.name, gpu_pids)
-                net = await self._preflight(job, tree, gpu_pids, tcp)
+                net = await scan.preflight(self.criu, s.network_lock, job.name, tree, gpu_pids, tcp)
                 st.detail.update(net.to_json())
                 ns_of = dict(zip(tree, tree_ns, strict=True))
                 gpu_ns = [ns_of.get(p) or proctree.ns_pid(p) for p in gpu_pids]
@@ -216,9 +215,7 @@ class Engine:
                 nccl_touched = True
                 released = await self.nccl.release(job.name, awake, s.gpu_lock_timeout)
                 ns.detail.update(released.to_json())
-            carry = bool(active) and s.gpu_pages == "spotguard"
-            carry = carry and await self.criu.has_external_pages()
-            before = {p: gpupages.writable_anon(p) for p in active} if carry else {}
+            before = await gpupages.before(self.criu, s.gpu_pages, active)
             staged: list[gpupages.Range] = []
             if active:
                 with tl.step("gpu_lock", pids=active):
@@ -254,7 +251,7 @@ class Engine:
 
             async def on_frozen() -> None:
                 # CRIU has written the image; the tree is still frozen.
-                if carry:  # the GPU memory CRIU left out, copied while nothing can change it
+                if before:  # the GPU memory CRIU left out, copied while nothing can change it
                     with tl.step("gpu_pages", ranges=len(staged)) as gs:
                         await self.faults.before("gpu_pages")
                         meta.gpu_pages = await gpupages.save(target, staged, ns_of, chunk=CHUNK)
@@ -325,33 +322,10 @@ class Engine:
         result = FreezeResult(job, images_dir, mode, tl, inventory, host, plan, meta, gpu_pids)
         log.info(
             "job frozen",
-            extra={
-                "job": job.name,
-                "mode": str(mode),
-                "images_dir": str(images_dir),
-                "pause_s": round(result.pause_seconds, 3),
-                "staging": plan.mode,
-            },
-        )
+            extra={"job": job.name, "mode": str(mode), "images_dir": str(images_dir),
+                   "pause_s": round(result.pause_seconds, 3), "staging": plan.mode},
+        )  # fmt: skip
         return result
-
-    async def _preflight(
-        self, job: JobInfo, tree: list[int], gpu_pids: list[int], force_tcp: bool
-    ) -> scan.NetworkPlan:
-        """Refuse a tree CRIU cannot dump (:class:`~spotguard.errors.UndumpableError`, before
-        any lock) and plan its TCP options."""
-        facts = await asyncio.to_thread(scan.gather, tree, gpu_pids, self.criu.leftover_prefixes())
-        scan.check(job.name, facts)
-        need_locks = force_tcp or bool(facts.connections())
-        available = await self.criu.network_locks() if need_locks else frozenset[str]()
-        plan = scan.network_plan(
-            job.name,
-            facts,
-            available=available,
-            setting=self.settings.network_lock,
-            force=force_tcp,
-        )
-        return replace(plan, listen_ports=tuple(facts.listen_ports()))
 
     async def bring_back(
         self,

@@ -206,6 +206,21 @@ def staged_ranges(
     return found
 
 
+class _CanLeavePages(Protocol):
+    async def has_external_pages(self) -> bool: ...
+
+
+async def before(
+    criu: _CanLeavePages, setting: str, gpu_pids: Sequence[int]
+) -> dict[int, list[tuple[int, int]]]:
+    """Each GPU process's :func:`writable_anon` before the driver's checkpoint, when
+    spotguard is to move what the driver stages (``[checkpoint] gpu_pages = "spotguard"``
+    and a CRIU with ``--external-pages``); empty when CRIU moves it."""
+    if not gpu_pids or setting != "spotguard" or not await criu.has_external_pages():
+        return {}
+    return {p: writable_anon(p) for p in gpu_pids}
+
+
 def default_workers() -> int:
     return max(2, min(MAX_WORKERS, (os.cpu_count() or 2) // 2))
 

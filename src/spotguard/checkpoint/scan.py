@@ -39,18 +39,22 @@ them (see docs/limits.md, "Sockets").
 
 from __future__ import annotations
 
+import asyncio
 import os
 import re
 import stat
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 from spotguard.errors import UndumpableError
 
 from . import files, proctree
 from .procfacts import Connection, FdFact, ProcFacts, TreeFacts, comm, gather
+
+if TYPE_CHECKING:
+    from .criu import Criu
 
 __all__ = [
     "EARLY_RULES",
@@ -397,7 +401,6 @@ def check(job: str, facts: TreeFacts, rules: Sequence[Rule] | None = None) -> No
 
 
 # --- the job's environment ----------------------------------------------------------------
-
 #: set for every ``spotguard run`` job unless the caller's environment sets them:
 #: USE_LIBUV=0 makes PyTorch's TCPStore use its own socket server instead of libuv's,
 #: which holds an io_uring (seen with PyTorch 2.11 and 2.13: rank 0 of every
@@ -478,3 +481,16 @@ def network_plan(
         ]
         raise UndumpableError(job, found)
     return NetworkPlan(True, "skip", conns)
+
+
+async def preflight(
+    criu: Criu, lock: NetworkLock, job: str, tree: list[int], gpus: list[int], force_tcp: bool
+) -> NetworkPlan:
+    """The freeze preflight: refuse a tree CRIU cannot dump (:class:`UndumpableError`, before
+    any lock) and plan its TCP options (``lock``: ``[checkpoint] network_lock``)."""
+    facts = await asyncio.to_thread(gather, tree, gpus, criu.leftover_prefixes())
+    check(job, facts)
+    need_locks = force_tcp or bool(facts.connections())
+    available = await criu.network_locks() if need_locks else frozenset[str]()
+    plan = network_plan(job, facts, available=available, setting=lock, force=force_tcp)
+    return replace(plan, listen_ports=tuple(facts.listen_ports()))
