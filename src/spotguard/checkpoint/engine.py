@@ -15,10 +15,9 @@ Freeze (dump)::
   released (all ranks at once) before the GPU lock, rebuilt after resume/restore (:mod:`.ncclctl`).
 * GPU lock and checkpoint run for every GPU process at once; the driver must release the GPU
   before CRIU freezes the tree (it does its work through a thread of the job itself).
-* ``criu_dump`` freezes and dumps the tree; while it is still frozen, ``gpu_pages`` copies the
-  GPU memory the driver staged in host memory, which CRIU was told to leave out, with
-  several threads (:mod:`.gpupages`; restore writes it back right after ``criu_restore``),
-  and ``capture_files`` snapshots the job's output files into the image (see :mod:`.files`).
+* ``criu_dump`` freezes and dumps the tree; while it is frozen, ``gpu_pages`` copies the GPU
+  memory the driver staged, which CRIU left out (:mod:`.gpupages`; restore writes it back
+  after ``criu_restore``), and ``capture_files`` snapshots its output files (:mod:`.files`).
 * ``resume`` (leave-running) brings the GPU state back and unlocks; in ``exit`` mode the
   image is completed (``finish``) while the tree is still frozen, and only then does CRIU
   kill it — a failure up to that point leaves the job running.
@@ -266,15 +265,15 @@ class Engine:
                     if survey is not None:  # which host mounts the frozen tree uses
                         meta.mounts = await asyncio.to_thread(mounts.mark_used, survey, tree)
                 if mode is Mode.EXIT:
-                    # Complete the image before CRIU kills the job: if this fails, CRIU
-                    # resumes the tree instead and nothing is lost.
-                    await finish()
+                    await finish()  # before CRIU kills the job: if it fails, CRIU resumes it
                 else:  # the job goes on: its pages out of CRIU's pipes first
                     await target.drain()
 
             with tl.step("criu_dump", leave_running=mode is Mode.RESUME) as ds:
                 await self.faults.before("criu_dump")
-                survey = await asyncio.to_thread(mounts.survey, job.pid) if meta.mount_ns else None
+                survey = None
+                if meta.mount_ns:
+                    survey = await asyncio.to_thread(mounts.survey, job.pid, job.dir)
                 await self.criu.dump(
                     job.pid,
                     images_dir,

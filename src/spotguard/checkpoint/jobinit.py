@@ -58,6 +58,24 @@ def _unshare_pid() -> None:
     _libc_call("make / private", libc.mount(b"none", b"/", None, MS_REC | MS_PRIVATE, None))
 
 
+#: the job's mount namespace as it was made (a copy of the host's), kept in its directory:
+#: a host mount the host later drops stays in the copy, and the freeze must know it for one
+#: of the host's (spotguard.checkpoint.mounts, "stale copies")
+MOUNTS_AT_START = "mounts-at-start"
+
+
+def _record_mounts(job_dir: str) -> None:
+    """Copy this namespace's mountinfo into ``job_dir`` (0600, never through a link)."""
+    with open("/proc/self/mountinfo", "rb") as f:
+        data = f.read()
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW
+    fd = os.open(os.path.join(job_dir, MOUNTS_AT_START), flags, 0o600)
+    try:
+        os.write(fd, data)
+    finally:
+        os.close(fd)
+
+
 def _mount_proc() -> None:
     """A /proc of the new PID namespace (run as its PID 1), in place of the host's (not
     over it: CRIU restores a plain mount tree more reliably than an overmounted one)."""
@@ -162,6 +180,7 @@ def main() -> int:
     if pid_ns:
         try:
             _unshare_pid()
+            _record_mounts(job_dir)
         except OSError as exc:
             sys.stderr.write(f"spotguard init: {exc}\n")
             return 1

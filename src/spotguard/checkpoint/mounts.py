@@ -192,10 +192,39 @@ def _host_source(m: MountLine, host: Sequence[MountLine]) -> tuple[str, bool] | 
     return best
 
 
-def survey(pid: int) -> Survey:
-    """The host mounts of ``pid``'s mount namespace (compared with ours, which is CRIU's)."""
+def _copied(job_dir: Path | None) -> set[tuple[int, str, str, str, str]]:
+    """The mounts the job's namespace was made with (``mounts-at-start``, written by its
+    init), as (id, dev, root, mountpoint, fstype); empty for jobs started before it was."""
+    if job_dir is None:
+        return set()
+    try:
+        lines = read_mountinfo(str(job_dir / "mounts-at-start"))
+    except (OSError, ValueError):
+        return set()
+    return {(m.id, m.dev, m.root, m.mountpoint, m.fstype) for m in lines}
+
+
+def _stale(m: MountLine, copied: set[tuple[int, str, str, str, str]]) -> bool:
+    """Whether ``m``, matching no host mount now, is a copy of one the host has since
+    dropped (its mountpoint left in place): it was in the namespace as it was made, or it
+    is a namespace file (nsfs), which a job cannot have mounted from a path of its own."""
+    return m.fstype == "nsfs" or (m.id, m.dev, m.root, m.mountpoint, m.fstype) in copied
+
+
+def survey(pid: int, job_dir: Path | None = None) -> Survey:
+    """The host mounts of ``pid``'s mount namespace (compared with ours, which is CRIU's).
+
+    Stale copies: the namespace is a copy of the host's made at the job's start; a host
+    mount the host drops later while its mountpoint stays (a container's network namespace
+    or shm, unmounted when the container stops) stays in the copy. CRIU cannot dump a
+    namespace file it does not know the source of ("doesn't have a proper root mount") and
+    dumps a tmpfs copy as the job's own, whose mountpoint may be gone by the restore
+    ("Can't stat mountpoint"). Such a mount is named to CRIU like the others, from its
+    mountpoint, which the host no longer has mounted: at restore it is absent, and comes
+    back empty unless the job uses it (then the restore is refused, naming it)."""
     job = read_mountinfo(f"/proc/{pid}/mountinfo")
     host = read_mountinfo("/proc/self/mountinfo")
+    copied = _copied(job_dir)
     by_id = {m.id: m for m in job}
     ids: dict[str, list[int]] = {}
     seen: dict[str, JobMount] = {}
@@ -206,6 +235,8 @@ def survey(pid: int) -> Survey:
         if any(p.startswith(("shared:", "master:")) for p in m.propagation):
             continue  # CRIU's detection leaves these alone (a job spotguard run has none)
         found = _host_source(m, host)
+        if found is None and _stale(m, copied):
+            found = m.mountpoint, True
         if found is None:
             continue  # the job's own (its /proc): CRIU restores it from the image
         ids.setdefault(m.mountpoint, []).append(m.id)
