@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 TEST_WORKERS ?= 2
 XDIST    = -n $(TEST_WORKERS) --dist loadgroup
 
-.PHONY: demo test lint typecheck unit gpu-test bench criu chromium podman containerd docker venv clean
+.PHONY: demo test lint typecheck unit gpu-test bench criu chromium podman containerd docker registry venv clean
 
 venv: $(STAMP)
 
@@ -37,6 +37,11 @@ containerd:
 docker: containerd
 	@scripts/install-docker >/dev/null
 
+## The distribution's docker-registry in a private prefix, for the containerd pull test (the
+## test starts its own on 127.0.0.1; nothing is installed on the host).
+registry:
+	@scripts/install-registry >/dev/null
+
 ## Debian's chromium for tests/ui; when it cannot be installed those tests skip, saying why.
 chromium:
 	-@scripts/install-chromium >/dev/null
@@ -46,7 +51,7 @@ demo: venv criu
 	$(BIN)/spotguard demo
 
 ## The whole test suite (lint, types, tests). This is what CI runs.
-test: venv criu chromium podman containerd docker lint typecheck
+test: venv criu chromium podman containerd docker registry lint typecheck
 	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu and not serial" $(XDIST) --durations=30 $(PYTEST_ARGS)
 	@# tests that change a host-wide setting (fs.pipe-max-size) run alone, after the rest;
 	@# exit 5 (none of them selected by PYTEST_ARGS) is not a failure here

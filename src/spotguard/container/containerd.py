@@ -113,6 +113,7 @@ class Containerd:
     criu: str
     runtime_dir: Path = Path("/run/spotguard/containerd")
     timeout: float = 600.0
+    hosts_dir: Path = Path("/etc/containerd/certs.d")
 
     @classmethod
     def from_settings(cls, s: ContainerSettings, *, criu: str | None = None) -> Containerd:
@@ -127,6 +128,7 @@ class Containerd:
             criu=find_criu(criu),
             runtime_dir=s.containerd_runtime_dir,
             timeout=s.timeout,
+            hosts_dir=s.containerd_hosts_dir,
         )
 
     # --- spotguard's runtime pieces ---------------------------------------------------------
@@ -144,6 +146,11 @@ class Containerd:
         ``Any`` of ``containerd.runc.v1.Options`` whose ``binary_name`` (field 6) is set."""
         options = _field(6, str(self.runtime).encode())
         return _field(1, b"containerd.runc.v1.Options") + _field(2, options)
+
+    def registry_args(self) -> list[str]:
+        """``--hosts-dir DIR`` for pulls and pushes where the registry configuration exists
+        (ctr, unlike the daemon's CRI, reads none unless told)."""
+        return ["--hosts-dir", str(self.hosts_dir)] if self.hosts_dir.is_dir() else []
 
     def argv(self, namespace: str, *args: str) -> list[str]:
         return [self.ctr, "--address", str(self.address), "--namespace", namespace, *args]

@@ -360,7 +360,10 @@ async def preflight(ctrd: Containerd, record: ContainerImage, ref: ContainerRef)
     if have is None and (pullable := pull_reference(cfg.image, cfg.image_id)) is not None:
         tried = f" (pull of {pullable} failed)"
         try:
-            await ctrd.run("images", "pull", pullable, namespace=ref.namespace, what="pulling")
+            await ctrd.run(
+                "images", "pull", *ctrd.registry_args(), pullable,
+                namespace=ref.namespace, what="pulling",
+            )  # fmt: skip
             await ctrd.run(
                 "images", "tag", "--force", pullable, cfg.image,
                 namespace=ref.namespace, what="naming the pulled image",

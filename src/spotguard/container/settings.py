@@ -76,6 +76,14 @@ class ContainerSettings(Settings):
         default=Path("/run/containerd/containerd.sock"),
         description="The containerd socket ctr talks to (ctr --address)",
     )
+    containerd_hosts_dir: Path = Field(
+        default=Path("/etc/containerd/certs.d"),
+        description=(
+            "Registry configuration (hosts.toml per registry: mirrors, CAs, plain HTTP) for a "
+            "restore that pulls a missing image; ctr reads it only when told (--hosts-dir), "
+            "where the directory exists"
+        ),
+    )
     docker: str | None = Field(
         default=None,
         description=(
