@@ -27,8 +27,9 @@ REGISTRY = Path("/opt/spotguard/registry/bin/registry")
 
 @pytest.fixture
 def registry(tmp_path: Path) -> Iterator[tuple[str, Path]]:
-    """A registry of our own (plain HTTP on 127.0.0.1) and a hosts dir that says so:
-    (its address, the hosts dir)."""
+    """A registry of our own (plain HTTP on 127.0.0.1) known as ``registry.test:PORT`` only
+    through a hosts dir (containerd lets loopback names fall back to plain HTTP by itself):
+    (that name, the hosts dir)."""
     if not os.access(REGISTRY, os.X_OK):
         subprocess.run([str(ROOT / "scripts" / "install-registry")], check=False)
     if not os.access(REGISTRY, os.X_OK):
@@ -55,13 +56,14 @@ def registry(tmp_path: Path) -> Iterator[tuple[str, Path]]:
                 pass
             assert time.monotonic() < deadline and proc.poll() is None, "registry did not start"
             time.sleep(0.1)
+        name = f"registry.test:{port}"
         hosts = tmp_path / "certs.d"
-        (hosts / addr).mkdir(parents=True)
-        (hosts / addr / "hosts.toml").write_text(
+        (hosts / name).mkdir(parents=True)
+        (hosts / name / "hosts.toml").write_text(
             f'server = "http://{addr}"\n\n[host."http://{addr}"]\n'
             '  capabilities = ["pull", "resolve", "push"]\n'
         )
-        yield addr, hosts
+        yield name, hosts
     finally:
         proc.terminate()
         proc.wait(timeout=10)
@@ -88,7 +90,7 @@ def test_a_restore_pulls_the_missing_image_by_digest_from_the_configured_registr
     url = f"{store}/containerd-{NS}-pulled/images/latest"
     assert ref not in vm2.ctr("images", "ls", "-q").split()
 
-    # no registry configuration: ctr tries HTTPS, the pull fails, nothing is created
+    # no registry configuration: ctr cannot reach registry.test, the pull fails, nothing is made
     said = _refused(vm2, "restore", url)
     assert f"pull of {addr}/spotguard/counter@sha256:" in said and "failed" in said, said
     assert vm2.ctr("containers", "ls", "-q").split() == []
