@@ -13,7 +13,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -215,10 +214,10 @@ def test_a_jobs_output_is_never_written_through_a_link(attacker: Attacker, world
     """A user who can write a job's directory plants links at ``stdout`` and ``stderr``, to a
     root-only file, and the job is started there (its output is appended as root): the job
     directory is refused (not root's); links left in a directory of root's are not followed
-    either (``O_NOFOLLOW``: the job's init exits before it runs the command). Nothing is
+    either (``O_NOFOLLOW``): the start fails in one line, before anything runs. Nothing is
     written through a link; the root-only file stays as it was."""
-    from spotguard.checkpoint import proctree
     from spotguard.checkpoint.jobs import start_job
+    from spotguard.errors import JobError
 
     secret = _root_only_secret(world)
     state = world / "state"
@@ -236,11 +235,9 @@ def test_a_jobs_output_is_never_written_through_a_link(attacker: Attacker, world
         asyncio.run(start_job(argv, "j1", state_dir=state))
     assert secret.read_text() == "root:SECRET\n"
     os.chown(jobdir, 0, 0)  # root's now, the links still in it
-    job = asyncio.run(start_job(argv, "j1", state_dir=state))
-    for _ in range(200):  # its init cannot open its output (O_NOFOLLOW) and exits 126
-        if not proctree.alive(job.pid):
-            break
-        time.sleep(0.02)
-    assert not proctree.alive(job.pid)
+    with pytest.raises(JobError, match="cannot write the job's output") as failed:
+        asyncio.run(start_job(argv, "j1", state_dir=state))
+    assert "\n" not in str(failed.value)
+    assert not (jobdir / "job.json").exists()
     assert secret.read_text() == "root:SECRET\n"
     assert all((jobdir / n).is_symlink() for n in ("stdout", "stderr"))

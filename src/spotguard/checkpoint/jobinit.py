@@ -85,12 +85,21 @@ def _mount_proc() -> None:
     _libc_call("mount /proc", libc.mount(b"proc", b"/proc", b"proc", flags, None))
 
 
+#: 0600 and never through a link: the job's output is its own (docs/security.md)
+OUTPUT_FLAGS = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
+
+
+def _check_output(job_dir: str) -> None:
+    """Open (and close) the job's output files as the init will, before the caller is told
+    the job started: a link planted there fails the start, not the job after it."""
+    for name in ("stdout", "stderr"):
+        os.close(os.open(os.path.join(job_dir, name), OUTPUT_FLAGS, 0o600))
+
+
 def _redirect(job_dir: str) -> None:
-    # 0600 and never through a link: the job's output is its own (docs/security.md)
-    flags = os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW
     null = os.open(os.devnull, os.O_RDONLY)
-    out = os.open(os.path.join(job_dir, "stdout"), flags, 0o600)
-    err = os.open(os.path.join(job_dir, "stderr"), flags, 0o600)
+    out = os.open(os.path.join(job_dir, "stdout"), OUTPUT_FLAGS, 0o600)
+    err = os.open(os.path.join(job_dir, "stderr"), OUTPUT_FLAGS, 0o600)
     for fd, target in ((null, 0), (out, 1), (err, 2)):
         os.dup2(fd, target)
         os.close(fd)
@@ -177,6 +186,11 @@ def main() -> int:
         sys.stderr.write("usage: jobinit.py JOB_DIR [--no-pid-ns] -- CMD [ARG...]\n")
         return 2
     job_dir, argv = args[0], args[2:]
+    try:
+        _check_output(job_dir)
+    except OSError as exc:
+        sys.stderr.write(f"spotguard init: cannot write the job's output in {job_dir}: {exc}\n")
+        return 1
     if pid_ns:
         try:
             _unshare_pid()
