@@ -139,7 +139,15 @@ def _init(job_dir: str, argv: list[str]) -> int:
             fd = os.open(tmp, flags, 0o600)
             with os.fdopen(fd, "w") as f:
                 f.write(f"{code}\n")
+                f.flush()
+                os.fsync(f.fileno())  # the job's outcome survives a crash of the VM
             os.replace(tmp, os.path.join(job_dir, "exit_status"))
+            with contextlib.suppress(OSError):
+                dfd = os.open(job_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+                try:
+                    os.fsync(dfd)
+                finally:
+                    os.close(dfd)
             break
     return code
 
