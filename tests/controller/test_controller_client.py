@@ -98,3 +98,30 @@ def test_an_answer_with_a_field_this_side_does_not_know_is_still_read() -> None:
     assert answer is not None and answer.owner.epoch == 2
     assert read_answer(Directive, {"ok": True}) is None  # not a directive at all
     assert read_answer(Directive, ["train"]) is None
+
+
+async def test_a_404_that_is_not_the_controllers_answer_is_retried(tmp_path: Path) -> None:
+    """A proxy or load balancer in front of the controller answering 404 with a page of its
+    own (a route it does not know yet) is not the controller saying "no such job": the
+    reporter's event must be sent again later, not dropped."""
+    from aiohttp import web
+
+    from spotguard.errors import ControllerError
+
+    async def page(_request: web.Request) -> web.Response:
+        return web.Response(status=404, text="<html>404 Not Found</html>")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", page)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        client = ControllerClient(f"http://127.0.0.1:{port}", TOKEN)
+        with pytest.raises(ControllerError, match="other than the controller") as middlebox:
+            await client.send_event(b"{}")
+        assert middlebox.value.retryable
+    finally:
+        await runner.cleanup()

@@ -13,7 +13,9 @@ unreachable, timeout, other 5xx    :class:`ControllerError` (retryable)
 503 (the state file)               :class:`StateError` (retryable)
 401 (an unknown token)             :class:`TokenRejected` (retryable: a token being rotated)
 403 (may not act there)            :class:`AuthError`
-404                                :class:`JobNotFound`
+404                                :class:`JobNotFound`; without the controller's
+                                   JSON error (a proxy or load balancer that does not
+                                   know the route yet): :class:`ControllerError` (retryable)
 413                                :class:`EventTooLarge`
 429                                :class:`EventRateLimited` (retryable, ``retry_after``)
 400, 409, other 4xx                :class:`ControllerRefused`
@@ -106,6 +108,8 @@ def error_for(reply: Reply) -> SpotguardError:
     if status == 403:
         return AuthError(f"controller refused the token: {error}")
     if status == 404:
+        if said is None:  # not the controller's answer: something in between, for now
+            return ControllerError(f"HTTP 404 from something other than the controller: {error}")
         return JobNotFound(error)
     if status == 413:
         return EventTooLarge(f"the controller refused: {error}")
