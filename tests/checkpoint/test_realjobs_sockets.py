@@ -142,6 +142,16 @@ async def test_a_deleted_shared_memory_file_it_maps_is_carried(
     assert await _park_unpark("ghost", argv, env, state_dir, tmp_path / "img") == run.stdout
 
 
+async def test_sockets_never_bound_are_carried(
+    env: dict[str, str], state_dir: Path, tmp_path: Path
+) -> None:
+    """A TCP and a UDPv6 socket created and never bound: in no /proc/net table (the freeze
+    refused them as "an unsupported family"); CRIU carries them."""
+    argv = [sys.executable, "-I", str(PROGS / "hold.py"), "unbound", "40", "0.05"]
+    run = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, check=True)
+    assert await _park_unpark("unbound", argv, env, state_dir, tmp_path / "img") == run.stdout
+
+
 async def test_a_listener_whose_closed_connections_wait_is_restored_on_the_same_host(
     env: dict[str, str], state_dir: Path, tmp_path: Path
 ) -> None:

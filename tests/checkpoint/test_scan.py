@@ -121,6 +121,20 @@ def test_a_vsock_socket_is_an_unsupported_family(procs: list[subprocess.Popen[st
     assert len(found) == 1 and found[0].resource.startswith("a socket of an unsupported family")
 
 
+def test_sockets_never_bound_are_inet_not_an_unsupported_family(
+    procs: list[subprocess.Popen[str]],
+) -> None:
+    """A socket created and not yet bound or connected (a client between ``socket()`` and
+    ``connect()``) is in no /proc/net table: it was reported as "an unsupported family" and
+    the freeze refused, though CRIU dumps it."""
+    proc = _start([sys.executable, str(PROGS / "hold.py"), "unbound", "1000", "0.05"])
+    procs.append(proc)
+    facts = scan.gather([proc.pid])
+    assert scan.findings(facts) == []
+    socks = [f.socket for p in facts.procs for f in p.fds if f.socket is not None]
+    assert sorted((s.family, s.proto) for s in socks) == [("inet", "tcp"), ("inet6", "udp")]
+
+
 def _proc(**kw: object) -> ProcFacts:
     return ProcFacts(pid=7, name="job", **kw)  # type: ignore[arg-type]
 

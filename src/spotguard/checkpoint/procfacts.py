@@ -19,7 +19,7 @@ from spotguard.errors import JobNotFound
 
 from . import proctree
 from .proctree import ns_pids
-from .sockets import Endpoint, SocketFact, socket_inode, socket_table
+from .sockets import Endpoint, SocketFact, socket_inode, socket_table, unlisted
 
 
 @dataclass(frozen=True)
@@ -216,7 +216,7 @@ def _proc_facts(
             sk = tables[ns].get(inode)
             if sk is None:  # maybe created after the table was read: read it again once
                 tables[ns] = socket_table(pid)
-                sk = tables[ns].get(inode, SocketFact(inode, "unknown"))
+                sk = tables[ns].get(inode) or unlisted(pid, fd, inode)
         fds.append(FdFact(fd, target, sk))
     maps, device_maps = _read_maps(pid)
     env = read_environ(pid)

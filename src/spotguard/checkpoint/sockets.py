@@ -3,12 +3,16 @@ endpoints, by inode — what the freeze preflight (:mod:`.scan`) needs to tell w
 sockets CRIU can dump and which TCP connections stay inside a job.
 
 Each table describes one network namespace (the one of the pid whose ``/proc/<pid>/net`` is
-read); a socket in none of them is of a family CRIU does not dump (``unknown``).
+read). A socket in none of them is either an inet socket never bound or connected (the tables
+list only sockets in the kernel's hash tables; CRIU dumps these all the same) or one of a
+family CRIU does not dump (``unknown``): :func:`unlisted` tells them apart by the protocol name
+the socket's inode carries (the ``system.sockprotoname`` attribute of its /proc fd link).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import socket
 import struct
 from collections.abc import Iterable
@@ -118,6 +122,33 @@ def _inode_table(path: Path, family: str, column: int) -> dict[int, SocketFact]:
             inode = int(cols[column])
             out[inode] = SocketFact(inode, family)
     return out
+
+
+#: ``system.sockprotoname`` → (family, proto) for sockets CRIU dumps that may be in no table
+_PROTO_NAMES = {
+    "TCP": ("inet", "tcp"),
+    "TCPv6": ("inet6", "tcp"),
+    "UDP": ("inet", "udp"),
+    "UDPv6": ("inet6", "udp"),
+    "UDP-Lite": ("inet", "udplite"),
+    "UDPLITEv6": ("inet6", "udplite"),
+    "RAW": ("inet", "raw"),
+    "RAWv6": ("inet6", "raw"),
+}
+
+
+def unlisted(pid: int, fd: int, inode: int) -> SocketFact:
+    """A socket of ``pid`` (at ``fd``) that no /proc/net table lists: an inet socket never
+    bound or connected (state ``CLOSE``, no endpoints), else of a family CRIU does not dump
+    (``unknown``)."""
+    try:
+        name = os.getxattr(f"/proc/{pid}/fd/{fd}", "system.sockprotoname")
+    except OSError:
+        return SocketFact(inode, "unknown")
+    family, proto = _PROTO_NAMES.get(name.rstrip(b"\0").decode(errors="replace"), ("", ""))
+    if not family:
+        return SocketFact(inode, "unknown")
+    return SocketFact(inode, family, proto, "CLOSE" if proto == "tcp" else "")
 
 
 def socket_table(pid: int) -> dict[int, SocketFact]:

@@ -4,7 +4,8 @@ sees it keep running) and ``done`` at the end.
 ``python hold.py KIND STEPS STEP_SECONDS [PORT]`` with KIND one of:
 ``uring`` (an io_uring from the raw io_uring_setup syscall, mapped), ``vsock`` (an AF_VSOCK
 socket), ``perf`` (a software perf event), ``tcp`` (a connection to 127.0.0.1:PORT, a server
-outside the job).
+outside the job), ``unbound`` (a TCP and a UDPv6 socket, created and never bound or
+connected: in no /proc/net table, and CRIU dumps them all the same).
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ def hold(kind: str, port: int) -> object:
         return _syscall_fd(SYS_PERF_EVENT_OPEN, attr, 0, -1, -1, 0)
     if kind == "tcp":
         return socket.create_connection(("127.0.0.1", port))
+    if kind == "unbound":
+        return socket.socket(), socket.socket(socket.AF_INET6, socket.SOCK_DGRAM)
     raise SystemExit(f"unknown kind {kind!r}")
 
 
