@@ -197,6 +197,9 @@ class FileSink:
                 await asyncio.to_thread(fill, off, lease.view[:n])
                 self._raise_if_closed()
                 self._w.raise_if_failed()
+            except asyncio.CancelledError:
+                lease.discard()  # its thread may still be filling the buffer
+                raise
             except BaseException:
                 lease.release()
                 raise
