@@ -495,6 +495,7 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
         "gpu_checkpoint": (tl.seconds("gpu_lock") or 0.0) + (tl.seconds("gpu_checkpoint") or 0.0),
         "stream": wall0 + durable - dump_start,
         "criu_dump": tl.seconds("criu_dump") or 0.0,
+        "gpu_pages": tl.seconds("gpu_pages") or 0.0,  # inside criu_dump: the tree frozen
         "peak_ram": peak.peak,
         "sys_peak": peak.sys_peak - peak.sys_base,
         "image_bytes": target.manifest.totals.bytes,
@@ -538,6 +539,8 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
     out["restore_stages"] = {
         "source": rt.seconds("source") or 0.0,
         "criu_restore": rt.seconds("criu_restore") or 0.0,
+        # the GPU memory written back beside CRIU (checkpoint/gpupages.py)
+        "gpu_pages": rt.seconds("gpu_pages") or 0.0,
         "gpu_restore": (rt.seconds("gpu_restore") or 0.0) + (rt.seconds("gpu_unlock") or 0.0),
         "other": sum(rt.seconds(n) or 0.0 for n in ("preflight", "put_files", "finish")),
     }
@@ -575,8 +578,9 @@ def _row(
             f"{k} {r[k]:.2f}" for k in ("gpu_checkpoint", "criu_dump", "compress", "upload")
         )
     else:
+        beside = f", of it gpu_pages {r['gpu_pages']:.2f}" if r.get("gpu_pages") else ""
         stages = (
-            f"gpu_checkpoint {r['gpu_checkpoint']:.2f} + stream {r['stream']:.2f} "
+            f"gpu_checkpoint {r['gpu_checkpoint']:.2f} + stream {r['stream']:.2f}{beside} "
             f"(engine returned at {r['returned']:.2f}: CRIU ends the job after the commit)"
         )
     rs = " + ".join(f"{k} {v:.2f}" for k, v in r["restore_stages"].items())
@@ -737,7 +741,8 @@ def _summary(rows: list[dict[str, Any]]) -> None:
         st = next((r for r in rows if r["size"] == s and r["pipeline"] == "streamed"), None)
         if n is None or st is None:
             continue
-        piped = st["restore_stages"]["source"] + st["restore_stages"]["criu_restore"]
+        rs = st["restore_stages"]
+        piped = rs["source"] + rs["criu_restore"] + rs.get("gpu_pages", 0.0)
         slowest = max(st["read_alone"], n["restore_stages"]["criu_restore"])
         total = st["estimate"]["gpu_bytes"] + st["estimate"]["cpu_bytes"]
         print(
