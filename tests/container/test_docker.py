@@ -90,9 +90,26 @@ def test_docker_container_checkpointed_removed_and_restored_in_another_dockerd(
     assert _ok(vm1, "unpark", "docker:ref")["place"] == "memory"
     assert _status(vm1, "ref") == "running"
     store = f"file://{vm1.base.parent / 'store'}"
-    # leave-running: the reference is dumped, its layer taken, and restored in place
-    lr = _ok(vm1, "checkpoint", "docker:ref", "--to", store, "--leave-running")
+    # leave-running: the reference is dumped, its layer taken, and restored in place; the
+    # first `docker start --checkpoint` meets containerd still holding the checkpoint's
+    # content ("already exists", seen on a loaded host) and is tried again
+    once = vm1.base / "busy-once"
+    busy = vm1.base / "docker-busy-once"
+    busy.write_text(
+        f'#!/bin/sh\ncase "$*" in *"start --checkpoint"*) if [ ! -e {once} ]; then '
+        f"touch {once}; echo 'Error response from daemon: failed to upload checkpoint to "
+        "containerd: commit failed: content sha256:0: already exists' >&2; exit 1; fi;; esac\n"
+        f'exec {vm1.docker.binary} "$@"\n'
+    )
+    busy.chmod(0o755)
+    out = sg_env(
+        "checkpoint", "--json", "docker:ref", "--to", store, "--leave-running",
+        env={**vm1.cli_env(), "SPOTGUARD_CONTAINER_DOCKER": str(busy)}, timeout=180,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    lr = json.loads(out.stdout.strip().splitlines()[-1])
     assert lr["mode"] == "resume" and _status(vm1, "ref") == "running", lr
+    assert once.exists() and "restore in place waits for containerd" in out.stderr
     # a store that takes the image's marker but no chunk: the exit checkpoint fails after
     # CRIU ended the container, which is restored in place from its checkpoint
     bad = vm1.base.parent / "bad-store"
