@@ -23,6 +23,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol, runtime_checkable
@@ -98,6 +99,20 @@ def tail(text: str, lines: int = 6) -> str:
     return " | ".join(kept[-lines:])[:800]
 
 
+def _log_criu_errors(said: str) -> None:
+    """Where a runtime's failure names CRIU's log (runc: "log file: PATH"), log that log's
+    error lines: the runtime removes its work directory with the log soon after, and its own
+    message ("criu failed: type NOTIFY errno 0") does not say what CRIU refused."""
+    m = re.search(r"log file: (\S+?\.log)", said)
+    if m is None:
+        return
+    with contextlib.suppress(OSError):
+        lines = Path(m.group(1)).read_text(errors="replace").splitlines()
+        errors = [ln for ln in lines if "Error" in ln][-8:]
+        if errors:
+            log.warning("CRIU's log says", extra={"path": m.group(1), "error": " | ".join(errors)})
+
+
 async def run_tool(
     argv: Sequence[str], *, env: dict[str, str] | None, limit: float, what: str, label: str
 ) -> str:
@@ -125,5 +140,6 @@ async def run_tool(
         said = tail(err.decode(errors="replace")) or tail(out.decode(errors="replace"))
         log.warning(f"{label.split()[0]} failed",
                     extra={"argv": " ".join(argv), "status": proc.returncode})  # fmt: skip
+        _log_criu_errors(f"{out.decode(errors='replace')}\n{err.decode(errors='replace')}")
         raise ContainerError(f"{what}: {label} failed: {said}")
     return out.decode(errors="replace")
