@@ -69,13 +69,12 @@ def _kill_jobs(state: Path) -> None:
 def _fill(where: Path) -> None:
     """Write into ``where`` until the filesystem is full (ENOSPC)."""
     block = b"\0" * (1 << 20)
-    with open(where, "wb") as f:
-        try:
+    try:  # unbuffered: the close has nothing left to flush into the full filesystem
+        with open(where, "wb", buffering=0) as f:
             while True:
                 f.write(block)
-                f.flush()
-        except OSError:
-            pass
+    except OSError:
+        pass
 
 
 def _fill_when_staging_starts(shm: Path, stop: threading.Event) -> threading.Thread:
