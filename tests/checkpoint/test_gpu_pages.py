@@ -158,6 +158,22 @@ def _settings(tmp_path: Path, criu: str, **kw: object) -> CheckpointSettings:
     )
 
 
+async def _rig(
+    tmp_path: Path, here: Path, criu: str, name: str, **kw: object
+) -> tuple[JobInfo, StagingGpu, Engine]:
+    """The staging job started as ``name``, its stand-in driver and an engine over both."""
+    job = await _start(tmp_path, here, name)
+    gpu = StagingGpu(here)
+    return job, gpu, Engine(Criu(criu), gpu, settings=_settings(tmp_path, criu, **kw))
+
+
+def _stream_target(tmp_path: Path, settings: ImageSettings) -> StreamTarget:
+    """A stream into ``tmp_path/store`` (4 MiB chunks: a part is several)."""
+    store = f"file://{tmp_path / 'store'}"
+    opts = {"chunk_size": 4 * MIB}
+    return StreamTarget(store, work_root=tmp_path / "w", writer_options=opts, settings=settings)
+
+
 async def _continues(job: JobInfo, before: int) -> None:
     """The restored job counts on from where it stopped: no number skipped or repeated."""
     await until(lambda: _count(job) > before + 5, "the restored job's next lines")
@@ -168,14 +184,9 @@ async def _continues(job: JobInfo, before: int) -> None:
 async def test_staged_memory_streams_beside_criu_and_comes_back_exact(
     patched: str, tmp_path: Path, here: Path
 ) -> None:
-    job = await _start(tmp_path, here, "gpupages-stream")
-    gpu = StagingGpu(here)
-    engine = Engine(Criu(patched), gpu, settings=_settings(tmp_path, patched))
+    job, gpu, engine = await _rig(tmp_path, here, patched, "gpupages-stream")
     settings = ImageSettings()
-    store = f"file://{tmp_path / 'store'}"
-    target = StreamTarget(
-        store, work_root=tmp_path / "w", writer_options={"chunk_size": 4 * MIB}, settings=settings
-    )
+    target = _stream_target(tmp_path, settings)
     frozen = await engine.freeze(job, target, Mode.EXIT)
     lo, hi = (int(x, 16) for x in (here / "staged").read_text().split())
     [carried] = frozen.meta.gpu_pages
@@ -208,9 +219,7 @@ async def test_staged_memory_streams_beside_criu_and_comes_back_exact(
 async def test_a_leave_running_pause_and_a_staged_image_in_a_directory(
     patched: str, tmp_path: Path, here: Path
 ) -> None:
-    job = await _start(tmp_path, here, "gpupages-dir")
-    gpu = StagingGpu(here)
-    engine = Engine(Criu(patched), gpu, settings=_settings(tmp_path, patched))
+    job, gpu, engine = await _rig(tmp_path, here, patched, "gpupages-dir")
     frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.RESUME)
     assert gpu.checks() == ["ok"]  # the running job's range was never touched
     [carried] = frozen.meta.gpu_pages
@@ -234,15 +243,10 @@ async def test_a_leave_running_pause_and_a_staged_image_in_a_directory(
 async def test_a_tampered_chunk_of_staged_memory_fails_the_restore_and_leaves_nothing(
     patched: str, tmp_path: Path, here: Path
 ) -> None:
-    job = await _start(tmp_path, here, "gpupages-tamper")
-    gpu = StagingGpu(here)
-    engine = Engine(Criu(patched), gpu, settings=_settings(tmp_path, patched))
+    job, gpu, engine = await _rig(tmp_path, here, patched, "gpupages-tamper")
     settings = ImageSettings()
     store = tmp_path / "store"
-    target = StreamTarget(
-        f"file://{store}", work_root=tmp_path / "w", writer_options={"chunk_size": 4 * MIB},
-        settings=settings,
-    )  # fmt: skip
+    target = _stream_target(tmp_path, settings)
     frozen = await engine.freeze(job, target, Mode.EXIT)
     assert target.url is not None
     part = frozen.meta.gpu_pages[0].parts[-1]
@@ -269,9 +273,7 @@ async def test_a_tampered_chunk_of_staged_memory_fails_the_restore_and_leaves_no
 async def test_with_gpu_pages_criu_the_pages_go_through_criu_as_before(
     patched: str, tmp_path: Path, here: Path
 ) -> None:
-    job = await _start(tmp_path, here, "gpupages-criu")
-    gpu = StagingGpu(here)
-    engine = Engine(Criu(patched), gpu, settings=_settings(tmp_path, patched, gpu_pages="criu"))
+    job, gpu, engine = await _rig(tmp_path, here, patched, "gpupages-criu", gpu_pages="criu")
     frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
     assert frozen.meta.gpu_pages == []
     assert all(st.name != "gpu_pages" for st in frozen.timeline.steps)

@@ -25,6 +25,7 @@ from docker_helpers import IMAGE as DOCKER_IMAGE
 from docker_helpers import DockerVm
 from podman_helpers import IMAGE, Vm
 
+from sgtest import installed
 from spotguard.container.containerd_vm import image_layout
 from spotguard.container.demo import rootfs_tar
 from spotguard.container.podman import Podman
@@ -85,13 +86,7 @@ def vms(podman_bin: str, criu_bin: str) -> Iterator[tuple[Vm, Vm]]:
 def containerd_installed(criu_bin: str) -> Path:
     """scripts/install-containerd's prefix; skips (fails in CI, SPOTGUARD_REQUIRE_CRIU=1)
     where it cannot be installed."""
-    ctr = CONTAINERD_PREFIX / "bin" / "ctr"
-    if not os.access(ctr, os.X_OK):
-        subprocess.run([str(ROOT / "scripts" / "install-containerd")], check=False)
-    if not os.access(ctr, os.X_OK):
-        if os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1":
-            pytest.fail("containerd could not be installed (scripts/install-containerd)")
-        pytest.skip("containerd is not installed (scripts/install-containerd)")
+    installed(CONTAINERD_PREFIX / "bin" / "ctr", "install-containerd")
     return CONTAINERD_PREFIX
 
 
@@ -118,13 +113,7 @@ def ctr_vms(containerd_installed: Path, criu_bin: str) -> Iterator[tuple[CtrVm, 
 def docker_installed(criu_bin: str) -> Path:
     """scripts/install-docker's prefix; skips (fails in CI, SPOTGUARD_REQUIRE_CRIU=1) where
     it cannot be installed."""
-    dockerd = DOCKER_PREFIX / "bin" / "dockerd"
-    if not os.access(dockerd, os.X_OK):
-        subprocess.run([str(ROOT / "scripts" / "install-docker")], check=False)
-    if not os.access(dockerd, os.X_OK):
-        if os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1":
-            pytest.fail("docker could not be installed (scripts/install-docker)")
-        pytest.skip("docker is not installed (scripts/install-docker)")
+    installed(DOCKER_PREFIX / "bin" / "dockerd", "install-docker")
     return DOCKER_PREFIX
 
 

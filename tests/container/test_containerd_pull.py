@@ -7,7 +7,6 @@ the restore is refused, one line, before anything is created."""
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import time
@@ -19,9 +18,8 @@ import pytest
 from containerd_helpers import IMAGE, NS, CtrVm
 from test_containerd import EXPECTED, JOB, LINES, _ok, _refused
 
-from sgtest import free_port, wait_lines
+from sgtest import free_port, installed, wait_lines
 
-ROOT = Path(__file__).resolve().parents[2]
 REGISTRY = Path("/opt/spotguard/registry/bin/registry")
 
 
@@ -30,12 +28,7 @@ def registry(tmp_path: Path) -> Iterator[tuple[str, Path]]:
     """A registry of our own (plain HTTP on 127.0.0.1) known as ``registry.test:PORT`` only
     through a hosts dir (containerd lets loopback names fall back to plain HTTP by itself):
     (that name, the hosts dir)."""
-    if not os.access(REGISTRY, os.X_OK):
-        subprocess.run([str(ROOT / "scripts" / "install-registry")], check=False)
-    if not os.access(REGISTRY, os.X_OK):
-        if os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1":
-            pytest.fail("the registry could not be installed (scripts/install-registry)")
-        pytest.skip("no registry (scripts/install-registry)")
+    installed(REGISTRY, "install-registry")
     port = free_port()
     addr = f"127.0.0.1:{port}"
     conf = tmp_path / "registry.yml"
