@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from spotguard.errors import CheckpointError, ImageError
+from spotguard.image import memops
 
 log = logging.getLogger(__name__)
 
@@ -260,9 +261,9 @@ for _fn in (_readv, _writev):
 def _move(call: Any, what: str, pid: int, addr: int, view: memoryview) -> None:
     """Copy all of ``view`` from (readv) or to (writev) ``addr`` in ``pid``."""
     n = len(view)
-    holder = (ctypes.c_char * n).from_buffer(view)
-    try:
-        base = ctypes.addressof(holder)
+    with memops.address(view) as base:
+        if base is None:
+            raise ValueError(f"{what}: a read-only or empty buffer")
         done = 0
         while done < n:
             step = min(_STEP, n - done)
@@ -273,8 +274,6 @@ def _move(call: Any, what: str, pid: int, addr: int, view: memoryview) -> None:
                 err = ctypes.get_errno()
                 raise OSError(err, f"{what} of pid {pid} at {addr + done:#x}: {os.strerror(err)}")
             done += got
-    finally:
-        del holder
 
 
 def read_memory(pid: int, addr: int, view: memoryview) -> None:

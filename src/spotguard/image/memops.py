@@ -36,7 +36,7 @@ _ZEROS_ADDR = ctypes.addressof(ctypes.c_char.from_buffer(_ZEROS))
 
 
 @contextmanager
-def _address(buf: memoryview) -> Iterator[int | None]:
+def address(buf: memoryview) -> Iterator[int | None]:
     """The address of ``buf``'s first byte while the block runs (None: read-only or not
     contiguous). The export is dropped on exit, so the owner can be closed afterwards."""
     if buf.readonly or not buf.c_contiguous or len(buf) == 0:
@@ -56,7 +56,7 @@ def copy(dst: memoryview, src: memoryview) -> None:
         return
     if len(dst) < n:
         raise ValueError(f"copy of {n} bytes into a buffer of {len(dst)}")
-    with _address(dst[:n]) as d, _address(src) as s:
+    with address(dst[:n]) as d, address(src) as s:
         if d is not None and s is not None:
             ctypes.memmove(d, s, n)
             return
@@ -69,7 +69,7 @@ def copy_spans(dst: memoryview, src: memoryview, spans: list[tuple[int, int, int
     for d, s, n in spans:
         if d < 0 or s < 0 or n < 0 or d + n > len(dst) or s + n > len(src):
             raise ValueError(f"span ({d}, {s}, {n}) outside the buffers")
-    with _address(dst) as da, _address(src) as sa:
+    with address(dst) as da, address(src) as sa:
         if da is not None and sa is not None:
             move = ctypes.memmove
             for d, s, n in spans:
@@ -85,7 +85,7 @@ def is_zero(buf: memoryview) -> bool:
     reported as not zero: the answer only lets a caller skip work, and False never does."""
     view = buf.cast("B") if buf.format != "B" else buf
     n = len(view)
-    with _address(view) as a:
+    with address(view) as a:
         if a is None:
             return False
         off = 0
