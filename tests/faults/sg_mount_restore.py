@@ -140,6 +140,13 @@ async def _restore(
     }
 
 
+def kill_jobs(state_dir: Path) -> None:
+    """Every job of ``state_dir`` still alive, killed (the scenario's end, however it ends)."""
+    for job in list_jobs(state_dir):
+        if proctree.alive(job.pid):
+            proctree.signal_all([job.pid], signal.SIGKILL)
+
+
 async def main(root: Path, criu: str) -> dict[str, Any]:
     handler = _Lines()
     logging.getLogger().addHandler(handler)
@@ -170,9 +177,7 @@ async def main(root: Path, criu: str) -> dict[str, Any]:
         out["left_on_host"] = sorted(os.listdir(root))
         out["log"] = handler.records
     finally:
-        for job in list_jobs(settings.state_dir):
-            if proctree.alive(job.pid):
-                proctree.signal_all([job.pid], signal.SIGKILL)
+        kill_jobs(settings.state_dir)
     return out
 
 

@@ -14,18 +14,17 @@ import json
 import logging
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from sg_mount_restore import COUNTER, STEPS, _Lines, _lines, _wait
+from sg_mount_restore import COUNTER, STEPS, _Lines, _lines, _wait, kill_jobs
 
 from spotguard import operations
 from spotguard.checkpoint import proctree
-from spotguard.checkpoint.jobs import exit_status, list_jobs, start_job
+from spotguard.checkpoint.jobs import exit_status, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.contracts import Mode
 from spotguard.image import ImageSettings
@@ -106,9 +105,7 @@ async def main(root: Path, criu: str) -> dict[str, Any]:
         out["log"] = handler.records
     finally:
         holder.kill()
-        for j in list_jobs(settings.state_dir):
-            if proctree.alive(j.pid):
-                proctree.signal_all([j.pid], signal.SIGKILL)
+        kill_jobs(settings.state_dir)
     return out
 
 
