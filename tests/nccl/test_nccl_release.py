@@ -302,6 +302,9 @@ async def test_a_rank_owing_a_collective_behind_one_on_another_communicator_is_l
     freeze = asyncio.create_task(engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT))
 
     async def gate_closed() -> bool:
+        if freeze.done():  # it ended before the gate closed: say why (await raises it)
+            await freeze
+            pytest.fail("the freeze ended before the gate closed")
         members = await nccl.members(proctree.tree(job.pid))
         return bool(members) and all(m.state != "open" for m in members)
 
