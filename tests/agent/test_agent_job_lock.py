@@ -83,3 +83,55 @@ def test_two_agents_on_other_state_dirs_one_protects_the_job_the_other_refuses(
     lines = [ln for ln in errs[other].splitlines() if "another agent protects this job" in ln]
     assert len(lines) == 1, errs[other][-3000:]
     assert "another agent protects this job" not in errs[keeper]
+
+
+def test_a_holder_that_has_not_written_its_name_yet_is_still_named(tmp_path: Path) -> None:
+    """The holder locks the file, then writes its pid: an agent that finds the lock taken in
+    between used to report "pid ?". It now waits a moment for the holder's name."""
+    import fcntl
+    import os
+    import threading
+
+    from spotguard.agent import joblock
+    from spotguard.agent.identity import read
+
+    ident = read(os.getpid())
+    assert ident is not None
+    root = tmp_path / "locks"
+    root.mkdir(mode=0o700)
+    fd = os.open(root / joblock._key(ident), os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    late = threading.Timer(0.2, lambda: os.pwrite(fd, b"pid 4242, state dir /x", 0))
+    late.start()
+    try:
+        lock = joblock.take(ident, tmp_path / "b", root)
+        assert lock.other == "another agent (pid 4242, state dir /x) protects this job"
+    finally:
+        late.join()
+        os.close(fd)
+
+
+def test_a_state_dir_holder_that_has_not_written_its_pid_yet_is_still_named(
+    tmp_path: Path,
+) -> None:
+    """The same window on the state dir lock: it used to say "another agent (pid ?)"."""
+    import fcntl
+    import os
+    import threading
+
+    from spotguard.agent.startup import lock_state_dir
+    from spotguard.errors import ConfigError
+    from spotguard.statedir import StateDir
+
+    layout = StateDir(tmp_path / "state")
+    layout.agent.mkdir(parents=True)
+    fd = os.open(layout.agent_lock, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    late = threading.Timer(0.2, lambda: os.pwrite(fd, b"4242\n", 0))
+    late.start()
+    try:
+        with pytest.raises(ConfigError, match=r"another agent \(pid 4242\)"):
+            lock_state_dir(layout)
+    finally:
+        late.join()
+        os.close(fd)

@@ -25,6 +25,7 @@ import contextlib
 import fcntl
 import logging
 import os
+import time
 from pathlib import Path
 
 from .identity import Identity
@@ -32,6 +33,29 @@ from .identity import Identity
 log = logging.getLogger(__name__)
 
 LOCK_DIR = Path("/run/spotguard/jobs")
+
+#: how long a loser waits for the winner of a lock to write its name: the winner locks first
+#: and writes next, so a loser in between read an empty file ("pid ?")
+HOLDER_WAIT_S = 1.0
+
+
+def holder_of(fd: int, wait_s: float = HOLDER_WAIT_S) -> str:
+    """What the holder of the lock on ``fd`` wrote in it (its name), waiting up to ``wait_s``
+    for a holder that has locked but not yet written; "" when it wrote nothing by then."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        text = os.pread(fd, 4096, 0).decode(errors="replace").strip()
+        if text or time.monotonic() >= deadline:
+            return text
+        time.sleep(0.02)
+
+
+def write_holder(fd: int, name: str) -> None:
+    """Write this holder's ``name`` into its locked file: over the old text first, then cut
+    to length, so a reader never meets the file empty between a truncate and the write."""
+    data = name.encode()
+    os.pwrite(fd, data, 0)
+    os.ftruncate(fd, len(data))
 
 
 class JobLock:
@@ -105,9 +129,8 @@ def take(ident: Identity | None, state_dir: Path, root: Path = LOCK_DIR) -> JobL
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        holder = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "pid ?"
+        holder = holder_of(fd) or "pid ?"
         os.close(fd)
         return JobLock(ident, None, path, f"another agent ({holder}) protects this job")
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()}, state dir {state_dir}".encode(), 0)
+    write_holder(fd, f"pid {os.getpid()}, state dir {state_dir}")
     return JobLock(ident, fd, path, None)

@@ -46,6 +46,7 @@ from spotguard.statedir import StateDir
 from spotguard.store import open_store
 from spotguard.store.base import RetryPolicy
 
+from .joblock import holder_of, write_holder
 from .metrics import AgentMetrics
 from .reporter import Reporter
 
@@ -61,23 +62,22 @@ def lock_state_dir(layout: StateDir) -> IO[str]:
     lock goes with the process). Raises :class:`ConfigError` when another agent holds it."""
     try:
         layout.agent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        f = layout.agent_lock.open("a+")
+        # read-write, not append: an append-mode pwrite lands at the end, not at offset 0
+        f = os.fdopen(
+            os.open(layout.agent_lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600), "r+"
+        )
     except OSError as exc:
         raise ConfigError(f"cannot use the agent state dir {layout.agent}: {exc.strerror}") from exc
     try:
         fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError as exc:
-        f.seek(0)
-        other = f.read().strip() or "?"
+        other = holder_of(f.fileno()) or "?"
         f.close()
         raise ConfigError(
             f"another agent (pid {other}) already uses the state dir {layout.root}; "
             "stop it, or give this one its own --state-dir"
         ) from exc
-    f.seek(0)
-    f.truncate()
-    f.write(f"{os.getpid()}\n")
-    f.flush()
+    write_holder(f.fileno(), f"{os.getpid()}\n")
     return f
 
 
