@@ -159,6 +159,10 @@ FIELDS: dict[str, str] = {
     "chunk_gc_skipped_writer_active": "chunk collection skipped while a writer was active",
     "dry_run": "whether nothing was deleted",
     "pending": "how many deliveries were still pending (webhooks dropped at shutdown)",
+    "group": "an NCCL group's name (spotguard run --nccl-group: one run's jobs on several VMs)",
+    "generation": "an NCCL group's freeze generation",
+    "opened_by": "the job whose agent opened an NCCL group's freeze",
+    "given": "the communicators (keys) whose fresh NCCL id this agent gave its group",
 }
 
 _STD = set(logging.makeLogRecord({}).__dict__) | {"message", "asctime", "taskName"}

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.agent import daemon
+from spotguard.agent import ledger
 from spotguard.agent.daemon import Agent
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -33,7 +33,7 @@ async def test_a_dying_task_stops_the_agent_with_an_error(
 
     # The fault: the newest-image lookup raises something no layer maps (as a missing
     # SDK did before stores checked their extra).
-    monkeypatch.setattr(daemon, "newest_image", broken)
+    monkeypatch.setattr(ledger, "newest_image", broken)
     agent = Agent(
         AgentSettings(
             job=[str(job.pid)], store=(tmp_path / "store").as_uri(), api_listen="127.0.0.1:0"

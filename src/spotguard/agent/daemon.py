@@ -16,6 +16,7 @@ Start-up, in order (each step one log line; :mod:`spotguard.agent.startup`):
    (:mod:`.joblock`), is left alone; one named by name is protected again when it comes back;
 6. the local API and the controller reporter; with a controller, a directive poll per job
    (:mod:`.directives`); for a job owned elsewhere the agent stands down (:mod:`.standdown`);
+   a job started with ``--nccl-group`` is frozen when another of its group is (:mod:`.groups`);
 7. watch notices (:mod:`spotguard.agent.dispatch`) and run the park policies
    (:mod:`spotguard.agent.parking`; a job parked as an image is not "finished").
 
@@ -54,12 +55,12 @@ from spotguard.notify import Notifier
 from spotguard.park.settings import ParkSettings
 from spotguard.planner import PlannerSettings
 
-from . import discovery, identity, joblock, jobspec, journal, parking, recent, startup
+from . import discovery, groups, identity, joblock, jobspec, journal, parking, recent, startup
 from .api import AgentApi, ensure_token
 from .directives import DirectivePoller
 from .dispatch import NoticeDispatcher
 from .jobstate import JobState
-from .ledger import Ledger, newest_image, runs_elsewhere, stood_down
+from .ledger import Ledger, newest_known, runs_elsewhere, stood_down
 from .metrics import AgentMetrics
 from .policy import Policy
 from .pusher import KeptPusher
@@ -113,6 +114,8 @@ class Agent:
         self.epochs: dict[str, int] = {}  # ownership epoch of each job an assignment gave us
         self.ledger = Ledger(self.layout.ledger)
         self.kept = operations.kept_images_of(checkpoint)
+        self.engine = operations.engine_for(checkpoint)  # NCCL groups meet at the controller:
+        self.engine.nccl.peers = groups.peers_factory(lambda: self._controller)
         self.instance = InstanceFacts()
         self.cloud: str | None = None
         self.store = settings.store
@@ -242,14 +245,18 @@ class Agent:
             taken, every = (lambda: [*specs, *self.workers]), self.settings.discover_interval_s
             found = discovery.watch(self._state_dir, taken, self._protect_later, every)
             self._spawn(found, "discover")
-        self._poll_directives()
+        self.directives = DirectivePoller.start(  # what the controller wants from each job
+            self.controller_url, self.controller_token, self.settings.directive_poll_s,
+            lambda: [w.name for w in self.workers.values() if w.active], self._controller_says,
+            self.epochs.get, self._spawn,
+        )  # fmt: skip
         self.bus = NoticeBus([*sources, self.manual], backoff_max=self.notice_settings.backoff_max)
         self._spawn(self.notices.watch(self.bus), "notices")
         self._spawn(self.recent.watch_parks(self._state_dir), "recent-parks")
         self.metrics.count_parked(self._state_dir)
         policy = parking.park_policy(
             self.workers, checkpoint=self.checkpoint_settings, park=self.park_settings,
-            image=self.image_settings, engine=operations.engine_for(self.checkpoint_settings),
+            image=self.image_settings, engine=self.engine,
             agent=self.settings, notifier=self.notifier, config=self.config,
         )  # fmt: skip
         self._spawn(policy.run(self._stop), "park")
@@ -345,7 +352,7 @@ class Agent:
         if ident is None and parking.is_parked(self.checkpoint_settings.state_dir, info.name):
             self._worker(info).move(JobState.PARKED)  # protected again once unparked
             return
-        newest = await self._newest_image(info.name)
+        newest = await newest_known(self.store, info.name, self.image_settings, self.metrics)
         if stood_down(self.ledger, info) or await runs_elsewhere(
             self.ledger, info.name, newest, self.instance.instance_id, self.image_settings
         ):
@@ -371,12 +378,21 @@ class Agent:
         if self.notices is not None:  # notices that came before this job was protected
             self.notices.replay(worker)
         alive = parking.watch_alive(worker, self._state_dir, LIVENESS_S)
-        watcher = self._spawn(alive, f"alive-{info.name}")
+        watchers = [self._spawn(alive, f"alive-{info.name}")]
+        drain = lambda why: self._spawn(self.drain(why, wait=False, deadline_s=None), "drain")  # noqa: E731
+        on_freeze = groups.freeze_handler(drain, self.workers)
+        if (group := groups.watch(info.pid, info.name, self._controller, on_freeze)) is not None:
+            watchers.append(self._spawn(group, f"group-{info.name}"))
         try:
             await worker.run()
         finally:
-            watcher.cancel()
+            for w in watchers:
+                w.cancel()
             held.release()
+
+    @property
+    def _controller(self) -> tuple[str | None, str | None]:
+        return self.controller_url, self.controller_token
 
     def _worker(
         self, info: JobInfo, last: float | None = None, ident: identity.Identity | None = None
@@ -409,18 +425,6 @@ class Agent:
         worker.kept_durable(result, notice if isinstance(notice, dict) else None)
         self._maybe_done()
 
-    def _poll_directives(self) -> None:
-        """Ask the controller what it wants from each protected job, every
-        ``directive_poll_s`` seconds (off without a controller or with 0)."""
-        if not self.controller_url or self.settings.directive_poll_s <= 0:
-            return
-        self.directives = DirectivePoller(
-            self.controller_url, self.controller_token,
-            lambda: [w.name for w in self.workers.values() if w.active], self._controller_says,
-            interval_s=self.settings.directive_poll_s, epoch_of=self.epochs.get,
-        )  # fmt: skip
-        self._spawn(self.directives.run(), "directives")
-
     def _maybe_done(self) -> None:
         if (
             self.settings.exit_when_done
@@ -446,6 +450,7 @@ class Agent:
                     info, self.store, mode=mode, settings=self.checkpoint_settings,
                     image_settings=self.image_settings, planner_settings=self.planner_settings,
                     deadline=deadline, instance=self.instance, meta=meta, on_frozen=on_frozen,
+                    engine=self.engine,
                 )  # fmt: skip
             except operations.ImageKept as exc:  # stopped, image kept here: push it
                 self.pusher.add(exc.kept)
@@ -456,24 +461,8 @@ class Agent:
     async def _restore(self, image_url: str, job: str) -> operations.RestoreResult:
         return await operations.restore(
             image_url, settings=self.checkpoint_settings, image_settings=self.image_settings,
-            job_name=job,
+            job_name=job, engine=self.engine,
         )  # fmt: skip
-
-    async def _newest_image(self, job: str) -> tuple[str, float] | None:
-        """The newest complete image of ``job`` and when it was taken (None: none, or the
-        store cannot say now)."""
-        try:
-            newest = await newest_image(self.store, job, self.image_settings)
-        except SpotguardError as exc:
-            self.metrics.failures.labels("store").inc()
-            log.warning(
-                "store unavailable; cannot tell the newest image's age",
-                extra={"step": "store", "job": job, "error": str(exc)},
-            )
-            return None
-        if newest is not None:
-            self.metrics.image_durable(job, newest[1])
-        return newest
 
     # --- local API --------------------------------------------------------------------------
 

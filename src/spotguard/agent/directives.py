@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 from spotguard.contracts import Directive
 from spotguard.controller.client import ControllerClient
@@ -47,6 +48,25 @@ class DirectivePoller:
         self.interval_s = interval_s
         self.polls = 0
         self.epoch_of = epoch_of  # the ownership epoch this agent holds a job under, if known
+
+    @classmethod
+    def start(
+        cls,
+        url: str | None,
+        token: str | None,
+        interval_s: float,
+        jobs: Callable[[], Iterable[str]],
+        on_answer: Callable[[Directive], None],
+        epoch_of: Callable[[str], int | None],
+        spawn: Callable[[Coroutine[Any, Any, None], str], object],
+    ) -> DirectivePoller | None:
+        """A poller of ``url`` every ``interval_s`` seconds, started with ``spawn``; None
+        (nothing started) without a controller or with an interval of 0."""
+        if not url or interval_s <= 0:
+            return None
+        poller = cls(url, token, jobs, on_answer, interval_s=interval_s, epoch_of=epoch_of)
+        spawn(poller.run(), "directives")
+        return poller
 
     async def run(self) -> None:
         """Poll until cancelled."""

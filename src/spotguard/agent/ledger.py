@@ -27,6 +27,7 @@ from spotguard.modes import Mode
 
 from .identity import Identity
 from .jobstate import LEDGER_STATES, JobState
+from .metrics import AgentMetrics
 
 log = logging.getLogger(__name__)
 
@@ -235,6 +236,25 @@ async def newest_image(
         )
         taken = now
     return url, taken
+
+
+async def newest_known(
+    store: str, job: str, image_settings: ImageSettings, metrics: AgentMetrics
+) -> tuple[str, float] | None:
+    """:func:`newest_image`, or None when the store cannot say now (counted and logged);
+    the image's time is the job's newest durable image for the metrics."""
+    try:
+        newest = await newest_image(store, job, image_settings)
+    except SpotguardError as exc:
+        metrics.failures.labels("store").inc()
+        log.warning(
+            "store unavailable; cannot tell the newest image's age",
+            extra={"step": "store", "job": job, "error": str(exc)},
+        )
+        return None
+    if newest is not None:
+        metrics.image_durable(job, newest[1])
+    return newest
 
 
 async def runs_elsewhere(

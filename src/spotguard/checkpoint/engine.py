@@ -148,7 +148,7 @@ class Engine:
         self.gpu: GpuHook = gpu if gpu is not None else NoGpu()
         self.settings = settings  # loaded once by the caller (the CLI, the agent)
         self.faults: Faults = faults or _NoFaults()
-        self.nccl = nccl or ncclctl.NcclControl(call_timeout=settings.gpu_timeout)
+        self.nccl = nccl or ncclctl.NcclControl.of(settings)
 
     # --- freeze ----------------------------------------------------------------------------
 
@@ -212,7 +212,7 @@ class Engine:
             with tl.step("nccl_release") as ns:
                 await self.faults.before("nccl_release")
                 nccl_touched = True
-                released = await self.nccl.release(job.name, awake, s.gpu_lock_timeout)
+                released = await self.nccl.release(job.name, awake, s.gpu_lock_timeout, mode)
                 ns.detail.update(released.to_json())
             before = await gpupages.before(self.criu, s.gpu_pages, active)
             staged: list[gpupages.Range] = []
@@ -464,7 +464,8 @@ class Engine:
                     await self.gpu.unlock(gpu_pids)
             with tl.step("nccl_rebuild") as rb:
                 await self.faults.before("nccl_rebuild")
-                rb.detail.update((await self.nccl.rebuild(job.name, [*by_ns.values()])).to_json())
+                rebuilt = await self.nccl.rebuild(job.name, [*by_ns.values()], restored=True)
+                rb.detail.update(rebuilt.to_json())
             with tl.step("finish"):
                 await self.faults.before("finish")
                 job = job.with_pid(pid)

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from spotguard.errors import UndumpableError
+from spotguard.groupwire import GROUP_ENV
 
 from .ncclctl import ENV_CTL, shim_loaded
 from .procfacts import comm, read_environ
@@ -51,8 +52,15 @@ CHECKPOINTABLE: dict[str, tuple[str, str]] = {
 #: set by ``spotguard run`` unless the job sets them, but not judged before a freeze: the
 #: ranks of a job on one VM talk over loopback, so their connections restore on any VM (on
 #: the VM's own address, the default, CRIU can restore them only where that address exists).
-#: A job whose ranks span VMs sets its own interface (spotguard restores one VM's job).
+#: A job whose ranks span VMs (``--nccl-group``) is given neither: its ranks must reach the
+#: other VMs, and its NCCL connections are gone at every freeze (the shim releases them).
 PORTABLE: dict[str, str] = {"NCCL_SOCKET_IFNAME": "lo", "GLOO_SOCKET_IFNAME": "lo"}
+
+
+def _portable(env: dict[str, str]) -> None:
+    if GROUP_ENV not in env:
+        for key, value in PORTABLE.items():
+            env.setdefault(key, value)
 
 
 def job_env(base: Mapping[str, str]) -> dict[str, str]:
@@ -60,8 +68,7 @@ def job_env(base: Mapping[str, str]) -> dict[str, str]:
     env = dict(base)
     for key, (value, _why) in CHECKPOINTABLE.items():
         env.setdefault(key, value)
-    for key, value in PORTABLE.items():
-        env.setdefault(key, value)
+    _portable(env)
     return env
 
 
@@ -73,8 +80,7 @@ def release_env(base: Mapping[str, str], shim: Path, control: Path) -> dict[str,
     preload = [p for p in env.get("LD_PRELOAD", "").replace(":", " ").split() if p != str(shim)]
     env["LD_PRELOAD"] = " ".join([str(shim), *preload])
     env[ENV_CTL] = str(control)
-    for key, value in PORTABLE.items():
-        env.setdefault(key, value)
+    _portable(env)
     return env
 
 

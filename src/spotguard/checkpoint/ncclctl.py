@@ -12,18 +12,17 @@ JSON answer; the shim's source documents the commands):
 * :meth:`NcclControl.release` — every rank of the job at once: refuse what cannot be released
   (:class:`~spotguard.errors.UndumpableError`, naming it: collectives captured in CUDA graphs,
   buffers registered with ``ncclCommRegister``, windows, ``ncclMemAlloc`` memory, the device
-  API, communicators with ranks outside the job), close every gate (``quiesce``), let ranks
-  that are behind their peers issue what they owe (``drain``) until every rank of every
-  communicator has issued the same operations and none is inside NCCL, then ``release``
+  API, communicators with ranks outside the job unless their group's agents meet through the
+  controller: :mod:`.ncclgroup`), close every gate (``quiesce``), let ranks that are behind
+  their peers issue what they owe (``drain``) until every rank of every communicator has
+  issued the same operations and none is inside NCCL, then ``release``
   (``ncclCommFinalize`` + ``ncclCommDestroy``). A rank that does not get there within the
   lock timeout fails the checkpoint in one line (:class:`~spotguard.errors.NcclError`); every
-  gate is opened again and the job runs on.
+  gate is opened again (:meth:`NcclControl.bring_back`) and the job runs on.
 * :meth:`NcclControl.rebuild` — the agent is the rendezvous: for each communicator (its group
   key) it asks one member for a fresh ``ncclUniqueId`` and hands it to every member, which
   create their communicators again concurrently with the recorded rank, size, device and
   configuration, and open their gates.
-* :meth:`NcclControl.bring_back` — after a failed freeze: gates opened, released
-  communicators rebuilt.
 
 Processes without the shim are untouched (``spotguard run --nccl restrict`` jobs, jobs adopted
 by pid): the freeze preflight judges their NCCL settings (:mod:`.nccl`).
@@ -36,14 +35,21 @@ import json
 import logging
 import time
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from spotguard.errors import NcclError, UndumpableError
 
+from . import ncclgroup
+from .ncclstate import Comm as Comm
+from .ncclstate import Member as Member
+from .ncclstate import groups_of, level, stuck
+from .ncclstate import owed as owed
+from .ncclstate import targets as targets
 from .procfacts import comm, read_environ
 from .proctree import ns_pids
+from .settings import CheckpointSettings
 
 __all__ = [
     "CTL_ROOT",
@@ -104,109 +110,6 @@ def prepare_restore(job: str) -> None:
 
 
 @dataclass(frozen=True)
-class Comm:
-    """One communicator of one process, as its shim reports it."""
-
-    id: int
-    key: str
-    rank: int
-    nranks: int
-    dev: int
-    ops: int
-    send: dict[int, int] = field(default_factory=dict)
-    recv: dict[int, int] = field(default_factory=dict)
-    captured: int = 0
-    registered: int = 0
-    windows: int = 0
-    devapi: int = 0
-
-    @classmethod
-    def from_json(cls, d: dict[str, Any]) -> Comm:
-        return cls(
-            id=int(d["id"]),
-            key=str(d["key"]),
-            rank=int(d["rank"]),
-            nranks=int(d["nranks"]),
-            dev=int(d["dev"]),
-            ops=int(d["ops"]),
-            send={int(p): int(n) for p, n in d.get("send", [])},
-            recv={int(p): int(n) for p, n in d.get("recv", [])},
-            captured=int(d.get("captured", 0)),
-            registered=int(d.get("registered", 0)),
-            windows=int(d.get("windows", 0)),
-            devapi=int(d.get("devapi", 0)),
-        )
-
-    def refusals(self) -> list[tuple[str, str]]:
-        """What keeps it from being released: (what, what to do)."""
-        out = []
-        if self.captured:
-            out.append(
-                (
-                    f"NCCL collectives captured in a CUDA graph ({self.captured} calls on a "
-                    "capturing stream)",
-                    "a graph replays the communicator's resources, which a release destroys: "
-                    "do not capture NCCL calls, or run the job with 'spotguard run --nccl "
-                    "restrict'",
-                )
-            )
-        if self.registered:
-            out.append(
-                (
-                    f"{self.registered} user buffers registered with ncclCommRegister",
-                    "deregister them before a checkpoint, or run with 'spotguard run --nccl "
-                    "restrict' (PyTorch: TORCH_NCCL_USE_TENSOR_REGISTER_ALLOCATOR_HOOK=0)",
-                )
-            )
-        if self.windows:
-            out.append(
-                (
-                    f"{self.windows} NCCL memory windows (ncclCommWindowRegister)",
-                    "release them before a checkpoint, or run with 'spotguard run --nccl "
-                    "restrict' (PyTorch: no NCCL symmetric memory)",
-                )
-            )
-        if self.devapi:
-            out.append(
-                (
-                    "NCCL's device API (ncclDevCommCreate)",
-                    "device communicators cannot be rebuilt: run with 'spotguard run --nccl "
-                    "restrict'",
-                )
-            )
-        return out
-
-
-@dataclass(frozen=True)
-class Member:
-    """A process of the job with communicators, and its last report."""
-
-    pid: int
-    sock: Path
-    state: str
-    inflight: int
-    memalloc: int
-    comms: tuple[Comm, ...]
-
-    @classmethod
-    def from_json(cls, pid: int, sock: Path, d: dict[str, Any]) -> Member:
-        return cls(
-            pid,
-            sock,
-            str(d["state"]),
-            int(d.get("inflight", 0)),
-            int(d.get("memalloc", 0)),
-            tuple(Comm.from_json(c) for c in d.get("comms", [])),
-        )
-
-    def label(self, c: Comm | None = None) -> str:
-        who = f"pid {self.pid} ({comm(self.pid)})"
-        if c is None:
-            return who
-        return f"{who}, rank {c.rank} of {c.nranks} of communicator {c.key[:8]}"
-
-
-@dataclass(frozen=True)
 class Outcome:
     """What a release or a rebuild did: communicators, processes, seconds."""
 
@@ -243,51 +146,6 @@ async def _ask(pid: int, sock: Path, line: str, limit: float) -> dict[str, Any]:
     return data
 
 
-def _groups(members: Iterable[Member]) -> dict[str, list[tuple[Member, Comm]]]:
-    out: dict[str, list[tuple[Member, Comm]]] = {}
-    for m in members:
-        for c in m.comms:
-            out.setdefault(c.key, []).append((m, c))
-    return out
-
-
-def targets(members: Sequence[Member]) -> dict[int, list[str]]:
-    """Per pid, the drain targets that bring it level with its peers: every member of a
-    communicator issues as many collectives as the one furthest ahead, and as many sends to
-    (receives from) each peer as that peer posted receives from (sends to) it. Only targets
-    above a process's own counts are listed; empty lists everywhere mean all are level."""
-    out: dict[int, list[str]] = {m.pid: [] for m in members}
-    for members_of in _groups(members).values():
-        top = max(c.ops for _, c in members_of)
-        by_rank = {c.rank: c for _, c in members_of}
-        for m, c in members_of:
-            if c.ops < top:
-                out[m.pid].append(f"c{c.id}={top}")
-            for peer, peer_c in by_rank.items():
-                want_send = peer_c.recv.get(c.rank, 0)
-                want_recv = peer_c.send.get(c.rank, 0)
-                if want_send > c.send.get(peer, 0):
-                    out[m.pid].append(f"s{c.id}.{peer}={want_send}")
-                if want_recv > c.recv.get(peer, 0):
-                    out[m.pid].append(f"r{c.id}.{peer}={want_recv}")
-    return out
-
-
-def _level(members: Sequence[Member]) -> bool:
-    return all(m.inflight == 0 for m in members) and not any(targets(members).values())
-
-
-def _stuck(members: Sequence[Member]) -> str:
-    owed = targets(members)
-    parts = []
-    for m in members:
-        if m.inflight:
-            parts.append(f"{m.label()} is inside an NCCL call")
-        elif owed[m.pid]:
-            parts.append(f"{m.label()} is behind its peers ({len(owed[m.pid])} counts)")
-    return "; ".join(parts) or "the ranks' counts kept moving"
-
-
 def _outcome(
     job: str, what: str, done: Sequence[Mapping[str, Any]], members: Sequence[Member], t0: float
 ) -> Outcome:
@@ -311,10 +169,40 @@ def _outcome(
 
 
 class NcclControl:
-    """Release, rebuild and bring back a job's NCCL communicators through the shim."""
+    """Release, rebuild and bring back a job's NCCL communicators through the shim; with
+    ``peers`` (a factory of meeting points, :mod:`.ncclgroup`), also communicators whose
+    ranks span the jobs of a group on several VMs."""
 
-    def __init__(self, call_timeout: float = 300.0) -> None:
+    def __init__(
+        self,
+        call_timeout: float = 300.0,
+        peers: ncclgroup.PeersFactory | None = None,
+        group_join_s: float = 20.0,
+        group_wait_s: float = 600.0,
+    ) -> None:
         self.call_timeout = call_timeout
+        self.peers = peers
+        self.group_join_s = group_join_s  # a freeze's wait for the group's other agents
+        self.group_wait_s = group_wait_s  # a restored member's wait for the others
+
+    @classmethod
+    def of(cls, settings: CheckpointSettings) -> NcclControl:
+        """The control these settings describe (no meeting points: the agent adds its)."""
+        return cls(
+            call_timeout=settings.gpu_timeout,
+            group_join_s=settings.nccl_group_join_s,
+            group_wait_s=settings.nccl_group_wait_s,
+        )
+
+    def _meeting(
+        self, job: str, members: Sequence[Member], mode: str = "exit"
+    ) -> ncclgroup.Peers | None:
+        """The group's meeting point when ``members``' communicators span other jobs of its
+        group (None without one, and for a ``park``: the others cannot wait at their gates)."""
+        if self.peers is None or mode == "park" or not ncclgroup.spanning(members):
+            return None
+        group = ncclgroup.group_of(members)
+        return self.peers(group, job) if group else None
 
     async def members(self, tree: Iterable[int]) -> list[Member]:
         """The processes of ``tree`` whose shim has communicators, with their reports."""
@@ -332,7 +220,7 @@ class NcclControl:
         answers = await asyncio.gather(*(_ask(m.pid, m.sock, lines[m.pid], t) for m in members))
         return [Member.from_json(m.pid, m.sock, a) for m, a in zip(members, answers, strict=True)]
 
-    def _refuse(self, job: str, members: Sequence[Member]) -> None:
+    def _refuse(self, job: str, members: Sequence[Member], grouped: bool) -> None:
         found = []
         for m in members:
             found += [
@@ -344,41 +232,52 @@ class NcclControl:
                     "allocator's memory cannot be carried by a release; free them before a "
                     "checkpoint, or run with 'spotguard run --nccl restrict'"
                 )
-        for key, members_of in _groups(members).items():
+        for key, members_of in groups_of(members).items():
             nranks = members_of[0][1].nranks
             ranks = sorted({c.rank for _, c in members_of})
-            if len(ranks) != nranks:
+            if len(ranks) != nranks and not grouped:
                 found.append(
                     f"communicator {key[:8]} has {len(ranks)} of its {nranks} ranks in this job "
-                    f"(ranks {', '.join(map(str, ranks))}): spotguard rebuilds communicators "
-                    "whose ranks all run in the job it checkpoints"
+                    f"(ranks {', '.join(map(str, ranks))}): start every VM's part of the run "
+                    "with 'spotguard run --nccl-group NAME' under a controller (its agents "
+                    "then release and rebuild it together), or run with 'spotguard run --nccl "
+                    "restrict'"
                 )
         if found:
             raise UndumpableError(job, found)
 
-    async def release(self, job: str, tree: Sequence[int], wait_s: float) -> Outcome:
+    async def release(
+        self, job: str, tree: Sequence[int], wait_s: float, mode: str = "exit"
+    ) -> Outcome:
         """Quiesce every rank at once and release every communicator of ``tree``'s
-        processes; see the module's docstring. On failure every gate is open again."""
+        processes; see the module's docstring. Communicators spanning other jobs of the
+        job's group are levelled with those jobs' agents (:mod:`.ncclgroup`; ``mode`` opens
+        the group's freeze: ``exit``, ``resume``, or ``park``). On failure every gate is
+        open again."""
         t0 = time.monotonic()
         members = await self.members(tree)
         if not members:
             return Outcome()
-        self._refuse(job, members)
+        meet = self._meeting(job, members, mode)
+        self._refuse(job, members, meet is not None)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + wait_s
+        deadline = loop.time() + wait_s + (self.group_join_s if meet is not None else 0.0)
         try:
+            generation = await meet.begin(mode, f"{mode} checkpoint") if meet else 0
             members = await self._all(members, {m.pid: "quiesce" for m in members}, 10.0)
-            while not _level(members):
+            if meet is not None:
+                members = await ncclgroup.level_together(
+                    job, members, meet, generation, self._drain, deadline - loop.time()
+                )
+            while not level(members):
                 left = deadline - loop.time()
                 if left <= 0:
                     raise NcclError(
                         f"NCCL ranks of job {job!r} did not quiesce in {wait_s:.0f} s: "
-                        f"{_stuck(members)}; the job runs on"
+                        f"{stuck(members)}; the job runs on"
                     )
                 ms = max(int(min(left, DRAIN_ROUND_S) * 1000), 1)
-                owed = targets(members)
-                lines = {m.pid: " ".join(["drain", str(ms), *owed[m.pid]]) for m in members}
-                members = await self._all(members, lines, ms / 1000 + 10.0)
+                members = await self._drain(members, targets(members), ms)
             ms = int(self.call_timeout * 1000)
             done = await asyncio.gather(
                 *(_ask(m.pid, m.sock, f"release {ms}", self.call_timeout + 5) for m in members)
@@ -388,19 +287,32 @@ class NcclControl:
             raise
         return _outcome(job, "released", done, members, t0)
 
-    async def rebuild(self, job: str, tree: Sequence[int]) -> Outcome:
-        """Create every released communicator of ``tree``'s processes again (the agent is
-        the rendezvous: one fresh ncclUniqueId per communicator, from one of its members)."""
+    async def _drain(
+        self, members: list[Member], owes: dict[int, list[str]], ms: int
+    ) -> list[Member]:
+        """Let each member issue what it owes (``owes``, by pid) for up to ``ms``."""
+        lines = {m.pid: " ".join(["drain", str(ms), *owes.get(m.pid, [])]) for m in members}
+        return await self._all(members, lines, ms / 1000 + 10.0)
+
+    async def rebuild(self, job: str, tree: Sequence[int], restored: bool = False) -> Outcome:
+        """Create every released communicator of ``tree``'s processes again: the agent is
+        the rendezvous (one fresh ncclUniqueId per communicator, from one of its members),
+        with the other jobs' agents for communicators spanning the job's group (after a
+        restore, ``restored``, the group's restored members meet in a new generation)."""
         t0 = time.monotonic()
         members = [m for m in await self.members(tree) if m.state == "released"]
         if not members:
             return Outcome()
-        groups = _groups(members)
-        givers = {key: min(mc, key=lambda x: x[1].rank)[0] for key, mc in groups.items()}
-        uids = await asyncio.gather(
-            *(_ask(g.pid, g.sock, "uid", self.call_timeout) for g in givers.values())
-        )
-        uid_of = {key: str(u["uid"]) for key, u in zip(givers, uids, strict=True)}
+        meet = self._meeting(job, members)
+        if meet is not None:
+            if restored:
+                await meet.begin("restore", "rebuild after the restore")
+            uid_of = await ncclgroup.uids_together(job, members, meet, self._uid, self.group_wait_s)
+        else:
+            groups = groups_of(members)
+            givers = {key: min(mc, key=lambda x: x[1].rank)[0] for key, mc in groups.items()}
+            uids = await asyncio.gather(*(self._uid(g) for g in givers.values()))
+            uid_of = dict(zip(givers, uids, strict=True))
         ms = int(self.call_timeout * 1000)
         lines = {
             m.pid: " ".join(["rebuild", str(ms), *(f"{c.id}={uid_of[c.key]}" for c in m.comms)])
@@ -410,6 +322,10 @@ class NcclControl:
             *(_ask(m.pid, m.sock, lines[m.pid], self.call_timeout + 5) for m in members)
         )
         return _outcome(job, "rebuilt", done, members, t0)
+
+    async def _uid(self, m: Member) -> str:
+        """A fresh ncclUniqueId from member ``m``'s process (hex)."""
+        return str((await _ask(m.pid, m.sock, "uid", self.call_timeout))["uid"])
 
     async def bring_back(self, job: str, tree: Sequence[int]) -> None:
         """After a failed freeze: open every closed gate and rebuild what was released.

@@ -93,6 +93,22 @@ class CheckpointSettings(Settings):
         default=Path("/opt/spotguard/nccl-shim/lib/libspotguard_nccl.so"),
         description="spotguard's NCCL shim, as scripts/install-nccl-shim installs it",
     )
+    nccl_group_join_s: float = Field(
+        default=20.0,
+        gt=0,
+        description=(
+            "NCCL groups (spotguard run --nccl-group): seconds a freeze waits, beyond the GPU "
+            "lock timeout, for the other members' agents to join it"
+        ),
+    )
+    nccl_group_wait_s: float = Field(
+        default=600.0,
+        gt=0,
+        description=(
+            "NCCL groups: seconds a restored member waits for the others to be restored "
+            "before their communicators are rebuilt"
+        ),
+    )
     shm_dir: Path = Field(
         default=Path("/dev/shm/spotguard"), description="Staging directory in memory (tmpfs)"
     )

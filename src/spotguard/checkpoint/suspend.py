@@ -141,7 +141,9 @@ async def suspend(
         with tl.step("nccl_release") as ns:
             await faults.before("nccl_release")
             nccl_touched = True
-            released = await eng.nccl.release(job.name, tree, eng.settings.gpu_lock_timeout)
+            released = await eng.nccl.release(
+                job.name, tree, eng.settings.gpu_lock_timeout, mode="park"
+            )
             ns.detail.update(released.to_json())
         if gpu_pids:
             with tl.step("gpu_lock", pids=gpu_pids):

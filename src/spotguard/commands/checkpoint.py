@@ -26,6 +26,7 @@ from spotguard.config import load, options
 from spotguard.container import cli as container_cli
 from spotguard.container.spec import is_container_job
 from spotguard.errors import JobError, SpotguardError
+from spotguard.groupwire import GROUP_ENV, check_group_name
 from spotguard.image.settings import ImageSettings
 from spotguard.planner import PlannerSettings
 
@@ -76,6 +77,14 @@ def _steps(timeline: list[dict[str, Any]]) -> str:
     default=None,
     help="GPU memory this job needs (e.g. 40G, 512M): with --priority, room is made for it.",
 )
+@click.option(
+    "--nccl-group",
+    "nccl_group",
+    default=None,
+    help="The run this job is one VM's part of: its NCCL communicators span the jobs started "
+    "with the same group on other VMs; their agents release and rebuild them together "
+    "through the controller (docs/limits.md, NCCL).",
+)
 @options(
     CheckpointSettings,
     exclude=tuple(n for n in CheckpointSettings.model_fields if n not in _RUN_ONLY),
@@ -92,6 +101,7 @@ def run(
     no_protect: bool,
     priority: int | None,
     gpu_memory: str | None,
+    nccl_group: str | None,
     command: tuple[str, ...],
     **flags: Any,
 ) -> None:
@@ -126,6 +136,8 @@ def run(
 
         claim, parked = make_room(ctx, s, priority or 0, gpu_memory, name or command[0])
     env = job_environment(os.environ)
+    if nccl_group is not None:
+        env[GROUP_ENV] = check_group_name(nccl_group)
     shim = s.nccl_shim if s.nccl == "release" and s.nccl_shim.is_file() else None
     if s.nccl == "release" and shim is None:
         click.echo(

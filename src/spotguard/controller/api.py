@@ -1,25 +1,34 @@
 """The controller's HTTP API (aiohttp).
 
-=======================================  ======  =============================================
-``POST /v1/events``                      VM      an :data:`~spotguard.contracts.AgentEvent`;
-                                                 200 an :class:`~spotguard.contracts.EventAnswer`
-                                                 (409 with ``stale`` and ``stand_down``: the
-                                                 sender does not own the job)
-``GET /v1/jobs/{job}/directive``         VM      a :class:`~spotguard.contracts.Directive`
-                                                 (agents poll it; admin: ``?epoch=N``)
-``GET /v1/jobs``                         admin   every job (summary)
-``GET /v1/jobs/{job}``                   admin   one job: state, owner, history, images
-``POST /v1/jobs/{job}/migrate``          admin   ``{"to": REGION|TYPE, "immediate": false}``
-``POST /v1/jobs/{job}/unpark``           admin   ``{"to": REGION|TYPE}`` (optional): relaunch a
-                                                 job parked to a store (409 when not parked)
-``POST /v1/jobs/{job}/retry``            admin   ``{"to": REGION|TYPE}`` (optional): relaunch a
-                                                 FAILED job from its newest image with a fresh
-                                                 restart budget (409 when not failed)
-``GET /healthz``                         —       ``{"ok": true, "jobs": N}``
-``GET /metrics``                         —       Prometheus text format
-``GET /ui``                              —       the read-only web page (:mod:`spotguard.webui`;
-                                                 its data comes from the admin routes above)
-=======================================  ======  =============================================
+===========================================  ======  ===============================================
+``POST /v1/events``                          VM      an :data:`~spotguard.contracts.AgentEvent`; 200
+                                                     an :class:`~spotguard.contracts.EventAnswer`
+                                                     (409 with ``stale`` and ``stand_down``: the
+                                                     sender does not own the job)
+``GET /v1/jobs/{job}/directive``             VM      a :class:`~spotguard.contracts.Directive`
+                                                     (agents poll it; admin: ``?epoch=N``)
+``GET /v1/jobs``                             admin   every job (summary)
+``GET /v1/jobs/{job}``                       admin   one job: state, owner, history, images
+``POST /v1/jobs/{job}/migrate``              admin   ``{"to": REGION|TYPE, "immediate": false}``
+``POST /v1/jobs/{job}/unpark``               admin   ``{"to": REGION|TYPE}`` (optional): relaunch a
+                                                     job parked to a store (409 when not parked)
+``POST /v1/jobs/{job}/retry``                admin   ``{"to": REGION|TYPE}`` (optional): relaunch a
+                                                     FAILED job from its newest image with a fresh
+                                                     restart budget (409 when not failed)
+``POST /v1/groups/{group}/freeze``           VM      a :class:`~spotguard.groupwire.FreezeRequest`:
+                                                     join or open a freeze; 200 its ``GroupFreeze``
+``GET /v1/groups/{group}/freeze``            any     ``?after=G&wait=S``: the newest GroupFreeze
+                                                     once past ``G`` or after ``S`` s (long poll)
+``PUT /v1/groups/{group}/rounds/{round}``    VM      a :class:`~spotguard.groupwire.RoundEntry` (one
+                                                     per job); 200 the ``Round``
+``GET /v1/groups/{group}/rounds/{round}``    any     ``?have=N&wait=S``: the Round once it holds
+                                                     more than ``N`` entries, or after ``S`` s (long
+                                                     poll)
+``GET /healthz``                             —       ``{"ok": true, "jobs": N}``
+``GET /metrics``                             —       Prometheus text format
+``GET /ui``                                  —       the read-only web page (:mod:`spotguard.webui`;
+                                                     its data comes from the admin routes above)
+===========================================  ======  ===============================================
 
 The paths are declared once, in :mod:`spotguard.controller.routes` (shared with the client).
 
@@ -31,6 +40,12 @@ conflicting state or a non-owner's event, 413 an event over :data:`MAX_EVENT_BYT
 (``EventTooLarge``), 429 too many events or bytes from one token for one job
 (``EventRateLimited``, with ``Retry-After``), 503 state file unusable. The 413 and 429
 answers also carry the error's ``code``.
+
+The NCCL groups' routes (:mod:`spotguard.groupwire`; kept in memory by the controller's
+:class:`~spotguard.controller.rendezvous.Rendezvous`) answer 400 for a group or round name
+that is not a ``groupwire.Name`` or a bad number, 403 for a job the token may not act for,
+413 (``EventTooLarge``) for a body over :data:`MAX_ROUND_BYTES` / :data:`MAX_FREEZE_BYTES`,
+409 (``ControllerRefused``) past a bound of the rendezvous. "any": any valid token.
 
 What one token can make the controller store is capped (every event is kept in the state
 file): an event's body is read up to :data:`MAX_EVENT_BYTES` and refused past it, before it
@@ -50,7 +65,7 @@ from typing import Any
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, TypeAdapter, ValidationError
 
 from spotguard.contracts import SCHEMA, EventAnswer
 from spotguard.controller import routes
@@ -73,6 +88,7 @@ from spotguard.errors import (
     StateError,
     UnknownInstanceType,
 )
+from spotguard.groupwire import FreezeRequest, Name, RoundEntry
 from spotguard.webui import add_routes as add_ui
 
 log = logging.getLogger(__name__)
@@ -89,7 +105,12 @@ MAX_EVENT_BYTES = 256 * 1024
 EVENT_WINDOW_S = 60
 EVENTS_PER_WINDOW = 120
 EVENT_BYTES_PER_WINDOW = 2 * 1024 * 1024
+#: the largest round entry taken (an NCCL group's round), in bytes of its JSON body
+MAX_ROUND_BYTES = 1024 * 1024
+#: the largest freeze request taken (a job, a reason, a mode: a few hundred bytes)
+MAX_FREEZE_BYTES = 64 * 1024
 _READ_CHUNK = 64 * 1024
+_NAME: TypeAdapter[str] = TypeAdapter(Name)
 
 
 class EventLimiter:
@@ -142,19 +163,24 @@ LIMITER_KEY: web.AppKey[EventLimiter] = web.AppKey("event_limiter", EventLimiter
 async def _read_event(request: web.Request) -> bytes:
     """The event's body, read up to :data:`MAX_EVENT_BYTES`; :class:`EventTooLarge` past it
     (announced by Content-Length or not), before anything is parsed."""
+    return await _read_body(request, MAX_EVENT_BYTES, "event", "events")
+
+
+async def _read_body(request: web.Request, limit: int, what: str, whats: str) -> bytes:
+    """The request's body, read up to ``limit`` bytes; :class:`EventTooLarge` (413) past it
+    (announced by Content-Length or not), before anything is parsed."""
     declared = request.content_length
-    if declared is not None and declared > MAX_EVENT_BYTES:
+    if declared is not None and declared > limit:
         raise EventTooLarge(
-            f"event of {declared} bytes; the controller takes events of {MAX_EVENT_BYTES} "
-            "bytes at most"
+            f"{what} of {declared} bytes; the controller takes {whats} of {limit} bytes at most"
         )
     body = bytearray()
     while chunk := await request.content.read(_READ_CHUNK):
         body += chunk
-        if len(body) > MAX_EVENT_BYTES:
+        if len(body) > limit:
             raise EventTooLarge(
-                f"event of more than {MAX_EVENT_BYTES} bytes; the controller takes events of "
-                f"{MAX_EVENT_BYTES} bytes at most"
+                f"{what} of more than {limit} bytes; the controller takes {whats} of "
+                f"{limit} bytes at most"
             )
     return bytes(body)
 
@@ -338,6 +364,85 @@ async def directive(request: web.Request) -> web.Response:
     return web.json_response(out.model_dump(mode="json"))
 
 
+def _bad_name(request: web.Request) -> web.Response | None:
+    """400 when the path's group or round is not a :data:`spotguard.groupwire.Name`."""
+    for what in ("group", "round"):
+        value = request.match_info.get(what)
+        if value is None:
+            continue
+        try:
+            _NAME.validate_python(value)
+        except ValidationError:
+            return _error(400, f"bad {what} name {value!r}: 1 to 128 of [A-Za-z0-9._-]")
+    return None
+
+
+def _poll(request: web.Request, count: str) -> tuple[int, float] | web.Response:
+    """``?{count}=N&wait=S`` of a long poll (N a whole number, S seconds; both 0 when
+    absent), or 400."""
+    raw_n, raw_wait = request.query.get(count, "0"), request.query.get("wait", "0")
+    if not (raw_n.isascii() and raw_n.isdigit() and len(raw_n) <= 18):
+        return _error(400, f"{count} must be a whole number, got {raw_n!r}")
+    try:
+        wait = float(raw_wait)
+    except ValueError:
+        wait = math.nan
+    if not math.isfinite(wait):
+        return _error(400, f"wait must be a number of seconds, got {raw_wait!r}")
+    return int(raw_n), wait
+
+
+def _wire(model: BaseModel) -> web.Response:
+    return web.Response(text=model.model_dump_json(), content_type="application/json")
+
+
+async def open_freeze(request: web.Request) -> web.Response:
+    if (bad := _bad_name(request)) is not None:
+        return bad
+    body = await _read_body(request, MAX_FREEZE_BYTES, "freeze request", "freeze requests")
+    try:
+        req = FreezeRequest.model_validate_json(body)
+    except ValidationError as exc:
+        return _error(400, f"malformed freeze request: {_problems(exc)}")
+    if not _caller(request).may_act_for(req.job):
+        raise AuthError(f"this token may not act for job {req.job!r}")
+    rv = request.app[CONTROLLER_KEY].rendezvous
+    return _wire(rv.open(request.match_info["group"], req))
+
+
+async def watch_freeze(request: web.Request) -> web.Response:
+    if (bad := _bad_name(request)) is not None:
+        return bad
+    if isinstance(asked := _poll(request, "after"), web.Response):
+        return asked
+    rv = request.app[CONTROLLER_KEY].rendezvous
+    return _wire(await rv.watch(request.match_info["group"], *asked))
+
+
+async def put_round(request: web.Request) -> web.Response:
+    if (bad := _bad_name(request)) is not None:
+        return bad
+    body = await _read_body(request, MAX_ROUND_BYTES, "round entry", "round entries")
+    try:
+        entry = RoundEntry.model_validate_json(body)
+    except ValidationError as exc:
+        return _error(400, f"malformed round entry: {_problems(exc)}")
+    if not _caller(request).may_act_for(entry.job):
+        raise AuthError(f"this token may not act for job {entry.job!r}")
+    rv = request.app[CONTROLLER_KEY].rendezvous
+    return _wire(rv.put(request.match_info["group"], request.match_info["round"], entry))
+
+
+async def get_round(request: web.Request) -> web.Response:
+    if (bad := _bad_name(request)) is not None:
+        return bad
+    if isinstance(asked := _poll(request, "have"), web.Response):
+        return asked
+    rv = request.app[CONTROLLER_KEY].rendezvous
+    info = request.match_info
+    return _wire(await rv.get(info["group"], info["round"], *asked))
+
+
 async def healthz(request: web.Request) -> web.Response:
     jobs = await request.app[CONTROLLER_KEY].db.jobs()
     return web.json_response({"ok": True, "jobs": len(jobs)})
@@ -347,6 +452,11 @@ async def metrics(request: web.Request) -> web.Response:
     c = request.app[CONTROLLER_KEY]
     body = generate_latest(c.metrics.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+async def _end_long_polls(app: web.Application) -> None:
+    """The server stops: its groups' long polls answer now instead of holding it up."""
+    app[CONTROLLER_KEY].rendezvous.close()
 
 
 def make_app(controller: Controller) -> web.Application:
@@ -361,7 +471,12 @@ def make_app(controller: Controller) -> web.Application:
     app.router.add_post(routes.UNPARK, unpark_job)
     app.router.add_post(routes.RETRY, retry_job)
     app.router.add_get(routes.DIRECTIVE, directive)
+    app.router.add_post(routes.GROUP_FREEZE, open_freeze)
+    app.router.add_get(routes.GROUP_FREEZE, watch_freeze)
+    app.router.add_put(routes.GROUP_ROUND, put_round)
+    app.router.add_get(routes.GROUP_ROUND, get_round)
     app.router.add_get(routes.HEALTHZ, healthz)
     app.router.add_get(routes.METRICS, metrics)
+    app.on_shutdown.append(_end_long_polls)
     add_ui(app, "controller")  # GET /ui: the read-only page over this API (spotguard.webui)
     return app

@@ -1,7 +1,8 @@
 """The one client of the controller's HTTP API, for everything that talks to it: the agent's
 reports (:mod:`spotguard.agent.reporter`) and directive polls (:mod:`spotguard.agent.
 directives`), the park side asking who owns a parked job (:mod:`spotguard.park.report`),
-and the CLI (``jobs``, ``migrate``).
+the agents of an NCCL group meeting at the controller (:mod:`spotguard.groupwire`), and the
+CLI (``jobs``, ``migrate``).
 
 Paths come from :mod:`spotguard.controller.routes`; answers are the wire models
 (:class:`~spotguard.contracts.EventAnswer`, :class:`~spotguard.contracts.Directive`), read
@@ -53,6 +54,7 @@ from spotguard.errors import (
     TokenRejected,
     without_type,
 )
+from spotguard.groupwire import FreezeRequest, GroupFreeze, Round, RoundEntry
 
 log = logging.getLogger(__name__)
 
@@ -190,6 +192,36 @@ class ControllerClient:
             raise ControllerError(f"the controller's directive for {job!r} is not understood")
         return answer
 
+    # --- NCCL groups (spotguard.groupwire) -----------------------------------------------
+
+    async def group_freeze(self, group: str, req: FreezeRequest) -> GroupFreeze:
+        """``req.job`` joins ``group``'s open freeze generation, or opens the next one: the
+        generation it is in now."""
+        path = routes.group_path(routes.GROUP_FREEZE, group)
+        data = await self._json("POST", path, req.model_dump(mode="json"))
+        return self._wire(GroupFreeze, data, f"freeze of group {group!r}")
+
+    async def watch_group(self, group: str, after: int, wait_s: float) -> GroupFreeze:
+        """``group``'s newest freeze generation once it is past ``after``, or after
+        ``wait_s`` seconds (a long poll; the controller waits 30 s at most)."""
+        path = routes.group_path(routes.GROUP_FREEZE, group) + f"?after={after}&wait={wait_s}"
+        data = await self._json("GET", path, limit=self._longer(wait_s))
+        return self._wire(GroupFreeze, data, f"freeze of group {group!r}")
+
+    async def put_round(self, group: str, round: str, entry: RoundEntry) -> Round:
+        """Put ``entry`` (its job's, replacing one it put before) in ``round`` of ``group``'s
+        current generation: the round as it is now."""
+        path = routes.group_path(routes.GROUP_ROUND, group, round)
+        data = await self._json("PUT", path, entry.model_dump(mode="json"))
+        return self._wire(Round, data, f"round {round!r} of group {group!r}")
+
+    async def get_round(self, group: str, round: str, have: int, wait_s: float) -> Round:
+        """``round`` of ``group`` once it holds more than ``have`` entries (or another
+        generation opened), or after ``wait_s`` seconds with what it holds (a long poll)."""
+        path = routes.group_path(routes.GROUP_ROUND, group, round) + f"?have={have}&wait={wait_s}"
+        data = await self._json("GET", path, limit=self._longer(wait_s))
+        return self._wire(Round, data, f"round {round!r} of group {group!r}")
+
     # --- the CLI (admin token) ------------------------------------------------------------
 
     async def jobs(self) -> list[EventAnswer]:
@@ -243,9 +275,29 @@ class ControllerClient:
             raise ControllerError("the controller's answer is not a job summary")
         return answer
 
-    async def _json(self, method: str, path: str, body: dict[str, Any] | None = None) -> object:
+    @staticmethod
+    def _wire(model: type[M], data: object, what: str) -> M:
+        answer = read_answer(model, data)
+        if answer is None:
+            raise ControllerError(f"the controller's answer about the {what} is not understood")
+        return answer
+
+    def _longer(self, wait_s: float) -> aiohttp.ClientTimeout:
+        """The timeout of a long poll of ``wait_s`` seconds: the poll's own wait on top of
+        the usual one, so that the poll is never cut short."""
+        usual = self.timeout.total if self.timeout.total is not None else 30.0
+        return aiohttp.ClientTimeout(total=usual + max(wait_s, 0.0))
+
+    async def _json(
+        self,
+        method: str,
+        path: str,
+        body: dict[str, Any] | None = None,
+        *,
+        limit: aiohttp.ClientTimeout | None = None,
+    ) -> object:
         """The decoded answer of a request that must succeed (else its typed error)."""
-        reply = await self._request(method, path, body=body)
+        reply = await self._request(method, path, body=body, limit=limit)
         if reply.status >= 400:
             raise error_for(reply)
         return reply.data
@@ -258,9 +310,11 @@ class ControllerClient:
         body: dict[str, Any] | None = None,
         data: bytes | None = None,
         headers: dict[str, str] | None = None,
+        limit: aiohttp.ClientTimeout | None = None,
     ) -> Reply:
-        """One request (``body`` as JSON, or ``data`` as is). Unreachable, a timeout or a
-        TLS failure is a retryable :class:`ControllerError`."""
+        """One request (``body`` as JSON, or ``data`` as is; ``limit``: a timeout other than the
+        client's). Unreachable, a timeout or a TLS failure is a retryable
+        :class:`ControllerError`."""
         sent = dict(headers or {})
         if self.token:
             sent["Authorization"] = f"Bearer {self.token}"
@@ -268,7 +322,13 @@ class ControllerClient:
         session = self._session or aiohttp.ClientSession(timeout=self.timeout)
         try:
             async with session.request(
-                method, self.url + path, json=body, data=data, headers=sent, ssl=self.ssl
+                method,
+                self.url + path,
+                json=body,
+                data=data,
+                headers=sent,
+                ssl=self.ssl,
+                timeout=limit or self.timeout,
             ) as r:
                 text = await r.text()
                 status = r.status

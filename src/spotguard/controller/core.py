@@ -31,6 +31,7 @@ from spotguard.controller.machine import Options, on_event
 from spotguard.controller.metrics import Metrics
 from spotguard.controller.ownership import new_epoch, relaunch
 from spotguard.controller.reconcile import Reconciler, report_crash
+from spotguard.controller.rendezvous import Rendezvous
 from spotguard.controller.settings import ControllerSettings
 from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, StateDB
 from spotguard.controller.strategies import Strategy, get_strategy
@@ -93,6 +94,7 @@ class Controller:
         self.keys = keys or settings.token_keys()
         self.strategy = strategy or get_strategy(settings.strategy)
         self.metrics = Metrics()
+        self.rendezvous = Rendezvous()  # NCCL groups' freezes and rounds (in memory)
         self.reconciler = Reconciler(
             settings,
             db,

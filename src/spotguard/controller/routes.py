@@ -1,7 +1,8 @@
 """The controller's HTTP routes, declared once: the server (:mod:`spotguard.controller.api`)
 registers these templates and every client (:mod:`spotguard.controller.client`: the agent's
-reports and directive polls, the CLI) fills them in with :func:`path`. What each route takes
-and answers is in :mod:`spotguard.controller.api`."""
+reports and directive polls, the CLI) fills them in with :func:`path` (the NCCL groups' routes
+with :func:`group_path`). What each route takes and answers is in
+:mod:`spotguard.controller.api`."""
 
 from __future__ import annotations
 
@@ -21,6 +22,12 @@ UNPARK = "/v1/jobs/{job}/unpark"
 RETRY = "/v1/jobs/{job}/retry"
 #: ``GET``: what the controller wants from a job's agent now (``?epoch=N``)
 DIRECTIVE = "/v1/jobs/{job}/directive"
+#: ``POST``: a member opens or joins its NCCL group's freeze (a FreezeRequest); ``GET``
+#: (``?after=G&wait=S``): the group's newest freeze generation, a long poll
+GROUP_FREEZE = "/v1/groups/{group}/freeze"
+#: ``PUT``: a job's entry in a round of its group (a RoundEntry); ``GET``
+#: (``?have=N&wait=S``): the round, a long poll
+GROUP_ROUND = "/v1/groups/{group}/rounds/{round}"
 #: ``GET``: liveness, no token
 HEALTHZ = "/healthz"
 #: ``GET``: Prometheus text, no token
@@ -37,3 +44,13 @@ def path(route: str, job: str | None = None) -> str:
     if job is None:
         raise ValueError(f"route {route} needs a job")
     return route.format(job=quote(job, safe=""))
+
+
+def group_path(route: str, group: str, round: str | None = None) -> str:
+    """``route`` with its ``{group}`` (and ``{round}``) filled in, each quoted as one path
+    segment."""
+    if "{round}" in route:
+        if round is None:
+            raise ValueError(f"route {route} needs a round")
+        return route.format(group=quote(group, safe=""), round=quote(round, safe=""))
+    return route.format(group=quote(group, safe=""))
