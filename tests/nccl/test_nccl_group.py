@@ -105,9 +105,9 @@ async def split(
 
 
 def _step(result: Any, name: str) -> dict[str, Any]:
-    found: dict[str, Any] = next(
-        s for s in result.timeline.to_list() if s["name"] == name
-    )["detail"]
+    found: dict[str, Any] = next(s for s in result.timeline.to_list() if s["name"] == name)[
+        "detail"
+    ]
     return found
 
 

@@ -110,14 +110,16 @@ class GroupWatch:
         while True:
             try:
                 if self.seen is None:
-                    self.seen = (await self.client.watch_group(self.group, -1, 0)).generation
+                    self.seen = (await self.client.watch_group(self.group, 0, 0)).generation
                     log.info(
                         "watching NCCL group",
                         extra={"job": self.job, "group": self.group, "generation": self.seen},
                     )
                 got = await self.client.watch_group(self.group, self.seen, POLL_S)
-            except SpotguardError as exc:
-                log.debug("group watch", extra={"group": self.group, "error": str(exc)})
+            except SpotguardError as exc:  # a refusal is a bug worth seeing; an outage is not
+                level = logging.DEBUG if exc.retryable else logging.WARNING
+                log.log(level, "NCCL group watch failed; asking again", extra={
+                    "job": self.job, "group": self.group, "error": str(exc)})  # fmt: skip
                 await asyncio.sleep(2.0)
                 continue
             if got.generation <= self.seen:
