@@ -16,6 +16,7 @@ from spotguard.checkpoint import proctree
 from spotguard.checkpoint.nccl import CHECKPOINTABLE
 from spotguard.checkpoint.ncclctl import ENV_CTL
 from spotguard.checkpoint.procfacts import comm, read_environ
+from spotguard.groupwire import GROUP_ENV
 
 pytestmark = pytest.mark.criu  # spotguard run needs root
 
@@ -58,3 +59,23 @@ def test_run_restricts_nccl_when_asked_and_when_the_shim_is_missing(
         f"spotguard run: no NCCL shim at {missing} (scripts/install-nccl-shim): NCCL's fast "
         "transports are turned off for this job (--nccl restrict)"
     ]
+
+
+def test_run_names_the_group_and_leaves_the_interface_to_the_job(
+    built: Built, tmp_path: Path
+) -> None:
+    """``--nccl-group`` puts the group in the job's environment and does not pin NCCL or
+    gloo to loopback (its ranks must reach the other VMs); a bad name is one line."""
+    state = tmp_path / "state"
+    env, _ = _run(state, "member", "--nccl-group", "train-7b", "--nccl-shim", str(built.shim))
+    assert env.get(GROUP_ENV) == "train-7b"
+    assert "NCCL_SOCKET_IFNAME" not in env and "GLOO_SOCKET_IFNAME" not in env
+    assert env["LD_PRELOAD"].split()[0] == str(built.shim)
+    alone, _ = _run(state, "alone", "--nccl-shim", str(built.shim))
+    assert alone["NCCL_SOCKET_IFNAME"] == "lo" and GROUP_ENV not in alone
+
+    bad = sg("run", "--state-dir", str(state), "--nccl-group", "../x", "--", "sleep", "1",
+             timeout=60)  # fmt: skip
+    assert bad.returncode != 0
+    assert "Traceback" not in bad.stderr
+    assert "NCCL group '../x': use 1 to 128 letters" in bad.stderr

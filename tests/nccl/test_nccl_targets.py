@@ -6,6 +6,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from spotguard.checkpoint.ncclctl import Comm, Member, targets
+from spotguard.checkpoint.ncclgroup import connected, covered
+from spotguard.groupwire import CommReport, MemberReport, RoundEntry
 
 
 def _member(pid: int, *comms: Comm, inflight: int = 0) -> Member:
@@ -42,3 +44,27 @@ def test_targets_are_empty_when_every_rank_is_level() -> None:
     assert targets([a, b]) == {1: [], 2: []}
     # a rank alone in its communicator owes nobody anything
     assert targets([_member(3, Comm(0, "solo", 0, 1, 0, ops=11))]) == {3: []}
+
+
+def _entry(job: str, *comms: tuple[str, int, int], abort: str | None = None) -> RoundEntry:
+    """A round entry of ``job``: one member holding (key, rank, nranks) communicators."""
+    reports = [CommReport(id=n, key=k, rank=r, nranks=size, dev=0, ops=0)
+               for n, (k, r, size) in enumerate(comms)]  # fmt: skip
+    return RoundEntry(job=job, members=[MemberReport(pid=1, state="closed", comms=reports)],
+                      abort=abort)  # fmt: skip
+
+
+def test_a_round_is_complete_once_every_rank_connected_to_the_job_is_there() -> None:
+    """Agents decide on the jobs connected to theirs by communicators, transitively; an
+    unrelated job of the same group's name changes nothing; an abort completes a round."""
+    a = _entry("a", ("w", 0, 3), ("ab", 0, 2))
+    b = _entry("b", ("w", 1, 3), ("ab", 1, 2), ("bc", 0, 2))
+    c = _entry("c", ("w", 2, 3), ("bc", 1, 2))
+    stranger = _entry("z", ("other", 0, 2))
+    assert not covered([a], "a")
+    assert not covered([a, b], "a")  # w's rank 2 and bc's rank 1 are missing
+    assert covered([a, b, c], "a") and covered([c, b, a, stranger], "c")
+    assert [e.job for e in connected([a, b, c, stranger], "a")] == ["a", "b", "c"]
+    assert connected([a, stranger], "z") == [stranger]
+    assert covered([a, _entry("b", abort="gave up")], "a")
+    assert not covered([b, c], "a")  # the asking job's own entry is not there yet
