@@ -5,8 +5,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from spotguard.checkpoint.ncclctl import Comm, Member, targets
-from spotguard.checkpoint.ncclgroup import connected, covered
+from spotguard.checkpoint.ncclgroup import check, connected, covered
+from spotguard.errors import NcclError
 from spotguard.groupwire import CommReport, MemberReport, RoundEntry
 
 
@@ -68,3 +71,14 @@ def test_a_round_is_complete_once_every_rank_connected_to_the_job_is_there() -> 
     assert connected([a, stranger], "z") == [stranger]
     assert covered([a, _entry("b", abort="gave up")], "a")
     assert not covered([b, c], "a")  # the asking job's own entry is not there yet
+
+
+def test_a_round_where_two_jobs_claim_one_rank_is_given_up() -> None:
+    """A confused agent, or a caller that is not a member, cannot slip a rank in: two
+    reports of one rank, or two sizes of one communicator, end the round in one line."""
+    a = _entry("a", ("w", 0, 2))
+    assert check([a, _entry("b", ("w", 1, 2))], "a") is None
+    with pytest.raises(NcclError, match=r"job a pid 1 and job x pid 1 both report rank 0"):
+        check([a, _entry("x", ("w", 0, 2))], "a")
+    with pytest.raises(NcclError, match=r"with 3 ranks, others with 2"):
+        check([a, _entry("x", ("w", 1, 3))], "a")

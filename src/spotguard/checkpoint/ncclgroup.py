@@ -175,6 +175,29 @@ def union(
     return [*local, *others]
 
 
+def check(entries: Sequence[RoundEntry], job: str) -> None:
+    """Refuse a round in which two members report the same rank of a communicator, or
+    disagree on its size: a member's agent is confused, or a caller that is not a member
+    posted in the group's round (:class:`NcclError`; the freeze or rebuild is given up)."""
+    seen: dict[tuple[str, int], str] = {}
+    size: dict[str, int] = {}
+    for e in connected(entries, job):
+        for m in e.members:
+            for c in m.comms:
+                who = f"job {e.job} pid {m.pid}"
+                if (c.key, c.rank) in seen:
+                    raise NcclError(
+                        f"NCCL group round: {seen[c.key, c.rank]} and {who} both report rank "
+                        f"{c.rank} of communicator {c.key[:8]}; given up"
+                    )
+                if size.setdefault(c.key, c.nranks) != c.nranks:
+                    raise NcclError(
+                        f"NCCL group round: {who} reports communicator {c.key[:8]} with "
+                        f"{c.nranks} ranks, others with {size[c.key]}; given up"
+                    )
+                seen[c.key, c.rank] = who
+
+
 def _aborted(entries: Sequence[RoundEntry]) -> str | None:
     why = [f"job {e.job}: {e.abort}" for e in entries if e.abort]
     return "; ".join(why) or None
@@ -205,11 +228,12 @@ async def level_together(
             f"g{generation}-r{i}", entry, lambda es: covered(es, job), max(left, 1.0)
         )
         if (why := _aborted(entries)) is not None:
-            both = union(members, entries, job)
+            both = union(members, [e for e in entries if not e.abort], job)
             raise NcclError(
                 f"NCCL ranks of job {job!r}'s group did not quiesce together ({why}): "
                 f"{ncclstate.stuck(both)}; the job runs on"
             )
+        check(entries, job)
         both = union(members, entries, job)
         every = ncclstate.owed(both)
         if all(m.inflight == 0 for m in both) and not any(every):
@@ -238,27 +262,30 @@ async def uids_together(
     )
     if (why := _aborted(entries)) is not None:
         raise NcclError(f"the rebuild of job {job!r}'s group was given up ({why})")
+    check(entries, job)
     lowest: dict[str, tuple[int, ncclstate.Member]] = {}
     for m in union(members, entries, job):
         for c in m.comms:
             if c.key not in lowest or c.rank < lowest[c.key][0]:
                 lowest[c.key] = (c.rank, m)
+    giver = {key: m.where or job for key, (_, m) in lowest.items()}
     given: dict[str, str] = {}
     for key, (_, m) in sorted(lowest.items()):
         if m.sock != REMOTE:
             given[key] = await ask_uid(m)
     needed = {c.key for m in members for c in m.comms}
 
+    def from_givers(es: Sequence[RoundEntry]) -> dict[str, str]:
+        """Each communicator's id as its giver posted it (no other job's word is taken)."""
+        return {k: u for e in es for k, u in e.uids.items() if giver.get(k) == e.job}
+
     def all_given(es: list[RoundEntry]) -> bool:
-        have = {k for e in es for k in e.uids}
-        return any(e.abort for e in es) or needed <= have
+        return any(e.abort for e in es) or needed <= from_givers(es).keys()
 
     entries = await peers.exchange("uids", RoundEntry(job=job, uids=given), all_given, wait_s)
     if (why := _aborted(entries)) is not None:
         raise NcclError(f"the rebuild of job {job!r}'s group was given up ({why})")
-    uids: dict[str, str] = {}
-    for e in entries:
-        uids.update(e.uids)
+    uids = from_givers(entries)
     log.info(
         "NCCL group rebuild met",
         extra={"job": job, "jobs": sorted(e.job for e in entries), "given": sorted(given)},
