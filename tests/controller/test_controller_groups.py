@@ -47,7 +47,7 @@ async def test_a_second_job_joins_the_generation_the_same_job_opens_the_next(
     assert (first.group, first.generation, first.job, first.joined) == ("g1", 1, "job-a", ["job-a"])
     assert (first.reason, first.mode) == ("notice", "resume")
     assert abs(first.opened_at - time.time()) < 60
-    joined = await b.group_freeze("g1", FreezeRequest(job="job-b", reason="peer", mode="exit"))
+    joined = await b.group_freeze("g1", FreezeRequest(job="job-b", reason="peer", mode="resume"))
     assert (joined.generation, joined.job, joined.joined) == (1, "job-a", ["job-a", "job-b"])
     assert (joined.reason, joined.mode) == ("notice", "resume")  # the opener's, not the joiner's
     await a.put_round("g1", "state", entry("job-a"))
@@ -64,6 +64,30 @@ async def test_a_second_job_joins_the_generation_the_same_job_opens_the_next(
     # another group is another sequence
     other = await b.group_freeze("g2", FreezeRequest(job="job-b"))
     assert (other.group, other.generation) == ("g2", 1)
+
+
+async def test_an_exit_takes_every_freeze_and_supersedes_a_resume(api_factory: Factory) -> None:
+    """An exit in progress is joined by every member's freeze, a resume (the agent gives
+    way) or the same job asking again (no second generation forgets its rounds); an exit
+    asked while a resume is open opens the next; restored members meet in one generation."""
+    api, _srv, _ = await api_factory()
+    admin = ControllerClient(api.url, TOKEN)
+
+    async def ask(job: str, mode: str) -> tuple[int, str, list[str]]:
+        got = await admin.group_freeze(
+            "g", FreezeRequest.model_validate({"job": job, "mode": mode})
+        )
+        return got.generation, got.mode, got.joined
+
+    assert await ask("a", "resume") == (1, "resume", ["a"])
+    assert await ask("b", "exit") == (2, "exit", ["b"])  # supersedes the pause
+    assert await ask("a", "resume") == (2, "exit", ["b", "a"])  # joins the exit: gives way
+    assert await ask("a", "exit") == (2, "exit", ["b", "a"])  # its drain follows, same one
+    assert await ask("b", "exit") == (2, "exit", ["b", "a"])
+    assert await ask("b", "restore") == (3, "restore", ["b"])
+    assert await ask("a", "restore") == (3, "restore", ["b", "a"])
+    assert await ask("a", "resume") == (4, "resume", ["a"])
+    assert await ask("a", "resume") == (5, "resume", ["a"])  # a second pause
 
 
 async def test_a_job_opens_a_new_generation_once_the_join_window_passed(
@@ -160,10 +184,10 @@ async def test_get_round_waits_for_a_new_entry_or_for_wait_s(api_factory: Factor
 async def test_a_round_poll_answers_when_a_new_generation_opens(api_factory: Factory) -> None:
     api, _srv, _ = await api_factory()
     a = vm(api.url, "job-a")
-    await a.group_freeze("g", FreezeRequest(job="job-a"))
+    await a.group_freeze("g", FreezeRequest(job="job-a", mode="resume"))
     waiting = asyncio.create_task(a.get_round("g", "state", have=0, wait_s=25))
     await asyncio.sleep(0.3)
-    await a.group_freeze("g", FreezeRequest(job="job-a", reason="again"))
+    await a.group_freeze("g", FreezeRequest(job="job-a", reason="again", mode="resume"))
     got = await asyncio.wait_for(waiting, 10)
     assert (got.generation, got.entries) == (2, [])
 
@@ -248,10 +272,10 @@ async def test_the_bounds_are_refused_with_a_typed_409(
     monkeypatch.setattr(rendezvous, "MAX_ROUNDS", 2)
     monkeypatch.setattr(rendezvous, "MAX_ENTRIES", 2)
     admin = ControllerClient(api.url, TOKEN)
-    await admin.group_freeze("g1", FreezeRequest(job="a"))
+    await admin.group_freeze("g1", FreezeRequest(job="a", mode="resume"))
     await admin.watch_group("g2", after=0, wait_s=0)  # a watched group counts too
     with pytest.raises(ControllerRefused, match="2 NCCL groups already") as full:
-        await admin.group_freeze("g3", FreezeRequest(job="a"))
+        await admin.group_freeze("g3", FreezeRequest(job="a", mode="resume"))
     assert not full.value.retryable
     status, body = await status_of(api, "GET", routes.group_path(routes.GROUP_FREEZE, "g4"))
     assert status == 409 and "ControllerRefused" in body["error"]
@@ -263,13 +287,15 @@ async def test_the_bounds_are_refused_with_a_typed_409(
     await admin.put_round("g1", "r1", entry("b", pid=7))  # a replacement is within bounds
     with pytest.raises(ControllerRefused, match="2 entries already"):
         await admin.put_round("g1", "r1", entry("c"))
-    await admin.group_freeze("g1", FreezeRequest(job="b"))  # joins: 2 jobs in generation 1
+    await admin.group_freeze(
+        "g1", FreezeRequest(job="b", mode="resume")
+    )  # joins: 2 jobs in generation 1
     with pytest.raises(ControllerRefused, match="2 jobs already"):
-        await admin.group_freeze("g1", FreezeRequest(job="c"))
+        await admin.group_freeze("g1", FreezeRequest(job="c", mode="resume"))
     # a new generation forgets the rounds, and with them their bytes
     rv = srv.controller.rendezvous
     assert rv.nbytes > 0
-    await admin.group_freeze("g1", FreezeRequest(job="a"))
+    await admin.group_freeze("g1", FreezeRequest(job="a", mode="resume"))
     assert rv.nbytes == 0
     await admin.put_round("g1", "r3", entry("a"))
     # the bytes of every entry held, all groups together

@@ -198,3 +198,34 @@ async def test_spanning_communicators_without_a_group_or_a_controller_are_refuse
     await _going_on(s.a)
     assert await wait_exit(s.a, 120) == 0
     assert lines(s.a.dir / "stdout") == s.want
+
+
+async def test_a_pause_of_one_member_gives_way_to_an_exit_of_another(
+    split: Callable[..., Any], tmp_path: Path
+) -> None:
+    """One VM pauses (a rebalance) while the other's spot notice stops the group: the exit
+    opens the next generation, the pause fails fast ("superseded") and opens its gates, and
+    its agent follows the exit (as its group watch makes it drain); both halves then exit,
+    restore and end byte-identical."""
+    s: Split = await split()
+    pause = asyncio.create_task(
+        s.engines["a"].freeze(s.a, DirectoryTarget(tmp_path / "pause-a"), Mode.RESUME)
+    )
+    await asyncio.sleep(0.5)  # a's pause has opened generation 1 and waits for b there
+    exit_b = asyncio.create_task(
+        s.engines["b"].freeze(s.b, DirectoryTarget(tmp_path / "img-b"), Mode.EXIT)
+    )
+    with pytest.raises(NcclError, match="superseded by generation 2; this freeze gives way"):
+        await asyncio.wait_for(pause, 15)
+    exit_a = await s.engines["a"].freeze(s.a, DirectoryTarget(tmp_path / "img-a"), Mode.EXIT)
+    assert _step(exit_a, "nccl_release")["communicators"] == 6
+    assert _step(await exit_b, "nccl_release")["communicators"] == 2
+    for j in (s.a, s.b):
+        await wait_for(lambda j=j: not proctree.alive(j.pid), f"job {j.name} to stop")
+    back = await asyncio.gather(
+        s.engines["a"].restore(DirectorySource(tmp_path / "img-a")),
+        s.engines["b"].restore(DirectorySource(tmp_path / "img-b")),
+    )
+    assert await wait_exit(back[0].job, 120) == 0
+    assert await wait_exit(back[1].job, 120) == 0
+    assert lines(s.a.dir / "stdout") == s.want

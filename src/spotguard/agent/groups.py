@@ -25,6 +25,7 @@ from spotguard.errors import NcclError, SpotguardError
 from spotguard.groupwire import GROUP_ENV, FreezeRequest, GroupFreeze, RoundEntry
 from spotguard.modes import Mode
 
+from .jobstate import JobState
 from .worker import JobWorker, Request
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class ControllerPeers:
         self.client = client
         self.group = group
         self.job = job
+        self.generation: int | None = None  # the generation begin() joined or opened
 
     async def begin(self, mode: str, reason: str) -> int:
         """Open or join a freeze generation of the group (:class:`NcclError` if the
@@ -49,6 +51,12 @@ class ControllerPeers:
             opened = await self.client.group_freeze(self.group, req)
         except SpotguardError as exc:
             raise NcclError(f"NCCL group {self.group!r}: {exc}") from exc
+        self.generation = opened.generation
+        if opened.mode == "exit" and mode == "resume":
+            raise NcclError(
+                f"NCCL group {self.group!r}: generation {opened.generation} stops every member "
+                f"(exit, opened by {opened.job}): this resume checkpoint gives way to it"
+            )
         log.info(
             "NCCL group freeze",
             extra={
@@ -74,6 +82,7 @@ class ControllerPeers:
         try:
             got = await self.client.put_round(self.group, name, entry)
             while not complete(got.entries):
+                self._current(got.generation, name)
                 left = deadline - loop.time()
                 if left <= 0:
                     jobs = ", ".join(sorted(e.job for e in got.entries)) or "none"
@@ -87,7 +96,17 @@ class ControllerPeers:
             raise
         except SpotguardError as exc:
             raise NcclError(f"NCCL group {self.group!r}: {exc}") from exc
+        self._current(got.generation, name)
         return got.entries
+
+    def _current(self, generation: int, name: str) -> None:
+        """Fail fast once another member opened a newer generation: this one's rounds are
+        forgotten at the controller and its members follow the newer one."""
+        if self.generation is not None and generation != self.generation:
+            raise NcclError(
+                f"NCCL group {self.group!r}: round {name} of generation {self.generation} was "
+                f"superseded by generation {generation}; this freeze gives way"
+            )
 
 
 #: what the watch does for a generation another member opened: (job, generation) → None
@@ -125,8 +144,8 @@ class GroupWatch:
             if got.generation <= self.seen:
                 continue
             self.seen = got.generation
-            if got.mode == "restore" or self.job in got.joined:
-                continue
+            if got.mode == "restore" or (got.mode == "resume" and self.job in got.joined):
+                continue  # an exit is always followed: a resume of this job may have given way
             log.info(
                 "another member of the NCCL group freezes: this job too",
                 extra={
@@ -183,8 +202,8 @@ def freeze_handler(drain: Callable[[str], object], workers: Mapping[str, JobWork
     def on_freeze(job: str, opened: GroupFreeze) -> None:
         why = f"NCCL group {opened.group}: {opened.job or 'a member'} freezes ({opened.reason})"
         if opened.mode == "exit":
-            drain(why)
-        elif (w := workers.get(job)) is not None:
+            drain(why)  # also when this job's own exit runs now: the drain then finds it gone
+        elif (w := workers.get(job)) is not None and w.state is not JobState.CHECKPOINTING:
             key = f"group-{opened.group}-{opened.generation}"
             w.submit(Request(key, Mode.RESUME, datetime.now(UTC), why))
 

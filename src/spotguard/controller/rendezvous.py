@@ -50,6 +50,22 @@ def clamp_wait(wait_s: float) -> float:
     return min(max(wait_s, 0.0), MAX_WAIT_S)
 
 
+def _joins(cur: GroupFreeze, req: FreezeRequest, fresh: bool) -> bool:
+    """Whether ``req`` joins the open generation ``cur`` rather than opening the next.
+
+    An ``exit`` in progress takes every member's freeze, asked again or asked as ``resume``
+    (the agent then gives way: the group is stopping, its checkpoint follows in ``exit``):
+    a later freeze must not forget the rounds the exiting members are levelling in. An
+    ``exit`` asked while a ``resume`` is open opens the next (it supersedes it: the members
+    of the ``resume`` fail fast and follow). Otherwise a member joins a generation of its own
+    mode that it has not joined yet; one asking again opens the next (a second pause)."""
+    if not cur.generation or not fresh:
+        return False
+    if cur.mode == "exit" and req.mode in ("exit", "resume"):
+        return True
+    return req.mode == cur.mode and req.job not in cur.joined
+
+
 @dataclass
 class _Group:
     """One group's newest generation, its rounds, and what wakes its waiters."""
@@ -96,12 +112,14 @@ class Rendezvous:
     # ----- freeze generations -------------------------------------------------------------
 
     def open(self, group: str, req: FreezeRequest) -> GroupFreeze:
-        """``req.job`` joins the group's open generation (one it has not joined, opened less
-        than :data:`JOIN_WINDOW_S` ago), else opens the next one, which forgets every round
-        of the older ones. Answers the generation the job is in now."""
+        """``req.job`` joins the group's open generation (opened less than
+        :data:`JOIN_WINDOW_S` ago, by :func:`_joins`' rule), else opens the next one, which
+        forgets every round of the older ones. Answers the generation the job is in now."""
         g = self._group(group)
         now, cur = self.clock(), g.freeze
-        if cur.generation and req.job not in cur.joined and now - g.opened < JOIN_WINDOW_S:
+        if _joins(cur, req, now - g.opened < JOIN_WINDOW_S):
+            if req.job in cur.joined:
+                return cur.model_copy(deep=True)
             if len(cur.joined) >= MAX_ENTRIES:
                 raise ControllerRefused(
                     f"group {group!r}: generation {cur.generation} has {MAX_ENTRIES} jobs already"
