@@ -36,6 +36,10 @@ _STEP_OF_STATE = {
 }
 
 
+#: the links of the chain in the order the run passes them
+_CHAIN = ("protect", "notice", "freeze", "relaunch", "restore", "finish")
+
+
 def _event(row: dict[str, Any]) -> str | None:
     ev = (row.get("detail") or {}).get("event")
     return str(ev) if ev else None
@@ -95,6 +99,11 @@ class Follower:
             raise DemoError("restore", f"the restore failed on {self._where(row)}: {first}")
         if row.get("to") == "failed" and row.get("from") != "failed":
             where = _STEP_OF_STATE.get(str(row.get("from")), step)
+            if where in _CHAIN and step in _CHAIN and _CHAIN.index(step) > _CHAIN.index(where):
+                # the run already got past that link (e.g. VM 2 was launched and restoring):
+                # the controller gives up at the start of its next round, whose state names
+                # an earlier link
+                where = step
             raise DemoError(where, f"the controller gave up on the job: {row.get('reason')}")
 
     async def refresh(self, step: str) -> View:
