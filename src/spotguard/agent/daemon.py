@@ -39,6 +39,7 @@ from typing import IO, Any
 
 from spotguard import operations
 from spotguard.checkpoint import proctree, scan
+from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.config import ConfigFile
@@ -114,8 +115,7 @@ class Agent:
         self.epochs: dict[str, int] = {}  # ownership epoch of each job an assignment gave us
         self.ledger = Ledger(self.layout.ledger)
         self.kept = operations.kept_images_of(checkpoint)
-        self.engine = operations.engine_for(checkpoint)  # NCCL groups meet at the controller:
-        self.engine.nccl.peers = groups.peers_factory(lambda: self._controller)
+        self._engine: Engine | None = None  # made at first use: a bad CRIU fails that use
         self.instance = InstanceFacts()
         self.cloud: str | None = None
         self.store = settings.store
@@ -256,7 +256,7 @@ class Agent:
         self.metrics.count_parked(self._state_dir)
         policy = parking.park_policy(
             self.workers, checkpoint=self.checkpoint_settings, park=self.park_settings,
-            image=self.image_settings, engine=self.engine,
+            image=self.image_settings, engine=self.engine(),
             agent=self.settings, notifier=self.notifier, config=self.config,
         )  # fmt: skip
         self._spawn(policy.run(self._stop), "park")
@@ -394,6 +394,15 @@ class Agent:
     def _controller(self) -> tuple[str | None, str | None]:
         return self.controller_url, self.controller_token
 
+    def engine(self) -> Engine:
+        """The one engine of this agent, its NCCL groups meeting at the controller; made at
+        first use, so a CRIU that cannot run fails that restore or checkpoint (reported to
+        the controller) rather than the agent's start."""
+        if self._engine is None:
+            self._engine = operations.engine_for(self.checkpoint_settings)
+            self._engine.nccl.peers = groups.peers_factory(lambda: self._controller)
+        return self._engine
+
     def _worker(
         self, info: JobInfo, last: float | None = None, ident: identity.Identity | None = None
     ) -> JobWorker:  # ident: the job's process (pid and start time), None: pid only
@@ -450,7 +459,7 @@ class Agent:
                     info, self.store, mode=mode, settings=self.checkpoint_settings,
                     image_settings=self.image_settings, planner_settings=self.planner_settings,
                     deadline=deadline, instance=self.instance, meta=meta, on_frozen=on_frozen,
-                    engine=self.engine,
+                    engine=self.engine(),
                 )  # fmt: skip
             except operations.ImageKept as exc:  # stopped, image kept here: push it
                 self.pusher.add(exc.kept)
@@ -461,7 +470,7 @@ class Agent:
     async def _restore(self, image_url: str, job: str) -> operations.RestoreResult:
         return await operations.restore(
             image_url, settings=self.checkpoint_settings, image_settings=self.image_settings,
-            job_name=job, engine=self.engine,
+            job_name=job, engine=self.engine(),
         )  # fmt: skip
 
     # --- local API --------------------------------------------------------------------------
