@@ -195,6 +195,7 @@ async def checkpoint_container(
                     config=config,
                     graph_root=graph_root,
                     run_root=run_root,
+                    gpu=gpu.record(),
                 )
                 await writer.commit({**(meta or {}), **record.to_meta()})
         durable_at = time.time()

@@ -17,18 +17,26 @@ state::
 After podman's restore the processes are new host pids; the driver reports those it holds
 checkpointed, which is how they are found. A container with no GPU process (or a host with no
 driver: :class:`~spotguard.checkpoint.cuda.NoGpu`) passes through every step unchanged. The
-GPUs must be the same ones (same UUIDs): restoring onto other GPUs is not built for containers.
+checkpoint records the host's GPUs (:attr:`ContainerGpu.inventory`, in the image's container
+record); a restore maps them onto this host's as a process job's restore does
+(:func:`spotguard.checkpoint.preflight.gpu_mapping`: same model and driver major, at least as
+many GPUs, the same UUIDs kept, others in order) — refused before podman runs when they do not
+match — and hands the pairs to the driver's restore. The container's device nodes are its own
+(``--device /dev/nvidiaN``): a GPU in order on the new host has the same index.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.cuda import GpuHook, GpuState, gpu_hook
+from spotguard.checkpoint.preflight import gpu_mapping
 from spotguard.container.podman import Podman
+from spotguard.contracts import GpuInfo
 from spotguard.errors import GpuError
+from spotguard.facts import GpuInventory
 from spotguard.timeline import Timeline
 
 log = logging.getLogger(__name__)
@@ -56,6 +64,19 @@ class ContainerGpu:
         self.frozen: list[int] = []
         #: GPU processes found already checkpointed (a container parked in memory): left so
         self.already: list[int] = []
+        #: this host's GPUs, once a freeze found GPU state in the container (else empty)
+        self.inventory = GpuInventory()
+
+    def record(self) -> GpuInfo | None:
+        """The GPUs for the image's container record (None: the container held none)."""
+        return GpuInfo.model_validate(self.inventory.to_json()) if self.inventory.count else None
+
+    def mapping(self, image: GpuInfo | None) -> dict[str, str]:
+        """The image's GPUs → this host's (empty for an image without GPU state); raises
+        :class:`~spotguard.errors.MismatchError` / ``PreflightError`` naming both sides."""
+        if image is None or not image.devices:
+            return {}
+        return gpu_mapping(GpuInventory.from_json(image.model_dump()), self.hook.inventory())
 
     async def freeze(self, tl: Timeline) -> list[int]:
         """Lock the container's GPU processes and move their GPU memory into host memory;
@@ -66,6 +87,8 @@ class ContainerGpu:
         states = {p: await self.hook.state(p) for p in cuda}
         self.already = [p for p in cuda if states[p] is GpuState.CHECKPOINTED]
         gpu = [p for p in cuda if states[p] is GpuState.RUNNING]
+        if cuda:
+            self.inventory = self.hook.inventory()
         if not gpu:
             return []
         try:
@@ -92,17 +115,17 @@ class ContainerGpu:
             except GpuError as exc:
                 log.error("GPU state not brought back", extra={"pid": pid, "error": str(exc)})
 
-    async def thaw(self, tl: Timeline) -> list[int]:
+    async def thaw(self, tl: Timeline, remap: Mapping[str, str] | None = None) -> list[int]:
         """After podman has (re)started the container's processes from a checkpoint: move the
-        GPU memory of those the driver holds checkpointed back onto the GPU and unlock them;
-        the pids thawed."""
+        GPU memory of those the driver holds checkpointed back onto the GPU (``remap``: the
+        image's GPUs → this host's, :meth:`mapping`) and unlock them; the pids thawed."""
         pids = await container_pids(self.podman, self.name)
         cuda = await self.hook.gpu_pids(pids) if pids else []
         held = [p for p in cuda if await self.hook.state(p) is GpuState.CHECKPOINTED]
         if not held:
             return []
-        with tl.step("gpu_restore", pids=held):
-            await self.hook.restore(held)
+        with tl.step("gpu_restore", pids=held, remap=dict(remap or {})):
+            await self.hook.restore(held, remap or None)
         with tl.step("gpu_unlock", pids=held):
             await self.hook.unlock(held)
         return held

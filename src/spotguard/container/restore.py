@@ -94,8 +94,10 @@ async def restore_container(
         ours = await _ours(podman, state_dir, image_url, target)
         if ours is not None:
             return ContainerRestore(f"podman:{target}", ours, image_url, tl)
+        gpu = ContainerGpu(podman, target)
         with tl.step("preflight"):
             await preflight(podman, record, target)
+            remap = gpu.mapping(record.gpu)  # other GPUs: refused here, before podman runs
             graph_root, run_root = await podman.storage_roots()
             moves = {record.graph_root: graph_root, record.run_root: run_root}
             moved = await asyncio.to_thread(relocate, archive, moves)
@@ -113,7 +115,7 @@ async def restore_container(
                 expected = None
             await _podman_restore(podman, state_dir, image_url, archive, target, expected)
         # its GPU processes come back checkpointed and locked: their memory onto the GPU
-        await ContainerGpu(podman, target).thaw(tl)
+        await gpu.thaw(tl, remap)
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     ctr = await podman.inspect(target)

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from spotguard.contracts import GpuInfo
 from spotguard.errors import ImageError, JobError
 from spotguard.modes import Mode
 from spotguard.names import check_job_name
@@ -234,6 +235,9 @@ class ContainerImage(BaseModel):
     namespace: str = ""
     oci_runtime: str = ""
     snapshotter: str = ""
+    #: the checkpointing host's GPUs when the container held GPU state (restore maps them
+    #: onto the target's, as for a process job); absent: no GPU, or an image from before
+    gpu: GpuInfo | None = None
 
     @property
     def ref(self) -> ContainerRef:
