@@ -3,6 +3,7 @@ socket families, devices; rules are plain functions others can add; the network 
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -12,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.checkpoint import procfacts, proctree, scan, selftest_job
+from spotguard.checkpoint import procfacts, proctree, scan, selftest_job, sockets
 from spotguard.checkpoint.scan import FdFact, Finding, ProcFacts, TreeFacts
 from spotguard.checkpoint.sockets import Endpoint, SocketFact, parse_endpoint
 from spotguard.errors import PreflightError, UndumpableError
@@ -279,3 +280,26 @@ def test_a_session_begun_outside_the_pid_namespace_is_found() -> None:
         for proc in (own, outer):
             proc.kill()
             proc.wait()
+
+
+def test_a_socket_closed_or_made_while_the_tables_are_read_is_no_unsupported_family() -> None:
+    """The freeze's scan lists a process's fds, then looks each socket up in /proc/net: a unix
+    socket made after the table was read, or one closed in between (the NCCL shim answers
+    the agent's query on a connection it closes at once), was taken for "a socket of an
+    unsupported family" and the freeze refused (CI, the NCCL drain test). A unix, netlink or
+    packet socket is told by its inode's protocol name; a socket gone is no socket."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    nl = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW, 0)
+    try:
+        pid = os.getpid()
+        for sk, family in ((a, "unix"), (nl, "netlink")):
+            fact = sockets.unlisted(pid, sk.fileno(), os.fstat(sk.fileno()).st_ino)
+            assert fact is not None and fact.family == family
+        gone = a.fileno()
+        inode = os.fstat(gone).st_ino
+        a.close()
+        assert sockets.unlisted(pid, gone, inode) is None
+    finally:
+        a.close()
+        b.close()
+        nl.close()

@@ -217,6 +217,8 @@ def _proc_facts(
             if sk is None:  # maybe created after the table was read: read it again once
                 tables[ns] = socket_table(pid)
                 sk = tables[ns].get(inode) or unlisted(pid, fd, inode)
+                if sk is None:
+                    continue  # closed since the fds were listed: nothing of it to dump
         fds.append(FdFact(fd, target, sk))
     maps, device_maps = _read_maps(pid)
     env = read_environ(pid)

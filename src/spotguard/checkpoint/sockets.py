@@ -125,7 +125,13 @@ def _inode_table(path: Path, family: str, column: int) -> dict[int, SocketFact]:
 
 
 #: ``system.sockprotoname`` → (family, proto) for sockets CRIU dumps that may be in no table
+#: (an inet socket never bound; any socket made after its table was read)
 _PROTO_NAMES = {
+    "UNIX": ("unix", ""),
+    "UNIX-STREAM": ("unix", ""),
+    "UNIX-DGRAM": ("unix", ""),
+    "NETLINK": ("netlink", ""),
+    "PACKET": ("packet", ""),
     "TCP": ("inet", "tcp"),
     "TCPv6": ("inet6", "tcp"),
     "UDP": ("inet", "udp"),
@@ -137,14 +143,21 @@ _PROTO_NAMES = {
 }
 
 
-def unlisted(pid: int, fd: int, inode: int) -> SocketFact:
+def unlisted(pid: int, fd: int, inode: int) -> SocketFact | None:
     """A socket of ``pid`` (at ``fd``) that no /proc/net table lists: an inet socket never
-    bound or connected (state ``CLOSE``, no endpoints), else of a family CRIU does not dump
-    (``unknown``)."""
+    bound or connected (state ``CLOSE``, no endpoints), a unix, netlink or packet socket made
+    after the table was read, else of a family CRIU does not dump (``unknown``); None when
+    ``fd`` no longer holds that socket (closed since the fds were listed: nothing to dump)."""
+    where = f"/proc/{pid}/fd/{fd}"
     try:
-        name = os.getxattr(f"/proc/{pid}/fd/{fd}", "system.sockprotoname")
+        name = os.getxattr(where, "system.sockprotoname")
+        same = os.stat(where).st_ino == inode
+    except FileNotFoundError:
+        return None
     except OSError:
         return SocketFact(inode, "unknown")
+    if not same:
+        return None
     family, proto = _PROTO_NAMES.get(name.rstrip(b"\0").decode(errors="replace"), ("", ""))
     if not family:
         return SocketFact(inode, "unknown")
