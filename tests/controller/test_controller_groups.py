@@ -348,3 +348,29 @@ def test_group_path_quotes_each_name_as_one_segment() -> None:
     assert routes.group_path(routes.GROUP_ROUND, "g", "r/1") == "/v1/groups/g/rounds/r%2F1"
     with pytest.raises(ValueError, match="needs a round"):
         routes.group_path(routes.GROUP_ROUND, "g")
+
+
+async def test_a_rebuild_waiting_when_a_new_generation_opens_meets_the_others_there(
+    api_factory: Factory,
+) -> None:
+    """A member whose exit failed after the group released waits, in its bring-back, for the
+    rebuild; the others, restored elsewhere, open a ``restore`` generation and wait there. The
+    waiting member's entry was in the old generation's round: it used to stay there, and both
+    sides waited out their time. It is now put again in the current generation's round."""
+    from spotguard.agent.groups import ControllerPeers
+
+    api, _srv, _ = await api_factory()
+    both = {"a", "b"}
+
+    def full(es: list[RoundEntry]) -> bool:
+        return {e.job for e in es} == both
+
+    await vm(api.url, "b").group_freeze("g", FreezeRequest(job="b", mode="exit"))  # gen 1
+    a = ControllerPeers(vm(api.url, "a"), "g", "a")  # its bring-back: no begin, no generation
+    waiting = asyncio.create_task(a.exchange("rebuild", entry("a"), full, 8.0))
+    await asyncio.sleep(0.5)
+    b = ControllerPeers(vm(api.url, "b"), "g", "b")
+    assert await b.begin("restore", "rebuild after the restore") == 2
+    got_b = await b.exchange("rebuild", entry("b"), full, 8.0)
+    got_a = await asyncio.wait_for(waiting, 8.0)
+    assert {e.job for e in got_a} == both == {e.job for e in got_b}

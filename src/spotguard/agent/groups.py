@@ -76,7 +76,8 @@ class ControllerPeers:
         complete: Callable[[list[RoundEntry]], bool],
         wait_s: float,
     ) -> list[RoundEntry]:
-        """Post ``entry`` in round ``name`` and wait until ``complete`` holds."""
+        """Post ``entry`` in round ``name`` and wait until ``complete`` holds (in a
+        generation :meth:`begin` did not name, the round of whichever is current)."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + wait_s
         try:
@@ -90,6 +91,11 @@ class ControllerPeers:
                         f"NCCL group {self.group!r}: round {name} did not fill in {wait_s:.0f} "
                         f"s (jobs there: {jobs}): a member's agent did not come"
                     )
+                if not any(e.job == entry.job for e in got.entries):
+                    # a newer generation opened (the others restored elsewhere): its round is
+                    # new, so this job's entry is put there again (a rebuild meets them there)
+                    got = await self.client.put_round(self.group, name, entry)
+                    continue
                 have = len(got.entries)
                 got = await self.client.get_round(self.group, name, have, min(left, POLL_S))
         except NcclError:
