@@ -132,14 +132,17 @@ class _Planning:
     def margin_s(self) -> float:
         return self.planner.settings.margin_s if self.planner is not None else 0.0
 
-    def plan(self, streamed: bool, left_s: float | None) -> Plan | None:
+    def plan(self, streamed: bool, left_s: float | None, parallel: bool = False) -> Plan | None:
+        """``parallel``: the CRIU at hand dumps the job's processes at once (the planner
+        spreads the image over them once it has measured the host's combined rate)."""
         if self.planner is None:
             return None
         try:
             est = estimate(self.job.pid)
             return self.planner.plan(
-                est, deadline_s=left_s, store_url=self.store_url, stream=streamed, pid=self.job.pid
-            )
+                est, deadline_s=left_s, store_url=self.store_url, stream=streamed,
+                pid=self.job.pid, parallel=parallel,
+            )  # fmt: skip
         except (SpotguardError, OSError) as exc:
             log.warning("deadline planner failed", extra={"job": self.job.name, "error": str(exc)})
             return None
@@ -195,10 +198,11 @@ async def checkpoint(
     )
     inst = instance or InstanceFacts()
     base: dict[str, Any] = {"instance": inst.to_json(), **(meta or {})}
+    parallel = bool(await eng.criu.page_worker_args())  # patched CRIU: ranks at once
     for i, path in enumerate(chain):
         more = i + 1 < len(chain)
         left = _left(deadline)
-        plan = planning.plan(path.streamed, left)
+        plan = planning.plan(path.streamed, left, parallel)
         if plan is not None and plan.mode == "keep-periodic":
             raise CheckpointError(
                 f"{job.name}: an image cannot be durable before the deadline ({plan.reason})"
