@@ -34,6 +34,7 @@ from spotguard.names import check_job_name
 from spotguard.statedir import StateDir
 
 from . import jobinit, nccl, ncclctl, proctree
+from .procfacts import same_process, start_time
 
 JOB_FILE = "job.json"
 _MAX_JOB_FILE = 1 << 20
@@ -49,6 +50,9 @@ class JobInfo:
     argv: tuple[str, ...] = ()
     cwd: str | None = None
     created: str = field(default_factory=lambda: datetime.now(UTC).isoformat())
+    #: the root process's start time (clock ticks after boot): with ``pid`` its identity, so
+    #: a stranger given the pid once the job ended is not taken for it (None: not recorded)
+    start: int | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -58,7 +62,12 @@ class JobInfo:
             "argv": list(self.argv),
             "cwd": self.cwd,
             "created": self.created,
+            "start": self.start,
         }
+
+    def running(self) -> bool:
+        """Whether the job's root process still runs (its pid and start time, where known)."""
+        return same_process(self.pid, self.start)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> JobInfo:
@@ -69,10 +78,12 @@ class JobInfo:
             argv=tuple(data.get("argv", ())),
             cwd=data.get("cwd"),
             created=str(data.get("created", "")),
+            start=int(data["start"]) if isinstance(data.get("start"), int) else None,
         )
 
     def with_pid(self, pid: int) -> JobInfo:
-        return JobInfo(self.name, pid, self.dir, self.argv, self.cwd, self.created)
+        """The job as process ``pid`` (restored, or adopted), with that process's start."""
+        return JobInfo(self.name, pid, self.dir, self.argv, self.cwd, self.created, start_time(pid))
 
     def save(self) -> None:
         """Write ``job.json`` atomically (0600), relative to the job directory's fd through a
@@ -127,7 +138,7 @@ async def start_job(
     safefs.ensure_private_dir(jobs_dir(state_dir))
     if (jdir / JOB_FILE).exists():
         old = _read(jdir)
-        if proctree.alive(old.pid):
+        if old.running():
             raise JobError(f"job {name!r} is already running (pid {old.pid})")
         shutil.rmtree(jdir)
     safefs.ensure_private_dir(jdir)
@@ -156,7 +167,9 @@ async def start_job(
     out, err = await proc.communicate()
     if proc.returncode != 0 or not out.strip().isdigit():
         raise JobError(f"could not start job {name!r}: {err.decode(errors='replace').strip()}")
-    info = JobInfo(name=name, pid=int(out), dir=jdir, argv=tuple(argv), cwd=workdir)
+    pid = int(out)
+    info = JobInfo(name=name, pid=pid, dir=jdir, argv=tuple(argv), cwd=workdir,
+                   start=start_time(pid))  # fmt: skip
     info.save()
     return info
 
@@ -228,8 +241,9 @@ def resolve_job(pid_or_name: str | int, *, state_dir: Path) -> JobInfo:
         except OSError:
             argv = ()
         return JobInfo(
-            name=f"pid-{pid}", pid=pid, dir=jobs_dir(state_dir) / f"pid-{pid}", argv=argv, cwd=cwd
-        )
+            name=f"pid-{pid}", pid=pid, dir=jobs_dir(state_dir) / f"pid-{pid}", argv=argv,
+            cwd=cwd, start=start_time(pid),
+        )  # fmt: skip
     try:
         check_job_name(text)
     except ValueError as exc:

@@ -25,14 +25,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from spotguard.errors import MismatchError, PreflightError
 from spotguard.facts import GpuDevice, GpuInventory, HostFacts
 
-from . import mounts, proctree
+from . import mounts
 from .criu import Criu
 from .cuda import GpuHook, NoGpu
 from .jobs import JobInfo, resolve_job
@@ -142,18 +143,24 @@ async def preflight(
             )
         chosen = [c for c in (restore_gpus or "").split(",") if c.strip()] or None
         mapping = gpu_mapping(meta.gpu, gpu.inventory(), chosen)
-    name = str(meta.job.get("name", ""))
+    if (pid := already_running(meta.job, state_dir)) is not None:
+        raise PreflightError(f"job {meta.job.get('name')!r} is already running here (pid {pid})")
+    return mapping
+
+
+def already_running(job: Mapping[str, Any], state_dir: Path) -> int | None:
+    """The pid of the image's job (``job``: its record in the image) where it runs here now,
+    by its record in ``state_dir`` — pid and start time: a stranger given the job's old pid
+    is not the job — else None."""
+    name = str(job.get("name", ""))
     try:
         existing: JobInfo | None = resolve_job(name, state_dir=state_dir)
     except Exception:  # noqa: BLE001 - any lookup failure means "no such job here"
         existing = None
-    if existing is not None and proctree.alive(existing.pid) and _same_job(existing, meta):
-        raise PreflightError(f"job {name!r} is already running here (pid {existing.pid})")
-    return mapping
-
-
-def _same_job(existing: JobInfo, meta: ImageMeta) -> bool:
-    return str(existing.dir) == str(meta.job.get("dir")) or existing.name == meta.job.get("name")
+    if existing is None or not existing.running():
+        return None
+    same = str(existing.dir) == str(job.get("dir")) or existing.name == job.get("name")
+    return existing.pid if same else None
 
 
 @dataclass(frozen=True)
