@@ -61,7 +61,7 @@ import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -396,16 +396,32 @@ def _wire(model: BaseModel) -> web.Response:
     return web.Response(text=model.model_dump_json(), content_type="application/json")
 
 
-async def open_freeze(request: web.Request) -> web.Response:
+_M = TypeVar("_M", FreezeRequest, RoundEntry)
+
+
+async def _as_member(
+    request: web.Request, model: type[_M], limit: int, what: str, whats: str
+) -> _M | web.Response:
+    """The body of a group route as ``model`` (read up to ``limit`` bytes), from a caller that
+    may act for the job it names (:class:`AuthError` otherwise); a 400 for a bad name or body."""
     if (bad := _bad_name(request)) is not None:
         return bad
-    body = await _read_body(request, MAX_FREEZE_BYTES, "freeze request", "freeze requests")
+    body = await _read_body(request, limit, what, whats)
     try:
-        req = FreezeRequest.model_validate_json(body)
+        got = model.model_validate_json(body)
     except ValidationError as exc:
-        return _error(400, f"malformed freeze request: {_problems(exc)}")
-    if not _caller(request).may_act_for(req.job):
-        raise AuthError(f"this token may not act for job {req.job!r}")
+        return _error(400, f"malformed {what}: {_problems(exc)}")
+    if not _caller(request).may_act_for(got.job):
+        raise AuthError(f"this token may not act for job {got.job!r}")
+    return got
+
+
+async def open_freeze(request: web.Request) -> web.Response:
+    req = await _as_member(
+        request, FreezeRequest, MAX_FREEZE_BYTES, "freeze request", "freeze requests"
+    )
+    if isinstance(req, web.Response):
+        return req
     rv = request.app[CONTROLLER_KEY].rendezvous
     return _wire(rv.open(request.match_info["group"], req))
 
@@ -420,15 +436,9 @@ async def watch_freeze(request: web.Request) -> web.Response:
 
 
 async def put_round(request: web.Request) -> web.Response:
-    if (bad := _bad_name(request)) is not None:
-        return bad
-    body = await _read_body(request, MAX_ROUND_BYTES, "round entry", "round entries")
-    try:
-        entry = RoundEntry.model_validate_json(body)
-    except ValidationError as exc:
-        return _error(400, f"malformed round entry: {_problems(exc)}")
-    if not _caller(request).may_act_for(entry.job):
-        raise AuthError(f"this token may not act for job {entry.job!r}")
+    entry = await _as_member(request, RoundEntry, MAX_ROUND_BYTES, "round entry", "round entries")
+    if isinstance(entry, web.Response):
+        return entry
     rv = request.app[CONTROLLER_KEY].rendezvous
     return _wire(rv.put(request.match_info["group"], request.match_info["round"], entry))
 
