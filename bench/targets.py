@@ -59,6 +59,9 @@ def _multi_gpu(stream: list[Row]) -> list[tuple[str, str, str, bool | None]]:
         ratio = multi["total"] / one["total"] if multi and one else None
         name = f"{n} x {size:g} GiB vs 1 x {size:g} GiB freeze → durable"
         out.append(_check(name, ratio, 1.3, lambda got, lim: got <= lim, "x"))
+        back = multi["restore"] / one["restore"] if multi and one else None
+        name = f"{n} x {size:g} GiB vs 1 x {size:g} GiB restore (issue 25: N ranks)"
+        out.append(_check(name, back, 1.5, lambda got, lim: got <= lim, "x"))
     return out
 
 

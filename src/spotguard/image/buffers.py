@@ -171,9 +171,14 @@ class OwnedChunk:
     while referenced, unlike heap memory (a freed ``bytes`` may be reused by ``malloc`` while
     the pipe still points at it). Fresh maps cost page faults, but those are taken by the
     decoding threads in parallel, not by the one thread feeding the pipe.
+
+    :meth:`leased` makes one over a :class:`BufferPool`'s buffer instead, for a consumer that
+    copies the bytes out before it closes the chunk (``process_vm_writev`` into a restored
+    job): :meth:`close` gives the buffer back for the next chunk, whose read then costs no
+    page faults. Never for a chunk whose pages are handed on by reference.
     """
 
-    __slots__ = ("map", "size")
+    __slots__ = ("_lease", "map", "size")
 
     def __init__(self, size: int) -> None:
         length = max(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
@@ -182,15 +187,44 @@ class OwnedChunk:
             with contextlib.suppress(OSError):
                 self.map.madvise(mmap.MADV_HUGEPAGE)
         self.size = size
+        self._lease: Lease | None = None
+
+    @classmethod
+    def leased(cls, pool: BufferPool, buf: mmap.mmap, size: int) -> OwnedChunk:
+        """A chunk of ``size`` bytes in ``buf``, acquired from ``pool`` (at least that big)."""
+        if size > len(buf):
+            pool.release(buf)
+            raise ValueError(f"a {size}-byte chunk does not fit a {len(buf)}-byte buffer")
+        chunk = cls.__new__(cls)
+        chunk.map, chunk.size = buf, size
+        chunk._lease = Lease(pool, buf, None)
+        return chunk
+
+    @property
+    def fresh(self) -> bool:
+        """The map is new (untouched pages read zero), not a reused buffer."""
+        return self._lease is None
 
     def __len__(self) -> int:
         return self.size
 
     def close(self) -> None:
         """Unmap; pages a pipe still references stay valid for its reader. A view still held
-        somewhere defers the unmap to garbage collection (still safe: nothing writes here)."""
+        somewhere defers the unmap to garbage collection (still safe: nothing writes here).
+        A leased chunk's buffer goes back to its pool."""
+        if self._lease is not None:
+            self._lease.release()
+            return
         with contextlib.suppress(BufferError):
             self.map.close()
+
+    def abandon(self) -> None:
+        """Like :meth:`close` after a failed or cancelled read, when a worker thread may still
+        write into the map: a leased buffer is dropped, never reused."""
+        if self._lease is not None:
+            self._lease.discard()
+            return
+        self.close()
 
 
 class PrioritySlots:

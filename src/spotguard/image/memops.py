@@ -1,4 +1,5 @@
-"""Bulk memory operations that run without the GIL: copy and all-zero test of large buffers.
+"""Bulk memory operations that run without the GIL: copy, zero-fill and all-zero test of large
+buffers.
 
 Why not plain Python: a slice assignment between memoryviews (``out[a:b] = src[c:d]``) is a
 ``memcpy`` done while holding the GIL, so every thread of the chunk pipeline that frames a raw
@@ -61,6 +62,17 @@ def copy(dst: memoryview, src: memoryview) -> None:
             ctypes.memmove(d, s, n)
             return
     dst[:n] = src
+
+
+def zero(dst: memoryview) -> None:
+    """Fill ``dst`` with zero bytes, without the GIL where the buffer allows it."""
+    if len(dst) == 0:
+        return
+    with address(dst) as d:
+        if d is not None:
+            ctypes.memset(d, 0, len(dst))
+            return
+    dst[:] = bytes(len(dst))
 
 
 def copy_spans(dst: memoryview, src: memoryview, spans: list[tuple[int, int, int]]) -> None:

@@ -25,6 +25,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
+from spotguard.image import memops
 from spotguard.image.buffers import BufferPool, Lease, OwnedChunk, PrioritySlots
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
 from spotguard.image.history import refuse_rollback, resolve
@@ -322,10 +323,17 @@ class ImageReader:
             self._stored = BufferPool(size, max(self.workers, min(self.readahead, 8)))
         return self._stored
 
-    async def _fetch_decode_owned(self, ref: ChunkRef, priority: int = 0) -> OwnedChunk:
-        out = OwnedChunk(ref.size)
+    async def _fetch_decode_owned(
+        self, ref: ChunkRef, priority: int = 0, buffers: BufferPool | None = None
+    ) -> OwnedChunk:
+        if buffers is None:
+            out = OwnedChunk(ref.size)
+        else:
+            out = OwnedChunk.leased(buffers, await buffers.acquire(), ref.size)
         if ref.digest == self.codec.zero_address(ref.size):
             # All zero (the authenticated address says so): a fresh map already is.
+            if not out.fresh:
+                await asyncio.to_thread(_zero, out)
             return out
         if self._slots is None:
             self._slots = PrioritySlots(max(2, self.workers))
@@ -335,7 +343,7 @@ class ImageReader:
         try:
             return await self._read_owned(ref, out)
         except BaseException:
-            out.close()
+            out.abandon()
             raise
         finally:
             self._slots.release()
@@ -412,10 +420,15 @@ class ImageReader:
         """The stored bytes of a chunk read into ``buf``, with the cap of :meth:`_get_stored`."""
         return await self._capped(ref, lambda key, limit: get_into(self.store, key, buf[:limit]))
 
-    async def read_chunk_owned(self, ref: ChunkRef, priority: int = 0) -> OwnedChunk:
+    async def read_chunk_owned(
+        self, ref: ChunkRef, priority: int = 0, buffers: BufferPool | None = None
+    ) -> OwnedChunk:
         """Like :meth:`read_chunk`, into an :class:`OwnedChunk` the caller must close.
-        ``priority``: lower goes first when reads queue (the chunk's index in its file)."""
-        return await self._checked(ref, lambda: self._fetch_decode_owned(ref, priority))
+        ``priority``: lower goes first when reads queue (the chunk's index in its file).
+        ``buffers``: read into a reused buffer of this pool (:meth:`OwnedChunk.leased`: for a
+        caller that copies the bytes out before closing, never one that hands them on by
+        reference); its buffers must hold the image's chunk size."""
+        return await self._checked(ref, lambda: self._fetch_decode_owned(ref, priority, buffers))
 
     def iter_file_owned(self, name: str) -> AsyncIterator[OwnedChunk]:
         """Like :meth:`iter_file`, each chunk in its own :class:`OwnedChunk` that the consumer
@@ -445,6 +458,12 @@ class ImageReader:
 
         await asyncio.gather(*(one(r) for r in refs))
         return report
+
+
+def _zero(out: OwnedChunk) -> None:
+    """Zero a reused buffer's first ``out.size`` bytes."""
+    with memoryview(out.map) as view:
+        memops.zero(view[: out.size])
 
 
 def _decode_owned(codec: ChunkCodec, stored: memoryview, ref: ChunkRef, out: OwnedChunk) -> None:

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from spotguard.checkpoint.gpupages import PageFill, PagePut
     from spotguard.checkpoint.meta import ImageMeta
     from spotguard.checkpoint.staging import StagingPlan
-    from spotguard.image.buffers import Lease, OwnedChunk
+    from spotguard.image.buffers import BufferPool, Lease, OwnedChunk
     from spotguard.image.manifest import Manifest
     from spotguard.image.reader import ImageReader
     from spotguard.image.settings import ImageSettings
@@ -402,6 +402,7 @@ class StreamSource:
         self._serve: Serve | None = None
         #: the reader authenticated the image under the host's keys (see RestoreSource)
         self.authenticated = False
+        self._page_buffers: BufferPool | None = None  # made by the first get_pages
 
     @property
     def images_dir(self) -> Path:
@@ -450,31 +451,17 @@ class StreamSource:
         return meta
 
     async def get_pages(self, name: str, size: int, put: PagePut) -> None:
-        """The file's chunks, each verified against its authenticated address as it is read
-        (several read ahead); all-zero chunks are not fetched and not handed on."""
+        """The file's chunks, each verified against its authenticated address as it is read,
+        several at once through reused buffers (:mod:`spotguard.stream.pages`); all-zero
+        chunks are not fetched and not handed on."""
         from spotguard.checkpoint.gpupages import check_part_name
+        from spotguard.stream.pages import page_buffers, write_pages
 
         if self._reader is None:
             raise StreamError("StreamSource used before start()")
-        reader = self._reader
-        refs = reader.manifest.file(check_part_name(name)).chunks
-        if sum(r.size for r in refs) != size:
-            raise ImageError(f"{self.image_url}: {name} does not hold the {size} bytes it should")
-        zero = reader.codec.zero_address
-        off = 0
-        chunks = reader.iter_file_owned(name)
-        try:
-            for ref in refs:
-                chunk = await anext(chunks)
-                try:
-                    if ref.digest != zero(ref.size):
-                        with memoryview(chunk.map) as view:
-                            await asyncio.to_thread(put, off, view[: chunk.size])
-                finally:
-                    chunk.close()
-                off += ref.size
-        finally:
-            await chunks.aclose()  # type: ignore[attr-defined]
+        if self._page_buffers is None:
+            self._page_buffers = page_buffers(self._reader)
+        await write_pages(self._reader, check_part_name(name), size, put, self._page_buffers)
 
     async def finish(self) -> None:
         """CRIU restore exited 0: every file it asked for has been fed."""
@@ -490,6 +477,9 @@ class StreamSource:
         await self._close()
 
     async def _close(self) -> None:
+        if self._page_buffers is not None:
+            self._page_buffers.close()
+            self._page_buffers = None
         reader, self._reader = self._reader, None
         if reader is not None:
             self.reader_stats = reader.stats
