@@ -253,7 +253,9 @@ class Engine:
                 if before:  # the GPU memory CRIU left out, copied while nothing can change it
                     with tl.step("gpu_pages", ranges=len(staged)) as gs:
                         await self.faults.before("gpu_pages")
-                        meta.gpu_pages = await gpupages.save(target, staged, ns_of, chunk=CHUNK)
+                        meta.gpu_pages = await gpupages.save(
+                            target, staged, ns_of, chunk=CHUNK, workers=s.gpu_page_workers or None
+                        )
                         gs.detail["bytes"] = sum(r.size for r in staged)
                 with tl.step("capture_files") as cs:
                     await self.faults.before("capture_files")
@@ -453,7 +455,9 @@ class Engine:
             if meta.gpu_pages:  # the GPU memory the driver staged, back before it reads it
                 with tl.step("gpu_pages", ranges=len(meta.gpu_pages)) as gs:
                     await self.faults.before("gpu_pages")
-                    gs.detail["bytes"] = await gpupages.load(source, meta.gpu_pages, by_ns)
+                    gs.detail["bytes"] = await gpupages.load(
+                        source, meta.gpu_pages, by_ns, workers=s.gpu_page_workers or None
+                    )
             suspend.continue_stopped(list(by_ns.values()))  # the driver needs them running
             if gpu_pids:
                 with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}):

@@ -46,7 +46,9 @@ log = logging.getLogger(__name__)
 
 #: a range smaller than this stays with CRIU (not worth a file of its own)
 MIN_RANGE_BYTES = 64 << 20
-#: the most threads copying at once
+#: the most parts copied at once by default (a setting may name more): the copies of this
+#: path peak at about 8 threads and slow down beyond (bench/pagecopy.py, docs/benchmarks.md:
+#: 64 threads on a 64-core node moved a third of what 8 did)
 MAX_WORKERS = 8
 #: bytes moved by one process_vm_readv/writev call
 _STEP = 64 << 20
@@ -223,6 +225,8 @@ async def before(
 
 
 def default_workers() -> int:
+    """Parts copied at once, freezing or restoring: half the cores, at most
+    :data:`MAX_WORKERS` (a restore's source writes two chunks of each part at once)."""
     return max(2, min(MAX_WORKERS, (os.cpu_count() or 2) // 2))
 
 

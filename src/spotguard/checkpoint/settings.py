@@ -132,6 +132,16 @@ class CheckpointSettings(Settings):
             "pipe per process"
         ),
     )
+    gpu_page_workers: int = Field(
+        default=0,
+        ge=0,
+        le=256,
+        description=(
+            "Parts of the GPU memory staged in host memory copied at once (0: half the "
+            "cores, at most 8: more threads made the copies slower on the GPU machines "
+            "measured, docs/benchmarks.md)"
+        ),
+    )
     max_file_bytes: int = Field(
         default=1024 * 1024 * 1024,
         ge=0,
