@@ -215,6 +215,28 @@ def plot_ranks(md: str, out: Path) -> Path | None:
     return _save(fig, out, "ranks.png")
 
 
+def plot_pagecopy(md: str, out: Path) -> Path | None:
+    """The newest ``bench.pagecopy`` table under Streaming (a ``threads`` column and one GB/s
+    column per pass): each pass's rate against the threads making it."""
+    found = [t for t in tables(md, "Streaming") if t and "threads" in t[0]
+             and any("writev" in c for c in t[0])]  # fmt: skip
+    if not found:
+        print("skipped pagecopy: no bench.pagecopy table under '## Streaming'")
+        return None
+    rows = found[0]  # the newest section comes first
+    threads = [num(r["threads"]) or 0.0 for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.6))
+    for col in [c for c in rows[0] if c != "threads"]:
+        ax.plot(threads, [num(r[col]) or 0.0 for r in rows], marker="o", label=col)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(threads, [f"{t:g}" for t in threads])
+    ax.set_xlabel("threads")
+    ax.set_ylabel("GB/s")
+    ax.legend(fontsize=7)
+    ax.set_title("GPU-memory copy through host memory, per pass (bench.pagecopy)", fontsize=10)
+    return _save(fig, out, "pagecopy.png")
+
+
 def plot_demo(demo_json: Path, out: Path) -> Path | None:
     report = json.loads(demo_json.read_text())
     rows = [r for r in report.get("timeline", []) if r.get("at") is not None]
@@ -255,6 +277,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_streaming(md, args.out),
         plot_streaming_gpu(md, args.out),
         plot_ranks(md, args.out),
+        plot_pagecopy(md, args.out),
     ]
     if args.demo_json is not None:
         made.append(plot_demo(args.demo_json, args.out))
