@@ -3,14 +3,13 @@ image's container record, and the restore maps them onto the target's as a proce
 restore does (same model and driver major, at least as many GPUs, same UUIDs kept, others in
 order), refusing a mismatch before podman runs, and hands the pairs to the driver's restore.
 Without a GPU: the public driver double (``RecordingGpu``) and a real process standing for
-the container's init (podman's ``inspect`` answered by a stand-in). The driver's restore onto
-other GPUs inside a container is for the GPU tests to show."""
+the container's init (the runtime's answer, its pid, given by a stand-in). The driver's
+restore onto other GPUs inside a container is for the GPU tests to show."""
 
 from __future__ import annotations
 
 import subprocess
-from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 
 import pytest
 
@@ -32,14 +31,13 @@ def _host(*uuids: str, model: str = H100, driver: str = "580.159.04") -> GpuInve
     )
 
 
-class _Inspect:
-    """podman's ``inspect`` for one running container whose init is ``pid``."""
+def _init(pid: int) -> Callable[[], Awaitable[int]]:
+    """The runtime's answer for one running container whose init is ``pid``."""
 
-    def __init__(self, pid: int) -> None:
-        self.pid = pid
+    async def init_pid() -> int:
+        return pid
 
-    async def inspect(self, name: str) -> dict[str, Any]:
-        return {"State": {"Pid": self.pid}}
+    return init_pid
 
 
 class _Driver(RecordingGpu):
@@ -68,7 +66,7 @@ async def test_the_gpus_travel_in_the_record_and_are_mapped_onto_the_new_hosts(
     init: int,
 ) -> None:
     old = _host("GPU-a0", "GPU-a1")
-    here = ContainerGpu(_Inspect(init), "train", _Driver(old))  # type: ignore[arg-type]
+    here = ContainerGpu(_init(init), "podman:train", _Driver(old))
     assert await here.freeze(Timeline()) == [init]
     record = here.record()
     assert record is not None and [d.uuid for d in record.devices] == ["GPU-a0", "GPU-a1"]
@@ -81,14 +79,14 @@ async def test_the_gpus_travel_in_the_record_and_are_mapped_onto_the_new_hosts(
     assert back.gpu == record  # the record survives the manifest
 
     new = _Driver(_host("GPU-b0", "GPU-b1", "GPU-b2"))
-    there = ContainerGpu(_Inspect(init), "train", new)  # type: ignore[arg-type]
+    there = ContainerGpu(_init(init), "podman:train", new)
     pairs = there.mapping(back.gpu)
     assert pairs == {"GPU-a0": "GPU-b0", "GPU-a1": "GPU-b1"}  # in order: the same indices
     new.states[init] = GpuState.CHECKPOINTED  # as podman's restore leaves the process
     assert await there.thaw(Timeline(), pairs) == [init]
     assert new.remaps == [pairs] and new.stuck() == {}
     # the same host: the same GPUs, identity pairs (as a process job's restore passes)
-    assert ContainerGpu(_Inspect(init), "t", _Driver(old)).mapping(record) == {  # type: ignore[arg-type]
+    assert ContainerGpu(_init(init), "podman:t", _Driver(old)).mapping(record) == {
         "GPU-a0": "GPU-a0", "GPU-a1": "GPU-a1"
     }  # fmt: skip
 
@@ -104,14 +102,14 @@ async def test_the_gpus_travel_in_the_record_and_are_mapped_onto_the_new_hosts(
 def test_other_gpus_that_cannot_take_the_container_are_refused_naming_both(
     host: GpuInventory, says: str
 ) -> None:
-    record = ContainerGpu(None, "t", RecordingGpu(inventory=_host("GPU-a0", "GPU-a1")))  # type: ignore[arg-type]
+    record = ContainerGpu(_init(0), "podman:t", RecordingGpu(inventory=_host("GPU-a0", "GPU-a1")))
     record.inventory = _host("GPU-a0", "GPU-a1")
     image = record.record()
     with pytest.raises(MismatchError, match=says):
-        ContainerGpu(None, "t", RecordingGpu(inventory=host)).mapping(image)  # type: ignore[arg-type]
+        ContainerGpu(_init(0), "podman:t", RecordingGpu(inventory=host)).mapping(image)
 
 
 def test_an_image_without_gpu_state_maps_nothing() -> None:
-    gpu = ContainerGpu(None, "t", RecordingGpu(inventory=_host("GPU-b0")))  # type: ignore[arg-type]
+    gpu = ContainerGpu(_init(0), "podman:t", RecordingGpu(inventory=_host("GPU-b0")))
     assert gpu.record() is None  # no freeze found GPU state: nothing recorded
     assert gpu.mapping(None) == {}

@@ -1,14 +1,17 @@
-"""A PyTorch job in a podman container, its GPU devices passed in, through a leave-running
-checkpoint, a park in memory (the GPU freed), an exit checkpoint into a store and a restore
-as a new container: the driver's
-checkpoint is ordered around podman's (spotguard.container.gpu), and what the job writes is
-byte-identical to an uninterrupted run of the same program on the host.
+"""A PyTorch job in a podman or a containerd container, its GPU devices passed in, through a
+leave-running checkpoint, a park in memory (the GPU freed), an exit checkpoint into a store
+and a restore as a new container: the driver's checkpoint is ordered around the runtime's
+(spotguard.container.gpu), and what the job writes is byte-identical to an uninterrupted run
+of the same program on the host. The same scenario, the same spotguard commands, for both
+runtimes (``[podman]``, ``[containerd]``); the CPU tests with the driver double show the order
+for docker and containerd (tests/container/test_*_gpu.py).
 
-Needs an NVIDIA GPU and podman from scripts/install-podman (offline:
-``SPOTGUARD_PODMAN_DEBS`` with the Debian packages; see the script for other
-distributions). The container's image is an empty root whose /usr, /etc and /opt/torch are
-the host's, bound read-only (no registry here), so PyTorch and the driver's libraries are
-the host's own.
+Needs an NVIDIA GPU and the runtime from scripts/install-podman or scripts/install-containerd
+(offline: ``SPOTGUARD_PODMAN_DEBS`` / ``SPOTGUARD_CONTAINERD_DEBS`` with the Debian packages;
+a runtime that cannot be installed skips its case, saying why). containerd runs as a daemon of
+the test's own (own root, state and socket under /tmp, as in tests/container). The
+container's image is an empty root whose /usr, /etc and /opt/torch are the host's, bound
+read-only (no registry here), so PyTorch and the driver's libraries are the host's own.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import pytest
 
 from sgtest import wait_for
 from spotguard.checkpoint.cuda import driver_available, inventory
+from spotguard.container.containerd_vm import ContainerdVm, image_layout
 
 pytestmark = pytest.mark.gpu
 
@@ -36,6 +40,8 @@ SG = [sys.executable, "-c", "import sys; from spotguard.cli import main; sys.exi
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
 STEPS = 400
 IMAGE = "localhost/sg-gpu:1"
+#: the containerd case's namespace
+NS = "gpu"
 JOB = """
 import sys, time, torch
 out, steps = sys.argv[1], int(sys.argv[2])
@@ -51,17 +57,12 @@ with open(out, "a", buffering=1) as f:
 """
 
 
-class Podman:
-    """spotguard and podman with storage of the test's own."""
+class Runtime:
+    """spotguard and one container runtime with storage of the test's own; ``job``: the
+    container as spotguard names it."""
 
-    def __init__(self, root: Path, short: Path, podman: str, criu: str) -> None:
-        # podman wants a runroot of at most 50 characters: storage under a short path
-        self.podman = podman
-        self.storage = ["--root", str(short / "storage"), "--runroot", str(short / "run")]
-        self.env = {**os.environ, **ENV, "SPOTGUARD_STATE_DIR": str(root / "state"),
-                    "SPOTGUARD_CRIU": criu, "SPOTGUARD_CONTAINER_PODMAN": podman,
-                    "SPOTGUARD_CONTAINER_ROOT": str(short / "storage"),
-                    "SPOTGUARD_CONTAINER_RUNROOT": str(short / "run")}  # fmt: skip
+    job: str
+    env: dict[str, str]
 
     def sg(self, *args: str) -> dict[str, Any]:
         done = subprocess.run([*SG, *args], env=self.env, capture_output=True, text=True,
@@ -73,6 +74,25 @@ class Podman:
         out: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
         return out
 
+    def status(self) -> str:
+        """running, paused, exited, ... or absent."""
+        raise NotImplementedError
+
+
+class Podman(Runtime):
+    """spotguard and podman with storage of the test's own."""
+
+    job = "podman:sggpu"
+
+    def __init__(self, root: Path, short: Path, podman: str, criu: str) -> None:
+        # podman wants a runroot of at most 50 characters: storage under a short path
+        self.podman = podman
+        self.storage = ["--root", str(short / "storage"), "--runroot", str(short / "run")]
+        self.env = {**os.environ, **ENV, "SPOTGUARD_STATE_DIR": str(root / "state"),
+                    "SPOTGUARD_CRIU": criu, "SPOTGUARD_CONTAINER_PODMAN": podman,
+                    "SPOTGUARD_CONTAINER_ROOT": str(short / "storage"),
+                    "SPOTGUARD_CONTAINER_RUNROOT": str(short / "run")}  # fmt: skip
+
     def cmd(self, *args: str, stdin: bytes | None = None) -> str:
         done = subprocess.run([self.podman, *self.storage, *args], input=stdin,
                               capture_output=True, timeout=120, check=False)  # fmt: skip
@@ -80,24 +100,44 @@ class Podman:
             pytest.fail(f"podman {args[0]} failed: {done.stderr.decode()[-2000:]}")
         return done.stdout.decode()
 
-    def status(self, name: str) -> str:
-        done = subprocess.run([self.podman, *self.storage, "container", "inspect", name,
+    def status(self) -> str:
+        done = subprocess.run([self.podman, *self.storage, "container", "inspect", "sggpu",
                                "--format", "{{.State.Status}}"], capture_output=True, text=True,
                               timeout=60, check=False)  # fmt: skip
         return done.stdout.strip() if done.returncode == 0 else "absent"
 
 
-@pytest.fixture
-def pm(tmp_path: Path, criu_bin: str) -> Iterator[Podman]:
-    if not driver_available() or not inventory().count:
-        pytest.skip("needs an NVIDIA GPU with the driver checkpoint API (driver r570+)")
+class Containerd(Runtime):
+    """spotguard and a containerd daemon of the test's own."""
+
+    job = f"containerd:{NS}/sggpu"
+
+    def __init__(self, root: Path, vm: ContainerdVm) -> None:
+        self.vm = vm
+        self.env = {**os.environ, **ENV, **vm.env(), "SPOTGUARD_STATE_DIR": str(root / "state")}
+
+    def status(self) -> str:
+        if "sggpu" not in self.vm.ctr("containers", "ls", "-q", ns=NS).split():
+            return "absent"
+        for line in self.vm.ctr("tasks", "ls", ns=NS).splitlines()[1:]:
+            cols = line.split()
+            if cols[:1] == ["sggpu"]:
+                return {"STOPPED": "exited"}.get(cols[2], cols[2].lower())
+        return "created"
+
+
+def _install(script: str, debs: str) -> str:
+    """``scripts/SCRIPT``'s last line (the installed tool); skips, saying why, when it fails."""
     repo = Path(__file__).resolve().parents[2]
-    done = subprocess.run([str(repo / "scripts" / "install-podman")], capture_output=True,
-                          text=True, timeout=300, check=False)  # fmt: skip
+    done = subprocess.run([str(repo / "scripts" / script)], capture_output=True, text=True,
+                          timeout=300, check=False)  # fmt: skip
     if done.returncode != 0:
-        pytest.skip(f"podman cannot be installed here: {done.stderr.strip()[-300:]}")
-    short = Path(tempfile.mkdtemp(prefix="sgp-", dir="/tmp"))
-    p = Podman(tmp_path, short, done.stdout.strip().splitlines()[-1], criu_bin)
+        pytest.skip(f"{script} failed here (offline: set {debs}): {done.stderr.strip()[-300:]}")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _rootfs(tmp_path: Path) -> bytes:
+    """The image: an empty root (the host's /usr, /etc and /opt/torch are bound in)."""
     root = tmp_path / "rootfs"
     for d in ("usr", "etc", "opt/torch", "tmp", "proc", "sys", "dev", "out", "var/tmp"):
         (root / d).mkdir(parents=True)
@@ -105,7 +145,29 @@ def pm(tmp_path: Path, criu_bin: str) -> Iterator[Podman]:
                          ("sbin", "usr/sbin")):  # fmt: skip
         (root / link).symlink_to(target)
     tar = subprocess.run(["tar", "-C", str(root), "-c", "."], capture_output=True, check=True)
-    p.cmd("import", "-", IMAGE, stdin=tar.stdout)
+    return tar.stdout
+
+
+@pytest.fixture(params=["podman", "containerd"])
+def pm(request: pytest.FixtureRequest, tmp_path: Path, criu_bin: str) -> Iterator[Runtime]:
+    if not driver_available() or not inventory().count:
+        pytest.skip("needs an NVIDIA GPU with the driver checkpoint API (driver r570+)")
+    if request.param == "containerd":
+        _install("install-containerd", "SPOTGUARD_CONTAINERD_DEBS")
+        base = Path(tempfile.mkdtemp(prefix="sgc-", dir="/tmp"))  # short: socket paths
+        vm = ContainerdVm.start(base / "vm", criu_bin)
+        try:
+            rootfs = tmp_path / "rootfs.tar"
+            rootfs.write_bytes(_rootfs(tmp_path))
+            vm.ctr("images", "import", str(image_layout(rootfs, base / "image.tar", IMAGE)), ns=NS)
+            yield Containerd(tmp_path, vm)
+        finally:
+            vm.stop()
+            shutil.rmtree(base, ignore_errors=True)
+        return
+    short = Path(tempfile.mkdtemp(prefix="sgp-", dir="/tmp"))
+    p = Podman(tmp_path, short, _install("install-podman", "SPOTGUARD_PODMAN_DEBS"), criu_bin)
+    p.cmd("import", "-", IMAGE, stdin=_rootfs(tmp_path))
     yield p
     subprocess.run([p.podman, *p.storage, "rm", "-f", "-a"], capture_output=True, timeout=120)
     subprocess.run([p.podman, *p.storage, "system", "reset", "-f"], capture_output=True,
@@ -150,7 +212,7 @@ def _steps(result: dict[str, Any]) -> dict[str, float]:
 
 
 def test_a_pytorch_container_through_leave_running_exit_and_restore(
-    pm: Podman, tmp_path: Path
+    pm: Runtime, tmp_path: Path
 ) -> None:
     out = tmp_path / "out"
     out.mkdir()
@@ -160,7 +222,7 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
     assert ref.returncode == 0
     devices = [d for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm",
                            "/dev/nvidia-uvm-tools") if os.path.exists(d)]  # fmt: skip
-    argv = ["run", "--container", "podman:sggpu", "--json"]
+    argv = ["run", "--container", pm.job, "--json"]
     for d in devices:
         argv += ["--device", d]
     for v in _host_binds():
@@ -178,10 +240,10 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
     )
 
     store = (tmp_path / "store").as_uri()
-    paused = pm.sg("checkpoint", "podman:sggpu", "--to", store, "--leave-running", "--json")
+    paused = pm.sg("checkpoint", pm.job, "--to", store, "--leave-running", "--json")
     seen = _steps(paused)
     assert "gpu_checkpoint" in seen and "gpu_restore" in seen, seen
-    assert pm.status("sggpu") == "running"
+    assert pm.status() == "running"
     n = len(_lines(out / "out.txt"))
     wait_for(
         lambda: len(_lines(out / "out.txt")) >= n + 10,
@@ -192,13 +254,13 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
 
     # parked in memory: its GPU memory moves into host memory, the GPU is free, no progress
     used = _gpu_mib()
-    pm.sg("park", "podman:sggpu", "--to", "memory", "--json")
+    pm.sg("park", pm.job, "--to", "memory", "--json")
     freed = used - _gpu_mib()
     assert freed >= 1024, f"parking freed only {freed} MiB of the GPU"
     n = len(_lines(out / "out.txt"))
     time.sleep(1.0)
     assert len(_lines(out / "out.txt")) == n
-    pm.sg("unpark", "podman:sggpu", "--json")
+    pm.sg("unpark", pm.job, "--json")
     wait_for(
         lambda: len(_lines(out / "out.txt")) >= n + 10,
         "ten more steps after the unpark",
@@ -206,21 +268,21 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
         every=0.2,
     )
 
-    done = pm.sg("checkpoint", "podman:sggpu", "--to", store, "--json")
+    done = pm.sg("checkpoint", pm.job, "--to", store, "--json")
     assert "gpu_checkpoint" in _steps(done)
-    assert pm.status("sggpu") == "absent"  # exit mode: removed once the image is durable
+    assert pm.status() == "absent"  # exit mode: removed once the image is durable
     stopped_at = len(_lines(out / "out.txt"))
     assert stopped_at < STEPS
 
     back = pm.sg("restore", done["image_url"], "--json")
     assert "gpu_restore" in _steps(back), _steps(back)
     wait_for(
-        lambda: pm.status("sggpu") in ("exited", "stopped", "absent"),
+        lambda: pm.status() in ("exited", "stopped", "absent"),
         "the job to end",
         limit=300,
         every=0.2,
     )
-    print(f"\ngpu container: park freed {freed} MiB; pause {paused.get('pause_seconds')} s "
-          f"({seen}); exit {_steps(done)}; restore {_steps(back)}; stopped at step "
-          f"{stopped_at}")  # fmt: skip
+    print(f"\ngpu container {pm.job}: park freed {freed} MiB; pause "
+          f"{paused.get('pause_seconds')} s ({seen}); exit {_steps(done)}; restore "
+          f"{_steps(back)}; stopped at step {stopped_at}")  # fmt: skip
     assert (out / "out.txt").read_text() == (tmp_path / "ref.txt").read_text()

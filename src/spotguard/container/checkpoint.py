@@ -42,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from spotguard import safefs
-from spotguard.container.gpu import ContainerGpu
+from spotguard.container.gpu import for_container
 from spotguard.container.podman import Podman
 from spotguard.container.spec import (
     ARCHIVE_NAME,
@@ -159,7 +159,7 @@ async def checkpoint_container(
         args.append("--tcp-established")
     tmp = await asyncio.to_thread(work_dir, state_dir)
     writer = ImageWriter(store_url, ref.job, settings=image_settings, timeline=tl)
-    gpu = ContainerGpu(podman, ref.name)
+    gpu = for_container(podman, ref)
     try:
         # the writer first: a store that cannot take the image fails before the job stops
         async with writer:
@@ -203,7 +203,7 @@ async def checkpoint_container(
         if not leave_running:  # exit mode: a failed checkpoint never leaves the job stopped
             await _bring_back(podman, ref)
         if gpu.frozen:  # ... nor its GPU processes checkpointed or locked
-            await _thaw_quietly(gpu, tl)
+            await gpu.thaw_quietly(tl)
         raise
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
@@ -313,15 +313,6 @@ def _writer_came(fd: int, stop: threading.Event) -> bool:
         if poller.poll(100):
             return True
     return False
-
-
-async def _thaw_quietly(gpu: ContainerGpu, tl: Timeline) -> None:
-    """:meth:`ContainerGpu.thaw` after a failed checkpoint: logged, never raised over the
-    error that brought us here."""
-    try:
-        await gpu.thaw(tl)
-    except SpotguardError as exc:
-        log.error("GPU state not brought back", extra={"container": gpu.name, "error": str(exc)})
 
 
 async def _bring_back(podman: Podman, ref: ContainerRef) -> None:

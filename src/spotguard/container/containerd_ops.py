@@ -4,12 +4,14 @@ Checkpoint (each step timed in the result's timeline)::
 
     ctr containers info (running? spec, image, runtime, snapshotter) + the image's digest
       ─► image writer opened (an unusable store fails here, before the job stops)
+      ─► GPU processes locked and checkpointed (:mod:`.gpu`)
       ─► ctr tasks checkpoint [--exit] (containerd pauses the task; runc dumps it with
          spotguard's CRIU; containerd diffs the writable layer — all while paused; exit mode:
-         CRIU ends the processes) ─► the OCI layout built from the checkpoint's blobs
+         CRIU ends the processes) ─► leave-running: the task goes on, its GPU processes
+         restored and unlocked ─► the OCI layout built from the checkpoint's blobs
          (Containerd.export_layout) ─► image writer (chunks → BLAKE3 → zstd → store, signed
-         manifest LAST, the typed ContainerImage record in its meta) ─► exit mode: the task
-         and container deleted
+         manifest LAST, the typed ContainerImage record with the host's GPUs in its meta)
+         ─► exit mode: the task and container deleted
 
 ``ctr containers checkpoint --task`` is not used: it always resumes the task after the dump,
 so in exit mode the job would run on between the dump and its removal (its output written
@@ -20,13 +22,15 @@ of a checkpoint image fails on containerd 1.6 (``invalid character '\\x1a'``): t
 written from ``ctr content get`` of each blob instead.
 
 Restore: pull (verified) ─► the record ─► preflight (the ID is free in the namespace, the image
-is there with the recorded digest, every bind mount source and device exists) ─►
-``ctr images import --no-unpack`` of the layout ─► ``ctr containers restore --rw --live``
-(a new container of the same image and ID: the writable layer applied, the task restored by
-runc with spotguard's CRIU) ─► the checkpoint image removed again.
+is there with the recorded digest, every bind mount source and device exists, the image's GPUs
+map onto this host's) ─► ``ctr images import --no-unpack`` of the layout ─► ``ctr containers
+restore --rw --live`` (a new container of the same image and ID: the writable layer applied,
+the task restored by runc with spotguard's CRIU) ─► the checkpoint image removed again ─► the
+task's GPU processes restored (onto the mapped GPUs) and unlocked.
 
 Exit mode: a failure before the image is durable restores the container in place from the
-layout (the same import and restore), so a failed checkpoint never leaves the job stopped.
+layout (the same import and restore), so a failed checkpoint never leaves the job stopped;
+in either mode a failure after the GPU freeze restores and unlocks the GPU processes.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ from typing import Any
 
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
 from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd, layout_name
+from spotguard.container.gpu import for_container
 from spotguard.container.restore import ContainerRestore, RestoreIntent
 from spotguard.container.spec import (
     CONTAINERD_ARCHIVE,
@@ -100,9 +105,15 @@ async def start_containerd(
     for v in volumes:
         src, _, rest = v.partition(":")
         dst, _, opt = rest.partition(":")
-        if not src.startswith("/") or not dst.startswith("/") or opt not in ("", "rw", "ro"):
-            raise ConfigError(f"--volume {v!r}: use /HOST/PATH:/CONTAINER/PATH[:ro]")
-        argv += ["--mount", f"type=bind,src={src},dst={dst},options=rbind:{opt or 'rw'}"]
+        opts = set(opt.split(",")) - {""}  # podman's: ro or rw, bind (this mount only) or rbind
+        if (
+            not src.startswith("/") or not dst.startswith("/")
+            or not opts <= {"rw", "ro", "bind", "rbind"} or {"rw", "ro"} <= opts
+            or {"bind", "rbind"} <= opts
+        ):  # fmt: skip
+            raise ConfigError(f"--volume {v!r}: use /HOST/PATH:/CONTAINER/PATH[:ro][,bind]")
+        how = f"{'bind' if 'bind' in opts else 'rbind'}:{'ro' if 'ro' in opts else 'rw'}"
+        argv += ["--mount", f"type=bind,src={src},dst={dst},options={how}"]
     for e in env:
         argv += ["--env", e]
     for d in devices:
@@ -159,14 +170,20 @@ async def checkpoint_containerd(
     name = f"spotguard.local/checkpoint/{ref.job}:{int(time.time() * 1000)}"
     taken = ""
     writer = ImageWriter(store_url, ref.job, settings=image_settings, timeline=tl)
+    gpu = for_container(ctrd, ref)
     try:
         async with writer:  # first: a store that cannot take the image fails before the stop
             with tl.step("ctr checkpoint", mode=mode, streamed=False) as dump:
+                await gpu.freeze(tl)  # GPU memory into the processes' host memory first
                 args = ["tasks", "checkpoint", *(() if leave_running else ("--exit",)), ref.name]
                 out = await ctrd.run(*args, namespace=ref.namespace, what=f"checkpointing {ref}")
                 taken = out.strip().splitlines()[-1] if out.strip() else ""
             frozen_at = time.time()
-            pause_s = frozen_at - dump.start if leave_running else None
+            pause_s: float | None = None
+            if leave_running:  # the task went on (same processes): back onto the GPU
+                if not gpu.already:  # a container parked in memory stays off the GPU
+                    await gpu.thaw(tl)
+                pause_s = time.time() - dump.start
             if on_frozen is not None:
                 on_frozen(frozen_at)
             with tl.step("layout"):
@@ -178,13 +195,15 @@ async def checkpoint_containerd(
                     criu_version=ctrd.criu_version(), mode=mode, archive=CONTAINERD_ARCHIVE,
                     archive_bytes=size, config=config, namespace=ref.namespace,
                     oci_runtime=str((info.get("Runtime") or {}).get("Name") or ""),
-                    snapshotter=str(info.get("Snapshotter") or ""),
+                    snapshotter=str(info.get("Snapshotter") or ""), gpu=gpu.record(),
                 )  # fmt: skip
                 await writer.commit({**(meta or {}), **record.to_meta()})
         durable_at = time.time()
     except BaseException:
         if not leave_running:  # exit mode: a failed checkpoint never leaves the job stopped
             await _bring_back(ctrd, ref, info, taken, layout, name)
+        if gpu.frozen:  # ... nor its GPU processes checkpointed or locked
+            await gpu.thaw_quietly(tl)
         raise
     finally:
         if taken:
@@ -273,12 +292,16 @@ async def restore_containerd(
         if await _ours(ctrd, state_dir, image_url, ref):  # the checkpoint image may be left
             await ctrd.remove_image(ref.namespace, await asyncio.to_thread(layout_name, layout))
             return ContainerRestore(str(ref), ref.name, image_url, tl)
+        gpu = for_container(ctrd, ref)
         with tl.step("preflight"):
             await preflight(ctrd, record, ref)
+            remap = gpu.mapping(record.gpu)  # other GPUs: refused here, before ctr runs
         with tl.step("ctr restore"):
             intent = RestoreIntent(image_url=image_url, name=journal_key(ref), id=ref.name)
             await asyncio.to_thread(intent.model_copy(update={"at": time.time()}).save, state_dir)
             await _restore(ctrd, ref, layout)
+        # its GPU processes come back checkpointed and locked: their memory onto the GPU
+        await gpu.thaw(tl, remap)
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     done = RestoreIntent(image_url=image_url, name=journal_key(ref), id=ref.name, restored=True)

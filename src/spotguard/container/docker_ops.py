@@ -3,12 +3,13 @@
 Checkpoint (each step timed in the result's timeline)::
 
     docker inspect (running? config, image ID and digests) ─► image writer opened (an unusable
-      store fails here, before the job stops) ─► docker checkpoint create --checkpoint-dir
-      (runc dumps the container with spotguard's CRIU; the container exits) ─► the writable
-      layer (the overlay2 upper dir, tarred with its whiteouts and xattrs) ─► leave-running:
-      restored in place ─► one archive: CRIU's images, the layer, docker's inspect ─► image
-      writer (signed manifest LAST, the typed ContainerImage record in its meta) ─► exit mode:
-      the container removed
+      store fails here, before the job stops) ─► GPU processes locked and checkpointed
+      (:mod:`.gpu`) ─► docker checkpoint create --checkpoint-dir (runc dumps the container
+      with spotguard's CRIU; the container exits) ─► the writable layer (the overlay2 upper
+      dir, tarred with its whiteouts and xattrs) ─► leave-running: restored in place, its GPU
+      processes restored and unlocked ─► one archive: CRIU's images, the layer, docker's
+      inspect ─► image writer (signed manifest LAST, the typed ContainerImage record with the
+      host's GPUs in its meta) ─► exit mode: the container removed
 
 docker's checkpoint holds CRIU's images only: the writable layer and the container's config
 are spotguard's to carry. ``docker checkpoint create --leave-running`` is not used: the layer
@@ -16,11 +17,12 @@ would be read after the processes went on (podman's lesson: a line written twice
 is a pause covering dump, layer and restore in place.
 
 Restore: pull (verified) ─► the record ─► preflight (the name is free, the image is here with
-the recorded ID or pulled by digest, every bind mount source, volume and device exists) ─►
-``docker create`` with the recorded config and spotguard's runtime ─► the layer unpacked into
-the new container's upper dir, CRIU's images into its checkpoint directory (docker 20.10
-refuses ``--checkpoint-dir`` on start) ─► ``docker start --checkpoint``. A failure after the
-create removes the new container.
+the recorded ID or pulled by digest, every bind mount source, volume and device exists, the
+image's GPUs map onto this host's) ─► ``docker create`` with the recorded config and
+spotguard's runtime ─► the layer unpacked into the new container's upper dir, CRIU's images
+into its checkpoint directory (docker 20.10 refuses ``--checkpoint-dir`` on start) ─►
+``docker start --checkpoint`` ─► its GPU processes restored (onto the mapped GPUs) and
+unlocked. A failure after the create removes the new container.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from typing import Any
 
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
 from spotguard.container.docker import Docker
+from spotguard.container.gpu import for_container
 from spotguard.container.restore import ContainerRestore, RestoreIntent
 from spotguard.container.spec import DOCKER_ARCHIVE, ContainerConfig, ContainerImage, ContainerRef
 from spotguard.container.start import NPROC, nofile_limit
@@ -162,11 +165,13 @@ async def checkpoint_docker(
     tmp = await asyncio.to_thread(work_dir, state_dir)
     archive, images = tmp / DOCKER_ARCHIVE, tmp / "parts" / IMAGES
     writer = ImageWriter(store_url, ref.job, settings=image_settings, timeline=tl)
+    gpu = for_container(docker, ref)
     dumped = False
     try:
         async with writer:  # first: a store that cannot take the image fails before the stop
             with tl.step("docker checkpoint", mode=mode, streamed=False) as dump:
                 await asyncio.to_thread(os.makedirs, images.parent, 0o700)
+                await gpu.freeze(tl)  # GPU memory into the processes' host memory first
                 await docker.run(
                     "checkpoint", "create", "--checkpoint-dir", str(images.parent), ref.name,
                     CHECKPOINT, what=f"checkpointing {ref}",
@@ -182,6 +187,8 @@ async def checkpoint_docker(
             if leave_running:
                 with tl.step("docker restore in place"):
                     await _in_place(docker, ref, str(ctr["Id"]), images)
+                if not gpu.already:  # a container parked in memory stays off the GPU
+                    await gpu.thaw(tl)
                 pause_s = time.time() - dump.start
             if on_frozen is not None:
                 on_frozen(frozen_at)
@@ -196,12 +203,15 @@ async def checkpoint_docker(
                 record = ContainerImage(
                     runtime="docker", runtime_version=version, criu_version=docker.criu_version(),
                     mode=mode, archive=DOCKER_ARCHIVE, archive_bytes=size, config=config,
+                    gpu=gpu.record(),
                 )  # fmt: skip
                 await writer.commit({**(meta or {}), **record.to_meta()})
         durable_at = time.time()
     except BaseException:
         if not leave_running and dumped:  # exit mode: never leave the job stopped
             await _bring_back(docker, ref, str(ctr["Id"]), images)
+        if gpu.frozen:  # ... nor its GPU processes checkpointed or locked
+            await gpu.thaw_quietly(tl)
         raise
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
@@ -330,8 +340,10 @@ async def restore_docker(
         ours = await _ours(docker, state_dir, image_url, ref)
         if ours is not None:
             return ContainerRestore(str(ref), ours, image_url, tl)
+        gpu = for_container(docker, ref)
         with tl.step("preflight"):
             await preflight(docker, record, ref)
+            remap = gpu.mapping(record.gpu)  # other GPUs: refused here, before docker runs
         with tl.step("docker restore"):
             parts = tmp / "parts"
             await asyncio.to_thread(os.makedirs, parts, 0o700)
@@ -353,6 +365,8 @@ async def restore_docker(
             except BaseException:
                 await docker.run("rm", "--force", cid, what=f"removing the unfinished {ref}")
                 raise
+        # its GPU processes come back checkpointed and locked: their memory onto the GPU
+        await gpu.thaw(tl, remap)
     except (ValueError, KeyError, TypeError) as exc:
         raise ImageError(
             f"{image_url}: docker's record of the container is not understood"

@@ -1,6 +1,9 @@
-"""Park and unpark a container (``spotguard park podman:NAME`` or ``containerd:NS/ID``).
+"""Park and unpark a container (``spotguard park podman:NAME``, ``docker:NAME`` or
+``containerd:NS/ID``).
 
-Where a parked container's state goes (``--to``), and how it comes back:
+Where a parked container's state goes (``--to``), and how it comes back (a GPU container's
+GPU processes are locked and their GPU memory moved into host memory before the pause or the
+dump, and moved back and unlocked at unpark: :mod:`spotguard.container.gpu`):
 
 * ``memory``: ``podman pause`` / ``docker pause`` / ``ctr tasks pause`` (the cgroup freezer:
   the processes stay in memory, stopped); unpark: ``podman unpause`` / ``docker unpause`` /
@@ -34,7 +37,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from spotguard import safefs
 from spotguard.container import dispatch
 from spotguard.container.dispatch import Backend
-from spotguard.container.gpu import ContainerGpu
+from spotguard.container.gpu import for_container
 from spotguard.container.podman import Podman
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import ParkError
@@ -133,19 +136,18 @@ async def park(
         url = done.image_url
     else:
         await dispatch.running(podman, ref)
-        # podman: its GPU processes' memory moves into host memory first (the GPU is free
-        # while it is parked); a park that fails brings it back
-        gpu = ContainerGpu(podman, ref.name) if isinstance(podman, Podman) else None
+        # its GPU processes' memory moves into host memory first (the GPU is free while it
+        # is parked); a park that fails brings it back
+        gpu = for_container(podman, ref)
         tl = Timeline()
-        if gpu is not None:
-            await gpu.freeze(tl)
+        await gpu.freeze(tl)
         try:
             if place == "memory":
                 await dispatch.pause(podman, ref, what=f"parking {ref} in memory")
             elif isinstance(podman, Podman):
                 await podman.checkpoint(ref.name, what=f"parking {ref} to disk")
         except BaseException:
-            if gpu is not None and gpu.frozen:
+            if gpu.frozen:
                 await gpu.thaw(tl)
             raise
     rec = ParkedContainer(
@@ -204,11 +206,10 @@ async def unpark(
         raise ParkError(f"{ref} is not parked on this node")
     if rec.place == "memory":
         await dispatch.unpause(podman, ref, what=f"unparking {ref}")
-        if isinstance(podman, Podman):
-            await ContainerGpu(podman, ref.name).thaw(Timeline())
+        await for_container(podman, ref).thaw(Timeline())
     elif rec.place == "disk" and isinstance(podman, Podman):
         await podman.run("container", "restore", ref.name, what=f"unparking {ref}")
-        await ContainerGpu(podman, ref.name).thaw(Timeline())
+        await for_container(podman, ref).thaw(Timeline())
     elif rec.place == "disk":
         raise ParkError(f"the park record of {ref} says disk: only podman parks there")
     else:

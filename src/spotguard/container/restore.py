@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict
 from spotguard import safefs
 from spotguard.container.archive import relocate
 from spotguard.container.checkpoint import work_dir
-from spotguard.container.gpu import ContainerGpu
+from spotguard.container.gpu import for_container
 from spotguard.container.podman import Podman
 from spotguard.container.spec import ContainerImage, ContainerRef
 from spotguard.errors import (
@@ -86,7 +86,8 @@ async def restore_container(
             manifest = await pull_dir(image_url, tmp, settings=image_settings, timeline=tl)
         record = ContainerImage.from_meta(manifest.meta, image_url)
         archive = _archive(tmp, record, [f.name for f in manifest.files], image_url)
-        target = ContainerRef.parse(f"podman:{name or record.config.name}").name
+        ref = ContainerRef.parse(f"podman:{name or record.config.name}")
+        target = ref.name
         # under its own name podman keeps the checkpointed container's ID: the intent can
         # name the container this restore makes before podman is called
         same_id = target == record.config.name
@@ -94,7 +95,7 @@ async def restore_container(
         ours = await _ours(podman, state_dir, image_url, target)
         if ours is not None:
             return ContainerRestore(f"podman:{target}", ours, image_url, tl)
-        gpu = ContainerGpu(podman, target)
+        gpu = for_container(podman, ref)
         with tl.step("preflight"):
             await preflight(podman, record, target)
             remap = gpu.mapping(record.gpu)  # other GPUs: refused here, before podman runs
