@@ -39,12 +39,18 @@ pytestmark = pytest.mark.gpu
 SG = [sys.executable, "-c", "import sys; from spotguard.cli import main; sys.exit(main())"]
 ENV = {"CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
 STEPS = 400
+#: seconds between the container's steps: it must outlive every step of the test up to the
+#: exit checkpoint (containerd's leave-running alone took 35 s on an H200: its checkpoint
+#: leaves the runtime as content blobs, exported before the upload)
+STEP_S = 0.3
 IMAGE = "localhost/sg-gpu:1"
 #: the containerd case's namespace
 NS = "gpu"
 JOB = """
-import sys, time, torch
-out, steps = sys.argv[1], int(sys.argv[2])
+import faulthandler, sys, time, torch
+out, steps, pause = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
+sys.stderr = open(out + ".err", "a", buffering=1)  # the container's own stdio goes nowhere
+faulthandler.enable(sys.stderr)
 torch.manual_seed(0)
 x = torch.randn(2048, 2048, device="cuda")
 w = torch.randn(2048, 2048, device="cuda") / 48
@@ -53,7 +59,7 @@ with open(out, "a", buffering=1) as f:
     for i in range(steps):
         x = torch.tanh(x @ w)
         f.write(f"{i} {float(x.double().sum()):.6f} {float(hold[i]):.1f}\\n")
-        time.sleep(0.05)
+        time.sleep(pause)
 """
 
 
@@ -203,6 +209,14 @@ def _gpu_mib() -> int:
     return int(out.stdout.strip().splitlines()[0])
 
 
+def _why_not_running(out: Path, result: dict[str, Any]) -> str:
+    """What the job and the kernel said, for a container that should be running."""
+    kernel = subprocess.run(["dmesg"], capture_output=True, text=True, check=False).stdout
+    return (f"{len(_lines(out / 'out.txt'))} steps written; timeline {_steps(result)}; the "
+            f"job's stderr:\n{_tail(out / 'out.txt.err')}\nkernel:\n"
+            f"{chr(10).join(kernel.splitlines()[-15:])}")  # fmt: skip
+
+
 def _lines(path: Path) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
@@ -217,7 +231,7 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
     out = tmp_path / "out"
     out.mkdir()
     (out / "job.py").write_text(JOB)
-    job = [sys.executable, str(out / "job.py"), str(tmp_path / "ref.txt"), str(STEPS)]
+    job = [sys.executable, str(out / "job.py"), str(tmp_path / "ref.txt"), str(STEPS), "0"]
     ref = subprocess.run(job, env={**os.environ, **ENV}, timeout=300, check=True)
     assert ref.returncode == 0
     devices = [d for d in ("/dev/nvidia0", "/dev/nvidiactl", "/dev/nvidia-uvm",
@@ -230,7 +244,7 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
     argv += ["-v", f"{out}:/out"]
     for k, v in ENV.items():
         argv += ["-e", f"{k}={v}"]
-    argv += ["--", IMAGE, sys.executable, "/out/job.py", "/out/out.txt", str(STEPS)]
+    argv += ["--", IMAGE, sys.executable, "/out/job.py", "/out/out.txt", str(STEPS), str(STEP_S)]
     pm.sg(*argv)
     wait_for(
         lambda: len(_lines(out / "out.txt")) >= 20,
@@ -243,7 +257,8 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
     paused = pm.sg("checkpoint", pm.job, "--to", store, "--leave-running", "--json")
     seen = _steps(paused)
     assert "gpu_checkpoint" in seen and "gpu_restore" in seen, seen
-    assert pm.status() == "running"
+    time.sleep(1.0)  # a job the pause broke has ended by now
+    assert pm.status() == "running", _why_not_running(out, paused)
     n = len(_lines(out / "out.txt"))
     wait_for(
         lambda: len(_lines(out / "out.txt")) >= n + 10,
