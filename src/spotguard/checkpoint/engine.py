@@ -22,28 +22,25 @@ Freeze (dump)::
   image is completed (``finish``) while the tree is still frozen, and only then does CRIU
   kill it — a failure up to that point leaves the job running.
 
-On ANY failure — an error, a timeout, cancellation — the job is brought back: every GPU
-process found checkpointed is restored, every locked one unlocked, every process sent
-SIGCONT; CRIU itself resumes a tree when a dump fails, and dies with us if we die
-(PR_SET_PDEATHSIG). An ``operation.json`` marker in the job directory (:mod:`.marker`) lives
-exactly as long as a freeze; :meth:`Engine.recover` uses it to bring a job back after the
-process running the freeze was killed. What a freeze and a restore return is in
-:mod:`.results`.
+On ANY failure — an error, a timeout, cancellation — the job is brought back: every GPU process
+found checkpointed is restored, every locked one unlocked, every process sent SIGCONT; CRIU itself
+resumes a tree when a dump fails, and dies with us if we die (PR_SET_PDEATHSIG). An
+``operation.json`` marker in the job directory (:mod:`.marker`) lives exactly as long as a freeze;
+:meth:`Engine.recover` uses it to bring a job back after the process running the freeze was killed.
+What a freeze and a restore return is in :mod:`.results`.
 
 Suspend in place (park ``--to memory``: no image) is the engine's third mode,
-:meth:`Engine.suspend` / :meth:`Engine.resume`, with its steps in :mod:`.suspend`
-(``scan ─► nccl_release ─► gpu_lock ─► gpu_checkpoint ─► stop ─► record``; resume ``cont ─►
-gpu_restore ─► gpu_unlock ─► nccl_rebuild ─► record``), under the same marker, faults seam,
-bring-back and recovery. A park's restore (``record=``) holds the marker too, its
-commit the last step. What :meth:`Engine.recover` does per operation: :mod:`.recovery`.
+:meth:`Engine.suspend` / :meth:`Engine.resume`, with its steps in :mod:`.suspend` (``scan ─►
+nccl_release ─► gpu_lock ─► gpu_checkpoint ─► stop ─► record``; resume ``cont ─► gpu_restore ─►
+gpu_unlock ─► nccl_rebuild ─► record``), under the same marker, faults seam, bring-back and
+recovery. A park's restore (``record=``) holds the marker too, its commit the last step. What
+:meth:`Engine.recover` does per operation: :mod:`.recovery`.
 
-Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore``
-─► ``gpu_pages`` ─► ``gpu_restore`` (UUID remap when GPUs differ) ─► ``gpu_unlock``
-─► ``nccl_rebuild`` ─► finish.
+Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore`` ─►
+``gpu_pages`` ─► ``gpu_restore`` (UUID remap) ─► ``gpu_unlock`` ─► ``nccl_rebuild`` ─► finish.
 
-Every step is timed in a :class:`~spotguard.timeline.Timeline`, which goes into the result
-and the image's metadata. Tests inject failures through :class:`Faults` (consulted before
-each step).
+Every step is timed in a :class:`~spotguard.timeline.Timeline` (in the result and the image's
+metadata); tests inject failures through :class:`Faults`, consulted before each step.
 """
 
 from __future__ import annotations
@@ -237,8 +234,7 @@ class Engine:
                 staging=plan.to_json(),
                 timeline=[],
                 mount_ns=own_mount_ns(job.pid),
-                # in the host's network namespace, a restore on this host may find the
-                # job's own closed connections still holding them
+                # host's network namespace: a restore here may find the job's closed sockets on them
                 listen_ports=[] if own_net_ns(job.pid) else list(net.listen_ports),
             )
 
