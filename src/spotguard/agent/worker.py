@@ -27,7 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import psutil
@@ -47,6 +47,13 @@ from .reporter import Reporter
 log = logging.getLogger(__name__)
 
 PERIODIC = "periodic"
+#: a notice's checkpoint that failed with a retryable error (the runtime or CRIU gave up on
+#: a freeze, a store hiccup) is tried this many more times while its deadline allows
+RETRIES = 1
+#: ... if at least this many seconds remain before the deadline when it would start again
+RETRY_MARGIN_S = 15.0
+#: ... after this pause (what failed may be transient: a freeze a just-restored tree refused)
+RETRY_AFTER_S = 2.0
 
 
 @dataclass
@@ -59,6 +66,7 @@ class Request:
     reason: str
     notice: Notice | None = None
     waiters: list[asyncio.Future[dict[str, Any]]] = field(default_factory=list)
+    tries: int = 0  # checkpoints already tried for it (see RETRIES)
 
     @property
     def deadline(self) -> datetime | None:
@@ -328,6 +336,8 @@ class JobWorker:
         self.failures += 1
         notice_json = req.notice.to_json() if req.notice else None
         error = self.reports.failed(req.key, notice_json, exc, started)
+        if self._retry(req, exc):
+            return
         for w in req.waiters:
             if not w.done():
                 w.set_result({"job": self.name, "error": error})
@@ -339,6 +349,29 @@ class JobWorker:
             return
         if not self.alive():
             self.job_ended()
+
+    def _retry(self, req: Request, exc: Exception) -> bool:
+        """Queue a failed notice's checkpoint again (its waiters wait on) when the error is
+        retryable, tries are left, the job runs on and its deadline leaves time; a periodic
+        one waits for its next turn. Why: a notice's checkpoint is the job's last chance on
+        this VM, and a freeze that failed once (CRIU timed out freezing a tree restored in
+        place a moment before, a store that blinked) usually succeeds the second time."""
+        if req.notice is None or req.tries >= RETRIES or not getattr(exc, "retryable", False):
+            return False
+        if req.key in self.pending or not self.alive():  # superseded, or nothing left to save
+            return False
+        again = datetime.now(UTC) + timedelta(seconds=RETRY_AFTER_S)
+        if req.deadline is not None and (req.deadline - again).total_seconds() < RETRY_MARGIN_S:
+            return False
+        req.tries += 1
+        req.start_at = again
+        self.pending[req.key] = req
+        self._wake.set()
+        log.warning(
+            "checkpoint failed; trying again",
+            extra={"job": self.name, "notice": req.key, "mode": req.mode, "try": req.tries + 1},
+        )
+        return True
 
     def _succeeded(self, req: Request, result: CheckpointResult, seen: float) -> None:
         notice_json = req.notice.to_json() if req.notice else None
