@@ -369,7 +369,7 @@ class JobWorker:
         self._wake.set()
         log.warning(
             "checkpoint failed; trying again",
-            extra={"job": self.name, "notice": req.key, "mode": req.mode, "try": req.tries + 1},
+            extra={"job": self.name, "notice": req.key, "mode": req.mode, "attempt": req.tries + 1},
         )
         return True
 
