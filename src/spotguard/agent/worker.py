@@ -358,6 +358,8 @@ class JobWorker:
         place a moment before, a store that blinked) usually succeeds the second time."""
         if req.notice is None or req.tries >= RETRIES or not getattr(exc, "retryable", False):
             return False
+        if isinstance(exc, ImageKept):  # stopped, its image here: pushed, never taken again
+            return False
         if req.key in self.pending or not self.alive():  # superseded, or nothing left to save
             return False
         again = datetime.now(UTC) + timedelta(seconds=RETRY_AFTER_S)
