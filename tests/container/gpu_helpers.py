@@ -15,10 +15,17 @@ import pytest
 
 from spotguard.checkpoint.cuda import GpuState
 from spotguard.checkpoint.testing import RecordingGpu
-from spotguard.container import ContainerCheckpoint, ContainerRef, ContainerRestore, dispatch, park
+from spotguard.container import (
+    ContainerCheckpoint,
+    ContainerImage,
+    ContainerRef,
+    ContainerRestore,
+    dispatch,
+    park,
+)
 from spotguard.container.dispatch import Backend
 from spotguard.facts import GpuDevice, GpuInventory
-from spotguard.image import ImageSettings
+from spotguard.image import ImageReader, ImageSettings
 
 H100 = "NVIDIA H100 80GB HBM3"
 #: what the double's calls are called in the log (``state`` asks, it changes nothing)
@@ -157,3 +164,9 @@ class On:
         await park.unpark(
             ref, podman=self.backend, image_settings=self.settings, state_dir=self.state_dir
         )
+
+
+async def record_of(url: str) -> ContainerImage:
+    """The container record an image's manifest carries."""
+    async with ImageReader(url, settings=ImageSettings.model_validate({})) as r:
+        return ContainerImage.from_meta(r.manifest.meta, url)

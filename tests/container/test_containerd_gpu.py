@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import pytest
 from containerd_helpers import IMAGE, NS, CtrVm
-from gpu_helpers import CriuGpu, Log, On, host, log_commands, steps, use
+from gpu_helpers import CriuGpu, Log, On, host, log_commands, record_of, steps, use
 
 from sgtest import line_count, wait_lines
-from spotguard.container import Containerd, ContainerImage, ContainerRef, dispatch
+from spotguard.container import Containerd, ContainerRef, dispatch
 from spotguard.container.containerd_ops import spec_of
 from spotguard.errors import GpuError, MismatchError, SpotguardError
-from spotguard.image import ImageReader, ImageSettings
 
 #: the job: one line per step into its bind-mounted output
 JOB = "exec >>/data/out; i=0; while :; do echo $i; i=$((i+1)); sleep 0.05; done"
@@ -33,11 +32,6 @@ async def _pid(ctrd: Containerd) -> int:
     status, pid = await ctrd.task(REF)
     assert status == "RUNNING", status
     return pid
-
-
-async def _record(url: str) -> ContainerImage:
-    async with ImageReader(url, settings=ImageSettings.model_validate({})) as r:
-        return ContainerImage.from_meta(r.manifest.meta, url)
 
 
 async def test_a_containerd_gpu_container_is_locked_around_ctr_and_restored_onto_mapped_gpus(
@@ -78,7 +72,7 @@ async def test_a_containerd_gpu_container_is_locked_around_ctr_and_restored_onto
         f"lock {p1}", f"checkpoint {p1}", "ctr tasks checkpoint", f"restore {p1}", f"unlock {p1}"
     ]  # fmt: skip
     assert here.stuck() == {}
-    gpus = (await _record(ck.image_url)).gpu
+    gpus = (await record_of(ck.image_url)).gpu
     assert gpus is not None and [d.uuid for d in gpus.devices] == ["GPU-a0", "GPU-a1"]
 
     # an exit checkpoint whose upload fails after the dump: the container is restored in
@@ -102,7 +96,7 @@ async def test_a_containerd_gpu_container_is_locked_around_ctr_and_restored_onto
     ck = await on1.checkpoint(REF, store)
     assert steps(log, *SEEN) == [f"lock {p2}", f"checkpoint {p2}", "ctr tasks checkpoint"]
     assert not await vm1.ctrd.exists(REF)
-    assert (await _record(ck.image_url)).gpu == gpus
+    assert (await record_of(ck.image_url)).gpu == gpus
     stopped = line_count(data / "out")
 
     # VM 2's GPUs are another model: refused in one line before containerd creates anything

@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import pytest
 from docker_helpers import IMAGE, DockerVm
-from gpu_helpers import CriuGpu, Log, On, host, log_commands, steps, use
+from gpu_helpers import CriuGpu, Log, On, host, log_commands, record_of, steps, use
 
 from sgtest import line_count, wait_lines
-from spotguard.container import ContainerImage, ContainerRef, dispatch
+from spotguard.container import ContainerRef, dispatch
 from spotguard.container.docker import Docker
 from spotguard.errors import GpuError, MismatchError, SpotguardError
-from spotguard.image import ImageReader, ImageSettings
 
 #: the job: one line per step into its bind-mounted output
 JOB = "exec >>/data/out; i=0; while :; do echo $i; i=$((i+1)); sleep 0.05; done"
@@ -32,11 +31,6 @@ SEEN = (
 
 def _pid(vm: DockerVm) -> int:
     return int(vm.cmd("inspect", "--format", "{{.State.Pid}}", REF.name).strip() or 0)
-
-
-async def _record(url: str) -> ContainerImage:
-    async with ImageReader(url, settings=ImageSettings.model_validate({})) as r:
-        return ContainerImage.from_meta(r.manifest.meta, url)
 
 
 async def test_a_docker_gpu_container_is_locked_around_docker_and_restored_onto_mapped_gpus(
@@ -73,7 +67,7 @@ async def test_a_docker_gpu_container_is_locked_around_docker_and_restored_onto_
         "docker start --checkpoint", f"restore {p2}", f"unlock {p2}",
     ]  # fmt: skip
     assert here.stuck() == {}
-    gpus = (await _record(ck.image_url)).gpu
+    gpus = (await record_of(ck.image_url)).gpu
     assert gpus is not None and [d.uuid for d in gpus.devices] == ["GPU-a0", "GPU-a1"]
 
     # an exit checkpoint whose upload fails after the dump: docker brings the container back
@@ -96,7 +90,7 @@ async def test_a_docker_gpu_container_is_locked_around_docker_and_restored_onto_
     ck = await on1.checkpoint(REF, store)
     assert steps(log, *SEEN) == [f"lock {p3}", f"checkpoint {p3}", "docker checkpoint create"]
     assert await vm1.docker.inspect(REF.name) is None
-    record = await _record(ck.image_url)
+    record = await record_of(ck.image_url)
     assert record.gpu == gpus
     stopped = line_count(data / "out")
 
