@@ -109,6 +109,19 @@ async def test_a_containerd_gpu_container_is_locked_around_ctr_and_restored_onto
     assert steps(log, *SEEN, "ctr images import") == []
     assert vm2.ctr("containers", "ls", "-q").split() == []
 
+    # the driver's restore fails after containerd restored the container: the container is
+    # removed, never left running GPU-locked, and the image restores again afterwards
+    broken = CriuGpu(host("GPU-b0", "GPU-b1"), log=log, dumped=1, fail_on="restore")
+    use(monkeypatch, broken)
+    with pytest.raises(GpuError, match="injected failure in GPU restore"):
+        await on2.restore(ck.image_url)
+    assert not await vm2.ctrd.exists(REF)
+    log.clear()
+    # this stand-in job counts on the CPU, so it wrote on until removed (a GPU job blocks at
+    # its first CUDA call while locked): its file back to where the checkpoint stopped it
+    kept = (data / "out").read_text().splitlines()[:stopped]
+    (data / "out").write_text("".join(f"{x}\n" for x in kept))
+
     # VM 2 with three GPUs of the model: the image's two map onto its first two; containerd
     # restores the container, then the driver restores its process onto them and unlocks it
     there = use(monkeypatch, CriuGpu(host("GPU-b0", "GPU-b1", "GPU-b2"), log=log, dumped=1))

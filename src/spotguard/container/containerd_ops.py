@@ -229,6 +229,14 @@ async def _remove(ctrd: Containerd, ref: ContainerRef) -> None:
     await ctrd.run("containers", "delete", ref.name, namespace=ref.namespace, what=what)
 
 
+async def _discard(ctrd: Containerd, ref: ContainerRef) -> None:
+    """Kill and delete a restored container that cannot run (its GPU state did not come back)."""
+    what = f"removing {ref} (its GPU state did not come back)"
+    if (await ctrd.task(ref))[0]:
+        await ctrd.run("tasks", "delete", "--force", ref.name, namespace=ref.namespace, what=what)
+    await ctrd.run("containers", "delete", ref.name, namespace=ref.namespace, what=what)
+
+
 async def _bring_back(
     ctrd: Containerd, ref: ContainerRef, info: dict[str, Any], taken: str, layout: Path, name: str
 ) -> None:
@@ -289,10 +297,11 @@ async def restore_containerd(
         if (await asyncio.to_thread(os.stat, layout)).st_size != record.archive_bytes:
             raise ImageError(f"{image_url}: {record.archive} is not of the recorded size")
         ref = ContainerRef.parse(f"containerd:{record.namespace}/{name or record.config.name}")
+        gpu = for_container(ctrd, ref)
         if await _ours(ctrd, state_dir, image_url, ref):  # the checkpoint image may be left
             await ctrd.remove_image(ref.namespace, await asyncio.to_thread(layout_name, layout))
+            await gpu.thaw(tl, gpu.mapping(record.gpu))  # stopped before the GPU's part?
             return ContainerRestore(str(ref), ref.name, image_url, tl)
-        gpu = for_container(ctrd, ref)
         with tl.step("preflight"):
             await preflight(ctrd, record, ref)
             remap = gpu.mapping(record.gpu)  # other GPUs: refused here, before ctr runs
@@ -301,7 +310,7 @@ async def restore_containerd(
             await asyncio.to_thread(intent.model_copy(update={"at": time.time()}).save, state_dir)
             await _restore(ctrd, ref, layout)
         # its GPU processes come back checkpointed and locked: their memory onto the GPU
-        await gpu.thaw(tl, remap)
+        await gpu.restored(tl, remap, lambda: _discard(ctrd, ref))
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     done = RestoreIntent(image_url=image_url, name=journal_key(ref), id=ref.name, restored=True)

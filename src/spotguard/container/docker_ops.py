@@ -337,10 +337,11 @@ async def restore_docker(
             raise ImageError(f"{image_url}: {record.archive} is not of the recorded size")
         ref = ContainerRef.parse(f"docker:{name or record.config.name}")
         key = f"docker:{ref.name}"
-        ours = await _ours(docker, state_dir, image_url, ref)
-        if ours is not None:
-            return ContainerRestore(str(ref), ours, image_url, tl)
         gpu = for_container(docker, ref)
+        ours = await _ours(docker, state_dir, image_url, ref)
+        if ours is not None:  # a restore stopped before the GPU's part: finish it
+            await gpu.thaw(tl, gpu.mapping(record.gpu))
+            return ContainerRestore(str(ref), ours, image_url, tl)
         with tl.step("preflight"):
             await preflight(docker, record, ref)
             remap = gpu.mapping(record.gpu)  # other GPUs: refused here, before docker runs
@@ -366,7 +367,9 @@ async def restore_docker(
                 await docker.run("rm", "--force", cid, what=f"removing the unfinished {ref}")
                 raise
         # its GPU processes come back checkpointed and locked: their memory onto the GPU
-        await gpu.thaw(tl, remap)
+        await gpu.restored(
+            tl, remap, lambda: docker.run("rm", "--force", ref.name, what=f"removing {ref}")
+        )
     except (ValueError, KeyError, TypeError) as exc:
         raise ImageError(
             f"{image_url}: docker's record of the container is not understood"

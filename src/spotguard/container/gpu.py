@@ -165,6 +165,24 @@ class ContainerGpu:
             await self.hook.unlock(held)
         return held
 
+    async def restored(
+        self, tl: Timeline, remap: Mapping[str, str], remove: Callable[[], Awaitable[object]]
+    ) -> list[int]:
+        """:meth:`thaw` once the runtime has restored the container from an image. When the
+        GPU state cannot come back, ``remove`` the new container and raise: its processes
+        cannot run without their GPU memory and must not stay GPU-locked (as the engine kills
+        a process tree restored without it); the image is still in the store, so the restore
+        can be run again."""
+        try:
+            return await self.thaw(tl, remap)
+        except SpotguardError:
+            try:
+                await remove()
+            except SpotguardError as exc:
+                extra = {"container": self.name, "error": str(exc)}
+                log.error("container not removed", extra=extra)
+            raise
+
     async def thaw_quietly(self, tl: Timeline) -> None:
         """:meth:`thaw` after a failed checkpoint: logged, never raised over the error that
         brought us here."""

@@ -148,7 +148,7 @@ async def park(
                 await podman.checkpoint(ref.name, what=f"parking {ref} to disk")
         except BaseException:
             if gpu.frozen:
-                await gpu.thaw(tl)
+                await gpu.thaw_quietly(tl)  # never raised over the error that brought us here
             raise
     rec = ParkedContainer(
         container=str(ref),

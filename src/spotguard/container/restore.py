@@ -92,10 +92,11 @@ async def restore_container(
         # name the container this restore makes before podman is called
         same_id = target == record.config.name
         expected = record.config.id if same_id else None
-        ours = await _ours(podman, state_dir, image_url, target)
-        if ours is not None:
-            return ContainerRestore(f"podman:{target}", ours, image_url, tl)
         gpu = for_container(podman, ref)
+        ours = await _ours(podman, state_dir, image_url, target)
+        if ours is not None:  # a restore stopped before the GPU's part: finish it
+            await gpu.thaw(tl, gpu.mapping(record.gpu))
+            return ContainerRestore(f"podman:{target}", ours, image_url, tl)
         with tl.step("preflight"):
             await preflight(podman, record, target)
             remap = gpu.mapping(record.gpu)  # other GPUs: refused here, before podman runs
@@ -116,7 +117,7 @@ async def restore_container(
                 expected = None
             await _podman_restore(podman, state_dir, image_url, archive, target, expected)
         # its GPU processes come back checkpointed and locked: their memory onto the GPU
-        await gpu.thaw(tl, remap)
+        await gpu.restored(tl, remap, lambda: _remove(podman, target))
     finally:
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     ctr = await podman.inspect(target)
@@ -217,8 +218,12 @@ async def _ours(podman: Podman, state_dir: Path, image_url: str, name: str) -> s
         "an earlier restore of this image left its container unfinished; removing it",
         extra={"step": "restore", "job": f"podman:{name}", "reason": status},
     )
-    await podman.run("rm", "--force", "--time", "0", intent.id, what=f"removing {name}")
+    await _remove(podman, intent.id)
     return None
+
+
+async def _remove(podman: Podman, name: str) -> None:
+    await podman.run("rm", "--force", "--time", "0", name, what=f"removing {name}")
 
 
 def _archive(tmp: Path, record: ContainerImage, names: list[str], where: str) -> Path:
