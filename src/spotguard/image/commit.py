@@ -13,14 +13,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import logging
 import socket
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Iterable
 from datetime import UTC, datetime
 from typing import Any
 
-from spotguard.errors import ImageCorrupt, ImageError, ObjectNotFound, PreconditionFailed
-from spotguard.image.buffers import BufferPool, Lease
+from spotguard.errors import ImageError, ObjectNotFound, PreconditionFailed
 from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import (
     WRITING_MARKER,
@@ -33,9 +31,7 @@ from spotguard.image.manifest import (
 )
 from spotguard.names import chunk_key
 from spotguard.store import ImageStore
-from spotguard.store.base import get_capped, get_into
-
-log = logging.getLogger(__name__)
+from spotguard.store.base import get_capped
 
 
 async def put_writing_marker(store: ImageStore, ref: ImageRef, started: float) -> None:
@@ -134,35 +130,3 @@ async def write_manifest(store: ImageStore, ref: ImageRef, manifest: Manifest) -
             raise ImageError(
                 f"image {ref.url} already exists; refusing to overwrite its manifest"
             ) from exc
-
-
-async def stored_intact(
-    store: ImageStore,
-    buffers: BufferPool,
-    key: str,
-    url: str,
-    decode: Callable[[memoryview], Awaitable[object]],
-) -> bool:
-    """Whether the chunk stored at ``key`` passes ``decode`` (its size and address checked;
-    read into a pooled buffer, the plaintext dropped): on a ``file://`` store a chunk found
-    there may be a short file a crashed writer left before a power loss."""
-    out = Lease(buffers, await buffers.acquire(), None)
-    reuse = True
-    try:
-        stored = await get_into(store, key, out.view)
-        await decode(stored)
-        return True
-    except (ImageCorrupt, ObjectNotFound) as exc:
-        log.warning(
-            "stored chunk is damaged or gone; writing it again",
-            extra={"image": url, "chunk": key.rsplit("/", 1)[-1], "error": str(exc)},
-        )
-        return False
-    except asyncio.CancelledError:
-        reuse = False  # a thread may still be reading into or decoding from it
-        raise
-    finally:
-        if reuse:
-            out.release()
-        else:
-            out.discard()

@@ -11,7 +11,6 @@ of buffers store the chunk from the plaintext with no copy at all.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
 from spotguard.image import memops
@@ -72,17 +71,6 @@ def raw_frame_parts(plain: bytes | memoryview) -> list[bytes | memoryview]:
         if size:
             parts.append(src[off : off + size])
     return parts
-
-
-def frame_header_parts(size: int) -> tuple[bytes, Callable[[int], bytes]]:
-    """The frame header of a raw frame of ``size`` plaintext bytes, and the header of the
-    block that starts at a plaintext offset (a multiple of ``RAW_BLOCK``): for a writer that
-    writes the frame a few blocks at a time (:mod:`spotguard.image.rawput`)."""
-
-    def block(offset: int) -> bytes:
-        return _block_header(min(RAW_BLOCK, size - offset), offset + RAW_BLOCK >= size)
-
-    return _frame_header(size), block
 
 
 def raw_frame_spans(frame: memoryview, size: int) -> list[tuple[int, int, int]] | None:

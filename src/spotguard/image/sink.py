@@ -29,9 +29,6 @@ def fill(f: Any, view: memoryview) -> int:
     return got
 
 
-#: fill(offset, view): put the file's bytes at ``offset`` into ``view`` (runs in a thread)
-PageFill = Callable[[int, memoryview], None]
-
 SMALL_CHUNK = 1 << 20
 """Chunks below this size use plain ``bytes`` instead of pooled buffers (small CRIU files)."""
 
@@ -63,15 +60,6 @@ class ChunkPipeline(Protocol):
     ) -> None:
         """Hand one chunk of ``sink`` to the pipeline (waits for an in-flight slot); the
         chunk's task is appended to ``sink.refs``."""
-
-    def streams_produced(self) -> bool:
-        """Whether :meth:`submit_produced` may be used (:mod:`spotguard.image.rawput`)."""
-
-    async def submit_produced(
-        self, sink: FileSink, offset: int, size: int, fill: PageFill, lease: Lease
-    ) -> asyncio.Task[ChunkRef]:
-        """Start one chunk of ``sink`` that ``fill`` produces into ``lease``'s buffer, read,
-        hashed and stored by one pipeline thread; its task ends once it is stored."""
 
 
 class FileSink:
@@ -194,58 +182,30 @@ class FileSink:
             if n < cs:
                 return
 
-    async def produce(self, size: int, fill: PageFill) -> None:
+    async def produce(self, size: int, fill: Callable[[int, memoryview], None]) -> None:
         """Write ``size`` bytes that ``fill(offset, view)`` puts straight into each pooled
         chunk buffer (in a worker thread; no other copy), then close the file. For bytes a
         producer copies in itself, such as another process's memory (:mod:`spotguard.
-        checkpoint.gpupages`). Returns only once ``fill`` is done with every byte: the
-        caller may let the memory it reads change then.
-
-        Where the pipeline can (:meth:`ChunkPipeline.streams_produced`), each chunk is read,
-        hashed and stored by one pipeline thread a piece at a time
-        (:mod:`spotguard.image.rawput`), several chunks at once; otherwise ``fill`` fills
-        one chunk buffer after another here and the pipeline takes them on."""
+        checkpoint.gpupages`)."""
         if self.size or self._small or self._lease is not None:
             raise ImageError(f"file {self.name!r}: produce() on a file already written to")
         cs = self._w.chunk_size
-        streamed = self._w.streams_produced()
-        tasks: list[asyncio.Task[ChunkRef]] = []
-        try:
-            for off in range(0, size, cs):
-                n = min(cs, size - off)
-                lease = await self._w.acquire_input()
-                if streamed:
-                    tasks.append(await self._w.submit_produced(self, off, n, fill, lease))
-                    self.size += n
-                    continue
-                await self._fill_one(fill, off, lease.view[:n], lease)
-                self.size += n
-                await self._w.submit_chunk(self, lease.view[:n], lease)
-            if tasks:  # every read of ``fill`` over before returning
-                await asyncio.wait(tasks)
-        except BaseException:
-            for t in tasks:  # the image is lost with this file: nothing to wait for
-                t.cancel()
-            raise
-        for t in tasks:
-            if t.cancelled():
-                raise ImageError(f"file {self.name!r}: the image write was abandoned")
-            if (exc := t.exception()) is not None:
-                raise exc
-        self._raise_if_closed()
+        for off in range(0, size, cs):
+            n = min(cs, size - off)
+            lease = await self._w.acquire_input()
+            try:
+                await asyncio.to_thread(fill, off, lease.view[:n])
+                self._raise_if_closed()
+                self._w.raise_if_failed()
+            except asyncio.CancelledError:
+                lease.discard()  # its thread may still be filling the buffer
+                raise
+            except BaseException:
+                lease.release()
+                raise
+            self.size += n
+            await self._w.submit_chunk(self, lease.view[:n], lease)
         await self.close()
-
-    async def _fill_one(self, fill: PageFill, off: int, view: memoryview, lease: Lease) -> None:
-        try:
-            await asyncio.to_thread(fill, off, view)
-            self._raise_if_closed()
-            self._w.raise_if_failed()
-        except asyncio.CancelledError:
-            lease.discard()  # its thread may still be filling the buffer
-            raise
-        except BaseException:
-            lease.release()
-            raise
 
     def drop(self) -> None:
         """The write is abandoned: give back a half-filled buffer."""

@@ -28,13 +28,12 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Coroutine
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from spotguard.errors import ImageError, SpotguardError
+from spotguard.errors import ImageCorrupt, ImageError, ObjectNotFound, SpotguardError
 from spotguard.image import commit
 from spotguard.image.buffers import BufferPool, Lease
 from spotguard.image.codec import ChunkCodec, Cipher, compress_bound
@@ -42,12 +41,11 @@ from spotguard.image.history import next_sequence
 from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import ChunkRef, Codec, FileEntry, ImageRef, Manifest
 from spotguard.image.rawframe import raw_frame_parts, raw_frame_size
-from spotguard.image.rawput import Produced, produce_raw
 from spotguard.image.settings import ImageSettings
-from spotguard.image.sink import SMALL_CHUNK, ChunkOwner, ChunkPipeline, FileSink, PageFill
+from spotguard.image.sink import SMALL_CHUNK, ChunkOwner, ChunkPipeline, FileSink
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.names import check_job_name, chunk_key, new_image_id
-from spotguard.store import ImageStore, RetryPolicy, open_store
+from spotguard.store import ImageStore, RetryPolicy, get_into, open_store
 from spotguard.store.base import BlockingStore
 from spotguard.timeline import Timeline
 
@@ -268,16 +266,6 @@ class ImageWriter:
         self, sink: FileSink, plain: bytes | memoryview, lease: ChunkOwner | None = None
     ) -> None:
         """Start one chunk of ``sink`` through the pipeline; waits for an in-flight slot."""
-        await self._start(sink, lambda: self._process(plain, lease, sink.raw_saving), lease)
-
-    async def _start(
-        self,
-        sink: FileSink,
-        make: Callable[[], Coroutine[Any, Any, ChunkRef]],
-        lease: ChunkOwner | None,
-    ) -> asyncio.Task[ChunkRef]:
-        """Run ``make()`` as the task of ``sink``'s next chunk once an in-flight slot is free
-        (``lease`` goes back when it ends, or now if it cannot start)."""
         t0 = time.perf_counter()
         try:
             await self._sem.acquire()
@@ -291,11 +279,10 @@ class ImageWriter:
             if lease is not None:
                 lease.release()
             raise self._error
-        task = asyncio.create_task(make())
+        task = asyncio.create_task(self._process(plain, lease, sink.raw_saving))
         self._tasks.add(task)
         sink.refs.append(task)
         task.add_done_callback(lambda t: self._done(t, lease))
-        return task
 
     def _done(self, task: asyncio.Task[ChunkRef], lease: ChunkOwner | None) -> None:
         self._sem.release()
@@ -314,23 +301,6 @@ class ImageWriter:
         t0 = time.perf_counter()
         addr: str = await self._cpu(self.codec.address_of, plain)
         self.stats.add_step("hash", t0)
-        found = await self._found(addr, size, lease)
-        if found is not None:
-            return found
-        key = chunk_key(self.job, addr)
-        if size < SMALL_CHUNK:
-            blob, raw = await self._cpu(self.codec.pack, plain, addr, None, None, raw_saving)
-            await self.store.put(key, blob)
-            stored = len(blob)
-        else:
-            stored, raw = await self._encode_put(key, plain, addr, lease, raw_saving)
-        self._count(size, stored, raw=raw)
-        return ChunkRef(digest=addr, size=size, stored_size=stored, raw=raw)
-
-    async def _found(self, addr: str, size: int, lease: ChunkOwner | None) -> ChunkRef | None:
-        """The chunk at ``addr`` if this image has it already (in flight or done) or the
-        store does (dedup; ``lease`` is then given back), else None: the caller stores it,
-        and a later chunk of the same address waits for the caller's task."""
         earlier = self._by_addr.get(addr)
         if earlier is not None:  # the same chunk twice in this image (zero pages, ...)
             if lease is not None:
@@ -341,15 +311,13 @@ class ImageWriter:
         me = asyncio.current_task()
         assert me is not None
         self._by_addr[addr] = me
+        key = chunk_key(self.job, addr)
         if self.dedup:
-            key = chunk_key(self.job, addr)
             t0 = time.perf_counter()
             info = await self.store.stat(key)
             self.stats.add_step("stat", t0)
-            if info is not None and self.verify_stored:
-                decode = lambda b: self._cpu(self.codec.decode, b, addr, size)  # noqa: E731
-                if not await commit.stored_intact(self.store, self.buffers, key, self.url, decode):
-                    info = None  # damaged: written again (an atomic replace)
+            if info is not None and self.verify_stored and not await self._intact(key, addr, size):
+                info = None  # damaged: written again below (an atomic replace)
             if info is not None:
                 if lease is not None:
                     lease.release()
@@ -358,52 +326,38 @@ class ImageWriter:
                 # stored no smaller than the plaintext: a raw frame (or zstd's raw blocks)
                 raw = info.size >= size
                 return ChunkRef(digest=addr, size=size, stored_size=info.size, raw=raw)
-        return None
+        if size < SMALL_CHUNK:
+            blob, raw = await self._cpu(self.codec.pack, plain, addr, None, None, raw_saving)
+            await self.store.put(key, blob)
+            stored = len(blob)
+        else:
+            stored, raw = await self._encode_put(key, plain, addr, lease, raw_saving)
+        self._count(size, stored, raw=raw)
+        return ChunkRef(digest=addr, size=size, stored_size=stored, raw=raw)
 
-    # --- produced chunks (rawput) ---------------------------------------------------------
-    def streams_produced(self) -> bool:
-        """Whether produced files (:meth:`FileSink.produce`) are read, hashed and stored a
-        piece at a time (:mod:`spotguard.image.rawput`): a store that names an object after
-        writing it, and no cipher."""
-        s = self.store
-        return self.codec.cipher is None and isinstance(s, BlockingStore) and s.writes_streamed
-
-    async def submit_produced(
-        self, sink: FileSink, offset: int, size: int, fill: PageFill, lease: Lease
-    ) -> asyncio.Task[ChunkRef]:
-        """Start one chunk of ``sink`` that ``fill`` produces (``lease``: its buffer); the
-        chunk's task (appended to ``sink.refs``) ends once its bytes are read and stored."""
-        return await self._start(
-            sink, lambda: self._produce(sink, offset, size, fill, lease), lease
-        )
-
-    async def _produce(
-        self, sink: FileSink, offset: int, size: int, fill: PageFill, lease: Lease
-    ) -> ChunkRef:
-        store = self.store
-        assert isinstance(store, BlockingStore)
-        prefix = chunk_key(self.job, "").rsplit("/", 2)[0]
-        t0 = time.perf_counter()
-        made: Produced | None = await self._cpu(
-            produce_raw, fill, offset, size, lease.view, self.codec, sink.raw_saving,
-            lambda: store.begin_put(prefix),
-        )  # fmt: skip
-        self.stats.add_step("produce", t0)
-        if made is None:  # packs: the buffer holds the chunk, the usual way
-            return await self._process(lease.view[:size], lease, sink.raw_saving)
-        lease.release()
-        named = False
+    async def _intact(self, key: str, addr: str, size: int) -> bool:
+        """Whether the stored chunk at ``key`` decodes to ``size`` bytes with address
+        ``addr`` (read into a pooled buffer; the decoded plaintext is dropped)."""
+        out = Lease(self.buffers, await self.buffers.acquire(), None)
+        reuse = True
         try:
-            found = await self._found(made.address, size, None)
-            if found is not None:
-                return found
-            await store.commit_put(made.pending, chunk_key(self.job, made.address))
-            named = True
+            stored = await get_into(self.store, key, out.view)
+            await self._cpu(self.codec.decode, stored, addr, size)
+            return True
+        except (ImageCorrupt, ObjectNotFound) as exc:
+            log.warning(
+                "stored chunk is damaged or gone; writing it again",
+                extra={"image": self.url, "chunk": addr, "error": str(exc)},
+            )
+            return False
+        except asyncio.CancelledError:
+            reuse = False  # a thread may still be reading into or decoding from it
+            raise
         finally:
-            if not named:  # found already, or failed: the pending object goes
-                await asyncio.to_thread(made.pending.abort)
-        self._count(size, made.stored_size, raw=True)
-        return ChunkRef(digest=made.address, size=size, stored_size=made.stored_size, raw=True)
+            if reuse:
+                out.release()
+            else:
+                out.discard()
 
     async def _encode_put(
         self,
@@ -455,10 +409,18 @@ class ImageWriter:
     def _count(
         self, size: int, stored: int, *, skipped: int | None = None, raw: bool = False
     ) -> None:
-        self.stats.count_chunk(size, stored, skipped=skipped, raw=raw)
-        self.stats.retries = getattr(self.store, "retries", 0)
+        st = self.stats
+        st.bytes += size
+        st.chunks += 1
+        st.chunks_raw += raw
+        st.stored_bytes += stored
+        if skipped is not None:
+            st.bytes_skipped += size
+            st.stored_bytes_skipped += skipped
+            st.chunks_skipped += 1
+        st.retries = getattr(self.store, "retries", 0)
         if self.progress is not None:
-            self.progress(self.stats)
+            self.progress(st)
 
     # --- commit -------------------------------------------------------------------------
     async def commit(self, meta: dict[str, Any] | None = None) -> Manifest:

@@ -92,18 +92,6 @@ class ImageStore(Protocol):
     async def aclose(self) -> None: ...
 
 
-class PendingPut(Protocol):
-    """An object being written before its key is known (:meth:`BlockingStore.begin_put`).
-    ``write`` and ``abort`` block (a worker thread calls them); ``abort`` after ``commit``
-    or twice does nothing."""
-
-    def write(self, parts: Sequence[Data]) -> None: ...
-
-    def commit(self, key: str) -> None: ...
-
-    def abort(self) -> None: ...
-
-
 class BlockingStore(ABC):
     """Base for backends built on blocking SDK calls.
 
@@ -116,8 +104,6 @@ class BlockingStore(ABC):
     writes_parts: bool = False
     #: Whether :meth:`get_parts` reads straight into the parts (no whole-object buffer).
     reads_parts: bool = False
-    #: Whether :meth:`begin_put` writes an object piece by piece before its key is known.
-    writes_streamed: bool = False
 
     def __init__(self, url: str, *, io_workers: int = 16, retry: RetryPolicy | None = None) -> None:
         self.url = url.rstrip("/")
@@ -202,16 +188,6 @@ class BlockingStore(ABC):
         """Like :meth:`put` of the concatenation of ``parts``. Stores that can write a list of
         buffers at once say so with ``writes_parts``; the others join them here (a copy)."""
         await self._call("put", key, lambda: self._put_parts(key, parts, if_absent))
-
-    def begin_put(self, prefix: str) -> PendingPut:
-        """An object written piece by piece (in the caller's thread) and named only at the
-        end, below ``prefix``: a chunk hashed while it is written, its key being its hash
-        (:mod:`spotguard.image.rawput`). Only stores with ``writes_streamed``."""
-        raise StoreError(f"{self.url}: this store cannot write an object before naming it")
-
-    async def commit_put(self, pending: PendingPut, key: str) -> None:
-        """Name the object ``pending`` wrote ``key`` (atomically, replacing one there)."""
-        await self._call("put", key, lambda: pending.commit(key))
 
     async def get(self, key: str) -> bytes:
         """The object's bytes; :class:`ObjectNotFound` when absent."""

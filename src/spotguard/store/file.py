@@ -28,14 +28,7 @@ from pathlib import Path
 from typing import cast
 
 from spotguard.errors import ObjectNotFound, PreconditionFailed, StoreError, StoreUnavailable
-from spotguard.store.base import (
-    BlockingStore,
-    Data,
-    ObjectInfo,
-    PartsRead,
-    PendingPut,
-    RetryPolicy,
-)
+from spotguard.store.base import BlockingStore, Data, ObjectInfo, PartsRead, RetryPolicy
 
 _TMP_PREFIX = ".tmp-"
 _PARTS_GROUP = 16  # parts per preadv: a raw frame's headers and 8 blocks, about 1 MiB
@@ -104,51 +97,12 @@ def _write_all(fd: int, parts: Sequence[Data]) -> None:
                 n = 0
 
 
-class _PendingFile:
-    """A chunk written to a temporary file under its job's chunk folder and renamed to its
-    key once that is known (:meth:`FileStore.begin_put`)."""
-
-    def __init__(self, store: FileStore, folder: Path) -> None:
-        folder.mkdir(parents=True, exist_ok=True)
-        self.store = store
-        self.tmp = folder / f"{_TMP_PREFIX}streamed.{uuid.uuid4().hex[:12]}"
-        self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-
-    def write(self, parts: Sequence[Data]) -> None:
-        if self.fd is None:
-            raise StoreError(f"{self.store.url}: write to a closed pending object")
-        try:
-            _write_all(self.fd, parts)
-        except OSError as exc:
-            raise self.store._map_error(exc, self.tmp.name) or StoreError(str(exc)) from exc
-
-    def _close(self) -> None:
-        if self.fd is not None:
-            fd, self.fd = self.fd, None
-            if self.store.fsync:
-                _start_writeback(fd)
-            os.close(fd)
-
-    def commit(self, key: str) -> None:
-        self._close()
-        dest = self.store._path(key)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        os.replace(self.tmp, dest)
-
-    def abort(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
-        self.tmp.unlink(missing_ok=True)
-
-
 class FileStore(BlockingStore):
     """Objects are files under ``root``; keys are relative paths. Writes a list of buffers
     in one ``writev`` (:meth:`put_parts`): a raw chunk goes to the file from the plaintext
     itself, its frame headers between the blocks, with no copy into a frame first."""
 
     writes_parts = True
-    writes_streamed = True
 
     def __init__(
         self,
@@ -174,14 +128,6 @@ class FileStore(BlockingStore):
 
     def _put(self, key: str, data: Data, if_absent: bool) -> None:
         self._put_parts(key, [data], if_absent)
-
-    def begin_put(self, prefix: str) -> PendingPut:
-        """A temporary file in folder ``prefix`` (the same file system as every key below
-        it, so the rename into place is atomic); errors as :meth:`_map_error` names them."""
-        try:
-            return _PendingFile(self, self._path(prefix))
-        except OSError as exc:
-            raise self._map_error(exc, prefix) or StoreError(str(exc)) from exc
 
     def _put_parts(self, key: str, parts: Sequence[Data], if_absent: bool) -> None:
         dest = self._path(key)
