@@ -4,7 +4,10 @@ machine when 1 … N threads make it at once: the profile behind the 40 GiB and 
 A restore writes the staged GPU memory back: each chunk is read from the file store (tmpfs:
 ``preadv`` of 1 MiB pieces into a reused buffer, each hashed with BLAKE3 right after) and
 written into the restored process (``process_vm_writev`` into its fresh mapping). A freeze
-does the reverse: ``process_vm_readv`` out of the frozen process, hash, write a file to tmpfs.
+does the reverse: ``process_vm_readv`` out of the frozen process, hash, write a file to tmpfs
+— timed with whole chunks at each step (the chunk pipeline), and a MiB at a time, each piece
+hashed and written while in cache (measured no faster: the passes are bound by the kernel, not
+by memory traffic; docs/benchmarks.md).
 Each pass is timed alone and the restore's two together, over ``--gib`` GiB in 64 MiB chunks,
 so the stage that bounds a measured ``gpu_pages`` step can be named in bytes/s.
 
@@ -120,6 +123,30 @@ def _write(out: Path) -> Callable[[int, memoryview], None]:
     return work
 
 
+def _freeze(pid: int, addr: int, out: Path, piece: int) -> Callable[[int, memoryview], None]:
+    """A freeze's whole path for each chunk: read it out of ``pid``, hash it, write it to a
+    file in ``out`` — the whole chunk at each step (``piece`` = CHUNK: the chunk pipeline),
+    or a piece at a time, each hashed and written while in cache (:mod:`spotguard.image.
+    rawput`)."""
+    out.mkdir(exist_ok=True)
+    for f in out.iterdir():
+        f.unlink()
+
+    def work(i: int, view: memoryview) -> None:
+        h = blake3()
+        fd = os.open(out / f"f{i}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for off in range(0, CHUNK, piece):
+                v = view[:piece]
+                read_memory(pid, addr + i * CHUNK + off, v)
+                h.update(v)
+                os.write(fd, v)
+        finally:
+            os.close(fd)
+
+    return work
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gib", type=int, default=16)
@@ -135,8 +162,9 @@ def main() -> None:
         f.write_bytes(blob)
     print(f"# pagecopy: {args.gib} GiB in 64 MiB chunks, {os.cpu_count()} cpus, store {args.dir}")
     print("| threads | tmpfs read+hash GB/s | writev into fresh GB/s | read+hash+writev GB/s "
-          "| readv out of a process GB/s | tmpfs write GB/s |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- |")
+          "| readv out of a process GB/s | tmpfs write GB/s "
+          "| freeze, whole chunks GB/s | freeze, a MiB at a time GB/s |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     src, src_addr = _child(size, True)
     try:
         for t in args.threads:
@@ -148,6 +176,8 @@ def main() -> None:
                 dst.wait()
             rates.append(_run(t, chunks, _readv(src.pid, src_addr)))
             rates.append(_run(t, chunks, _write(work / "w")))
+            for piece in (CHUNK, PIECE):
+                rates.append(_run(t, chunks, _freeze(src.pid, src_addr, work / "f", piece)))
             gbs = " | ".join(f"{size / s / 1e9:.1f}" for s in rates)
             print(f"| {t} | {gbs} |", flush=True)
     finally:

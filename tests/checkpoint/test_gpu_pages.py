@@ -35,21 +35,27 @@ from spotguard.stream import StreamSource, StreamTarget
 from spotguard.timeline import Step, Timeline
 
 MIB = 1 << 20
-#: the staged range: a quarter left zero (never written), the rest stamped per page
+#: the staged range: a quarter left zero (never written), a quarter stamped per page (packs),
+#: half random (stored raw)
 STAGED_MIB = 192
 
 JOB = """
-import ctypes, mmap, os, signal, sys, time
+import ctypes, mmap, os, random, signal, sys, time
 here, n = sys.argv[1], int(sys.argv[2]) << 20
 held = {}
 
 def stamp(off):
     return b"%016x" % (off * 2654435761 % (1 << 64))
 
+def noise(off):
+    return random.Random(off).randbytes(1 << 20)
+
 def staged(sig, frame):
     m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    for off in range(n // 4, n, 4096):
+    for off in range(n // 4, n // 2, 4096):
         m[off:off + 16] = stamp(off)
+    for off in range(n // 2, n, 1 << 20):
+        m[off:off + (1 << 20)] = noise(off)
     c = ctypes.c_char.from_buffer(m)
     addr = ctypes.addressof(c)
     del c
@@ -58,7 +64,8 @@ def staged(sig, frame):
 
 def restored(sig, frame):
     m = held.pop("m")
-    ok = all(m[off:off + 16] == stamp(off) for off in range(n // 4, n, 4096))
+    ok = all(m[off:off + 16] == stamp(off) for off in range(n // 4, n // 2, 4096))
+    ok = ok and all(m[off:off + (1 << 20)] == noise(off) for off in range(n // 2, n, 1 << 20))
     ok = ok and m[: n // 4] == bytes(n // 4)
     m.close()
     open(os.path.join(here, "checked"), "a").write("ok\\n" if ok else "BAD\\n")
@@ -204,6 +211,7 @@ async def test_staged_memory_streams_beside_criu_and_comes_back_exact(
         zero = reader.codec.zero_address
         refs = [r for p in carried.parts for r in reader.manifest.file(p.name).chunks]
         assert sum(r.digest == zero(r.size) for r in refs) >= (STAGED_MIB // 4) // 4
+        assert sum(r.raw for r in refs) >= (STAGED_MIB // 2) // 4  # the random half
     stopped_at = _count(job)
     restored = None
     try:
