@@ -223,7 +223,7 @@ def plot_pagecopy(md: str, out: Path) -> Path | None:
     if not found:
         print("skipped pagecopy: no bench.pagecopy table under '## Streaming'")
         return None
-    rows = found[0]  # the newest section comes first
+    rows = max(found, key=lambda t: len(t[0]))  # the newest table has the most passes
     threads = [num(r["threads"]) or 0.0 for r in rows]
     fig, ax = plt.subplots(figsize=(7, 3.6))
     for col in [c for c in rows[0] if c != "threads"]:
