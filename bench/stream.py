@@ -614,14 +614,22 @@ async def run_one(
         if b.gpu and not est.gpu_bytes:
             gp = await b.engine.gpu.gpu_pids(proctree.tree(job.pid))
             est = Estimate(b.engine.gpu.memory_used(gp), est.cpu_bytes, "driver+psutil")
-        plan = planner.plan(est, deadline_s=None, store_url=b.store_url, stream=kind == "streamed")
+        beside = (
+            kind == "streamed"
+            and b.engine.settings.gpu_pages == "spotguard"
+            and (await b.engine.criu.has_external_pages())
+        )
+        plan = planner.plan(
+            est, deadline_s=None, store_url=b.store_url, stream=kind == "streamed", beside=beside
+        )
         job_rss = proctree.rss_bytes(proctree.tree(job.pid))
         r = await (naive(b, job) if kind == "naive" else streamed(b, job))
         restored = int(r["restored_pid"])
         planner.record(
             plan,
             seconds={k: float(r[k]) for k in (
-                "gpu_checkpoint", "criu_dump", "compress", "upload", "stream", "total") if k in r},
+                "gpu_checkpoint", "gpu_pages", "criu_dump", "compress", "upload", "stream",
+                "total") if k in r},
             raw_bytes=int(r["image_bytes"]), stored_bytes=int(r["stored_bytes"]),
         )  # fmt: skip
         step1, sum1 = await _check(job, req, "after", restored)

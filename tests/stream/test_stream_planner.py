@@ -188,3 +188,32 @@ def test_set_thp_that_cannot_write_keeps_the_mode_and_says_so(
     before = set_thp("keep", sys_root=tmp_path).enabled
     assert set_thp("always", sys_root=tmp_path).enabled == before != "always"
     assert "stay as the host has them" in caplog.text
+
+
+def test_gpu_memory_carried_beside_criu_is_predicted_at_its_own_rate(tmp_path: Path) -> None:
+    """A fresh machine's prediction of a 40 GiB job whose GPU memory spotguard copies beside
+    CRIU (``gpu_pages``): CRIU's rate applies to the CPU memory only (measured on an H200: 22.6
+    s freeze → durable, where the prediction through CRIU said 172 s, docs/benchmarks.md)."""
+    p = _planner(tmp_path, smoothing=1.0)
+    est = Estimate(gpu_bytes=41 * 10**9, cpu_bytes=650 * 10**6)
+    through_criu = p.predict(est, mode="stream", level=1, store_url="file:///x")[1]
+    stages, beside = p.predict(est, mode="stream", level=1, store_url="file:///x", beside=True)
+    assert through_criu > 100
+    assert set(stages) >= {"gpu_checkpoint", "gpu_pages", "criu_dump", "stream"}
+    assert stages["criu_dump"] == pytest.approx(est.cpu_bytes / p.throughput["criu_dump"])
+    assert 22.6 < beside < through_criu  # conservative, CRIU's rate on the CPU memory only
+    pipe = max(stages[k] for k in ("criu_dump", "compress", "upload", "gpu_pages"))
+    assert beside == pytest.approx(stages["gpu_checkpoint"] + pipe)
+    # on a store whose writes this machine measured (tmpfs, 8 GB/s), the copy's rate shows
+    p.throughput["upload:file"] = 8e9
+    fast = p.predict(est, mode="stream", level=1, store_url="file:///x", beside=True)
+    assert fast[0]["stream"] == pytest.approx(fast[0]["gpu_pages"])
+    assert fast[1] < 40
+    # a run teaches the copy's own rate; the learned stream rate then covers every byte
+    plan = p.plan(est, deadline_s=None, store_url="file:///x", beside=True)
+    assert plan.beside and plan.stages == fast[0]
+    secs = {"gpu_checkpoint": 13.3, "gpu_pages": 5.3, "stream": 6.6, "total": 22.6}
+    p.record(plan, seconds=secs, raw_bytes=est.total)
+    assert p.throughput["gpu_pages"] == pytest.approx(est.gpu_bytes / 5.3)
+    again = p.predict(est, mode="stream", level=1, store_url="file:///x", beside=True)[1]
+    assert again == pytest.approx(13.3 + 6.6, rel=0.05)

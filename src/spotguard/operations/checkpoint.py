@@ -132,16 +132,19 @@ class _Planning:
     def margin_s(self) -> float:
         return self.planner.settings.margin_s if self.planner is not None else 0.0
 
-    def plan(self, streamed: bool, left_s: float | None, parallel: bool = False) -> Plan | None:
+    def plan(
+        self, streamed: bool, left_s: float | None, parallel: bool = False, beside: bool = False
+    ) -> Plan | None:
         """``parallel``: the CRIU at hand dumps the job's processes at once (the planner
-        spreads the image over them once it has measured the host's combined rate)."""
+        spreads the image over them once it has measured the host's combined rate).
+        ``beside``: the GPU memory is copied beside CRIU, at its own rate."""
         if self.planner is None:
             return None
         try:
             est = estimate(self.job.pid)
             return self.planner.plan(
                 est, deadline_s=left_s, store_url=self.store_url, stream=streamed,
-                pid=self.job.pid, parallel=parallel,
+                pid=self.job.pid, parallel=parallel, beside=beside,
             )  # fmt: skip
         except (SpotguardError, OSError) as exc:
             log.warning("deadline planner failed", extra={"job": self.job.name, "error": str(exc)})
@@ -199,10 +202,12 @@ async def checkpoint(
     inst = instance or InstanceFacts()
     base: dict[str, Any] = {"instance": inst.to_json(), **(meta or {})}
     parallel = bool(await eng.criu.page_worker_args())  # patched CRIU: ranks at once
+    # patched CRIU: the GPU memory the driver stages is copied beside it (gpupages)
+    beside = settings.gpu_pages == "spotguard" and await eng.criu.has_external_pages()
     for i, path in enumerate(chain):
         more = i + 1 < len(chain)
         left = _left(deadline)
-        plan = planning.plan(path.streamed, left, parallel)
+        plan = planning.plan(path.streamed, left, parallel, beside)
         if plan is not None and plan.mode == "keep-periodic":
             raise CheckpointError(
                 f"{job.name}: an image cannot be durable before the deadline ({plan.reason})"

@@ -236,6 +236,7 @@ class StreamedPath:
         tl = result.timeline
         return {
             "gpu_checkpoint": tl.seconds("gpu_checkpoint") or 0.0,
+            "gpu_pages": tl.seconds("gpu_pages") or 0.0,
             "stream": tl.seconds("stream_durable") or 0.0,
             "total": result.seconds,
         }
@@ -420,6 +421,7 @@ class StagedPath:
         tl = result.timeline
         return {
             "gpu_checkpoint": tl.seconds("gpu_checkpoint") or 0.0,
+            "gpu_pages": tl.seconds("gpu_pages") or 0.0,
             "criu_dump": tl.seconds("criu_dump") or 0.0,
             "upload": tl.seconds("push") or 0.0,
             "total": result.seconds,
