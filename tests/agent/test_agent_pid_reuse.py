@@ -135,3 +135,28 @@ async def test_a_stranger_given_the_jobs_pid_while_the_agent_runs_is_not_checkpo
         if stranger is None and proctree.alive(job.pid):
             os.kill(job.pid, signal.SIGKILL)
             await asyncio.to_thread(os.waitpid, job.pid, 0)
+
+
+def test_a_stranger_at_the_jobs_pid_is_told_apart_by_the_start_the_job_file_records(
+    tmp_path: Path,
+) -> None:
+    """The job file names the job's start time: a process at its pid with another start is
+    a stranger even where the file was written after that process started (a job file saved
+    again later, and no ledger record to compare with)."""
+    from spotguard.agent import identity
+
+    stranger = subprocess.Popen(["/bin/sleep", "60"])
+    try:
+        started = start_time(stranger.pid)
+        assert started is not None
+        d = tmp_path / "jobs" / "train"
+        d.mkdir(parents=True)
+        job = JobInfo("train", stranger.pid, d, ("python",), str(tmp_path), start=started - 100)
+        job.save()  # written now: after the stranger started
+        assert identity.of_job(job, None) is None
+        same = JobInfo("train", stranger.pid, d, ("python",), str(tmp_path), start=started)
+        found = identity.of_job(same, None)
+        assert found is not None and found.start == started
+    finally:
+        stranger.kill()
+        stranger.wait()

@@ -9,6 +9,8 @@ liveness check, the start of a checkpoint, a restarted agent's adoption — comp
 
 How a restarted agent tells the job from a stranger (:func:`of_job`):
 
+0. its ``job.json`` records its root's start time (every job since that field): the same
+   start time is the job, another a stranger;
 1. its ledger record names the pid with a start time on this boot: the same start time is
    the job; another is a stranger — unless ``job.json`` was written anew since the record
    (the job restored by hand with its old pid), then rule 2 decides;
@@ -109,6 +111,11 @@ def of_job(info: JobInfo, record: Recorded | None) -> Identity | None:
     its pid (logged)."""
     now = read(info.pid)
     if now is None:
+        return None
+    if info.start is not None:  # the job file names its root's start: compare that first
+        if info.start == now.start:
+            return now
+        _stranger(info, "another start time than the job file records")
         return None
     written = _job_file_mtime(info)
     if (
