@@ -275,7 +275,8 @@ class Planner:
         stages = {
             "gpu_checkpoint": gpu,
             "criu_dump": by_criu / self.throughput["criu_dump"],
-            "compress": by_criu / self._compress(level),
+            # a staged image is pushed whole, GPU parts compressed like the rest
+            "compress": (est.total if mode == "stage" else by_criu) / self._compress(level),
             "upload": by_criu / ratio / self._upload(scheme),
         }
         if beside:  # raw, on its own threads while CRIU dumps the rest, into the same upload

@@ -217,3 +217,14 @@ def test_gpu_memory_carried_beside_criu_is_predicted_at_its_own_rate(tmp_path: P
     assert p.throughput["gpu_pages"] == pytest.approx(est.gpu_bytes / 5.3)
     again = p.predict(est, mode="stream", level=1, store_url="file:///x", beside=True)[1]
     assert again == pytest.approx(13.3 + 6.6, rel=0.05)
+
+
+def test_a_staged_image_beside_criu_still_compresses_every_byte(tmp_path: Path) -> None:
+    p = _planner(tmp_path)
+    est = Estimate(gpu_bytes=8 * GiB, cpu_bytes=GiB)
+    stages, total = p.predict(est, mode="stage", level=1, store_url="s3://b/p", beside=True)
+    assert stages["criu_dump"] == pytest.approx(GiB / p.throughput["criu_dump"])
+    assert stages["compress"] == pytest.approx(
+        p.predict(est, mode="stage", level=1, store_url="s3://b/p")[0]["compress"]
+    )
+    assert total == pytest.approx(sum(stages.values()))
