@@ -104,20 +104,24 @@ def prepare(mode):
     ctypes.memmove(src, lo, size)
     assert libc.madvise(lo, size, 4) == 0   # MADV_DONTNEED
     state.update(side=side, lo=lo, hi=hi, src=src)
-    blocks = list(range(lo, hi, BLOCK))
-    nxt = iter(blocks)
+    nxt = iter(range(lo, hi, BLOCK))
     lock = threading.Lock()
-    if mode == "copy":
-        t0 = time.perf_counter()
+    def start(put):
+        """8 threads taking the range's 2 MiB blocks in order, each put(block, end)."""
         def worker():
             while True:
                 with lock:
                     b = next(nxt, None)
                 if b is None:
                     return
-                ctypes.memmove(b, src + (b - lo), min(BLOCK, hi - b))
+                put(b, min(b + BLOCK, hi))
         ts = [threading.Thread(target=worker) for _ in range(8)]
-        [t.start() for t in ts]; [t.join() for t in ts]
+        [t.start() for t in ts]
+        return ts
+    if mode == "copy":
+        t0 = time.perf_counter()
+        for th in start(lambda b, e: ctypes.memmove(b, src + (b - lo), e - b)):
+            th.join()
         return time.perf_counter() - t0
     fd = libc.syscall(323, os.O_CLOEXEC | os.O_NONBLOCK)   # userfaultfd
     assert fd >= 0, ctypes.get_errno()
@@ -140,17 +144,8 @@ def prepare(mode):
             b = addr - (addr - lo) % BLOCK
             state["faults"] += 1
             ufill(fd, src, lo, b, min(b + BLOCK, hi))
-    def worker():
-        while True:
-            with lock:
-                b = next(nxt, None)
-            if b is None:
-                return
-            ufill(fd, src, lo, b, min(b + BLOCK, hi))
     s = threading.Thread(target=serve, daemon=True); s.start()
-    ts = [threading.Thread(target=worker) for _ in range(8)]
-    [t.start() for t in ts]
-    state["threads"] = ts
+    state["threads"] = start(lambda b, e: ufill(fd, src, lo, b, e))
     return 0.0
 
 for line in sys.stdin:
