@@ -272,16 +272,18 @@ class Planner:
         )
         beside = beside and est.gpu_bytes > 0
         by_criu = est.cpu_bytes if beside else est.total
+        # a staged image is pushed whole (its GPU parts compressed like the rest); a stream
+        # stores the GPU memory copied beside CRIU raw
+        packed = est.total if mode == "stage" else by_criu
+        raw = est.gpu_bytes if beside and mode == "stream" else 0
         stages = {
             "gpu_checkpoint": gpu,
             "criu_dump": by_criu / self.throughput["criu_dump"],
-            # a staged image is pushed whole, GPU parts compressed like the rest
-            "compress": (est.total if mode == "stage" else by_criu) / self._compress(level),
-            "upload": by_criu / ratio / self._upload(scheme),
+            "compress": packed / self._compress(level),
+            "upload": (packed / ratio + raw) / self._upload(scheme),
         }
-        if beside:  # raw, on its own threads while CRIU dumps the rest, into the same upload
+        if beside:  # on its own threads while CRIU dumps the rest
             stages["gpu_pages"] = est.gpu_bytes / self._rate("gpu_pages")
-            stages["upload"] += est.gpu_bytes / self._upload(scheme)
         key = f"stream:{scheme}:L{level}"
         measured = self.throughput.get(key)
         if mode == "stream":
