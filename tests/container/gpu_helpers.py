@@ -13,6 +13,7 @@ from typing import Any
 import psutil
 import pytest
 
+from sgtest import wait_lines
 from spotguard.checkpoint.cuda import GpuState
 from spotguard.checkpoint.testing import RecordingGpu
 from spotguard.container import (
@@ -170,3 +171,27 @@ async def record_of(url: str) -> ContainerImage:
     """The container record an image's manifest carries."""
     async with ImageReader(url, settings=ImageSettings.model_validate({})) as r:
         return ContainerImage.from_meta(r.manifest.meta, url)
+
+
+async def park_and_unpark(
+    on: On, ref: ContainerRef, there: CriuGpu, pid: int, log: Log, seen: Sequence[str],
+    pause: str, resume: str,
+) -> None:  # fmt: skip
+    """Park ``ref`` in memory and unpark it: the GPU freed (checkpointed and locked) before
+    the runtime's ``pause``, put back after its ``resume`` — in that order, nothing left
+    locked. ``seen``: the runtime's commands the log is read for."""
+    await on.park(ref, "memory")
+    assert there.stuck() != {}  # parked: checkpointed and locked
+    await on.unpark(ref)
+    assert steps(log, *seen) == [
+        f"lock {pid}", f"checkpoint {pid}", pause, resume, f"restore {pid}", f"unlock {pid}",
+    ]  # fmt: skip
+    assert there.stuck() == {}
+
+
+def counted_on(out: Path, stopped: int) -> None:
+    """The job's file runs on past ``stopped`` lines, every number once, in order: the job
+    continued from where the exit checkpoint stopped it."""
+    wait_lines(out, stopped + 3)
+    lines = out.read_text().splitlines()
+    assert lines == [str(i) for i in range(len(lines))]

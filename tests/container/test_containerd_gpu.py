@@ -12,7 +12,18 @@ from __future__ import annotations
 
 import pytest
 from containerd_helpers import IMAGE, NS, CtrVm
-from gpu_helpers import CriuGpu, Log, On, host, log_commands, record_of, steps, use
+from gpu_helpers import (
+    CriuGpu,
+    Log,
+    On,
+    counted_on,
+    host,
+    log_commands,
+    park_and_unpark,
+    record_of,
+    steps,
+    use,
+)
 
 from sgtest import line_count, wait_lines
 from spotguard.container import Containerd, ContainerRef, dispatch
@@ -132,15 +143,5 @@ async def test_a_containerd_gpu_container_is_locked_around_ctr_and_restored_onto
     assert there.stuck() == {}
 
     # parked in memory: the GPU freed before the pause; unpark puts it back after the resume
-    await on2.park(REF, "memory")
-    assert there.stuck() != {}  # parked: checkpointed and locked
-    await on2.unpark(REF)
-    assert steps(log, *SEEN) == [
-        f"lock {p3}", f"checkpoint {p3}", "ctr tasks pause",
-        "ctr tasks resume", f"restore {p3}", f"unlock {p3}",
-    ]  # fmt: skip
-    assert there.stuck() == {}
-    # the job counted on through all of it, from where the exit checkpoint stopped it
-    wait_lines(data / "out", stopped + 3)
-    lines = (data / "out").read_text().splitlines()
-    assert lines == [str(i) for i in range(len(lines))]
+    await park_and_unpark(on2, REF, there, p3, log, SEEN, "ctr tasks pause", "ctr tasks resume")
+    counted_on(data / "out", stopped)

@@ -12,7 +12,18 @@ from __future__ import annotations
 
 import pytest
 from docker_helpers import IMAGE, DockerVm
-from gpu_helpers import CriuGpu, Log, On, host, log_commands, record_of, steps, use
+from gpu_helpers import (
+    CriuGpu,
+    Log,
+    On,
+    counted_on,
+    host,
+    log_commands,
+    park_and_unpark,
+    record_of,
+    steps,
+    use,
+)
 
 from sgtest import line_count, wait_lines
 from spotguard.container import ContainerRef, dispatch
@@ -114,15 +125,5 @@ async def test_a_docker_gpu_container_is_locked_around_docker_and_restored_onto_
     assert there.stuck() == {}
 
     # parked in memory: the GPU freed before docker pause; unpark puts it back after unpause
-    await on2.park(REF, "memory")
-    assert there.stuck() != {}  # parked: checkpointed and locked
-    await on2.unpark(REF)
-    assert steps(log, *SEEN) == [
-        f"lock {p4}", f"checkpoint {p4}", "docker pause",
-        "docker unpause", f"restore {p4}", f"unlock {p4}",
-    ]  # fmt: skip
-    assert there.stuck() == {}
-    # the job counted on through all of it, from where the exit checkpoint stopped it
-    wait_lines(data / "out", stopped + 3)
-    lines = (data / "out").read_text().splitlines()
-    assert lines == [str(i) for i in range(len(lines))]
+    await park_and_unpark(on2, REF, there, p4, log, SEEN, "docker pause", "docker unpause")
+    counted_on(data / "out", stopped)
