@@ -54,7 +54,7 @@ import psutil
 import zstandard
 
 from bench.stacks import Stacks
-from spotguard.checkpoint import proctree
+from spotguard.checkpoint import gpupages, proctree
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import CudaHook, GpuHook, NoGpu, warm
 from spotguard.checkpoint.engine import Engine, Mode
@@ -614,10 +614,8 @@ async def run_one(
         if b.gpu and not est.gpu_bytes:
             gp = await b.engine.gpu.gpu_pids(proctree.tree(job.pid))
             est = Estimate(b.engine.gpu.memory_used(gp), est.cpu_bytes, "driver+psutil")
-        beside = (
-            kind == "streamed"
-            and b.engine.settings.gpu_pages == "spotguard"
-            and (await b.engine.criu.has_external_pages())
+        beside = kind == "streamed" and await gpupages.carried_beside(
+            b.engine.criu, b.engine.settings.gpu_pages
         )
         plan = planner.plan(
             est, deadline_s=None, store_url=b.store_url, stream=kind == "streamed", beside=beside

@@ -225,9 +225,6 @@ class Planner:
         slow = max(1.0, (level - 1) / 2) if level > 1 else 1.0
         return per_thread * self.threads / slow
 
-    def _rate(self, key: str) -> float:
-        return self.throughput.get(key) or DEFAULT_THROUGHPUT[key]
-
     def _upload(self, scheme: str) -> float:
         return self.throughput.get(f"upload:{scheme}", self.throughput["upload:s3"])
 
@@ -283,7 +280,7 @@ class Planner:
             "upload": (packed / ratio + raw) / self._upload(scheme),
         }
         if beside:  # on its own threads while CRIU dumps the rest
-            stages["gpu_pages"] = est.gpu_bytes / self._rate("gpu_pages")
+            stages["gpu_pages"] = est.gpu_bytes / self.throughput["gpu_pages"]
         key = f"stream:{scheme}:L{level}"
         measured = self.throughput.get(key)
         if mode == "stream":

@@ -213,13 +213,20 @@ class _CanLeavePages(Protocol):
     async def has_external_pages(self) -> bool: ...
 
 
+async def carried_beside(criu: _CanLeavePages, setting: str) -> bool:
+    """Whether spotguard moves the GPU memory the driver stages (``[checkpoint] gpu_pages =
+    "spotguard"`` and a CRIU with ``--external-pages``) rather than CRIU: the one place that
+    decides, for the engine and for the planner's prediction."""
+    return setting == "spotguard" and await criu.has_external_pages()
+
+
 async def before(
     criu: _CanLeavePages, setting: str, gpu_pids: Sequence[int]
 ) -> dict[int, list[tuple[int, int]]]:
     """Each GPU process's :func:`writable_anon` before the driver's checkpoint, when
-    spotguard is to move what the driver stages (``[checkpoint] gpu_pages = "spotguard"``
-    and a CRIU with ``--external-pages``); empty when CRIU moves it."""
-    if not gpu_pids or setting != "spotguard" or not await criu.has_external_pages():
+    spotguard is to move what the driver stages (:func:`carried_beside`); empty when CRIU
+    moves it."""
+    if not gpu_pids or not await carried_beside(criu, setting):
         return {}
     return {p: writable_anon(p) for p in gpu_pids}
 

@@ -28,6 +28,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Literal
 
+from spotguard.checkpoint import gpupages
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import gpu_hook
 from spotguard.checkpoint.engine import Engine, Mode
@@ -202,8 +203,7 @@ async def checkpoint(
     inst = instance or InstanceFacts()
     base: dict[str, Any] = {"instance": inst.to_json(), **(meta or {})}
     parallel = bool(await eng.criu.page_worker_args())  # patched CRIU: ranks at once
-    # patched CRIU: the GPU memory the driver stages is copied beside it (gpupages)
-    beside = settings.gpu_pages == "spotguard" and await eng.criu.has_external_pages()
+    beside = await gpupages.carried_beside(eng.criu, settings.gpu_pages)
     for i, path in enumerate(chain):
         more = i + 1 < len(chain)
         left = _left(deadline)
