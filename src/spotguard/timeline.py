@@ -64,6 +64,13 @@ class Timeline:
                 return s.seconds
         return None
 
+    def failed_step(self) -> str | None:
+        """The name of the last step that did not finish well (for a failure's log line)."""
+        for st in reversed(self.steps):
+            if not st.ok:
+                return st.name
+        return None
+
     def span(self) -> float:
         """Seconds from the first step's start to the last step's end."""
         ends = [s.end for s in self.steps if s.end is not None]

@@ -49,13 +49,12 @@ import asyncio
 import logging
 import os
 import signal
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-from spotguard.errors import CheckpointError, GpuError, JobError, SpotguardError
+from spotguard.errors import CheckpointError, JobError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
 from spotguard.image.settings import DEFAULT_CHUNK_SIZE as CHUNK
-from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
 from . import (
@@ -67,23 +66,21 @@ from . import (
     procfacts,
     proctree,
     recovery,
-    restart,
+    restoring,
     scan,
+    stagefault,
     suspend,
 )
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
-from .jobs import JobInfo, link_job_dir, own_mount_ns, own_net_ns
+from .jobs import JobInfo, own_mount_ns, own_net_ns
 from .marker import MARKER, FreezeMarker, Op
 from .meta import ImageMeta
-from .preflight import preflight, wait_pids_free
+from .restoring import OnRestored
 from .results import FreezeResult, Mode, RestoreResult
 from .settings import CheckpointSettings
 from .staging import DumpTarget, RestoreSource, dir_bytes
 from .suspend import Faults, OnResumed, OnSuspended, Suspended
-
-#: a park's restore: its commit, run as the last step under the crash marker
-OnRestored = Callable[[RestoreResult], Awaitable[None]]
 
 __all__ = [
     "FREEZE_STEPS",
@@ -217,9 +214,12 @@ class Engine:
                 with tl.step("gpu_lock", pids=active):
                     await self.faults.before("gpu_lock")
                     await self.gpu.lock(active, s.gpu_lock_timeout)
-                with tl.step("gpu_checkpoint", pids=active):
+                with tl.step("gpu_checkpoint", pids=active) as gc:
                     await self.faults.before("gpu_checkpoint")
-                    await self.gpu.checkpoint(active)
+                    pf = await stagefault.checkpoint(
+                        self.gpu, active, s.prefault_staging, s.gpu_page_workers or None
+                    )
+                    gc.detail.update(pf.to_json())
                 staged = gpupages.staged_ranges(before)
             host = HostFacts.probe(criu_version)
             meta = ImageMeta(
@@ -310,7 +310,7 @@ class Engine:
             marker.clear()
             log.warning(
                 "freeze failed; job resumed",
-                extra={"job": job.name, "error": str(exc), "step": _failed_step(tl)},
+                extra={"job": job.name, "error": str(exc), "step": tl.failed_step()},
             )
             if isinstance(exc, SpotguardError | asyncio.CancelledError | KeyboardInterrupt):
                 raise
@@ -400,101 +400,8 @@ class Engine:
         ``restore_gpus``: this restore's GPUs (the setting's syntax), over the setting.
         ``record`` (a park's restore): the crash marker is taken, naming it, and ``commit``
         (which removes it) runs as the last step (:meth:`recover` finishes or undoes a
-        restore killed midway)."""
-        tl = Timeline()
-        s = self.settings
-        state = state_dir or s.state_dir
-        pid: int | None = None
-        started = False
-        marker: FreezeMarker | None = None
-        try:
-            with tl.step("source"):
-                await self.faults.before("source")
-                started = True
-                meta = await source.start()
-            job = JobInfo.from_json(meta.job)
-            if record is not None:
-                job.dir.mkdir(parents=True, exist_ok=True)
-                marker = FreezeMarker(job)
-                marker.take(Op.RESTORE, record=record, images=source.images_dir)
-            with tl.step("preflight") as ps:
-                await self.faults.before("preflight")
-                remap = await preflight(
-                    meta, self.criu, self.gpu, state, restore_gpus=restore_gpus or s.restore_gpus
-                )
-                if meta.root_ns_pid != 1:
-                    # no own PID namespace: its exact PIDs must be free (a job killed a
-                    # moment ago may still hold them as zombies)
-                    ps.detail["pid_wait_s"] = await wait_pids_free(meta.pids, s.pid_wait)
-            with tl.step("put_files", files=len(meta.files)):
-                await self.faults.before("put_files")
-                await asyncio.to_thread(ncclctl.prepare_restore, job.name)
-                await asyncio.to_thread(
-                    files.put_back,
-                    meta.files,
-                    source.extras_dir,
-                    image_job_dir=job.dir,
-                    job_dir=StateDir(state).job(job.name),
-                    authenticated=source.authenticated,
-                )
-            with tl.step("criu_restore") as rs:
-                await self.faults.before("criu_restore")
-                pid = await restart.criu_restore(self.criu, source, meta, self.settings, rs.detail)
-            by_ns = proctree.host_pids_by_ns_pid(pid)
-            gpu_pids = [by_ns[n] for n in meta.gpu_processes if n in by_ns]
-            if len(gpu_pids) != len(meta.gpu_processes):
-                raise GpuError(
-                    f"restored tree lacks GPU processes {meta.gpu_processes} (found {by_ns})"
-                )
-            if marker is not None:
-                marker.update(gpu_pids=gpu_pids, tree=[*by_ns.values()], job_pid=pid)
-            if meta.gpu_pages:  # the GPU memory the driver staged, back before it reads it
-                with tl.step("gpu_pages", ranges=len(meta.gpu_pages)) as gs:
-                    await self.faults.before("gpu_pages")
-                    gs.detail["bytes"] = await gpupages.load(
-                        source, meta.gpu_pages, by_ns, workers=s.gpu_page_workers or None
-                    )
-            suspend.continue_stopped(list(by_ns.values()))  # the driver needs them running
-            if gpu_pids:
-                with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}):
-                    await self.faults.before("gpu_restore")
-                    await self.gpu.restore(gpu_pids, remap or None)
-                with tl.step("gpu_unlock", pids=gpu_pids):
-                    await self.faults.before("gpu_unlock")
-                    await self.gpu.unlock(gpu_pids)
-            with tl.step("nccl_rebuild") as rb:
-                await self.faults.before("nccl_rebuild")
-                rebuilt = await self.nccl.rebuild(job.name, [*by_ns.values()], restored=True)
-                rb.detail.update(rebuilt.to_json())
-            with tl.step("finish"):
-                await self.faults.before("finish")
-                job = job.with_pid(pid)
-                job.save()
-                link_job_dir(job, state)
-                await source.finish()
-                result = RestoreResult(job, pid, tl, meta, gpu_pids)
-                if commit is not None:
-                    await commit(result)
-        except BaseException as exc:
-            if pid is not None and proctree.alive(pid):
-                # a tree restored without its GPU state cannot run: do not leave it locked
-                os.kill(pid, signal.SIGKILL)
-            if started:
-                await asyncio.shield(source.abort())
-            if marker is not None:
-                marker.clear()
-            log.warning("restore failed", extra={"error": str(exc), "step": _failed_step(tl)})
-            if isinstance(exc, SpotguardError | asyncio.CancelledError | KeyboardInterrupt):
-                raise
-            raise CheckpointError(f"restore failed: {exc}") from exc
-        if marker is not None:
-            marker.clear()
-        log.info("job restored", extra={"job": job.name, "pid": pid, "gpu_pids": gpu_pids})
-        return result
-
-
-def _failed_step(tl: Timeline) -> str | None:
-    for st in reversed(tl.steps):
-        if not st.ok:
-            return st.name
-    return None
+        restore killed midway). The steps: :mod:`.restoring`."""
+        return await restoring.restore(
+            self, source, state_dir=state_dir, restore_gpus=restore_gpus, record=record,
+            commit=commit,
+        )  # fmt: skip

@@ -170,6 +170,11 @@ def writable_anon(pid: int) -> list[tuple[int, int]]:
         return []
 
 
+def new_since(pid: int, old: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The writable anonymous ranges ``pid`` has now outside ``old`` (merged, sorted)."""
+    return _minus(_merged(writable_anon(pid)), _merged(old))
+
+
 def _minus(ranges: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``ranges`` without any address in ``cut`` (both sorted, each without overlaps)."""
     out: list[tuple[int, int]] = []
@@ -204,7 +209,7 @@ def staged_ranges(
     ``min_bytes`` — what the driver staged the GPU memory in."""
     found: list[Range] = []
     for pid, old in before.items():
-        new = _minus(_merged(writable_anon(pid)), _merged(old))
+        new = new_since(pid, old)
         found += [Range(pid, lo, hi) for lo, hi in new if hi - lo >= min_bytes]
     return found
 

@@ -52,7 +52,7 @@ from typing import Protocol
 from spotguard.errors import JobError, SpotguardError
 from spotguard.timeline import Timeline
 
-from . import proctree
+from . import proctree, stagefault
 from .cuda import GpuHook, GpuState
 from .jobs import JobInfo
 from .marker import FreezeMarker, Op
@@ -149,9 +149,13 @@ async def suspend(
             with tl.step("gpu_lock", pids=gpu_pids):
                 await faults.before("gpu_lock")
                 await gpu.lock(gpu_pids, eng.settings.gpu_lock_timeout)
-            with tl.step("gpu_checkpoint", pids=gpu_pids):
+            with tl.step("gpu_checkpoint", pids=gpu_pids) as gc:
                 await faults.before("gpu_checkpoint")
-                await gpu.checkpoint(gpu_pids)
+                cs = eng.settings
+                pf = await stagefault.checkpoint(
+                    gpu, gpu_pids, cs.prefault_staging, cs.gpu_page_workers or None
+                )
+                gc.detail.update(pf.to_json())
         with tl.step("stop"):
             await faults.before("stop")
             # the tree as it is now (a process may have forked meanwhile), root last so that

@@ -1,0 +1,151 @@
+"""The restore's steps, in order — the half of :mod:`.engine` that brings an image back.
+
+``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore`` ─►
+``gpu_pages`` ─► ``gpu_restore`` (UUID remap) ─► ``gpu_unlock`` ─► ``nccl_rebuild`` ─► finish.
+
+:meth:`~spotguard.checkpoint.engine.Engine.restore` runs :func:`restore` with itself as
+``eng``; nothing else calls it, so the engine stays the one place that orders the steps.
+On any failure the restored tree is killed (a tree without its GPU state cannot run), the
+source is aborted and the crash marker of a park's restore cleared.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Protocol
+
+from spotguard.errors import CheckpointError, GpuError, SpotguardError
+from spotguard.statedir import StateDir
+from spotguard.timeline import Timeline
+
+from . import files, gpupages, ncclctl, proctree, restart, suspend
+from .criu import Criu
+from .jobs import JobInfo, link_job_dir
+from .marker import FreezeMarker, Op
+from .preflight import preflight, wait_pids_free
+from .results import RestoreResult
+from .staging import RestoreSource
+from .suspend import EngineParts
+
+log = logging.getLogger(__name__)
+
+#: a park's restore: its commit, run as the last step under the crash marker
+OnRestored = Callable[[RestoreResult], Awaitable[None]]
+
+
+class RestoreParts(EngineParts, Protocol):
+    """What a restore uses of the engine: the in-place parts and its CRIU."""
+
+    criu: Criu
+
+
+async def restore(
+    eng: RestoreParts,
+    source: RestoreSource,
+    *,
+    state_dir: Path | None = None,
+    restore_gpus: str | None = None,
+    record: Path | None = None,
+    commit: OnRestored | None = None,
+) -> RestoreResult:
+    """Restore the image from ``source`` with ``eng``'s CRIU, GPU hook and settings; the job
+    runs again when this returns.
+    ``restore_gpus``: this restore's GPUs (the setting's syntax), over the setting.
+    ``record`` (a park's restore): the crash marker is taken, naming it, and ``commit``
+    (which removes it) runs as the last step (:meth:`recover` finishes or undoes a
+    restore killed midway)."""
+    tl = Timeline()
+    s = eng.settings
+    state = state_dir or s.state_dir
+    pid: int | None = None
+    started = False
+    marker: FreezeMarker | None = None
+    try:
+        with tl.step("source"):
+            await eng.faults.before("source")
+            started = True
+            meta = await source.start()
+        job = JobInfo.from_json(meta.job)
+        if record is not None:
+            job.dir.mkdir(parents=True, exist_ok=True)
+            marker = FreezeMarker(job)
+            marker.take(Op.RESTORE, record=record, images=source.images_dir)
+        with tl.step("preflight") as ps:
+            await eng.faults.before("preflight")
+            remap = await preflight(
+                meta, eng.criu, eng.gpu, state, restore_gpus=restore_gpus or s.restore_gpus
+            )
+            if meta.root_ns_pid != 1:
+                # no own PID namespace: its exact PIDs must be free (a job killed a
+                # moment ago may still hold them as zombies)
+                ps.detail["pid_wait_s"] = await wait_pids_free(meta.pids, s.pid_wait)
+        with tl.step("put_files", files=len(meta.files)):
+            await eng.faults.before("put_files")
+            await asyncio.to_thread(ncclctl.prepare_restore, job.name)
+            await asyncio.to_thread(
+                files.put_back,
+                meta.files,
+                source.extras_dir,
+                image_job_dir=job.dir,
+                job_dir=StateDir(state).job(job.name),
+                authenticated=source.authenticated,
+            )
+        with tl.step("criu_restore") as rs:
+            await eng.faults.before("criu_restore")
+            pid = await restart.criu_restore(eng.criu, source, meta, eng.settings, rs.detail)
+        by_ns = proctree.host_pids_by_ns_pid(pid)
+        gpu_pids = [by_ns[n] for n in meta.gpu_processes if n in by_ns]
+        if len(gpu_pids) != len(meta.gpu_processes):
+            raise GpuError(
+                f"restored tree lacks GPU processes {meta.gpu_processes} (found {by_ns})"
+            )
+        if marker is not None:
+            marker.update(gpu_pids=gpu_pids, tree=[*by_ns.values()], job_pid=pid)
+        if meta.gpu_pages:  # the GPU memory the driver staged, back before it reads it
+            with tl.step("gpu_pages", ranges=len(meta.gpu_pages)) as gs:
+                await eng.faults.before("gpu_pages")
+                gs.detail["bytes"] = await gpupages.load(
+                    source, meta.gpu_pages, by_ns, workers=s.gpu_page_workers or None
+                )
+        suspend.continue_stopped(list(by_ns.values()))  # the driver needs them running
+        if gpu_pids:
+            with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}):
+                await eng.faults.before("gpu_restore")
+                await eng.gpu.restore(gpu_pids, remap or None)
+            with tl.step("gpu_unlock", pids=gpu_pids):
+                await eng.faults.before("gpu_unlock")
+                await eng.gpu.unlock(gpu_pids)
+        with tl.step("nccl_rebuild") as rb:
+            await eng.faults.before("nccl_rebuild")
+            rebuilt = await eng.nccl.rebuild(job.name, [*by_ns.values()], restored=True)
+            rb.detail.update(rebuilt.to_json())
+        with tl.step("finish"):
+            await eng.faults.before("finish")
+            job = job.with_pid(pid)
+            job.save()
+            link_job_dir(job, state)
+            await source.finish()
+            result = RestoreResult(job, pid, tl, meta, gpu_pids)
+            if commit is not None:
+                await commit(result)
+    except BaseException as exc:
+        if pid is not None and proctree.alive(pid):
+            # a tree restored without its GPU state cannot run: do not leave it locked
+            os.kill(pid, signal.SIGKILL)
+        if started:
+            await asyncio.shield(source.abort())
+        if marker is not None:
+            marker.clear()
+        log.warning("restore failed", extra={"error": str(exc), "step": tl.failed_step()})
+        if isinstance(exc, SpotguardError | asyncio.CancelledError | KeyboardInterrupt):
+            raise
+        raise CheckpointError(f"restore failed: {exc}") from exc
+    if marker is not None:
+        marker.clear()
+    log.info("job restored", extra={"job": job.name, "pid": pid, "gpu_pids": gpu_pids})
+    return result

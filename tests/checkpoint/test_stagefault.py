@@ -1,0 +1,199 @@
+"""The driver's staging memory faulted in beside its checkpoint (checkpoint/stagefault.py).
+
+The "driver" here is what the real one does to the job (docs/benchmarks.md): a thread of a
+real process maps one anonymous range and writes every page of it in order, from one thread,
+while :func:`stagefault.prefaulting` reads the range from outside with several threads. The
+checks: every page holds what the process wrote (a read never changes memory), the range was
+found and read, and the host's huge zero page is as it was afterwards — also when the
+checkpoint fails. These change host-wide settings (THP mode, the huge zero page), so they run
+alone (``serial``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from spotguard.checkpoint import gpupages, stagefault
+
+THP = Path("/sys/kernel/mm/transparent_hugepage")
+
+pytestmark = [
+    pytest.mark.serial,
+    pytest.mark.skipif(not (THP / "use_zero_page").exists(), reason="no transparent huge pages"),
+]
+
+MIB = 1 << 20
+
+DRIVER = textwrap.dedent(
+    r"""
+    import ctypes, mmap, sys
+    n = int(sys.argv[1])
+    HUGE = 2 << 20
+    print("ready", flush=True)
+    state = {}
+    for line in sys.stdin:
+        if line.startswith("stage"):
+            m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            base = ctypes.addressof(ctypes.c_char.from_buffer(m))
+            for i, off in enumerate(range(0, n, 4096)):
+                ctypes.memset(base + off, 1 + (off // HUGE + i) % 251, 4096)
+            state["m"] = m
+            print("staged", hex(base), flush=True)
+        elif line.startswith("check"):
+            m = state["m"]
+            bad = sum(1 for i, off in enumerate(range(0, n, 4096))
+                      if m[off] != 1 + (off // HUGE + i) % 251 or m[off + 4095] != m[off])
+            print("check", bad, flush=True)
+    """
+)
+
+
+@pytest.fixture
+def thp_always() -> Iterator[None]:
+    """THP ``always`` (what the agent sets) for the test; the host's mode put back after."""
+    enabled = THP / "enabled"
+    old = next(w[1:-1] for w in enabled.read_text().split() if w.startswith("["))
+    try:
+        enabled.write_text("always")
+    except OSError as exc:
+        pytest.skip(f"cannot set transparent huge pages here: {exc}")
+    try:
+        yield
+    finally:
+        enabled.write_text(old)
+
+
+class Driver:
+    """A real process standing in for the driver's checkpoint of itself."""
+
+    def __init__(self, size: int) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", DRIVER, str(size)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert self.ask("") == ["ready"]
+
+    def ask(self, line: str) -> list[str]:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        if line:
+            self.proc.stdin.write(line + "\n")
+            self.proc.stdin.flush()
+        return self.proc.stdout.readline().split()
+
+    async def checkpoint(self, pids: list[int]) -> None:
+        assert pids == [self.proc.pid]
+        reply = await asyncio.to_thread(self.ask, "stage")
+        assert reply[0] == "staged"
+
+    def close(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+
+@pytest.fixture
+def driver() -> Iterator[Driver]:
+    d = Driver(256 * MIB)
+    yield d
+    d.close()
+
+
+def _zero_page() -> str:
+    return (THP / "use_zero_page").read_text().strip()
+
+
+def test_the_driver_s_range_is_faulted_beside_it_and_holds_exactly_what_it_wrote(
+    thp_always: None, driver: Driver
+) -> None:
+    before = _zero_page()
+    pid = driver.proc.pid
+    old = gpupages.writable_anon(pid)
+    stats = asyncio.run(stagefault.checkpoint(driver, [pid], True, workers=4))
+    assert stats.active
+    assert stats.ranges == 1
+    assert stats.first_seen_s is not None
+    # every huge page of the new range was read (at least the 256 MiB the driver mapped)
+    staged = gpupages.new_since(pid, old)
+    assert sum(hi - lo for lo, hi in staged) >= 256 * MIB
+    assert stats.bytes >= 254 * MIB
+    assert driver.ask("check") == ["check", "0"]
+    assert _zero_page() == before
+
+
+def test_switched_off_nothing_is_read_and_the_host_is_untouched(
+    thp_always: None, driver: Driver
+) -> None:
+    before = _zero_page()
+    stats = asyncio.run(stagefault.checkpoint(driver, [driver.proc.pid], False))
+    assert not stats.active and stats.bytes == 0 and stats.ranges == 0
+    assert driver.ask("check") == ["check", "0"]
+    assert _zero_page() == before
+
+
+def test_without_thp_always_nothing_is_read(driver: Driver) -> None:
+    enabled = THP / "enabled"
+    old = next(w[1:-1] for w in enabled.read_text().split() if w.startswith("["))
+    enabled.write_text("madvise")
+    try:
+        stats = asyncio.run(stagefault.checkpoint(driver, [driver.proc.pid], True))
+    finally:
+        enabled.write_text(old)
+    assert not stats.active and stats.bytes == 0
+    assert driver.ask("check") == ["check", "0"]
+
+
+def test_a_failed_checkpoint_stops_the_threads_and_puts_the_zero_page_back(
+    thp_always: None, driver: Driver
+) -> None:
+    before = _zero_page()
+
+    class Failing:
+        async def checkpoint(self, pids: list[int]) -> None:
+            await driver.checkpoint(pids)
+            raise RuntimeError("driver said no")
+
+    with pytest.raises(RuntimeError, match="driver said no"):
+        asyncio.run(stagefault.checkpoint(Failing(), [driver.proc.pid], True, workers=2))
+    assert _zero_page() == before
+    assert driver.ask("check") == ["check", "0"]
+    import threading
+
+    assert not [t for t in threading.enumerate() if t.name.startswith("prefault")]
+
+
+def test_the_zero_page_stays_off_until_the_last_overlapping_checkpoint_ends(
+    thp_always: None,
+) -> None:
+    before = _zero_page()
+    a, b = Driver(64 * MIB), Driver(64 * MIB)
+    try:
+
+        async def both() -> None:
+            async with stagefault.prefaulting([a.proc.pid], True, 2):
+                async with stagefault.prefaulting([b.proc.pid], True, 2):
+                    assert _zero_page() == "0"
+                assert _zero_page() == "0"  # a's checkpoint still runs
+
+        asyncio.run(both())
+    finally:
+        a.close()
+        b.close()
+    assert _zero_page() == before
+
+
+def test_reading_a_range_that_is_gone_reads_nothing_and_raises_nothing() -> None:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        assert stagefault.touch(proc.pid, [0x1000, 0x2000]) == 0
+        assert stagefault.touch(proc.pid, []) == 0
+    finally:
+        proc.kill()
+        proc.wait()
