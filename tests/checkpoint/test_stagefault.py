@@ -197,3 +197,28 @@ def test_reading_a_range_that_is_gone_reads_nothing_and_raises_nothing() -> None
     finally:
         proc.kill()
         proc.wait()
+
+
+def test_a_process_killed_while_the_zero_page_was_off_leaves_the_next_one_its_value(
+    tmp_path: Path,
+) -> None:
+    """The setting's bookkeeping (a plain file stands in for sysfs here: a real kill of the
+    process that turned it off would leave the host's setting changed for the other tests)."""
+    knob, saved = tmp_path / "use_zero_page", tmp_path / "run" / "use_zero_page.saved"
+    knob.write_text("1\n")
+    first = stagefault._ZeroPage(knob, saved)
+    assert first.acquire()
+    assert knob.read_text() == "0" and saved.read_text() == "1"
+    # the process dies here: nothing released; the next process finds the page off
+    second = stagefault._ZeroPage(knob, saved)
+    assert second.acquire() and second.acquire()
+    second.release()
+    assert knob.read_text() == "0"  # one checkpoint still runs
+    second.release()
+    assert knob.read_text() == "1" and not saved.exists()
+    # a host whose setting was 0 before spotguard keeps 0
+    knob.write_text("0")
+    third = stagefault._ZeroPage(knob, saved)
+    assert third.acquire()
+    third.release()
+    assert knob.read_text() == "0"

@@ -91,21 +91,36 @@ def _cut(pid: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
 # --- the host setting ---------------------------------------------------------------------
 class _ZeroPage:
     """The huge zero page off while at least one checkpoint needs it off (counted), then put
-    back as it was. Host-wide, so counted per agent process."""
+    back as it was. The value found is also written to ``saved_path`` (under /run, which a
+    reboot empties exactly when it resets the kernel's setting), so that a process killed
+    while the page was off leaves the next checkpoint the value to put back. Host-wide, but
+    counted per process: two processes checkpointing at once may put it back before the
+    other ends, which only makes that one's reads map zero pages (no prefault, no harm)."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, saved_path: Path) -> None:
         self.path = path
+        self.saved_path = saved_path
         self.lock = threading.Lock()
         self.users = 0
         self.saved: str | None = None
+
+    def _original(self, now: str) -> str:
+        """The value to put back: one a killed process recorded, else ``now``."""
+        try:
+            recorded = self.saved_path.read_text().strip()
+        except OSError:
+            return now
+        return recorded if now == "0" and recorded in ("0", "1") else now
 
     def acquire(self) -> bool:
         """Turn the huge zero page off; False where that cannot be done (no THP, not root)."""
         with self.lock:
             if self.users == 0:
                 try:
-                    old = self.path.read_text().strip()
+                    old = self._original(self.path.read_text().strip())
                     if old != "0":
+                        self.saved_path.parent.mkdir(parents=True, exist_ok=True)
+                        self.saved_path.write_text(old)
                         self.path.write_text("0")
                 except OSError as exc:
                     log.info("GPU staging not prefaulted", extra={"error": str(exc)})
@@ -120,13 +135,14 @@ class _ZeroPage:
             if self.users == 0 and self.saved is not None and self.saved != "0":
                 try:
                     self.path.write_text(self.saved)
+                    self.saved_path.unlink(missing_ok=True)
                 except OSError as exc:
                     log.warning("huge zero page not put back", extra={"error": str(exc)})
             if self.users == 0:
                 self.saved = None
 
 
-_ZERO_PAGE = _ZeroPage(_THP / "use_zero_page")
+_ZERO_PAGE = _ZeroPage(_THP / "use_zero_page", Path("/run/spotguard/use_zero_page.saved"))
 
 
 def _thp_always(thp: Path = _THP) -> bool:
