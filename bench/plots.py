@@ -262,6 +262,27 @@ def plot_demo(demo_json: Path, out: Path) -> Path | None:
     return _save(fig, out, "demo-timeline.png")
 
 
+def plot_prefault(md: str, out: Path) -> Path | None:
+    """The ``bench.stage_prefault`` table under Streaming (``GiB``, ``mode``, ``driver
+    checkpoint s``): each run's driver checkpoint, with and without the prefault, in run
+    order."""
+    found = [t for t in tables(md, "Streaming") if t and "mode" in t[0] and "GiB" in t[0]
+             and "driver checkpoint s" in t[0]]  # fmt: skip
+    if not found:
+        print("skipped prefault: no bench.stage_prefault table under '## Streaming'")
+        return None
+    rows = found[0]  # sections are newest first
+    fig, ax = plt.subplots(figsize=(7, 3.4))
+    labels = [f"{r['GiB']} GiB\n" + r["mode"].split(" (")[0].replace(", ", "\n") for r in rows]
+    colors = ["tab:green" if r["mode"].startswith("prefault") else "tab:gray" for r in rows]
+    ax.bar(range(len(rows)), [num(r["driver checkpoint s"]) or 0.0 for r in rows], color=colors)
+    ax.set_xticks(range(len(rows)), labels, fontsize=6)
+    ax.set_ylabel("driver checkpoint, s")
+    ax.set_title("The driver's checkpoint with its staging faulted in beside it (green) or "
+                 "not (bench.stage_prefault)", fontsize=9)  # fmt: skip
+    return _save(fig, out, "prefault.png")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.plots", description=__doc__)
     ap.add_argument("--results", type=Path, default=Path("docs/benchmarks.md"))
@@ -278,6 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_streaming_gpu(md, args.out),
         plot_ranks(md, args.out),
         plot_pagecopy(md, args.out),
+        plot_prefault(md, args.out),
     ]
     if args.demo_json is not None:
         made.append(plot_demo(args.demo_json, args.out))
