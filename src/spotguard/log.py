@@ -135,6 +135,7 @@ FIELDS: dict[str, str] = {
     "prefault_ranges": "ranges the driver mapped for a checkpoint, faulted in beside it",
     "prefault_bytes": "bytes of those ranges faulted in beside the driver's checkpoint",
     "prefault_first_s": "seconds from a checkpoint's start until the driver's range was seen",
+    "prefault_capped": "whether the driver's ranges held more than the prefault's budget",
     "criu": "the CRIU binary and version",
     "gpus": "GPUs an image needs",
     "gpu_pids": "processes holding a GPU",

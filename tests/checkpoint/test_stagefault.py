@@ -222,3 +222,30 @@ def test_a_process_killed_while_the_zero_page_was_off_leaves_the_next_one_its_va
     assert third.acquire()
     third.release()
     assert knob.read_text() == "0"
+
+
+def test_no_more_is_read_than_the_gpu_memory_the_driver_will_stage(thp_always: None) -> None:
+    """A range larger than the budget (a thread of the job mapping a big sparse region while
+    the driver works would be one) is read only up to the budget; the rest is left alone."""
+    d = Driver(768 * MIB)
+    try:
+        stats = asyncio.run(stagefault.checkpoint(d, [d.proc.pid], True, 2, gpu_bytes=1))
+        assert stats.active and stats.capped
+        assert stats.bytes <= stagefault.budget(1) + stagefault.HUGE
+        assert stats.to_json()["prefault_capped"] is True
+        assert d.ask("check") == ["check", "0"]
+    finally:
+        d.close()
+
+
+def test_the_budget_is_the_gpu_memory_with_a_margin_and_never_past_available_memory(
+    tmp_path: Path,
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 8388608 kB\nMemAvailable: 4194304 kB\n")  # 4 GiB available
+    gib = 1 << 30
+    assert stagefault.budget(gib, meminfo) == gib + gib // 4 + 512 * MIB
+    assert stagefault.budget(0, meminfo) == 3 * gib  # unknown: available less 1 GiB
+    assert stagefault.budget(10 * gib, meminfo) == 3 * gib
+    meminfo.write_text("garbage")
+    assert stagefault.budget(gib, meminfo) == 0

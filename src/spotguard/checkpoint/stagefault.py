@@ -161,19 +161,24 @@ class PrefaultStats:
     bytes: int = 0
     first_seen_s: float | None = None
     active: bool = False
+    capped: bool = False  # the ranges held more than the budget: the rest left to the driver
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def to_json(self) -> dict[str, object]:
         out: dict[str, object] = {"prefault_ranges": self.ranges, "prefault_bytes": self.bytes}
         if self.first_seen_s is not None:
             out["prefault_first_s"] = round(self.first_seen_s, 3)
+        if self.capped:
+            out["prefault_capped"] = True
         return out
 
 
 class Prefault:
     """While the driver checkpoints ``pids``: each new writable anonymous range of at least
     ``min_bytes`` (against ``before``, each pid's ranges before the checkpoint) is read one
-    byte per huge page by ``workers`` threads, lowest addresses first."""
+    byte per huge page by ``workers`` threads, lowest addresses first — at most ``budget``
+    bytes in all (None: no limit): a range a thread of the job maps meanwhile and uses
+    sparsely must not be made whole."""
 
     def __init__(
         self,
@@ -182,8 +187,10 @@ class Prefault:
         *,
         min_bytes: int = gpupages.MIN_RANGE_BYTES,
         poll_s: float = POLL_S,
+        budget: int | None = None,
     ) -> None:
         self.before = {p: sorted(r) for p, r in before.items()}
+        self.left = budget
         self.workers = max(1, workers)
         self.min_bytes = min_bytes
         self.poll_s = poll_s
@@ -226,6 +233,11 @@ class Prefault:
                 self.stats.ranges += 1
                 if self.stats.first_seen_s is None:
                     self.stats.first_seen_s = time.perf_counter() - self._t0
+                if self.left is not None:
+                    if hi - lo > self.left:
+                        self.stats.capped = True
+                    hi = lo + max(0, min(hi - lo, self.left))
+                    self.left -= hi - lo
                 found += _cut(pid, lo, hi)
         if found:
             with self._cv:
@@ -267,11 +279,11 @@ def _zero_page_off(enabled: bool) -> Iterator[bool]:
 
 @asynccontextmanager
 async def prefaulting(
-    pids: Sequence[int], enabled: bool, workers: int | None = None
+    pids: Sequence[int], enabled: bool, workers: int | None = None, gpu_bytes: int = 0
 ) -> AsyncIterator[PrefaultStats]:
     """Around the driver's checkpoint of ``pids``: prefault what it stages (see the module)
     when ``enabled`` and the host allows it; yields the stats (``active`` says whether it
-    ran)."""
+    ran). At most :func:`budget` bytes are read."""
     stats = PrefaultStats()
     if not pids or not enabled:
         yield stats
@@ -282,7 +294,7 @@ async def prefaulting(
             return
         before = {p: gpupages.writable_anon(p) for p in pids}
         k = workers or gpupages.default_workers()
-        pf = Prefault(before, k)
+        pf = Prefault(before, k, budget=budget(gpu_bytes))
         pf.stats.active = True
         pf.start()
         try:
@@ -294,16 +306,35 @@ async def prefaulting(
                 log.info("GPU staging prefaulted", extra=pf.stats.to_json())
 
 
+def budget(gpu_bytes: int, meminfo: Path = Path("/proc/meminfo")) -> int:
+    """Bytes the reads may make: what the driver will stage (the processes' GPU memory, with
+    a quarter and 512 MiB to spare; unknown when 0), and never more than the host's
+    available memory less 1 GiB."""
+    avail = 0
+    try:
+        for line in meminfo.read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        avail = 0
+    cap = max(0, avail - (1 << 30))
+    return min(cap, gpu_bytes + gpu_bytes // 4 + (512 << 20)) if gpu_bytes > 0 else cap
+
+
 class _Checkpoints(Protocol):
     async def checkpoint(self, pids: Sequence[int]) -> None: ...
 
 
 async def checkpoint(
-    gpu: _Checkpoints, pids: Sequence[int], enabled: bool, workers: int | None = None
+    gpu: _Checkpoints,
+    pids: Sequence[int],
+    enabled: bool,
+    workers: int | None = None,
+    gpu_bytes: int = 0,
 ) -> PrefaultStats:
-    """The driver's checkpoint of ``pids``, with what it stages prefaulted beside it when
-    ``enabled`` (``[checkpoint] prefault_staging``): how a freeze and a suspend in place call
-    it."""
-    async with prefaulting(pids, enabled, workers) as stats:
+    """The driver's checkpoint of ``pids`` (holding ``gpu_bytes`` of GPU memory, 0 when
+    unknown), with what it stages prefaulted beside it when ``enabled`` (``[checkpoint]
+    prefault_staging``): how a freeze and a suspend in place call it."""
+    async with prefaulting(pids, enabled, workers, gpu_bytes) as stats:
         await gpu.checkpoint(pids)
     return stats

@@ -153,7 +153,7 @@ async def suspend(
                 await faults.before("gpu_checkpoint")
                 cs = eng.settings
                 pf = await stagefault.checkpoint(
-                    gpu, gpu_pids, cs.prefault_staging, cs.gpu_page_workers or None
+                    gpu, gpu_pids, cs.prefault_staging, cs.gpu_page_workers or None, gpu_bytes
                 )
                 gc.detail.update(pf.to_json())
         with tl.step("stop"):
