@@ -249,3 +249,17 @@ def test_the_budget_is_the_gpu_memory_with_a_margin_and_never_past_available_mem
     assert stagefault.budget(10 * gib, meminfo) == 3 * gib
     meminfo.write_text("garbage")
     assert stagefault.budget(gib, meminfo) == 0
+
+
+def test_doctor_says_whether_the_staging_can_be_faulted_beside_the_driver(tmp_path: Path) -> None:
+    """``spotguard doctor``'s line (a directory stands in for the THP sysfs directory)."""
+    (tmp_path / "enabled").write_text("always [madvise] never\n")
+    (tmp_path / "use_zero_page").write_text("1\n")
+    ok, found, fix = stagefault.readiness(tmp_path)
+    assert not ok and "not always" in found and "transparent_hugepages" in fix
+    (tmp_path / "enabled").write_text("[always] madvise never\n")
+    ok, found, fix = stagefault.readiness(tmp_path)
+    assert ok and fix == "" and "faulted in beside" in found
+    (tmp_path / "use_zero_page").unlink()
+    ok, found, _ = stagefault.readiness(tmp_path)
+    assert not ok and "not settable" in found

@@ -11,7 +11,7 @@ from typing import Any
 
 from spotguard.errors import PreflightError
 
-from . import cuda
+from . import cuda, stagefault
 from .criu import MIN_VERSION_TEXT, PLUGIN_NAME, Criu, version_ok
 from .selftest import run_selftest
 
@@ -128,6 +128,8 @@ async def run_checks(criu_path: str | None = None, *, self_test: bool = True) ->
                 required=False,
             )
         )
+        ready, found, fix = stagefault.readiness()
+        checks.append(Check("gpu staging prefault", ready, found, fix, required=False))
     else:
         checks.append(
             Check(

@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import logging
+import os
 import threading
 import time
 from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
@@ -150,6 +151,24 @@ def _thp_always(thp: Path = _THP) -> bool:
         return "[always]" in (thp / "enabled").read_text()
     except OSError:
         return False
+
+
+def readiness(thp: Path = _THP) -> tuple[bool, str, str]:
+    """Whether this host lets a checkpoint fault the driver's staging beside it: (ok, what was
+    found, what to do) for ``spotguard doctor``."""
+    always = _thp_always(thp)
+    knob = thp / "use_zero_page"
+    settable = knob.exists() and os.access(knob, os.W_OK)
+    if always and settable:
+        return True, "THP always, huge zero page settable: staging faulted in beside the driver", ""
+    found = f"THP {'always' if always else 'not always'}, huge zero page " + (
+        "settable" if settable else "not settable"
+    )
+    return (
+        False,
+        found + ": the driver's checkpoint makes its pages from one thread (slower)",
+        'run the agent as root with [agent] transparent_hugepages = "always" (the default)',
+    )
 
 
 # --- watching and faulting ----------------------------------------------------------------
