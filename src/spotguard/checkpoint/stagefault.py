@@ -47,8 +47,11 @@ HUGE = 2 << 20
 #: huge pages faulted per process_vm_readv call (64 MiB): short enough that the threads
 #: stop soon after the checkpoint returns
 _PER_CALL = 32
-#: how often the maps are read while the checkpoint runs
+#: how often the maps are read while the checkpoint runs, until a range is found; then
+#: :data:`POLL_FOUND_S` (the driver maps its range once, within ms of the call; reading
+#: the maps of a process with thousands of mappings costs a core's milliseconds each time)
 POLL_S = 0.002
+POLL_FOUND_S = 0.05
 _THP = Path("/sys/kernel/mm/transparent_hugepage")
 
 
@@ -266,7 +269,9 @@ class Prefault:
     def _watch(self) -> None:
         while not self._stop.is_set():
             self._scan()
-            self._stop.wait(self.poll_s)
+            self._stop.wait(
+                self.poll_s if not self.stats.ranges else max(self.poll_s, POLL_FOUND_S)
+            )
 
     def _next(self) -> tuple[int, int, int] | None:
         with self._cv:
