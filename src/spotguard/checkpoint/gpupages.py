@@ -300,6 +300,20 @@ def write_memory(pid: int, addr: int, view: memoryview) -> None:
     _move(_writev, "process_vm_writev", pid, addr, view)
 
 
+def touch(pid: int, addrs: Sequence[int]) -> int:
+    """Read one byte at each of ``addrs`` in ``pid`` (at most 1024): the pages fault in,
+    nothing is written (:mod:`.stagefault`). Return how many were read (the first address no
+    longer mapped ends the read)."""
+    n = len(addrs)
+    if not n:
+        return 0
+    buf = ctypes.create_string_buffer(n)
+    local = _Iovec(ctypes.addressof(buf), n)
+    remote = (_Iovec * n)(*[_Iovec(a, 1) for a in addrs])
+    got = _readv(pid, ctypes.byref(local), 1, remote, n, 0)
+    return max(0, int(got))
+
+
 async def save(
     target: PagesTarget,
     ranges: Sequence[Range],

@@ -19,15 +19,15 @@ the last checkpoint that needed it is done), and transparent huge pages must be 
 driver's write finds present. Where either cannot be had, nothing is read (the reads would
 only map zero pages) and the checkpoint runs as before.
 
-Why ``process_vm_readv`` through ``ctypes``: it is the one call that faults another process's
-pages without writing them (``process_madvise`` refuses ``MADV_POPULATE_*`` for another
-process), and it releases the GIL, so the threads fault on separate cores.
+Why ``process_vm_readv`` (:func:`~spotguard.checkpoint.gpupages.touch`): it is the one call that
+faults another process's pages without writing them (``process_madvise`` refuses
+``MADV_POPULATE_*`` for another process), and it releases the GIL, so the threads fault on
+separate cores.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
 import logging
 import os
 import threading
@@ -53,36 +53,6 @@ _PER_CALL = 32
 POLL_S = 0.002
 POLL_FOUND_S = 0.05
 _THP = Path("/sys/kernel/mm/transparent_hugepage")
-
-
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_readv = _libc.process_vm_readv
-_readv.restype = ctypes.c_ssize_t
-_readv.argtypes = (
-    ctypes.c_int,
-    ctypes.POINTER(_Iovec),
-    ctypes.c_ulong,
-    ctypes.POINTER(_Iovec),
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-)
-
-
-def touch(pid: int, addrs: Sequence[int]) -> int:
-    """Read one byte at each of ``addrs`` in ``pid`` (at most 1024); return how many were
-    read (the first address that is no longer mapped ends the read)."""
-    n = len(addrs)
-    if not n:
-        return 0
-    buf = ctypes.create_string_buffer(n)
-    local = _Iovec(ctypes.addressof(buf), n)
-    remote = (_Iovec * n)(*[_Iovec(a, 1) for a in addrs])
-    got = _readv(pid, ctypes.byref(local), 1, remote, n, 0)
-    return max(0, int(got))
 
 
 def _cut(pid: int, lo: int, hi: int) -> list[tuple[int, int, int]]:
@@ -286,7 +256,7 @@ class Prefault:
         while (piece := self._next()) is not None:
             pid, lo, hi = piece
             addrs = list(range(lo, hi, HUGE))
-            done = touch(pid, addrs)
+            done = gpupages.touch(pid, addrs)
             with self.stats.lock:
                 self.stats.bytes += done * HUGE
 
