@@ -98,6 +98,14 @@ async def test_an_agent_whose_job_was_relaunched_elsewhere_stands_down(
                 vms = tmp_path / "local" / "vms"
                 await wait_until(lambda: any(vms.glob("vm-*/assignment.json")), 30)
                 [vm_dir] = [p.parent for p in vms.glob("vm-*/assignment.json")]
+                # the local provider writes the assignment before the controller records the
+                # launch (LAUNCHING -> RESTORING); a RESTORED reported in between is recorded
+                # and ignored, which a real VM's agent, booting for a minute, never meets
+                for _ in range(600):
+                    now = await srv.controller.db.get("train")
+                    if now is not None and now.state.value == "restoring":
+                        break
+                    await asyncio.sleep(0.05)
                 await _restored_on_new_vm(srv.url, vm_dir, image_url)
 
                 worker = agent.workers["train"]
