@@ -216,10 +216,7 @@ class Engine:
                     await self.gpu.lock(active, s.gpu_lock_timeout)
                 with tl.step("gpu_checkpoint", pids=active) as gc:
                     await self.faults.before("gpu_checkpoint")
-                    pf = await stagefault.checkpoint(
-                        self.gpu, active, s.prefault_staging, s.gpu_page_workers or None,
-                        gpu_bytes,
-                    )  # fmt: skip
+                    pf = await stagefault.checkpoint(self.gpu, active, s, gpu_bytes)
                     gc.detail.update(pf.to_json())
                 staged = gpupages.staged_ranges(before)
             host = HostFacts.probe(criu_version)

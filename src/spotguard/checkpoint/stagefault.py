@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Protocol
 
 from spotguard.checkpoint import gpupages
+from spotguard.checkpoint.settings import CheckpointSettings
 
 log = logging.getLogger(__name__)
 
@@ -262,8 +263,9 @@ class Prefault:
 
 
 @contextmanager
-def _zero_page_off(enabled: bool) -> Iterator[bool]:
-    ok = enabled and _thp_always() and _ZERO_PAGE.acquire()
+def _zero_page_off() -> Iterator[bool]:
+    """The huge zero page off for the block where THP is ``always``; yields whether it is."""
+    ok = _thp_always() and _ZERO_PAGE.acquire()
     try:
         yield ok
     finally:
@@ -282,7 +284,7 @@ async def prefaulting(
     if not pids or not enabled:
         yield stats
         return
-    with _zero_page_off(True) as ok:
+    with _zero_page_off() as ok:
         if not ok:
             yield stats
             return
@@ -320,15 +322,12 @@ class _Checkpoints(Protocol):
 
 
 async def checkpoint(
-    gpu: _Checkpoints,
-    pids: Sequence[int],
-    enabled: bool,
-    workers: int | None = None,
-    gpu_bytes: int = 0,
+    gpu: _Checkpoints, pids: Sequence[int], settings: CheckpointSettings, gpu_bytes: int = 0
 ) -> PrefaultStats:
     """The driver's checkpoint of ``pids`` (holding ``gpu_bytes`` of GPU memory, 0 when
-    unknown), with what it stages prefaulted beside it when ``enabled`` (``[checkpoint]
-    prefault_staging``): how a freeze and a suspend in place call it."""
+    unknown), with what it stages prefaulted beside it by ``gpu_page_workers`` threads when
+    ``settings.prefault_staging``: how a freeze and a suspend in place call it."""
+    enabled, workers = settings.prefault_staging, settings.gpu_page_workers or None
     async with prefaulting(pids, enabled, workers, gpu_bytes) as stats:
         await gpu.checkpoint(pids)
     return stats

@@ -151,10 +151,7 @@ async def suspend(
                 await gpu.lock(gpu_pids, eng.settings.gpu_lock_timeout)
             with tl.step("gpu_checkpoint", pids=gpu_pids) as gc:
                 await faults.before("gpu_checkpoint")
-                cs = eng.settings
-                pf = await stagefault.checkpoint(
-                    gpu, gpu_pids, cs.prefault_staging, cs.gpu_page_workers or None, gpu_bytes
-                )
+                pf = await stagefault.checkpoint(gpu, gpu_pids, eng.settings, gpu_bytes)
                 gc.detail.update(pf.to_json())
         with tl.step("stop"):
             await faults.before("stop")
