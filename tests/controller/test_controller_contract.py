@@ -17,7 +17,9 @@ from spotguard.controller import machine
 SRC = Path(spotguard.__file__).parent
 #: Fields every event has by construction (defaults the models fill, or the reporter stamps).
 ALWAYS = {"schema_version", "event_id", "job", "kind", "at"}
-CONTROLLER = [SRC / "controller" / n for n in ("machine.py", "core.py", "reconcile.py")]
+CONTROLLER = [
+    SRC / "controller" / n for n in ("machine.py", "reportfacts.py", "core.py", "reconcile.py")
+]
 
 
 def _class_names(annotation: ast.expr | None) -> set[str]:

@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from spotguard.contracts import AnyEvent, EventKind, NoticeInfo, Owner, WireError, make_event
-from spotguard.controller.machine import HANDLERS, Options, on_event
-from spotguard.controller.state import JobRecord, JobState
+from spotguard.controller.machine import HANDLERS, Options, on_event, settle_early_report
+from spotguard.controller.state import Change, JobRecord, JobState
 from spotguard.errors import DecryptionError, ImageCorrupt, MismatchError, StoreUnavailable
 
 OLD = {"provider": "aws", "instance_id": "i-old"}
@@ -189,3 +189,39 @@ def test_a_second_park_of_a_parked_job_moves_to_its_new_image() -> None:
     change = on_event(rec, event(K.PARKED, OLD, 0), Options())
     assert change is not None and change.note
     assert change.record.data.parked_image == PARKED_IMAGE
+
+
+@pytest.mark.parametrize("kind", [K.RESTORED, K.RESTORE_FAILED])
+def test_a_report_of_the_round_before_its_launch_is_recorded_is_kept_then_applied(
+    kind: EventKind,
+) -> None:
+    rec = record(L)
+    change = on_event(rec, event(kind, NEW, 1), Options())
+    assert change is not None and change.note and change.record.state is L
+    assert change.record.data.early_report is not None
+    assert change.record.data.early_report.kind is kind
+    # the launch is recorded: LAUNCHING → RESTORING, then the kept report applies
+    rec = change.record
+    rec.state, rec.pending = R, {**NEW, "state": "running", "market": "spot"}
+    settled = settle_early_report(Change(rec, "launched i-new", {}))
+    assert settled.record.data.early_report is None
+    assert settled.record.state is (P if kind is K.RESTORED else L)
+    assert settled.reason.startswith("launched i-new; ")
+    if kind is K.RESTORED:
+        assert settled.record.pending is None and settled.record.data.failed_rounds == 0
+    else:  # retryable: a new round, the failed VM queued for termination
+        assert settled.record.data.owner.epoch == 2
+        assert [t["instance_id"] for t in settled.record.data.terminate] == ["i-new"]
+
+
+def test_a_report_while_launching_without_the_rounds_epoch_is_only_recorded() -> None:
+    rec = record(L)
+    fleet = on_event(rec, event(K.RESTORED, NEW, 1).model_copy(update={"epoch": None}), Options())
+    assert fleet is not None and fleet.record.data.early_report is None
+    # kept from an earlier epoch and the round moved on: not applied to the new round
+    rec = record(L)
+    rec.data.early_report = event(K.RESTORED, NEW, 1)  # type: ignore[assignment]
+    rec.data.owner = Owner(instance_id=None, epoch=2)
+    rec.state = R
+    settled = settle_early_report(Change(rec, "launched i-newer", {}))
+    assert settled.record.state is R and settled.record.data.early_report is None

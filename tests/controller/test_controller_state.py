@@ -188,3 +188,80 @@ def _begin(r: JobRecord) -> bool:
     r.launch_token = "deadbeef"
     r.restarts = 1
     return True
+
+
+@pytest.mark.parametrize("kind", ["restored", "restore_failed"])
+async def test_a_report_of_the_round_arriving_before_its_launch_is_recorded_is_kept(
+    tmp_path: Path, kind: str
+) -> None:
+    """The new VM's agent can report its restore (or its failure) before the controller has
+    recorded the launch: the controller died between the provider's launch and recording it,
+    and the report reaches the restarted one before it adopts the VM. The report (of the
+    current epoch) is answered 200, so the agent never sends it again: it must not be lost —
+    a lost RESTORED leaves a running job in RESTORING until its restore times out, and the
+    controller then terminates the VM it runs on."""
+    settings = ControllerSettings(
+        listen="127.0.0.1:0",
+        state=tmp_path / "s.db",
+        controller_token="t",
+        default_store=f"file://{tmp_path}/store",
+        tick_s=0.05,
+    )
+    local = LocalProvider(
+        LocalSettings(
+            local_root=tmp_path / "local",
+            local_agent_command=[sys.executable, "-c", "import time; time.sleep(60)"],
+            local_gpus=False,
+        )
+    )
+    db = await StateDB.open(settings.state)
+    first = Controller(settings, db, local, image=ImageSettings.model_validate({}))
+    image = f"file://{tmp_path}/store/j/images/x"
+    await first.handle_event(make_event(job="j", kind=EventKind.STARTED))
+    await first.handle_event(make_event(job="j", kind=EventKind.EXITED, image_url=image))
+    await db.change("j", lambda r: Change(r, "round 1", note=True) if r and _begin(r) else None)
+    rec = await db.get("j")
+    assert rec is not None and rec.state is JobState.LAUNCHING
+    epoch = rec.data.owner.epoch
+    offer = (await local.offers(LaunchSpec.from_json(rec.spec)))[0]
+    vm = await local.launch(offer, first.reconciler.assignment(rec, {}), client_token="deadbeef-0")
+
+    second = Controller(settings, db, local, image=ImageSettings.model_validate({}))
+    extra: dict[str, object] = {}
+    if kind == "restore_failed":
+        extra["error"] = {"code": "checkpoint", "message": "criu failed", "retryable": True}
+    early = make_event(
+        job="j",
+        kind=kind,
+        epoch=epoch,
+        image_url=image,
+        instance={"instance_id": "i-new-vm"},
+        **extra,
+    )
+    answer = await second.handle_event(early)
+    assert answer.record.state is JobState.LAUNCHING  # kept, not applied yet
+    await second.start()
+    try:
+        want = JobState.PROTECTED if kind == "restored" else JobState.LAUNCHING
+        for _ in range(250):
+            rec = await db.get("j")
+            assert rec is not None
+            if rec.state is want and rec.pending is None and rec.launch_token != "deadbeef":
+                break
+            await asyncio.sleep(0.02)
+        assert rec.state is want, (rec.state, rec.reason)
+        assert rec.pending is None
+        assert rec.data.early_report is None
+        if kind == "restored":
+            assert rec.data.owner.epoch == epoch
+            assert rec.data.failed_rounds == 0
+            assert [p for p in (tmp_path / "local" / "vms").iterdir()]  # the VM still runs
+            assert vm.instance_id not in [t["instance_id"] for t in rec.data.terminate]
+        else:  # the failed VM is terminated and a new round owns the job
+            assert rec.data.owner.epoch > epoch
+        hist = [h["reason"] for h in await db.history("j")]
+        assert any("before its launch was recorded" in h for h in hist), hist
+    finally:
+        await second.stop()
+        await local.terminate(vm)
+        await db.close()

@@ -16,6 +16,8 @@ image, launch, wait, terminate.
         └──────────────────── RESTORED ◄──────────────── RESTORING ◄───────────────┘
                       RESTORE_FAILED: retryable → LAUNCHING; the image's fault → LAUNCHING
                       from an older image; else → FAILED
+    LAUNCHING + RESTORED / RESTORE_FAILED of the round's epoch: kept, applied once the launch
+    is recorded (a controller restarted mid-launch adopts the VM after its agent reported)
     any ──JOB_FINISHED──► FINISHED          max restarts, no offer → FAILED(reason)
     PROTECTED / INTERRUPTING / CHECKPOINTED ──PARKED──► PARKED ──unpark (API)──► LAUNCHING
                             PROTECTED ◄──STARTED (unparked by hand)──┘
@@ -37,7 +39,6 @@ decided to ignore (``decision == "none"``).
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -61,12 +62,8 @@ from spotguard.contracts import (
 )
 from spotguard.controller.edge import instance_facts
 from spotguard.controller.ownership import MOVING, iid_of, new_epoch, relaunch, stale
-from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState, SeenNotice
-from spotguard.facts import GpuInventory, InstanceFacts
-from spotguard.providers.base import LaunchSpec
-
-#: How many (instance, notice) keys a job remembers for dedup of fleet and agent reports.
-NOTICES_REMEMBERED = 32
+from spotguard.controller.reportfacts import origin, seen_notice, spec_from
+from spotguard.controller.state import TERMINAL, Change, JobRecord, JobState
 
 #: Reports about the instance a job is leaving; after the relaunch started they only add facts.
 OLD_INSTANCE_KINDS = frozenset(
@@ -125,50 +122,6 @@ Handler = Callable[[Ctx], Change]
 # ----- helpers -------------------------------------------------------------------------------
 
 
-def spec_from(rec: JobRecord, ev: StartedEvent | DurableEvent | RestoredEvent) -> dict[str, Any]:
-    """The launch spec from what the agent reports about the job's GPUs, host and image
-    size: restoring needs at least the image's bytes of host memory."""
-    old = LaunchSpec.from_json(rec.spec)
-    gpu = getattr(ev, "gpu", None)
-    if gpu is None:
-        return rec.spec
-    host = ev.host.model_dump() if isinstance(ev, DurableEvent) and ev.host else None
-    need = old.min_memory_mib
-    if isinstance(ev, DurableEvent) and ev.image_bytes:
-        need = max(need or 0, math.ceil(ev.image_bytes / 2**20))
-    spec = LaunchSpec.from_facts(
-        GpuInventory.from_json(gpu.model_dump()),
-        InstanceFacts.from_json(ev.instance.model_dump()),
-        host,
-        need,
-    )
-    return spec.to_json()
-
-
-def _seen_notice(c: Ctx, ev: NoticeEvent) -> SeenNotice | None:
-    """Whether this notice (per instance, id and cancellation) was applied already; if not,
-    remember it. The fleet source's ids equal the on-VM AWS source's for the same
-    interruption (:mod:`spotguard.notices.fleet`), so whichever report comes second — under
-    its own event id — is recognised here. Notice ids carry no instance id, hence the key."""
-    nid = ev.notice.id
-    if not nid:
-        return None
-    rec = c.rec
-    key = f"{c.iid or iid_of(rec.instance) or '-'}|{nid}|{int(ev.notice.cancelled)}"
-    seen = rec.data.notices_seen
-    if key in seen:
-        return seen[key]
-    seen[key] = SeenNotice(origin=_origin(ev), at=time.time())
-    for old in sorted(seen, key=lambda k: seen[k].at)[: max(0, len(seen) - NOTICES_REMEMBERED)]:
-        del seen[old]
-    rec.data.notices_seen = seen
-    return None
-
-
-def _origin(ev: NoticeEvent) -> str:
-    return "the fleet queue" if ev.source == "fleet" or ev.notice.cloud == "fleet" else "the agent"
-
-
 # ----- handlers by kind ----------------------------------------------------------------------
 
 
@@ -221,6 +174,31 @@ def _restored(c: Ctx) -> Change:
 
 def _not_restoring(c: Ctx) -> Change:
     return c.note(f"{c.ev.kind.value} on {c.where} while {c.rec.state.value} (recorded)")
+
+
+def _before_launch_recorded(c: Ctx) -> Change:
+    """LAUNCHING: the VM of this round (its epoch) reports before its launch is recorded — a
+    controller that died after the provider's launch adopts the VM only on restart. The
+    report was answered, so it is not sent again: keep it for :func:`settle_early_report`."""
+    ev = c.ev
+    if ev.epoch is None or ev.epoch != c.rec.data.owner.epoch:
+        return _not_restoring(c)
+    assert isinstance(ev, RestoredEvent | RestoreFailedEvent)
+    c.rec.data.early_report = ev
+    return c.note(f"{ev.kind.value} on {c.where} before its launch was recorded (kept)")
+
+
+def settle_early_report(launched: Change) -> Change:
+    """LAUNCHING → RESTORING was just made: apply a report of the round kept meanwhile (so
+    a restored job is not left waiting for a RESTORED it already sent)."""
+    rec = launched.record
+    ev, rec.data.early_report = rec.data.early_report, None
+    if ev is None or ev.epoch != rec.data.owner.epoch or rec.state is not JobState.RESTORING:
+        return launched
+    c = Ctx(rec, ev, Options(), {**launched.detail, "early": ev.kind.value})
+    done = _restored(c) if isinstance(ev, RestoredEvent) else _restore_failed(c)
+    done.reason = f"{launched.reason}; {done.reason}"
+    return done
 
 
 def _restore_failed(c: Ctx) -> Change:
@@ -283,11 +261,11 @@ def _notice(c: Ctx) -> Change:
     rec, ev = c.rec, c.ev
     assert isinstance(ev, NoticeEvent)
     n = ev.notice
-    seen = _seen_notice(c, ev)
+    seen = seen_notice(c.rec, c.iid, ev)
     if seen is not None:
         c.detail["duplicate_of"] = seen.model_dump()
         reason = (
-            f"duplicate notice {n.id} from {_origin(ev)} on {c.where} "
+            f"duplicate notice {n.id} from {origin(ev)} on {c.where} "
             f"(already applied from {seen.origin})"
         )
         return Change(rec, reason, c.detail, note=True, duplicate=True)
@@ -413,16 +391,20 @@ def _while_moving(kind: EventKind) -> Handler:
     return handle
 
 
+def _while_restoring(kind: EventKind, st: JobState) -> Handler:
+    if st is JobState.RESTORING:
+        return _restored if kind is EventKind.RESTORED else _restore_failed
+    return _before_launch_recorded if st is JobState.LAUNCHING else _not_restoring
+
+
 def _table() -> dict[tuple[JobState, EventKind], Handler]:
     t: dict[tuple[JobState, EventKind], Handler] = {}
     for st in JobState:
         for kind in EventKind:
             if kind is EventKind.STARTED:
                 h: Handler = _started
-            elif kind is EventKind.RESTORED:
-                h = _restored if st is JobState.RESTORING else _not_restoring
-            elif kind is EventKind.RESTORE_FAILED:
-                h = _restore_failed if st is JobState.RESTORING else _not_restoring
+            elif kind in (EventKind.RESTORED, EventKind.RESTORE_FAILED):
+                h = _while_restoring(kind, st)
             elif kind is EventKind.JOB_FINISHED:
                 h = _finished_again if st in TERMINAL else _finished
             elif st in TERMINAL:

@@ -41,6 +41,7 @@ from typing import Any
 
 from spotguard.contracts import Assignment
 from spotguard.controller.images import ImageChoice, Mutate, failed, store_of
+from spotguard.controller.machine import settle_early_report
 from spotguard.controller.metrics import Metrics
 from spotguard.controller.ownership import new_epoch, relaunch
 from spotguard.controller.settings import ControllerSettings
@@ -272,7 +273,7 @@ class Reconciler:
                     r.state = JobState.RESTORING
                     r.pending = ref.to_json()
                     r.reason = f"found {ref.instance_id} launched in round {ref.launch_token}"
-                    return Change(r, r.reason, {"instance": ref.to_json()})
+                    return settle_early_report(Change(r, r.reason, {"instance": ref.to_json()}))
 
                 await self.persist(rec, adopt)
                 return
@@ -390,7 +391,7 @@ class Reconciler:
             r.data.action = None
             r.data.owner = r.data.owner.model_copy(update={"instance_id": ref.instance_id})
             r.reason = f"launched {ref.instance_id} ({offer.label()}); assignment delivered"
-            return Change(r, r.reason, {"instance": ref.to_json()})
+            return settle_early_report(Change(r, r.reason, {"instance": ref.to_json()}))
 
         if await self.persist(rec, up) is None:
             log.warning("job moved on during launch; terminating", extra={"job": rec.name})

@@ -30,7 +30,7 @@ from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, JsonValue, ValidationError, model_validator
 
-from spotguard.contracts import Action, NoticeInfo, Owner
+from spotguard.contracts import Action, NoticeInfo, Owner, RestoredEvent, RestoreFailedEvent
 from spotguard.controller.retention import EventRetention, prune_events, upgrade_events
 from spotguard.controller.schema import SCHEMA as _SCHEMA
 from spotguard.errors import StateError, StateRefused
@@ -88,6 +88,10 @@ class JobData(BaseModel):
     older_image: bool = False  # the next round restores the newest image not in bad_images
     parked_image: str | None = None  # PARKED: the image the job was parked to
     parked_reason: str | None = None  # PARKED: why, as the agent or the user said
+    #: LAUNCHING: the launched VM's RESTORED / RESTORE_FAILED (current epoch) that arrived
+    #: before the launch was recorded; applied when it is (``machine.settle_early_report``)
+    early_report: RestoredEvent | RestoreFailedEvent | None = None  # (by shape: defaults, the
+    # kind among them, are left out of the stored JSON)
 
     @model_validator(mode="before")
     @classmethod
