@@ -544,6 +544,12 @@ async def streamed(b: Bench, job: JobInfo) -> dict[str, Any]:
         "gpu_restore": (rt.seconds("gpu_restore") or 0.0) + (rt.seconds("gpu_unlock") or 0.0),
         "other": sum(rt.seconds(n) or 0.0 for n in ("preflight", "put_files", "finish")),
     }
+    placed = next((st for st in rt.steps if st.name == "gpu_restore"), None)
+    if placed is not None and placed.detail.get("overlap"):
+        # the GPU memory placed while the driver restored (checkpoint/placing.py)
+        out["restore_overlap"] = {
+            k: placed.detail.get(k) for k in ("pages_s", "faults", "bytes", "zero_bytes")
+        }
     if source.serve_stats is not None:
         out["serve"] = source.serve_stats.to_json()
     out["pid_wait"] = waited
@@ -584,6 +590,9 @@ def _row(
             f"(engine returned at {r['returned']:.2f}: CRIU ends the job after the commit)"
         )
     rs = " + ".join(f"{k} {v:.2f}" for k, v in r["restore_stages"].items())
+    if ov := r.get("restore_overlap"):
+        rs += f" (of it, pages placed under the driver's restore in {ov['pages_s']:.2f} s, "
+        rs += f"{ov['faults']} reads waited)"
     ok = "same" if r["check_ok"] else "DIFFERENT"
     return (
         f"| {f'{gpus} x ' if gpus > 1 else ''}{size:g} {unit} | {kind} | "

@@ -72,6 +72,7 @@ class Copy(ctypes.Structure):
                 ("mode", ctypes.c_uint64), ("copy", ctypes.c_int64)]
 
 UFFDIO_API, UFFDIO_REGISTER, UFFDIO_COPY = 0xC018AA3F, 0xC020AA00, 0xC028AA03
+UFFDIO_MOVE, MOVE_FEATURE = 0xC028AA05, 1 << 16   # Linux 6.8+
 state = {}
 
 def staged():
@@ -125,7 +126,7 @@ def prepare(mode):
         return time.perf_counter() - t0
     fd = libc.syscall(323, os.O_CLOEXEC | os.O_NONBLOCK)   # userfaultfd
     assert fd >= 0, ctypes.get_errno()
-    api = (ctypes.c_uint64 * 3)(0xAA, 0, 0)
+    api = (ctypes.c_uint64 * 3)(0xAA, MOVE_FEATURE if mode == "move" else 0, 0)
     assert libc.ioctl(fd, UFFDIO_API, api) == 0, ctypes.get_errno()
     reg = (ctypes.c_uint64 * 4)(lo, size, 1, 0)   # range, MISSING
     assert libc.ioctl(fd, UFFDIO_REGISTER, reg) == 0, ctypes.get_errno()
@@ -143,10 +144,43 @@ def prepare(mode):
             addr = struct.unpack_from("<Q", msg, 16)[0]
             b = addr - (addr - lo) % BLOCK
             state["faults"] += 1
-            ufill(fd, src, lo, b, min(b + BLOCK, hi))
+            state["serve_one"](b, min(b + BLOCK, hi))
+    if mode == "move":
+        put = mover(fd, src, lo, hi)
+        serve_one = put
+    else:
+        put = lambda b, e: ufill(fd, src, lo, b, e)
+        serve_one = put
+    state["serve_one"] = serve_one
     s = threading.Thread(target=serve, daemon=True); s.start()
-    state["threads"] = start(lambda b, e: ufill(fd, src, lo, b, e))
+    state["threads"] = start(put)
     return 0.0
+
+def mover(fd, src, lo, hi):
+    """put(block, end) for "move": copy the block into a scratch 2 MiB slot of this thread
+    (fresh huge page, as process_vm_writev would make it), then UFFDIO_MOVE it into place
+    (whole-PMD move); a block claimed by another thread is left to it (its move wakes the
+    faulting thread)."""
+    claimed = set()
+    lock = threading.Lock()
+    local = threading.local()
+    def put(b, e):
+        with lock:
+            if b in claimed:
+                return
+            claimed.add(b)
+        slot = getattr(local, "slot", None)
+        if slot is None:
+            raw = mmap.mmap(-1, 2 * BLOCK, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            a = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+            local.raw, local.slot = raw, a + (-a) % BLOCK
+            slot = local.slot
+        ctypes.memmove(slot, src + (b - lo), e - b)
+        m = Copy(b, slot, e - b, 0, 0)
+        if libc.ioctl(fd, UFFDIO_MOVE, ctypes.byref(m)) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"UFFDIO_MOVE {b:#x}: {os.strerror(err)} (moved {m.copy})")
+    return put
 
 for line in sys.stdin:
     cmd = line.split()
@@ -159,6 +193,16 @@ for line in sys.stdin:
         for a in range(lo, hi, PAGE):
             ctypes.memmove(buf, a, 1)
         print("read", time.perf_counter() - t0, flush=True)
+    elif cmd[0] == "huge":   # how much of the staged range is in huge pages now
+        lo = state["lo"]
+        kb, cur = 0, False
+        for line in open("/proc/self/smaps"):
+            f = line.split()
+            if "-" in f[0] and len(f) >= 5:
+                cur = int(f[0].split("-")[0], 16) == lo
+            elif cur and f[0] == "AnonHugePages:":
+                kb = int(f[1])
+        print("huge", kb >> 10, flush=True)
     elif cmd[0] == "check":
         for th in state.get("threads", []):
             th.join()
@@ -202,10 +246,11 @@ def run(gib: float, mode: str, gpu: bool) -> str:
         else:
             _ask(job, "read")
         rest = time.perf_counter() - t1
+        huge = "—" if gpu else _ask(job, "huge")[1]
         _, after, faults, filled = _ask(job, "check")
         same = "same" if after == before else f"DIFFERENT ({before} → {after})"
         return (f"| {gib:g} | {mode} | {ckpt:.2f} | {prep:.2f} | {rest:.2f} | "
-                f"**{prep + rest:.2f}** | {faults} | {filled} | {same} |")  # fmt: skip
+                f"**{prep + rest:.2f}** | {faults} | {filled} | {huge} | {same} |")  # fmt: skip
     finally:
         job.kill()
         job.wait()
@@ -214,7 +259,7 @@ def run(gib: float, mode: str, gpu: bool) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--gib", type=float, nargs="+", default=[4.0])
-    ap.add_argument("--modes", nargs="+", default=["copy", "uffd"])
+    ap.add_argument("--modes", nargs="+", default=["copy", "uffd", "move"])
     ap.add_argument("--cpu", action="store_true", help="no GPU: a thread of the job reads")
     args = ap.parse_args()
     if not args.cpu:
@@ -225,8 +270,9 @@ def main() -> int:
             print(f"no GPU checkpoint API: {w.reason}", file=sys.stderr)
             return 1
     print("| GiB | mode | driver checkpoint s | write-back before the restore s | restore "
-          "s | both s | faults served | range filled after s | data |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          "s | both s | faults served | range filled after s | huge MiB after (--cpu) "
+          "| data |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for gib in args.gib:
         for mode in args.modes:
             print(run(gib, mode, not args.cpu), flush=True)

@@ -28,6 +28,7 @@ errors cross machines as :class:`spotguard.contracts.WireError` carrying both.
     │   ├── GpuError            [r] the driver checkpoint API or NVML failed
     │   │   └── GpuUnsupportedError the driver refused (managed memory, CUDA IPC): not retryable
     │   ├── NcclError           [r] releasing or rebuilding a job's NCCL communicators failed
+    │   ├── InjectError         [r] system calls could not be run inside a restored process
     │   ├── StepTimeout         [r] a step ran past its time limit
     │   ├── StreamError         [r] streaming image files between CRIU and spotguard failed
     │   ├── ContainerError      [r] the container runtime (podman) failed; names the command
@@ -235,13 +236,13 @@ class NcclError(CheckpointError):
     """Releasing or rebuilding a job's NCCL communicators (spotguard's NCCL shim) failed: a
     rank did not quiesce in time, or the shim answered with an error."""
 
-    retryable = True
+
+class InjectError(CheckpointError):
+    """System calls could not be run inside a restored process (``checkpoint/inject.py``)."""
 
 
 class StepTimeout(CheckpointError):
     """A checkpoint or restore step ran past its time limit."""
-
-    retryable = True
 
 
 class StreamError(CheckpointError):

@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from spotguard.errors import CheckpointError, ImageError
+from spotguard.errors import CheckpointError, ImageError, SpotguardError
 from spotguard.image import memops
 
 log = logging.getLogger(__name__)
@@ -59,6 +59,8 @@ _PART_NAME = re.compile(r"gpupages-[0-9]+-[0-9a-f]+-[0-9]+")
 PageFill = Callable[[int, memoryview], None]
 #: put(offset, view): write ``view`` at ``offset`` of the part into the job (runs in a thread)
 PagePut = Callable[[int, memoryview], None]
+#: zero(offset, length): that stretch of the part is all zero (for a source that says so)
+PageZero = Callable[[int, int], None]
 
 
 class PagesTarget(Protocol):
@@ -66,7 +68,23 @@ class PagesTarget(Protocol):
 
 
 class PagesSource(Protocol):
-    async def get_pages(self, name: str, size: int, put: PagePut) -> None: ...
+    async def get_pages(
+        self,
+        name: str,
+        size: int,
+        put: PagePut,
+        *,
+        zero: PageZero | None = None,
+        in_flight: int | None = None,
+    ) -> None: ...
+
+
+class Place(Protocol):
+    """Where a restore's chunks go when the driver's restore reads them meanwhile
+    (:class:`spotguard.checkpoint.placing.Placer`)."""
+
+    def put(self, addr: int, view: memoryview) -> None: ...
+    def zero(self, addr: int, length: int) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -354,14 +372,20 @@ async def load(
     host_pid: Mapping[int, int],
     *,
     workers: int | None = None,
+    places: Mapping[int, Place] | None = None,
 ) -> int:
     """Write every part back into the restored processes (``host_pid``: namespace pid →
-    host pid), ``workers`` parts at once; return the bytes written."""
+    host pid), ``workers`` parts at once; return the bytes written. With ``places`` (by
+    namespace pid: the driver's restore reads meanwhile) each process's parts go one after
+    another in address order, twice ``workers`` chunks at once over all processes, through
+    its place (:mod:`.placing`)."""
     k = workers or default_workers()
     gate = asyncio.Semaphore(k)
     for gp in pages:
         if gp.ns_pid not in host_pid:
             raise ImageError(f"the image carries GPU memory of pid {gp.ns_pid}, not restored")
+    if places is not None:
+        return await _load_in_order(source, pages, places, k)
 
     async def one(gp: GpuPages, part: Part) -> None:
         pid = host_pid[gp.ns_pid]
@@ -384,4 +408,42 @@ async def load(
                               f"{eg.exceptions[0]}") from eg.exceptions[0]  # fmt: skip
     except* ImageError as eg:
         raise eg.exceptions[0] from None
+    return sum(gp.end - gp.start for gp in pages)
+
+
+async def _load_in_order(
+    source: PagesSource, pages: Sequence[GpuPages], places: Mapping[int, Place], workers: int
+) -> int:
+    by_pid: dict[int, list[GpuPages]] = {}
+    for gp in pages:
+        by_pid.setdefault(gp.ns_pid, []).append(gp)
+    in_flight = max(2, 2 * workers // max(len(by_pid), 1))
+
+    async def one_process(ns_pid: int, ranges: list[GpuPages]) -> None:
+        place = places[ns_pid]
+        for gp in sorted(ranges, key=lambda g: g.start):
+            for part in sorted(gp.parts, key=lambda p: p.offset):
+                base = gp.start + part.offset
+
+                def put(off: int, view: memoryview, base: int = base, part: Part = part) -> None:
+                    if off < 0 or off + len(view) > part.size:
+                        raise ImageError(f"{part.name}: {len(view)} bytes at {off} outside")
+                    place.put(base + off, view)
+
+                def zero(off: int, n: int, base: int = base, part: Part = part) -> None:
+                    if off < 0 or off + n > part.size:
+                        raise ImageError(f"{part.name}: {n} zero bytes at {off} outside")
+                    place.zero(base + off, n)
+
+                await source.get_pages(part.name, part.size, put, zero=zero, in_flight=in_flight)
+
+    try:
+        async with asyncio.TaskGroup() as tg:
+            for ns_pid, ranges in by_pid.items():
+                tg.create_task(one_process(ns_pid, ranges))
+    except* SpotguardError as eg:  # a bad chunk, a call in the process that failed
+        raise eg.exceptions[0] from None
+    except* Exception as eg:  # noqa: BLE001 - said as a typed error, with the cause
+        raise CheckpointError(f"placing the staged GPU memory failed: "
+                              f"{eg.exceptions[0]}") from eg.exceptions[0]  # fmt: skip
     return sum(gp.end - gp.start for gp in pages)

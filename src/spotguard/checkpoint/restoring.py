@@ -12,9 +12,11 @@ source is aborted and the crash marker of a park's restore cleared.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import signal
+import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Protocol
@@ -23,16 +25,21 @@ from spotguard.errors import CheckpointError, GpuError, SpotguardError
 from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
-from . import files, gpupages, ncclctl, proctree, restart, suspend
+from . import files, gpupages, ncclctl, placing, proctree, restart, suspend
 from .criu import Criu
 from .jobs import JobInfo, link_job_dir
 from .marker import FreezeMarker, Op
 from .preflight import preflight, wait_pids_free
 from .results import RestoreResult
+from .settings import CheckpointSettings
 from .staging import RestoreSource
 from .suspend import EngineParts
 
 log = logging.getLogger(__name__)
+
+#: scratch slots per restored GPU process when placing overlaps the driver's restore, and
+#: the bytes of each (a chunk of the image, or a piece of a directory image's part)
+_SLOTS, _SLOT = 2 * gpupages.MAX_WORKERS, 64 << 20
 
 #: a park's restore: its commit, run as the last step under the crash marker
 OnRestored = Callable[[RestoreResult], Awaitable[None]]
@@ -65,6 +72,7 @@ async def restore(
     pid: int | None = None
     started = False
     marker: FreezeMarker | None = None
+    places: dict[int, placing.Placer] | None = None
     try:
         with tl.step("source"):
             await eng.faults.before("source")
@@ -109,14 +117,26 @@ async def restore(
         if meta.gpu_pages:  # the GPU memory the driver staged, back before it reads it
             with tl.step("gpu_pages", ranges=len(meta.gpu_pages)) as gs:
                 await eng.faults.before("gpu_pages")
-                gs.detail["bytes"] = await gpupages.load(
-                    source, meta.gpu_pages, by_ns, workers=s.gpu_page_workers or None
-                )
+                if s.restore_overlap and gpu_pids:
+                    places = await asyncio.to_thread(
+                        placing.open_placers, meta.gpu_pages, by_ns, _SLOTS, _SLOT
+                    )
+                gs.detail["overlap"] = places is not None
+                if places is None:
+                    gs.detail["bytes"] = await gpupages.load(
+                        source, meta.gpu_pages, by_ns, workers=s.gpu_page_workers or None
+                    )
         suspend.continue_stopped(list(by_ns.values()))  # the driver needs them running
         if gpu_pids:
-            with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}):
+            with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}) as gr:
                 await eng.faults.before("gpu_restore")
-                await eng.gpu.restore(gpu_pids, remap or None)
+                restore = eng.gpu.restore(gpu_pids, remap or None)
+                if places is None:
+                    await restore
+                else:
+                    gr.detail.update(
+                        await _overlapped(source, meta.gpu_pages, by_ns, places, restore, s)
+                    )
             with tl.step("gpu_unlock", pids=gpu_pids):
                 await eng.faults.before("gpu_unlock")
                 await eng.gpu.unlock(gpu_pids)
@@ -137,6 +157,8 @@ async def restore(
         if pid is not None and proctree.alive(pid):
             # a tree restored without its GPU state cannot run: do not leave it locked
             os.kill(pid, signal.SIGKILL)
+        if places is not None:
+            await asyncio.shield(asyncio.to_thread(_close_all, places))
         if started:
             await asyncio.shield(source.abort())
         if marker is not None:
@@ -149,3 +171,49 @@ async def restore(
         marker.clear()
     log.info("job restored", extra={"job": job.name, "pid": pid, "gpu_pids": gpu_pids})
     return result
+
+
+async def _overlapped(
+    source: RestoreSource,
+    pages: list[gpupages.GpuPages],
+    by_ns: dict[int, int],
+    places: dict[int, placing.Placer],
+    restore: Awaitable[None],
+    s: CheckpointSettings,
+) -> dict[str, object]:
+    """The driver's restore while the staged memory is placed under it (:mod:`.placing`).
+    A write-back that fails kills the GPU processes first — a driver waiting on a page that
+    will never come returns only when its process dies — then the error is raised."""
+    t0 = time.perf_counter()
+    load = asyncio.ensure_future(
+        gpupages.load(source, pages, by_ns, workers=s.gpu_page_workers or None, places=places)
+    )
+    driver = asyncio.ensure_future(restore)
+    pages_s = 0.0
+    try:
+        await asyncio.wait({load, driver}, return_when=asyncio.FIRST_EXCEPTION)
+        if load.done() and load.exception() is not None:
+            for ns_pid in places:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(by_ns[ns_pid], signal.SIGKILL)
+        written = await load
+        pages_s = time.perf_counter() - t0
+        await driver
+    finally:
+        if not driver.done():
+            driver.cancel()
+        await asyncio.gather(driver, return_exceptions=True)
+        await asyncio.to_thread(_close_all, places)
+    stats = [p.stats for p in places.values()]
+    return {
+        "overlap": True,
+        "pages_s": round(pages_s, 3),
+        "bytes": written,
+        "zero_bytes": sum(x.zero_bytes for x in stats),
+        "faults": sum(x.faults for x in stats),
+    }
+
+
+def _close_all(places: dict[int, placing.Placer]) -> None:
+    for p in places.values():
+        p.close()

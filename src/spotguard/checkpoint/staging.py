@@ -28,7 +28,7 @@ from spotguard.errors import CheckpointError, ImageError
 from spotguard.image import memops
 
 from . import seal
-from .gpupages import PageFill, PagePut, check_part_name
+from .gpupages import PageFill, PagePut, PageZero, check_part_name
 from .meta import META_NAME, ImageMeta
 
 log = logging.getLogger(__name__)
@@ -108,10 +108,19 @@ class RestoreSource(Protocol):
         """Make the image available (download, verify, serve) and return its metadata."""
         ...
 
-    async def get_pages(self, name: str, size: int, put: PagePut) -> None:
+    async def get_pages(
+        self,
+        name: str,
+        size: int,
+        put: PagePut,
+        *,
+        zero: PageZero | None = None,
+        in_flight: int | None = None,
+    ) -> None:
         """Hand file ``name`` (which must hold exactly ``size`` bytes) to ``put(offset,
         view)`` (called in a worker thread), every byte verified first; all-zero stretches
-        may be left out (the memory they go to already reads zero)."""
+        may be left out (the memory they go to already reads zero), named to ``zero(offset,
+        length)`` where given; up to ``in_flight`` pieces at once where the source can."""
         ...
 
     async def finish(self) -> None: ...
@@ -309,10 +318,18 @@ class DirectorySource:
             self.authenticated = bool(self.verified_by)
         return ImageMeta.read(self.path)
 
-    async def get_pages(self, name: str, size: int, put: PagePut) -> None:
-        """The directory's file (its seal was verified by :meth:`start`)."""
+    async def get_pages(
+        self,
+        name: str,
+        size: int,
+        put: PagePut,
+        *,
+        zero: PageZero | None = None,
+        in_flight: int | None = None,
+    ) -> None:
+        """The directory's file (its seal was verified by :meth:`start`), read in order."""
         path = self.path / check_part_name(name)
-        await asyncio.to_thread(_read_part, path, size, put)
+        await asyncio.to_thread(_read_part, path, size, put, zero)
 
     async def finish(self) -> None:
         return None
@@ -342,7 +359,7 @@ def _write_part(path: Path, size: int, fill: PageFill) -> None:
         buf.close()
 
 
-def _read_part(path: Path, size: int, put: PagePut) -> None:
+def _read_part(path: Path, size: int, put: PagePut, zero: PageZero | None = None) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     buf = mmap.mmap(-1, min(PART_BUFFER, max(size, 1)))
     view = memoryview(buf)
@@ -359,6 +376,8 @@ def _read_part(path: Path, size: int, put: PagePut) -> None:
                 got += r
             if not memops.is_zero(view[:n]):
                 put(off, view[:n])
+            elif zero is not None:
+                zero(off, n)
     finally:
         os.close(fd)
         view.release()

@@ -36,7 +36,7 @@ from spotguard.stream.serve import Serve, ServeStats
 from spotguard.timeline import Step, Timeline
 
 if TYPE_CHECKING:
-    from spotguard.checkpoint.gpupages import PageFill, PagePut
+    from spotguard.checkpoint.gpupages import PageFill, PagePut, PageZero
     from spotguard.checkpoint.meta import ImageMeta
     from spotguard.checkpoint.staging import StagingPlan
     from spotguard.image.buffers import BufferPool, Lease, OwnedChunk
@@ -450,7 +450,15 @@ class StreamSource:
             raise
         return meta
 
-    async def get_pages(self, name: str, size: int, put: PagePut) -> None:
+    async def get_pages(
+        self,
+        name: str,
+        size: int,
+        put: PagePut,
+        *,
+        zero: PageZero | None = None,
+        in_flight: int | None = None,
+    ) -> None:
         """The file's chunks, each verified against its authenticated address as it is read,
         several at once through reused buffers (:mod:`spotguard.stream.pages`); all-zero
         chunks are not fetched and not handed on."""
@@ -461,7 +469,8 @@ class StreamSource:
             raise StreamError("StreamSource used before start()")
         if self._page_buffers is None:
             self._page_buffers = page_buffers(self._reader)
-        await write_pages(self._reader, check_part_name(name), size, put, self._page_buffers)
+        buffers, part = self._page_buffers, check_part_name(name)
+        await write_pages(self._reader, part, size, put, buffers, zeros=zero, in_flight=in_flight)
 
     async def finish(self) -> None:
         """CRIU restore exited 0: every file it asked for has been fed."""

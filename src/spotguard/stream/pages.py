@@ -24,7 +24,7 @@ from spotguard.errors import ImageError
 from spotguard.image.buffers import BufferPool
 
 if TYPE_CHECKING:
-    from spotguard.checkpoint.gpupages import PagePut
+    from spotguard.checkpoint.gpupages import PagePut, PageZero
     from spotguard.image.reader import ImageReader
 
 #: chunks of one part read and written at once
@@ -39,15 +39,24 @@ def page_buffers(reader: ImageReader) -> BufferPool:
 
 
 async def write_pages(
-    reader: ImageReader, name: str, size: int, put: PagePut, buffers: BufferPool
+    reader: ImageReader,
+    name: str,
+    size: int,
+    put: PagePut,
+    buffers: BufferPool,
+    *,
+    zeros: PageZero | None = None,
+    in_flight: int | None = None,
 ) -> None:
     """Hand every non-zero chunk of file ``name`` (exactly ``size`` bytes) to ``put(offset,
-    view)`` in a worker thread, each verified against its authenticated address first."""
+    view)`` in a worker thread, each verified against its authenticated address first, and
+    the all-zero ones (by their authenticated address) to ``zeros(offset, length)`` where
+    given; ``in_flight`` chunks at once (default :data:`PUTS_PER_PART`), started in order."""
     refs = reader.manifest.file(name).chunks
     if sum(r.size for r in refs) != size:
         raise ImageError(f"{reader.url}: {name} does not hold the {size} bytes it should")
     zero = reader.codec.zero_address
-    gate = asyncio.Semaphore(PUTS_PER_PART)
+    gate = asyncio.Semaphore(in_flight or PUTS_PER_PART)
 
     async def one(index: int, off: int) -> None:
         try:
@@ -68,6 +77,8 @@ async def write_pages(
                 if ref.digest != zero(ref.size):
                     await gate.acquire()
                     tg.create_task(one(index, off))
+                elif zeros is not None:
+                    zeros(off, ref.size)
                 off += ref.size
     except BaseExceptionGroup as eg:  # the first failure, as an in-order read would raise it
         raise _first(eg) from None
