@@ -148,5 +148,6 @@ def test_where_placing_cannot_be_set_up_the_restore_writes_back_first() -> None:
 
     pages = [GpuPages(ns_pid=7, start=0x7F0000000000, end=0x7F0000000000 + CHUNK,
                       parts=(Part("gpupages-7-7f0000000000-0", 0, CHUNK),))]  # fmt: skip
-    assert placing.open_placers(pages, {7: gone.pid}, 2, CHUNK) is None
+    places, why = placing.open_placers(pages, {7: gone.pid}, 2, CHUNK)
+    assert places is None and why  # says why: the process is gone
     assert mmap.PAGESIZE > 0

@@ -41,7 +41,10 @@ def gpu_ready() -> None:
 
 
 def _steps(steps: list[Step]) -> str:
-    return ", ".join(f"{s.name} {s.seconds or 0:.3f}" for s in steps)
+    return ", ".join(
+        f"{s.name} {s.seconds or 0:.3f}" + (" [placed]" if s.detail.get("overlap") else "")
+        for s in steps
+    )
 
 
 def _lines(p: Path) -> list[str]:

@@ -74,8 +74,15 @@ class Spotguard:
         return out
 
     def steps(self, result: dict[str, Any]) -> str:
-        return ", ".join(f"{t['name']} {t['seconds']:.2f}" for t in result["timeline"]
-                         if t.get("seconds"))  # fmt: skip
+        """Each step's seconds; ``[placed]`` after a restore's GPU memory that was placed
+        while the driver restored (``[checkpoint] restore_overlap``)."""
+        return ", ".join(
+            f"{t['name']} {t['seconds']:.2f}"
+            + (" [placed]" if (t.get("detail") or {}).get("overlap") else "")
+            + (f" [not placed: {d['overlap_refused']}]"
+               if (d := t.get("detail") or {}).get("overlap_refused") else "")
+            for t in result["timeline"] if t.get("seconds")
+        )  # fmt: skip
 
     def kill_all(self) -> None:
         for p in self.pids:

@@ -26,7 +26,7 @@ from types import TracebackType
 from spotguard.errors import InjectError
 
 #: x86-64 system call numbers used through :meth:`Injector.call`
-NR_MMAP, NR_MUNMAP, NR_CLOSE, NR_IOCTL, NR_USERFAULTFD = 9, 11, 3, 16, 323
+NR_MMAP, NR_MUNMAP, NR_CLOSE, NR_IOCTL, NR_MADVISE, NR_USERFAULTFD = 9, 11, 3, 16, 28, 323
 _NR_CLONE, _NR_EXIT, _NR_SIGPROCMASK = 56, 60, 14
 _SEIZE, _INTERRUPT, _GETREGS, _SETREGS, _SINGLESTEP, _DETACH = 0x4206, 0x4207, 12, 13, 9, 17
 _SETOPTIONS, _GETEVENTMSG, _O_TRACECLONE, _EVENT_CLONE, _EVENT_STOP = 0x4200, 0x4201, 0x8, 3, 128

@@ -23,7 +23,7 @@ A move keeps the huge page ``process_vm_writev`` made.
 
 Every byte is verified before it is written, as before. Where any of this cannot be set up
 (another architecture, an older kernel, ptrace or ``userfaultfd`` refused), :func:`open_placers`
-returns nothing and the restore writes everything back first, as it always did.
+returns no placers (and why) and the restore writes everything back first, as it always did.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ _UFFDIO_API, _UFFDIO_REGISTER, _UFFDIO_ZEROPAGE = 0xC018AA3F, 0xC020AA00, 0xC020
 _UFFDIO_MOVE = 0xC028AA05
 _UFFD_API, _FEATURE_MOVE, _MODE_MISSING = 0xAA, 1 << 16, 1
 _HUGE = 2 << 20
-_MAP_NORESERVE = 0x4000  # not in Python's mmap module before 3.13
+_MAP_NORESERVE, _MADV_DONTNEED = 0x4000, 4  # (MAP_NORESERVE: in Python's mmap from 3.13)
 #: the end of the scratch mapping: the puppet's signal mask, the ioctl's argument, its stack
 _CONTROL = 64 << 10
 T = TypeVar("T")
@@ -206,8 +206,9 @@ class Placer:
                 )
                 control = self._scratch + self._length - _CONTROL
                 write_memory(pid, control, memoryview(bytearray(b"\xff" * 8)))  # puppet sigmask
-                if held := _resident(pid, self._ranges):
-                    raise OSError(errno.EEXIST, f"{held} bytes of the staged ranges are held")
+                for lo, hi in self._ranges:  # whatever CRIU left there (zero pages) goes
+                    madv = inj.call(inject.NR_MADVISE, lo, hi - lo, _MADV_DONTNEED)
+                    inject.check(madv, "madvise(MADV_DONTNEED)", pid)
                 for lo, hi in self._ranges:
                     reg = (ctypes.c_uint64 * 4)(lo, hi - lo, _MODE_MISSING, 0)
                     if err := _io(self._uffd, _UFFDIO_REGISTER, reg):
@@ -291,30 +292,14 @@ class Placer:
             self._puppet.exit()
 
 
-def _resident(pid: int, ranges: Sequence[tuple[int, int]]) -> int:
-    """Bytes of the mappings over ``ranges`` that already hold pages (``Rss`` of
-    ``/proc/PID/smaps``): a range the driver staged comes back from CRIU empty; one that does
-    not is not placed (its pages would stand in the way of the moves)."""
-    held, cur = 0, False
-    with open(f"/proc/{pid}/smaps") as f:
-        for line in f:
-            parts = line.split()
-            if parts and "-" in parts[0] and len(parts) >= 5:
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                cur = any(lo < r_hi and hi > r_lo for r_lo, r_hi in ranges)
-            elif cur and parts[:1] == ["Rss:"]:
-                held += int(parts[1]) << 10
-    return held
-
-
 def open_placers(
     pages: Sequence[GpuPages], host_pid: Mapping[int, int], slots: int, slot: int
-) -> dict[int, Placer] | None:
+) -> tuple[dict[int, Placer] | None, str]:
     """One :class:`Placer` per restored process holding staged GPU memory (by namespace
-    pid), or ``None`` where placing cannot be set up for any of them (the caller writes
-    everything back first; what was set up is closed again)."""
+    pid), or ``None`` and why where placing cannot be set up for any of them (the caller
+    writes everything back first; what was set up is closed again)."""
     if not inject.supported():
-        return None
+        return None, "system calls are injected on x86-64 only"
     ranges: dict[int, list[tuple[int, int]]] = {}
     for gp in pages:
         ranges.setdefault(gp.ns_pid, []).append((gp.start, gp.end))
@@ -326,5 +311,5 @@ def open_placers(
         for p in out.values():
             p.close()
         log.info("restore without overlap: placing cannot be set up", extra={"error": str(exc)})
-        return None
-    return out
+        return None, str(exc)
+    return out, ""

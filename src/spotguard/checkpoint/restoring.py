@@ -117,10 +117,13 @@ async def restore(
         if meta.gpu_pages:  # the GPU memory the driver staged, back before it reads it
             with tl.step("gpu_pages", ranges=len(meta.gpu_pages)) as gs:
                 await eng.faults.before("gpu_pages")
-                if s.restore_overlap and gpu_pids:
-                    places = await asyncio.to_thread(
+                staged = sum(g.end - g.start for g in meta.gpu_pages)
+                if s.restore_overlap and gpu_pids and staged >= s.restore_overlap_min_mib << 20:
+                    places, why = await asyncio.to_thread(
                         placing.open_placers, meta.gpu_pages, by_ns, _SLOTS, _SLOT
                     )
+                    if why:
+                        gs.detail["overlap_refused"] = why
                 gs.detail["overlap"] = places is not None
                 if places is None:
                     gs.detail["bytes"] = await gpupages.load(

@@ -16,6 +16,8 @@ import logging
 import mmap
 import os
 import shutil
+import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -329,7 +331,7 @@ class DirectorySource:
     ) -> None:
         """The directory's file (its seal was verified by :meth:`start`), read in order."""
         path = self.path / check_part_name(name)
-        await asyncio.to_thread(_read_part, path, size, put, zero)
+        await asyncio.to_thread(_read_part, path, size, put, zero, in_flight or 1)
 
     async def finish(self) -> None:
         return None
@@ -340,6 +342,8 @@ class DirectorySource:
 
 #: bytes one buffer of :func:`_write_part` / :func:`_read_part` holds
 PART_BUFFER = 64 << 20
+#: most threads reading one part at once (each with a buffer of PART_BUFFER bytes)
+MAX_PART_READERS = 8
 
 
 def _write_part(path: Path, size: int, fill: PageFill) -> None:
@@ -359,26 +363,47 @@ def _write_part(path: Path, size: int, fill: PageFill) -> None:
         buf.close()
 
 
-def _read_part(path: Path, size: int, put: PagePut, zero: PageZero | None = None) -> None:
+def _read_part(
+    path: Path, size: int, put: PagePut, zero: PageZero | None = None, in_flight: int = 1
+) -> None:
+    """The part's pieces in order, ``in_flight`` at once (a thread and a buffer each)."""
     fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    buf = mmap.mmap(-1, min(PART_BUFFER, max(size, 1)))
-    view = memoryview(buf)
+    local = threading.local()
+    buffers: list[mmap.mmap] = []
+    views: list[memoryview] = []
+
+    def one(off: int) -> None:
+        if not hasattr(local, "view"):
+            buf = mmap.mmap(-1, min(PART_BUFFER, max(size, 1)))
+            buffers.append(buf)
+            local.view = memoryview(buf)
+            views.append(local.view)
+        view: memoryview = local.view
+        n = min(len(view), size - off)
+        got = 0
+        while got < n:
+            r = os.preadv(fd, [view[got:n]], off + got)
+            if r <= 0:
+                raise ImageError(f"{path} ends at {off + got} of {size} bytes")
+            got += r
+        if not memops.is_zero(view[:n]):
+            put(off, view[:n])
+        elif zero is not None:
+            zero(off, n)
+
     try:
         if os.fstat(fd).st_size != size:
             raise ImageError(f"{path} holds {os.fstat(fd).st_size} bytes, the image says {size}")
-        for off in range(0, size, len(buf)):
-            n = min(len(buf), size - off)
-            got = 0
-            while got < n:
-                r = os.preadv(fd, [view[got:n]], off + got)
-                if r <= 0:
-                    raise ImageError(f"{path} ends at {off + got} of {size} bytes")
-                got += r
-            if not memops.is_zero(view[:n]):
-                put(off, view[:n])
-            elif zero is not None:
-                zero(off, n)
+        pieces = range(0, size, min(PART_BUFFER, max(size, 1)))
+        if in_flight <= 1:
+            for off in pieces:
+                one(off)
+        else:
+            with ThreadPoolExecutor(min(in_flight, MAX_PART_READERS)) as ex:
+                list(ex.map(one, pieces))
     finally:
         os.close(fd)
-        view.release()
-        buf.close()
+        for v in views:
+            v.release()
+        for buf in buffers:
+            buf.close()
