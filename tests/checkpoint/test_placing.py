@@ -151,3 +151,13 @@ def test_where_placing_cannot_be_set_up_the_restore_writes_back_first() -> None:
     places, why = placing.open_placers(pages, {7: gone.pid}, 2, CHUNK)
     assert places is None and why  # says why: the process is gone
     assert mmap.PAGESIZE > 0
+
+
+def test_doctor_says_whether_this_host_can_place_a_restore() -> None:
+    ok, found, fix = placing.readiness()
+    release = tuple(int(x) for x in os.uname().release.split(".")[:2])
+    if inject.supported() and release >= (6, 8) and os.geteuid() == 0:
+        assert ok, found  # this machine: the whole set-up works on a probe process
+        assert "UFFDIO_MOVE" in found and not fix
+    else:
+        assert not ok and found

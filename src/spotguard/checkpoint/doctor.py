@@ -4,6 +4,7 @@ a self-test parks and unparks a small job with sockets (:mod:`.selftest`)."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import platform
 from dataclasses import asdict, dataclass
@@ -11,7 +12,7 @@ from typing import Any
 
 from spotguard.errors import PreflightError
 
-from . import cuda, stagefault
+from . import cuda, placing, stagefault
 from .criu import MIN_VERSION_TEXT, PLUGIN_NAME, Criu, version_ok
 from .selftest import run_selftest
 
@@ -130,6 +131,8 @@ async def run_checks(criu_path: str | None = None, *, self_test: bool = True) ->
         )
         ready, found, fix = stagefault.readiness()
         checks.append(Check("gpu staging prefault", ready, found, fix, required=False))
+        ready, found, fix = await asyncio.to_thread(placing.readiness)
+        checks.append(Check("gpu restore overlap", ready, found, fix, required=False))
     else:
         checks.append(
             Check(

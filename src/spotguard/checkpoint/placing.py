@@ -34,8 +34,11 @@ import functools
 import logging
 import mmap
 import os
+import platform
 import queue
 import select
+import subprocess
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
@@ -290,6 +293,46 @@ class Placer:
             self._puppet.call(inject.NR_CLOSE, self._theirs)
             self._puppet.call(inject.NR_MUNMAP, self._scratch, self._length)
             self._puppet.exit()
+
+
+def readiness() -> tuple[bool, str, str]:
+    """Whether this host can place a restore's staged GPU memory under the driver's restore:
+    (ok, what was found, what to do) for ``spotguard doctor``. A probe on a child process:
+    the whole set-up (ptrace, ``userfaultfd``, ``UFFDIO_MOVE``) on a page of its memory."""
+    if not inject.supported():
+        return False, f"{platform.machine()}: system calls are injected on x86-64 only", ""
+    probe = subprocess.Popen(
+        [sys.executable, "-c", _PROBE], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert probe.stdout is not None
+        base = int(probe.stdout.readline())
+        placer = Placer.open(probe.pid, [(base, base + _HUGE)], 1, _HUGE)
+        try:
+            placer.put(base, memoryview(bytearray(b"\x5a" * _HUGE)))
+        finally:
+            placer.close()
+    except (InjectError, OSError, ValueError) as exc:
+        return (
+            False,
+            f"restores write the GPU memory back before the driver's restore ({exc})",
+            "Linux 6.8+ (UFFDIO_MOVE), ptrace allowed (kernel.yama.ptrace_scope < 3), agent "
+            "run as root",
+        )
+    finally:
+        probe.kill()
+        probe.wait()
+    return True, "userfaultfd + UFFDIO_MOVE work: large restores overlap the driver's", ""
+
+
+#: a process holding one untouched, 2 MiB-aligned huge page of memory (readiness's probe)
+_PROBE = """
+import ctypes, mmap, sys, time
+m = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+a = ctypes.addressof(ctypes.c_char.from_buffer(m))
+print(a + (-a) % (2 << 20), flush=True)
+time.sleep(60)
+"""
 
 
 def open_placers(

@@ -407,7 +407,11 @@ class DemoStack:
                 os.environ[k] = v
         shutil.rmtree(self.shm, ignore_errors=True)
         if not self.keep and self._made_root:
-            shutil.rmtree(self.root, ignore_errors=True)
+            for _ in range(20):  # a process being reaped may still write a last line into it
+                shutil.rmtree(self.root, ignore_errors=True)
+                if not self.root.exists():
+                    break
+                await asyncio.sleep(0.1)
 
     async def _stop_agent1(self) -> None:
         if self.agent1 is not None and self.agent1.returncode is None:
