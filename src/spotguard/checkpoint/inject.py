@@ -1,17 +1,20 @@
 """A few system calls run inside another process, through ``ptrace`` (x86-64 Linux).
 
 A restore that overlaps the write-back of the staged GPU memory with the driver's restore
-(:mod:`.placing`) needs two things only the restored process can make for itself: a
-``userfaultfd`` (it serves faults of the mm that created it) and a scratch mapping in its own
-address space (``UFFDIO_MOVE`` moves pages within one mm). :class:`Injector` stops one thread
-of the process, runs each call on a ``syscall`` instruction of the process's own code with the
-thread's registers borrowed, and puts every register back before letting it go — the
-mechanism CRIU's parasite code uses, kept to plain system calls.
+(:mod:`.placing`) needs what only the restored process can make or do for itself: a
+``userfaultfd`` (it serves faults of the mm that created it), a scratch mapping in its own
+address space, and the ``UFFDIO_MOVE`` calls (the kernel moves pages only for a caller of the
+same mm). :class:`Injector` stops the process's main thread, runs each call on a ``syscall``
+instruction of the process's own code with the thread's registers borrowed, and puts every
+register back before letting it go — the mechanism CRIU's parasite code uses, kept to plain
+system calls. :meth:`Injector.spawn` clones a :class:`Puppet`: a thread of the process that
+never runs code of its own, for the many calls a restore makes while the job runs.
 
 Why ``ptrace`` through ``ctypes``: Python has no binding of it; CRIU's compel library does
-this in C for a whole parasite blob, more than three system calls need. The thread is taken
-with ``PTRACE_SEIZE`` + ``PTRACE_INTERRUPT``, so a system call it was blocked in is restarted
-when its registers come back, as after any signal.
+this in C for a whole parasite blob, far more than a handful of system calls need. The thread
+is taken with ``PTRACE_SEIZE`` + ``PTRACE_INTERRUPT``, so a system call it was blocked in is
+restarted when its registers come back, as after any signal. Every ptrace request for a thread
+must come from the OS thread that attached it (:mod:`.placing` keeps one for that).
 """
 
 from __future__ import annotations
