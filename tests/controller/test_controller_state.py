@@ -134,25 +134,7 @@ def test_controller_without_token_refuses_to_start(tmp_path: Path) -> None:
 async def test_restart_mid_launch_adopts_the_vm_of_the_persisted_round(tmp_path: Path) -> None:
     """A controller that died after the VM started but before recording it finds that VM by
     its round token instead of launching another."""
-    settings = ControllerSettings(
-        listen="127.0.0.1:0",
-        state=tmp_path / "s.db",
-        controller_token="t",
-        default_store=f"file://{tmp_path}/store",
-        tick_s=0.05,
-    )
-    local = LocalProvider(
-        LocalSettings(
-            local_root=tmp_path / "local",
-            local_agent_command=[sys.executable, "-c", "import time; time.sleep(60)"],
-            local_gpus=False,
-        )
-    )
-    db = await StateDB.open(settings.state)
-    first = Controller(settings, db, local, image=ImageSettings.model_validate({}))
-    image = f"file://{tmp_path}/store/j/images/x"
-    await first.handle_event(make_event(job="j", kind=EventKind.STARTED))
-    await first.handle_event(make_event(job="j", kind=EventKind.EXITED, image_url=image))
+    settings, local, db, first, _image = await _job_to_relaunch(tmp_path)
     rec = await db.get("j")
     assert rec is not None
     assert rec.state is JobState.LAUNCHING
@@ -200,25 +182,7 @@ async def test_a_report_of_the_round_arriving_before_its_launch_is_recorded_is_k
     current epoch) is answered 200, so the agent never sends it again: it must not be lost —
     a lost RESTORED leaves a running job in RESTORING until its restore times out, and the
     controller then terminates the VM it runs on."""
-    settings = ControllerSettings(
-        listen="127.0.0.1:0",
-        state=tmp_path / "s.db",
-        controller_token="t",
-        default_store=f"file://{tmp_path}/store",
-        tick_s=0.05,
-    )
-    local = LocalProvider(
-        LocalSettings(
-            local_root=tmp_path / "local",
-            local_agent_command=[sys.executable, "-c", "import time; time.sleep(60)"],
-            local_gpus=False,
-        )
-    )
-    db = await StateDB.open(settings.state)
-    first = Controller(settings, db, local, image=ImageSettings.model_validate({}))
-    image = f"file://{tmp_path}/store/j/images/x"
-    await first.handle_event(make_event(job="j", kind=EventKind.STARTED))
-    await first.handle_event(make_event(job="j", kind=EventKind.EXITED, image_url=image))
+    settings, local, db, first, image = await _job_to_relaunch(tmp_path)
     await db.change("j", lambda r: Change(r, "round 1", note=True) if r and _begin(r) else None)
     rec = await db.get("j")
     assert rec is not None and rec.state is JobState.LAUNCHING
@@ -265,3 +229,30 @@ async def test_a_report_of_the_round_arriving_before_its_launch_is_recorded_is_k
         await second.stop()
         await local.terminate(vm)
         await db.close()
+
+
+async def _job_to_relaunch(
+    tmp_path: Path,
+) -> tuple[ControllerSettings, LocalProvider, StateDB, Controller, str]:
+    """A controller (and its local provider and state) holding job ``j`` that exited with an
+    image: LAUNCHING, its first round about to start."""
+    settings = ControllerSettings(
+        listen="127.0.0.1:0",
+        state=tmp_path / "s.db",
+        controller_token="t",
+        default_store=f"file://{tmp_path}/store",
+        tick_s=0.05,
+    )
+    local = LocalProvider(
+        LocalSettings(
+            local_root=tmp_path / "local",
+            local_agent_command=[sys.executable, "-c", "import time; time.sleep(60)"],
+            local_gpus=False,
+        )
+    )
+    db = await StateDB.open(settings.state)
+    first = Controller(settings, db, local, image=ImageSettings.model_validate({}))
+    image = f"file://{tmp_path}/store/j/images/x"
+    await first.handle_event(make_event(job="j", kind=EventKind.STARTED))
+    await first.handle_event(make_event(job="j", kind=EventKind.EXITED, image_url=image))
+    return settings, local, db, first, image
