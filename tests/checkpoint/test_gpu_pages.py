@@ -13,8 +13,10 @@ import contextlib
 import os
 import signal
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -28,7 +30,7 @@ from spotguard.checkpoint.meta import ImageMeta
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.checkpoint.testing import RecordingGpu
-from spotguard.errors import ImageError, SpotguardError
+from spotguard.errors import GpuError, ImageError, SpotguardError
 from spotguard.image import ImageSettings
 from spotguard.image.reader import ImageReader
 from spotguard.stream import StreamSource, StreamTarget
@@ -290,6 +292,59 @@ async def test_a_tampered_chunk_of_staged_memory_fails_the_restore_and_leaves_no
         )
     await asyncio.sleep(0.2)
     assert gpu.checks() == []  # the driver's restore never ran on a half-written range
+    assert not any(
+        str(tmp_path / "staging_job.py") in " ".join(p.info["cmdline"] or [])
+        for p in psutil.process_iter(["cmdline"])
+    ), "a restored process was left behind"
+
+
+class SlowSource(StreamSource):
+    """A download at a crawl: each chunk handed on 50 ms after it was asked for, the time of
+    each kept."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.puts: list[float] = []
+
+    async def get_pages(
+        self,
+        name: str,
+        size: int,
+        put: gpupages.PagePut,
+        *,
+        zero: gpupages.PageZero | None = None,
+        in_flight: int | None = None,
+    ) -> None:
+        def slow(off: int, view: memoryview) -> None:
+            time.sleep(0.05)
+            put(off, view)
+            self.puts.append(time.monotonic())
+
+        await super().get_pages(name, size, slow, zero=zero, in_flight=in_flight)
+
+
+async def test_a_driver_restore_that_fails_stops_the_placing_and_says_why(
+    patched: str, tmp_path: Path, here: Path
+) -> None:
+    """The driver refusing the image ends the restore at once with the driver's error: the
+    rest of the staged memory is not written into a process that cannot run."""
+    job, gpu, engine = await _rig(
+        tmp_path, here, patched, "gpupages-refused", restore_overlap_min_mib=0
+    )
+    settings = ImageSettings()
+    target = _stream_target(tmp_path, settings)
+    await engine.freeze(job, target, Mode.EXIT)
+    assert target.url is not None
+    gpu.fail_on = "restore"
+    source = SlowSource(target.url, work_root=tmp_path / "w", settings=settings)
+    with pytest.raises(GpuError, match="injected failure in GPU restore"):
+        await engine.restore(source, state_dir=tmp_path / "state")
+    failed_at = time.monotonic()
+    # the non-zero three quarters are 36 chunks of 4 MiB; only those already in flight land
+    assert len(source.puts) < 12, f"{len(source.puts)} chunks written after the driver failed"
+    await asyncio.sleep(0.3)
+    assert not [t for t in source.puts if t > failed_at], "chunks written after the restore"
+    assert gpu.checks() == []
     assert not any(
         str(tmp_path / "staging_job.py") in " ".join(p.info["cmdline"] or [])
         for p in psutil.process_iter(["cmdline"])

@@ -185,8 +185,10 @@ async def _overlapped(
     s: CheckpointSettings,
 ) -> dict[str, object]:
     """The driver's restore while the staged memory is placed under it (:mod:`.placing`).
-    A write-back that fails kills the GPU processes first — a driver waiting on a page that
-    will never come returns only when its process dies — then the error is raised."""
+    When either side fails the other cannot end usefully — a driver waiting on a page that
+    will never come returns only when its process dies, a write-back into processes whose
+    restore failed would run to its end — so the GPU processes are killed at once, both are
+    let finish, and the first failure is raised."""
     t0 = time.perf_counter()
     load = asyncio.ensure_future(
         gpupages.load(source, pages, by_ns, workers=s.gpu_page_workers or None, places=places)
@@ -195,17 +197,19 @@ async def _overlapped(
     pages_s = 0.0
     try:
         await asyncio.wait({load, driver}, return_when=asyncio.FIRST_EXCEPTION)
-        if load.done() and load.exception() is not None:
-            for ns_pid in places:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(by_ns[ns_pid], signal.SIGKILL)
+        failed = [t.exception() for t in (load, driver) if t.done() and not t.cancelled()]
+        first = next((e for e in failed if e is not None), None)
+        if first is not None:
+            raise first
         written = await load
         pages_s = time.perf_counter() - t0
         await driver
     finally:
-        if not driver.done():
-            driver.cancel()
-        await asyncio.gather(driver, return_exceptions=True)
+        if not (load.done() and driver.done()):  # a failure, or this restore cancelled
+            for ns_pid in places:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(by_ns[ns_pid], signal.SIGKILL)
+            await asyncio.gather(load, driver, return_exceptions=True)
         await asyncio.to_thread(_close_all, places)
     stats = [p.stats for p in places.values()]
     return {
