@@ -87,7 +87,7 @@ def test_a_reader_waits_for_each_chunk_and_sees_exactly_what_was_placed(
 ) -> None:
     base = _base(job)
     before = _maps(job.pid)
-    placer = placing.Placer.open(job.pid, [(base, base + SIZE)], slots=2, slot=CHUNK)
+    placer = placing.Placer(job.pid, [(base, base + SIZE)], slots=2, slot=CHUNK)
     assert _maps(job.pid) != before  # the scratch mapping
     assert job.stdin is not None and job.stdout is not None
     job.stdin.write("read\n")

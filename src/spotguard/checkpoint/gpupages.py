@@ -35,7 +35,7 @@ import ctypes
 import logging
 import os
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -76,7 +76,12 @@ class PagesSource(Protocol):
         *,
         zero: PageZero | None = None,
         in_flight: int | None = None,
-    ) -> None: ...
+    ) -> None:
+        """Hand file ``name`` (which must hold exactly ``size`` bytes) to ``put(offset,
+        view)`` (called in a worker thread), every byte verified first; all-zero stretches
+        may be left out (the memory they go to already reads zero), named to ``zero(offset,
+        length)`` where given; up to ``in_flight`` pieces at once where the source can."""
+        ...
 
 
 class Place(Protocol):
@@ -391,24 +396,35 @@ async def load(
         pid = host_pid[gp.ns_pid]
 
         def put(off: int, view: memoryview) -> None:
-            if off < 0 or off + len(view) > part.size:
-                raise ImageError(f"{part.name}: {len(view)} bytes at {off} outside the part")
+            _inside(part, off, len(view))
             write_memory(pid, gp.start + part.offset + off, view)
 
         async with gate:
             await source.get_pages(part.name, part.size, put)
 
+    await _all(
+        [one(gp, part) for gp in pages for part in gp.parts], "writing the staged GPU memory back"
+    )
+    return sum(gp.end - gp.start for gp in pages)
+
+
+def _inside(part: Part, off: int, n: int) -> None:
+    """A source's piece must lie within its part (a bad image never writes elsewhere)."""
+    if off < 0 or off + n > part.size:
+        raise ImageError(f"{part.name}: {n} bytes at {off} outside the part")
+
+
+async def _all(work: Sequence[Coroutine[Any, Any, None]], how: str) -> None:
+    """Run ``work`` at once; the first failure raised as one typed error (a bad chunk, a
+    call into the process that failed), the rest cancelled."""
     try:
         async with asyncio.TaskGroup() as tg:
-            for gp in pages:
-                for part in gp.parts:
-                    tg.create_task(one(gp, part))
-    except* OSError as eg:
-        raise CheckpointError(f"writing the staged GPU memory back failed: "
-                              f"{eg.exceptions[0]}") from eg.exceptions[0]  # fmt: skip
-    except* ImageError as eg:
+            for w in work:
+                tg.create_task(w)
+    except* SpotguardError as eg:
         raise eg.exceptions[0] from None
-    return sum(gp.end - gp.start for gp in pages)
+    except* Exception as eg:  # noqa: BLE001 - said as a typed error, with the cause
+        raise CheckpointError(f"{how} failed: {eg.exceptions[0]}") from eg.exceptions[0]
 
 
 async def _load_in_order(
@@ -426,24 +442,14 @@ async def _load_in_order(
                 base = gp.start + part.offset
 
                 def put(off: int, view: memoryview, base: int = base, part: Part = part) -> None:
-                    if off < 0 or off + len(view) > part.size:
-                        raise ImageError(f"{part.name}: {len(view)} bytes at {off} outside")
+                    _inside(part, off, len(view))
                     place.put(base + off, view)
 
                 def zero(off: int, n: int, base: int = base, part: Part = part) -> None:
-                    if off < 0 or off + n > part.size:
-                        raise ImageError(f"{part.name}: {n} zero bytes at {off} outside")
+                    _inside(part, off, n)
                     place.zero(base + off, n)
 
                 await source.get_pages(part.name, part.size, put, zero=zero, in_flight=in_flight)
 
-    try:
-        async with asyncio.TaskGroup() as tg:
-            for ns_pid, ranges in by_pid.items():
-                tg.create_task(one_process(ns_pid, ranges))
-    except* SpotguardError as eg:  # a bad chunk, a call in the process that failed
-        raise eg.exceptions[0] from None
-    except* Exception as eg:  # noqa: BLE001 - said as a typed error, with the cause
-        raise CheckpointError(f"placing the staged GPU memory failed: "
-                              f"{eg.exceptions[0]}") from eg.exceptions[0]  # fmt: skip
+    await _all([one_process(p, rs) for p, rs in by_pid.items()], "placing the staged GPU memory")
     return sum(gp.end - gp.start for gp in pages)

@@ -144,6 +144,8 @@ class Placer:
     """Places chunks of one restored process's staged ranges (see the module's steps)."""
 
     def __init__(self, pid: int, ranges: Sequence[tuple[int, int]], slots: int, slot: int) -> None:
+        """Set up placing for ``pid``'s ``ranges`` with ``slots`` scratch slots of ``slot``
+        bytes. Raises :class:`InjectError` or :class:`OSError` where it cannot."""
         self.pid = pid
         self.slot = slot
         self.stats = PlaceStats()
@@ -183,12 +185,6 @@ class Placer:
                 continue
             except (OSError, ValueError):
                 return
-
-    @classmethod
-    def open(cls, pid: int, ranges: Sequence[tuple[int, int]], slots: int, slot: int) -> Placer:
-        """Set up placing for ``pid``'s ``ranges`` with ``slots`` scratch slots of ``slot``
-        bytes. Raises :class:`InjectError` or :class:`OSError` where it cannot."""
-        return cls(pid, ranges, slots, slot)
 
     def _setup(self) -> None:
         """(tracer thread) The ``userfaultfd`` and the scratch mapping, made by the process;
@@ -307,7 +303,7 @@ def readiness() -> tuple[bool, str, str]:
     try:
         assert probe.stdout is not None
         base = int(probe.stdout.readline())
-        placer = Placer.open(probe.pid, [(base, base + _HUGE)], 1, _HUGE)
+        placer = Placer(probe.pid, [(base, base + _HUGE)], 1, _HUGE)
         try:
             placer.put(base, memoryview(bytearray(b"\x5a" * _HUGE)))
         finally:
@@ -349,7 +345,7 @@ def open_placers(
     out: dict[int, Placer] = {}
     try:
         for ns_pid, rs in ranges.items():
-            out[ns_pid] = Placer.open(host_pid[ns_pid], rs, slots, slot)
+            out[ns_pid] = Placer(host_pid[ns_pid], rs, slots, slot)
     except (InjectError, OSError, KeyError) as exc:
         for p in out.values():
             p.close()

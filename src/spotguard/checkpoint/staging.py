@@ -30,7 +30,7 @@ from spotguard.errors import CheckpointError, ImageError
 from spotguard.image import memops
 
 from . import seal
-from .gpupages import PageFill, PagePut, PageZero, check_part_name
+from .gpupages import PageFill, PagePut, PagesSource, PageZero, check_part_name
 from .meta import META_NAME, ImageMeta
 
 log = logging.getLogger(__name__)
@@ -92,8 +92,9 @@ class DumpTarget(Protocol):
         ...
 
 
-class RestoreSource(Protocol):
-    """Provides one image to the engine's restore. ``authenticated`` (valid after
+class RestoreSource(PagesSource, Protocol):
+    """Provides one image to the engine's restore (and the GPU memory staged in it, as a
+    :class:`~.gpupages.PagesSource`). ``authenticated`` (valid after
     :meth:`start`): the image was authenticated under a key (the fleet's, or this host's for
     a local image), so restore may honour what it asks beyond the job's own directory."""
 
@@ -108,21 +109,6 @@ class RestoreSource(Protocol):
 
     async def start(self) -> ImageMeta:
         """Make the image available (download, verify, serve) and return its metadata."""
-        ...
-
-    async def get_pages(
-        self,
-        name: str,
-        size: int,
-        put: PagePut,
-        *,
-        zero: PageZero | None = None,
-        in_flight: int | None = None,
-    ) -> None:
-        """Hand file ``name`` (which must hold exactly ``size`` bytes) to ``put(offset,
-        view)`` (called in a worker thread), every byte verified first; all-zero stretches
-        may be left out (the memory they go to already reads zero), named to ``zero(offset,
-        length)`` where given; up to ``in_flight`` pieces at once where the source can."""
         ...
 
     async def finish(self) -> None: ...
