@@ -36,6 +36,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench.stacks import Stacks
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu, has_page_workers
@@ -234,6 +236,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+GIB = 1 << 30
+
+
+def _memory_needed(n: int, gib: float) -> int:
+    """Bytes a run of ``n`` ranks holds at its peak: the ranks' memory, their image in the
+    tmpfs store (the random half stored raw, a little for the rest) and a margin."""
+    return int(n * gib * GIB * 1.6) + (1 << 30)
+
+
 async def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--gib", type=float, default=0.25, help="GiB of memory per rank")
@@ -261,6 +272,11 @@ async def main() -> int:
     failed = False
     for mode in a.modes:
         for n in sorted(a.ranks):
+            need, have = _memory_needed(n, a.gib), psutil.virtual_memory().available
+            if need > have:
+                why = f"needs ~{need / GIB:.1f} GiB of memory, {have / GIB:.1f} GiB available"
+                print(f"{mode} N={n}: skipped: {why}", flush=True)
+                continue
             with tempfile.TemporaryDirectory(prefix="sg-ranks-") as tmp:
                 w = workers if mode == "parallel" else 0
                 try:
