@@ -402,8 +402,10 @@ class Criu:
         time_limit: float | None = None,
         mount_ns: bool = False,
         external_mounts: Sequence[str] = (),
+        leave_stopped: bool = False,
     ) -> int:
         """Restore the tree in ``images_dir`` detached from us; returns the root's host pid.
+        ``leave_stopped``: every process is left stopped (the caller continues them).
 
         ``--tcp-established`` is always given: an image without connected TCP sockets is
         unaffected, one with them (the dump decided) cannot be restored without it.
@@ -432,6 +434,8 @@ class Criu:
             args.append(f"--manage-cgroups={manage_cgroups}")
         if shell_job:
             args.append("--shell-job")
+        if leave_stopped:
+            args.append("--leave-stopped")
         args += self._plugin_args()
         args += await self.page_worker_args()
         if mount_ns:

@@ -49,6 +49,7 @@ import asyncio
 import logging
 import os
 import signal
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -242,15 +243,30 @@ class Engine:
                     meta.timeline = tl.to_list()
                     await target.finish(meta)
 
+            frozen, failed = threading.Event(), threading.Event()
+
+            async def copy_gpu_pages() -> None:
+                # the GPU memory CRIU leaves out, copied once nothing can change it: from the
+                # moment CRIU has stopped the processes, while it dumps the rest of the tree
+                pids = sorted({r.pid for r in staged})
+                early = await asyncio.to_thread(proctree.wait_seized, pids, frozen)
+                if failed.is_set():
+                    return
+                with tl.step("gpu_pages", ranges=len(staged), while_criu_dumps=early) as gs:
+                    await self.faults.before("gpu_pages")
+                    meta.gpu_pages = await gpupages.save(
+                        target, staged, ns_of, chunk=CHUNK, workers=s.gpu_page_workers or None,
+                        stop=failed,
+                    )  # fmt: skip
+                    gs.detail["bytes"] = sum(r.size for r in staged)
+
+            copying = asyncio.ensure_future(copy_gpu_pages()) if before else None
+
             async def on_frozen() -> None:
                 # CRIU has written the image; the tree is still frozen.
-                if before:  # the GPU memory CRIU left out, copied while nothing can change it
-                    with tl.step("gpu_pages", ranges=len(staged)) as gs:
-                        await self.faults.before("gpu_pages")
-                        meta.gpu_pages = await gpupages.save(
-                            target, staged, ns_of, chunk=CHUNK, workers=s.gpu_page_workers or None
-                        )
-                        gs.detail["bytes"] = sum(r.size for r in staged)
+                if copying is not None:
+                    frozen.set()
+                    await copying
                 with tl.step("capture_files") as cs:
                     await self.faults.before("capture_files")
                     paths = files.candidates(job.dir, proctree.writable_files(tree))
@@ -265,29 +281,37 @@ class Engine:
                 else:  # the job goes on: its pages out of CRIU's pipes first
                     await target.drain()
 
-            with tl.step("criu_dump", leave_running=mode is Mode.RESUME) as ds:
-                await self.faults.before("criu_dump")
-                survey = None
-                if meta.mount_ns:
-                    survey = await asyncio.to_thread(mounts.survey, job.pid, job.dir)
-                await self.criu.dump(
-                    job.pid,
-                    images_dir,
-                    leave_running=mode is Mode.RESUME,
-                    stream=target.stream,
-                    tcp_established=net.tcp_established,
-                    network_lock=net.lock,
-                    manage_cgroups=s.manage_cgroups,
-                    shell_job=shell_job,
-                    on_frozen=on_frozen,
-                    time_limit=s.criu_timeout,
-                    mount_ns=meta.mount_ns,
-                    ghost_limit=s.ghost_limit,
-                    external_mounts=survey.dump_args() if survey is not None else (),
-                    external_pages=[r.criu_arg() for r in staged],
-                )
-                if not target.stream:
-                    ds.detail["bytes"] = dir_bytes(images_dir)
+            try:
+                with tl.step("criu_dump", leave_running=mode is Mode.RESUME) as ds:
+                    await self.faults.before("criu_dump")
+                    survey = None
+                    if meta.mount_ns:
+                        survey = await asyncio.to_thread(mounts.survey, job.pid, job.dir)
+                    await self.criu.dump(
+                        job.pid,
+                        images_dir,
+                        leave_running=mode is Mode.RESUME,
+                        stream=target.stream,
+                        tcp_established=net.tcp_established,
+                        network_lock=net.lock,
+                        manage_cgroups=s.manage_cgroups,
+                        shell_job=shell_job,
+                        on_frozen=on_frozen,
+                        time_limit=s.criu_timeout,
+                        mount_ns=meta.mount_ns,
+                        ghost_limit=s.ghost_limit,
+                        external_mounts=survey.dump_args() if survey is not None else (),
+                        external_pages=[r.criu_arg() for r in staged],
+                    )
+                    if not target.stream:
+                        ds.detail["bytes"] = dir_bytes(images_dir)
+            except BaseException:  # the copy ends before the job goes on
+                failed.set()
+                raise
+            finally:
+                if copying is not None:
+                    frozen.set()
+                    await asyncio.gather(copying, return_exceptions=True)
             if mode is Mode.RESUME:
                 if active:
                     with tl.step("gpu_restore", pids=active):

@@ -35,6 +35,7 @@ import ctypes
 import logging
 import os
 import re
+import threading
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -344,28 +345,26 @@ async def save(
     *,
     chunk: int,
     workers: int | None = None,
+    stop: threading.Event | None = None,
 ) -> list[GpuPages]:
     """Copy ``ranges`` (the tree frozen) into the image, ``workers`` parts at once; return
-    what the metadata records."""
+    what the metadata records. ``stop`` set (the dump failed meanwhile) ends the copy at the
+    next chunk with :class:`CheckpointError`."""
     k = workers or default_workers()
     plan = [(r, split(r, ns_of[r.pid], k, chunk)) for r in ranges]
     gate = asyncio.Semaphore(k)
 
     async def one(r: Range, part: Part) -> None:
         def fill(off: int, view: memoryview) -> None:
+            if stop is not None and stop.is_set():
+                raise CheckpointError("the copy of the staged GPU memory stopped: the dump failed")
             read_memory(r.pid, r.start + part.offset + off, view)
 
         async with gate:
             await target.put_pages(part.name, part.size, fill)
 
-    try:
-        async with asyncio.TaskGroup() as tg:
-            for r, gp in plan:
-                for part in gp.parts:
-                    tg.create_task(one(r, part))
-    except* OSError as eg:
-        raise CheckpointError(f"copying the GPU memory staged in host memory failed: "
-                              f"{eg.exceptions[0]}") from eg.exceptions[0]  # fmt: skip
+    work = [one(r, part) for r, gp in plan for part in gp.parts]
+    await _all(work, "copying the GPU memory staged in host memory")
     total = sum(r.size for r in ranges)
     log.info("staged GPU memory copied", extra={"ranges": len(ranges), "bytes": total})
     return [gp for _, gp in plan]

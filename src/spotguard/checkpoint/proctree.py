@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -135,3 +136,53 @@ def signal_all(pids: Iterable[int], sig: signal.Signals) -> None:
             os.kill(pid, sig)
         except (ProcessLookupError, PermissionError):
             continue
+
+
+def _state_and_tracer(pid: int, tid: str) -> tuple[str, int] | None:
+    """A thread's scheduler state letter and its tracer's pid (0: none); None if it ended."""
+    try:
+        text = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+    except OSError:
+        return None
+    state, tracer = "", 0
+    for line in text.splitlines():
+        if line.startswith("State:"):
+            state = line.split()[1]
+        elif line.startswith("TracerPid:"):
+            tracer = int(line.split()[1])
+            break
+    return state, tracer
+
+
+def wait_seized(pids: Iterable[int], stop: threading.Event, interval: float = 0.002) -> bool:
+    """Wait until every thread of every process in ``pids`` has been seen in a ptrace stop
+    (CRIU's dump seizes and stops every task before it reads any memory) and is still traced;
+    True then, False once ``stop`` is set first or a process is gone. A seized thread runs
+    none of its own code again until its tracer lets it go (the parasite CRIU runs in it is
+    CRIU's), so a thread seen stopped once stays held while it is traced: only the threads
+    not seen yet are read again on each poll. Runs in a worker thread (it sleeps)."""
+    todo = list(pids)
+    seen: dict[int, set[str]] = {p: set() for p in todo}
+    while not stop.is_set():
+        pending = False
+        for pid in todo:
+            try:
+                tids = os.listdir(f"/proc/{pid}/task")
+            except OSError:
+                return False
+            for tid in tids:
+                if tid in seen[pid]:
+                    continue
+                st = _state_and_tracer(pid, tid)
+                if st is not None and st[0] == "t" and st[1]:
+                    seen[pid].add(tid)
+                elif st is not None:
+                    pending = True
+        if not pending and all(
+            (st := _state_and_tracer(pid, tid)) is None or st[1]
+            for pid in todo
+            for tid in seen[pid]
+        ):
+            return True
+        stop.wait(interval)
+    return False

@@ -56,6 +56,9 @@ async def criu_restore(
                     time_limit=s.criu_timeout,
                     mount_ns=meta.mount_ns,
                     external_mounts=plan.args,
+                    # memory carried beside CRIU is not back yet: nothing of the job may
+                    # run before it is (a thread of it could read or run on it)
+                    leave_stopped=bool(meta.gpu_pages),
                 )
         except CriuError as exc:
             held = _pid_still_held(exc) and meta.root_ns_pid != 1

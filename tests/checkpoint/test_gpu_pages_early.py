@@ -1,0 +1,142 @@
+"""The GPU memory the driver staged is copied from the moment CRIU has stopped the processes,
+while CRIU still dumps the rest (:func:`spotguard.checkpoint.proctree.wait_seized`), and
+never before: a range that a thread of the job keeps writing must come back as it was at the
+freeze, in step with the rest of the job's memory.
+
+The job: told "checkpoint" (SIGUSR1, by the stand-in driver) it maps a fresh range — new
+writable memory, so the freeze carries it beside CRIU like the driver's staging — and starts a
+thread that counts in it and in an ordinary variable, the range first. The range never holds
+less than the variable; a copy taken before the freeze would bring back an older count than
+CRIU's dump of the variable, and the thread says so ("torn") on its first step after the
+restore."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Sequence
+from pathlib import Path
+
+import psutil
+import pytest
+
+from sgtest import until
+from spotguard.checkpoint import inject, proctree
+from spotguard.checkpoint.criu import Criu, has_external_pages
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import start_job
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.testing import RecordingGpu
+
+JOB = """
+import mmap, os, signal, sys, threading, time
+here = sys.argv[1]
+count = [0]
+
+def busy(m):
+    while True:
+        seen = int.from_bytes(m[0:8], "little")
+        if seen < count[0]:
+            open(os.path.join(here, "torn"), "a").write("%d %d\\n" % (seen, count[0]))
+        m[0:8] = (count[0] + 1).to_bytes(8, "little")
+        count[0] += 1
+        time.sleep(0.0005)
+
+def staged(sig, frame):
+    m = mmap.mmap(-1, 96 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    threading.Thread(target=busy, args=(m,), daemon=True).start()
+    open(os.path.join(here, "staged"), "w").write("ok")
+
+signal.signal(signal.SIGUSR1, staged)
+i = 0
+while True:
+    print(i, count[0], flush=True)
+    i += 1
+    time.sleep(0.02)
+"""
+
+
+class BusyGpu(RecordingGpu):
+    """The stand-in driver: its checkpoint makes the job map and start writing its range."""
+
+    def __init__(self, here: Path) -> None:
+        super().__init__(select=lambda pids: [p for p in pids if _is_job(p)][:1])
+        self.here = here
+
+    async def checkpoint(self, pids: Sequence[int]) -> None:
+        await super().checkpoint(pids)
+        for p in pids:
+            os.kill(p, signal.SIGUSR1)
+        await until(lambda: (self.here / "staged").exists(), "the job mapping its range")
+
+
+def _is_job(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        argv = psutil.Process(pid).cmdline()
+        return len(argv) > 1 and argv[1].endswith("busy_job.py")
+    return False
+
+
+def _lines(path: Path) -> int:
+    return path.read_text().count("\n") if path.exists() else 0
+
+
+async def test_memory_written_until_the_freeze_is_copied_as_it_was_at_the_freeze(
+    criu_bin: str, tmp_path: Path
+) -> None:
+    if not has_external_pages(criu_bin):
+        pytest.fail(f"{criu_bin} has no --external-pages: run scripts/install-criu")
+    here = tmp_path / "here"
+    here.mkdir()
+    script = tmp_path / "busy_job.py"
+    script.write_text(JOB)
+    job = await start_job(
+        [sys.executable, str(script), str(here)], "gpupages-early", state_dir=tmp_path / "state"
+    )
+    out = job.dir / "stdout"
+    await until(lambda: _lines(out) > 3, "the job's first lines")
+    settings = CheckpointSettings(
+        state_dir=tmp_path / "state", criu=criu_bin, shm_dir=tmp_path / "shm", criu_timeout=60
+    )
+    engine = Engine(Criu(criu_bin), BusyGpu(here), settings=settings)
+    restored = None
+    try:
+        frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+        [copy] = [st for st in frozen.timeline.steps if st.name == "gpu_pages"]
+        assert copy.detail["while_criu_dumps"] is True  # began before CRIU's post-dump hook
+        assert copy.detail["bytes"] >= 96 << 20  # (and the new thread's stack beside it)
+        stopped_at = _lines(out)
+        restored = await engine.restore(DirectorySource(tmp_path / "img"))
+        await until(lambda: _lines(out) > stopped_at + 10, "the restored job counting on")
+        assert not (here / "torn").exists(), (here / "torn").read_text()
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(restored.pid if restored else job.pid, signal.SIGKILL)
+
+
+def test_a_process_counts_as_seized_only_once_every_thread_is_stopped_under_a_tracer() -> None:
+    """A running process is not seized; ``stop`` ends the wait with False."""
+    stop = threading.Event()
+    stop.set()
+    assert proctree.wait_seized([os.getpid()], stop) is False
+    gone = threading.Event()
+    timer = threading.Timer(0.2, gone.set)
+    timer.start()
+    try:
+        assert proctree.wait_seized([os.getpid()], gone, interval=0.01) is False
+    finally:
+        timer.cancel()
+    if not inject.supported():
+        return
+    sleeper = subprocess.Popen(["sleep", "30"])
+    try:
+        with inject.Injector(sleeper.pid):  # seized and stopped, as CRIU's dump does
+            assert proctree.wait_seized([sleeper.pid], threading.Event()) is True
+    finally:
+        sleeper.kill()
+        sleeper.wait()
