@@ -13,6 +13,7 @@ restore."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -29,6 +30,7 @@ from spotguard.checkpoint import inject, proctree
 from spotguard.checkpoint.criu import Criu, has_external_pages
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import start_job
+from spotguard.checkpoint.marker import MARKER
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.checkpoint.testing import RecordingGpu
@@ -140,3 +142,51 @@ def test_a_process_counts_as_seized_only_once_every_thread_is_stopped_under_a_tr
     finally:
         sleeper.kill()
         sleeper.wait()
+
+
+class MarkerAt:
+    """A faults seam that reads the restore's crash marker before each step."""
+
+    def __init__(self, job_dir: Path) -> None:
+        self.job_dir = job_dir
+        self.pending: dict[str, bool] = {}
+
+    async def before(self, step: str) -> None:
+        path = self.job_dir / MARKER
+        if path.exists():
+            self.pending[step] = json.loads(path.read_text()).get("pages_pending") is True
+
+
+async def test_a_park_restore_marks_its_tree_undoable_until_the_staged_memory_is_back(
+    criu_bin: str, tmp_path: Path
+) -> None:
+    """Between CRIU's restore and the staged memory back, the crash marker says so (a
+    restore killed there is undone, :mod:`spotguard.checkpoint.recovery`); not after."""
+    if not has_external_pages(criu_bin):
+        pytest.fail(f"{criu_bin} has no --external-pages: run scripts/install-criu")
+    here = tmp_path / "here"
+    here.mkdir()
+    script = tmp_path / "busy_job.py"
+    script.write_text(JOB)
+    job = await start_job(
+        [sys.executable, str(script), str(here)], "gpupages-marked", state_dir=tmp_path / "state"
+    )
+    await until(lambda: _lines(job.dir / "stdout") > 3, "the job's first lines")
+    settings = CheckpointSettings(
+        state_dir=tmp_path / "state", criu=criu_bin, shm_dir=tmp_path / "shm", criu_timeout=60
+    )
+    seen = MarkerAt(job.dir)
+    engine = Engine(Criu(criu_bin), BusyGpu(here), settings=settings, faults=seen)
+    restored = None
+    try:
+        await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+        seen.pending.clear()
+        restored = await engine.restore(
+            DirectorySource(tmp_path / "img"), record=tmp_path / "parked.json"
+        )
+        assert seen.pending["gpu_pages"] is True
+        assert seen.pending["gpu_restore"] is False
+        assert seen.pending["finish"] is False
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(restored.pid if restored else job.pid, signal.SIGKILL)

@@ -122,3 +122,37 @@ async def test_recover_acts_on_a_marker_of_the_previous_format(
     assert await Engine(Criu(criu_bin), settings=settings).recover(job)
     assert _state(job.pid) in ("S", "R")
     assert not record.exists() and not (job.dir / MARKER).exists()
+
+
+@pytest.mark.parametrize("pending", [True, False], ids=["memory-not-back", "memory-back"])
+async def test_a_restore_killed_before_its_staged_memory_was_back_is_undone(
+    tmp_path: Path, stopped: subprocess.Popen[bytes], criu_bin: str, pending: bool
+) -> None:
+    """A park's restore killed after CRIU restored the tree (its processes left stopped)
+    but before the GPU memory carried beside CRIU was written back: bringing that tree back
+    would hand the driver a range of zeros for the job's GPU memory. It is killed instead and
+    the job stays parked (the next unpark restores it whole). Once the memory was back, the
+    restore is finished as before."""
+    job = _job(tmp_path, stopped.pid)
+    kept = tmp_path / "parked.json"
+    kept.write_text("{}")
+    images = tmp_path / "images"
+    images.mkdir()
+    agent, agent_start = _dead_writer()
+    (job.dir / MARKER).write_text(json.dumps({
+        "op": "restore", "agent_pid": agent, "agent_start": agent_start, "job_pid": job.pid,
+        "started": "2026-11-26T12:00:00+00:00", "gpu_pids": [], "tree": [job.pid],
+        "record": str(kept), "images": str(images),
+        "job_start": procfacts.start_time(job.pid), "pages_pending": pending,
+    }))  # fmt: skip
+    settings = CheckpointSettings(
+        state_dir=tmp_path / "state", shm_dir=tmp_path / "shm", criu=criu_bin
+    )
+    assert await Engine(Criu(criu_bin), settings=settings).recover(job)
+    assert not (job.dir / MARKER).exists()
+    if pending:
+        stopped.wait(timeout=10)  # killed
+        assert kept.exists() and images.exists(), "the parked job's record and image went"
+    else:
+        assert _state(job.pid) in ("S", "R")  # continued, the restore finished
+        assert not kept.exists() and not images.exists()

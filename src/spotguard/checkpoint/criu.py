@@ -8,11 +8,11 @@ its time limit is killed and becomes :class:`~spotguard.errors.StepTimeout`.
 Options used for every dump: ``--ext-unix-sk`` (sockets to the outside, e.g. journald),
 ``--file-locks``; ``--tcp-established`` with ``--network-lock METHOD`` when the tree holds
 connected TCP sockets (the freeze preflight decides, :mod:`.scan`); restore always allows
-established connections (CRIU reads the lock method from the image);
-``--manage-cgroups MODE`` when set;
-``--leave-running`` or (default) kill after the dump; ``--stream`` when an image streamer
-serves the images directory. ``--shell-job`` is added only when the tree is not the leader
-of its own session (``spotguard run`` jobs are).
+established connections (CRIU reads the lock method from the image), and leaves the tree
+stopped (``--leave-stopped``) when the caller still has memory to put back;
+``--manage-cgroups MODE`` when set; ``--leave-running`` or (default) kill after the dump;
+``--stream`` when an image streamer serves the images directory. ``--shell-job`` is added
+only when the tree is not the leader of its own session (``spotguard run`` jobs are).
 
 Plugins: CRIU loads plugins only from the directory given with ``--libdir``: the one
 scripts/install-criu builds next to CRIU (``<prefix>/lib/criu/plugins``, holding
@@ -34,8 +34,7 @@ none). A CRIU without it is used as it is, and one log line says so.
 
 A caller can run code while the tree is still frozen, after CRIU has written the image and
 before it resumes or kills the tree (``on_frozen``): CRIU's ``post-dump`` action script
-signals over a FIFO and waits for our answer. The engine uses it to snapshot the job's output
-files at exactly the moment of the dump.
+signals over a FIFO and waits for our answer (the engine snapshots the job's output files).
 
 CRIU is started with PR_SET_PDEATHSIG=SIGKILL: if the process driving it dies, CRIU dies too,
 and the tree it had seized is released by the kernel (ptrace detach) — never left half-dumped
@@ -404,8 +403,8 @@ class Criu:
         external_mounts: Sequence[str] = (),
         leave_stopped: bool = False,
     ) -> int:
-        """Restore the tree in ``images_dir`` detached from us; returns the root's host pid.
-        ``leave_stopped``: every process is left stopped (the caller continues them).
+        """Restore the tree in ``images_dir`` detached from us; returns the root's host pid
+        (``leave_stopped``: every process left stopped, for the caller to continue).
 
         ``--tcp-established`` is always given: an image without connected TCP sockets is
         unaffected, one with them (the dump decided) cannot be restored without it.
@@ -434,8 +433,7 @@ class Criu:
             args.append(f"--manage-cgroups={manage_cgroups}")
         if shell_job:
             args.append("--shell-job")
-        if leave_stopped:
-            args.append("--leave-stopped")
+        args += ["--leave-stopped"] if leave_stopped else []
         args += self._plugin_args()
         args += await self.page_worker_args()
         if mount_ns:

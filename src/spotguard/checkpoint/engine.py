@@ -15,9 +15,11 @@ Freeze (dump)::
   released (all ranks at once) before the GPU lock, rebuilt after resume/restore (:mod:`.ncclctl`).
 * GPU lock and checkpoint run for every GPU process at once; the driver must release the GPU
   before CRIU freezes the tree (it does its work through a thread of the job itself).
-* ``criu_dump`` freezes and dumps the tree; while it is frozen, ``gpu_pages`` copies the GPU
-  memory the driver staged, which CRIU left out (:mod:`.gpupages`; restore writes it back
-  after ``criu_restore``), and ``capture_files`` snapshots its output files (:mod:`.files`).
+* ``criu_dump`` freezes and dumps the tree; ``gpu_pages`` copies the GPU memory the driver
+  staged, which CRIU leaves out, from the moment CRIU has stopped the GPU processes
+  (:func:`.proctree.wait_seized`) while it dumps the rest (:mod:`.gpupages`; restore writes
+  it back after ``criu_restore``, the tree still stopped); ``capture_files`` snapshots the
+  output files while the tree is frozen (:mod:`.files`).
 * ``resume`` (leave-running) brings the GPU state back and unlocks; in ``exit`` mode the
   image is completed (``finish``) while the tree is still frozen, and only then does CRIU
   kill it — a failure up to that point leaves the job running.

@@ -112,6 +112,9 @@ class MarkerRecord:
     images: str | None = None
     #: the job's start time once known (a restore: set with ``job_pid`` when CRIU returned)
     job_start: int | None = None
+    #: a restore: CRIU restored the tree (left stopped) but the GPU memory carried beside
+    #: CRIU is not all back yet — such a tree must never be brought back, only killed
+    pages_pending: bool = False
 
     @classmethod
     def from_json(cls, data: dict[str, Any], job: JobInfo) -> MarkerRecord:
@@ -131,6 +134,7 @@ class MarkerRecord:
             record=str(data["record"]) if isinstance(data.get("record"), str) else None,
             images=str(data["images"]) if isinstance(data.get("images"), str) else None,
             job_start=data["job_start"] if isinstance(data.get("job_start"), int) else None,
+            pages_pending=data.get("pages_pending") is True,
         )
 
     def running_elsewhere(self) -> int | None:
@@ -201,11 +205,19 @@ class FreezeMarker:
             )
         )
 
-    def update(self, *, gpu_pids: list[int], tree: list[int], job_pid: int | None = None) -> None:
+    def update(
+        self,
+        *,
+        gpu_pids: list[int],
+        tree: list[int],
+        job_pid: int | None = None,
+        pages_pending: bool = False,
+    ) -> None:
         """Record the processes a bring-back must reach (known once the scan ran, or once
-        CRIU restored the tree: then ``job_pid``, the restored root, with its start time)."""
+        CRIU restored the tree: then ``job_pid``, the restored root, with its start time, and
+        whether GPU memory carried beside CRIU is still to come back, ``pages_pending``)."""
         current = self.read() or MarkerRecord.from_json({}, self.job)
-        now = replace(current, gpu_pids=gpu_pids, tree=tree)
+        now = replace(current, gpu_pids=gpu_pids, tree=tree, pages_pending=pages_pending)
         if job_pid is not None:
             now = replace(now, job_pid=job_pid, job_start=start_time(job_pid))
         self._write(now)

@@ -13,7 +13,9 @@ rule per ``op`` of the marker (:mod:`.marker`).
   parked, its image and record intact, and unparks again. Killed after CRIU returned (the
   restored root and its start time are in the marker): the restore is finished — GPU
   restored and unlocked, tree continued, ``job.json`` names the new pid, the record and the
-  image removed, as the unpark would have.
+  image removed, as the unpark would have — unless the GPU memory carried beside CRIU was
+  not all back (``pages_pending``: the tree is still stopped, the driver would restore
+  zeros): that tree is killed and the job stays parked, as above.
 """
 
 from __future__ import annotations
@@ -79,6 +81,14 @@ async def _restore(eng: EngineParts, job: JobInfo, rec: MarkerRecord, kept: Path
         if not same_process(rec.job_pid, rec.job_start):
             return  # restored, then it ended on its own: the park is left as it is
         tree = proctree.tree(rec.job_pid)
+        if rec.pages_pending:  # its GPU memory never came back: undone, the job parked
+            proctree.signal_all(tree, signal.SIGKILL)
+            await _gone(tree, HALF_RESTORED_EXIT_S)
+            log.warning(
+                "killed a restore whose staged GPU memory was not back; the job stays parked",
+                extra={"job": job.name, "pid": rec.job_pid},
+            )
+            return
         await eng.bring_back(job, tree, rec.gpu_pids)
         await asyncio.to_thread(_restored, job.with_pid(rec.job_pid), kept, rec.images)
         log.info("finished an interrupted restore", extra={"job": job.name, "pid": rec.job_pid})

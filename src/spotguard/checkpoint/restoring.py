@@ -112,8 +112,11 @@ async def restore(
             raise GpuError(
                 f"restored tree lacks GPU processes {meta.gpu_processes} (found {by_ns})"
             )
-        if marker is not None:
-            marker.update(gpu_pids=gpu_pids, tree=[*by_ns.values()], job_pid=pid)
+        tree = [*by_ns.values()]
+        if marker is not None:  # restored stopped: until its memory is back, undone if cut
+            marker.update(
+                gpu_pids=gpu_pids, tree=tree, job_pid=pid, pages_pending=bool(meta.gpu_pages)
+            )
         if meta.gpu_pages:  # the GPU memory the driver staged, back before it reads it
             with tl.step("gpu_pages", ranges=len(meta.gpu_pages)) as gs:
                 await eng.faults.before("gpu_pages")
@@ -129,7 +132,8 @@ async def restore(
                     gs.detail["bytes"] = await gpupages.load(
                         source, meta.gpu_pages, by_ns, workers=s.gpu_page_workers or None
                     )
-        suspend.continue_stopped(list(by_ns.values()))  # the driver needs them running
+                    _memory_back(marker, gpu_pids, tree)
+        suspend.continue_stopped(tree)  # the driver needs them running
         if gpu_pids:
             with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}) as gr:
                 await eng.faults.before("gpu_restore")
@@ -140,6 +144,7 @@ async def restore(
                     gr.detail.update(
                         await _overlapped(source, meta.gpu_pages, by_ns, places, restore, s)
                     )
+                    _memory_back(marker, gpu_pids, tree)
             with tl.step("gpu_unlock", pids=gpu_pids):
                 await eng.faults.before("gpu_unlock")
                 await eng.gpu.unlock(gpu_pids)
@@ -219,6 +224,13 @@ async def _overlapped(
         "zero_bytes": sum(x.zero_bytes for x in stats),
         "faults": sum(x.faults for x in stats),
     }
+
+
+def _memory_back(marker: FreezeMarker | None, gpu_pids: list[int], tree: list[int]) -> None:
+    """The staged GPU memory is all back: a restore cut short from here on is finished by
+    :meth:`recover`, no longer undone."""
+    if marker is not None:
+        marker.update(gpu_pids=gpu_pids, tree=tree)
 
 
 def _close_all(places: dict[int, placing.Placer]) -> None:
