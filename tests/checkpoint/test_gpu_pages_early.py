@@ -29,7 +29,7 @@ from sgtest import until
 from spotguard.checkpoint import inject, proctree
 from spotguard.checkpoint.criu import Criu, has_external_pages
 from spotguard.checkpoint.engine import Engine, Mode
-from spotguard.checkpoint.jobs import start_job
+from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.checkpoint.marker import MARKER
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
@@ -88,24 +88,30 @@ def _lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
 
-async def test_memory_written_until_the_freeze_is_copied_as_it_was_at_the_freeze(
-    criu_bin: str, tmp_path: Path
-) -> None:
+async def _rig(
+    criu_bin: str, tmp_path: Path, name: str, faults: MarkerAt | None = None
+) -> tuple[JobInfo, Path, Engine]:
+    """The busy job started as ``name``, its directory of signals, an engine over both."""
     if not has_external_pages(criu_bin):
         pytest.fail(f"{criu_bin} has no --external-pages: run scripts/install-criu")
     here = tmp_path / "here"
     here.mkdir()
     script = tmp_path / "busy_job.py"
     script.write_text(JOB)
-    job = await start_job(
-        [sys.executable, str(script), str(here)], "gpupages-early", state_dir=tmp_path / "state"
-    )
-    out = job.dir / "stdout"
-    await until(lambda: _lines(out) > 3, "the job's first lines")
+    argv = [sys.executable, str(script), str(here)]
+    job = await start_job(argv, name, state_dir=tmp_path / "state")
+    await until(lambda: _lines(job.dir / "stdout") > 3, "the job's first lines")
     settings = CheckpointSettings(
         state_dir=tmp_path / "state", criu=criu_bin, shm_dir=tmp_path / "shm", criu_timeout=60
     )
-    engine = Engine(Criu(criu_bin), BusyGpu(here), settings=settings)
+    return job, here, Engine(Criu(criu_bin), BusyGpu(here), settings=settings, faults=faults)
+
+
+async def test_memory_written_until_the_freeze_is_copied_as_it_was_at_the_freeze(
+    criu_bin: str, tmp_path: Path
+) -> None:
+    job, here, engine = await _rig(criu_bin, tmp_path, "gpupages-early")
+    out = job.dir / "stdout"
     restored = None
     try:
         frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
@@ -147,13 +153,13 @@ def test_a_process_counts_as_seized_only_once_every_thread_is_stopped_under_a_tr
 class MarkerAt:
     """A faults seam that reads the restore's crash marker before each step."""
 
-    def __init__(self, job_dir: Path) -> None:
-        self.job_dir = job_dir
+    def __init__(self) -> None:
+        self.job_dir: Path | None = None  # the job's, once it started
         self.pending: dict[str, bool] = {}
 
     async def before(self, step: str) -> None:
-        path = self.job_dir / MARKER
-        if path.exists():
+        path = self.job_dir / MARKER if self.job_dir else None
+        if path is not None and path.exists():
             self.pending[step] = json.loads(path.read_text()).get("pages_pending") is True
 
 
@@ -162,21 +168,9 @@ async def test_a_park_restore_marks_its_tree_undoable_until_the_staged_memory_is
 ) -> None:
     """Between CRIU's restore and the staged memory back, the crash marker says so (a
     restore killed there is undone, :mod:`spotguard.checkpoint.recovery`); not after."""
-    if not has_external_pages(criu_bin):
-        pytest.fail(f"{criu_bin} has no --external-pages: run scripts/install-criu")
-    here = tmp_path / "here"
-    here.mkdir()
-    script = tmp_path / "busy_job.py"
-    script.write_text(JOB)
-    job = await start_job(
-        [sys.executable, str(script), str(here)], "gpupages-marked", state_dir=tmp_path / "state"
-    )
-    await until(lambda: _lines(job.dir / "stdout") > 3, "the job's first lines")
-    settings = CheckpointSettings(
-        state_dir=tmp_path / "state", criu=criu_bin, shm_dir=tmp_path / "shm", criu_timeout=60
-    )
-    seen = MarkerAt(job.dir)
-    engine = Engine(Criu(criu_bin), BusyGpu(here), settings=settings, faults=seen)
+    seen = MarkerAt()
+    job, _, engine = await _rig(criu_bin, tmp_path, "gpupages-marked", faults=seen)
+    seen.job_dir = job.dir
     restored = None
     try:
         await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
