@@ -19,6 +19,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -142,7 +143,12 @@ def test_a_process_counts_as_seized_only_once_every_thread_is_stopped_under_a_tr
     if not inject.supported():
         return
     sleeper = subprocess.Popen(["sleep", "30"])
+    maps = Path(f"/proc/{sleeper.pid}/maps")
     try:
+        for _ in range(500):  # its C library mapped (just exec'd, the loader may still run)
+            if "libc" in maps.read_text():
+                break
+            time.sleep(0.01)
         with inject.Injector(sleeper.pid):  # seized and stopped, as CRIU's dump does
             assert proctree.wait_seized([sleeper.pid], threading.Event()) is True
     finally:

@@ -89,7 +89,7 @@ def syscall_address(pid: int) -> int:
     with open(f"/proc/{pid}/maps") as f:
         for line in f:
             parts = line.split()
-            if len(parts) >= 6 and "x" in parts[1]:
+            if len(parts) >= 6 and "x" in parts[1] and parts[5] != "[vsyscall]":
                 lo, hi = (int(x, 16) for x in parts[0].split("-"))
                 maps.append((lo, hi, parts[5]))
     maps.sort(key=lambda m: 0 if "libc" in m[2] else 1 if m[2] == "[vdso]" else 2)
@@ -99,7 +99,7 @@ def syscall_address(pid: int) -> int:
                 try:
                     mem.seek(off)
                     data = mem.read(min(1 << 20, hi - off) + 1)
-                except OSError:
+                except (OSError, OverflowError):  # unreadable, or an offset past the file's range
                     break
                 at = data.find(_SYSCALL)
                 if at >= 0:
