@@ -12,6 +12,7 @@ restore."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -35,11 +36,15 @@ from spotguard.checkpoint.marker import MARKER
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.checkpoint.testing import RecordingGpu
+from spotguard.errors import CheckpointError
 
 JOB = """
 import mmap, os, signal, sys, threading, time
 here = sys.argv[1]
 count = [0]
+if len(sys.argv) > 2:  # a child of its own, as a trainer's workers
+    import subprocess
+    subprocess.Popen(["sleep", "600"])
 
 def busy(m):
     while True:
@@ -90,7 +95,13 @@ def _lines(path: Path) -> int:
 
 
 async def _rig(
-    criu_bin: str, tmp_path: Path, name: str, faults: MarkerAt | None = None
+    criu_bin: str,
+    tmp_path: Path,
+    name: str,
+    faults: MarkerAt | FailAt | None = None,
+    *,
+    child: bool = False,
+    pid_namespace: bool = True,
 ) -> tuple[JobInfo, Path, Engine]:
     """The busy job started as ``name``, its directory of signals, an engine over both."""
     if not has_external_pages(criu_bin):
@@ -99,8 +110,8 @@ async def _rig(
     here.mkdir()
     script = tmp_path / "busy_job.py"
     script.write_text(JOB)
-    argv = [sys.executable, str(script), str(here)]
-    job = await start_job(argv, name, state_dir=tmp_path / "state")
+    argv = [sys.executable, str(script), str(here), *(["child"] if child else [])]
+    job = await start_job(argv, name, state_dir=tmp_path / "state", pid_namespace=pid_namespace)
     await until(lambda: _lines(job.dir / "stdout") > 3, "the job's first lines")
     settings = CheckpointSettings(
         state_dir=tmp_path / "state", criu=criu_bin, shm_dir=tmp_path / "shm", criu_timeout=60
@@ -190,3 +201,37 @@ async def test_a_park_restore_marks_its_tree_undoable_until_the_staged_memory_is
     finally:
         with contextlib.suppress(ProcessLookupError):
             os.kill(restored.pid if restored else job.pid, signal.SIGKILL)
+
+
+class FailAt:
+    """A faults seam that fails one step of a restore."""
+
+    def __init__(self) -> None:
+        self.step: str | None = None
+
+    async def before(self, step: str) -> None:
+        if step == self.step:
+            raise CheckpointError(f"injected failure at {step}")
+
+
+async def test_a_restore_failing_before_its_memory_is_back_leaves_no_process_of_the_job(
+    criu_bin: str, tmp_path: Path
+) -> None:
+    """A job in the host's PID namespace with a child: a restore that fails after CRIU
+    restored the tree (stopped) kills every process of it, not only the root."""
+    fail = FailAt()
+    job, _, engine = await _rig(
+        criu_bin, tmp_path, "gpupages-failed", fail, child=True, pid_namespace=False
+    )
+    await until(lambda: len(proctree.tree(job.pid)) >= 2, "the job's child")
+    pids = proctree.tree(job.pid)  # restored with the same pids (no PID namespace of its own)
+    await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+    fail.step = "gpu_pages"
+    with pytest.raises(CheckpointError, match="injected failure at gpu_pages"):
+        await engine.restore(DirectorySource(tmp_path / "img"))
+    await asyncio.sleep(0.3)
+    left = [p for p in pids if proctree.alive(p)]
+    try:
+        assert left == [], f"processes of the failed restore left: {left}"
+    finally:
+        proctree.signal_all(left, signal.SIGKILL)

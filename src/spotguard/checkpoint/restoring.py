@@ -163,8 +163,11 @@ async def restore(
                 await commit(result)
     except BaseException as exc:
         if pid is not None and proctree.alive(pid):
-            # a tree restored without its GPU state cannot run: do not leave it locked
-            os.kill(pid, signal.SIGKILL)
+            # a tree restored without its GPU state cannot run: do not leave it locked or
+            # stopped — every process of it (a job without its own PID namespace has no init
+            # whose death takes the rest)
+            with contextlib.suppress(SpotguardError):
+                proctree.signal_all(proctree.tree(pid), signal.SIGKILL)
         if places is not None:
             await asyncio.shield(asyncio.to_thread(_close_all, places))
         if started:
