@@ -16,21 +16,25 @@ tests' runners — were this one with other defaults, and call it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import importlib.util
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+import psutil
 import pytest
 
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.testing import RecordingGpu
 
 
 def installed(binary: Path, script: str) -> None:
@@ -184,3 +188,43 @@ def store_servers() -> ModuleType:
         sys.modules[name] = mod
         spec.loader.exec_module(mod)
     return sys.modules[name]
+
+
+class StagingGpu(RecordingGpu):
+    """The driver's stand-in for a job that stages memory as ``cuCheckpointProcessCheckpoint``
+    does: the GPU process is the one running ``script``; its checkpoint sends it SIGUSR1 and
+    waits for ``here/staged``; with ``checks``, its restore sends SIGUSR2 and waits for one
+    more line in ``here/checked`` (the job read back every byte, as the driver's restore
+    does)."""
+
+    def __init__(self, here: Path, script: str, *, checks: bool = True) -> None:
+        super().__init__(select=lambda pids: [p for p in pids if _runs(p, script)][:1])
+        self.here = here
+        self.with_checks = checks
+
+    async def checkpoint(self, pids: Sequence[int]) -> None:
+        await super().checkpoint(pids)
+        for p in pids:
+            os.kill(p, signal.SIGUSR1)
+        await until(lambda: (self.here / "staged").exists(), "the job staging its range")
+
+    async def restore(self, pids: Sequence[int], remap: object = None) -> None:
+        await super().restore(pids)
+        if not self.with_checks:
+            return
+        had = self.checks()
+        for p in pids:
+            os.kill(p, signal.SIGUSR2)
+        await until(lambda: len(self.checks()) > len(had), "the job checking its range")
+
+    def checks(self) -> list[str]:
+        path = self.here / "checked"
+        return path.read_text().split() if path.exists() else []
+
+
+def _runs(pid: int, script: str) -> bool:
+    """``pid`` is the Python process running ``script`` (a tree's root is spotguard's init)."""
+    with contextlib.suppress(psutil.Error):
+        argv = psutil.Process(pid).cmdline()
+        return len(argv) > 1 and argv[1].endswith(script)
+    return False

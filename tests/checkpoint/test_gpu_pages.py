@@ -11,17 +11,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import signal
 import sys
 import time
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-from sgtest import until
+from sgtest import StagingGpu, until
 from spotguard.checkpoint import gpupages
 from spotguard.checkpoint.criu import Criu, has_external_pages
 from spotguard.checkpoint.engine import Engine, Mode
@@ -29,7 +27,6 @@ from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.checkpoint.meta import ImageMeta
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
-from spotguard.checkpoint.testing import RecordingGpu
 from spotguard.errors import GpuError, ImageError, SpotguardError
 from spotguard.image import ImageSettings
 from spotguard.image.reader import ImageReader
@@ -82,31 +79,6 @@ while True:
 """
 
 
-class StagingGpu(RecordingGpu):
-    """RecordingGpu whose checkpoint and restore make the job stage and check its range."""
-
-    def __init__(self, here: Path) -> None:
-        super().__init__(select=lambda pids: [p for p in pids if _is_job(p)][:1])
-        self.here = here
-
-    async def checkpoint(self, pids: Sequence[int]) -> None:
-        await super().checkpoint(pids)
-        for p in pids:
-            os.kill(p, signal.SIGUSR1)
-        await until(lambda: (self.here / "staged").exists(), "the job staging its range")
-
-    async def restore(self, pids: Sequence[int], remap: object = None) -> None:
-        await super().restore(pids)
-        had = self.checks()
-        for p in pids:
-            os.kill(p, signal.SIGUSR2)
-        await until(lambda: len(self.checks()) > len(had), "the job checking its range")
-
-    def checks(self) -> list[str]:
-        path = self.here / "checked"
-        return path.read_text().split() if path.exists() else []
-
-
 @pytest.fixture
 def here(tmp_path: Path) -> Path:
     d = tmp_path / "here"
@@ -128,14 +100,6 @@ async def _start(tmp_path: Path, here: Path, name: str) -> JobInfo:
     job = await start_job(argv, name, state_dir=tmp_path / "state")
     await until(lambda: _count(job) > 3, "the job's first lines")
     return job
-
-
-def _is_job(pid: int) -> bool:
-    """The job's Python process (the tree's root is spotguard's job init)."""
-    with contextlib.suppress(psutil.Error):
-        argv = psutil.Process(pid).cmdline()
-        return len(argv) > 1 and argv[1].endswith("staging_job.py")
-    return False
 
 
 def _count(job: JobInfo) -> int:
@@ -172,7 +136,7 @@ async def _rig(
 ) -> tuple[JobInfo, StagingGpu, Engine]:
     """The staging job started as ``name``, its stand-in driver and an engine over both."""
     job = await _start(tmp_path, here, name)
-    gpu = StagingGpu(here)
+    gpu = StagingGpu(here, "staging_job.py")
     return job, gpu, Engine(Criu(criu), gpu, settings=_settings(tmp_path, criu, **kw))
 
 

@@ -21,13 +21,11 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
 from pathlib import Path
 
-import psutil
 import pytest
 
-from sgtest import until
+from sgtest import StagingGpu, until
 from spotguard.checkpoint import inject, proctree
 from spotguard.checkpoint.criu import Criu, has_external_pages
 from spotguard.checkpoint.engine import Engine, Mode
@@ -35,7 +33,6 @@ from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.checkpoint.marker import MARKER
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
-from spotguard.checkpoint.testing import RecordingGpu
 from spotguard.errors import CheckpointError
 
 JOB = """
@@ -69,27 +66,6 @@ while True:
 """
 
 
-class BusyGpu(RecordingGpu):
-    """The stand-in driver: its checkpoint makes the job map and start writing its range."""
-
-    def __init__(self, here: Path) -> None:
-        super().__init__(select=lambda pids: [p for p in pids if _is_job(p)][:1])
-        self.here = here
-
-    async def checkpoint(self, pids: Sequence[int]) -> None:
-        await super().checkpoint(pids)
-        for p in pids:
-            os.kill(p, signal.SIGUSR1)
-        await until(lambda: (self.here / "staged").exists(), "the job mapping its range")
-
-
-def _is_job(pid: int) -> bool:
-    with contextlib.suppress(psutil.Error):
-        argv = psutil.Process(pid).cmdline()
-        return len(argv) > 1 and argv[1].endswith("busy_job.py")
-    return False
-
-
 def _lines(path: Path) -> int:
     return path.read_text().count("\n") if path.exists() else 0
 
@@ -116,7 +92,16 @@ async def _rig(
     settings = CheckpointSettings(
         state_dir=tmp_path / "state", criu=criu_bin, shm_dir=tmp_path / "shm", criu_timeout=60
     )
-    return job, here, Engine(Criu(criu_bin), BusyGpu(here), settings=settings, faults=faults)
+    return (
+        job,
+        here,
+        Engine(
+            Criu(criu_bin),
+            StagingGpu(here, "busy_job.py", checks=False),
+            settings=settings,
+            faults=faults,
+        ),
+    )
 
 
 async def test_memory_written_until_the_freeze_is_copied_as_it_was_at_the_freeze(
