@@ -228,3 +228,37 @@ def _runs(pid: int, script: str) -> bool:
         argv = psutil.Process(pid).cmdline()
         return len(argv) > 1 and argv[1].endswith(script)
     return False
+
+
+def flip_a_byte(path: Path) -> int:
+    """Flip one bit of the stored chunk at ``path`` so that what it decodes to changes (or it
+    no longer decodes), and return the offset flipped.
+
+    A zstd frame has bits its decoder never reads: about one single-bit flip in 400 of a
+    compressed chunk decodes to the very same plaintext, whose BLAKE3 address then still
+    matches (the restore verifies what it restores, which is unchanged; docs/image-format.md,
+    "What is verified"). A test of tamper detection must change the image, so for a zstd frame
+    this walks from the middle to the first flip that changes the decoded bytes; any other
+    object (an encrypted chunk: AES-GCM authenticates every stored byte) is flipped mid-way.
+    """
+    import zstandard
+
+    data = bytearray(path.read_bytes())
+    start = len(data) // 2
+    if bytes(data[:4]) != b"\x28\xb5\x2f\xfd":
+        data[start] ^= 0x01
+        path.write_bytes(bytes(data))
+        return start
+    dz = zstandard.ZstdDecompressor()
+    plain = dz.decompress(bytes(data), max_output_size=1 << 30)
+    for at in [*range(start, len(data)), *range(4, start)]:
+        data[at] ^= 0x01
+        try:
+            changed = dz.decompress(bytes(data), max_output_size=1 << 30) != plain
+        except zstandard.ZstdError:
+            changed = True
+        if changed:
+            path.write_bytes(bytes(data))
+            return at
+        data[at] ^= 0x01
+    raise AssertionError(f"no single-bit flip changes what {path} decodes to")

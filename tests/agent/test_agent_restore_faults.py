@@ -25,6 +25,7 @@ from typing import BinaryIO
 import pytest
 from agent_helpers import EventSink, Host, job_argv, running_agent, wait_until
 
+from sgtest import flip_a_byte
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, start_job
@@ -97,10 +98,7 @@ def _pages_chunks(m: Manifest) -> tuple[str, str]:
 
 
 def corrupt(root: Path, job: str, victim: str, other: str) -> None:
-    path = root / chunk_key(job, victim)
-    blob = bytearray(path.read_bytes())
-    blob[len(blob) // 2] ^= 0x40
-    path.write_bytes(bytes(blob))
+    flip_a_byte(root / chunk_key(job, victim))
 
 
 def missing(root: Path, job: str, victim: str, other: str) -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 from podman_helpers import IMAGE, Vm
 
+from sgtest import flip_a_byte
 from sgtest import wait_lines as _wait_lines
 from spotguard.container import ContainerImage, ContainerRef, Podman
 from spotguard.container.checkpoint import checkpoint_container
@@ -158,9 +159,7 @@ def test_a_flipped_byte_in_a_chunk_is_refused_before_podman_restores(
     url = asyncio.run(_checkpoint_sleeper(vm1, _data_dir(vm1, "d"), f"file://{store_dir}"))
     chunks = sorted((store_dir / "podman-sleeper" / "chunks").rglob("*"))
     victim = max((c for c in chunks if c.is_file()), key=lambda c: c.stat().st_size)
-    data = bytearray(victim.read_bytes())
-    data[len(data) // 2] ^= 0x01
-    victim.write_bytes(bytes(data))
+    flip_a_byte(victim)
     podman, log = _logged(vm2, tmp_path)
     with pytest.raises(ImageCorrupt, match=victim.name):
         asyncio.run(

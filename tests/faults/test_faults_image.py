@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 
-from sgtest import sg_env
+from sgtest import flip_a_byte, sg_env
 from spotguard.contracts import chunk_key
 from spotguard.errors import StoreError
 from spotguard.image import ImageSettings, latest_image, list_images, push_dir
@@ -99,10 +99,7 @@ def _digests(m: dict[str, Any]) -> list[str]:
 
 def _corrupt(store: Path, job: str, m: dict[str, Any]) -> tuple[str, str]:
     d = _digests(m)[0]
-    p = store / chunk_key(job, d)
-    data = bytearray(p.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    p.write_bytes(bytes(data))
+    flip_a_byte(store / chunk_key(job, d))
     return job, d
 
 
