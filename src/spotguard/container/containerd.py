@@ -238,10 +238,14 @@ class Containerd:
         return found
 
     async def remove_image(self, namespace: str, name: str) -> None:
-        """``ctr images rm`` (its content goes with containerd's garbage collection); a
-        failure is logged, never raised: the image is spotguard's own scratch."""
+        """``ctr images rm --sync``: its content is collected before this returns (a blob
+        left for containerd's later collection makes the container's next checkpoint fail:
+        :mod:`.ctrspec`); a failure is logged, never raised: the image is spotguard's own
+        scratch."""
         try:
-            await self.run("images", "rm", name, namespace=namespace, what=f"removing {name}")
+            await self.run(
+                "images", "rm", "--sync", name, namespace=namespace, what=f"removing {name}"
+            )
         except ContainerError as exc:
             log.warning("checkpoint image not removed", extra={"image": name, "error": str(exc)})
 

@@ -3,6 +3,7 @@
 Checkpoint (each step timed in the result's timeline)::
 
     ctr containers info (running? spec, image, runtime, snapshotter) + the image's digest
+      ─► the spec blob containerd would refuse to write again moved aside (:mod:`.ctrspec`)
       ─► image writer opened (an unusable store fails here, before the job stops)
       ─► GPU processes locked and checkpointed (:mod:`.gpu`)
       ─► ctr tasks checkpoint [--exit] (containerd pauses the task; runc dumps it with
@@ -49,6 +50,7 @@ from typing import Any
 
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
 from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd, layout_name
+from spotguard.container.ctrspec import clear_spec, put_back
 from spotguard.container.gpu import for_container
 from spotguard.container.restore import ContainerRestore, RestoreIntent
 from spotguard.container.spec import (
@@ -165,6 +167,7 @@ async def checkpoint_containerd(
         info, digest = await inspect_running(ctrd, ref)
         config = config_of(info, digest)
         version = await ctrd.version()
+        held = await clear_spec(ctrd, ref)  # a spec blob containerd would fail on, aside
     tmp = await asyncio.to_thread(work_dir, state_dir)
     layout = tmp / CONTAINERD_ARCHIVE
     name = f"spotguard.local/checkpoint/{ref.job}:{int(time.time() * 1000)}"
@@ -208,6 +211,7 @@ async def checkpoint_containerd(
     finally:
         if taken:
             await ctrd.remove_image(ref.namespace, taken)
+        await put_back(ctrd, ref.namespace, held)
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     log.info("container checkpointed", extra={"job": ref.job, "image": writer.url, "mode": mode})
     if not leave_running:

@@ -1,0 +1,167 @@
+"""Keep containerd's own checkpoint from failing on a blob it already holds.
+
+At every ``ctr tasks checkpoint`` containerd writes the container's runtime spec into its
+content store (a protobuf ``Any`` holding the spec's JSON), and its task service fails the
+whole checkpoint when a blob of that digest is already there ("content sha256:…: already
+exists") — **after** the runtime's dump: with ``--exit`` the task has ended and CRIU's files
+are deleted, so the job would be lost. The spec of a container does not change, so every
+checkpoint of the same container writes the same blob: it is already there while another
+checkpoint image of the container exists (one the user made with ``ctr``), and for a moment
+after one is removed (containerd collects removed content later, on its own schedule).
+
+So before the checkpoint, :func:`clear_spec` computes that blob's digest (containerd's exact
+encoding: the spec's JSON as ``ctr containers info --spec`` prints it, compacted, in an
+``Any`` of the runtime-spec type) and, when the content store holds it, reads it and deletes
+it; :func:`put_back` writes the same bytes back after the checkpoint if another image still
+names it and the checkpoint did not write it again. No library speaks containerd's content
+API from Python; ``ctr`` does, and the encoding is two protobuf fields.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import subprocess
+from dataclasses import dataclass
+
+from spotguard.container.containerd import Containerd
+from spotguard.container.spec import ContainerRef
+from spotguard.errors import ContainerError
+
+log = logging.getLogger(__name__)
+
+#: the type URL containerd gives a runtime spec
+SPEC_TYPE = b"types.containerd.io/opencontainers/runtime-spec/1/Spec"
+#: a spec blob is a few kilobytes; a larger one is not what this module looks for
+SPEC_LIMIT = 1 << 20
+
+
+@dataclass(frozen=True)
+class HeldSpec:
+    """A spec blob moved out of the way of a checkpoint: its digest, bytes, and whether
+    other content names it (an image's index: then it must come back)."""
+
+    digest: str
+    data: bytes
+    named: bool
+
+
+def compact_json(text: str) -> bytes:
+    """``text`` (JSON as Go's ``MarshalIndent`` writes it) without the whitespace outside
+    strings: what Go's ``Marshal`` wrote in the first place, escapes and key order kept."""
+    out: list[str] = []
+    in_string = escaped = False
+    for ch in text:
+        if in_string:
+            out.append(ch)
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                in_string = False
+        elif ch == '"':
+            in_string = True
+            out.append(ch)
+        elif ch not in " \t\r\n":
+            out.append(ch)
+    return "".join(out).encode()
+
+
+def _varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        low, n = n & 0x7F, n >> 7
+        if not n:
+            out.append(low)
+            return bytes(out)
+        out.append(low | 0x80)
+
+
+def spec_blob(spec_json: str) -> bytes:
+    """The blob containerd writes for a container whose spec prints as ``spec_json``: a
+    protobuf ``Any`` (field 1 the type URL, field 2 the compact JSON)."""
+    value = compact_json(spec_json)
+    return b"\x0a" + _varint(len(SPEC_TYPE)) + SPEC_TYPE + b"\x12" + _varint(len(value)) + value
+
+
+def digest_of(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+async def _content(ctrd: Containerd, namespace: str) -> dict[str, str]:
+    """The namespace's blobs: digest → its labels column (``ctr content ls``)."""
+    out = await ctrd.run("content", "ls", namespace=namespace, what="listing content")
+    found: dict[str, str] = {}
+    for line in out.splitlines()[1:]:
+        cols = line.split()
+        if cols and cols[0].startswith("sha256:"):
+            found[cols[0]] = cols[-1]
+    return found
+
+
+def _named(content: dict[str, str], digest: str) -> bool:
+    return any(d != digest and f"={digest}" in labels for d, labels in content.items())
+
+
+async def clear_spec(ctrd: Containerd, ref: ContainerRef) -> HeldSpec | None:
+    """Delete the blob the checkpoint of ``ref`` would fail on, if the content store holds
+    it; what :func:`put_back` needs to restore it. Anything unexpected (no spec, a ctr
+    failure) leaves the store as it is and returns None: the checkpoint is then no worse
+    off than without this step."""
+    ns = ref.namespace
+    try:
+        spec = await ctrd.run(
+            "containers", "info", "--spec", ref.name, namespace=ns, what=f"reading {ref}'s spec"
+        )
+        digest = digest_of(spec_blob(spec))
+        content = await _content(ctrd, ns)
+        if digest not in content:
+            return None
+        data = await ctrd.read_blob(ns, digest, SPEC_LIMIT)
+        if digest_of(data) != digest:
+            return None
+        held = HeldSpec(digest, data, _named(content, digest))
+        await ctrd.run("content", "rm", digest, namespace=ns, what="moving a spec blob aside")
+    except ContainerError as exc:
+        log.warning("spec blob not checked", extra={"job": ref.job, "error": str(exc)})
+        return None
+    log.info(
+        "spec blob moved aside for the checkpoint",
+        extra={"job": ref.job, "chunk": digest, "what": "named" if held.named else "unnamed"},
+    )
+    return held
+
+
+async def put_back(ctrd: Containerd, namespace: str, held: HeldSpec | None) -> None:
+    """Write a moved blob back if other content still names it and it is not there (the
+    checkpoint failed before writing it, or its image was removed and collected). Logged,
+    never raised: the checkpoint's outcome is what the caller reports."""
+    if held is None or not held.named:
+        return
+    try:
+        content = await _content(ctrd, namespace)
+        if held.digest in content or not _named(content, held.digest):
+            return
+        await asyncio.to_thread(_ingest, ctrd, namespace, held)
+        log.info("spec blob put back", extra={"chunk": held.digest})
+    except (ContainerError, OSError, subprocess.SubprocessError) as exc:
+        log.error(
+            "spec blob not put back",
+            extra={"chunk": held.digest, "error": str(exc)},
+        )
+
+
+def _ingest(ctrd: Containerd, namespace: str, held: HeldSpec) -> None:
+    """``ctr content ingest`` of the held bytes, checked against their digest and size."""
+    argv = ctrd.argv(
+        namespace, "content", "ingest", "--expected-digest", held.digest,
+        "--expected-size", str(len(held.data)), f"spotguard-spec-{held.digest[7:19]}",
+    )  # fmt: skip
+    done = subprocess.run(
+        argv, input=held.data, capture_output=True, env=ctrd.env(), timeout=ctrd.timeout
+    )
+    if done.returncode != 0:
+        said = done.stderr.decode(errors="replace").strip()[-300:]
+        raise ContainerError(f"ctr content ingest {held.digest} failed: {said}")

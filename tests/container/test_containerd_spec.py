@@ -1,0 +1,113 @@
+"""containerd writes the container's runtime spec into its content store at every
+checkpoint and fails the checkpoint when that blob is already there — after ``--exit`` has
+ended the task and deleted CRIU's files. A checkpoint image of the same container that the
+user made with ``ctr`` (or one of spotguard's own not yet collected) holds such a blob:
+spotguard's exit checkpoint must neither lose the job nor break the user's image."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import subprocess
+import time
+
+from containerd_helpers import IMAGE, NS, CtrVm
+from test_containerd import JOB, _ok, _record, _task
+
+from sgtest import wait_lines
+from spotguard.container import ContainerRef
+from spotguard.container.ctrspec import clear_spec, put_back
+
+
+def _index_refs(vm: CtrVm, image: str) -> list[str]:
+    """The digests the index of ``image`` names (its gc.ref labels)."""
+    digest = next(
+        ln.split()[2] for ln in vm.ctr("images", "ls").splitlines()[1:] if ln.split()[0] == image
+    )
+    for line in vm.ctr("content", "ls").splitlines()[1:]:
+        if line.startswith(digest):
+            labels = line.split()[-1]
+            return [kv.split("=", 1)[1] for kv in labels.split(",") if "gc.ref.content" in kv]
+    raise AssertionError(f"index {digest} of {image} not in the content store")
+
+
+def _blobs(vm: CtrVm) -> set[str]:
+    return {ln.split()[0] for ln in vm.ctr("content", "ls").splitlines()[1:]}
+
+
+def test_an_exit_checkpoint_beside_a_users_ctr_checkpoint_of_the_container_keeps_both(
+    ctr_vms: tuple[CtrVm, CtrVm],
+) -> None:
+    vm1, _ = ctr_vms
+    job_dir = vm1.base.parent / "job"
+    job_dir.mkdir()
+    _ok(
+        vm1, "run", "--container", f"containerd:{NS}/ctr", "-v", f"{job_dir}:/data",
+        "--", IMAGE, "/bin/sh", "-c", JOB,
+    )  # fmt: skip
+    wait_lines(job_dir / "out", 4)
+    users = vm1.ctr("tasks", "checkpoint", "ctr").strip().splitlines()[-1]
+    refs = _index_refs(vm1, users)
+    store = f"file://{vm1.base.parent / 'store'}"
+    ck = _ok(vm1, "checkpoint", f"containerd:{NS}/ctr", "--to", store)
+    assert ck["mode"] == "exit", ck
+    record = asyncio.run(_record(f"{store}/containerd-{NS}-ctr/images/latest"))
+    assert record.config.name == "ctr"
+    assert _task(vm1, "ctr") == ("", "")  # gone once durable, not left stopped
+    # the user's checkpoint image still has every blob its index names
+    for digest in refs:
+        got = subprocess.run(
+            vm1.ctrd.argv(NS, "content", "get", digest), capture_output=True, env=vm1.ctrd.env()
+        )
+        assert "sha256:" + hashlib.sha256(got.stdout).hexdigest() == digest, got.stderr
+    assert set(refs) <= _blobs(vm1), set(refs) - _blobs(vm1)
+
+
+def test_a_leave_running_then_an_exit_checkpoint_at_once_both_succeed(
+    ctr_vms: tuple[CtrVm, CtrVm],
+) -> None:
+    """The leave-running checkpoint's own scratch image, removed right before, must not be
+    in the way (containerd collects removed content later, unless asked to at once)."""
+    vm1, _ = ctr_vms
+    job_dir = vm1.base.parent / "job"
+    job_dir.mkdir()
+    _ok(
+        vm1, "run", "--container", f"containerd:{NS}/ctr", "-v", f"{job_dir}:/data",
+        "--", IMAGE, "/bin/sh", "-c", JOB,
+    )  # fmt: skip
+    wait_lines(job_dir / "out", 4)
+    store = f"file://{vm1.base.parent / 'store'}"
+    first = _ok(vm1, "checkpoint", f"containerd:{NS}/ctr", "--to", store, "--leave-running")
+    assert first["mode"] != "exit" and _task(vm1, "ctr")[1] == "RUNNING"
+    t0 = time.monotonic()
+    second = _ok(vm1, "checkpoint", f"containerd:{NS}/ctr", "--to", store)
+    assert second["mode"] == "exit", (second, time.monotonic() - t0)
+    listing = vm1.ctr("images", "ls", "-q").split()
+    assert not [i for i in listing if i.startswith("spotguard.local/checkpoint/")], listing
+
+
+def test_a_spec_blob_moved_aside_comes_back_when_the_checkpoint_did_not_write_it(
+    ctr_vms: tuple[CtrVm, CtrVm],
+) -> None:
+    """The checkpoint failing before containerd wrote the spec again: the user's image gets
+    its blob back, byte for byte; with no image naming it, it stays deleted."""
+    vm1, _ = ctr_vms
+    job_dir = vm1.base.parent / "job"
+    job_dir.mkdir()
+    _ok(
+        vm1, "run", "--container", f"containerd:{NS}/ctr", "-v", f"{job_dir}:/data",
+        "--", IMAGE, "/bin/sh", "-c", JOB,
+    )  # fmt: skip
+    users = vm1.ctr("tasks", "checkpoint", "ctr").strip().splitlines()[-1]
+    ref = ContainerRef.parse(f"containerd:{NS}/ctr")
+    held = asyncio.run(clear_spec(vm1.ctrd, ref))
+    assert held is not None and held.named and held.digest in _index_refs(vm1, users)
+    assert held.digest not in _blobs(vm1)
+    asyncio.run(put_back(vm1.ctrd, NS, held))
+    got = subprocess.run(
+        vm1.ctrd.argv(NS, "content", "get", held.digest), capture_output=True, env=vm1.ctrd.env()
+    )
+    assert got.stdout == held.data
+    vm1.ctr("images", "rm", "--sync", users)
+    assert held.digest not in _blobs(vm1)  # collected with the user's image
+    assert asyncio.run(clear_spec(vm1.ctrd, ref)) is None  # nothing in the way now
