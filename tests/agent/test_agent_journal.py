@@ -17,13 +17,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import signal
+import sys
 import time
 from pathlib import Path
 
 import pytest
-from agent_helpers import EventSink, Host, job_argv, running_agent, wait_until
+from agent_helpers import EventSink, Host, job_argv, proc_state, running_agent, wait_until
 
 from spotguard import operations
 from spotguard.agent import journal
@@ -33,6 +35,7 @@ from spotguard.agent.restore import RestoreProgress, RestoreRecords, RestoreStep
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import resolve_job, start_job
 from spotguard.contracts import Assignment, Mode
+from spotguard.errors import PreflightError
 from spotguard.image import ImageSettings
 from spotguard.statedir import StateDir
 
@@ -137,3 +140,112 @@ async def test_agent_killed_between_a_restore_and_its_record_does_not_restore_tw
         for pid in (job.pid, restored, *_copies()):
             if pid and proctree.alive(pid):
                 os.kill(pid, signal.SIGKILL)
+
+
+#: an agent's restore, run in a child process that dies (SIGKILL, no clean-up) right before
+#: the step named by argv[2]: what a killed agent leaves mid-restore
+_RESTORE_THEN_DIE = """
+import asyncio, json, os, signal, sys
+from spotguard import operations
+from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.image import ImageSettings
+
+class Die:
+    async def before(self, step):
+        if step == sys.argv[2]:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+settings = CheckpointSettings(**json.loads(sys.argv[3]))
+engine = operations.engine_for(settings)
+engine.faults = Die()
+asyncio.run(operations.restore(
+    sys.argv[1], settings=settings, image_settings=ImageSettings(), engine=engine,
+    job_name="train",
+))
+"""
+
+
+async def _exit_image(host: Host, store: str) -> str:
+    """The test's job started and checkpointed in exit mode into ``store``: its image."""
+    job = await start_job(LONG_JOB, "train", state_dir=host.state)
+    try:
+        done = await operations.checkpoint(
+            job, store, mode=Mode.EXIT, settings=host.checkpoint_settings(),
+            image_settings=ImageSettings(),
+        )  # fmt: skip
+    finally:
+        _kill_copies()
+    return done.image_url
+
+
+def _kill_copies() -> None:
+    for pid in _copies():
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+async def _restore_then_die(host: Host, url: str, step: str) -> list[int]:
+    """Restore ``url`` in a child process killed right before ``step`` (see above); the
+    pids of the job's copies it left."""
+    settings = {"state_dir": str(host.state), "shm_dir": str(host.shm), "criu": host.criu}
+    died = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", _RESTORE_THEN_DIE, url, step, json.dumps(settings)
+    )
+    assert await died.wait() == -signal.SIGKILL
+    left = sorted(_copies())
+    assert left, "CRIU's restore had not run"
+    return left
+
+
+@pytest.mark.parametrize("step", ["nccl_rebuild", "finish"])
+async def test_agent_killed_after_criu_restored_its_assignment_finishes_that_restore_once(
+    host: Host, sink: EventSink, tmp_path: Path, step: str
+) -> None:
+    """Killed after CRIU brought the job back but before the restore's last steps (the job's
+    record naming the new process): the old agent found no restored job and restored the
+    image a second time — two copies, both appending to the job's output. Now the restore's
+    crash marker lets the next agent finish the first restore, and it is reported once."""
+    store = f"file://{tmp_path}/store"
+    url = await _exit_image(host, store)
+    try:
+        a = Assignment(job="train", image_url=url, store=store, controller_url=sink.url)
+        path = tmp_path / "assignment.json"
+        path.write_text(a.user_data())
+        RestoreRecords(StateDir(host.state).assignments).save(
+            RestoreProgress.of(a, RestoreStep.RESTORING, started=time.time())
+        )
+        first = await _restore_then_die(host, a.image_url, step)  # back, its record not
+        async with running_agent(
+            host, sink, cloud="none", store=store, assignment=path
+        ) as agent:  # fmt: skip
+            await wait_until(lambda: "restored" in sink.kinds("train"), 60)
+            await asyncio.sleep(2.0)
+            assert sorted(_copies()) == first, "the job was restored a second time"
+            root = agent.workers["train"].pid
+            assert root in first or set(proctree.tree(root)) & set(first), (root, first)
+        assert "restoring" not in sink.kinds("train")  # no second attempt began
+        assert resolve_job("train", state_dir=host.state).pid == root
+        assert all(proc_state(p) in ("S", "R") for p in first)  # running, not left stopped
+    finally:
+        _kill_copies()
+
+
+async def test_a_restore_run_again_after_one_killed_midway_finishes_it_instead_of_a_copy(
+    host: Host, tmp_path: Path
+) -> None:
+    """``spotguard restore`` killed after CRIU brought the job back, then run again: the
+    first restore is finished (the job continued, its record naming it) and the second is
+    refused as the job already running here — not a second copy."""
+    url = await _exit_image(host, f"file://{tmp_path}/store")
+    try:
+        first = await _restore_then_die(host, url, "finish")
+        with pytest.raises(PreflightError, match="already running here"):
+            await operations.restore(
+                url, settings=host.checkpoint_settings(),
+                image_settings=ImageSettings(), job_name="train",
+            )  # fmt: skip
+        assert sorted(_copies()) == first
+        running = resolve_job("train", state_dir=host.state)
+        assert running.running() and running.pid in first
+    finally:
+        _kill_copies()

@@ -31,6 +31,24 @@ def _index_refs(vm: CtrVm, image: str) -> list[str]:
     raise AssertionError(f"index {digest} of {image} not in the content store")
 
 
+def _counter(vm: CtrVm) -> None:
+    """The test's job in container ``ctr``, running once it has written its first lines."""
+    job_dir = vm.base.parent / "job"
+    job_dir.mkdir()
+    _ok(
+        vm, "run", "--container", f"containerd:{NS}/ctr", "-v", f"{job_dir}:/data",
+        "--", IMAGE, "/bin/sh", "-c", JOB,
+    )  # fmt: skip
+    wait_lines(job_dir / "out", 4)
+
+
+def _content_of(vm: CtrVm, digest: str) -> bytes:
+    got = subprocess.run(
+        vm.ctrd.argv(NS, "content", "get", digest), capture_output=True, env=vm.ctrd.env()
+    )
+    return got.stdout
+
+
 def _blobs(vm: CtrVm) -> set[str]:
     return {ln.split()[0] for ln in vm.ctr("content", "ls").splitlines()[1:]}
 
@@ -39,13 +57,7 @@ def test_an_exit_checkpoint_beside_a_users_ctr_checkpoint_of_the_container_keeps
     ctr_vms: tuple[CtrVm, CtrVm],
 ) -> None:
     vm1, _ = ctr_vms
-    job_dir = vm1.base.parent / "job"
-    job_dir.mkdir()
-    _ok(
-        vm1, "run", "--container", f"containerd:{NS}/ctr", "-v", f"{job_dir}:/data",
-        "--", IMAGE, "/bin/sh", "-c", JOB,
-    )  # fmt: skip
-    wait_lines(job_dir / "out", 4)
+    _counter(vm1)
     users = vm1.ctr("tasks", "checkpoint", "ctr").strip().splitlines()[-1]
     refs = _index_refs(vm1, users)
     store = f"file://{vm1.base.parent / 'store'}"
@@ -56,10 +68,7 @@ def test_an_exit_checkpoint_beside_a_users_ctr_checkpoint_of_the_container_keeps
     assert _task(vm1, "ctr") == ("", "")  # gone once durable, not left stopped
     # the user's checkpoint image still has every blob its index names
     for digest in refs:
-        got = subprocess.run(
-            vm1.ctrd.argv(NS, "content", "get", digest), capture_output=True, env=vm1.ctrd.env()
-        )
-        assert "sha256:" + hashlib.sha256(got.stdout).hexdigest() == digest, got.stderr
+        assert "sha256:" + hashlib.sha256(_content_of(vm1, digest)).hexdigest() == digest
     assert set(refs) <= _blobs(vm1), set(refs) - _blobs(vm1)
 
 
@@ -69,13 +78,7 @@ def test_a_leave_running_then_an_exit_checkpoint_at_once_both_succeed(
     """The leave-running checkpoint's own scratch image, removed right before, must not be
     in the way (containerd collects removed content later, unless asked to at once)."""
     vm1, _ = ctr_vms
-    job_dir = vm1.base.parent / "job"
-    job_dir.mkdir()
-    _ok(
-        vm1, "run", "--container", f"containerd:{NS}/ctr", "-v", f"{job_dir}:/data",
-        "--", IMAGE, "/bin/sh", "-c", JOB,
-    )  # fmt: skip
-    wait_lines(job_dir / "out", 4)
+    _counter(vm1)
     store = f"file://{vm1.base.parent / 'store'}"
     first = _ok(vm1, "checkpoint", f"containerd:{NS}/ctr", "--to", store, "--leave-running")
     assert first["mode"] != "exit" and _task(vm1, "ctr")[1] == "RUNNING"
@@ -92,22 +95,14 @@ def test_a_spec_blob_moved_aside_comes_back_when_the_checkpoint_did_not_write_it
     """The checkpoint failing before containerd wrote the spec again: the user's image gets
     its blob back, byte for byte; with no image naming it, it stays deleted."""
     vm1, _ = ctr_vms
-    job_dir = vm1.base.parent / "job"
-    job_dir.mkdir()
-    _ok(
-        vm1, "run", "--container", f"containerd:{NS}/ctr", "-v", f"{job_dir}:/data",
-        "--", IMAGE, "/bin/sh", "-c", JOB,
-    )  # fmt: skip
+    _counter(vm1)
     users = vm1.ctr("tasks", "checkpoint", "ctr").strip().splitlines()[-1]
     ref = ContainerRef.parse(f"containerd:{NS}/ctr")
     held = asyncio.run(clear_spec(vm1.ctrd, ref))
     assert held is not None and held.named and held.digest in _index_refs(vm1, users)
     assert held.digest not in _blobs(vm1)
     asyncio.run(put_back(vm1.ctrd, NS, held))
-    got = subprocess.run(
-        vm1.ctrd.argv(NS, "content", "get", held.digest), capture_output=True, env=vm1.ctrd.env()
-    )
-    assert got.stdout == held.data
+    assert _content_of(vm1, held.digest) == held.data
     vm1.ctr("images", "rm", "--sync", users)
     assert held.digest not in _blobs(vm1)  # collected with the user's image
     assert asyncio.run(clear_spec(vm1.ctrd, ref)) is None  # nothing in the way now

@@ -162,7 +162,7 @@ def _restored_meanwhile(a: Assignment, rec: RestoreProgress, state_dir: Path) ->
         written = (info.dir / JOB_FILE).stat().st_mtime
     except (SpotguardError, OSError):
         return None
-    if not proctree.alive(info.pid):
+    if not info.running():  # its pid and start time: the image's record names another host's
         return None
     if started is None or written < started - 1.0:
         return None  # an older incarnation's record, not this restore's

@@ -6,16 +6,18 @@ rule per ``op`` of the marker (:mod:`.marker`).
   continued (the engine's one bring-back). A suspend whose record (park's) exists had
   completed: the job stays suspended and only the marker goes. A resume's record is removed
   once the job runs (it is no longer parked).
-* ``restore`` (a park's image, by unpark): killed while CRIU restored the tree, what CRIU left
+* ``restore`` (a park's image by unpark, or any other restore: the agent's of an assignment,
+  ``spotguard restore``): killed while CRIU restored the tree, what CRIU left
   — processes waiting in its restorer for ever — is killed: they started after the process
   that ran the restore and name the image directory (CRIU's own, mid-restore) or the job's
   directory (the restored init of ``spotguard run``), they and their trees; the job stays
   parked, its image and record intact, and unparks again. Killed after CRIU returned (the
   restored root and its start time are in the marker): the restore is finished — GPU
-  restored and unlocked, tree continued, ``job.json`` names the new pid, the record and the
+  restored and unlocked, tree continued, ``job.json`` names the new pid, a park's record and
   image removed, as the unpark would have — unless the GPU memory carried beside CRIU was
   not all back (``pages_pending``: the tree is still stopped, the driver would restore
-  zeros): that tree is killed and the job stays parked, as above.
+  zeros): that tree is killed and the job stays parked (or, not a park's, is restored again
+  from its image by the next attempt).
 """
 
 from __future__ import annotations
@@ -120,13 +122,13 @@ async def _gone(pids: list[int], limit: float) -> None:
 
 
 def _restored(job: JobInfo, kept: Path | None, images: str | None) -> None:
-    """What a park's restore does last: ``job.json`` names the running pid, the park record
-    and the parked image go."""
+    """What a restore does last: ``job.json`` names the running pid; a park's record and
+    its parked image go (another restore's images are its source's, not this host's)."""
     job.save()
     if kept is not None:
         kept.unlink(missing_ok=True)
-    if images:
-        shutil.rmtree(images, ignore_errors=True)
+        if images:
+            shutil.rmtree(images, ignore_errors=True)
 
 
 def half_restored(job: JobInfo, rec: MarkerRecord) -> list[int]:

@@ -5,8 +5,11 @@
 
 :meth:`~spotguard.checkpoint.engine.Engine.restore` runs :func:`restore` with itself as
 ``eng``; nothing else calls it, so the engine stays the one place that orders the steps.
-On any failure the restored tree is killed (a tree without its GPU state cannot run), the
-source is aborted and the crash marker of a park's restore cleared.
+Every restore holds the job's crash marker from the download on (a park's names its record):
+an agent killed midway finds it at start-up and finishes the restore or undoes it
+(:mod:`.recovery`) instead of restoring the job a second time. On any failure the restored
+tree is killed (a tree without its GPU state cannot run), the source is aborted and the
+marker cleared.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from spotguard.errors import CheckpointError, GpuError, SpotguardError
 from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
-from . import files, gpupages, ncclctl, placing, proctree, restart, suspend
+from . import files, gpupages, ncclctl, placing, proctree, recovery, restart, suspend
 from .criu import Criu
 from .jobs import JobInfo, link_job_dir
 from .marker import FreezeMarker, Op
@@ -79,10 +82,7 @@ async def restore(
             started = True
             meta = await source.start()
         job = JobInfo.from_json(meta.job)
-        if record is not None:
-            job.dir.mkdir(parents=True, exist_ok=True)
-            marker = FreezeMarker(job)
-            marker.take(Op.RESTORE, record=record, images=source.images_dir)
+        marker = await _claim(eng, job, state, record, source.images_dir)
         with tl.step("preflight") as ps:
             await eng.faults.before("preflight")
             remap = await preflight(
@@ -227,6 +227,25 @@ async def _overlapped(
         "zero_bytes": sum(x.zero_bytes for x in stats),
         "faults": sum(x.faults for x in stats),
     }
+
+
+async def _claim(
+    eng: RestoreParts, job: JobInfo, state: Path, record: Path | None, images: Path
+) -> FreezeMarker:
+    """The crash marker of this restore, taken in the job's directory (linked under this
+    host's state dir, where a restarted agent looks for markers). What a killed restore or
+    freeze of the job left first goes through :meth:`recover` — finished or undone, never
+    restored over: a restore it finishes leaves the job running, which preflight then
+    refuses to restore twice."""
+    await asyncio.to_thread(job.dir.mkdir, parents=True, exist_ok=True)
+    if record is None:
+        await asyncio.to_thread(link_job_dir, job, state)
+    marker = FreezeMarker(job)
+    left = marker.read()
+    if left is not None and left.running_elsewhere() is None:
+        await recovery.recover(eng, job)
+    marker.take(Op.RESTORE, record=record, images=images)
+    return marker
 
 
 def _memory_back(marker: FreezeMarker | None, gpu_pids: list[int], tree: list[int]) -> None:
