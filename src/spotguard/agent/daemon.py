@@ -241,6 +241,7 @@ class Agent:
                 specs += [restored.job] if restored.job not in specs else []
         for spec in specs:
             self._protect_later(spec)
+        self._spawn(startup.warm_memory(self.settings.warm_memory, self._state_dir), "warm")
         if self.settings.discover_jobs:  # jobs started by `spotguard run`
             taken, every = (lambda: [*specs, *self.workers]), self.settings.discover_interval_s
             found = discovery.watch(self._state_dir, taken, self._protect_later, every)

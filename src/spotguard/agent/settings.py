@@ -23,6 +23,7 @@ from spotguard.container.spec import ContainerRef, is_container_job
 from spotguard.contracts import ASSIGNMENT_PATH
 from spotguard.errors import ConfigError, JobError
 from spotguard.notices.base import NoticeKind
+from spotguard.warm import parse_setting
 
 from .policy import Action, Policy
 
@@ -159,6 +160,25 @@ class AgentSettings(Settings):
             "'keep' leaves it as the VM came"
         ),
     )
+
+    warm_memory: str = Field(
+        "auto",
+        description=(
+            "Touch the host's free memory once at start (after the boot restore), so the "
+            "first freeze does not pay the VM's first touch of its memory: 'auto' (on a host "
+            "with an NVIDIA GPU: all but a tenth, at least 8 GiB), 'off', or GiB at most "
+            "(spotguard.warm)"
+        ),
+    )
+
+    @field_validator("warm_memory")
+    @classmethod
+    def _warm_memory(cls, v: str) -> str:
+        try:
+            parse_setting(v)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from exc
+        return v
 
     @field_validator("job", mode="before")
     @classmethod

@@ -33,7 +33,7 @@ from spotguard import operations
 from spotguard.checkpoint import cuda
 from spotguard.checkpoint.engine import MARKER
 from spotguard.checkpoint.jobs import JobInfo, list_jobs
-from spotguard.checkpoint.marker import fallback_markers
+from spotguard.checkpoint.marker import FALLBACK_DIR, fallback_markers
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.contracts import CheckpointFailedEvent, WireError
 from spotguard.errors import ConfigError, SpotguardError, StoreError, StoreUnavailable
@@ -45,6 +45,7 @@ from spotguard.park.settings import ParkSettings
 from spotguard.statedir import StateDir
 from spotguard.store import open_store
 from spotguard.store.base import RetryPolicy
+from spotguard.warm import warm_host
 
 from .joblock import holder_of, write_holder
 from .metrics import AgentMetrics
@@ -273,3 +274,11 @@ async def warm_gpu(thp: str = "keep") -> cuda.Warmed:
     else:
         log.info("no GPU checkpoint API on this host", extra={**extra, "reason": w.reason})
     return w
+
+
+async def warm_memory(setting: str, state_dir: Path) -> None:
+    """The host's free memory touched once per boot (``[agent] warm_memory``,
+    :mod:`spotguard.warm`), given back the moment any job's freeze or restore takes the
+    engine's crash marker."""
+    busy = [str(StateDir(state_dir).jobs / "*" / MARKER), str(FALLBACK_DIR / "*")]
+    await warm_host(setting, StateDir(state_dir).agent / "warmed", busy)

@@ -1,0 +1,120 @@
+"""The agent's warm-up of the host's free memory (``[agent] warm_memory``,
+:mod:`spotguard.warm`): a child process that populates fresh anonymous memory and exits,
+first in line for the OOM killer, never below its margin; a setting that is not a size is
+refused by name."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard import warm
+from spotguard.agent.settings import AgentSettings
+from spotguard.errors import ConfigError
+
+GIB = 1 << 30
+
+
+def test_the_warm_up_child_touches_what_it_is_asked_and_is_first_for_the_oom_killer() -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "spotguard.warm", "--gib", "0.25", "--threads", "2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+    )
+    done = json.loads(out.stdout.strip().splitlines()[-1])
+    assert done["bytes"] == GIB // 4 and done["threads"] == 2, done
+    assert done["oom_score_adj"] == 1000 and done["seconds"] > 0
+
+
+_PEAK = """
+import sys
+from pathlib import Path
+from spotguard import warm
+
+def peak():
+    lines = Path("/proc/self/status").read_text().splitlines()
+    return int(next(x for x in lines if x.startswith("VmHWM:")).split()[1]) * 1024
+
+before = peak()
+touched, _ = warm.touch(int(sys.argv[1]), threads=2, keep=0)
+print(touched, peak() - before)
+"""
+
+
+def test_touch_makes_every_page_resident_and_stops_at_the_margin() -> None:
+    """Each page populated (the child's peak resident memory grew by what it touched: all
+    held at once), every piece unmapped after; a margin above what is available touches
+    nothing."""
+    out = subprocess.run(
+        [sys.executable, "-c", _PEAK, str(GIB // 4)], capture_output=True, text=True,
+        timeout=120, check=True,
+    )  # fmt: skip
+    touched, grew = map(int, out.stdout.split())
+    assert touched == GIB // 4 and grew >= 0.95 * touched, (touched, grew)
+    available = warm._meminfo()["MemAvailable"]
+    assert warm.touch(GIB, threads=2, keep=available + GIB)[0] == 0
+    assert warm.plan(None, available, available + 1) == 0
+    assert warm.plan(3 * GIB, 10 * GIB, GIB) == 3 * GIB
+    assert warm.plan(None, 10 * GIB + 12345, GIB) == 9 * GIB
+
+
+@pytest.mark.parametrize(("value", "gib"), [("auto", None), ("off", 0.0), ("2.5", 2.5)])
+def test_the_setting_reads_auto_off_or_a_size(value: str, gib: float | None) -> None:
+    assert warm.parse_setting(value) == gib
+    assert AgentSettings(warm_memory=value).warm_memory == value
+
+
+def test_a_setting_that_is_not_a_size_is_refused_by_name() -> None:
+    with pytest.raises(ConfigError, match="warm_memory must be 'auto', 'off' or GiB"):
+        warm.parse_setting("lots")
+    with pytest.raises(ValueError, match="warm_memory"):
+        AgentSettings(warm_memory="-1")
+
+
+async def test_the_agents_warm_up_logs_what_it_did_once_per_boot_and_off_does_nothing(
+    caplog: pytest.LogCaptureFixture, tmp_path: Path
+) -> None:
+    caplog.set_level(logging.INFO, logger="spotguard.warm")
+    record = tmp_path / "agent" / "warmed"
+    done = await warm.warm_host("0.125", record, [])
+    assert done is not None and done.bytes == GIB // 8 and done.oom_score_adj == 1000
+    [line] = [r for r in caplog.records if r.getMessage() == "host memory warmed"]
+    assert line.__dict__["bytes"] == GIB // 8
+    assert record.read_text().strip() == warm._boot_id()
+    assert await warm.warm_host("0.125", record, []) is None  # once per boot
+    assert await warm.warm_host("off", tmp_path / "other", []) is None
+    if not warm.GPU_NODE.exists():
+        assert await warm.warm_host("auto", tmp_path / "other", []) is None  # no GPU: off
+
+
+def test_the_warm_up_gives_its_memory_back_when_a_freeze_takes_its_marker(
+    tmp_path: Path,
+) -> None:
+    """A crash marker appearing (a freeze or restore began) stops the warm-up at its next
+    piece; one already there stops it before the first."""
+    marker = tmp_path / "jobs" / "train" / "operation.json"
+    marker.parent.mkdir(parents=True)
+    marker.write_text("{}")
+    busy = str(tmp_path / "jobs" / "*" / "operation.json")
+    out = subprocess.run(
+        [sys.executable, "-m", "spotguard.warm", "--gib", "0.5", "--busy", busy],
+        capture_output=True, text=True, timeout=120, check=True,
+    )  # fmt: skip
+    assert json.loads(out.stdout.strip().splitlines()[-1])["bytes"] == 0
+    marker.unlink()
+    seen: list[int] = []
+
+    def busy_after_two() -> bool:
+        seen.append(1)
+        return len(seen) > 2
+
+    piece = 64 << 20
+    touched, _ = warm.touch(4 * piece, threads=1, keep=0, busy=busy_after_two, piece=piece)
+    assert touched == 2 * piece, touched
