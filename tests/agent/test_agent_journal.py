@@ -165,12 +165,13 @@ asyncio.run(operations.restore(
 """
 
 
-async def _exit_image(host: Host, store: str) -> str:
-    """The test's job started and checkpointed in exit mode into ``store``: its image."""
+async def _exit_image(host: Host, store: str, stream: str = "auto") -> str:
+    """The test's job started and checkpointed in exit mode into ``store`` (``stream``
+    "off": a staged image, which a restore pulls into staging): its image."""
     job = await start_job(LONG_JOB, "train", state_dir=host.state)
     try:
         done = await operations.checkpoint(
-            job, store, mode=Mode.EXIT, settings=host.checkpoint_settings(),
+            job, store, mode=Mode.EXIT, settings=host.checkpoint_settings(stream=stream),
             image_settings=ImageSettings(),
         )  # fmt: skip
     finally:
@@ -192,9 +193,7 @@ async def _restore_then_die(host: Host, url: str, step: str) -> list[int]:
         sys.executable, "-c", _RESTORE_THEN_DIE, url, step, json.dumps(settings)
     )
     assert await died.wait() == -signal.SIGKILL
-    left = sorted(_copies())
-    assert left, "CRIU's restore had not run"
-    return left
+    return sorted(_copies())
 
 
 @pytest.mark.parametrize("step", ["nccl_rebuild", "finish"])
@@ -215,6 +214,7 @@ async def test_agent_killed_after_criu_restored_its_assignment_finishes_that_res
             RestoreProgress.of(a, RestoreStep.RESTORING, started=time.time())
         )
         first = await _restore_then_die(host, a.image_url, step)  # back, its record not
+        assert first, "CRIU's restore had not run"
         async with running_agent(
             host, sink, cloud="none", store=store, assignment=path
         ) as agent:  # fmt: skip
@@ -239,6 +239,7 @@ async def test_a_restore_run_again_after_one_killed_midway_finishes_it_instead_o
     url = await _exit_image(host, f"file://{tmp_path}/store")
     try:
         first = await _restore_then_die(host, url, "finish")
+        assert first, "CRIU's restore had not run"
         with pytest.raises(PreflightError, match="already running here"):
             await operations.restore(
                 url, settings=host.checkpoint_settings(),
@@ -247,5 +248,26 @@ async def test_a_restore_run_again_after_one_killed_midway_finishes_it_instead_o
         assert sorted(_copies()) == first
         running = resolve_job("train", state_dir=host.state)
         assert running.running() and running.pid in first
+    finally:
+        _kill_copies()
+
+
+async def test_the_image_a_killed_restore_staged_is_removed_by_the_next_restore(
+    host: Host, tmp_path: Path
+) -> None:
+    """Killed after it pulled a staged image into tmpfs, before CRIU: the pulled image (as
+    large as the job) stayed there for good. The next restore removes it first (so does the
+    agent at start), then restores the job."""
+    url = await _exit_image(host, f"file://{tmp_path}/store", stream="off")
+    try:
+        assert await _restore_then_die(host, url, "put_files") == []  # nothing restored
+        [left] = list(host.shm.glob("restore-*"))
+        done = await operations.restore(
+            url, settings=host.checkpoint_settings(), image_settings=ImageSettings(),
+            job_name="train",
+        )  # fmt: skip
+        assert not left.exists(), "the killed restore's staged image is still there"
+        assert list(host.shm.glob("restore-*")) == []  # nor this one's, once it ran
+        assert done.job.running()
     finally:
         _kill_copies()

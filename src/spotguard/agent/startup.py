@@ -40,6 +40,7 @@ from spotguard.errors import ConfigError, SpotguardError, StoreError, StoreUnava
 from spotguard.image import ImageSettings
 from spotguard.image.keys import ImageKeys
 from spotguard.names import check_job_name
+from spotguard.operations.restore import clear_orphans
 from spotguard.park import local as park_local
 from spotguard.park.settings import ParkSettings
 from spotguard.statedir import StateDir
@@ -207,9 +208,10 @@ async def recover_interrupted(
     park: ParkSettings | None = None,
 ) -> list[str]:
     """Bring back every job under the state dir that a killed freeze left behind; call
-    ``on_recovered(job, seconds)`` for each; then, with ``park``, remove the partial parked
-    image of every job (a park killed midway: :func:`spotguard.park.local.clear_partials`).
-    Returns the names of the jobs recovered."""
+    ``on_recovered(job, seconds)`` for each; remove the images killed restores staged
+    (:func:`spotguard.operations.restore.clear_orphans`); then, with ``park``, remove the
+    partial parked image of every job (a park killed midway:
+    :func:`spotguard.park.local.clear_partials`). Returns the names of the jobs recovered."""
     done = []
     for info in _jobs_with_a_marker(settings):
         t0 = time.monotonic()
@@ -223,6 +225,7 @@ async def recover_interrupted(
         if thawed:
             on_recovered(info, time.monotonic() - t0)
             done.append(info.name)
+    await asyncio.to_thread(clear_orphans, settings)  # what a killed restore staged
     if park is not None:
         await asyncio.to_thread(park_local.clear_partials, settings, park)
     return done

@@ -280,9 +280,12 @@ async def pull_dir(
     return result.manifest
 
 
-async def pull_to_tmp(image_url: str, parent: str | Path, **kwargs: Any) -> PullResult:
-    """Pull into a fresh directory under ``parent`` (removed again on failure)."""
-    dest = Path(parent) / f"restore-{uuid.uuid4().hex[:8]}"
+async def pull_to_tmp(
+    image_url: str, parent: str | Path, *, prefix: str = "restore-", **kwargs: Any
+) -> PullResult:
+    """Pull into a fresh directory under ``parent``, named ``prefix`` and a random tail
+    (removed again on failure)."""
+    dest = Path(parent) / f"{prefix}{uuid.uuid4().hex[:8]}"
     dest.mkdir(parents=True)
     try:
         return await pull_image(image_url, dest, **kwargs)

@@ -22,12 +22,15 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import re
 import shutil
 from pathlib import Path
 
 from spotguard import safefs
 from spotguard.checkpoint.engine import Engine, RestoreResult
 from spotguard.checkpoint.jobs import JobInfo
+from spotguard.checkpoint.procfacts import same_process, start_time
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, RestoreSource, plan_staging
 from spotguard.errors import CheckpointError, ImageError
@@ -85,13 +88,17 @@ async def restore(
         tl.mark("staging", mode="stream", path=resolved, reason="streamed image")
         source = StreamSource(resolved, settings=image_settings)
     else:
+        await asyncio.to_thread(clear_orphans, settings)
         try:
             staging = plan_staging(
                 need, settings.shm_dir, settings.disk_staging_dir, settings.memory_margin
             )
             tl.mark("staging", mode=staging.mode, path=staging.path, reason=staging.reason)
             await asyncio.to_thread(safefs.ensure_private_dir, Path(staging.path))
-            pulled = await pull_to_tmp(resolved, staging.path, settings=image_settings, timeline=tl)
+            pulled = await pull_to_tmp(
+                resolved, staging.path, prefix=_owned_prefix(), settings=image_settings,
+                timeline=tl,
+            )  # fmt: skip
         except OSError as exc:
             raise _host_error("stage the image", exc) from exc
         pulled_dir = pulled.dest
@@ -116,6 +123,35 @@ async def restore(
         },
     )
     return dataclasses.replace(rr, timeline=tl, image_url=resolved)
+
+
+#: a restore's staged image: ``restore-PID-START-RANDOM`` (the process that pulled it)
+_OWNED = re.compile(r"^restore-(\d+)-(\d+)-[0-9a-f]+$")
+
+
+def _owned_prefix() -> str:
+    """The name a staged image starts with: the restoring process's pid and start time, so
+    that what a killed restore staged is known as such (:func:`clear_orphans`)."""
+    return f"restore-{os.getpid()}-{start_time('self') or 0}-"
+
+
+def clear_orphans(settings: CheckpointSettings) -> list[Path]:
+    """Remove every staged image (``restore-PID-START-…`` under the staging directories)
+    whose restoring process is gone — a restore killed midway leaves its pulled image, tens
+    of GB of tmpfs, behind; the agent runs this at start and every restore before staging.
+    Returns what was removed (each logged)."""
+    gone: list[Path] = []
+    for root in (settings.shm_dir, settings.disk_staging_dir):
+        for d in sorted(root.glob("restore-*")) if root.is_dir() else []:
+            m = _OWNED.match(d.name)
+            if m is None or same_process(int(m[1]), int(m[2])):
+                continue  # another naming (kept as it is), or its restore still runs
+            shutil.rmtree(d, ignore_errors=True)
+            log.warning(
+                "removed the staged image of a restore that was killed", extra={"path": str(d)}
+            )
+            gone.append(d)
+    return gone
 
 
 async def recover(job: JobInfo, *, settings: CheckpointSettings) -> bool:
