@@ -29,6 +29,7 @@ import json
 import logging
 import mmap
 import os
+import signal
 import sys
 import threading
 import time
@@ -154,7 +155,12 @@ def touch(
     return done, time.perf_counter() - t0
 
 
+PR_SET_PDEATHSIG = 1
+
+
 def _child(want: int | None, threads: int, busy_globs: list[str]) -> Warmed:
+    # ends with the agent that started it, even one killed with SIGKILL
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
     Path("/proc/self/oom_score_adj").write_text("1000")
     adj = int(Path("/proc/self/oom_score_adj").read_text())
     keep = margin()
