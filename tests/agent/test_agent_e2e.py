@@ -6,6 +6,7 @@ streamed (the default); the GCP test takes the staging path (``stream = off``)."
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -289,20 +290,26 @@ async def test_periodic_checkpoints_dedup_and_report_the_pause(
     host: Host,
     sink: EventSink,
     sim: MetadataSim,
-    job: JobInfo,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("SPOTGUARD_CHUNK_SIZE", str(256 << 10))  # small job: small chunks
     store = f"file://{tmp_path}/store"
-    async with running_agent(host, sink, job=["train"], store=store, periodic_interval=0.5):
-        await wait_until(lambda: sink.kinds("train").count("durable") >= 2)
-    images = [e for e in sink.events if e["kind"] == "durable"]
-    assert all(e["mode"] == "resume" for e in images)
-    assert all(e["pause_seconds"] > 0 for e in images)
-    assert images[1]["skipped_bytes"] > 0  # dedup against the first image
-    assert images[1]["stored_bytes"] < images[0]["stored_bytes"]
-    assert proctree.alive(job.pid)
+    # a job that outlives two checkpoints on a loaded host (the shared one ends in 3.5 s)
+    long = job_argv("--steps", "600", "--step-seconds", "0.05", "--mb", "4", "--gpu", "no")
+    job = await start_job(long, "train", state_dir=host.state)
+    try:
+        async with running_agent(host, sink, job=["train"], store=store, periodic_interval=0.5):
+            await wait_until(lambda: sink.kinds("train").count("durable") >= 2)
+        images = [e for e in sink.events if e["kind"] == "durable"]
+        assert all(e["mode"] == "resume" for e in images)
+        assert all(e["pause_seconds"] > 0 for e in images)
+        assert images[1]["skipped_bytes"] > 0  # dedup against the first image
+        assert images[1]["stored_bytes"] < images[0]["stored_bytes"]
+        assert proctree.alive(job.pid)  # leave-running: it runs on
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job.pid, signal.SIGKILL)
 
 
 async def test_controller_asking_for_a_drain_gets_one(

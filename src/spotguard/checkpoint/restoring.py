@@ -5,8 +5,10 @@
 
 :meth:`~spotguard.checkpoint.engine.Engine.restore` runs :func:`restore` with itself as
 ``eng``; nothing else calls it, so the engine stays the one place that orders the steps.
-Every restore holds the job's crash marker from the download on (a park's names its record):
-an agent killed midway finds it at start-up and finishes the restore or undoes it
+Every restore holds the job's crash marker before CRIU runs (a park's, naming its record, from
+the download on; any other once preflight and the carried files' checks passed, so a refused
+image creates nothing): an agent killed midway finds it at start-up and finishes the restore or
+undoes it
 (:mod:`.recovery`) instead of restoring the job a second time. On any failure the restored
 tree is killed (a tree without its GPU state cannot run), the source is aborted and the
 marker cleared.
@@ -21,10 +23,12 @@ import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
 from spotguard.errors import CheckpointError, GpuError, SpotguardError
+from spotguard.names import check_job_name
 from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
@@ -81,8 +85,11 @@ async def restore(
             await eng.faults.before("source")
             started = True
             meta = await source.start()
-        job = JobInfo.from_json(meta.job)
-        marker = await _claim(eng, job, state, record, source.images_dir)
+        job = here = JobInfo.from_json(meta.job)
+        if record is not None:  # a park's (this host's own image): claimed at once
+            marker = await _claim(job, record, source.images_dir)
+        else:  # before preflight, which refuses a job a killed restore left running
+            here = await _settle(eng, job, state)
         with tl.step("preflight") as ps:
             await eng.faults.before("preflight")
             remap = await preflight(
@@ -103,6 +110,9 @@ async def restore(
                 job_dir=StateDir(state).job(job.name),
                 authenticated=source.authenticated,
             )
+        if marker is None:  # any other: once preflight and the files' checks passed, so a
+            # refused image creates nothing
+            marker = await _claim(here, None, source.images_dir)
         with tl.step("criu_restore") as rs:
             await eng.faults.before("criu_restore")
             pid = await restart.criu_restore(eng.criu, source, meta, eng.settings, rs.detail)
@@ -229,21 +239,24 @@ async def _overlapped(
     }
 
 
-async def _claim(
-    eng: RestoreParts, job: JobInfo, state: Path, record: Path | None, images: Path
-) -> FreezeMarker:
-    """The crash marker of this restore, taken in the job's directory (linked under this
-    host's state dir, where a restarted agent looks for markers). What a killed restore or
-    freeze of the job left first goes through :meth:`recover` — finished or undone, never
-    restored over: a restore it finishes leaves the job running, which preflight then
-    refuses to restore twice."""
-    await asyncio.to_thread(job.dir.mkdir, parents=True, exist_ok=True)
-    if record is None:
-        await asyncio.to_thread(link_job_dir, job, state)
-    marker = FreezeMarker(job)
-    left = marker.read()
+async def _settle(eng: RestoreParts, job: JobInfo, state: Path) -> JobInfo:
+    """The job as this host keeps it (its directory under ``state``, by its checked name),
+    after what a killed restore or freeze of it left there went through :meth:`recover` —
+    finished or undone, never restored over: a restore it finishes leaves the job running,
+    which preflight then refuses to restore twice."""
+    check_job_name(job.name)
+    here = replace(job, dir=StateDir(state).job(job.name))
+    left = await asyncio.to_thread(FreezeMarker(here).read)
     if left is not None and left.running_elsewhere() is None:
-        await recovery.recover(eng, job)
+        await recovery.recover(eng, here)
+    return here
+
+
+async def _claim(job: JobInfo, record: Path | None, images: Path) -> FreezeMarker:
+    """The crash marker of this restore, taken in ``job``'s directory (where a restarted
+    agent's recovery looks for it)."""
+    await asyncio.to_thread(job.dir.mkdir, parents=True, exist_ok=True)
+    marker = FreezeMarker(job)
     marker.take(Op.RESTORE, record=record, images=images)
     return marker
 
