@@ -85,11 +85,11 @@ async def restore(
             await eng.faults.before("source")
             started = True
             meta = await source.start()
-        job = here = JobInfo.from_json(meta.job)
+        job = JobInfo.from_json(meta.job)
         if record is not None:  # a park's (this host's own image): claimed at once
-            marker = await _claim(job, record, source.images_dir)
+            marker = await _claim(job, record, source.images_dir, None)
         else:  # before preflight, which refuses a job a killed restore left running
-            here = await _settle(eng, job, state)
+            await _settle(eng, job, state)
         with tl.step("preflight") as ps:
             await eng.faults.before("preflight")
             remap = await preflight(
@@ -112,7 +112,7 @@ async def restore(
             )
         if marker is None:  # any other: once preflight and the files' checks passed, so a
             # refused image creates nothing
-            marker = await _claim(here, None, source.images_dir)
+            marker = await _claim(job, None, source.images_dir, state)
         with tl.step("criu_restore") as rs:
             await eng.faults.before("criu_restore")
             pid = await restart.criu_restore(eng.criu, source, meta, eng.settings, rs.detail)
@@ -239,23 +239,29 @@ async def _overlapped(
     }
 
 
-async def _settle(eng: RestoreParts, job: JobInfo, state: Path) -> JobInfo:
-    """The job as this host keeps it (its directory under ``state``, by its checked name),
-    after what a killed restore or freeze of it left there went through :meth:`recover` —
-    finished or undone, never restored over: a restore it finishes leaves the job running,
-    which preflight then refuses to restore twice."""
+async def _settle(eng: RestoreParts, job: JobInfo, state: Path) -> None:
+    """What a killed restore or freeze of the job left on this host (its marker, read
+    through this host's directory of the job, by its checked name: the image's own directory
+    is not created before preflight) goes through :meth:`recover` — finished or undone,
+    never restored over: a restore it finishes leaves the job running, which preflight then
+    refuses to restore twice."""
     check_job_name(job.name)
     here = replace(job, dir=StateDir(state).job(job.name))
     left = await asyncio.to_thread(FreezeMarker(here).read)
     if left is not None and left.running_elsewhere() is None:
         await recovery.recover(eng, here)
-    return here
 
 
-async def _claim(job: JobInfo, record: Path | None, images: Path) -> FreezeMarker:
-    """The crash marker of this restore, taken in ``job``'s directory (where a restarted
-    agent's recovery looks for it)."""
+async def _claim(
+    job: JobInfo, record: Path | None, images: Path, state: Path | None
+) -> FreezeMarker:
+    """The crash marker of this restore, taken in ``job``'s directory (the one the image
+    names, where CRIU reopens the job's files); with ``state``, linked under this host's
+    state dir first where it lives elsewhere, as the finished restore does — where a
+    restarted agent's recovery looks for markers."""
     await asyncio.to_thread(job.dir.mkdir, parents=True, exist_ok=True)
+    if state is not None:
+        await asyncio.to_thread(link_job_dir, job, state)
     marker = FreezeMarker(job)
     marker.take(Op.RESTORE, record=record, images=images)
     return marker
