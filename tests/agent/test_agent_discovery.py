@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 
 from sgtest import free_port as _free_port
-from spotguard.checkpoint.jobs import list_jobs
+from spotguard.agent import discovery
+from spotguard.checkpoint.jobs import NO_PROTECT, JobInfo, list_jobs, start_job
 
 SG = [sys.executable, "-m", "spotguard"]
 LOOP = ["sh", "-c", "while :; do sleep 0.2; done"]
@@ -92,3 +93,29 @@ def test_a_job_run_by_spotguard_run_is_protected_without_a_config_edit(
         agent.terminate()
         _, err = agent.communicate(timeout=30)
     assert "protecting a job started by spotguard run" in err
+
+
+async def test_a_no_protect_job_is_opted_out_before_discovery_can_see_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--no-protect`` was written after the job's ``job.json``: an agent's discovery round
+    in between (a loaded host, a clean-clone CI run) protected the job. The opt-out is now in
+    the job's directory before its ``job.json`` is."""
+    seen: list[bool] = []
+    save = JobInfo.save
+
+    def watched(self: JobInfo) -> None:
+        seen.append((self.dir / NO_PROTECT).exists())
+        save(self)
+
+    monkeypatch.setattr(JobInfo, "save", watched)
+    job = await start_job(
+        [sys.executable, "-c", "import time; time.sleep(30)"], "scratch",
+        state_dir=tmp_path / "state", protect=False,
+    )  # fmt: skip
+    try:
+        assert seen == [True], "the job could be discovered before its opt-out"
+        assert discovery.candidates(tmp_path / "state", []) == []
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(job.pid, signal.SIGKILL)

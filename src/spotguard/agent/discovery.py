@@ -1,7 +1,8 @@
 """Jobs started with ``spotguard run`` are protected by the running agent without a config
 edit: the agent looks at ``<state_dir>/jobs/`` every few seconds and guards each live job it
 does not guard yet, unless the job was started with ``spotguard run --no-protect`` (a
-``no-protect`` file in its directory).
+``no-protect`` file in its directory, written by ``start_job`` before the job can be
+found).
 
 ``spotguard run`` asks the agent (:func:`protector`) so that it can say which agent protects
 the new job, or that none runs.
@@ -15,19 +16,10 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
-from spotguard import safefs
 from spotguard.checkpoint import proctree
-from spotguard.checkpoint.jobs import JobInfo, list_jobs
+from spotguard.checkpoint.jobs import NO_PROTECT, JobInfo, list_jobs
 
 log = logging.getLogger(__name__)
-
-#: A job directory holding this file is left alone by discovery (``spotguard run --no-protect``).
-NO_PROTECT = "no-protect"
-
-
-def mark_unprotected(job_dir: Path) -> None:
-    """Record that the job in ``job_dir`` must not be protected by discovery."""
-    safefs.write_file(job_dir / NO_PROTECT, b"spotguard run --no-protect\n", mode=0o600)
 
 
 def opted_out(job: JobInfo) -> bool:

@@ -104,6 +104,11 @@ def _default_name(argv: list[str]) -> str:
     return f"{base[:48]}-{uuid.uuid4().hex[:6]}"
 
 
+#: A job directory holding this file is left alone by the agent's discovery
+#: (``spotguard run --no-protect``).
+NO_PROTECT = "no-protect"
+
+
 async def start_job(
     argv: list[str],
     name: str | None = None,
@@ -113,6 +118,7 @@ async def start_job(
     env: dict[str, str] | None = None,
     pid_namespace: bool = True,
     nccl_shim: Path | None = None,
+    protect: bool = True,
 ) -> JobInfo:
     """Start ``argv`` as a checkpointable job and return its :class:`JobInfo`.
 
@@ -123,7 +129,9 @@ async def start_job(
     root only), and NCCL keeps its transports; without, the settings that turn off what the
     driver cannot capture, where ``env`` (default: ours) does not set them. A name already
     used by a live job is refused. ``pid_namespace=False`` starts it in the host's
-    namespaces: restore then needs its exact PIDs free.
+    namespaces: restore then needs its exact PIDs free. ``protect=False``
+    (``spotguard run --no-protect``): the job's opt-out from the agent's discovery
+    (:data:`NO_PROTECT`) is in its directory before the job can be discovered.
     """
     if not argv:
         raise ConfigError("no command given (usage: spotguard run [--name N] -- CMD ...)")
@@ -142,6 +150,8 @@ async def start_job(
             raise JobError(f"job {name!r} is already running (pid {old.pid})")
         shutil.rmtree(jdir)
     safefs.ensure_private_dir(jdir)
+    if not protect:  # before job.json: a discovery round in between would take the job
+        safefs.write_file(jdir / NO_PROTECT, b"spotguard run --no-protect\n", mode=0o600)
     workdir = str(Path(cwd) if cwd else Path.cwd())
     base = os.environ if env is None else env
     if nccl_shim is not None:

@@ -153,14 +153,13 @@ def run(
             env=env,
             pid_namespace=pid_namespace,
             nccl_shim=shim,
+            protect=not no_protect,
         )
     )
     if claim is not None:
         from spotguard.park.priority import write_claim
 
         write_claim(job.dir, claim)
-    if no_protect:
-        discovery.mark_unprotected(job.dir)
     agent = _local_agent(ctx, s.state_dir)
     protection = discovery.protector(agent, opted=no_protect)
     if as_json:
