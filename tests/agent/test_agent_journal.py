@@ -60,6 +60,20 @@ def _copies() -> list[int]:
     return found
 
 
+async def _agent_restores_once(
+    host: Host, sink: EventSink, store: str, assignment: Path, copies: list[int]
+) -> int:
+    """An agent started with ``assignment`` reports the job ``restored`` and no copy of it
+    appears beside ``copies`` (the pids of those running); the pid it protects."""
+    async with running_agent(
+        host, sink, cloud="none", store=store, assignment=assignment
+    ) as agent:  # fmt: skip
+        await wait_until(lambda: "restored" in sink.kinds("train"), 60)
+        await asyncio.sleep(2.0)
+        assert sorted(_copies()) == copies, "the job was restored a second time"
+        return agent.workers["train"].pid
+
+
 @pytest.mark.parametrize("record", [JobState.PROTECTING, JobState.EXITING])
 async def test_agent_killed_when_its_exit_checkpoint_stopped_the_job_reports_the_image(
     host: Host, sink: EventSink, tmp_path: Path, record: JobState
@@ -125,13 +139,7 @@ async def test_agent_killed_between_a_restore_and_its_record_does_not_restore_tw
         restored = done.pid
         assert _copies() and proctree.alive(restored)
         before = sorted(_copies())
-        async with running_agent(
-            host, sink, cloud="none", store=store, assignment=path
-        ) as agent:  # fmt: skip
-            await wait_until(lambda: "restored" in sink.kinds("train"), 60)
-            await asyncio.sleep(2.0)
-            assert sorted(_copies()) == before, "the job was restored a second time"
-            assert agent.workers["train"].pid == restored
+        assert await _agent_restores_once(host, sink, store, path, before) == restored
         [event] = [e for e in sink.events if e["kind"] == "restored"]
         assert event["pid"] == restored
         assert "restoring" not in sink.kinds("train")  # no second attempt began
@@ -215,14 +223,8 @@ async def test_agent_killed_after_criu_restored_its_assignment_finishes_that_res
         )
         first = await _restore_then_die(host, a.image_url, step)  # back, its record not
         assert first, "CRIU's restore had not run"
-        async with running_agent(
-            host, sink, cloud="none", store=store, assignment=path
-        ) as agent:  # fmt: skip
-            await wait_until(lambda: "restored" in sink.kinds("train"), 60)
-            await asyncio.sleep(2.0)
-            assert sorted(_copies()) == first, "the job was restored a second time"
-            root = agent.workers["train"].pid
-            assert root in first or set(proctree.tree(root)) & set(first), (root, first)
+        root = await _agent_restores_once(host, sink, store, path, first)
+        assert root in first or set(proctree.tree(root)) & set(first), (root, first)
         assert "restoring" not in sink.kinds("train")  # no second attempt began
         assert resolve_job("train", state_dir=host.state).pid == root
         assert all(proc_state(p) in ("S", "R") for p in first)  # running, not left stopped
