@@ -106,3 +106,36 @@ def test_a_spec_blob_moved_aside_comes_back_when_the_checkpoint_did_not_write_it
     vm1.ctr("images", "rm", "--sync", users)
     assert held.digest not in _blobs(vm1)  # collected with the user's image
     assert asyncio.run(clear_spec(vm1.ctrd, ref)) is None  # nothing in the way now
+
+
+def _checkpoint_names(container: str, start: float, seconds: int) -> list[str]:
+    """The names ``ctr tasks checkpoint`` gives a checkpoint of ``container`` started in each
+    of ``seconds`` seconds from ``start`` (its own clock format, to the second)."""
+    return [
+        f"containerd.io/checkpoint/{container}:"
+        + time.strftime("%m-%d-%Y-%H:%M:%S", time.localtime(start + i))
+        for i in range(seconds)
+    ]
+
+
+def test_an_exit_checkpoint_in_the_same_second_as_a_users_ctr_checkpoint_keeps_the_job(
+    ctr_vms: tuple[CtrVm, CtrVm],
+) -> None:
+    """``ctr tasks checkpoint`` names its image after the container and the second it
+    started, and fails creating it when that name exists — after ``--exit`` ended the task.
+    A user's checkpoint in the same second as spotguard's (here: the user's image under the
+    names of this second and the next few, so the clash does not hang on timing) must not
+    cost the job."""
+    vm1, _ = ctr_vms
+    _counter(vm1)
+    users = vm1.ctr("tasks", "checkpoint", "ctr").strip().splitlines()[-1]
+    for name in _checkpoint_names("ctr", time.time(), 4):
+        if name != users:
+            vm1.ctr("images", "tag", users, name)
+    store = f"file://{vm1.base.parent / 'store'}"
+    ck = _ok(vm1, "checkpoint", f"containerd:{NS}/ctr", "--to", store)
+    assert ck["mode"] == "exit", ck
+    assert _task(vm1, "ctr") == ("", "")
+    record = asyncio.run(_record(f"{store}/containerd-{NS}-ctr/images/latest"))
+    assert record.config.name == "ctr"
+    assert users in vm1.ctr("images", "ls", "-q").split()  # the user's image untouched

@@ -50,7 +50,12 @@ from typing import Any
 
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
 from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd, layout_name
-from spotguard.container.ctrspec import clear_spec, put_back
+from spotguard.container.ctrspec import (
+    checkpoint_images,
+    clear_spec,
+    put_back,
+    wait_for_a_free_name,
+)
 from spotguard.container.gpu import for_container
 from spotguard.container.restore import ContainerRestore, RestoreIntent
 from spotguard.container.spec import (
@@ -167,7 +172,8 @@ async def checkpoint_containerd(
         info, digest = await inspect_running(ctrd, ref)
         config = config_of(info, digest)
         version = await ctrd.version()
-        held = await clear_spec(ctrd, ref)  # a spec blob containerd would fail on, aside
+        # what containerd would fail on after the dump: a spec blob (aside), an image name
+        held, names = await asyncio.gather(clear_spec(ctrd, ref), checkpoint_images(ctrd, ref))
     tmp = await asyncio.to_thread(work_dir, state_dir)
     layout = tmp / CONTAINERD_ARCHIVE
     name = f"spotguard.local/checkpoint/{ref.job}:{int(time.time() * 1000)}"
@@ -179,6 +185,7 @@ async def checkpoint_containerd(
             with tl.step("ctr checkpoint", mode=mode, streamed=False) as dump:
                 await gpu.freeze(tl)  # GPU memory into the processes' host memory first
                 args = ["tasks", "checkpoint", *(() if leave_running else ("--exit",)), ref.name]
+                await wait_for_a_free_name(ref, names)
                 out = await ctrd.run(*args, namespace=ref.namespace, what=f"checkpointing {ref}")
                 taken = out.strip().splitlines()[-1] if out.strip() else ""
             frozen_at = time.time()

@@ -1,4 +1,4 @@
-"""Keep containerd's own checkpoint from failing on a blob it already holds.
+"""Keep containerd's own checkpoint from failing on something it already holds.
 
 At every ``ctr tasks checkpoint`` containerd writes the container's runtime spec into its
 content store (a protobuf ``Any`` holding the spec's JSON), and its task service fails the
@@ -15,6 +15,12 @@ encoding: the spec's JSON as ``ctr containers info --spec`` prints it, compacted
 it; :func:`put_back` writes the same bytes back after the checkpoint if another image still
 names it and the checkpoint did not write it again. No library speaks containerd's content
 API from Python; ``ctr`` does, and the encoding is two protobuf fields.
+
+The image fails the same way: ``ctr tasks checkpoint`` (which has no option to name it) names
+it ``containerd.io/checkpoint/<container>:<the second it started>`` and fails creating it,
+again after the dump, when an image of that name exists — a user's checkpoint of the
+container in the same second. :func:`checkpoint_images` lists those names before the stop;
+:func:`wait_for_a_free_name`, right before ``ctr`` runs, waits out a second they name.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ import asyncio
 import hashlib
 import logging
 import subprocess
+import time
 from dataclasses import dataclass
 
 from spotguard.container.containerd import Containerd
@@ -35,6 +42,11 @@ log = logging.getLogger(__name__)
 SPEC_TYPE = b"types.containerd.io/opencontainers/runtime-spec/1/Spec"
 #: a spec blob is a few kilobytes; a larger one is not what this module looks for
 SPEC_LIMIT = 1 << 20
+#: how ``ctr tasks checkpoint`` names its image: the container, then the second (Go's
+#: ``01-02-2006-15:04:05`` in the local zone)
+CHECKPOINT_NAME = "containerd.io/checkpoint/{container}:{second}"
+#: the longest wait for a free name: past it, the checkpoint goes ahead (what it did before)
+NAME_WAIT_S = 10.0
 
 
 @dataclass(frozen=True)
@@ -165,3 +177,46 @@ def _ingest(ctrd: Containerd, namespace: str, held: HeldSpec) -> None:
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip()[-300:]
         raise ContainerError(f"ctr content ingest {held.digest} failed: {said}")
+
+
+def _names_at(container: str, at: float) -> set[str]:
+    """The image name a checkpoint of ``container`` started at ``at`` gets (in the local
+    zone, and in UTC in case ``ctr`` runs without the host's zone)."""
+    return {
+        CHECKPOINT_NAME.format(
+            container=container, second=time.strftime("%m-%d-%Y-%H:%M:%S", t(at))
+        )
+        for t in (time.localtime, time.gmtime)
+    }
+
+
+async def checkpoint_images(ctrd: Containerd, ref: ContainerRef) -> frozenset[str]:
+    """The names of ``ctr``'s own checkpoint images of ``ref`` (the user's); empty when they
+    cannot be listed (the checkpoint is then no worse off than without the check)."""
+    prefix = CHECKPOINT_NAME.format(container=ref.name, second="")
+    try:
+        names = await ctrd.images(ref.namespace)
+    except ContainerError as exc:
+        log.warning("checkpoint images not listed", extra={"job": ref.job, "error": str(exc)})
+        return frozenset()
+    return frozenset(n for n in names if n.startswith(prefix))
+
+
+async def wait_for_a_free_name(ref: ContainerRef, taken: frozenset[str]) -> float:
+    """Wait, at most :data:`NAME_WAIT_S`, until neither this second nor the next (``ctr``
+    names the image when it starts, a moment from now) gives a checkpoint of ``ref`` a name
+    in ``taken``; the seconds waited. Called right before ``ctr tasks checkpoint``."""
+    if not taken:
+        return 0.0
+    start = time.time()
+    while (now := time.time()) - start < NAME_WAIT_S:
+        if not (taken & (_names_at(ref.name, now) | _names_at(ref.name, now + 1))):
+            break
+        await asyncio.sleep(1.0 - now % 1.0 + 0.02)  # past this second
+    waited = time.time() - start
+    if waited > 0.01:
+        log.info(
+            "checkpoint waited for a free image name",
+            extra={"job": ref.job, "seconds": round(waited, 3)},
+        )
+    return waited
