@@ -23,6 +23,7 @@ import shutil
 import stat
 import sys
 import uuid
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -119,6 +120,7 @@ async def start_job(
     pid_namespace: bool = True,
     nccl_shim: Path | None = None,
     protect: bool = True,
+    files: Mapping[str, bytes] | None = None,
 ) -> JobInfo:
     """Start ``argv`` as a checkpointable job and return its :class:`JobInfo`.
 
@@ -131,7 +133,8 @@ async def start_job(
     used by a live job is refused. ``pid_namespace=False`` starts it in the host's
     namespaces: restore then needs its exact PIDs free. ``protect=False``
     (``spotguard run --no-protect``): the job's opt-out from the agent's discovery
-    (:data:`NO_PROTECT`) is in its directory before the job can be discovered.
+    (:data:`NO_PROTECT`) is in its directory before the job can be discovered; so are
+    ``files`` (name → bytes: a park claim), written before ``job.json``.
     """
     if not argv:
         raise ConfigError("no command given (usage: spotguard run [--name N] -- CMD ...)")
@@ -152,6 +155,10 @@ async def start_job(
     safefs.ensure_private_dir(jdir)
     if not protect:  # before job.json: a discovery round in between would take the job
         safefs.write_file(jdir / NO_PROTECT, b"spotguard run --no-protect\n", mode=0o600)
+    for fname, data in (files or {}).items():
+        if "/" in fname or fname in ("", ".", "..", JOB_FILE):  # a caller's constant
+            raise ValueError(f"not a file of a job's directory: {fname!r}")
+        safefs.write_file(jdir / fname, data, mode=0o600)
     workdir = str(Path(cwd) if cwd else Path.cwd())
     base = os.environ if env is None else env
     if nccl_shim is not None:

@@ -145,6 +145,11 @@ def run(
             "fast transports are turned off for this job (--nccl restrict)",
             err=True,
         )
+    files: dict[str, bytes] = {}
+    if claim is not None:  # in the job's directory before anything can see the job
+        from spotguard.park.priority import CLAIM_FILE, claim_bytes
+
+        files[CLAIM_FILE] = claim_bytes(claim)
     job = asyncio.run(
         start_job(
             list(command),
@@ -154,12 +159,9 @@ def run(
             pid_namespace=pid_namespace,
             nccl_shim=shim,
             protect=not no_protect,
+            files=files,
         )
     )
-    if claim is not None:
-        from spotguard.park.priority import write_claim
-
-        write_claim(job.dir, claim)
     agent = _local_agent(ctx, s.state_dir)
     protection = discovery.protector(agent, opted=no_protect)
     if as_json:

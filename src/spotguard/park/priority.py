@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from spotguard import safefs
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.errors import SpotguardError
@@ -42,10 +41,10 @@ class Claim:
     gpu_bytes: int = 0
 
 
-def write_claim(job_dir: Path, claim: Claim) -> None:
-    """Write ``priority.json`` into the job's directory, never through a link."""
+def claim_bytes(claim: Claim) -> bytes:
+    """What ``priority.json`` holds for ``claim``."""
     data = {"priority": claim.priority, "gpu_bytes": claim.gpu_bytes}
-    safefs.write_file(job_dir / CLAIM_FILE, (json.dumps(data) + "\n").encode(), mode=0o644)
+    return (json.dumps(data) + "\n").encode()
 
 
 def read_claim(job_dir: Path) -> Claim:
