@@ -8,15 +8,18 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import os
 import subprocess
 import time
+from pathlib import Path
 
 from containerd_helpers import IMAGE, NS, CtrVm
 from test_containerd import JOB, _ok, _record, _task
 
 from sgtest import wait_lines
+from spotguard.checkpoint.procfacts import start_time
 from spotguard.container import ContainerRef
-from spotguard.container.ctrspec import clear_spec, put_back
+from spotguard.container.ctrspec import clear_spec, put_back, recover_held
 
 
 def _index_refs(vm: CtrVm, image: str) -> list[str]:
@@ -98,14 +101,54 @@ def test_a_spec_blob_moved_aside_comes_back_when_the_checkpoint_did_not_write_it
     _counter(vm1)
     users = vm1.ctr("tasks", "checkpoint", "ctr").strip().splitlines()[-1]
     ref = ContainerRef.parse(f"containerd:{NS}/ctr")
-    held = asyncio.run(clear_spec(vm1.ctrd, ref))
+    state = vm1.base / "spotguard-state"
+    held = asyncio.run(clear_spec(vm1.ctrd, ref, state))
     assert held is not None and held.named and held.digest in _index_refs(vm1, users)
     assert held.digest not in _blobs(vm1)
+    assert held.kept is not None and held.kept.read_bytes().endswith(held.data)
     asyncio.run(put_back(vm1.ctrd, NS, held))
     assert _content_of(vm1, held.digest) == held.data
+    assert not held.kept.exists()  # back in the store: no copy kept
     vm1.ctr("images", "rm", "--sync", users)
     assert held.digest not in _blobs(vm1)  # collected with the user's image
-    assert asyncio.run(clear_spec(vm1.ctrd, ref)) is None  # nothing in the way now
+    assert asyncio.run(clear_spec(vm1.ctrd, ref, state)) is None  # nothing in the way now
+
+
+def _clear_then_die(vm: CtrVm, ref: ContainerRef, state: Path) -> None:
+    """A spotguard killed between moving the spec blob aside and putting it back: a forked
+    child that moves it aside and ends without another step."""
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        try:
+            asyncio.run(clear_spec(vm.ctrd, ref, state))
+        finally:
+            os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+
+
+def test_a_spec_blob_a_killed_checkpoint_moved_aside_is_put_back(
+    ctr_vms: tuple[CtrVm, CtrVm],
+) -> None:
+    """Killed in that window, spotguard left the user's checkpoint image without its spec
+    blob for good. The bytes are kept in the state dir first; the next containerd checkpoint
+    (or the agent as it starts guarding a container) writes them back — never while the
+    spotguard that moved them still runs."""
+    vm1, _ = ctr_vms
+    _counter(vm1)
+    users = vm1.ctr("tasks", "checkpoint", "ctr").strip().splitlines()[-1]
+    refs = _index_refs(vm1, users)
+    ref = ContainerRef.parse(f"containerd:{NS}/ctr")
+    state = vm1.base / "spotguard-state"
+    _clear_then_die(vm1, ref, state)
+    missing = set(refs) - _blobs(vm1)
+    assert len(missing) == 1, missing  # the window: the user's image lacks its spec
+    live = state / "containers" / "held-specs" / f"{os.getpid()}-{start_time('self')}-{'0' * 64}"
+    live.write_bytes(b"sg\n")  # a running spotguard's (this process): left alone
+    assert asyncio.run(recover_held(vm1.ctrd, state)) == list(missing)
+    assert set(refs) <= _blobs(vm1)
+    for digest in refs:
+        assert "sha256:" + hashlib.sha256(_content_of(vm1, digest)).hexdigest() == digest
+    assert sorted(p.name for p in live.parent.iterdir()) == [live.name]
 
 
 def _checkpoint_names(container: str, start: float, seconds: int) -> list[str]:

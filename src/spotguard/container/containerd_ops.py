@@ -3,13 +3,15 @@
 Checkpoint (each step timed in the result's timeline)::
 
     ctr containers info (running? spec, image, runtime, snapshotter) + the image's digest
-      ─► the spec blob containerd would refuse to write again moved aside (:mod:`.ctrspec`)
+      ─► the spec blob containerd would refuse to write again moved aside, the names of
+         ctr's own checkpoint images of the container listed (:mod:`.ctrspec`)
       ─► image writer opened (an unusable store fails here, before the job stops)
       ─► GPU processes locked and checkpointed (:mod:`.gpu`)
-      ─► ctr tasks checkpoint [--exit] (containerd pauses the task; runc dumps it with
-         spotguard's CRIU; containerd diffs the writable layer — all while paused; exit mode:
-         CRIU ends the processes) ─► leave-running: the task goes on, its GPU processes
-         restored and unlocked ─► the OCI layout built from the checkpoint's blobs
+      ─► ctr tasks checkpoint [--exit], once no such image is named for this second
+         (containerd pauses the task; runc dumps it with spotguard's CRIU; containerd diffs
+         the writable layer — all while paused; exit mode: CRIU ends the processes)
+      ─► leave-running: the task goes on, its GPU processes restored and unlocked
+      ─► the OCI layout built from the checkpoint's blobs
          (Containerd.export_layout) ─► image writer (chunks → BLAKE3 → zstd → store, signed
          manifest LAST, the typed ContainerImage record with the host's GPUs in its meta)
          ─► exit mode: the task and container deleted
@@ -48,14 +50,9 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from spotguard.container import ctrspec
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
 from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd, layout_name
-from spotguard.container.ctrspec import (
-    checkpoint_images,
-    clear_spec,
-    put_back,
-    wait_for_a_free_name,
-)
 from spotguard.container.gpu import for_container
 from spotguard.container.restore import ContainerRestore, RestoreIntent
 from spotguard.container.spec import (
@@ -173,7 +170,9 @@ async def checkpoint_containerd(
         config = config_of(info, digest)
         version = await ctrd.version()
         # what containerd would fail on after the dump: a spec blob (aside), an image name
-        held, names = await asyncio.gather(clear_spec(ctrd, ref), checkpoint_images(ctrd, ref))
+        held, names = await asyncio.gather(
+            ctrspec.clear_spec(ctrd, ref, state_dir), ctrspec.checkpoint_images(ctrd, ref)
+        )
     tmp = await asyncio.to_thread(work_dir, state_dir)
     layout = tmp / CONTAINERD_ARCHIVE
     name = f"spotguard.local/checkpoint/{ref.job}:{int(time.time() * 1000)}"
@@ -185,7 +184,7 @@ async def checkpoint_containerd(
             with tl.step("ctr checkpoint", mode=mode, streamed=False) as dump:
                 await gpu.freeze(tl)  # GPU memory into the processes' host memory first
                 args = ["tasks", "checkpoint", *(() if leave_running else ("--exit",)), ref.name]
-                await wait_for_a_free_name(ref, names)
+                await ctrspec.wait_for_a_free_name(ref, names)
                 out = await ctrd.run(*args, namespace=ref.namespace, what=f"checkpointing {ref}")
                 taken = out.strip().splitlines()[-1] if out.strip() else ""
             frozen_at = time.time()
@@ -218,7 +217,7 @@ async def checkpoint_containerd(
     finally:
         if taken:
             await ctrd.remove_image(ref.namespace, taken)
-        await put_back(ctrd, ref.namespace, held)
+        await ctrspec.put_back(ctrd, ref.namespace, held)
         await asyncio.to_thread(shutil.rmtree, tmp, True)
     log.info("container checkpointed", extra={"job": ref.job, "image": writer.url, "mode": mode})
     if not leave_running:

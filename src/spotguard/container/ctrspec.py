@@ -13,8 +13,12 @@ So before the checkpoint, :func:`clear_spec` computes that blob's digest (contai
 encoding: the spec's JSON as ``ctr containers info --spec`` prints it, compacted, in an
 ``Any`` of the runtime-spec type) and, when the content store holds it, reads it and deletes
 it; :func:`put_back` writes the same bytes back after the checkpoint if another image still
-names it and the checkpoint did not write it again. No library speaks containerd's content
-API from Python; ``ctr`` does, and the encoding is two protobuf fields.
+names it and the checkpoint did not write it again. A blob another image names is first kept
+in the state dir (``containers/held-specs/PID-START-DIGEST``): a spotguard killed before its
+put-back leaves it there, and :func:`recover_held` (the agent as it starts guarding a
+containerd container, every containerd checkpoint) writes back those whose process is gone.
+No library speaks containerd's content API from Python; ``ctr`` does, and the encoding is
+two protobuf fields.
 
 The image fails the same way: ``ctr tasks checkpoint`` (which has no option to name it) names
 it ``containerd.io/checkpoint/<container>:<the second it started>`` and fails creating it,
@@ -28,13 +32,19 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
+import re
 import subprocess
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
+from spotguard import safefs
+from spotguard.checkpoint.procfacts import same_process, start_time
 from spotguard.container.containerd import Containerd
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import ContainerError
+from spotguard.statedir import StateDir
 
 log = logging.getLogger(__name__)
 
@@ -47,16 +57,20 @@ SPEC_LIMIT = 1 << 20
 CHECKPOINT_NAME = "containerd.io/checkpoint/{container}:{second}"
 #: the longest wait for a free name: past it, the checkpoint goes ahead (what it did before)
 NAME_WAIT_S = 10.0
+#: a held blob's file: its owner's pid and start time, then the digest's hex
+_HELD = re.compile(r"^(\d+)-(\d+)-([0-9a-f]{64})$")
 
 
 @dataclass(frozen=True)
 class HeldSpec:
-    """A spec blob moved out of the way of a checkpoint: its digest, bytes, and whether
-    other content names it (an image's index: then it must come back)."""
+    """A spec blob moved out of the way of a checkpoint: its digest, bytes, whether other
+    content names it (an image's index: then it must come back) and, then, the file that
+    keeps its bytes until it is back."""
 
     digest: str
     data: bytes
     named: bool
+    kept: Path | None = None
 
 
 def compact_json(text: str) -> bytes:
@@ -117,12 +131,14 @@ def _named(content: dict[str, str], digest: str) -> bool:
     return any(d != digest and f"={digest}" in labels for d, labels in content.items())
 
 
-async def clear_spec(ctrd: Containerd, ref: ContainerRef) -> HeldSpec | None:
+async def clear_spec(ctrd: Containerd, ref: ContainerRef, state_dir: Path) -> HeldSpec | None:
     """Delete the blob the checkpoint of ``ref`` would fail on, if the content store holds
-    it; what :func:`put_back` needs to restore it. Anything unexpected (no spec, a ctr
-    failure) leaves the store as it is and returns None: the checkpoint is then no worse
-    off than without this step."""
+    it; what :func:`put_back` needs to restore it (a blob another image names kept under
+    ``state_dir`` first). Blobs a killed spotguard held are written back first
+    (:func:`recover_held`). Anything unexpected (no spec, a ctr failure) leaves the store as
+    it is and returns None: the checkpoint is then no worse off than without this step."""
     ns = ref.namespace
+    await recover_held(ctrd, state_dir)
     try:
         spec = await ctrd.run(
             "containers", "info", "--spec", ref.name, namespace=ns, what=f"reading {ref}'s spec"
@@ -135,8 +151,10 @@ async def clear_spec(ctrd: Containerd, ref: ContainerRef) -> HeldSpec | None:
         if digest_of(data) != digest:
             return None
         held = HeldSpec(digest, data, _named(content, digest))
+        if held.named:  # its bytes safe before the store loses them
+            held = await asyncio.to_thread(_keep, state_dir, ns, held)
         await ctrd.run("content", "rm", digest, namespace=ns, what="moving a spec blob aside")
-    except ContainerError as exc:
+    except (ContainerError, OSError) as exc:
         log.warning("spec blob not checked", extra={"job": ref.job, "error": str(exc)})
         return None
     log.info(
@@ -154,15 +172,59 @@ async def put_back(ctrd: Containerd, namespace: str, held: HeldSpec | None) -> N
         return
     try:
         content = await _content(ctrd, namespace)
-        if held.digest in content or not _named(content, held.digest):
-            return
-        await asyncio.to_thread(_ingest, ctrd, namespace, held)
-        log.info("spec blob put back", extra={"chunk": held.digest})
+        if held.digest not in content and _named(content, held.digest):
+            await asyncio.to_thread(_ingest, ctrd, namespace, held)
+            log.info("spec blob put back", extra={"chunk": held.digest})
     except (ContainerError, OSError, subprocess.SubprocessError) as exc:
-        log.error(
+        log.error(  # its kept copy stays: the agent's next start writes it back
             "spec blob not put back",
             extra={"chunk": held.digest, "error": str(exc)},
         )
+        return
+    if held.kept is not None:
+        held.kept.unlink(missing_ok=True)
+
+
+def _keep(state_dir: Path, namespace: str, held: HeldSpec) -> HeldSpec:
+    """Write ``held``'s namespace and bytes under the state dir, named after this process."""
+    base = safefs.ensure_private_dir(StateDir(state_dir).held_specs)
+    path = base / f"{os.getpid()}-{start_time('self') or 0}-{held.digest[7:]}"
+    safefs.write_file(path, namespace.encode() + b"\n" + held.data, mode=0o600)
+    return HeldSpec(held.digest, held.data, held.named, path)
+
+
+def _orphans(state_dir: Path) -> list[tuple[str, HeldSpec]]:
+    """The held blobs whose spotguard is gone: (namespace, blob) for each."""
+    base = StateDir(state_dir).held_specs
+    found: list[tuple[str, HeldSpec]] = []
+    for path in sorted(base.iterdir()) if base.is_dir() else []:
+        m = _HELD.match(path.name)
+        if m is None or same_process(int(m[1]), int(m[2])):
+            continue  # not one of these, or its checkpoint still runs
+        namespace, _, data = path.read_bytes().partition(b"\n")
+        digest = "sha256:" + m[3]
+        if digest_of(data) != digest:  # cut short while written: the store still has it
+            path.unlink(missing_ok=True)
+            continue
+        found.append((namespace.decode(), HeldSpec(digest, data, True, path)))
+    return found
+
+
+async def recover_held(ctrd: Containerd, state_dir: Path) -> list[str]:
+    """Write back every spec blob a killed spotguard moved aside and kept (where an image
+    still names it and the store lacks it); the digests handled. Never raises."""
+    try:
+        orphans = await asyncio.to_thread(_orphans, state_dir)
+    except OSError as exc:
+        log.error("held spec blobs not read", extra={"error": str(exc)})
+        return []
+    for namespace, held in orphans:
+        log.warning(
+            "spec blob held by a killed checkpoint",
+            extra={"chunk": held.digest, "path": str(held.kept)},
+        )
+        await put_back(ctrd, namespace, held)
+    return [held.digest for _, held in orphans]
 
 
 def _ingest(ctrd: Containerd, namespace: str, held: HeldSpec) -> None:

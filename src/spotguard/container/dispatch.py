@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from spotguard.container import containerd_ops, docker_ops
+from spotguard.container import containerd_ops, ctrspec, docker_ops
 from spotguard.container.checkpoint import (
     ContainerCheckpoint,
     checkpoint_container,
@@ -103,3 +103,11 @@ async def unpause(backend: Backend, ref: ContainerRef, *, what: str) -> None:
         await backend.run("tasks", "resume", ref.name, namespace=ref.namespace, what=what)
     else:
         await backend.run("unpause", ref.name, what=what)
+
+
+async def recover_held(backend: Backend, state_dir: Path) -> None:
+    """Put back what a killed checkpoint of this runtime moved aside and kept in
+    ``state_dir`` (containerd: its spec blobs, :mod:`.ctrspec`); the agent runs it as it starts
+    guarding a container. Never raises."""
+    if isinstance(backend, Containerd):
+        await ctrspec.recover_held(backend, state_dir)

@@ -254,6 +254,8 @@ class ContainerJobs:
         """Guard ``ref`` whenever it runs: wait for it, guard it until its worker ends, wait
         for it to run again (restored, unparked) — until the agent stops."""
         await asyncio.to_thread(remember, self.state_dir, ref)
+        with contextlib.suppress(SpotguardError):  # no runtime: _running says so
+            await dispatch.recover_held(self.backend(ref.runtime), self.state_dir)
         seen: tuple[str, int] | None = None
         while True:
             ctr = await self._running(ref, seen)
