@@ -34,6 +34,15 @@ class CheckpointSettings(Settings):
     criu_timeout: float = Field(
         default=600.0, gt=0, description="Seconds one criu dump/restore may take"
     )
+    criu_log_level: int = Field(
+        default=2,
+        ge=0,
+        le=4,
+        description=(
+            "CRIU's log verbosity (criu -vN); the log is kept beside the image's files "
+            "(criu-dump.log, criu-restore.log): 4 shows where a dump's or restore's time goes"
+        ),
+    )
     gpu_timeout: float = Field(
         default=300.0, gt=0, description="Seconds one GPU checkpoint/restore call may take"
     )

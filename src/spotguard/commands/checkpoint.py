@@ -13,8 +13,6 @@ import click
 
 from spotguard import operations
 from spotguard.agent import discovery
-from spotguard.checkpoint.criu import Criu
-from spotguard.checkpoint.cuda import gpu_hook
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import resolve_job, start_job
 from spotguard.checkpoint.scan import job_environment
@@ -39,7 +37,9 @@ def _settings(ctx: click.Context, flags: dict[str, Any]) -> CheckpointSettings:
 
 
 def _engine(s: CheckpointSettings) -> Engine:
-    return Engine(Criu(s.criu, timeout=s.criu_timeout), gpu_hook(s.gpu_timeout), settings=s)
+    from spotguard.operations.checkpoint import engine_for
+
+    return engine_for(s)
 
 
 def _steps(timeline: list[dict[str, Any]]) -> str:

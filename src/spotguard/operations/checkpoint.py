@@ -56,7 +56,7 @@ def is_url(where: str) -> bool:
 
 def engine_for(settings: CheckpointSettings) -> Engine:
     """The engine for these settings: CRIU plus the GPU hook (a no-op without a GPU)."""
-    criu = Criu(settings.criu, timeout=settings.criu_timeout)
+    criu = Criu(settings.criu, timeout=settings.criu_timeout, log_level=settings.criu_log_level)
     return Engine(criu, gpu_hook(settings.gpu_timeout), settings=settings)
 
 
