@@ -14,23 +14,20 @@ stopped (``--leave-stopped``) when the caller still has memory to put back;
 ``--stream`` when an image streamer serves the images directory. ``--shell-job`` is added
 only when the tree is not the leader of its own session (``spotguard run`` jobs are).
 
-Plugins: CRIU loads plugins only from the directory given with ``--libdir``: the one
-scripts/install-criu builds next to CRIU (``<prefix>/lib/criu/plugins``, holding
-``spotguard_nvleftover.so``: leftover ``/dev/nvidia*`` fds and mappings of processes with no
-CUDA context become inert stand-ins) or, where it is not installed, an empty directory of our
-own. So CRIU never picks up plugins from the host's default directory (the GPU steps are
-spotguard's own), and an image that needed the plugin fails to restore without it ("Missing
-required plugin") instead of reopening real devices. The devices the plugin treats as
-leftovers are path prefixes in CRIU's environment, ``SPOTGUARD_CRIU_LEFTOVER_DEVICES``
-(default ``/dev/nvidia``).
+Plugins: CRIU loads plugins only from the ``--libdir`` given: the one scripts/install-criu
+builds next to CRIU (``spotguard_nvleftover.so``: leftover ``/dev/nvidia*`` fds and mappings of
+processes with no CUDA context become inert stand-ins; the prefixes it treats so come from
+``SPOTGUARD_CRIU_LEFTOVER_DEVICES``, default ``/dev/nvidia``) or, where it is not installed, an
+empty directory: never the host's plugins, and an image that needed the plugin fails to
+restore without it ("Missing required plugin") instead of reopening real devices.
 
 Parallel memory (``--page-workers N``, a patch scripts/install-criu applies to Debian's CRIU,
 packaging/criu-patches): a dump writes the pages of up to N processes at once and a restore
 populates each process's memory with up to N threads while its pages are read in. Given to
-every dump and restore when the running CRIU has it (``criu --help`` lists it; probed once per
-binary), with N = the setting ``page_workers`` (default: the machine's CPUs; 0 or 1 turns it
-off; ``SPOTGUARD_CRIU_PAGE_WORKERS`` in the environment is the default where the caller gives
-none). A CRIU without it is used as it is, and one log line says so.
+every dump and restore when the running CRIU has it (``criu --help``, probed once per binary),
+with N = ``page_workers`` (default: the machine's CPUs; 0 or 1: off; default where the caller
+gives none: ``SPOTGUARD_CRIU_PAGE_WORKERS``); a dump raises ``fs.pipe-max-size`` to 64 MiB first
+(:data:`PAGE_PIPE_MAX`). A CRIU without it is used as it is, and one log line says so.
 
 A caller can run code while the tree is still frozen, after CRIU has written the image and
 before it resumes or kills the tree (``on_frozen``): CRIU's ``post-dump`` action script
@@ -57,16 +54,15 @@ from pathlib import Path
 from typing import Literal
 
 from spotguard.errors import CriuError, PreflightError, StepTimeout
+from spotguard.stream.pipes import ensure_pipe_max
 
 from .criufind import (
     DEFAULT_LEFTOVER_DEVICES,
     EXTERNAL_PAGES_FLAG,
     HARMLESS,
-    INSTALLED,
     LEFTOVER_DEVICES_ENV,
-    MIN_VERSION,
     MIN_VERSION_TEXT,
-    PAGE_WORKERS_ENV,
+    PAGE_PIPE_MAX,
     PAGE_WORKERS_FLAG,
     PLUGIN_NAME,
     default_page_workers,
@@ -75,29 +71,19 @@ from .criufind import (
     has_external_pages,
     has_page_workers,
     log_tail,
-    parse_version,
     version_of,
     version_ok,
 )
 
 __all__ = [
-    "DEFAULT_LEFTOVER_DEVICES",
-    "EXTERNAL_PAGES_FLAG",
-    "INSTALLED",
-    "LEFTOVER_DEVICES_ENV",
-    "MIN_VERSION",
     "MIN_VERSION_TEXT",
-    "PAGE_WORKERS_ENV",
     "PAGE_WORKERS_FLAG",
     "PLUGIN_NAME",
     "Criu",
-    "default_page_workers",
     "find_criu",
     "find_plugin_dir",
     "has_external_pages",
     "has_page_workers",
-    "log_tail",
-    "parse_version",
     "version_ok",
 ]
 
@@ -206,6 +192,7 @@ class Criu:
         page_workers: int | None = None,
         log_level: int = 2,
         log_dir: Path | None = None,
+        pipe_max: int | None = PAGE_PIPE_MAX,
     ) -> None:
         """``plugins``: the ``--libdir`` to give CRIU; ``"auto"`` finds the installed one,
         ``None`` runs CRIU with no plugins at all. ``leftover_devices``: device path prefixes
@@ -213,7 +200,8 @@ class Criu:
         ``/dev/nvidia``). ``page_workers``: threads moving memory pages (see module doc;
         None: :func:`default_page_workers`; 0 or 1: one process after another). ``log_level``:
         CRIU's ``-v`` (4: per-task timings, for tests and benchmarks); ``log_dir``: where its
-        logs go when the caller names none (default: the images directory)."""
+        logs go when the caller names none (default: the images directory). ``pipe_max``:
+        ``fs.pipe-max-size`` is raised to it before a dump with page workers (None: left)."""
         self.path = find_criu(path)
         self.timeout = timeout
         self.plugin_dir = find_plugin_dir(self.path) if plugins == "auto" else plugins
@@ -221,6 +209,7 @@ class Criu:
         self.page_workers = default_page_workers() if page_workers is None else page_workers
         self.log_level = log_level
         self.log_dir = log_dir
+        self.pipe_max = pipe_max
         self._no_plugins: Path | None = None
         self._version: str | None = None
         self._locks: frozenset[str] | None = None
@@ -362,7 +351,10 @@ class Criu:
         if ghost_limit is not None:  # deleted files the job still holds go into the image
             args += ["--ghost-limit", str(ghost_limit)]
         args += self._plugin_args()
-        args += await self.page_worker_args()
+        workers = await self.page_worker_args()
+        if workers and self.pipe_max:  # a task's pages held in a few big pipes, not in chunks
+            await asyncio.to_thread(ensure_pipe_max, self.pipe_max)
+        args += workers
         for r in external_pages:
             args += [EXTERNAL_PAGES_FLAG, r]
         if mount_ns:

@@ -28,6 +28,10 @@ HARMLESS = ("RLIMIT_NOFILE", "kdat", "Unable to get $HOME")
 #: environment default for :class:`Criu`'s ``page_workers`` (0 or 1: off)
 PAGE_WORKERS_ENV = "SPOTGUARD_CRIU_PAGE_WORKERS"
 PAGE_WORKERS_FLAG = "--page-workers"
+#: fs.pipe-max-size a dump with page workers raises first: the patch grows a task's page
+#: pipes up to it (64 MiB at most); at the kernel's default 1 MiB a CUDA rank's ~11 GB of
+#: private mappings needs more pipes than CRIU may open, and is written in chunks, serially
+PAGE_PIPE_MAX = 64 << 20
 EXTERNAL_PAGES_FLAG = "--external-pages"
 #: (realpath, mtime) -> that criu binary's --help
 _HELP_PROBED: dict[tuple[str, float], str] = {}

@@ -49,11 +49,14 @@ def ensure_pipe_max(size: int, path: Path = PIPE_MAX) -> int:
         path.write_text(str(size))
     except OSError as exc:
         log.info(
-            "pipes stay at fs.pipe-max-size (streams are slower)",
+            "pipes stay at fs.pipe-max-size (streams and dumps are slower)",
             extra={"bytes": current, "error": str(exc)},
         )
         return current
-    log.info("raised fs.pipe-max-size for streaming", extra={"bytes": size, "previous": current})
+    log.info(
+        "raised fs.pipe-max-size (streams, CRIU's page pipes)",
+        extra={"bytes": size, "previous": current},
+    )
     return size
 
 
