@@ -267,7 +267,8 @@ async def test_a_stream_raises_the_pipe_limit_and_criu_gets_pipes_of_the_set_siz
     work = tmp_path / "work"
     target = StreamTarget(store, work_root=work, writer_options=SMALL, settings=settings)
     await engine.freeze(job, target, Mode.EXIT)
-    assert int(await asyncio.to_thread(PIPE_MAX.read_text)) == 8 << 20  # raised, not beyond
+    # raised (CRIU's page pipes then take it to 64 MiB: test_parallel_criu.py)
+    assert int(await asyncio.to_thread(PIPE_MAX.read_text)) >= 8 << 20
     assert target.capture_stats is not None and target.capture_stats.pipe_bytes == 8 << 20
     assert target.url is not None
     source = StreamSource(target.url, settings=settings, work_root=tmp_path / "work")
