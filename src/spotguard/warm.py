@@ -15,7 +15,8 @@ with a few threads while ``MemAvailable`` stays above a margin, holds them all -
 is the next one a piece reuses, so touching all of it needs all of it at once - then exits,
 which returns every page to the guest. It runs once per boot, after the agent's boot restore
 (both would share the VM's page rate), and gives its memory back at once when a freeze or
-restore takes its crash marker meanwhile.
+restore takes its crash marker meanwhile (a marker whose writer is gone - a leftover that
+recovery could not clear - is not work in progress, and holds nothing back).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from spotguard import safefs
+from spotguard.checkpoint.procfacts import same_process
 from spotguard.errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -158,6 +160,21 @@ def touch(
 PR_SET_PDEATHSIG = 1
 
 
+def _in_progress(path: str) -> bool:
+    """Whether the crash marker at ``path`` belongs to a freeze or restore still running:
+    its writer (``agent_pid`` and ``agent_start``, :mod:`spotguard.checkpoint.marker`) is
+    alive. One that cannot be read, or names no writer, is not."""
+    try:
+        data = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return False
+    pid = data.get("agent_pid") if isinstance(data, dict) else None
+    if not isinstance(pid, int) or isinstance(pid, bool):
+        return False
+    start = data.get("agent_start")
+    return same_process(pid, start if isinstance(start, int) else None)
+
+
 def _child(want: int | None, threads: int, busy_globs: list[str]) -> Warmed:
     # ends with the agent that started it, even one killed with SIGKILL
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
@@ -167,7 +184,7 @@ def _child(want: int | None, threads: int, busy_globs: list[str]) -> Warmed:
     total = plan(want, _meminfo().get("MemAvailable", 0), keep)
 
     def busy() -> bool:
-        return any(glob.glob(pattern) for pattern in busy_globs)
+        return any(_in_progress(p) for pattern in busy_globs for p in glob.glob(pattern))
 
     touched, seconds = touch(total, threads, keep, busy)
     return Warmed(touched, round(seconds, 3), threads, adj)
