@@ -3,13 +3,13 @@
 Checkpoint (each step timed in the result's timeline)::
 
     ctr containers info (running? spec, image, runtime, snapshotter) + the image's digest
-      ─► the spec blob containerd would refuse to write again moved aside, the names of
-         ctr's own checkpoint images of the container listed (:mod:`.ctrspec`)
+      ─► the spec blob containerd would refuse to write again moved aside; a second one
+         of ctr's own checkpoint images of the container names waited out (:mod:`.ctrspec`)
       ─► image writer opened (an unusable store fails here, before the job stops)
       ─► GPU processes locked and checkpointed (:mod:`.gpu`)
-      ─► ctr tasks checkpoint [--exit], once no such image is named for this second
-         (containerd pauses the task; runc dumps it with spotguard's CRIU; containerd diffs
-         the writable layer — all while paused; exit mode: CRIU ends the processes)
+      ─► ctr tasks checkpoint [--exit] (containerd pauses the task; runc dumps it with
+         spotguard's CRIU; containerd diffs the writable layer — all while paused; exit
+         mode: CRIU ends the processes)
       ─► leave-running: the task goes on, its GPU processes restored and unlocked
       ─► the OCI layout built from the checkpoint's blobs
          (Containerd.export_layout) ─► image writer (chunks → BLAKE3 → zstd → store, signed
@@ -173,6 +173,7 @@ async def checkpoint_containerd(
         held, names = await asyncio.gather(
             ctrspec.clear_spec(ctrd, ref, state_dir), ctrspec.checkpoint_images(ctrd, ref)
         )
+        await ctrspec.wait_for_a_free_name(ref, names)  # before the stop, not in it
     tmp = await asyncio.to_thread(work_dir, state_dir)
     layout = tmp / CONTAINERD_ARCHIVE
     name = f"spotguard.local/checkpoint/{ref.job}:{int(time.time() * 1000)}"
@@ -184,7 +185,6 @@ async def checkpoint_containerd(
             with tl.step("ctr checkpoint", mode=mode, streamed=False) as dump:
                 await gpu.freeze(tl)  # GPU memory into the processes' host memory first
                 args = ["tasks", "checkpoint", *(() if leave_running else ("--exit",)), ref.name]
-                await ctrspec.wait_for_a_free_name(ref, names)
                 out = await ctrd.run(*args, namespace=ref.namespace, what=f"checkpointing {ref}")
                 taken = out.strip().splitlines()[-1] if out.strip() else ""
             frozen_at = time.time()

@@ -24,7 +24,8 @@ The image fails the same way: ``ctr tasks checkpoint`` (which has no option to n
 it ``containerd.io/checkpoint/<container>:<the second it started>`` and fails creating it,
 again after the dump, when an image of that name exists — a user's checkpoint of the
 container in the same second. :func:`checkpoint_images` lists those names before the stop;
-:func:`wait_for_a_free_name`, right before ``ctr`` runs, waits out a second they name.
+:func:`wait_for_a_free_name` waits out a second they name — before the stop: a name of a second
+already past cannot be the one ``ctr`` gives, however long the GPU freeze before it takes.
 """
 
 from __future__ import annotations
@@ -267,7 +268,8 @@ async def checkpoint_images(ctrd: Containerd, ref: ContainerRef) -> frozenset[st
 async def wait_for_a_free_name(ref: ContainerRef, taken: frozenset[str]) -> float:
     """Wait, at most :data:`NAME_WAIT_S`, until neither this second nor the next (``ctr``
     names the image when it starts, a moment from now) gives a checkpoint of ``ref`` a name
-    in ``taken``; the seconds waited. Called right before ``ctr tasks checkpoint``."""
+    in ``taken``; the seconds waited. Called before the job is stopped: ``ctr`` starts later
+    still, in a second no existing image names."""
     if not taken:
         return 0.0
     start = time.time()
