@@ -182,3 +182,22 @@ def test_an_exit_checkpoint_in_the_same_second_as_a_users_ctr_checkpoint_keeps_t
     record = asyncio.run(_record(f"{store}/containerd-{NS}-ctr/images/latest"))
     assert record.config.name == "ctr"
     assert users in vm1.ctr("images", "ls", "-q").split()  # the user's image untouched
+
+
+def test_a_state_dir_that_cannot_keep_the_blob_still_moves_it_aside(
+    ctr_vms: tuple[CtrVm, CtrVm],
+) -> None:
+    """Keeping the bytes is for a spotguard killed midway; where the state dir cannot take
+    them the blob is still moved aside (its bytes in memory) — the checkpoint failing on it
+    would cost the job."""
+    vm1, _ = ctr_vms
+    _counter(vm1)
+    users = vm1.ctr("tasks", "checkpoint", "ctr").strip().splitlines()[-1]
+    state = vm1.base / "spotguard-state"
+    (state / "containers").mkdir(parents=True, exist_ok=True)
+    (state / "containers" / "held-specs").write_text("not a directory")
+    ref = ContainerRef.parse(f"containerd:{NS}/ctr")
+    held = asyncio.run(clear_spec(vm1.ctrd, ref, state))
+    assert held is not None and held.kept is None and held.digest not in _blobs(vm1)
+    asyncio.run(put_back(vm1.ctrd, NS, held))
+    assert held.digest in _index_refs(vm1, users) and held.digest in _blobs(vm1)

@@ -35,8 +35,9 @@ from spotguard.contracts import Mode
 from spotguard.image import ImageSettings
 from spotguard.image.catalog import latest_image
 
-STEPS = 60
-#: counts to STEPS (one line each 30 ms); with a file named, holds it open all along
+STEPS = 150
+#: counts to STEPS (one line each 30 ms: 4.5 s, so a loaded host still freezes it
+#: mid-count); with a file named, holds it open all along
 COUNTER = (
     "import sys, time\n"
     "held = open(sys.argv[2]) if len(sys.argv) > 2 else None\n"
@@ -158,22 +159,22 @@ async def main(root: Path, criu: str) -> dict[str, Any]:
     img = ImageSettings(chunk_size=1 << 20, workers=1, max_inflight_mb=4)
     store = f"file://{root / 'store'}"
     counter = [sys.executable, "-c", COUNTER, str(STEPS)]
-    idle = await start_job(counter, "idle", state_dir=settings.state_dir, cwd=root)
-    reader = await start_job(
-        [*counter, str(root / "data" / "input.txt")], "reader", state_dir=settings.state_dir,
-        cwd=root,
-    )  # fmt: skip
+    reader_argv = [*counter, str(root / "data" / "input.txt")]
     out: dict[str, Any] = {}
+    jobs: dict[str, JobInfo] = {}
     try:
-        for job in (idle, reader):
+        # each job started right before its checkpoint: a job that ended first (the reader
+        # counting while the idle one was checkpointed on a loaded host) cannot be frozen
+        for name, argv in (("idle", counter), ("reader", reader_argv)):
+            job = jobs[name] = await start_job(argv, name, state_dir=settings.state_dir, cwd=root)
             await _wait(lambda j=job: len(_lines(j)) > 5, f"{job.name} to count")
             await operations.checkpoint(
                 job, store, mode=Mode.EXIT, settings=settings, image_settings=img, stream="off"
             )
             await _wait(lambda j=job: not proctree.alive(j.pid), f"{job.name} to stop")
         _take_away(root)
-        out["reader"] = await _restore(reader, store, settings, img)
-        out["idle"] = await _restore(idle, store, settings, img)
+        out["reader"] = await _restore(jobs["reader"], store, settings, img)
+        out["idle"] = await _restore(jobs["idle"], store, settings, img)
         out["left_on_host"] = sorted(os.listdir(root))
         out["log"] = handler.records
     finally:

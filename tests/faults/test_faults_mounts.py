@@ -29,7 +29,7 @@ import pytest
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(120)]
 
 SCRIPT = Path(__file__).with_name("sg_mount_restore.py")
-STEPS = 60
+STEPS = 150  # as sg_mount_restore.STEPS
 
 
 @pytest.fixture(scope="module")

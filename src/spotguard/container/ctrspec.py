@@ -44,7 +44,7 @@ from spotguard import safefs
 from spotguard.checkpoint.procfacts import same_process, start_time
 from spotguard.container.containerd import Containerd
 from spotguard.container.spec import ContainerRef
-from spotguard.errors import ContainerError
+from spotguard.errors import ContainerError, UnsafePath
 from spotguard.statedir import StateDir
 
 log = logging.getLogger(__name__)
@@ -155,7 +155,7 @@ async def clear_spec(ctrd: Containerd, ref: ContainerRef, state_dir: Path) -> He
         if held.named:  # its bytes safe before the store loses them
             held = await asyncio.to_thread(_keep, state_dir, ns, held)
         await ctrd.run("content", "rm", digest, namespace=ns, what="moving a spec blob aside")
-    except (ContainerError, OSError) as exc:
+    except ContainerError as exc:
         log.warning("spec blob not checked", extra={"job": ref.job, "error": str(exc)})
         return None
     log.info(
@@ -187,10 +187,17 @@ async def put_back(ctrd: Containerd, namespace: str, held: HeldSpec | None) -> N
 
 
 def _keep(state_dir: Path, namespace: str, held: HeldSpec) -> HeldSpec:
-    """Write ``held``'s namespace and bytes under the state dir, named after this process."""
-    base = safefs.ensure_private_dir(StateDir(state_dir).held_specs)
+    """Write ``held``'s namespace and bytes under the state dir, named after this process.
+    Where that fails (a full or read-only state dir) the blob is still moved aside, its bytes
+    only in memory: a checkpoint failing on it would lose the job, a worse loss."""
+    base = StateDir(state_dir).held_specs
     path = base / f"{os.getpid()}-{start_time('self') or 0}-{held.digest[7:]}"
-    safefs.write_file(path, namespace.encode() + b"\n" + held.data, mode=0o600)
+    try:
+        safefs.ensure_private_dir(base)
+        safefs.write_file(path, namespace.encode() + b"\n" + held.data, mode=0o600)
+    except (OSError, UnsafePath) as exc:
+        log.warning("spec blob kept in memory only", extra={"path": str(path), "error": str(exc)})
+        return held
     return HeldSpec(held.digest, held.data, held.named, path)
 
 
