@@ -36,6 +36,7 @@ import logging
 import os
 import re
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -236,14 +237,20 @@ async def recover_held(ctrd: Containerd, state_dir: Path) -> list[str]:
 
 
 def _ingest(ctrd: Containerd, namespace: str, held: HeldSpec) -> None:
-    """``ctr content ingest`` of the held bytes, checked against their digest and size."""
+    """``ctr content ingest`` of the held bytes, checked against their digest and size. Its
+    input is a file, not a pipe: where the blob was removed but not yet collected, containerd
+    answers the write as already ``size`` bytes in, and ctr seeks its input there before it
+    commits (a pipe cannot seek: "unable to resume write ... illegal seek")."""
     argv = ctrd.argv(
         namespace, "content", "ingest", "--expected-digest", held.digest,
         "--expected-size", str(len(held.data)), f"spotguard-spec-{held.digest[7:19]}",
     )  # fmt: skip
-    done = subprocess.run(
-        argv, input=held.data, capture_output=True, env=ctrd.env(), timeout=ctrd.timeout
-    )
+    with tempfile.TemporaryFile() as data:
+        data.write(held.data)
+        data.seek(0)
+        done = subprocess.run(
+            argv, stdin=data, capture_output=True, env=ctrd.env(), timeout=ctrd.timeout
+        )
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip()[-300:]
         raise ContainerError(f"ctr content ingest {held.digest} failed: {said}")
