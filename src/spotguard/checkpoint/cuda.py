@@ -24,6 +24,7 @@ H200s: docs/benchmarks.md).
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import enum
 import importlib
 import logging
@@ -154,7 +155,8 @@ class _Driver:
     """The checkpoint API through ``cuda.core.checkpoint.Process`` (cuda-core 1.0+), which
     lays out each driver branch's argument structs (the restore arguments differ between
     r570 and r580+). ``cuInit`` is called once through ``cuda.bindings``: the driver wants it
-    done in the calling process before a restore. No ctypes are needed any more.
+    done in the calling process before a restore. (ctypes only asks the library whether it
+    has a call: :func:`custom_storage_available`.)
 
     ``CUDA_VISIBLE_DEVICES`` is dropped from this (the agent's) environment before the
     driver starts: a restore must map every GPU the kernel-mode driver sees, and a mask on
@@ -372,6 +374,22 @@ def driver_available() -> bool:
     except GpuError:
         return False
     return True
+
+
+#: the entry point of the driver's custom-storage checkpoint (CUDA 13.4's driver API): the
+#: caller copies device memory itself, from mappings the driver hands it, instead of the
+#: driver staging it in the process's host memory (docs/limits.md, "custom-storage")
+CUSTOM_STORAGE_SYMBOL = "cuCheckpointOperationComplete"
+
+
+def custom_storage_available(library: str = "libcuda.so.1") -> bool:
+    """Whether this host's driver library has the custom-storage checkpoint. Asked of the
+    library itself (a symbol lookup, no ``cuInit``): ``cuda.bindings`` has a wrapper for it
+    wherever its own version knows the call, whatever the driver underneath has."""
+    try:
+        return hasattr(ctypes.CDLL(library), CUSTOM_STORAGE_SYMBOL)
+    except OSError:  # no driver library on this host
+        return False
 
 
 @dataclass(frozen=True)

@@ -129,6 +129,18 @@ async def run_checks(criu_path: str | None = None, *, self_test: bool = True) ->
                 required=False,
             )
         )
+        custom = cuda.custom_storage_available()
+        checks.append(
+            Check(
+                "gpu custom-storage checkpoint",
+                True,  # information: its absence is the driver branch, nothing to fix
+                "present in the driver (spotguard does not use it yet: docs/limits.md)"
+                if custom
+                else f"not in driver {inv.driver}: the driver stages GPU memory in the "
+                "process's host memory, and spotguard copies it beside CRIU",
+                required=False,
+            )
+        )
         ready, found, fix = stagefault.readiness()
         checks.append(Check("gpu staging prefault", ready, found, fix, required=False))
         ready, found, fix = await asyncio.to_thread(placing.readiness)
