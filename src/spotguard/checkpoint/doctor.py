@@ -132,7 +132,7 @@ async def run_checks(criu_path: str | None = None, *, self_test: bool = True) ->
         custom = cuda.custom_storage_available()
         checks.append(
             Check(
-                "gpu custom-storage checkpoint",
+                "gpu custom storage",
                 True,  # information: its absence is the driver branch, nothing to fix
                 "present in the driver (spotguard does not use it yet: docs/limits.md)"
                 if custom
