@@ -17,6 +17,7 @@ that own what a path holds decide how to write it (``safefs``)::
       containers/jobs/       which container an agent's job name stands for (container.guard)
       containers/restores/   a container restore's intent, then outcome (container.restore)
       containers/held-specs/ containerd spec blobs a checkpoint moved aside (container.ctrspec)
+      containers/busy/       a container checkpoint or restore running (spotguard.warm)
       keys/host-image.key    the host's key that seals local images (checkpoint.seal)
       throughput.json        the deadline planner's measurements
       agent/                 the agent daemon's own:
@@ -85,6 +86,10 @@ class StateDir:
     @property
     def container_restores(self) -> Path:
         return self.containers / "restores"
+
+    @property
+    def container_busy(self) -> Path:
+        return self.containers / "busy"
 
     @property
     def held_specs(self) -> Path:

@@ -34,13 +34,14 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from spotguard import safefs
-from spotguard.checkpoint.procfacts import same_process
-from spotguard.errors import ConfigError
+from spotguard.checkpoint.procfacts import same_process, start_time
+from spotguard.errors import ConfigError, SpotguardError
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +174,26 @@ def _in_progress(path: str) -> bool:
         return False
     start = data.get("agent_start")
     return same_process(pid, start if isinstance(start, int) else None)
+
+
+@contextlib.contextmanager
+def holding_back(directory: Path) -> Iterator[None]:
+    """While the block runs, a record in ``directory`` that this process is busy (its pid
+    and start time, the crash marker's fields :func:`_in_progress` reads): work without an
+    engine crash marker - a container's checkpoint or restore - holds the warm-up back with
+    it. Never fails the work: a record that cannot be written is logged and skipped."""
+    path = directory / f"{os.getpid()}-{start_time('self') or 0}-{uuid.uuid4().hex[:8]}.json"
+    record = {"agent_pid": os.getpid(), "agent_start": start_time("self")}
+    try:
+        safefs.ensure_private_dir(directory)
+        safefs.write_file(path, json.dumps(record).encode(), mode=0o600)
+    except (OSError, SpotguardError) as exc:
+        log.debug("no busy record for the warm-up", extra={"path": str(path), "error": str(exc)})
+    try:
+        yield
+    finally:
+        with contextlib.suppress(OSError):
+            path.unlink(missing_ok=True)
 
 
 def _child(want: int | None, threads: int, busy_globs: list[str]) -> Warmed:

@@ -11,13 +11,17 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from spotguard import warm
+from spotguard.agent import startup
 from spotguard.agent.settings import AgentSettings
 from spotguard.checkpoint.procfacts import start_time
+from spotguard.container import ContainerRef, dispatch
 from spotguard.errors import ConfigError
+from spotguard.image import ImageSettings
 
 GIB = 1 << 30
 
@@ -140,3 +144,31 @@ def test_a_marker_whose_writer_is_gone_does_not_hold_the_warm_up_back(tmp_path: 
     marker.parent.mkdir()
     _marker(marker, dead.pid, 1)
     assert _warm(str(tmp_path / "markers" / "*")) == 1 << 29
+
+
+async def test_a_container_checkpoint_or_restore_holds_the_warm_up_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A container's checkpoint or restore takes no engine crash marker: it did not stop the
+    warm-up, which then competed with it for the VM's fresh pages. Both now hold it back
+    while they run (a record of their process under ``containers/busy``)."""
+    state = tmp_path / "state"
+    busy = startup.warm_busy(state)
+    seen: list[int] = []
+
+    async def runs(*args: object, **kwargs: object) -> None:
+        done = await warm.warm_host("0.125", tmp_path / f"warmed-{len(seen)}", busy)
+        assert done is not None
+        seen.append(done.bytes)
+
+    monkeypatch.setattr(dispatch, "checkpoint_container", runs)
+    monkeypatch.setattr(dispatch, "restore_container", runs)
+    podman: Any = object()  # neither containerd nor docker: podman's functions, replaced
+    ref = ContainerRef.parse("podman:web")
+    await dispatch.checkpoint(ref, "file:///nowhere", backend=podman, state_dir=state)
+    await dispatch.restore("file:///nowhere/x", backend=podman, image_settings=ImageSettings(),
+                           state_dir=state)  # fmt: skip
+    assert seen == [0, 0]
+    assert list((state / "containers" / "busy").iterdir()) == []  # gone once they are done
+    done = await warm.warm_host("0.125", tmp_path / "warmed-after", busy)
+    assert done is not None and done.bytes == GIB // 8

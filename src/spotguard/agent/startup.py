@@ -279,9 +279,15 @@ async def warm_gpu(thp: str = "keep") -> cuda.Warmed:
     return w
 
 
+def warm_busy(state_dir: Path) -> list[str]:
+    """What holds the warm-up back: the engine's crash markers (a job's freeze or restore)
+    and the records of container checkpoints and restores (:func:`spotguard.warm.holding_back`)."""
+    layout = StateDir(state_dir)
+    return [str(layout.jobs / "*" / MARKER), str(FALLBACK_DIR / "*"),
+            str(layout.container_busy / "*")]  # fmt: skip
+
+
 async def warm_memory(setting: str, state_dir: Path) -> None:
     """The host's free memory touched once per boot (``[agent] warm_memory``,
-    :mod:`spotguard.warm`), given back the moment any job's freeze or restore takes the
-    engine's crash marker."""
-    busy = [str(StateDir(state_dir).jobs / "*" / MARKER), str(FALLBACK_DIR / "*")]
-    await warm_host(setting, StateDir(state_dir).agent / "warmed", busy)
+    :mod:`spotguard.warm`), given back the moment any job's freeze or restore starts."""
+    await warm_host(setting, StateDir(state_dir).agent / "warmed", warm_busy(state_dir))

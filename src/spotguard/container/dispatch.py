@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from spotguard import warm
 from spotguard.container import containerd_ops, ctrspec, docker_ops
 from spotguard.container.checkpoint import (
     ContainerCheckpoint,
@@ -23,6 +24,7 @@ from spotguard.container.restore import ContainerRestore, restore_container
 from spotguard.container.spec import ContainerRef
 from spotguard.container.start import start_container
 from spotguard.image.settings import ImageSettings
+from spotguard.statedir import StateDir
 
 Backend = Podman | Containerd | Docker
 
@@ -41,12 +43,14 @@ async def start(
 async def checkpoint(
     ref: ContainerRef, store_url: str, *, backend: Backend, **opts: Any
 ) -> ContainerCheckpoint:
-    """Checkpoint the running container ``ref`` into the store (see each backend)."""
-    if isinstance(backend, Containerd):
-        return await containerd_ops.checkpoint_containerd(ref, store_url, ctrd=backend, **opts)
-    if isinstance(backend, Docker):
-        return await docker_ops.checkpoint_docker(ref, store_url, docker=backend, **opts)
-    return await checkpoint_container(ref, store_url, podman=backend, **opts)
+    """Checkpoint the running container ``ref`` into the store (see each backend), holding
+    the agent's memory warm-up back meanwhile (``opts["state_dir"]``)."""
+    with warm.holding_back(StateDir(opts["state_dir"]).container_busy):
+        if isinstance(backend, Containerd):
+            return await containerd_ops.checkpoint_containerd(ref, store_url, ctrd=backend, **opts)
+        if isinstance(backend, Docker):
+            return await docker_ops.checkpoint_docker(ref, store_url, docker=backend, **opts)
+        return await checkpoint_container(ref, store_url, podman=backend, **opts)
 
 
 async def restore(
@@ -57,18 +61,17 @@ async def restore(
     state_dir: Path,
     name: str | None = None,
 ) -> ContainerRestore:
-    """Restore a container image as a new container (``backend``: the image's runtime's)."""
-    if isinstance(backend, Containerd):
-        return await containerd_ops.restore_containerd(
-            image_url, ctrd=backend, image_settings=image_settings, state_dir=state_dir, name=name
-        )
-    if isinstance(backend, Docker):
-        return await docker_ops.restore_docker(
-            image_url, docker=backend, image_settings=image_settings, state_dir=state_dir, name=name
-        )
-    return await restore_container(
-        image_url, podman=backend, image_settings=image_settings, state_dir=state_dir, name=name
-    )
+    """Restore a container image as a new container (``backend``: the image's runtime's),
+    holding the agent's memory warm-up back meanwhile."""
+    opts: dict[str, Any] = {
+        "image_settings": image_settings, "state_dir": state_dir, "name": name,
+    }  # fmt: skip
+    with warm.holding_back(StateDir(state_dir).container_busy):
+        if isinstance(backend, Containerd):
+            return await containerd_ops.restore_containerd(image_url, ctrd=backend, **opts)
+        if isinstance(backend, Docker):
+            return await docker_ops.restore_docker(image_url, docker=backend, **opts)
+        return await restore_container(image_url, podman=backend, **opts)
 
 
 async def inspect(backend: Backend, ref: ContainerRef) -> dict[str, Any] | None:
