@@ -23,7 +23,9 @@ from spotguard.container import Containerd, ContainerImage, ContainerRef
 from spotguard.container.demo import Stage, run_container_demo
 from spotguard.image import ImageReader, ImageSettings
 
-LINES = 120
+#: 15 s: the job must outlive a park, a failed checkpoint and its in-place restore on a
+#: loaded host (at 6 s a clean-clone CI run found it ended before the last checkpoint)
+LINES = 300
 #: the job: a mark in its writable layer, then one line per step into its bind-mounted output
 JOB = (
     f"echo layer >/tmp/mark; exec >>/data/out; i=0; while [ $i -lt {LINES} ]; do echo $i; "
