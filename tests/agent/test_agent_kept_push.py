@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
 from collections.abc import AsyncIterator, Iterator
 
 import pytest
@@ -30,6 +31,17 @@ from spotguard.image import ImageSettings, latest_image
 from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
+
+#: the sample job's arguments with 200 steps (10 s)
+LONG = ("--steps", "200", "--step-seconds", "0.05", "--mb", "4", "--seed", "7", "--gpu", "no")
+
+
+def _reference(args: tuple[str, ...]) -> str:
+    """What the sample job prints with ``args`` uninterrupted (its output does not depend on
+    the step time: run at full speed)."""
+    fast = list(args)
+    fast[fast.index("--step-seconds") + 1] = "0"
+    return subprocess.run(job_argv(*fast), capture_output=True, text=True, check=True).stdout
 
 
 @pytest.fixture
@@ -55,10 +67,12 @@ def proxy(aws_env: str, monkeypatch: pytest.MonkeyPatch) -> Iterator[FlakyProxy]
 
 
 async def test_kept_image_is_pushed_once_the_store_heals_even_across_a_restart(
-    host: Host, sink: EventSink, sim: MetadataSim, proxy: FlakyProxy, reference_output: str
+    host: Host, sink: EventSink, sim: MetadataSim, proxy: FlakyProxy
 ) -> None:
     store = "s3://kept/spotguard"
-    job: JobInfo = await start_job(job_argv(), "train", state_dir=host.state)
+    # 10 s of steps: the agent's start waits out the broken store (up to 5 s), and the
+    # 3.5 s sample job had ended before the notice's freeze on a slow run
+    job: JobInfo = await start_job(job_argv(*LONG), "train", state_dir=host.state)
     try:
         proxy.broken = True
         async with running_agent(
@@ -111,7 +125,7 @@ async def test_kept_image_is_pushed_once_the_store_heals_even_across_a_restart(
             image_settings=ImageSettings(),
         )
         assert restored.job.name == "train"
-        assert await job_output_when_done(job.dir) == reference_output
+        assert await job_output_when_done(job.dir) == _reference(LONG)
     finally:
         for pid in (job.pid,):
             if proctree.alive(pid):

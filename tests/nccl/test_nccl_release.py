@@ -185,7 +185,8 @@ async def test_a_rank_stuck_inside_a_collective_fails_the_checkpoint_and_the_job
 async def test_what_cannot_be_released_is_refused_by_name(
     flag: str, named: str, built: Built, launch_shim: Launch, criu_bin: str, tmp_path: Path
 ) -> None:
-    argv = [str(built.job), str(RANKS), "60", str(STEP_MS), flag]
+    # STEPS (4 s): a 60-step job (0.6 s) had ended on a slow run before it could "go on"
+    argv = [str(built.job), str(RANKS), str(STEPS), str(STEP_MS), flag]
     job = await launch_shim(argv, f"refused{flag.replace('-', '')}")
     out = job.dir / "stdout"
     await wait_for(lambda: len(lines(out)) > 3, "the job's first steps")
