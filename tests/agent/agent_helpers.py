@@ -98,6 +98,21 @@ async def wait_until(cond: Callable[[], object], limit_s: float = 30.0) -> None:
     await until(cond, "a condition of the agent test", limit_s)
 
 
+async def settled(count: Callable[[], int], quiet_s: float = 1.5, limit_s: float = 20.0) -> int:
+    """``count()`` once it has not changed for ``quiet_s`` (fails the test after ``limit_s``):
+    a number that work still in flight may raise — a loaded host's late connection — read
+    only once that work is over, not after a fixed sleep."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + limit_s
+    last, since = count(), loop.time()
+    while loop.time() - since < quiet_s:
+        assert loop.time() < end, f"the count kept changing for {limit_s:.0f} s (now {last})"
+        await asyncio.sleep(0.1)
+        if (now := count()) != last:
+            last, since = now, loop.time()
+    return last
+
+
 JOB_ARGS = ("--steps", "70", "--step-seconds", "0.05", "--mb", "4", "--seed", "7", "--gpu", "no")
 
 

@@ -30,6 +30,7 @@ from agent_helpers import (
     Host,
     job_argv,
     running_agent,
+    settled,
     wait_until,
 )
 
@@ -351,8 +352,7 @@ async def test_a_kept_image_follows_the_configured_store_after_a_restart(
             await wait_until(lambda: "checkpoint_failed" in sink.kinds("train"))
         [kept] = operations.kept_images_of(host.checkpoint_settings()).scan()
         assert kept.store_url == old and not proctree.alive(job.pid)
-        await asyncio.sleep(1.0)  # connections the first agent opened have all been dropped
-        dropped = proxy.dropped
+        dropped = await settled(lambda: proxy.dropped)  # the first agent's last tries ended
         assert dropped > 0
 
         caplog.set_level(logging.INFO)

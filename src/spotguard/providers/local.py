@@ -331,8 +331,8 @@ class LocalProvider:
         if proc is not None:
             proc.wait(timeout=5)
         vm["terminated"] = True
-        path = self._dir(vm["id"]) / "vm.json"
-        path.write_text(json.dumps(vm))
+        # replaced whole: the controller's describe (and any reader) never sees it torn
+        safefs.write_atomic(self._dir(vm["id"]) / "vm.json", json.dumps(vm).encode())
         log.info("local VM terminated", extra={"vm": vm["id"]})
 
     async def find_by_token(self, token: str) -> InstanceRef | None:
