@@ -50,7 +50,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from spotguard.container import ctrspec
+from spotguard.container import ctrspec, ctrtemp
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
 from spotguard.container.containerd import CRIU_CONFIG_ANNOTATION, Containerd, layout_name
 from spotguard.container.gpu import for_container
@@ -273,11 +273,12 @@ async def _restore(ctrd: Containerd, ref: ContainerRef, layout: Path) -> None:
     """Import the layout, restore the container from it, remove the checkpoint image."""
     ns = ref.namespace
     checkpoint = await ctrd.import_layout(ns, layout)
-    try:
-        await ctrd.run(
-            "containers", "restore", "--rw", "--live", ref.name, checkpoint,
-            namespace=ns, what=f"restoring {ref}",
-        )  # fmt: skip
+    try:  # containerd's own copy of the checkpoint removed after (ctrtemp)
+        async with ctrtemp.removing_leftovers(lambda: ctrtemp.CriuFiles.of_layout(layout)):
+            await ctrd.run(
+                "containers", "restore", "--rw", "--live", ref.name, checkpoint,
+                namespace=ns, what=f"restoring {ref}",
+            )  # fmt: skip
     finally:
         await ctrd.remove_image(ns, checkpoint)
 

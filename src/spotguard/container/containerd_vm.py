@@ -71,6 +71,12 @@ class ContainerdVm:
     state_dir: Path
     daemon: subprocess.Popen[bytes] | None = None
 
+    @property
+    def runtime_dir(self) -> Path:
+        """The daemon's ``$XDG_RUNTIME_DIR``: where containerd unpacks a checkpoint it
+        restores (its own, not the host's ``/tmp``)."""
+        return self.base / "xdg"
+
     @classmethod
     def start(cls, base: Path, criu: str, *, prefix: Path = CONTAINERD_PREFIX) -> Self:
         """Start the daemon (``base`` is made; keep it short: socket paths); ContainerError
@@ -87,6 +93,8 @@ class ContainerdVm:
             runc=str(prefix / "bin" / "runc"), criu=criu, timeout=120,
         )  # fmt: skip
         env = {**os.environ, "PATH": f"{prefix / 'bin'}:{os.environ.get('PATH', '/usr/bin')}"}
+        env["XDG_RUNTIME_DIR"] = str(base / "xdg")
+        (base / "xdg").mkdir(mode=0o700)
         with open(base / "containerd.log", "wb") as log:
             daemon = subprocess.Popen(
                 [str(prefix / "bin" / "containerd"), "--config", str(conf)],

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from spotguard.container import ctrtemp
 from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
 from spotguard.container.docker import Docker
 from spotguard.container.gpu import for_container
@@ -237,24 +238,31 @@ async def _in_place(docker: Docker, ref: ContainerRef, cid: str, images: Path) -
     target = await docker.root_dir() / "containers" / cid / "checkpoints" / CHECKPOINT
     await asyncio.to_thread(shutil.rmtree, target, True)
     await asyncio.to_thread(shutil.copytree, images, target, symlinks=True)
-    try:
-        for attempt in range(IN_PLACE_TRIES):
-            try:
-                await docker.run(
-                    "start", "--checkpoint", CHECKPOINT, ref.name, what=f"restoring {ref} in place"
-                )
-                return
-            except ContainerError as exc:
-                # the checkpoint's own upload into containerd (docker checkpoint create) is
-                # still in its content store until containerd's garbage collection runs, and
-                # docker's upload of the same bytes then fails "already exists" (seen on a
-                # loaded host): wait for the collection and start again
-                if "already exists" not in str(exc) or attempt == IN_PLACE_TRIES - 1:
-                    raise
-                log.warning("restore in place waits for containerd", extra={"error": str(exc)})
-                await asyncio.sleep(1.0 + attempt)
+    try:  # containerd's own copy of the checkpoint removed after (ctrtemp)
+        async with ctrtemp.removing_leftovers(lambda: ctrtemp.CriuFiles.of_dir(target)):
+            await _start_from_checkpoint(docker, ref)
     finally:
         await asyncio.to_thread(shutil.rmtree, target, True)
+
+
+async def _start_from_checkpoint(docker: Docker, ref: ContainerRef) -> None:
+    """``docker start --checkpoint``, tried again while containerd still holds the
+    checkpoint's content."""
+    for attempt in range(IN_PLACE_TRIES):
+        try:
+            await docker.run(
+                "start", "--checkpoint", CHECKPOINT, ref.name, what=f"restoring {ref} in place"
+            )
+            return
+        except ContainerError as exc:
+            # the checkpoint's own upload into containerd (docker checkpoint create) is
+            # still in its content store until containerd's garbage collection runs, and
+            # docker's upload of the same bytes then fails "already exists" (seen on a
+            # loaded host): wait for the collection and start again
+            if "already exists" not in str(exc) or attempt == IN_PLACE_TRIES - 1:
+                raise
+            log.warning("restore in place waits for containerd", extra={"error": str(exc)})
+            await asyncio.sleep(1.0 + attempt)
 
 
 async def _bring_back(docker: Docker, ref: ContainerRef, cid: str, images: Path) -> None:

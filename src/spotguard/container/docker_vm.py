@@ -34,6 +34,12 @@ class DockerVm:
     state_dir: Path
     daemon: subprocess.Popen[bytes] | None = None
 
+    @property
+    def runtime_dir(self) -> Path:
+        """The ``$TMPDIR`` of dockerd and of the containerd it runs: where containerd
+        unpacks a checkpoint it restores (its own, not the host's ``/tmp``)."""
+        return self.base / "tmp"
+
     @classmethod
     def start(cls, base: Path, criu: str) -> Self:
         """Start dockerd (``base`` is made; keep it short: socket paths); ContainerError
@@ -45,6 +51,7 @@ class DockerVm:
             timeout=120,
         )  # fmt: skip
         docker.prepare()
+        (base / "tmp").mkdir(mode=0o700)
         path = f"{DOCKER_PREFIX / 'bin'}:{CONTAINERD_PREFIX / 'bin'}:{os.environ.get('PATH', '')}"
         with open(base / "dockerd.log", "wb") as log:
             daemon = subprocess.Popen(
@@ -57,7 +64,8 @@ class DockerVm:
                     "--add-runtime", f"{RUNTIME}={docker.runtime}",
                 ],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=log, cwd=base,
-                env={**os.environ, "PATH": path}, start_new_session=True,
+                env={**os.environ, "PATH": path, "TMPDIR": str(base / "tmp")},
+                start_new_session=True,
             )  # fmt: skip
         vm = cls(base, docker, base / "spotguard-state", daemon)
         end = time.monotonic() + START_S

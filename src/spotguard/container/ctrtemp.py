@@ -1,0 +1,193 @@
+"""The copy of a checkpoint containerd leaves behind after restoring it, and its removal.
+
+To restore a task from a checkpoint image, containerd (1.6 to 2.x: containerd issue #10166)
+unpacks the image's CRIU files into a fresh ``ctrd-checkpoint*`` directory under the daemon's
+``$XDG_RUNTIME_DIR`` (else its temp dir, ``$TMPDIR`` or ``/tmp``) and never removes it. Every
+restore would leave a full copy of the job's memory on the host — for a GPU job tens of GB,
+held in RAM where that directory is a tmpfs, and readable later by whoever gets root there.
+
+:func:`removing_leftovers` wraps a ``ctr containers restore`` or a ``docker start
+--checkpoint`` (docker's containerd does the same): it lists those directories
+before, and after the restore (whether it worked or not) removes the new ones whose files are
+exactly those of the checkpoint restored — names and sizes of every file, and the bytes of its
+``inventory.img`` and ``core-*.img`` (registers and times: no two checkpoints share them). A
+directory another restore made (a user's, maybe still being read) never matches and is left
+alone. No library knows containerd's temp-dir rule; it is read from the daemons themselves
+(the environment of every ``containerd`` process here).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import stat
+import tarfile
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+import psutil
+
+from spotguard.container.containerd import CRIU_TAR, MAX_INDEX_BYTES
+
+log = logging.getLogger(__name__)
+
+PREFIX = "ctrd-checkpoint"
+#: files compared byte for byte (small; unique to one checkpoint)
+COMPARED = ("inventory.img", "core-")
+#: the most bytes of one compared file read
+COMPARED_LIMIT = 1 << 20
+
+
+def daemon_temp_dirs() -> set[Path]:
+    """Where the containerd daemons on this host unpack the checkpoints they restore: each
+    one's ``XDG_RUNTIME_DIR``, else ``TMPDIR``, else ``/tmp`` (docker's own containerd among
+    them); one whose environment cannot be read (not ours to read) is skipped."""
+    found: set[Path] = set()
+    for p in psutil.process_iter(["name"]):
+        if p.info.get("name") != "containerd":
+            continue
+        try:
+            env = p.environ()
+        except (psutil.Error, OSError):
+            continue
+        found.add(Path(env.get("XDG_RUNTIME_DIR") or env.get("TMPDIR") or "/tmp"))
+    return found
+
+
+def _listing(where: set[Path]) -> set[Path]:
+    """The ``ctrd-checkpoint*`` directories in ``where``."""
+    found: set[Path] = set()
+    for w in where:
+        with contextlib.suppress(OSError):
+            found |= {
+                Path(e.path)
+                for e in os.scandir(w)
+                if e.name.startswith(PREFIX) and e.is_dir(follow_symlinks=False)
+            }
+    return found
+
+
+@dataclass(frozen=True)
+class CriuFiles:
+    """A checkpoint's CRIU files as :func:`removing_leftovers` recognises them: every
+    file's size by its path, and the bytes of the compared ones."""
+
+    sizes: dict[str, int]
+    small: dict[str, bytes]
+
+    @classmethod
+    def of_dir(cls, d: Path) -> CriuFiles:
+        """The files of a directory of CRIU images (docker's checkpoint)."""
+        sizes = _sizes(d)
+        small = {p: (d / p).read_bytes() for p, n in sizes.items() if _small(p, n)}
+        return cls(sizes, small)
+
+    @classmethod
+    def of_layout(cls, layout: Path) -> CriuFiles | None:
+        """The CRIU files of a containerd checkpoint layout (``export_layout``'s); None when
+        it cannot be read so."""
+        try:
+            with tarfile.open(layout, "r:") as outer:
+
+                def blob(digest: str) -> IO[bytes]:
+                    algo, _, hexa = digest.partition(":")
+                    return _file(outer.extractfile(f"blobs/{algo}/{hexa}"))
+
+                top = json.loads(_file(outer.extractfile("index.json")).read(MAX_INDEX_BYTES))
+                index = json.loads(blob(top["manifests"][0]["digest"]).read(MAX_INDEX_BYTES))
+                criu = next(d for d in index["manifests"] if d["mediaType"] == CRIU_TAR)
+                sizes: dict[str, int] = {}
+                small: dict[str, bytes] = {}
+                with tarfile.open(fileobj=blob(criu["digest"]), mode="r:") as inner:
+                    for m in inner:
+                        if m.isfile():
+                            path = os.path.normpath(m.name)
+                            sizes[path] = m.size
+                            if _small(path, m.size):
+                                small[path] = _file(inner.extractfile(m)).read()
+            return cls(sizes, small)
+        except (tarfile.TarError, OSError, ValueError, KeyError, IndexError, TypeError):
+            return None
+        except StopIteration:  # no CRIU tar in the index
+            return None
+
+    def matches(self, d: Path) -> bool:
+        """Whether directory ``d`` holds exactly these files (see the module doc)."""
+        if _sizes(d) != self.sizes:
+            return False
+        return all((d / path).read_bytes() == data for path, data in self.small.items())
+
+
+def _small(path: str, size: int) -> bool:
+    name = os.path.basename(path)
+    compared = name == COMPARED[0] or (name.startswith(COMPARED[1]) and name.endswith(".img"))
+    return compared and size <= COMPARED_LIMIT
+
+
+def _sizes(d: Path) -> dict[str, int]:
+    """Every regular file under ``d``: its size by its path relative to ``d``."""
+    seen: dict[str, int] = {}
+    for root, _dirs, files in os.walk(d):
+        for name in files:
+            st = (Path(root) / name).lstat()
+            if stat.S_ISREG(st.st_mode):
+                seen[os.path.normpath((Path(root) / name).relative_to(d))] = st.st_size
+    return seen
+
+
+def _file(f: IO[bytes] | None) -> IO[bytes]:
+    if f is None:
+        raise KeyError("not a regular file")
+    return f
+
+
+def _remove_ours(
+    where: set[Path], before: set[Path], files: Callable[[], CriuFiles | None]
+) -> list[Path]:
+    new = sorted(_listing(where) - before)
+    if not new:
+        return []
+    try:
+        criu = files()
+    except OSError:
+        criu = None
+    if criu is None:
+        log.warning(
+            "containerd's copy of a restored checkpoint kept: the checkpoint is unreadable",
+            extra={"path": str(new[0])},
+        )
+        return []
+    removed = []
+    for d in new:
+        try:
+            if criu.matches(d):
+                shutil.rmtree(d)
+                removed.append(d)
+        except OSError as exc:
+            log.warning(
+                "containerd's copy of the restored checkpoint not removed",
+                extra={"path": str(d), "error": str(exc)},
+            )
+    return removed
+
+
+@contextlib.asynccontextmanager
+async def removing_leftovers(files: Callable[[], CriuFiles | None]) -> AsyncIterator[None]:
+    """Around a restore from a checkpoint by containerd (``ctr containers restore``,
+    ``docker start --checkpoint``): afterwards, worked or not, the directory containerd
+    unpacked it into is removed — the new one holding exactly ``files()`` (read only when
+    there is a new one), never one another restore made. Never raises for the clean-up."""
+    where = await asyncio.to_thread(daemon_temp_dirs)
+    before = await asyncio.to_thread(_listing, where)
+    try:
+        yield
+    finally:
+        removed = await asyncio.to_thread(_remove_ours, where, before, files)
+        for d in removed:
+            log.info("containerd's copy of the restored checkpoint removed", extra={"path": str(d)})
