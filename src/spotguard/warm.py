@@ -40,7 +40,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from spotguard import safefs
-from spotguard.checkpoint.procfacts import same_process, start_time
+from spotguard.checkpoint.marker import writer_alive
+from spotguard.checkpoint.procfacts import start_time
 from spotguard.errors import ConfigError, SpotguardError
 
 log = logging.getLogger(__name__)
@@ -169,11 +170,7 @@ def _in_progress(path: str) -> bool:
         data = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return False
-    pid = data.get("agent_pid") if isinstance(data, dict) else None
-    if not isinstance(pid, int) or isinstance(pid, bool):
-        return False
-    start = data.get("agent_start")
-    return same_process(pid, start if isinstance(start, int) else None)
+    return writer_alive(data)
 
 
 @contextlib.contextmanager

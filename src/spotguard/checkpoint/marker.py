@@ -119,18 +119,17 @@ class MarkerRecord:
     @classmethod
     def from_json(cls, data: dict[str, Any], job: JobInfo) -> MarkerRecord:
         """Lenient: a field a marker lacks takes the value a bring-back can still use."""
-        agent = data.get("agent_pid")
-        agent_start = data.get("agent_start")
+        agent, agent_start = writer_of(data)
         op = _op(data.get("op"))
         return cls(
             op=op,
             mode=_mode(op, data.get("mode")),
-            agent_pid=agent if isinstance(agent, int) else None,
+            agent_pid=agent,
             job_pid=int(data.get("job_pid", job.pid)),
             started=str(data.get("started", "")),
             gpu_pids=_ints(data.get("gpu_pids"), []),
             tree=_ints(data.get("tree"), [job.pid]),
-            agent_start=agent_start if isinstance(agent_start, int) else None,
+            agent_start=agent_start,
             record=str(data["record"]) if isinstance(data.get("record"), str) else None,
             images=str(data["images"]) if isinstance(data.get("images"), str) else None,
             job_start=data["job_start"] if isinstance(data.get("job_start"), int) else None,
@@ -143,6 +142,24 @@ class MarkerRecord:
         if other is None or other == os.getpid():
             return None
         return other if same_process(other, self.agent_start) else None
+
+
+def writer_of(data: object) -> tuple[int | None, int | None]:
+    """A marker's writer as its JSON names it: (``agent_pid``, ``agent_start``), each None
+    where absent or not an integer. The one reading of those fields: the engine's marker,
+    and the warm-up's check of any busy record (:mod:`spotguard.warm`)."""
+    if not isinstance(data, dict):
+        return None, None
+    pid, start = data.get("agent_pid"), data.get("agent_start")
+    ok = (isinstance(pid, int) and not isinstance(pid, bool), isinstance(start, int))
+    return (pid if ok[0] else None), (start if ok[1] else None)
+
+
+def writer_alive(data: object) -> bool:
+    """Whether the process that wrote a marker (or a busy record) with this JSON still runs:
+    its pid with its start time. A record that names no writer has none alive."""
+    pid, start = writer_of(data)
+    return pid is not None and same_process(pid, start)
 
 
 def fallback_path(job_dir: Path) -> Path:
