@@ -7,13 +7,13 @@ restore would leave a full copy of the job's memory on the host — for a GPU jo
 held in RAM where that directory is a tmpfs, and readable later by whoever gets root there.
 
 :func:`removing_leftovers` wraps a ``ctr containers restore`` or a ``docker start
---checkpoint`` (docker's containerd does the same): it lists those directories
-before, and after the restore (whether it worked or not) removes the new ones whose files are
-exactly those of the checkpoint restored — names and sizes of every file, and the bytes of its
-``inventory.img`` and ``core-*.img`` (registers and times: no two checkpoints share them). A
-directory another restore made (a user's, maybe still being read) never matches and is left
-alone. No library knows containerd's temp-dir rule; it is read from the daemons themselves
-(the environment of every ``containerd`` process here).
+--checkpoint`` (docker's containerd does the same): it lists those directories before, and
+after the restore (whether it worked or not) removes the new ones whose files are exactly
+those of the checkpoint restored (besides CRIU's own logs) — names and sizes of every file,
+and the bytes of its ``inventory.img`` and ``core-*.img`` (registers and times: no two
+checkpoints share them). A directory another restore made (a user's, maybe still being read)
+never matches and is left alone. No library knows containerd's temp-dir rule; it is read from
+the daemons themselves (the environment of every ``containerd`` process here).
 """
 
 from __future__ import annotations
@@ -119,9 +119,17 @@ class CriuFiles:
 
     def matches(self, d: Path) -> bool:
         """Whether directory ``d`` holds exactly these files (see the module doc)."""
-        if _sizes(d) != self.sizes:
+        seen = {p: n for p, n in _sizes(d).items() if not _criu_output(p)}
+        if seen != self.sizes:
             return False
         return all((d / path).read_bytes() == data for path, data in self.small.items())
+
+
+def _criu_output(path: str) -> bool:
+    """What a restore may add beside the images (CRIU's log and statistics, where a
+    runtime points its work dir there): not part of the comparison."""
+    name = os.path.basename(path)
+    return name.endswith(".log") or name.startswith("stats-")
 
 
 def _small(path: str, size: int) -> bool:
