@@ -84,6 +84,10 @@ class Runtime:
         """running, paused, exited, ... or absent."""
         raise NotImplementedError
 
+    def leftovers(self) -> list[str]:
+        """Copies of a restored checkpoint the runtime left on the host (containerd's)."""
+        return []
+
 
 class Podman(Runtime):
     """spotguard and podman with storage of the test's own."""
@@ -121,6 +125,9 @@ class Containerd(Runtime):
     def __init__(self, root: Path, vm: ContainerdVm) -> None:
         self.vm = vm
         self.env = {**os.environ, **ENV, **vm.env(), "SPOTGUARD_STATE_DIR": str(root / "state")}
+
+    def leftovers(self) -> list[str]:
+        return sorted(p.name for p in self.vm.runtime_dir.glob("ctrd-checkpoint*"))
 
     def status(self) -> str:
         if "sggpu" not in self.vm.ctr("containers", "ls", "-q", ns=NS).split():
@@ -291,6 +298,7 @@ def test_a_pytorch_container_through_leave_running_exit_and_restore(
 
     back = pm.sg("restore", done["image_url"], "--json")
     assert "gpu_restore" in _steps(back), _steps(back)
+    assert pm.leftovers() == []  # containerd's copy of the job's memory is not kept
     wait_for(
         lambda: pm.status() in ("exited", "stopped", "absent"),
         "the job to end",
