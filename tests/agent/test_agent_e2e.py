@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -47,9 +48,21 @@ async def sim(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[MetadataSim]:
         yield s
 
 
+#: the sample job for 10 s (the helpers' 3.5 s one had ended before a loaded clean-clone
+#: run's agent froze it: "freeze failed; job resumed"); its output does not depend on the pace
+E2E_ARGS = ("--steps", "200", "--step-seconds", "0.05", "--mb", "4", "--seed", "7", "--gpu", "no")
+
+
+@pytest.fixture(scope="module")
+def reference_output() -> str:
+    """What :data:`E2E_ARGS`' job prints when nothing interrupts it (computed at full speed)."""
+    fast = [*E2E_ARGS[:2], "--step-seconds", "0", *E2E_ARGS[4:]]
+    return subprocess.run(job_argv(*fast), capture_output=True, text=True, check=True).stdout
+
+
 @pytest.fixture
 async def job(host: Host) -> AsyncIterator[JobInfo]:
-    info = await start_job(job_argv(), "train", state_dir=host.state)
+    info = await start_job(job_argv(*E2E_ARGS), "train", state_dir=host.state)
     yield info
     for pid in (info.pid, *_restored_pids(host)):
         if proctree.alive(pid):

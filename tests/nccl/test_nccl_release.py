@@ -241,7 +241,9 @@ async def test_a_freeze_or_park_failing_after_the_release_rebuilds_the_communica
     tmp_path: Path,
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    ranks, steps = 2, 150
+    # 4 s of steps: a 1.5 s job had ended (its communicators destroyed at its end) before a
+    # loaded clean-clone run counted the release's destroys
+    ranks, steps = 2, STEPS
     want = _reference(built, tmp_path, ranks=ranks, steps=steps)
     job = await launch_shim([str(built.job), str(ranks), str(steps), str(STEP_MS)], "failed")
     out = job.dir / "stdout"
