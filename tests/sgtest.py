@@ -35,6 +35,7 @@ import pytest
 
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.testing import RecordingGpu
+from spotguard.errors import GpuError
 
 
 def installed(binary: Path, script: str) -> None:
@@ -215,11 +216,24 @@ class StagingGpu(RecordingGpu):
         had = self.checks()
         for p in pids:
             os.kill(p, signal.SIGUSR2)
-        await until(lambda: len(self.checks()) > len(had), "the job checking its range")
+        # as the driver's restore: it returns when its process dies (a failed write-back kills
+        # it), not only once the process read its memory back
+        await until(
+            lambda: len(self.checks()) > len(had) or not all(_living(p) for p in pids),
+            "the job checking its range",
+        )
+        if len(self.checks()) <= len(had):
+            raise GpuError(f"GPU process {list(pids)} ended during its restore")
 
     def checks(self) -> list[str]:
         path = self.here / "checked"
         return path.read_text().split() if path.exists() else []
+
+
+def _living(pid: int) -> bool:
+    with contextlib.suppress(psutil.Error):
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    return False
 
 
 def _runs(pid: int, script: str) -> bool:
