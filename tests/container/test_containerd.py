@@ -65,6 +65,11 @@ def _task(vm: CtrVm, cid: str) -> tuple[str, str]:
     return "", ""
 
 
+def _leftovers(runtime_dir: Path) -> list[str]:
+    """The copies of restored checkpoints containerd left in its runtime directory."""
+    return sorted(p.name for p in runtime_dir.glob("ctrd-checkpoint*"))
+
+
 async def _record(url: str) -> ContainerImage:
     async with ImageReader(url, settings=ImageSettings()) as r:
         return ContainerImage.from_meta(r.manifest.meta, url)
@@ -133,7 +138,11 @@ def test_containerd_container_checkpointed_removed_and_restored_in_another_conta
 
     # VM 2's restorer is killed (SIGKILL) the moment ctr has restored the container, before
     # it records the outcome; run again, it takes over the container its journal names
-    # (made after the intent): one container, restored once, the counter not rerun
+    # (made after the intent): one container, restored once, the counter not rerun — and
+    # removes the copy of the checkpoint containerd unpacked for the killed one's restore
+    theirs = vm2.runtime_dir / "ctrd-checkpoint0000"  # another restore's: never touched
+    theirs.mkdir()
+    (theirs / "inventory.img").write_bytes(b"\x00" * 86)
     killer = vm2.base / "ctr-then-die"
     killer.write_text(
         f'#!/bin/sh\ncase "$*" in *"containers restore"*) {vm2.ctrd.ctr} "$@"; kill -9 $PPID;; '
@@ -155,6 +164,7 @@ def test_containerd_container_checkpointed_removed_and_restored_in_another_conta
     back = _ok(vm2, "restore", url)
     assert back["container"] == f"containerd:{NS}/ctr", back
     assert _task(vm2, "ctr") == first  # taken over, not restored again
+    assert _leftovers(vm2.runtime_dir) == [theirs.name], "containerd's copy of the job stays"
     wait_lines(job_dir / "out", LINES)
     wait_lines(ref_dir / "out", LINES)
     time.sleep(0.3)
@@ -200,6 +210,8 @@ async def _relaunched_on_vm2(stage: Stage) -> None:
     assert back is not None and back["State"]["Status"] == "running", back
     v = await stage.job()
     assert v["instance"]["instance_id"] == "i-0demovm2demovm2", v
+    # VM 2's daemon (spotguard's own: containerd_vm) keeps no copy of the restored checkpoint
+    assert _leftovers(stage.vm2.address.parent / "xdg") == []
 
 
 async def test_the_agent_guards_a_containerd_container_and_the_controller_relaunches_it(

@@ -68,6 +68,11 @@ def _pid(vm: DockerVm, name: str) -> str:
     return vm.cmd("inspect", "--format", "{{.State.Pid}}", name).strip()
 
 
+def _leftovers(tmp: Path) -> list[str]:
+    """The copies of restored checkpoints docker's containerd left in its temp dir."""
+    return sorted(p.name for p in tmp.glob("ctrd-checkpoint*"))
+
+
 async def _record(url: str) -> ContainerImage:
     async with ImageReader(url, settings=ImageSettings()) as r:
         return ContainerImage.from_meta(r.manifest.meta, url)
@@ -152,7 +157,11 @@ def test_docker_container_checkpointed_removed_and_restored_in_another_dockerd(
 
     # VM 2's restorer is killed (SIGKILL) the moment docker has started the container from
     # its checkpoint, before it records the outcome; run again, it takes over the container
-    # its journal names by ID: one container, restored once, the counter not rerun
+    # its journal names by ID: one container, restored once, the counter not rerun — and
+    # removes the copy of the checkpoint docker's containerd unpacked for the killed one
+    theirs = vm2.runtime_dir / "ctrd-checkpoint0000"  # another restore's: never touched
+    theirs.mkdir()
+    (theirs / "inventory.img").write_bytes(b"\x00" * 86)
     killer = vm2.base / "docker-then-die"
     killer.write_text(
         f'#!/bin/sh\ncase "$*" in *"start --checkpoint"*) {vm2.docker.binary} "$@"; '
@@ -173,6 +182,7 @@ def test_docker_container_checkpointed_removed_and_restored_in_another_dockerd(
     assert back["container"] == "docker:ctr" and [back["id"]] == first, (back, first)
     checkpoints = vm2.base / "data" / "containers" / first[0] / "checkpoints"
     assert not any(checkpoints.iterdir())  # CRIU's images copied in for the start: gone
+    assert _leftovers(vm2.runtime_dir) == [theirs.name], "containerd's copy of the job stays"
     wait_lines(job_dir / "out", LINES)
     wait_lines(ref_dir / "out", LINES)
     time.sleep(0.3)
@@ -215,6 +225,9 @@ async def _relaunched_on_vm2(stage: Stage) -> None:
     back = await stage.vm2.inspect("counter")
     assert back is not None and back["State"]["Status"] == "running", back
     assert [m["Source"] for m in back["Mounts"]] == [str(stage.data)]
+    # VM 2's dockerd (spotguard's own: docker_vm) and its containerd keep no copy of it
+    host = Path(stage.vm2.host.removeprefix("unix://"))
+    assert _leftovers(host.parent / "tmp") == []
 
 
 async def test_the_agent_guards_a_docker_container_and_the_controller_relaunches_it(

@@ -16,20 +16,19 @@ Checkpoint (each step timed in the result's timeline)::
          manifest LAST, the typed ContainerImage record with the host's GPUs in its meta)
          ─► exit mode: the task and container deleted
 
-``ctr containers checkpoint --task`` is not used: it always resumes the task after the dump,
-so in exit mode the job would run on between the dump and its removal (its output written
-twice after a restore). ``ctr tasks checkpoint --exit`` ends it at the dump; its checkpoint
-image lacks what ``ctr containers restore`` reads (runtime options, the annotations naming
-image, runtime and snapshotter), which spotguard adds in the layout. ``ctr images export``
-of a checkpoint image fails on containerd 1.6 (``invalid character '\\x1a'``): the layout is
-written from ``ctr content get`` of each blob instead.
+``ctr containers checkpoint --task`` always resumes the task after the dump (in exit mode the
+job would run on until its removal: its output written twice after a restore); ``ctr tasks
+checkpoint --exit`` ends it at the dump, but its image lacks what ``ctr containers restore``
+reads (runtime options, the annotations naming image, runtime and snapshotter), which the
+layout adds. ``ctr images export`` of a checkpoint image fails on containerd 1.6 (``invalid
+character '\\x1a'``): the layout is written from ``ctr content get`` of each blob instead.
 
 Restore: pull (verified) ─► the record ─► preflight (the ID is free in the namespace, the image
 is there with the recorded digest, every bind mount source and device exists, the image's GPUs
 map onto this host's) ─► ``ctr images import --no-unpack`` of the layout ─► ``ctr containers
 restore --rw --live`` (a new container of the same image and ID: the writable layer applied,
-the task restored by runc with spotguard's CRIU) ─► the checkpoint image removed again ─► the
-task's GPU processes restored (onto the mapped GPUs) and unlocked.
+the task restored by runc with spotguard's CRIU) ─► the checkpoint image and containerd's copy
+(:mod:`.ctrtemp`) removed ─► the task's GPU processes restored (onto the mapped GPUs), unlocked.
 
 Exit mode: a failure before the image is durable restores the container in place from the
 layout (the same import and restore), so a failed checkpoint never leaves the job stopped;
@@ -311,6 +310,7 @@ async def restore_containerd(
         gpu = for_container(ctrd, ref)
         if await _ours(ctrd, state_dir, image_url, ref):  # the checkpoint image may be left
             await ctrd.remove_image(ref.namespace, await asyncio.to_thread(layout_name, layout))
+            await ctrtemp.remove_copies(lambda: ctrtemp.CriuFiles.of_layout(layout))  # and its copy
             await gpu.thaw(tl, gpu.mapping(record.gpu))  # stopped before the GPU's part?
             return ContainerRestore(str(ref), ref.name, image_url, tl)
         with tl.step("preflight"):

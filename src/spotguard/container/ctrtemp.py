@@ -12,7 +12,9 @@ after the restore (whether it worked or not) removes the new ones whose files ar
 those of the checkpoint restored (besides CRIU's own logs) — names and sizes of every file,
 and the bytes of its ``inventory.img`` and ``core-*.img`` (registers and times: no two
 checkpoints share them). A directory another restore made (a user's, maybe still being read)
-never matches and is left alone. No library knows containerd's temp-dir rule; it is read from
+never matches and is left alone. A restore killed before its clean-up leaves its copy: the
+restore run again takes over the container it made and removes every copy of that checkpoint
+(:func:`remove_copies`). No library knows containerd's temp-dir rule; it is read from
 the daemons themselves (the environment of every ``containerd`` process here).
 """
 
@@ -117,6 +119,27 @@ class CriuFiles:
         except StopIteration:  # no CRIU tar in the index
             return None
 
+    @classmethod
+    def of_tar(cls, archive: Path, under: str) -> CriuFiles | None:
+        """The CRIU files under directory ``under`` of a tar (docker's container archive);
+        None when it cannot be read so."""
+        top = os.path.normpath(under)
+        sizes: dict[str, int] = {}
+        small: dict[str, bytes] = {}
+        try:
+            with tarfile.open(archive, "r:*") as tar:
+                for m in tar:
+                    path = os.path.normpath(m.name)
+                    if not m.isfile() or not path.startswith(top + os.sep):
+                        continue
+                    rel = os.path.relpath(path, top)
+                    sizes[rel] = m.size
+                    if _small(rel, m.size):
+                        small[rel] = _file(tar.extractfile(m)).read()
+        except (tarfile.TarError, OSError, KeyError):
+            return None
+        return cls(sizes, small)
+
     def matches(self, d: Path) -> bool:
         """Whether directory ``d`` holds exactly these files (see the module doc)."""
         seen = {p: n for p, n in _sizes(d).items() if not _criu_output(p)}
@@ -199,3 +222,14 @@ async def removing_leftovers(files: Callable[[], CriuFiles | None]) -> AsyncIter
         removed = await asyncio.to_thread(_remove_ours, where, before, files)
         for d in removed:
             log.info("containerd's copy of the restored checkpoint removed", extra={"path": str(d)})
+
+
+async def remove_copies(files: Callable[[], CriuFiles | None]) -> list[Path]:
+    """Every copy of the checkpoint ``files()`` in the containerd daemons' directories, for a
+    restore that takes over a container an earlier, killed restore made: that one was killed
+    before it removed its copy, and the container it made runs (nothing reads the copy)."""
+    where = await asyncio.to_thread(daemon_temp_dirs)
+    removed = await asyncio.to_thread(_remove_ours, where, set(), files)
+    for d in removed:
+        log.info("containerd's copy of the restored checkpoint removed", extra={"path": str(d)})
+    return removed

@@ -348,6 +348,7 @@ async def restore_docker(
         gpu = for_container(docker, ref)
         ours = await _ours(docker, state_dir, image_url, ref)
         if ours is not None:  # a restore stopped before the GPU's part: finish it
+            await ctrtemp.remove_copies(lambda: ctrtemp.CriuFiles.of_tar(archive, IMAGES))
             await gpu.thaw(tl, gpu.mapping(record.gpu))
             return ContainerRestore(str(ref), ours, image_url, tl)
         with tl.step("preflight"):
