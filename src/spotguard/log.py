@@ -96,6 +96,7 @@ FIELDS: dict[str, str] = {
     "what": "what a demo step checks",
     # outcomes and figures
     "error": "why something failed (one line)",
+    "removed": "how many left-overs a clean-up removed (work directories of killed operations)",
     "reason": "why a decision was made",
     "fields": "names of fields (of an agent report that this controller does not know)",
     "decision": "what the agent decided about a notice",

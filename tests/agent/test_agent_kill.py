@@ -1,5 +1,6 @@
 """The agent as a real process, killed -9 in the middle of a freeze: a restarted agent finds the
-job running (not frozen) and the previous complete image intact and restorable."""
+job running (not frozen) and the previous complete image intact and restorable, and removes
+the work directories the killed one left in its temp dir."""
 
 from __future__ import annotations
 
@@ -45,7 +46,9 @@ async def start_agent(
     host: Host, sim: MetadataSim, sink: EventSink, store: str, log: Path
 ) -> asyncio.subprocess.Process:
     exe = Path(sys.executable).parent / "spotguard"
-    env = {**os.environ, **sim.env(), "SPOTGUARD_LOG_FORMAT": "json"}
+    tmp = log.parent / "agent-tmp"  # the agent's own temp dir: its work directories
+    tmp.mkdir(exist_ok=True)
+    env = {**os.environ, **sim.env(), "SPOTGUARD_LOG_FORMAT": "json", "TMPDIR": str(tmp)}
     with log.open("ab") as err:
         return await asyncio.create_subprocess_exec(
             str(exe), "agent", "--job", "train", "--store", store, "--cloud", "aws",
@@ -57,6 +60,10 @@ async def start_agent(
             stdin=asyncio.subprocess.DEVNULL, stdout=asyncio.subprocess.DEVNULL,
             stderr=err, start_new_session=True,
         )  # fmt: skip
+
+
+def _work_dirs(tmp_path: Path) -> list[str]:
+    return sorted(p.name for p in (tmp_path / "agent-tmp").iterdir() if p.is_dir())
 
 
 async def test_agent_killed_during_freeze_leaves_job_running_and_last_image_intact(
@@ -79,6 +86,8 @@ async def test_agent_killed_during_freeze_leaves_job_running_and_last_image_inta
         assert (job.dir / MARKER).exists()
         os.killpg(agent.pid, signal.SIGKILL)
         await agent.wait()
+        left = _work_dirs(tmp_path)
+        assert left, "the killed freeze left no work directory: the kill missed the freeze"
 
         agent = await start_agent(host, sim, sink, store, log)
         await wait_until(
@@ -95,6 +104,7 @@ async def test_agent_killed_during_freeze_leaves_job_running_and_last_image_inta
             print(f"events: {sink.kinds('train')}\nagent log:\n{tail}")
             raise
         assert not (job.dir / MARKER).exists()
+        assert not set(left) & set(_work_dirs(tmp_path)), "the killed agent's work dirs stay"
         assert proc_state(job.pid) in ("R", "S")
         size = (job.dir / "stdout").stat().st_size
         await wait_until(lambda: (job.dir / "stdout").stat().st_size > size, 10)  # it runs

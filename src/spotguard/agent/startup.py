@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import IO
 from urllib.parse import unquote, urlparse
 
-from spotguard import operations
+from spotguard import operations, workdirs
 from spotguard.checkpoint import cuda
 from spotguard.checkpoint.engine import MARKER
 from spotguard.checkpoint.jobs import JobInfo, list_jobs
@@ -209,7 +209,8 @@ async def recover_interrupted(
 ) -> list[str]:
     """Bring back every job under the state dir that a killed freeze left behind; call
     ``on_recovered(job, seconds)`` for each; remove the images killed restores staged
-    (:func:`spotguard.operations.restore.clear_orphans`); then, with ``park``, remove the
+    (:func:`spotguard.operations.restore.clear_orphans`) and the work directories of killed
+    operations (:func:`spotguard.workdirs.sweep`); then, with ``park``, remove the
     partial parked image of every job (a park killed midway:
     :func:`spotguard.park.local.clear_partials`). Returns the names of the jobs recovered."""
     done = []
@@ -226,6 +227,7 @@ async def recover_interrupted(
             on_recovered(info, time.monotonic() - t0)
             done.append(info.name)
     await asyncio.to_thread(clear_orphans, settings)  # what a killed restore staged
+    await asyncio.to_thread(workdirs.sweep)  # and the work directories killed operations left
     if park is not None:
         await asyncio.to_thread(park_local.clear_partials, settings, park)
     return done

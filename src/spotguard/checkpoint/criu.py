@@ -53,6 +53,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Literal
 
+from spotguard import workdirs
 from spotguard.errors import CriuError, PreflightError, StepTimeout
 from spotguard.stream.pipes import ensure_pipe_max
 
@@ -126,7 +127,7 @@ class _FrozenHook:
 
     def __init__(self, callback: Callable[[], Awaitable[None]]) -> None:
         self.callback = callback
-        self.dir = Path(tempfile.mkdtemp(prefix="spotguard-criu-"))
+        self.dir = workdirs.make("spotguard-criu-")
         self.script = self.dir / "action.sh"
         self.script.write_text(_ACTION_SCRIPT)
         self.script.chmod(0o700)
@@ -402,7 +403,7 @@ class Criu:
         unaffected, one with them (the dump decided) cannot be restored without it.
         ``external_mounts``: where each host mount the image names comes from on this host
         (:func:`.mounts.plan`)."""
-        work = Path(tempfile.mkdtemp(prefix="spotguard-restore-"))
+        work = workdirs.make("spotguard-restore-")
         log_path = log_file or (self.log_dir or work) / "criu-restore.log"
         pidfile = work / "pid"
         args = [

@@ -22,13 +22,13 @@ import contextlib
 import logging
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from spotguard import workdirs
 from spotguard.errors import ImageError, StreamError
 from spotguard.stream import pipes, protocol
 from spotguard.stream.capture import Capture, CaptureStats
@@ -102,12 +102,13 @@ _SUN_PATH_MAX = 107  # bytes of a unix socket path (sockaddr_un.sun_path, NUL ex
 def _workdir(root: Path | None, prefix: str) -> Path:
     """A private work dir whose socket paths fit a unix socket address; falls back to
     ``/tmp`` when ``root`` is too deep (CRIU and we both bind/connect by path)."""
-    base = root or Path(os.environ.get("TMPDIR", "/tmp"))
-    longest = len("/criu/") + len(protocol.CAPTURE_SOCKET) + 16
+    base = root or workdirs.temp_root()
+    owner = len("4194304.9999999999-")  # the owner's pid and start time (workdirs)
+    longest = len("/criu/") + len(protocol.CAPTURE_SOCKET) + 16 + owner
     if len(os.fsencode(base)) + len(prefix) + longest > _SUN_PATH_MAX:
         base = Path("/tmp")
     base.mkdir(parents=True, exist_ok=True)
-    return Path(tempfile.mkdtemp(prefix=prefix, dir=base))
+    return workdirs.make(prefix, base)
 
 
 def _walk(root: Path) -> list[tuple[Path, str]]:

@@ -1,0 +1,36 @@
+"""Work directories named after their owner: only those whose owner is gone are swept."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from spotguard import workdirs
+from spotguard.checkpoint.procfacts import start_time
+
+
+def test_only_the_work_directories_of_a_dead_owner_are_swept(tmp_path: Path) -> None:
+    mine = workdirs.make("sg-dump-", tmp_path)  # this process: alive
+    assert workdirs.owner(mine.name) is not None
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    started = start_time(child.pid)
+    child.kill()
+    child.wait()
+    dead = tmp_path / f"spotguard-criu-{child.pid}.{started}-abcd1234"
+    dead.mkdir()
+    (dead / "req").write_text("a FIFO once")
+    reused = tmp_path / f"sg-serve-{mine.name.split('-')[2].split('.')[0]}.1-abcd1234"
+    reused.mkdir()  # a pid alive now, but not the process that made it (another start)
+    foreign = [tmp_path / "sg-dump-abcd1234", tmp_path / "pip-unpack-1234.5-x", tmp_path / "x"]
+    for d in foreign:
+        d.mkdir()
+    assert sorted(workdirs.sweep(tmp_path)) == sorted([dead, reused])
+    assert mine.is_dir() and all(d.is_dir() for d in foreign)
+
+
+def test_an_unknown_prefix_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="prefix"):
+        workdirs.make("elsewhere-", tmp_path)
