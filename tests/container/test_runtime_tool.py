@@ -36,3 +36,25 @@ async def test_a_failure_naming_crius_log_logs_its_error_lines(
     said = [r for r in caplog.records if r.getMessage() == "CRIU's log says"]
     assert said and "doesn't have a proper root mount" in said[0].__dict__["error"]
     assert said[0].__dict__["path"] == str(dump_log)
+
+
+async def test_containerds_way_of_naming_crius_log_is_read_too(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """ctr (containerd's shim) names the log as "path= PATH: unknown"."""
+    dump_log = tmp_path / "criu-dump.log"
+    dump_log.write_text("(00.020) Error (criu/cr-dump.c:1979): Dumping FAILED.\n")
+    tool = tmp_path / "fake-ctr"
+    tool.write_text(
+        "#!/bin/sh\n"
+        "echo 'ctr: /run/spotguard/containerd/runc did not terminate successfully: exit status 1:"
+        f" criu failed: type NOTIFY errno 0 path= {dump_log}: unknown' >&2\n"
+        "exit 1\n"
+    )
+    tool.chmod(0o755)
+    with caplog.at_level(logging.WARNING), pytest.raises(ContainerError):
+        await run_tool([str(tool)], env=None, limit=10, what="checkpointing x",
+                       label="ctr tasks checkpoint")  # fmt: skip
+    said = [r for r in caplog.records if r.getMessage() == "CRIU's log says"]
+    assert said and "Dumping FAILED" in said[0].__dict__["error"]
+    assert said[0].__dict__["path"] == str(dump_log)

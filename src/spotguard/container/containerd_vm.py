@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Self
 
 from spotguard.container.containerd import Containerd
+from spotguard.container.runtime import criu_errors
 from spotguard.container.settings import CONTAINERD_PREFIX
 from spotguard.errors import ContainerError
 
@@ -127,7 +128,9 @@ class ContainerdVm:
             self.ctrd.argv(ns, *args), capture_output=True, text=True, timeout=120, check=False
         )
         if check and out.returncode != 0:
-            raise ContainerError(f"ctr {' '.join(args)}: {out.stderr.strip()[-500:]}")
+            criu = criu_errors(out.stderr)  # what CRIU refused, before runc removes its log
+            said = out.stderr.strip()[-500:] + (f" (CRIU's log: {criu[1]})" if criu else "")
+            raise ContainerError(f"ctr {' '.join(args)}: {said}")
         return out.stdout
 
     def stop(self) -> None:

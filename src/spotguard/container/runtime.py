@@ -99,18 +99,27 @@ def tail(text: str, lines: int = 6) -> str:
     return " | ".join(kept[-lines:])[:800]
 
 
-def _log_criu_errors(said: str) -> None:
-    """Where a runtime's failure names CRIU's log (runc: "log file: PATH"), log that log's
-    error lines: the runtime removes its work directory with the log soon after, and its own
-    message ("criu failed: type NOTIFY errno 0") does not say what CRIU refused."""
-    m = re.search(r"log file: (\S+?\.log)", said)
+def criu_errors(said: str) -> tuple[str, str] | None:
+    """Where a runtime's failure names CRIU's log (runc through podman: "log file: PATH";
+    through containerd: "path= PATH"), that log's path and its last error lines: the runtime
+    removes the log with its work directory soon after, and its own message ("criu failed:
+    type NOTIFY errno 0") does not say what CRIU refused."""
+    m = re.search(r"(?:log file: |path= ?)(/\S+?\.log)", said)
     if m is None:
-        return
-    with contextlib.suppress(OSError):
+        return None
+    try:
         lines = Path(m.group(1)).read_text(errors="replace").splitlines()
-        errors = [ln for ln in lines if "Error" in ln][-8:]
-        if errors:
-            log.warning("CRIU's log says", extra={"path": m.group(1), "error": " | ".join(errors)})
+    except OSError:
+        return None
+    errors = [ln for ln in lines if "Error" in ln][-8:]
+    return (m.group(1), " | ".join(errors)) if errors else None
+
+
+def _log_criu_errors(said: str) -> None:
+    """:func:`criu_errors`, logged."""
+    found = criu_errors(said)
+    if found is not None:
+        log.warning("CRIU's log says", extra={"path": found[0], "error": found[1]})
 
 
 async def run_tool(
