@@ -4,11 +4,14 @@ owner died.
 A checkpoint or a restore makes small private directories in the temp dir (``$TMPDIR``, else
 ``/tmp``): the FIFOs through which CRIU's post-dump hook waits for the engine
 (``spotguard-criu-``), a stream's sockets and CRIU's own files (``sg-dump-``, ``sg-serve-``),
-a restore's pid file and log (``spotguard-restore-``). They go when the operation ends — not
+a restore's pid file and log (``spotguard-restore-``); and under the state dir a container's
+runtime archive (``ckpt-``, as large as the job's memory). They go when the operation ends — not
 when its process is killed (SIGKILL, the OOM killer), which left one more on the host per
 killed operation, with no end. Each name now carries its owner's pid and start time
 (``sg-dump-PID.START-XXXXXXXX``), and :func:`sweep` (the agent, as it starts) removes those
-whose owner is gone. A directory of another naming, or whose owner runs, is never touched.
+whose owner is gone (for ``ckpt-``, every new container work directory does it first:
+:func:`spotguard.container.checkpoint.work_dir`). A directory of another naming, or whose
+owner runs, is never touched.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from spotguard.checkpoint.procfacts import same_process, start_time
 log = logging.getLogger(__name__)
 
 #: every prefix :func:`make` is called with
-PREFIXES = ("spotguard-criu-", "sg-dump-", "sg-serve-", "spotguard-restore-")
+PREFIXES = ("spotguard-criu-", "sg-dump-", "sg-serve-", "spotguard-restore-", "ckpt-")
 _OWNED = re.compile(
     "^(?:" + "|".join(re.escape(p) for p in PREFIXES) + r")(?P<pid>\d+)\.(?P<start>\d+)-"
 )

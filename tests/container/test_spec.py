@@ -7,12 +7,14 @@ import json
 import os
 import re
 import subprocess
+import sys
 import tarfile
 import time
 from pathlib import Path
 
 import pytest
 
+from spotguard.checkpoint.procfacts import start_time
 from spotguard.container.archive import relocate
 from spotguard.container.checkpoint import work_dir
 from spotguard.container.spec import ContainerImage, ContainerRef, is_container_job
@@ -155,3 +157,18 @@ def test_a_containerd_restore_pulls_the_exact_image_only_from_a_registry() -> No
     for local in ("localhost/sg-counter:1", "sg-counter:1", "team/train:2"):
         assert pull_reference(local, digest) is None, local
     assert pull_reference("nvcr.io/nvidia/pytorch:1", "not-a-digest") is None
+
+
+def test_a_work_dir_a_killed_run_left_is_removed_at_once(tmp_path: Path) -> None:
+    """A container's archive is as large as its memory: the one a killed spotguard left goes
+    at the next work directory, not a day later; a live process's stays."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    started = start_time(child.pid)
+    child.kill()
+    child.wait()
+    mine = work_dir(tmp_path)
+    killed = mine.parent / f"ckpt-{child.pid}.{started}-abcd1234"
+    killed.mkdir()
+    (killed / "containerd-checkpoint.tar").write_bytes(b"x" * 10)
+    fresh = work_dir(tmp_path)
+    assert not killed.exists() and mine.is_dir() and fresh.is_dir()

@@ -33,7 +33,6 @@ import logging
 import os
 import select
 import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -41,7 +40,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from spotguard import safefs
+from spotguard import safefs, workdirs
 from spotguard.container.gpu import for_container
 from spotguard.container.podman import Podman
 from spotguard.container.spec import (
@@ -104,9 +103,12 @@ STALE_WORK_S = 24 * 3600.0
 
 
 def work_dir(state_dir: Path) -> Path:
-    """A fresh private directory for a runtime archive, under ``state_dir``; work
-    directories left there more than a day ago by a killed spotguard are removed first."""
+    """A fresh private directory for a runtime archive, under ``state_dir``, named after this
+    process (:mod:`spotguard.workdirs`); those a killed spotguard left are removed first (an
+    archive is as large as the job's memory): at once where their name says whose they were,
+    after a day where it does not."""
     base = safefs.ensure_private_dir(StateDir(state_dir).containers)
+    workdirs.sweep(base)
     now = time.time()
     for old in base.glob("ckpt-*"):
         try:
@@ -115,7 +117,7 @@ def work_dir(state_dir: Path) -> Path:
                 log.warning("stale container work directory removed", extra={"dir": str(old)})
         except OSError:
             continue
-    return Path(tempfile.mkdtemp(prefix="ckpt-", dir=base))
+    return workdirs.make("ckpt-", base)
 
 
 async def inspect_running(podman: Podman, ref: ContainerRef) -> ContainerConfig:
