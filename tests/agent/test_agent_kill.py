@@ -32,8 +32,10 @@ from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
 
-# Enough memory that the dump takes a moment on two cores, so the kill lands inside it.
-BIG = ("--steps", "260", "--step-seconds", "0.03", "--mb", "384", "--seed", "3", "--gpu", "no")
+# Enough memory that the dump takes a moment on two cores, so the kill lands inside it; 15 s
+# of steps (at 7.8 s a loaded clean-clone run saw the job end before the second agent's
+# checkpoint: "job finished by itself")
+BIG = ("--steps", "520", "--step-seconds", "0.03", "--mb", "384", "--seed", "3", "--gpu", "no")
 
 
 @pytest.fixture
