@@ -137,7 +137,7 @@ async def test_a_deleted_shared_memory_file_it_maps_is_carried(
 ) -> None:
     # NCCL's proxy maps a deleted /dev/shm/nccl-* file of 34 MB; CRIU's default limit for
     # such "ghost" files is 1 MiB ("Can't dump ghost file ... increase limit")
-    argv = [sys.executable, "-I", str(PROGS / "shm_ghost.py"), "40", "0.05"]
+    argv = [sys.executable, "-I", str(PROGS / "shm_ghost.py"), "100", "0.05"]  # 5 s: see below
     run = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, check=True)
     assert await _park_unpark("ghost", argv, env, state_dir, tmp_path / "img") == run.stdout
 
@@ -146,8 +146,9 @@ async def test_sockets_never_bound_are_carried(
     env: dict[str, str], state_dir: Path, tmp_path: Path
 ) -> None:
     """A TCP and a UDPv6 socket created and never bound: in no /proc/net table (the freeze
-    refused them as "an unsupported family"); CRIU carries them."""
-    argv = [sys.executable, "-I", str(PROGS / "hold.py"), "unbound", "40", "0.05"]
+    refused them as "an unsupported family"); CRIU carries them. The job counts 5 s (at 2 s a
+    loaded clean-clone run's ``spotguard checkpoint`` found it ended: "No such process")."""
+    argv = [sys.executable, "-I", str(PROGS / "hold.py"), "unbound", "100", "0.05"]
     run = await asyncio.to_thread(subprocess.run, argv, capture_output=True, text=True, check=True)
     assert await _park_unpark("unbound", argv, env, state_dir, tmp_path / "img") == run.stdout
 
