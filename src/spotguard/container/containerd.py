@@ -346,10 +346,10 @@ class Containerd:
     ) -> None:
         with tarfile.open(dest, "w", format=tarfile.PAX_FORMAT) as tar:
             _add(tar, "oci-layout", b'{"imageLayoutVersion":"1.0.0"}')
-            _add(tar, _blob_path(_digest(options)), options)
+            _add(tar, blob_path(_digest(options)), options)
             for d in blobs:
                 self._blob_into(tar, namespace, str(d["digest"]), int(d["size"]))
-            _add(tar, _blob_path(_digest(index)), index)
+            _add(tar, blob_path(_digest(index)), index)
             _add(tar, "index.json", json.dumps(top).encode())
 
     def _blob_into(self, tar: tarfile.TarFile, namespace: str, digest: str, size: int) -> None:
@@ -365,7 +365,7 @@ class Containerd:
         assert proc.stdout is not None and proc.stderr is not None
         try:
             try:
-                tar.addfile(_info(_blob_path(digest), size), proc.stdout)
+                tar.addfile(_info(blob_path(digest), size), proc.stdout)
             except OSError as exc:  # tarfile: "unexpected end of data"
                 raise ContainerError(f"blob {digest[:19]} is shorter than {size} bytes") from exc
             if proc.stdout.read(1):
@@ -388,7 +388,8 @@ class Containerd:
         return name
 
 
-def _blob_path(digest: str) -> str:
+def blob_path(digest: str) -> str:
+    """A blob's path in an OCI layout (``blobs/ALGO/HEX``)."""
     algo, _, hexa = digest.partition(":")
     return f"blobs/{algo}/{hexa}"
 

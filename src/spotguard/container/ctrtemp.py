@@ -35,7 +35,7 @@ from typing import IO
 
 import psutil
 
-from spotguard.container.containerd import CRIU_TAR, MAX_INDEX_BYTES
+from spotguard.container.containerd import CRIU_TAR, MAX_INDEX_BYTES, blob_path
 
 log = logging.getLogger(__name__)
 
@@ -98,46 +98,48 @@ class CriuFiles:
             with tarfile.open(layout, "r:") as outer:
 
                 def blob(digest: str) -> IO[bytes]:
-                    algo, _, hexa = digest.partition(":")
-                    return _file(outer.extractfile(f"blobs/{algo}/{hexa}"))
+                    return _file(outer.extractfile(blob_path(digest)))
 
                 top = json.loads(_file(outer.extractfile("index.json")).read(MAX_INDEX_BYTES))
                 index = json.loads(blob(top["manifests"][0]["digest"]).read(MAX_INDEX_BYTES))
                 criu = next(d for d in index["manifests"] if d["mediaType"] == CRIU_TAR)
-                sizes: dict[str, int] = {}
-                small: dict[str, bytes] = {}
                 with tarfile.open(fileobj=blob(criu["digest"]), mode="r:") as inner:
-                    for m in inner:
-                        if m.isfile():
-                            path = os.path.normpath(m.name)
-                            sizes[path] = m.size
-                            if _small(path, m.size):
-                                small[path] = _file(inner.extractfile(m)).read()
-            return cls(sizes, small)
-        except (tarfile.TarError, OSError, ValueError, KeyError, IndexError, TypeError):
-            return None
-        except StopIteration:  # no CRIU tar in the index
+                    return cls._of_members(inner, "")
+        except (
+            tarfile.TarError,
+            OSError,
+            ValueError,
+            KeyError,
+            IndexError,
+            TypeError,
+            StopIteration,
+        ):
             return None
 
     @classmethod
     def of_tar(cls, archive: Path, under: str) -> CriuFiles | None:
         """The CRIU files under directory ``under`` of a tar (docker's container archive);
         None when it cannot be read so."""
-        top = os.path.normpath(under)
-        sizes: dict[str, int] = {}
-        small: dict[str, bytes] = {}
         try:
             with tarfile.open(archive, "r:*") as tar:
-                for m in tar:
-                    path = os.path.normpath(m.name)
-                    if not m.isfile() or not path.startswith(top + os.sep):
-                        continue
-                    rel = os.path.relpath(path, top)
-                    sizes[rel] = m.size
-                    if _small(rel, m.size):
-                        small[rel] = _file(tar.extractfile(m)).read()
+                return cls._of_members(tar, os.path.normpath(under) + os.sep)
         except (tarfile.TarError, OSError, KeyError):
             return None
+
+    @classmethod
+    def _of_members(cls, tar: tarfile.TarFile, under: str) -> CriuFiles:
+        """The regular files of ``tar`` whose path starts with ``under``, by their path
+        after it; KeyError for a member that cannot be read."""
+        sizes: dict[str, int] = {}
+        small: dict[str, bytes] = {}
+        for m in tar:
+            path = os.path.normpath(m.name)
+            if not m.isfile() or not path.startswith(under):
+                continue
+            rel = path[len(under) :]
+            sizes[rel] = m.size
+            if _small(rel, m.size):
+                small[rel] = _file(tar.extractfile(m)).read()
         return cls(sizes, small)
 
     def matches(self, d: Path) -> bool:
@@ -200,6 +202,9 @@ def _remove_ours(
             if criu.matches(d):
                 shutil.rmtree(d)
                 removed.append(d)
+                log.info(
+                    "containerd's copy of the restored checkpoint removed", extra={"path": str(d)}
+                )
         except OSError as exc:
             log.warning(
                 "containerd's copy of the restored checkpoint not removed",
@@ -219,9 +224,7 @@ async def removing_leftovers(files: Callable[[], CriuFiles | None]) -> AsyncIter
     try:
         yield
     finally:
-        removed = await asyncio.to_thread(_remove_ours, where, before, files)
-        for d in removed:
-            log.info("containerd's copy of the restored checkpoint removed", extra={"path": str(d)})
+        await asyncio.to_thread(_remove_ours, where, before, files)
 
 
 async def remove_copies(files: Callable[[], CriuFiles | None]) -> list[Path]:
@@ -229,7 +232,4 @@ async def remove_copies(files: Callable[[], CriuFiles | None]) -> list[Path]:
     restore that takes over a container an earlier, killed restore made: that one was killed
     before it removed its copy, and the container it made runs (nothing reads the copy)."""
     where = await asyncio.to_thread(daemon_temp_dirs)
-    removed = await asyncio.to_thread(_remove_ours, where, set(), files)
-    for d in removed:
-        log.info("containerd's copy of the restored checkpoint removed", extra={"path": str(d)})
-    return removed
+    return await asyncio.to_thread(_remove_ours, where, set(), files)
