@@ -11,13 +11,20 @@ Checksums, so a test or benchmark can prove a restored job byte-identical:
   memory again and writes ``rank-I.sum-G``.
 The ranks open files only to write them (no descriptor is held across a checkpoint).
 
-    python bench/ranks_job.py launcher --ranks N --mib M --out DIR
+``--reserve-gib R`` gives each rank what a CUDA process also has: a reservation of R GiB of
+address space (private, ``PROT_NONE``, never touched: the driver's unified address range, 16 GiB
+on the GPU machines) and ``--maps K`` small private mappings, every other one with a page
+written. CRIU counts the reservation as private memory and walks every mapping, so these
+make its per-task work that of a CUDA rank (``bench/criu_tasks.py``).
+
+    python bench/ranks_job.py launcher --ranks N --mib M --out DIR [--reserve-gib R --maps K]
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import mmap
 import os
 import subprocess
 import sys
@@ -53,8 +60,25 @@ def _write(path: Path, text: str) -> None:
     tmp.rename(path)
 
 
-def rank(index: int, mib: int, out: Path) -> None:
+def _shape(reserve_gib: float, maps: int) -> list[mmap.mmap]:
+    """The address-space shape of a CUDA process (module docstring); kept alive by the caller."""
+    held: list[mmap.mmap] = []
+    if reserve_gib > 0:
+        noreserve = getattr(mmap, "MAP_NORESERVE", 0x4000)  # Python 3.12+ names it
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | noreserve
+        held.append(mmap.mmap(-1, int(reserve_gib * 1024) * MiB, flags=flags, prot=0))
+    for i in range(maps):
+        prot = mmap.PROT_READ | mmap.PROT_WRITE if i % 2 else 0
+        m = mmap.mmap(-1, 64 * 1024, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS, prot=prot)
+        if prot:
+            m[0] = 1
+        held.append(m)
+    return held
+
+
+def rank(index: int, mib: int, out: Path, reserve_gib: float = 0.0, maps: int = 0) -> None:
     """One rank: fill, report the checksum, then answer every ``verify-G`` request."""
+    _held = _shape(reserve_gib, maps)  # alive as long as the rank runs
     buf = _fill(mib * MiB)
     _write(out / f"rank-{index}.sum", _digest(buf))
     answered = 0
@@ -67,12 +91,13 @@ def rank(index: int, mib: int, out: Path) -> None:
         time.sleep(0.05)
 
 
-def launcher(ranks: int, mib: int, out: Path) -> int:
+def launcher(ranks: int, mib: int, out: Path, reserve_gib: float = 0.0, maps: int = 0) -> int:
     """Exec ``ranks`` ranks and wait for them (they run until killed)."""
     out.mkdir(parents=True, exist_ok=True)
+    shape = ["--reserve-gib", str(reserve_gib), "--maps", str(maps)]
     procs = [
         subprocess.Popen(
-            [sys.executable, os.path.abspath(__file__), "rank", str(i), str(mib), str(out)],
+            [sys.executable, os.path.abspath(__file__), "rank", str(i), str(mib), str(out), *shape],
             stdin=subprocess.DEVNULL,
         )
         for i in range(ranks)
@@ -93,10 +118,13 @@ def main(argv: list[str] | None = None) -> int:
     ra.add_argument("index", type=int)
     ra.add_argument("mib", type=int)
     ra.add_argument("out", type=Path)
+    for sp in (la, ra):
+        sp.add_argument("--reserve-gib", type=float, default=0.0)
+        sp.add_argument("--maps", type=int, default=0)
     args = ap.parse_args(argv)
     if args.cmd == "launcher":
-        return launcher(args.ranks, args.mib, args.out)
-    rank(args.index, args.mib, args.out)
+        return launcher(args.ranks, args.mib, args.out, args.reserve_gib, args.maps)
+    rank(args.index, args.mib, args.out, args.reserve_gib, args.maps)
     return 0
 
 
