@@ -34,3 +34,24 @@ def test_only_the_work_directories_of_a_dead_owner_are_swept(tmp_path: Path) -> 
 def test_an_unknown_prefix_is_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="prefix"):
         workdirs.make("elsewhere-", tmp_path)
+
+
+def test_the_empty_plugin_dir_of_a_killed_criu_user_is_swept(tmp_path: Path) -> None:
+    """A ``Criu`` without plugins makes an empty ``--libdir`` of its own; a process killed
+    while holding one left it for ever when it was not named after its owner."""
+    code = (
+        "import sys, time\n"
+        "from spotguard.checkpoint.criu import Criu\n"
+        "criu = Criu(sys.argv[1], plugins=None)\n"
+        "print(criu._plugin_args()[1], flush=True)\n"
+        "time.sleep(30)\n"
+    )
+    env = {"TMPDIR": str(tmp_path), "PATH": "/usr/bin:/bin"}
+    argv = [sys.executable, "-c", code, "/bin/true"]  # any executable: CRIU is never run
+    child = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    assert child.stdout is not None
+    libdir = Path(child.stdout.readline().strip())
+    assert libdir.parent == tmp_path and libdir.is_dir()
+    child.kill()
+    child.wait()
+    assert workdirs.sweep(tmp_path) == [libdir]

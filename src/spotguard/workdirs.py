@@ -28,7 +28,14 @@ from spotguard.checkpoint.procfacts import same_process, start_time
 log = logging.getLogger(__name__)
 
 #: every prefix :func:`make` is called with
-PREFIXES = ("spotguard-criu-", "sg-dump-", "sg-serve-", "spotguard-restore-", "ckpt-")
+PREFIXES = (
+    "spotguard-criu-",
+    "spotguard-criu-noplugins-",
+    "sg-dump-",
+    "sg-serve-",
+    "spotguard-restore-",
+    "ckpt-",
+)
 _OWNED = re.compile(
     "^(?:" + "|".join(re.escape(p) for p in PREFIXES) + r")(?P<pid>\d+)\.(?P<start>\d+)-"
 )

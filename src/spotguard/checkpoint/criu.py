@@ -47,7 +47,6 @@ import logging
 import os
 import shutil
 import signal
-import tempfile
 import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
@@ -236,7 +235,7 @@ class Criu:
         libdir = self.plugin_dir
         if libdir is None:
             if self._no_plugins is None:
-                self._no_plugins = Path(tempfile.mkdtemp(prefix="spotguard-criu-noplugins-"))
+                self._no_plugins = workdirs.make("spotguard-criu-noplugins-")
                 weakref.finalize(self, shutil.rmtree, self._no_plugins, True)
             libdir = self._no_plugins
         return ["--libdir", str(libdir)]
