@@ -150,9 +150,13 @@ def writer_of(data: object) -> tuple[int | None, int | None]:
     and the warm-up's check of any busy record (:mod:`spotguard.warm`)."""
     if not isinstance(data, dict):
         return None, None
-    pid, start = data.get("agent_pid"), data.get("agent_start")
-    ok = (isinstance(pid, int) and not isinstance(pid, bool), isinstance(start, int))
-    return (pid if ok[0] else None), (start if ok[1] else None)
+    return _int_field(data, "agent_pid"), _int_field(data, "agent_start")
+
+
+def _int_field(data: dict[Any, Any], key: str) -> int | None:
+    """``data[key]`` where it is an integer (JSON's true and false are not), else None."""
+    value = data.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
 def writer_alive(data: object) -> bool:
