@@ -20,6 +20,7 @@ import contextlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -48,6 +49,16 @@ def installed(binary: Path, script: str) -> None:
         if os.environ.get("SPOTGUARD_REQUIRE_CRIU") == "1":
             pytest.fail(f"{binary} could not be installed (scripts/{script})")
         pytest.skip(f"{binary} is not installed (scripts/{script})")
+
+
+def in_pid_namespace(code: str, *args: str) -> subprocess.Popen[str]:
+    """``python -c code args`` as PID 1 of a new PID namespace with its own /proc (what an
+    agent in a container sees), its stdout a pipe; killing the returned process ends it."""
+    if os.geteuid() != 0 or shutil.which("unshare") is None:
+        pytest.skip("needs root and unshare (a PID namespace)")
+    ns = ["unshare", "-m", "-p", "-f", "--kill-child", "--mount-proc", "--propagation", "private"]
+    return subprocess.Popen([*ns, sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
+                            text=True)  # fmt: skip
 
 
 def free_port() -> int:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from sgtest import in_pid_namespace
 from spotguard import workdirs
 from spotguard.checkpoint.procfacts import start_time
 
@@ -19,12 +20,19 @@ def test_only_the_work_directories_of_a_dead_owner_are_swept(tmp_path: Path) -> 
     started = start_time(child.pid)
     child.kill()
     child.wait()
-    dead = tmp_path / f"spotguard-criu-{child.pid}.{started}-abcd1234"
+    ns = workdirs.pid_namespace()
+    dead = tmp_path / f"spotguard-criu-{child.pid}.{started}.{ns}-abcd1234"
     dead.mkdir()
     (dead / "req").write_text("a FIFO once")
-    reused = tmp_path / f"sg-serve-{mine.name.split('-')[2].split('.')[0]}.1-abcd1234"
+    reused = tmp_path / f"sg-serve-{mine.name.split('-')[2].split('.')[0]}.1.{ns}-abcd1234"
     reused.mkdir()  # a pid alive now, but not the process that made it (another start)
-    foreign = [tmp_path / "sg-dump-abcd1234", tmp_path / "pip-unpack-1234.5-x", tmp_path / "x"]
+    foreign = [
+        tmp_path / "sg-dump-abcd1234",
+        tmp_path / "pip-unpack-1234.5-x",
+        tmp_path / "x",
+        tmp_path / f"sg-dump-{child.pid}.{started}-abcd1234",  # no namespace: an older name
+        tmp_path / f"sg-dump-{child.pid}.{started}.{ns + 1}-abcd1234",  # another namespace
+    ]
     for d in foreign:
         d.mkdir()
     assert sorted(workdirs.sweep(tmp_path)) == sorted([dead, reused])
@@ -55,3 +63,36 @@ def test_the_empty_plugin_dir_of_a_killed_criu_user_is_swept(tmp_path: Path) -> 
     child.kill()
     child.wait()
     assert workdirs.sweep(tmp_path) == [libdir]
+
+
+def test_a_live_owner_in_another_pid_namespace_is_never_swept(tmp_path: Path) -> None:
+    """An agent in a PID namespace of its own (a container, ``unshare -p``) that shares the
+    temp dir sees none of the host's processes, and the host none of its: each took the
+    other's running operations for dead and removed their work directories (a restore
+    failed: "Can't create log file"). Only the sweeper's own namespace is judged."""
+    # the host's live operation, swept from inside a namespace
+    mine = workdirs.make("spotguard-restore-", tmp_path)
+    sweeper = in_pid_namespace(
+        "import sys; from pathlib import Path; from spotguard import workdirs\n"
+        "print(len(workdirs.sweep(Path(sys.argv[1]))), flush=True)\n",
+        str(tmp_path),
+    )
+    out, _ = sweeper.communicate(timeout=60)
+    assert sweeper.returncode == 0 and out.strip() == "0", out
+    assert mine.is_dir(), "the namespace's sweep removed the host's live work directory"
+    # the namespace's live operation, swept from the host
+    owner = in_pid_namespace(
+        "import sys, time; from pathlib import Path; from spotguard import workdirs\n"
+        "print(workdirs.make('sg-dump-', Path(sys.argv[1])), flush=True)\n"
+        "time.sleep(60)\n",
+        str(tmp_path),
+    )
+    try:
+        assert owner.stdout is not None
+        theirs = Path(owner.stdout.readline().strip())
+        assert theirs.is_dir()
+        assert workdirs.sweep(tmp_path) == []
+        assert theirs.is_dir(), "the host's sweep removed a live work directory of a namespace"
+    finally:
+        owner.kill()
+        owner.wait()

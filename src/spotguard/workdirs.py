@@ -7,11 +7,13 @@ A checkpoint or a restore makes small private directories in the temp dir (``$TM
 a restore's pid file and log (``spotguard-restore-``); and under the state dir a container's
 runtime archive (``ckpt-``, as large as the job's memory). They go when the operation ends — not
 when its process is killed (SIGKILL, the OOM killer), which left one more on the host per
-killed operation, with no end. Each name now carries its owner's pid and start time
-(``sg-dump-PID.START-XXXXXXXX``), and :func:`sweep` (the agent, as it starts) removes those
-whose owner is gone (for ``ckpt-``, every new container work directory does it first:
-:func:`spotguard.container.checkpoint.work_dir`). A directory of another naming, or whose
-owner runs, is never touched.
+killed operation, with no end. Each name now carries its owner's pid, start time and PID
+namespace (``sg-dump-PID.START.NS-XXXXXXXX``), and :func:`sweep` (the agent, as it starts)
+removes those whose owner is gone (for ``ckpt-``, every new container work directory does it
+first: :func:`spotguard.container.checkpoint.work_dir`). A directory of another naming, whose
+owner runs, or made in another PID namespace (a container's or an ``unshare -p`` agent's that
+shares the temp dir: its pids mean other processes here, and its processes are not seen) is
+never touched; nor is one named without a namespace (by an older spotguard).
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import NamedTuple
 
 from spotguard.checkpoint.procfacts import same_process, start_time
 
@@ -37,8 +40,35 @@ PREFIXES = (
     "ckpt-",
 )
 _OWNED = re.compile(
-    "^(?:" + "|".join(re.escape(p) for p in PREFIXES) + r")(?P<pid>\d+)\.(?P<start>\d+)-"
+    "^(?:"
+    + "|".join(re.escape(p) for p in PREFIXES)
+    + r")(?P<pid>\d+)\.(?P<start>\d+)(?:\.(?P<ns>\d+))?-"
 )
+
+
+class Owner(NamedTuple):
+    """What a work directory's name says of the process that made it."""
+
+    pid: int
+    start: int  # its start time (clock ticks after boot), 0 where unknown
+    ns: int | None  # its PID namespace's inode; None in names of an older spotguard
+
+
+def pid_namespace() -> int:
+    """The inode of this process's PID namespace (0 where /proc does not say)."""
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        return 0
+
+
+def _proc_is_ours() -> bool:
+    """Whether the /proc mounted here shows this process's PID namespace (its pids are the
+    ones names carry): not so in a PID namespace that kept its parent's /proc."""
+    try:
+        return int(os.readlink("/proc/self")) == os.getpid()
+    except (OSError, ValueError):
+        return False
 
 
 def temp_root() -> Path:
@@ -46,19 +76,32 @@ def temp_root() -> Path:
     return Path(os.environ.get("TMPDIR") or tempfile.gettempdir())
 
 
+def orphaned(pid: int, start: int, ns: int | None) -> bool:
+    """Whether the process a name says made something (``pid`` with its ``start`` time, 0
+    unknown, in PID namespace ``ns``) is gone. Judged only for this process's own namespace
+    with a /proc that shows it: anything else — another namespace's pids, a name without a
+    namespace — is never called orphaned (what it names may be running)."""
+    here = pid_namespace()
+    if not here or ns != here or not _proc_is_ours():
+        return False
+    return not same_process(pid, start or None)
+
+
 def make(prefix: str, base: Path | None = None) -> Path:
-    """A new private (0700) directory ``PREFIX<pid>.<start>-XXXXXXXX`` under ``base`` (the
-    temp dir by default) owned, in name, by this process."""
+    """A new private (0700) directory ``PREFIX<pid>.<start>.<ns>-XXXXXXXX`` under ``base``
+    (the temp dir by default) owned, in name, by this process."""
     if prefix not in PREFIXES:
         raise ValueError(f"unknown work directory prefix {prefix!r}")
-    owner = f"{prefix}{os.getpid()}.{start_time('self') or 0}-"
+    owner = f"{prefix}{os.getpid()}.{start_time('self') or 0}.{pid_namespace()}-"
     return Path(tempfile.mkdtemp(prefix=owner, dir=base))
 
 
-def owner(name: str) -> tuple[int, int] | None:
-    """(pid, start time) a work directory's name carries; None for any other name."""
+def owner(name: str) -> Owner | None:
+    """The owner a work directory's name carries; None for any other name."""
     m = _OWNED.match(name)
-    return (int(m["pid"]), int(m["start"])) if m else None
+    if not m:
+        return None
+    return Owner(int(m["pid"]), int(m["start"]), int(m["ns"]) if m["ns"] else None)
 
 
 def sweep(base: Path | None = None) -> list[Path]:
@@ -73,10 +116,7 @@ def sweep(base: Path | None = None) -> list[Path]:
         return removed
     for e in entries:
         who = owner(e.name)
-        if who is None or not e.is_dir(follow_symlinks=False):
-            continue
-        pid, start = who
-        if same_process(pid, start or None):
+        if who is None or not e.is_dir(follow_symlinks=False) or not orphaned(*who):
             continue
         try:
             shutil.rmtree(e.path)

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from sgtest import in_pid_namespace
+from spotguard import workdirs
 from spotguard.checkpoint.procfacts import start_time
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.operations.restore import _owned_prefix, clear_orphans
@@ -33,18 +35,60 @@ def _dead() -> tuple[int, int]:
 def test_only_the_images_of_killed_restores_are_removed(tmp_path: Path) -> None:
     settings = CheckpointSettings(state_dir=tmp_path / "state", shm_dir=tmp_path / "shm")
     pid, started = _dead()
-    dead = [settings.shm_dir / f"restore-{pid}-{started}-0a1b2c3d",
-            settings.disk_staging_dir / f"restore-{pid}-{started}-deadbeef"]  # fmt: skip
+    ns = workdirs.pid_namespace()
+    dead = [settings.shm_dir / f"restore-{pid}-{started}-{ns}-0a1b2c3d",
+            settings.disk_staging_dir / f"restore-{pid}-{started}-{ns}-deadbeef"]  # fmt: skip
     live = settings.shm_dir / f"{_owned_prefix()}11223344"
-    other = settings.shm_dir / "restore-5e6f7a8b"  # an older naming: nobody's to judge
-    for d in (*dead, live, other):
+    others = [
+        settings.shm_dir / "restore-5e6f7a8b",  # an older naming: nobody's to judge
+        settings.shm_dir / f"restore-{pid}-{started}-9a8b7c6d",  # no namespace: as old
+        settings.shm_dir / f"restore-{pid}-{started}-{ns + 1}-9a8b7c6d",  # another namespace
+    ]
+    for d in (*dead, live, *others):
         d.mkdir(parents=True)
         (d / "pages-1.img").write_bytes(os.urandom(4096))
     assert sorted(clear_orphans(settings)) == sorted(dead)
     assert not any(d.exists() for d in dead)
-    assert live.exists() and other.exists()
+    assert live.exists() and all(d.exists() for d in others)
     assert clear_orphans(settings) == []
 
 
 def test_a_restore_names_its_staged_image_after_itself() -> None:
-    assert _owned_prefix() == f"restore-{os.getpid()}-{start_time('self')}-"
+    ns = workdirs.pid_namespace()
+    assert _owned_prefix() == f"restore-{os.getpid()}-{start_time('self')}-{ns}-"
+
+
+def test_a_live_restore_in_another_pid_namespace_keeps_its_staged_image(tmp_path: Path) -> None:
+    """An agent in a container (a PID namespace of its own) sharing the staging tmpfs saw
+    none of the host's restores and removed their staged images as orphans, and the host
+    removed the container's: only a restore of the remover's own namespace is judged."""
+    settings = CheckpointSettings(state_dir=tmp_path / "state", shm_dir=tmp_path / "shm")
+    mine = settings.shm_dir / f"{_owned_prefix()}11223344"  # the host's restore, staging
+    mine.mkdir(parents=True)
+    cleaner = in_pid_namespace(
+        "import sys; from pathlib import Path\n"
+        "from spotguard.checkpoint.settings import CheckpointSettings\n"
+        "from spotguard.operations.restore import clear_orphans\n"
+        "s = CheckpointSettings(state_dir=Path(sys.argv[1]), shm_dir=Path(sys.argv[2]))\n"
+        "print(len(clear_orphans(s)), flush=True)\n",
+        str(tmp_path / "ns-state"), str(settings.shm_dir),
+    )  # fmt: skip
+    out, _ = cleaner.communicate(timeout=60)
+    assert cleaner.returncode == 0 and out.strip() == "0", out
+    assert mine.is_dir(), "an agent in another PID namespace removed a live restore's image"
+    stager = in_pid_namespace(
+        "import sys, time; from pathlib import Path\n"
+        "from spotguard.operations.restore import _owned_prefix\n"
+        "d = Path(sys.argv[1]) / (_owned_prefix() + '55667788'); d.mkdir()\n"
+        "print(d, flush=True); time.sleep(60)\n",
+        str(settings.shm_dir),
+    )
+    try:
+        assert stager.stdout is not None
+        theirs = Path(stager.stdout.readline().strip())
+        assert theirs.is_dir()
+        assert clear_orphans(settings) == []
+        assert theirs.is_dir(), "the host removed a live restore's image of a PID namespace"
+    finally:
+        stager.kill()
+        stager.wait()

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard import workdirs
 from spotguard.checkpoint.procfacts import start_time
 from spotguard.container.archive import relocate
 from spotguard.container.checkpoint import work_dir
@@ -167,7 +168,7 @@ def test_a_work_dir_a_killed_run_left_is_removed_at_once(tmp_path: Path) -> None
     child.kill()
     child.wait()
     mine = work_dir(tmp_path)
-    killed = mine.parent / f"ckpt-{child.pid}.{started}-abcd1234"
+    killed = mine.parent / f"ckpt-{child.pid}.{started}.{workdirs.pid_namespace()}-abcd1234"
     killed.mkdir()
     (killed / "containerd-checkpoint.tar").write_bytes(b"x" * 10)
     fresh = work_dir(tmp_path)

@@ -27,10 +27,10 @@ import re
 import shutil
 from pathlib import Path
 
-from spotguard import safefs
+from spotguard import safefs, workdirs
 from spotguard.checkpoint.engine import Engine, RestoreResult
 from spotguard.checkpoint.jobs import JobInfo
-from spotguard.checkpoint.procfacts import same_process, start_time
+from spotguard.checkpoint.procfacts import start_time
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, RestoreSource, plan_staging
 from spotguard.errors import CheckpointError, ImageError
@@ -125,33 +125,40 @@ async def restore(
     return dataclasses.replace(rr, timeline=tl, image_url=resolved)
 
 
-#: a restore's staged image: ``restore-PID-START-RANDOM`` (the process that pulled it)
-_OWNED = re.compile(r"^restore-(\d+)-(\d+)-[0-9a-f]+$")
+#: a restore's staged image: ``restore-PID-START-NS-RANDOM`` (the process that pulled it and
+#: its PID namespace; older names have no ``NS``)
+_OWNED = re.compile(r"^restore-(\d+)-(\d+)(?:-(\d+))?-[0-9a-f]+$")
 
 
 def _owned_prefix() -> str:
-    """The name a staged image starts with: the restoring process's pid and start time, so
-    that what a killed restore staged is known as such (:func:`clear_orphans`)."""
-    return f"restore-{os.getpid()}-{start_time('self') or 0}-"
+    """The name a staged image starts with: the restoring process's pid, start time and PID
+    namespace, so that what a killed restore staged is known as such (:func:`clear_orphans`)."""
+    return f"restore-{os.getpid()}-{start_time('self') or 0}-{workdirs.pid_namespace()}-"
 
 
 def clear_orphans(settings: CheckpointSettings) -> list[Path]:
-    """Remove every staged image (``restore-PID-START-…`` under the staging directories)
+    """Remove every staged image (``restore-PID-START-NS-…`` under the staging directories)
     whose restoring process is gone — a restore killed midway leaves its pulled image, tens
     of GB of tmpfs, behind; the agent runs this at start and every restore before staging.
+    Only this PID namespace's restores are judged (:func:`spotguard.workdirs.orphaned`: an
+    agent in a container that shares the staging tmpfs sees none of the host's processes).
     Returns what was removed (each logged)."""
     gone: list[Path] = []
     for root in (settings.shm_dir, settings.disk_staging_dir):
         for d in sorted(root.glob("restore-*")) if root.is_dir() else []:
             m = _OWNED.match(d.name)
-            if m is None or same_process(int(m[1]), int(m[2])):
-                continue  # another naming (kept as it is), or its restore still runs
+            if m is None or not workdirs.orphaned(int(m[1]), int(m[2]), _int(m[3])):
+                continue  # another naming (kept as it is), or its restore may still run
             shutil.rmtree(d, ignore_errors=True)
             log.warning(
                 "removed the staged image of a restore that was killed", extra={"path": str(d)}
             )
             gone.append(d)
     return gone
+
+
+def _int(text: str | None) -> int | None:
+    return int(text) if text else None
 
 
 async def recover(job: JobInfo, *, settings: CheckpointSettings) -> bool:
