@@ -6,9 +6,11 @@ BIN      = $(VENV)/bin
 STAMP    = $(VENV)/.installed-$(shell sha1sum pyproject.toml | cut -c1-12)
 PYTEST_ARGS ?=
 ## Test processes (pytest-xdist): each file's tests stay on one worker (tests/conftest.py).
-## Two on the 2-core CI machine: most of a CRIU test's time is waiting on real processes, but
-## three (parallel pass 9:51 against 11:48) made tests whose jobs count a few seconds fail.
-TEST_WORKERS ?= 2
+## Three on the 2-core CI machine: most of a CRIU test's time is waiting on real processes
+## (parallel pass 7:34 against 10:45 with two). Earlier three-process runs failed tests whose
+## work directories another test's agent, in a PID namespace of its own, swept as a killed
+## operation's (fixed: spotguard.workdirs judges only its own namespace).
+TEST_WORKERS ?= 3
 XDIST    = -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: demo test lint typecheck unit gpu-test bench criu chromium podman containerd docker registry venv clean
