@@ -5,6 +5,7 @@ the work directories the killed one left in its temp dir."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import signal
@@ -18,11 +19,11 @@ from agent_helpers import (
     EventSink,
     Host,
     job_argv,
-    job_output_when_done,
     proc_state,
     wait_until,
 )
 
+from sgtest import line_count
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import MARKER
@@ -32,10 +33,13 @@ from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
 
-# Enough memory that the dump takes a moment on two cores, so the kill lands inside it; 15 s
-# of steps (at 7.8 s a loaded clean-clone run saw the job end before the second agent's
-# checkpoint: "job finished by itself")
-BIG = ("--steps", "520", "--step-seconds", "0.03", "--mb", "384", "--seed", "3", "--gpu", "no")
+# Enough memory that the dump takes a moment on two cores, so the kill lands inside it; a
+# minute of steps, so that the job still runs when the second agent checkpoints it however
+# loaded the host (at 7.8 s and at 15 s loaded clean-clone runs saw it end first: "job
+# finished by itself"). The restored job is compared line for line with an uninterrupted run
+# over its first MORE lines past the restore, then both are stopped.
+BIG = ("--steps", "2000", "--step-seconds", "0.03", "--mb", "384", "--seed", "3", "--gpu", "no")
+MORE = 40
 
 
 @pytest.fixture
@@ -121,11 +125,21 @@ async def test_agent_killed_during_freeze_leaves_job_running_and_last_image_inta
     steps = {line.get("step") for line in lines}
     assert {"start", "protect", "notice", "checkpoint", "durable", "recover"} <= steps
 
-    # The previous image is still the restorable state of the job.
+    # The previous image is still the restorable state of the job: restored, it goes on
+    # exactly as an uninterrupted run of the job does.
     os.kill(job.pid, signal.SIGKILL)
     await wait_until(lambda: not proctree.alive(job.pid), 10)
-    await operations.restore(
+    restored = await operations.restore(
         previous, settings=host.checkpoint_settings(), image_settings=ImageSettings()
     )
-    expected, _ = await reference.communicate()
-    assert await job_output_when_done(job.dir, 90) == expected.decode()
+    try:
+        upto = line_count(job.dir / "stdout") + MORE
+        await wait_until(lambda: line_count(job.dir / "stdout") >= upto, 60)
+        assert reference.stdout is not None
+        expected = [(await reference.stdout.readline()).decode() for _ in range(upto)]
+        assert (job.dir / "stdout").read_text().splitlines(keepends=True)[:upto] == expected
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(restored.pid, signal.SIGKILL)
+        reference.kill()
+        await reference.wait()
