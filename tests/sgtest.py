@@ -26,7 +26,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -51,7 +51,7 @@ def installed(binary: Path, script: str) -> None:
         pytest.skip(f"{binary} is not installed (scripts/{script})")
 
 
-def in_pid_namespace(code: str, *args: str) -> subprocess.Popen[str]:
+def _in_pid_namespace(code: str, *args: str) -> subprocess.Popen[str]:
     """``python -c code args`` as PID 1 of a new PID namespace with its own /proc (what an
     agent in a container sees), its stdout a pipe; killing the returned process ends it."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
@@ -59,6 +59,28 @@ def in_pid_namespace(code: str, *args: str) -> subprocess.Popen[str]:
     ns = ["unshare", "-m", "-p", "-f", "--kill-child", "--mount-proc", "--propagation", "private"]
     return subprocess.Popen([*ns, sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
                             text=True)  # fmt: skip
+
+
+def run_in_pid_namespace(code: str, *args: str) -> str:
+    """Run ``python -c code args`` in a PID namespace of its own (:func:`_in_pid_namespace`)
+    to its end; its output, stripped (it must exit 0)."""
+    proc = _in_pid_namespace(code, *args)
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    return out.strip()
+
+
+@contextlib.contextmanager
+def held_in_pid_namespace(code: str, *args: str) -> Iterator[str]:
+    """Start ``python -c code args`` in a PID namespace of its own, yield the first line it
+    prints (it then waits, holding what it made) and end it on exit."""
+    proc = _in_pid_namespace(code, *args)
+    try:
+        assert proc.stdout is not None
+        yield proc.stdout.readline().strip()
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 def free_port() -> int:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from sgtest import in_pid_namespace
+from sgtest import held_in_pid_namespace, run_in_pid_namespace
 from spotguard import workdirs
 from spotguard.checkpoint.procfacts import start_time
 
@@ -72,27 +72,19 @@ def test_a_live_owner_in_another_pid_namespace_is_never_swept(tmp_path: Path) ->
     failed: "Can't create log file"). Only the sweeper's own namespace is judged."""
     # the host's live operation, swept from inside a namespace
     mine = workdirs.make("spotguard-restore-", tmp_path)
-    sweeper = in_pid_namespace(
+    removed = run_in_pid_namespace(
         "import sys; from pathlib import Path; from spotguard import workdirs\n"
-        "print(len(workdirs.sweep(Path(sys.argv[1]))), flush=True)\n",
+        "print(len(workdirs.sweep(Path(sys.argv[1]))))\n",
         str(tmp_path),
     )
-    out, _ = sweeper.communicate(timeout=60)
-    assert sweeper.returncode == 0 and out.strip() == "0", out
-    assert mine.is_dir(), "the namespace's sweep removed the host's live work directory"
+    assert removed == "0" and mine.is_dir(), "the namespace's sweep removed a live directory"
     # the namespace's live operation, swept from the host
-    owner = in_pid_namespace(
+    with held_in_pid_namespace(
         "import sys, time; from pathlib import Path; from spotguard import workdirs\n"
-        "print(workdirs.make('sg-dump-', Path(sys.argv[1])), flush=True)\n"
-        "time.sleep(60)\n",
+        "print(workdirs.make('sg-dump-', Path(sys.argv[1])), flush=True); time.sleep(60)\n",
         str(tmp_path),
-    )
-    try:
-        assert owner.stdout is not None
-        theirs = Path(owner.stdout.readline().strip())
+    ) as made:
+        theirs = Path(made)
         assert theirs.is_dir()
         assert workdirs.sweep(tmp_path) == []
         assert theirs.is_dir(), "the host's sweep removed a live work directory of a namespace"
-    finally:
-        owner.kill()
-        owner.wait()

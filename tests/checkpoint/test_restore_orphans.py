@@ -11,7 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sgtest import in_pid_namespace
+from sgtest import held_in_pid_namespace, run_in_pid_namespace
 from spotguard import workdirs
 from spotguard.checkpoint.procfacts import start_time
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -65,30 +65,23 @@ def test_a_live_restore_in_another_pid_namespace_keeps_its_staged_image(tmp_path
     settings = CheckpointSettings(state_dir=tmp_path / "state", shm_dir=tmp_path / "shm")
     mine = settings.shm_dir / f"{_owned_prefix()}11223344"  # the host's restore, staging
     mine.mkdir(parents=True)
-    cleaner = in_pid_namespace(
+    removed = run_in_pid_namespace(
         "import sys; from pathlib import Path\n"
         "from spotguard.checkpoint.settings import CheckpointSettings\n"
         "from spotguard.operations.restore import clear_orphans\n"
         "s = CheckpointSettings(state_dir=Path(sys.argv[1]), shm_dir=Path(sys.argv[2]))\n"
-        "print(len(clear_orphans(s)), flush=True)\n",
+        "print(len(clear_orphans(s)))\n",
         str(tmp_path / "ns-state"), str(settings.shm_dir),
     )  # fmt: skip
-    out, _ = cleaner.communicate(timeout=60)
-    assert cleaner.returncode == 0 and out.strip() == "0", out
-    assert mine.is_dir(), "an agent in another PID namespace removed a live restore's image"
-    stager = in_pid_namespace(
+    assert removed == "0" and mine.is_dir(), "another PID namespace removed a live restore's image"
+    with held_in_pid_namespace(
         "import sys, time; from pathlib import Path\n"
         "from spotguard.operations.restore import _owned_prefix\n"
         "d = Path(sys.argv[1]) / (_owned_prefix() + '55667788'); d.mkdir()\n"
         "print(d, flush=True); time.sleep(60)\n",
         str(settings.shm_dir),
-    )
-    try:
-        assert stager.stdout is not None
-        theirs = Path(stager.stdout.readline().strip())
+    ) as made:
+        theirs = Path(made)
         assert theirs.is_dir()
         assert clear_orphans(settings) == []
         assert theirs.is_dir(), "the host removed a live restore's image of a PID namespace"
-    finally:
-        stager.kill()
-        stager.wait()
