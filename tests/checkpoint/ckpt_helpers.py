@@ -7,6 +7,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from sgtest import until
+from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, exit_status
 
 Launch = Callable[..., Awaitable[JobInfo]]
@@ -19,8 +20,11 @@ wait_for = until
 
 
 async def wait_exit(job: JobInfo, limit: float = 60.0) -> int:
-    """Wait until the job's command has ended; its exit code."""
+    """Wait until the job's command has ended and its init with it (the init writes the exit
+    status a moment before it ends: a restore of the job before then is rightly refused as
+    running); the command's exit code."""
     await wait_for(lambda: exit_status(job) is not None, f"job {job.name} to finish", limit)
+    await wait_for(lambda: not proctree.alive(job.pid), f"job {job.name}'s init to end", limit)
     code = exit_status(job)
     assert code is not None
     return code

@@ -73,7 +73,7 @@ async def test_restore_leave_running_image_after_original_finished(
     stdout = job.dir / "stdout"
     await wait_for(lambda: len(lines(stdout)) > 5, "first steps")
     result = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.RESUME)
-    assert await wait_exit(job) == 0
+    assert await wait_exit(job) == 0  # and its init ended: the restore is of a finished job
     (job.dir / "exit_status").unlink()
     restored = await engine.restore(DirectorySource(result.images_dir))
     assert await wait_exit(restored.job) == 0
