@@ -20,7 +20,7 @@ import psutil
 import pytest
 
 from sgtest import StagingGpu, until
-from spotguard.checkpoint import gpupages
+from spotguard.checkpoint import gpupages, suspend
 from spotguard.checkpoint.criu import Criu, has_external_pages
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, start_job
@@ -199,6 +199,32 @@ async def test_staged_memory_streams_beside_criu_and_comes_back_exact(
         if overlap:  # the zero quarter mapped, never fetched; the rest moved into place
             assert where.detail["zero_bytes"] >= STAGED_MIB * MIB // 4
         assert gpu.checks() == ["ok"]  # every byte as staged, read while being placed
+        await _continues(job, stopped_at)
+    finally:
+        _kill(restored.pid if restored else None)
+
+
+async def test_a_tree_criu_left_stopped_runs_again_whatever_proc_shows_at_that_instant(
+    patched: str, tmp_path: Path, here: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """CRIU leaves the restored tree stopped until the staged memory is placed; the placer's
+    set-up then lets the job go from its tracer, and for a moment ``/proc`` shows it running
+    before it stops again. A restore that continued only what read as stopped then left the
+    job stopped for good (the stand-in driver waited for it in vain). Here every reading of
+    "stopped" says no, as it did at that instant: the job must run on all the same."""
+    job, gpu, engine = await _rig(
+        tmp_path, here, patched, "gpupages-cont", restore_overlap_min_mib=0
+    )
+    target = _stream_target(tmp_path, ImageSettings())
+    await engine.freeze(job, target, Mode.EXIT)
+    stopped_at = _count(job)
+    monkeypatch.setattr(suspend, "stopped", lambda pid: False)
+    restored = None
+    try:
+        assert target.url is not None
+        source = StreamSource(target.url, work_root=tmp_path / "w", settings=ImageSettings())
+        restored = await engine.restore(source, state_dir=tmp_path / "state")
+        assert gpu.checks() == ["ok"]
         await _continues(job, stopped_at)
     finally:
         _kill(restored.pid if restored else None)

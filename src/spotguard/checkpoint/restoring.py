@@ -143,7 +143,8 @@ async def restore(
                         source, meta.gpu_pages, by_ns, workers=s.gpu_page_workers or None
                     )
                     _memory_back(marker, gpu_pids, tree)
-        suspend.continue_stopped(tree)  # the driver needs them running
+        # the driver needs them running; CRIU left them all stopped where memory came beside it
+        suspend.continue_stopped(tree, every=bool(meta.gpu_pages))
         if gpu_pids:
             with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}) as gr:
                 await eng.faults.before("gpu_restore")

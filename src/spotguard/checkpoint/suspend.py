@@ -225,12 +225,23 @@ async def resume(
     return tl
 
 
+#: the pending-signal lines of /proc/PID/status (the thread's own, the process's shared)
+_PENDING = ("SigPnd:", "ShdPnd:")
+_SIGSTOP_BIT = 1 << (signal.SIGSTOP - 1)
+
+
 def stopped(pid: int) -> bool:
-    """True if the process is stopped (``T``), as a job suspended in place is."""
+    """True if the process is stopped (``T``), as a job suspended in place is, or is about to
+    be: a ``SIGSTOP`` sent and not yet acted on (CRIU stops a task it restores stopped with
+    one, which may still be pending when it exits)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] == "T"
-    except (OSError, IndexError):
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return True
+        with open(f"/proc/{pid}/status") as f:
+            pending = (int(ln.split()[1], 16) for ln in f if ln.startswith(_PENDING))
+            return any(mask & _SIGSTOP_BIT for mask in pending)
+    except (OSError, IndexError, ValueError):
         return False
 
 
@@ -249,8 +260,15 @@ async def parked(
     return done, [p for p in tree if stopped(p)]
 
 
-def continue_stopped(tree: Sequence[int]) -> None:
+def continue_stopped(tree: Sequence[int], *, every: bool = False) -> None:
     """SIGCONT the processes of a restored tree that CRIU brought back stopped (an image of a
     job that was suspended in place runs again; called before the GPU restore, which needs
-    the job's own threads)."""
-    proctree.signal_all([p for p in tree if stopped(p)], signal.SIGCONT)
+    the job's own threads).
+
+    ``every``: CRIU left the whole tree stopped (``--leave-stopped``, while memory carried
+    beside it is put back), so each process gets SIGCONT whatever ``/proc`` shows at this
+    instant. A reading would not do: a stopped process that a tracer lets go (the placer's
+    set-up, :mod:`.placing`) shows running for a moment before it stops again, and one
+    skipped then stays stopped for good."""
+    chosen = list(tree) if every else [p for p in tree if stopped(p)]
+    proctree.signal_all(chosen, signal.SIGCONT)
