@@ -42,6 +42,11 @@ class ImageSettings(Settings):
         description="Size of each pipe CRIU streams an image through (MiB); fs.pipe-max-size "
         "is raised to it when lower (root), else pipes stay at that limit",
     )
+    sparse_restore: bool = Field(
+        True,
+        description="A streamed restore leaves all-zero chunks of private anonymous memory "
+        "out of the pages CRIU writes (untouched, they read zero)",
+    )
     max_inflight_mb: int = Field(
         1024, ge=1, description="Memory bound for chunks in flight (MiB); writers wait beyond it"
     )

@@ -23,7 +23,6 @@ import logging
 import os
 import shutil
 import time
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -33,13 +32,14 @@ from spotguard.errors import ImageError, StreamError
 from spotguard.stream import pipes, protocol
 from spotguard.stream.capture import Capture, CaptureStats
 from spotguard.stream.serve import Serve, ServeStats
+from spotguard.stream.sparse import ReaderSource
 from spotguard.timeline import Step, Timeline
 
 if TYPE_CHECKING:
     from spotguard.checkpoint.gpupages import PageFill, PagePut, PageZero
     from spotguard.checkpoint.meta import ImageMeta
     from spotguard.checkpoint.staging import StagingPlan
-    from spotguard.image.buffers import BufferPool, Lease, OwnedChunk
+    from spotguard.image.buffers import BufferPool, Lease
     from spotguard.image.manifest import Manifest
     from spotguard.image.reader import ImageReader
     from spotguard.image.settings import ImageSettings
@@ -366,21 +366,6 @@ def _pipe_bytes(settings: ImageSettings) -> int:
     return want
 
 
-class _ReaderSource:
-    """:class:`~spotguard.stream.serve.ServeSource` over an open ``ImageReader``."""
-
-    def __init__(self, reader: ImageReader, criu_files: set[str], renames: dict[str, str]):
-        self.reader = reader
-        self.criu_files = criu_files
-        self.renames = renames
-
-    def exists(self, name: str) -> bool:
-        return name in self.criu_files
-
-    def iter_file(self, name: str) -> AsyncIterator[OwnedChunk]:
-        return self.reader.iter_file_owned(self.renames.get(name, name))
-
-
 class StreamSource:
     """Restore straight from an image URL (``RestoreSource`` with ``stream = True``)."""
 
@@ -404,6 +389,14 @@ class StreamSource:
         #: the reader authenticated the image under the host's keys (see RestoreSource)
         self.authenticated = False
         self._page_buffers: BufferPool | None = None  # made by the first get_pages
+        self._files: ReaderSource | None = None
+
+    @property
+    def sparse_bytes(self) -> int:
+        """Bytes of all-zero private memory left out of the pages CRIU read
+        (:mod:`spotguard.stream.sparse`)."""
+        f = self._files
+        return 0 if f is None or f.sparse is None else f.sparse.dropped_bytes
 
     @property
     def images_dir(self) -> Path:
@@ -440,9 +433,15 @@ class StreamSource:
                     async for data in reader.iter_file(name):
                         f.write(data)
             meta = ImageMeta.read(self.extras_dir)
+            self._files = ReaderSource(
+                reader,
+                set(info.get("criu_files", [])),
+                info.get("renames", {}),
+                sparse=self.settings.sparse_restore,
+            )
             self._serve = Serve(
                 self.images_dir,
-                _ReaderSource(reader, set(info.get("criu_files", [])), info.get("renames", {})),
+                self._files,
                 pipe_bytes=_pipe_bytes(self.settings),
             )
             await self._serve.start()
