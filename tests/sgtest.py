@@ -51,20 +51,22 @@ def installed(binary: Path, script: str) -> None:
         pytest.skip(f"{binary} is not installed (scripts/{script})")
 
 
-def _in_pid_namespace(code: str, *args: str) -> subprocess.Popen[str]:
+def _in_pid_namespace(code: str, *args: str, own_proc: bool = True) -> subprocess.Popen[str]:
     """``python -c code args`` as PID 1 of a new PID namespace with its own /proc (what an
-    agent in a container sees), its stdout a pipe; killing the returned process ends it."""
+    agent in a container sees; ``own_proc=False``: the host's /proc kept, whose pids are not
+    its own), its stdout a pipe; killing the returned process ends it."""
     if os.geteuid() != 0 or shutil.which("unshare") is None:
         pytest.skip("needs root and unshare (a PID namespace)")
-    ns = ["unshare", "-m", "-p", "-f", "--kill-child", "--mount-proc", "--propagation", "private"]
+    ns = ["unshare", "-m", "-p", "-f", "--kill-child", "--propagation", "private"]
+    ns += ["--mount-proc"] if own_proc else []
     return subprocess.Popen([*ns, sys.executable, "-c", code, *args], stdout=subprocess.PIPE,
                             text=True)  # fmt: skip
 
 
-def run_in_pid_namespace(code: str, *args: str) -> str:
+def run_in_pid_namespace(code: str, *args: str, own_proc: bool = True) -> str:
     """Run ``python -c code args`` in a PID namespace of its own (:func:`_in_pid_namespace`)
     to its end; its output, stripped (it must exit 0)."""
-    proc = _in_pid_namespace(code, *args)
+    proc = _in_pid_namespace(code, *args, own_proc=own_proc)
     out, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, out
     return out.strip()

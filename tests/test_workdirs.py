@@ -88,3 +88,20 @@ def test_a_live_owner_in_another_pid_namespace_is_never_swept(tmp_path: Path) ->
         assert theirs.is_dir()
         assert workdirs.sweep(tmp_path) == []
         assert theirs.is_dir(), "the host's sweep removed a live work directory of a namespace"
+
+
+def test_a_pid_namespace_that_kept_the_hosts_proc_sweeps_nothing(tmp_path: Path) -> None:
+    """In a PID namespace without a /proc of its own the pids in names (its own) and those in
+    /proc (the host's) differ: there an operation's own live directory — named after PID 1 —
+    read as the host's init's, which started at another time, so as dead. Such a sweep must
+    judge nothing."""
+    out = run_in_pid_namespace(
+        "import sys; from pathlib import Path; from spotguard import workdirs\n"
+        "made = workdirs.make('sg-dump-', Path(sys.argv[1]))\n"
+        "print(made.name, len(workdirs.sweep(Path(sys.argv[1]))))\n",
+        str(tmp_path),
+        own_proc=False,
+    )
+    name, removed = out.split()
+    assert name.startswith("sg-dump-1.")  # PID 1 of its namespace
+    assert removed == "0" and (tmp_path / name).is_dir(), "its own live directory was swept"

@@ -76,13 +76,21 @@ def temp_root() -> Path:
     return Path(os.environ.get("TMPDIR") or tempfile.gettempdir())
 
 
-def orphaned(pid: int, start: int, ns: int | None) -> bool:
+def judged_namespace() -> int:
+    """The PID namespace whose names a sweep from here may judge: this process's, where the
+    /proc mounted here shows it; 0 (judge nothing) elsewhere. Read once per sweep."""
+    here = pid_namespace()
+    return here if here and _proc_is_ours() else 0
+
+
+def orphaned(pid: int, start: int, ns: int | None, *, judged: int | None = None) -> bool:
     """Whether the process a name says made something (``pid`` with its ``start`` time, 0
     unknown, in PID namespace ``ns``) is gone. Judged only for this process's own namespace
-    with a /proc that shows it: anything else — another namespace's pids, a name without a
-    namespace — is never called orphaned (what it names may be running)."""
-    here = pid_namespace()
-    if not here or ns != here or not _proc_is_ours():
+    with a /proc that shows it (``judged``: :func:`judged_namespace`, read here if not
+    given): anything else — another namespace's pids, a name without a namespace — is never
+    called orphaned (what it names may be running)."""
+    here = judged_namespace() if judged is None else judged
+    if not here or ns != here:
         return False
     return not same_process(pid, start or None)
 
@@ -114,9 +122,12 @@ def sweep(base: Path | None = None) -> list[Path]:
     except OSError as exc:
         log.warning("work directories not swept", extra={"path": str(root), "error": str(exc)})
         return removed
+    judged = judged_namespace()
     for e in entries:
         who = owner(e.name)
-        if who is None or not e.is_dir(follow_symlinks=False) or not orphaned(*who):
+        if who is None or not e.is_dir(follow_symlinks=False):
+            continue
+        if not orphaned(*who, judged=judged):
             continue
         try:
             shutil.rmtree(e.path)

@@ -144,10 +144,12 @@ def clear_orphans(settings: CheckpointSettings) -> list[Path]:
     agent in a container that shares the staging tmpfs sees none of the host's processes).
     Returns what was removed (each logged)."""
     gone: list[Path] = []
+    judged = workdirs.judged_namespace()
     for root in (settings.shm_dir, settings.disk_staging_dir):
         for d in sorted(root.glob("restore-*")) if root.is_dir() else []:
             m = _OWNED.match(d.name)
-            if m is None or not workdirs.orphaned(int(m[1]), int(m[2]), _int(m[3])):
+            owner = None if m is None else (int(m[1]), int(m[2]), _int(m[3]))
+            if owner is None or not workdirs.orphaned(*owner, judged=judged):
                 continue  # another naming (kept as it is), or its restore may still run
             shutil.rmtree(d, ignore_errors=True)
             log.warning(
