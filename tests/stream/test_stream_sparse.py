@@ -129,6 +129,8 @@ async def test_zero_runs_of_private_memory_are_left_out_and_every_region_reads_b
         # A's 12 MiB and the parent's D (zeroed after the fork) and the child's C: at least
         # 26 MiB of whole zero chunks; F's zeros are not anonymous and were written
         assert source.sparse_bytes >= 26 * MIB
+        [step] = [st for st in restored.timeline.steps if st.name == "criu_restore"]
+        assert step.detail["sparse_bytes"] == source.sparse_bytes  # in the restore's timeline
         assert source.serve_stats is not None
         # the pages served are those stored less exactly what was left out
         assert _pages(source.serve_stats.files) + source.sparse_bytes == _pages(

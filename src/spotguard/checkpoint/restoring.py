@@ -116,6 +116,7 @@ async def restore(
         with tl.step("criu_restore") as rs:
             await eng.faults.before("criu_restore")
             pid = await restart.criu_restore(eng.criu, source, meta, eng.settings, rs.detail)
+            rs.detail["sparse_bytes"] = source.sparse_bytes
         by_ns = proctree.host_pids_by_ns_pid(pid)
         gpu_pids = [by_ns[n] for n in meta.gpu_processes if n in by_ns]
         if len(gpu_pids) != len(meta.gpu_processes):

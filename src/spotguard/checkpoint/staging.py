@@ -96,10 +96,15 @@ class RestoreSource(PagesSource, Protocol):
     """Provides one image to the engine's restore (and the GPU memory staged in it, as a
     :class:`~.gpupages.PagesSource`). ``authenticated`` (valid after
     :meth:`start`): the image was authenticated under a key (the fleet's, or this host's for
-    a local image), so restore may honour what it asks beyond the job's own directory."""
+    a local image), so restore may honour what it asks beyond the job's own directory.
+    ``sparse_bytes`` (valid once CRIU restored): all-zero memory left out of what CRIU wrote
+    (:mod:`spotguard.stream.sparse`; 0 for a source that serves every page)."""
 
     stream: bool
     authenticated: bool
+
+    @property
+    def sparse_bytes(self) -> int: ...
 
     @property
     def images_dir(self) -> Path: ...
@@ -288,6 +293,7 @@ class DirectorySource:
         self.key = key
         self.verified_by = verified_by
         self.authenticated = False
+        self.sparse_bytes = 0  # CRIU reads the files as they are
 
     @property
     def images_dir(self) -> Path:
