@@ -258,3 +258,38 @@ def test_a_cut_short_image_is_a_typed_error() -> None:
         sparse.parse_pagemap(data[:-3])
     with pytest.raises(ImageError):
         sparse.parse_pagemap(MAGIC[:5])
+
+
+async def test_a_pages_image_asked_for_before_its_pagemap_is_served_by_the_same_plan() -> None:
+    base = 0x7F0000000000
+    anon = _mm((base, base + 8 * PAGE, ANON))
+    files = {
+        "pagemap-7.img": _pagemap(5, (base, 8, sparse.PE_PRESENT)),
+        "pagemap-8.img": _pagemap(6, (base, 8, sparse.PE_PRESENT)),
+        "mm-7.img": anon,
+        "mm-8.img": anon,
+    }
+    reads: list[str] = []
+
+    async def read(name: str) -> bytes:
+        reads.append(name)
+        return files[name]
+
+    async def chunks(name: str) -> list[tuple[int, bool]] | None:
+        # pages-5: pages 0-3 data, 4-7 zero; pages-6: all data
+        return {"pages-5.img": [(4 * PAGE, False), (4 * PAGE, True)],
+                "pages-6.img": [(8 * PAGE, False)]}.get(name)  # fmt: skip
+
+    sp = sparse.SparseFiles(list(files), read, chunks)
+    assert await sp.dropped("pages-5.img") == [(4 * PAGE, 8 * PAGE)]
+    assert await sp.dropped("pages-6.img") is None  # nothing zero: served whole
+    assert await sp.dropped("pages-9.img") is None  # no pagemap names it (a shmem one's)
+    served = await sp.pagemap("pagemap-7.img")
+    assert served is not None
+    assert [(e.vaddr, e.nr_pages) for e in sparse.parse_pagemap(served).entries] == [(base, 4)]
+    assert await sp.pagemap("pagemap-8.img") is None
+    assert sp.dropped_bytes == 4 * PAGE
+    assert reads.count("pagemap-7.img") == 2  # its head, then its plan; never again
+    assert reads.count("pagemap-8.img") == 2
+    assert await sp.dropped("pages-9.img") is None
+    assert reads.count("pagemap-7.img") == 2 and reads.count("pagemap-8.img") == 2

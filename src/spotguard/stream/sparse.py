@@ -279,7 +279,7 @@ class SparseFiles:
         self._read = read
         self._chunks = chunks
         self._plans: dict[str, Plan | None] = {}  # by pagemap name
-        self._pages: dict[int, str] | None = None  # pages_id -> pagemap name
+        self._owner: dict[int, str] = {}  # pages_id -> its pagemap's name, as learnt
         self._lock = asyncio.Lock()
         self.dropped_bytes = 0
 
@@ -295,12 +295,14 @@ class SparseFiles:
         m = PAGES.fullmatch(name)
         if m is None:
             return None
-        async with self._lock:
-            if self._pages is None:
-                self._pages = {}
-                for pm in self._pagemaps:
-                    self._pages[parse_pagemap(await self._read(pm)).pages_id] = pm
-        owner = self._pages.get(int(m.group(1)))
+        want = int(m.group(1))
+        async with self._lock:  # its pagemap was planned first (CRIU opens it first); if not,
+            for pm in self._pagemaps:  # the heads of those not planned yet say which it is
+                if want in self._owner:
+                    break
+                if pm not in self._plans and pm not in self._owner.values():
+                    self._owner[parse_pagemap(await self._read(pm)).pages_id] = pm
+        owner = self._owner.get(want)
         p = None if owner is None else await self._plan(owner)
         return None if p is None else p.dropped
 
@@ -311,6 +313,7 @@ class SparseFiles:
             m = PAGEMAP.fullmatch(pagemap)
             assert m is not None
             pm = parse_pagemap(await self._read(pagemap))
+            self._owner[pm.pages_id] = pagemap
             pages, mm = f"pages-{pm.pages_id}.img", f"mm-{m.group(1)}.img"
             p = None
             if pm.entries and mm in self._names and await self._chunks(pages) is not None:
