@@ -83,11 +83,12 @@ def task_times(log: str) -> list[TaskTimes]:
 
 
 async def one_run(criu: str, ranks: int, mib: int, reserve_gib: float, maps: int,
-                  work: Path) -> dict[str, float]:  # fmt: skip
+                  work: Path, threads: int = 0) -> dict[str, float]:  # fmt: skip
     """Dump a launcher of ``ranks`` ranks once; the figures of the table's row."""
     out = work / "out"
     argv = [sys.executable, str(JOB), "launcher", "--ranks", str(ranks), "--mib", str(mib),
-            "--out", str(out), "--reserve-gib", str(reserve_gib), "--maps", str(maps)]  # fmt: skip
+            "--out", str(out), "--reserve-gib", str(reserve_gib), "--maps", str(maps),
+            "--threads", str(threads)]  # fmt: skip
     job = await start_job(argv, f"criu-tasks-{ranks}", state_dir=work)
     logs = work / "logs"
     logs.mkdir()
@@ -111,6 +112,14 @@ async def one_run(criu: str, ranks: int, mib: int, reserve_gib: float, maps: int
     }
 
 
+def _label(criu: str, all_of: list[str]) -> str:
+    """A binary's name in the table: its file name, with its prefix's where two share it."""
+    path = Path(criu)
+    if sum(Path(c).name == path.name for c in all_of) > 1:
+        return f"{path.parent.parent.name}/{path.name}"
+    return path.name
+
+
 def table(rows: list[tuple[str, int, dict[str, float]]]) -> str:
     """The rows as a markdown table."""
     head = "| criu | N | criu_dump s | per rank s | of it before drain s |\n" + "| --- " * 5 + "|"
@@ -126,6 +135,7 @@ async def main() -> int:
     p.add_argument("--mib", type=int, default=256, help="MiB of data per rank")
     p.add_argument("--reserve-gib", type=float, default=16.0)
     p.add_argument("--maps", type=int, default=2000)
+    p.add_argument("--threads", type=int, default=0, help="idle threads per rank (CUDA: ~60)")
     p.add_argument("--repeat", type=int, default=1)
     a = p.parse_args()
     rows: list[tuple[str, int, dict[str, float]]] = []
@@ -134,10 +144,10 @@ async def main() -> int:
             for n in a.ranks:
                 work = Path(tempfile.mkdtemp(prefix="sg-criu-tasks-"))
                 try:
-                    row = await one_run(criu, n, a.mib, a.reserve_gib, a.maps, work)
+                    row = await one_run(criu, n, a.mib, a.reserve_gib, a.maps, work, a.threads)
                 finally:
                     shutil.rmtree(work, ignore_errors=True)
-                rows.append((Path(criu).name, n, row))
+                rows.append((_label(criu, a.criu), n, row))
                 print(f"{criu} N={n}: {row}", file=sys.stderr, flush=True)
     print(table(rows))
     return 0

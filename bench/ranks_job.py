@@ -13,11 +13,14 @@ The ranks open files only to write them (no descriptor is held across a checkpoi
 
 ``--reserve-gib R`` gives each rank what a CUDA process also has: a reservation of R GiB of
 address space (private, ``PROT_NONE``, never touched: the driver's unified address range, 16 GiB
-on the GPU machines) and ``--maps K`` small private mappings, every other one with a page
-written. CRIU counts the reservation as private memory and walks every mapping, so these
-make its per-task work that of a CUDA rank (``bench/criu_tasks.py``).
+on the GPU machines), ``--maps K`` small private mappings, every other one with a page
+written, and ``--threads T`` idle threads (a CUDA process has some 60; CRIU looks at every
+thread's stack pointer for every page it dumps). CRIU counts the reservation as private
+memory and walks every mapping, so these make its per-task work that of a CUDA rank
+(``bench/criu_tasks.py``).
 
-    python bench/ranks_job.py launcher --ranks N --mib M --out DIR [--reserve-gib R --maps K]
+    python bench/ranks_job.py launcher --ranks N --mib M --out DIR [--reserve-gib R --maps K
+                                       --threads T]
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ import mmap
 import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -76,9 +80,13 @@ def _shape(reserve_gib: float, maps: int) -> list[mmap.mmap]:
     return held
 
 
-def rank(index: int, mib: int, out: Path, reserve_gib: float = 0.0, maps: int = 0) -> None:
+def rank(
+    index: int, mib: int, out: Path, reserve_gib: float = 0.0, maps: int = 0, threads: int = 0
+) -> None:
     """One rank: fill, report the checksum, then answer every ``verify-G`` request."""
     _held = _shape(reserve_gib, maps)  # alive as long as the rank runs
+    for _ in range(threads):  # idle, as a CUDA process's driver and library threads mostly are
+        threading.Thread(target=time.sleep, args=(1e9,), daemon=True).start()
     buf = _fill(mib * MiB)
     _write(out / f"rank-{index}.sum", _digest(buf))
     answered = 0
@@ -91,10 +99,12 @@ def rank(index: int, mib: int, out: Path, reserve_gib: float = 0.0, maps: int = 
         time.sleep(0.05)
 
 
-def launcher(ranks: int, mib: int, out: Path, reserve_gib: float = 0.0, maps: int = 0) -> int:
+def launcher(
+    ranks: int, mib: int, out: Path, reserve_gib: float = 0.0, maps: int = 0, threads: int = 0
+) -> int:
     """Exec ``ranks`` ranks and wait for them (they run until killed)."""
     out.mkdir(parents=True, exist_ok=True)
-    shape = ["--reserve-gib", str(reserve_gib), "--maps", str(maps)]
+    shape = ["--reserve-gib", str(reserve_gib), "--maps", str(maps), "--threads", str(threads)]
     procs = [
         subprocess.Popen(
             [sys.executable, os.path.abspath(__file__), "rank", str(i), str(mib), str(out), *shape],
@@ -121,10 +131,12 @@ def main(argv: list[str] | None = None) -> int:
     for sp in (la, ra):
         sp.add_argument("--reserve-gib", type=float, default=0.0)
         sp.add_argument("--maps", type=int, default=0)
+        sp.add_argument("--threads", type=int, default=0)
     args = ap.parse_args(argv)
+    shape = (args.reserve_gib, args.maps, args.threads)
     if args.cmd == "launcher":
-        return launcher(args.ranks, args.mib, args.out, args.reserve_gib, args.maps)
-    rank(args.index, args.mib, args.out, args.reserve_gib, args.maps)
+        return launcher(args.ranks, args.mib, args.out, *shape)
+    rank(args.index, args.mib, args.out, *shape)
     return 0
 
 
