@@ -99,27 +99,38 @@ def _tree(pid: int) -> list[int]:
     return [p.pid for p in [root, *root.children(recursive=True)]]
 
 
-async def test_zero_runs_of_private_memory_are_left_out_and_every_region_reads_back(
-    criu_bin: str, tmp_path: Path
-) -> None:
+async def _frozen(
+    criu_bin: str, tmp_path: Path, name: str, settings: ImageSettings
+) -> tuple[Path, dict[str, str], StreamTarget, Engine]:
+    """The job started as ``name``, its regions' sums, and the job frozen (exit) into a
+    stream of 1 MiB chunks."""
     here = tmp_path / "here"
     here.mkdir()
     script = tmp_path / "sparse_job.py"
     script.write_text(JOB)
-    job = await start_job(
-        [sys.executable, str(script), str(here)], "sparse", state_dir=tmp_path / "state"
-    )
+    argv = [sys.executable, str(script), str(here)]
+    job = await start_job(argv, name, state_dir=tmp_path / "state")
     await wait_lines(job.dir / "stdout", 2)
     before = _sums(here, _tree(job.pid))
     assert before["sums-parent"] != before["sums-child"]  # C and D differ between the two
-
     engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
-    store = f"file://{tmp_path / 'store'}"
-    opts = {"chunk_size": 1 * MIB}
-    target = StreamTarget(
-        store, work_root=tmp_path / "w", writer_options=opts, settings=ImageSettings()
-    )
+    target = StreamTarget(f"file://{tmp_path / 'store'}", work_root=tmp_path / "w",
+                          writer_options={"chunk_size": MIB}, settings=settings)  # fmt: skip
     await engine.freeze(job, target, Mode.EXIT)
+    assert target.url is not None and target.capture_stats is not None
+    return here, before, target, engine
+
+
+def _kill_tree(pid: int) -> None:
+    for p in _tree(pid):
+        with contextlib.suppress(psutil.Error):
+            psutil.Process(p).kill()
+
+
+async def test_zero_runs_of_private_memory_are_left_out_and_every_region_reads_back(
+    criu_bin: str, tmp_path: Path
+) -> None:
+    here, before, target, engine = await _frozen(criu_bin, tmp_path, "sparse", ImageSettings())
     assert target.url is not None and target.capture_stats is not None
     restored = None
     try:
@@ -138,26 +149,12 @@ async def test_zero_runs_of_private_memory_are_left_out_and_every_region_reads_b
         )
     finally:
         if restored is not None:
-            for p in _tree(restored.pid):
-                with contextlib.suppress(psutil.Error):
-                    psutil.Process(p).kill()
+            _kill_tree(restored.pid)
 
 
 async def test_with_sparse_restore_off_every_page_is_written(criu_bin: str, tmp_path: Path) -> None:
-    here = tmp_path / "here"
-    here.mkdir()
-    script = tmp_path / "sparse_job.py"
-    script.write_text(JOB)
-    job = await start_job(
-        [sys.executable, str(script), str(here)], "dense", state_dir=tmp_path / "state"
-    )
-    await wait_lines(job.dir / "stdout", 2)
-    before = _sums(here, _tree(job.pid))
-    engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
     off = ImageSettings(sparse_restore=False)
-    target = StreamTarget(f"file://{tmp_path / 'store'}", work_root=tmp_path / "w",
-                          writer_options={"chunk_size": MIB}, settings=off)  # fmt: skip
-    await engine.freeze(job, target, Mode.EXIT)
+    here, before, target, engine = await _frozen(criu_bin, tmp_path, "dense", off)
     assert target.url is not None and target.capture_stats is not None
     restored = None
     try:
@@ -169,9 +166,7 @@ async def test_with_sparse_restore_off_every_page_is_written(criu_bin: str, tmp_
         assert source.serve_stats.bytes == target.capture_stats.bytes
     finally:
         if restored is not None:
-            for p in _tree(restored.pid):
-                with contextlib.suppress(psutil.Error):
-                    psutil.Process(p).kill()
+            _kill_tree(restored.pid)
 
 
 # --- the rewrite, on images built here ---------------------------------------------------
