@@ -15,6 +15,7 @@ import signal
 import sys
 from functools import partial
 from pathlib import Path
+from typing import Any
 
 import pytest
 from ckpt_helpers import wait_for
@@ -282,3 +283,59 @@ async def test_a_dump_to_a_directory_raises_the_pipe_limit_so_a_rank_is_written_
         assert int(await asyncio.to_thread(PIPE_MAX.read_text)) == 64 << 20
     finally:
         await asyncio.to_thread(PIPE_MAX.write_text, before)
+
+
+THREADED = """
+import threading, time
+for _ in range(12):
+    threading.Thread(target=time.sleep, args=(1e9,), daemon=True).start()
+print("ready", flush=True)
+while True:
+    time.sleep(0.05)
+"""
+
+
+def _stack_pages(root: int) -> set[int]:
+    """The stack page of every thread but the main one of the tree's threaded process, from
+    the stack pointer of the system call each waits in (``syscall``'s 8th field)."""
+    from spotguard.stream import sparse
+
+    [proc] = [p for p in proctree.tree(root) if len(list(Path(f"/proc/{p}/task").iterdir())) > 10]
+    pages = set()
+    for task in Path(f"/proc/{proc}/task").iterdir():
+        if task.name != str(proc):
+            fields = (task / "syscall").read_text().split()
+            assert len(fields) == 9, fields  # blocked in a system call
+            pages.add(int(fields[7], 16) & ~(sparse.PAGE - 1))
+    return pages
+
+
+def _entries(images: Path) -> list[Any]:
+    from spotguard.stream import sparse
+
+    return [e for f in images.glob("pagemap-*.img")
+            for e in sparse.parse_pagemap(f.read_bytes()).entries]  # fmt: skip
+
+
+async def test_every_threads_stack_page_stays_out_of_lazy_restore(
+    parallel_criu: Criu, settings: CheckpointSettings, tmp_path: Path
+) -> None:
+    """Patch 0005 looks for thread stacks only in the mappings that hold a stack pointer;
+    the pagemap must still mark every thread's stack page not lazy (the restorer needs it)
+    and the rest of a lazy-capable mapping lazy, as before."""
+    from spotguard.stream import sparse
+
+    script = tmp_path / "threaded.py"
+    script.write_text(THREADED)
+    job = await start_job([sys.executable, str(script)], "threads", state_dir=tmp_path / "state")
+    await wait_for(lambda: (job.dir / "stdout").read_text().startswith("ready"), "the job", 30)
+    sps = _stack_pages(job.pid)
+    assert len(sps) == 12
+    engine = Engine(parallel_criu, settings=settings)
+    await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.RESUME)
+    entries = _entries(tmp_path / "img")
+    for sp in sps:
+        [e] = [e for e in entries if e.vaddr <= sp < e.vaddr + e.nr_pages * sparse.PAGE]
+        assert not e.flags & sparse.PE_LAZY, f"stack page {sp:#x} marked lazy"
+    assert sum(e.nr_pages for e in entries if e.flags & sparse.PE_LAZY) > 1000
+    await _kill(job.pid)
