@@ -316,14 +316,14 @@ class SparseFiles:
             self._owner[pm.pages_id] = pagemap
             pages, mm = f"pages-{pm.pages_id}.img", f"mm-{m.group(1)}.img"
             p = None
-            if pm.entries and mm in self._names and await self._chunks(pages) is not None:
-                zero, off = [], 0
-                for size, is_zero in await self._chunks(pages) or []:
-                    if is_zero:
-                        zero.append((off, off + size))
-                    off += size
-                if zero:
-                    p = plan(pm, anon_private(await self._read(mm)), zero)
+            chunks = await self._chunks(pages) if pm.entries and mm in self._names else None
+            zero, off = [], 0
+            for size, is_zero in chunks or []:
+                if is_zero:
+                    zero.append((off, off + size))
+                off += size
+            if zero:
+                p = plan(pm, anon_private(await self._read(mm)), zero)
             self._plans[pagemap] = p
             if p is not None:
                 self.dropped_bytes += p.dropped_bytes
