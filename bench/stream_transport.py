@@ -43,7 +43,8 @@ from spotguard.image import ImageSettings
 from spotguard.image.reader import ImageReader
 from spotguard.image.writer import ImageWriter
 from spotguard.stream import Capture, Serve
-from spotguard.stream.direct import ImageSink, _ReaderSource
+from spotguard.stream.direct import ImageSink
+from spotguard.stream.sparse import ReaderSource
 
 MiB = 1 << 20
 JOB = """
@@ -209,7 +210,7 @@ async def restore_image(criu: Criu, work: Path, url: str, pipe: int) -> dict[str
     try:
         async with ImageReader(url, settings=ImageSettings()) as reader:
             names = {f.name for f in reader.manifest.files}
-            async with Serve(d, _ReaderSource(reader, names, {}), **kw) as srv:
+            async with Serve(d, ReaderSource(reader, names, {}), **kw) as srv:
                 pid = await _restore(criu, d, True)
                 nbytes = (await srv.wait()).bytes
     finally:

@@ -1,8 +1,9 @@
 """Helpers shared by the whole suite (``tests/`` is on ``sys.path`` through the root
 ``conftest.py``): a free local port, polling until a condition holds (blocking and async), a
-job's output growing, the store-server fixtures, the CRIU-backed checkpoint settings of one
-test (the ``settings`` fixture), and ``spotguard`` run as a console script with none of the
-caller's ``SPOTGUARD_*`` settings (:func:`sg`: a config file, an environment added, a working
+job's output growing, the store-server fixtures, a store that holds chunks back
+(``GatedStore``), the CRIU-backed checkpoint settings of one test (the ``settings``
+fixture), and ``spotguard`` run as a console script with none of the caller's
+``SPOTGUARD_*`` settings (:func:`sg`: a config file, an environment added, a working
 directory; :func:`sg_json` its JSON answer). Helpers of one area stay in that area's
 ``*_helpers.py``; the ones several areas copied live here, once.
 
@@ -37,6 +38,7 @@ import pytest
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.testing import RecordingGpu
 from spotguard.errors import GpuError
+from spotguard.store.base import ImageStore, ObjectInfo
 
 
 def installed(binary: Path, script: str) -> None:
@@ -311,3 +313,32 @@ def flip_a_byte(path: Path) -> int:
             return at
         data[at] ^= 0x01
     raise AssertionError(f"no single-bit flip changes what {path} decodes to")
+
+
+class GatedStore:
+    """A file store whose chunk uploads stop after ``allow`` until ``gate`` opens: a slow
+    store, so CRIU is provably mid-dump (blocked on a full pipe) when the test strikes."""
+
+    def __init__(self, inner: ImageStore, allow: int = 2) -> None:
+        self.inner = inner
+        self.url = inner.url
+        self.allow = allow
+        self.gate = asyncio.Event()
+        self.blocked = asyncio.Event()
+
+    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if "/chunks/" in key:
+            if self.allow <= 0:
+                self.blocked.set()
+                await self.gate.wait()
+            self.allow -= 1
+        await self.inner.put(key, data, if_absent=if_absent)
+
+    async def sync(self, keys: Sequence[str]) -> None:
+        await self.inner.sync(keys)  # the writer's durability batch must reach the file store
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    async def list(self, prefix: str) -> list[ObjectInfo]:
+        return await self.inner.list(prefix)

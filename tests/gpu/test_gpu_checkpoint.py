@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from sgtest import until
+from sgtest import GatedStore, until
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu, has_external_pages
 from spotguard.checkpoint.cuda import CudaHook, driver_available, inventory
@@ -26,6 +26,9 @@ from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import exit_status, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
+from spotguard.image import ImageSettings
+from spotguard.store import open_store
+from spotguard.stream import StreamSource, StreamTarget
 from spotguard.timeline import Step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.criu]
@@ -113,6 +116,69 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
     finally:
         for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
             proctree.signal_all([pid], signal.SIGKILL)
+
+
+async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
+    gpu_ready: None, criu_bin: str, tmp_path: Path
+) -> None:
+    """A leave-running checkpoint to a store copies the job's image (the GPU memory the
+    driver staged, CRIU's files) into host memory and lets the job train on; the store takes
+    it after. The store here holds every chunk after the second until the job has trained
+    on; the image then restores to losses bit-identical to an uninterrupted run."""
+    done = await asyncio.to_thread(
+        subprocess.run, [*JOB, "--step-seconds", "0"], capture_output=True, text=True, env=ENV,
+        check=True,
+    )  # fmt: skip
+    ref = done.stdout.splitlines()
+    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
+    engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
+    job = await start_job(
+        [*JOB, "--step-seconds", "0.05"], "gpu-train-hold", state_dir=settings.state_dir, env=ENV
+    )
+    out = job.dir / "stdout"
+    gated = GatedStore(open_store(f"file://{tmp_path / 'store'}"))
+    try:
+        await until(lambda: len(_lines(out)) > 10, "first training steps", limit=120)
+        target = StreamTarget(gated, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
+        pausing = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
+        try:
+            await asyncio.wait_for(gated.blocked.wait(), 120)
+            n = len(_lines(out))
+            try:
+                await until(lambda: len(_lines(out)) > n + 5, "training while the store stalls", 60)
+            except BaseException:
+                w, c = target._writer, target._capture
+                print("plan", target.plan, "pages hold left", target._pages_hold)
+                if w is not None:
+                    print("writer in flight", w.max_inflight, "input", w.input_limit, w.stats)
+                if c is not None:
+                    print("captured", c.stats.files)
+                raise
+            assert not pausing.done(), "durable with two chunks stored"
+        finally:
+            gated.gate.set()
+        paused = await asyncio.wait_for(pausing, 300)
+        (staging,) = [s for s in paused.timeline.steps if s.name == "staging"]
+        print(
+            f"\nstreamed pause: {paused.pause_seconds:.3f} s, "
+            f"{staging.detail['hold_bytes'] >> 20} MiB held ({_steps(paused.timeline.steps)})"
+        )
+        assert target.url is not None
+        proctree.signal_all([job.pid], signal.SIGKILL)
+        await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=60)
+        shutil.rmtree(job.dir)
+        source = StreamSource(target.url, settings=ImageSettings(), work_root=tmp_path / "w2")
+        restored = await engine.restore(source, state_dir=settings.state_dir)
+        await until(
+            lambda: exit_status(restored.job) is not None, "the restored job to finish", limit=120
+        )
+        assert exit_status(restored.job) == 0
+        assert _lines(out) == ref
+        print(f"losses bit-identical to the reference over {len(ref)} lines")
+    finally:
+        for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
+            proctree.signal_all([pid], signal.SIGKILL)
+        await gated.inner.aclose()
 
 
 async def test_gpu_processes_are_found_by_the_driver_and_the_remap_path_runs(

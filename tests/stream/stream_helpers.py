@@ -1,9 +1,16 @@
-"""Shared pieces of the streaming tests: the deterministic job and waiting for its output."""
+"""Shared pieces of the streaming tests: the deterministic job and waiting for its output
+(the store that holds chunks back, ``GatedStore``, is the whole suite's: :mod:`sgtest`)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import sys
 from pathlib import Path
+
+import psutil
+
+from spotguard.checkpoint.jobs import JobInfo, start_job
 
 #: A job whose output depends on every step and on memory it filled at start: if a restore
 #: lost or corrupted anything, the printed hashes differ from an uninterrupted run.
@@ -49,3 +56,21 @@ async def wait_done(path: Path, limit: float = 30.0) -> str:
             return text
         await asyncio.sleep(0.05)
     raise AssertionError(f"{path} never finished: {text[-200:]!r}")
+
+
+async def start_stream_job(job_script: Path, state_dir: Path, name: str) -> JobInfo:
+    """The deterministic job under ``spotguard run``'s namespaces, once it has printed a few
+    steps (its memory filled)."""
+    job = await start_job(
+        [sys.executable, str(job_script), str(STEPS), str(MIB)], name, state_dir=state_dir
+    )
+    await wait_lines(job.dir / "stdout", 5)
+    return job
+
+
+def kill_tree(pid: int) -> None:
+    """SIGKILL ``pid`` and every process under it (those already gone are skipped)."""
+    with contextlib.suppress(psutil.Error):
+        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()

@@ -8,28 +8,26 @@ the job keeps running and no image becomes visible.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
-from stream_helpers import MIB, STEPS, wait_done, wait_lines
+from stream_helpers import MIB, kill_tree, start_stream_job, wait_done, wait_lines
 
+from sgtest import GatedStore
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
-from spotguard.checkpoint.jobs import JobInfo, start_job
+from spotguard.checkpoint.jobs import start_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import CheckpointError, ImageNotFound, StoreUnavailable
 from spotguard.image import ImageSettings
 from spotguard.image.catalog import latest_image
 from spotguard.image.reader import ImageReader
 from spotguard.store import open_store
-from spotguard.store.base import ImageStore, ObjectInfo
 from spotguard.stream import StreamSource, StreamTarget, sparse
 
 pytestmark = [
@@ -40,21 +38,6 @@ pytestmark = [
 
 S = ImageSettings()
 SMALL = {"chunk_size": 1 << 20, "max_inflight": 2}
-
-
-async def _start(job_script: Path, state_dir: Path, name: str) -> JobInfo:
-    job = await start_job(
-        [sys.executable, str(job_script), str(STEPS), str(MIB)], name, state_dir=state_dir
-    )
-    await wait_lines(job.dir / "stdout", 5)
-    return job
-
-
-def _kill_tree(pid: int) -> None:
-    with contextlib.suppress(psutil.Error):
-        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
 
 
 @pytest.fixture
@@ -78,7 +61,7 @@ async def test_streamed_freeze_and_restore_match_an_uninterrupted_run(
         f"file://{tmp_path / 'store'}" if backend == "file" else request.getfixturevalue("s3_store")
     )
     engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
-    job = await _start(job_script, tmp_path / "state", f"stream-{backend}")
+    job = await start_stream_job(job_script, tmp_path / "state", f"stream-{backend}")
     target = StreamTarget(store, work_root=tmp_path / "work", writer_options=SMALL, settings=S)
     result = await engine.freeze(job, target, Mode.EXIT)
     assert target.manifest is not None and target.url is not None  # committed
@@ -109,7 +92,7 @@ async def test_streamed_freeze_and_restore_match_an_uninterrupted_run(
         out = await wait_done(job.dir / "stdout")
         assert out == reference_output
     finally:
-        _kill_tree(restored.pid)
+        kill_tree(restored.pid)
 
 
 def _paging(name: str) -> bool:
@@ -118,35 +101,6 @@ def _paging(name: str) -> bool:
 
 def _pages(files: dict[str, int]) -> int:
     return sum(n for name, n in files.items() if sparse.PAGES.fullmatch(name))
-
-
-class GatedStore:
-    """A file store whose chunk uploads stop after ``allow`` until ``gate`` opens: a slow
-    store, so CRIU is provably mid-dump (blocked on a full pipe) when the test strikes."""
-
-    def __init__(self, inner: ImageStore, allow: int = 2) -> None:
-        self.inner = inner
-        self.url = inner.url
-        self.allow = allow
-        self.gate = asyncio.Event()
-        self.blocked = asyncio.Event()
-
-    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        if "/chunks/" in key:
-            if self.allow <= 0:
-                self.blocked.set()
-                await self.gate.wait()
-            self.allow -= 1
-        await self.inner.put(key, data, if_absent=if_absent)
-
-    async def sync(self, keys: Sequence[str]) -> None:
-        await self.inner.sync(keys)  # the writer's durability batch must reach the file store
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.inner, name)
-
-    async def list(self, prefix: str) -> list[ObjectInfo]:
-        return await self.inner.list(prefix)
 
 
 def _criu_children() -> list[psutil.Process]:
@@ -179,7 +133,7 @@ async def test_killed_mid_stream_leaves_job_running_and_no_image(
     store_url = f"file://{tmp_path / 'store'}"
     gated = GatedStore(open_store(store_url))
     engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
-    job = await _start(job_script, tmp_path / "state", f"strike-{strike}")
+    job = await start_stream_job(job_script, tmp_path / "state", f"strike-{strike}")
     s = ImageSettings(pipe_mb=pipe_mb)
     target = StreamTarget(gated, work_root=tmp_path / "work", writer_options=SMALL, settings=s)  # type: ignore[arg-type]
     freeze = asyncio.create_task(engine.freeze(job, target, Mode.EXIT))
@@ -202,7 +156,7 @@ async def test_killed_mid_stream_leaves_job_running_and_no_image(
     try:
         assert await wait_done(job.dir / "stdout") == reference_output
     finally:
-        _kill_tree(job.pid)
+        kill_tree(job.pid)
     # Chunks may have reached the store, but no image exists: no manifest, nothing to read.
     chunks = await gated.inner.list(f"{job.name}/chunks/")
     assert chunks, "the dump was stopped before any chunk was stored"
@@ -232,7 +186,7 @@ async def test_exit_mode_upload_failing_mid_stream_never_kills_the_job(
     lets CRIU kill it only after that: a store failing mid-stream leaves the job running."""
     store_url = f"file://{tmp_path / 'store'}"
     failing = FailingStore(open_store(store_url), allow=2)
-    job = await _start(job_script, tmp_path / "state", "exit-upload-fails")
+    job = await start_stream_job(job_script, tmp_path / "state", "exit-upload-fails")
     target = StreamTarget(failing, work_root=tmp_path / "work", writer_options=SMALL, settings=S)  # type: ignore[arg-type]
     with pytest.raises((CheckpointError, StoreUnavailable)) as failed:
         await asyncio.wait_for(
@@ -247,7 +201,7 @@ async def test_exit_mode_upload_failing_mid_stream_never_kills_the_job(
     try:
         assert await wait_done(job.dir / "stdout") == reference_output
     finally:
-        _kill_tree(job.pid)
+        kill_tree(job.pid)
     assert await latest_image(store_url, job.name, settings=ImageSettings()) is None
     await failing.inner.aclose()
 
@@ -275,7 +229,7 @@ async def test_a_stream_raises_the_pipe_limit_and_criu_gets_pipes_of_the_set_siz
     criu_bin: str, job_script: Path, reference_output: str, tmp_path: Path, small_pipe_limit: Any
 ) -> None:
     engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
-    job = await _start(job_script, tmp_path / "state", "stream-pipes")
+    job = await start_stream_job(job_script, tmp_path / "state", "stream-pipes")
     settings = ImageSettings(pipe_mb=8)
     store = f"file://{tmp_path / 'store'}"
     work = tmp_path / "work"
@@ -291,7 +245,7 @@ async def test_a_stream_raises_the_pipe_limit_and_criu_gets_pipes_of_the_set_siz
         assert source.serve_stats is not None and source.serve_stats.pipe_bytes == 8 << 20
         assert await wait_done(job.dir / "stdout") == reference_output
     finally:
-        _kill_tree(restored.pid)
+        kill_tree(restored.pid)
 
 
 def test_the_pipe_limit_is_raised_to_the_size_asked_and_a_higher_one_never_lowered(
@@ -358,7 +312,7 @@ async def test_a_leave_running_image_is_read_out_of_criu_before_the_job_goes_on(
     await asyncio.wait_for(freeze, 60)
     url = target.url
     assert url is not None
-    _kill_tree(job.pid)
+    kill_tree(job.pid)
     await asyncio.sleep(0.5)
 
     source = StreamSource(url, settings=ImageSettings(), work_root=tmp_path / "work2")
@@ -369,5 +323,5 @@ async def test_a_leave_running_image_is_read_out_of_criu_before_the_job_goes_on(
         assert "TORN" not in out, out[-300:]
         assert psutil.pid_exists(restored.pid)
     finally:
-        _kill_tree(restored.pid)
+        kill_tree(restored.pid)
     await gated.inner.aclose()

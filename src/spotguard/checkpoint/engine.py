@@ -76,6 +76,7 @@ from . import (
 )
 from .criu import Criu
 from .cuda import GpuHook, GpuState, NoGpu
+from .hold import NO_HOLD, hold_for
 from .jobs import JobInfo, own_mount_ns, own_net_ns
 from .marker import MARKER, FreezeMarker, Op
 from .meta import ImageMeta
@@ -201,8 +202,14 @@ class Engine:
                     pids=len(tree), gpu_pids=len(gpu_pids), gpu_bytes=gpu_bytes, cpu_bytes=cpu_bytes
                 )
             started = True
-            plan = await target.start(job.name, need)
-            tl.mark("staging", mode=plan.mode, path=plan.path, reason=plan.reason)
+            # leave-running: the job goes on once its image is copied out, not stored
+            keep = mode is Mode.RESUME and target.stream
+            hold = hold_for(s.resume_buffer_mb, cpu_bytes, gpu_bytes) if keep else NO_HOLD
+            plan = await target.start(job.name, need, hold)
+            tl.mark(
+                "staging", mode=plan.mode, path=plan.path, reason=plan.reason,
+                hold_bytes=plan.hold_bytes,
+            )  # fmt: skip
             images_dir = target.images_dir
             criu_version = await self.criu.version()
             awake = [p for p in tree if p not in held]

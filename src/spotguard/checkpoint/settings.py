@@ -179,6 +179,16 @@ class CheckpointSettings(Settings):
             "took 8.9-9.5 s instead of 15.7-25.3 s on an H200 (docs/benchmarks.md)"
         ),
     )
+    resume_buffer_mb: int = Field(
+        default=-1,
+        ge=-1,
+        description=(
+            "A leave-running checkpoint to a store copies the job's image into this much host "
+            "memory and lets the job go on, then streams it (the job is frozen for the copy, "
+            "not for the upload); -1: what the host can spare (available memory less the GPU "
+            "memory the driver stages and a reserve), 0: the job waits for the store"
+        ),
+    )
     max_file_bytes: int = Field(
         default=1024 * 1024 * 1024,
         ge=0,

@@ -31,6 +31,7 @@ from spotguard.image import memops
 
 from . import seal
 from .gpupages import PageFill, PagePut, PagesSource, PageZero, check_part_name
+from .hold import NO_HOLD, Hold
 from .meta import META_NAME, ImageMeta
 
 log = logging.getLogger(__name__)
@@ -45,6 +46,9 @@ class StagingPlan:
     need_bytes: int
     free_bytes: int
     reason: str
+    #: bytes of a leave-running image the target keeps in host memory while the job goes on
+    #: (:mod:`.hold`); 0 where the job waits for every byte (or CRIU writes files)
+    hold_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -65,8 +69,11 @@ class DumpTarget(Protocol):
         """Where the engine puts files that travel with the image (``files/``, metadata)."""
         ...
 
-    async def start(self, job: str, need_bytes: int) -> StagingPlan:
-        """Prepare for an image of about ``need_bytes`` of host memory; say where it goes."""
+    async def start(self, job: str, need_bytes: int, hold: Hold = NO_HOLD) -> StagingPlan:
+        """Prepare for an image of about ``need_bytes`` of host memory; say where it goes.
+        ``hold``: how much of it a streamed target may keep in host memory, beyond its usual
+        bound, before it makes the dump wait for the store (a leave-running checkpoint:
+        :mod:`.hold`); targets CRIU writes files into ignore it."""
         ...
 
     async def drain(self) -> None:
@@ -203,7 +210,7 @@ class DirectoryTarget:
     def extras_dir(self) -> Path:
         return self.images_dir
 
-    async def start(self, job: str, need_bytes: int) -> StagingPlan:
+    async def start(self, job: str, need_bytes: int, hold: Hold = NO_HOLD) -> StagingPlan:
         """Create the image directory, private to root (0700, checked owned by us and not a
         link all the way down, :mod:`spotguard.safefs`): CRIU's files in it are 0644, so
         only the directory keeps other users from reading the job's memory or swapping it."""

@@ -105,6 +105,12 @@ class BufferPool:
             self._allocated -= 1
         self._wake()
 
+    def grow(self, n: int) -> None:
+        """Allow ``n`` more buffers (a hold granted while the pool is in use: waiters wake)."""
+        self.limit += n
+        for _ in range(n):
+            self._wake()
+
     def _wake(self) -> None:
         while self._waiters:
             fut = self._waiters.popleft()

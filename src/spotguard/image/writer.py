@@ -243,6 +243,24 @@ class ImageWriter:
         await sink.close()
         return FileEntry(name=sink.name, size=sink.size, mode=sink.mode)
 
+    def hold(self, inflight_bytes: int, input_bytes: int) -> None:
+        """Let ``inflight_bytes`` more of chunks be between "cut" and "stored", and
+        ``input_bytes`` of them in plaintext buffers this writer hands out (:meth:`produce`'s):
+        a leave-running image kept in host memory while the store catches up
+        (:mod:`spotguard.checkpoint.hold`). May be called while chunks are in flight."""
+        more = -(-max(0, inflight_bytes) // self.chunk_size)
+        more_in = -(-max(0, input_bytes) // self.chunk_size)
+        for _ in range(more):
+            self._sem.release()
+        for _ in range(more_in):
+            self._input_slots.release()
+        self.max_inflight += more
+        self.input_limit += more_in
+        # every chunk in flight may hold a compressed buffer while its upload waits, and
+        # plaintext buffers must never take the last of them (see __init__)
+        self.buffer_limit += more
+        self.buffers.grow(more)
+
     async def acquire_input(self) -> Lease:
         """A pooled buffer for a chunk's plaintext; waits while `input_limit` are out."""
         await self._input_slots.acquire()

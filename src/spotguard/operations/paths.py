@@ -50,6 +50,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 from spotguard.checkpoint import seal
 from spotguard.checkpoint.engine import Engine, FreezeResult, Mode
 from spotguard.checkpoint.gpupages import PageFill
+from spotguard.checkpoint.hold import NO_HOLD, Hold
 from spotguard.checkpoint.jobs import JobInfo
 from spotguard.checkpoint.meta import ImageMeta
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -261,8 +262,8 @@ class _RecordingTarget:
     def extras_dir(self) -> Path:
         return self.inner.extras_dir
 
-    async def start(self, job: str, need_bytes: int) -> StagingPlan:
-        return await self.inner.start(job, need_bytes)
+    async def start(self, job: str, need_bytes: int, hold: Hold = NO_HOLD) -> StagingPlan:
+        return await self.inner.start(job, need_bytes, hold)
 
     async def drain(self) -> None:
         await self.inner.drain()

@@ -83,7 +83,7 @@ async def restore(
     source: RestoreSource
     pulled_dir: Path | None = None
     if streamed:
-        from spotguard.stream.direct import StreamSource
+        from spotguard.stream.source import StreamSource
 
         tl.mark("staging", mode="stream", path=resolved, reason="streamed image")
         source = StreamSource(resolved, settings=image_settings)

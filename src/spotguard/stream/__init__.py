@@ -8,9 +8,10 @@
 """
 
 from spotguard.stream.capture import Capture, CaptureSink, CaptureStats, FileOut
-from spotguard.stream.direct import ImageSink, StreamSource, StreamTarget
+from spotguard.stream.direct import ImageSink, StreamTarget
 from spotguard.stream.local import DirSink, DirSource
 from spotguard.stream.serve import Serve, ServeSource, ServeStats
+from spotguard.stream.source import StreamSource
 
 __all__ = [
     "Capture",

@@ -1,5 +1,5 @@
-"""The engine's seams, streamed: :class:`StreamTarget` (a ``DumpTarget``) and
-:class:`StreamSource` (a ``RestoreSource``).
+"""The engine's dump seam, streamed: :class:`StreamTarget` (a ``DumpTarget``); its restore
+twin, :class:`~spotguard.stream.source.StreamSource`, is in :mod:`spotguard.stream.source`.
 
 ``StreamTarget`` points CRIU (``--stream``) at a small local directory whose capture socket
 feeds an :class:`~spotguard.image.ImageWriter` directly: CRIU's dump, chunking, zstd frames
@@ -7,9 +7,6 @@ and uploads run at the same time and no staging copy of the image ever exists. H
 stays near the job's own memory plus the writer's bounded in-flight chunks. The image becomes
 visible only when :meth:`StreamTarget.finish` commits the manifest, after CRIU exited 0; a
 failed or killed dump (``abort``) leaves chunks nobody references and no manifest.
-
-``StreamSource`` serves ``criu restore --stream`` from an image URL: each file CRIU asks for is
-downloaded, verified and decompressed (pipelined, ahead of CRIU) and fed into CRIU's pipe.
 
 Which files are CRIU's and which travel with the image (the engine's ``extras_dir``: captured
 output files, metadata) is recorded under ``meta["stream"]`` in the manifest.
@@ -28,20 +25,18 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from spotguard import workdirs
-from spotguard.errors import ImageError, StreamError
+from spotguard.errors import StreamError
 from spotguard.stream import pipes, protocol
 from spotguard.stream.capture import Capture, CaptureStats
-from spotguard.stream.serve import Serve, ServeStats
-from spotguard.stream.sparse import ReaderSource
 from spotguard.timeline import Step, Timeline
 
 if TYPE_CHECKING:
-    from spotguard.checkpoint.gpupages import PageFill, PagePut, PageZero
+    from spotguard.checkpoint.gpupages import PageFill
+    from spotguard.checkpoint.hold import Hold
     from spotguard.checkpoint.meta import ImageMeta
     from spotguard.checkpoint.staging import StagingPlan
-    from spotguard.image.buffers import BufferPool, Lease
+    from spotguard.image.buffers import Lease
     from spotguard.image.manifest import Manifest
-    from spotguard.image.reader import ImageReader
     from spotguard.image.settings import ImageSettings
     from spotguard.image.stats import TransferStats
     from spotguard.image.writer import FileSink, ImageWriter
@@ -99,7 +94,7 @@ class ImageSink:
 _SUN_PATH_MAX = 107  # bytes of a unix socket path (sockaddr_un.sun_path, NUL excluded)
 
 
-def _workdir(root: Path | None, prefix: str) -> Path:
+def workdir(root: Path | None, prefix: str) -> Path:
     """A private work dir whose socket paths fit a unix socket address; falls back to
     ``/tmp`` when ``root`` is too deep (CRIU and we both bind/connect by path)."""
     base = root or workdirs.temp_root()
@@ -177,6 +172,7 @@ class StreamTarget:
         self._url: str | None = None
         self._sink: ImageSink | None = None
         self._capture: Capture | None = None
+        self._pages_hold = 0
         self._t0 = 0.0
 
     @property
@@ -217,16 +213,20 @@ class StreamTarget:
         self._url = writer.url
         return writer.url
 
-    async def start(self, job: str, need_bytes: int) -> StagingPlan:
+    async def start(self, job: str, need_bytes: int, hold: Hold | None = None) -> StagingPlan:
         """Open the image writer (unless :meth:`open` did) and listen on the capture socket
-        (before CRIU starts)."""
+        (before CRIU starts). ``hold``: bytes kept in host memory beyond the usual bound
+        while the store catches up (a leave-running dump: the job goes on once its image is
+        copied out, :mod:`spotguard.checkpoint.hold`)."""
+        from spotguard.checkpoint.hold import NO_HOLD
         from spotguard.checkpoint.staging import StagingPlan
 
+        hold = hold or NO_HOLD
         self._t0 = time.time()
         await self.open(job)
         assert self._writer is not None
         writer = self._writer
-        self._work = _workdir(self.work_root, "sg-dump-")
+        self._work = workdir(self.work_root, "sg-dump-")
         self.images_dir.mkdir()
         self.extras_dir.mkdir()
         self._sink = ImageSink(writer)
@@ -237,9 +237,11 @@ class StreamTarget:
             self.images_dir,
             self._sink,
             piece_bytes=piece,
-            buffer_bytes=max(self.buffer_bytes, (writer.input_limit + 2) * piece),
-            pipe_bytes=_pipe_bytes(self.settings),
+            buffer_bytes=max(self.buffer_bytes, (writer.input_limit + 2) * piece) + hold.files,
+            pipe_bytes=pipe_bytes(self.settings),
         )
+        writer.hold(hold.files, 0)
+        self._pages_hold = hold.pages  # granted part by part, as the GPU memory's size is known
         await self._capture.start()
         inflight = writer.max_inflight * writer.chunk_size
         self.plan = StagingPlan(
@@ -248,10 +250,16 @@ class StreamTarget:
             need_bytes,
             0,
             f"streamed to the store; at most {inflight >> 20} MiB of chunks in flight",
+            hold_bytes=hold.total,
         )
         log.info(
             "streaming image",
-            extra={"image": writer.url, "need_bytes": need_bytes, "zstd_level": writer.level},
+            extra={
+                "image": writer.url,
+                "need_bytes": need_bytes,
+                "zstd_level": writer.level,
+                "hold_bytes": hold.total,
+            },
         )
         return self.plan
 
@@ -278,6 +286,16 @@ class StreamTarget:
             raise StreamError("StreamTarget used before start()")
         sink = self._writer.file(check_part_name(name), mode=0o600)
         sink.raw_saving = self.settings.gpu_raw_saving
+        # A leave-running dump: this part is copied without waiting for the store, within
+        # what the host can spare now that the staging exists (held twice at most).
+        grant = min(self._pages_hold, size)
+        self._pages_hold -= grant  # taken before the wait: parts are put at once
+        if grant > 0:
+            room = await asyncio.to_thread(_spare) // 2
+            self._pages_hold += max(0, grant - room)
+            grant = min(grant, room)
+        if grant > 0:
+            self._writer.hold(grant, grant)
         await sink.produce(size, fill)
 
     async def finish(self, meta: ImageMeta) -> None:
@@ -358,141 +376,15 @@ class StreamTarget:
             shutil.rmtree(self._work, ignore_errors=True)
 
 
-def _pipe_bytes(settings: ImageSettings) -> int:
+def _spare() -> int:
+    from spotguard.checkpoint.hold import spare
+
+    return spare()
+
+
+def pipe_bytes(settings: ImageSettings) -> int:
     """The pipe size a stream asks for (``pipe_mb``), after raising the kernel's limit to it
     where it is lower (:func:`spotguard.stream.pipes.ensure_pipe_max`)."""
     want = settings.pipe_mb * MiB
     pipes.ensure_pipe_max(want)
     return want
-
-
-class StreamSource:
-    """Restore straight from an image URL (``RestoreSource`` with ``stream = True``)."""
-
-    stream = True
-
-    def __init__(
-        self,
-        image_url: str,
-        *,
-        work_root: Path | None = None,
-        settings: ImageSettings,
-    ) -> None:
-        self.image_url = image_url
-        self.work_root = work_root
-        self.settings = settings
-        self.serve_stats: ServeStats | None = None
-        self.reader_stats: TransferStats | None = None  # the image reader's, once closed
-        self._work: Path | None = None
-        self._reader: ImageReader | None = None
-        self._serve: Serve | None = None
-        #: the reader authenticated the image under the host's keys (see RestoreSource)
-        self.authenticated = False
-        self._page_buffers: BufferPool | None = None  # made by the first get_pages
-        self._files: ReaderSource | None = None
-
-    @property
-    def sparse_bytes(self) -> int:
-        """Bytes of all-zero private memory left out of the pages CRIU read
-        (:mod:`spotguard.stream.sparse`)."""
-        f = self._files
-        return 0 if f is None or f.sparse is None else f.sparse.dropped_bytes
-
-    @property
-    def images_dir(self) -> Path:
-        if self._work is None:
-            raise StreamError("StreamSource used before start()")
-        return self._work / "criu"
-
-    @property
-    def extras_dir(self) -> Path:
-        if self._work is None:
-            raise StreamError("StreamSource used before start()")
-        return self._work / "extras"
-
-    async def start(self) -> ImageMeta:
-        """Open the image, fetch its extras, and listen on the serve socket."""
-        from spotguard.checkpoint.meta import ImageMeta
-        from spotguard.image.reader import ImageReader
-
-        self._work = _workdir(self.work_root, "sg-serve-")
-        self.images_dir.mkdir()
-        self.extras_dir.mkdir()
-        reader = ImageReader(self.image_url, settings=self.settings)
-        try:
-            await reader.open()
-            self._reader = reader
-            self.authenticated = bool(reader.authenticated)
-            info = reader.manifest.meta.get(STREAM_KEY)
-            if not isinstance(info, dict):
-                raise ImageError(f"{self.image_url} was not written by a streamed dump")
-            for name in info.get("extras", []):
-                dest = self.extras_dir / name
-                dest.parent.mkdir(parents=True, exist_ok=True)
-                with dest.open("wb") as f:
-                    async for data in reader.iter_file(name):
-                        f.write(data)
-            meta = ImageMeta.read(self.extras_dir)
-            self._files = ReaderSource(
-                reader,
-                set(info.get("criu_files", [])),
-                info.get("renames", {}),
-                sparse=self.settings.sparse_restore,
-            )
-            self._serve = Serve(
-                self.images_dir,
-                self._files,
-                pipe_bytes=_pipe_bytes(self.settings),
-            )
-            await self._serve.start()
-        except BaseException:
-            await self.abort()
-            raise
-        return meta
-
-    async def get_pages(
-        self,
-        name: str,
-        size: int,
-        put: PagePut,
-        *,
-        zero: PageZero | None = None,
-        in_flight: int | None = None,
-    ) -> None:
-        """The file's chunks, each verified against its authenticated address as it is read,
-        several at once through reused buffers (:mod:`spotguard.stream.pages`); all-zero
-        chunks are not fetched and not handed on."""
-        from spotguard.checkpoint.gpupages import check_part_name
-        from spotguard.stream.pages import page_buffers, write_pages
-
-        if self._reader is None:
-            raise StreamError("StreamSource used before start()")
-        if self._page_buffers is None:
-            self._page_buffers = page_buffers(self._reader)
-        buffers, part = self._page_buffers, check_part_name(name)
-        await write_pages(self._reader, part, size, put, buffers, zeros=zero, in_flight=in_flight)
-
-    async def finish(self) -> None:
-        """CRIU restore exited 0: every file it asked for has been fed."""
-        try:
-            if self._serve is not None:
-                self.serve_stats = await self._serve.wait()
-        finally:
-            await self._close()
-
-    async def abort(self) -> None:
-        if self._serve is not None:
-            await self._serve.abort()
-        await self._close()
-
-    async def _close(self) -> None:
-        if self._page_buffers is not None:
-            self._page_buffers.close()
-            self._page_buffers = None
-        reader, self._reader = self._reader, None
-        if reader is not None:
-            self.reader_stats = reader.stats
-            await reader.aclose()
-        if self._work is not None:
-            shutil.rmtree(self._work, ignore_errors=True)
-            self._work = None
