@@ -256,10 +256,11 @@ class ImageWriter:
             self._input_slots.release()
         self.max_inflight += more
         self.input_limit += more_in
-        # every chunk in flight may hold a compressed buffer while its upload waits, and
-        # plaintext buffers must never take the last of them (see __init__)
-        self.buffer_limit += more
-        self.buffers.grow(more)
+        # The plaintext buffers handed out grow with the hold, so the pool does too, and its
+        # share for compressed output stays what it was (see __init__): a held chunk waits for
+        # one with its plaintext, already counted, rather than taking fresh memory for a copy.
+        self.buffer_limit += more_in
+        self.buffers.grow(more_in)
 
     async def acquire_input(self) -> Lease:
         """A pooled buffer for a chunk's plaintext; waits while `input_limit` are out."""
