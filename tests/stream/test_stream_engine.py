@@ -206,6 +206,32 @@ async def test_exit_mode_upload_failing_mid_stream_never_kills_the_job(
     await failing.inner.aclose()
 
 
+async def test_a_store_failing_after_a_held_leave_running_job_went_on_leaves_it_running(
+    criu_bin: str, job_script: Path, reference_output: str, tmp_path: Path
+) -> None:
+    """With the image held in memory (``resume_buffer_mb``, by default) the job goes on
+    before the store has it; a store that then fails fails the checkpoint, typed, and leaves
+    the job running untouched and no image."""
+    store_url = f"file://{tmp_path / 'store'}"
+    failing = FailingStore(open_store(store_url), allow=2)
+    job = await start_stream_job(job_script, tmp_path / "state", "resume-upload-fails")
+    target = StreamTarget(failing, work_root=tmp_path / "work", writer_options=SMALL, settings=S)  # type: ignore[arg-type]
+    engine = Engine(Criu(criu_bin), settings=CheckpointSettings())
+    with pytest.raises((CheckpointError, StoreUnavailable)):
+        await asyncio.wait_for(engine.freeze(job, target, Mode.RESUME), 60)
+    assert target.manifest is None
+    assert psutil.pid_exists(job.pid) and psutil.Process(job.pid).status() not in (
+        "zombie",
+        "stopped",
+    )
+    try:
+        assert await wait_done(job.dir / "stdout") == reference_output
+    finally:
+        kill_tree(job.pid)
+    assert await latest_image(store_url, job.name, settings=ImageSettings()) is None
+    await failing.inner.aclose()
+
+
 PIPE_MAX = Path("/proc/sys/fs/pipe-max-size")
 
 
