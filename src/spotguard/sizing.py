@@ -2,7 +2,8 @@
 
 :func:`estimate` sizes the job (GPU memory from NVML, RSS from psutil, per process, so the
 planner knows the ranks and the largest one); :func:`thp_status` reads the host's transparent
-huge page mode and a job's huge-page use; :func:`set_thp` sets the mode (the agent, at start).
+huge page mode and a job's huge-page use; :func:`set_thp` sets the mode (the agent, at start);
+:func:`meminfo` reads the host's memory counters (the one reader of ``/proc/meminfo``).
 The deadline planner (:mod:`spotguard.planner`) predicts from these.
 """
 
@@ -14,6 +15,24 @@ from pathlib import Path
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+MEMINFO = Path("/proc/meminfo")
+
+
+def meminfo(path: Path = MEMINFO) -> dict[str, int]:
+    """The host's memory counters in bytes (``MemTotal``, ``MemAvailable`` ...); empty when
+    unreadable, so a caller sizing memory by them takes nothing."""
+    out: dict[str, int] = {}
+    try:
+        text = path.read_text()
+    except OSError:
+        return out
+    for line in text.splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            out[key] = int(parts[0]) * 1024
+    return out
 
 
 @dataclass(frozen=True)

@@ -43,6 +43,7 @@ from spotguard import safefs
 from spotguard.checkpoint.marker import writer_alive
 from spotguard.checkpoint.procfacts import start_time
 from spotguard.errors import ConfigError, SpotguardError
+from spotguard.sizing import meminfo
 
 log = logging.getLogger(__name__)
 
@@ -83,19 +84,9 @@ def parse_setting(value: str) -> float | None:
     return gib
 
 
-def _meminfo() -> dict[str, int]:
-    out: dict[str, int] = {}
-    for line in Path("/proc/meminfo").read_text().splitlines():
-        key, _, rest = line.partition(":")
-        parts = rest.split()
-        if parts and parts[0].isdigit():
-            out[key] = int(parts[0]) * 1024
-    return out
-
-
 def margin() -> int:
     """Bytes a warm-up leaves free: a tenth of the host's memory, at least 8 GiB."""
-    return max(MARGIN_MIN, _meminfo().get("MemTotal", 0) // 10)
+    return max(MARGIN_MIN, meminfo().get("MemTotal", 0) // 10)
 
 
 def plan(want: int | None, available: int, keep: int) -> int:
@@ -143,7 +134,7 @@ def touch(
     try:
         while done < total and time.perf_counter() - t0 < limit_s:
             size = min(piece, total - done)
-            if _meminfo().get("MemAvailable", 0) - size < keep or busy():
+            if meminfo().get("MemAvailable", 0) - size < keep or busy():
                 break
             m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
             held.append(m)
@@ -199,7 +190,7 @@ def _child(want: int | None, threads: int, busy_globs: list[str]) -> Warmed:
     Path("/proc/self/oom_score_adj").write_text("1000")
     adj = int(Path("/proc/self/oom_score_adj").read_text())
     keep = margin()
-    total = plan(want, _meminfo().get("MemAvailable", 0), keep)
+    total = plan(want, meminfo().get("MemAvailable", 0), keep)
 
     def busy() -> bool:
         return any(_in_progress(p) for pattern in busy_globs for p in glob.glob(pattern))

@@ -22,6 +22,7 @@ from spotguard.checkpoint.procfacts import start_time
 from spotguard.container import ContainerRef, dispatch
 from spotguard.errors import ConfigError
 from spotguard.image import ImageSettings
+from spotguard.sizing import meminfo
 
 GIB = 1 << 30
 
@@ -64,7 +65,7 @@ def test_touch_makes_every_page_resident_and_stops_at_the_margin() -> None:
     )  # fmt: skip
     touched, grew = map(int, out.stdout.split())
     assert touched == GIB // 4 and grew >= 0.95 * touched, (touched, grew)
-    available = warm._meminfo()["MemAvailable"]
+    available = meminfo()["MemAvailable"]
     assert warm.touch(GIB, threads=2, keep=available + GIB)[0] == 0
     assert warm.plan(None, available, available + 1) == 0
     assert warm.plan(3 * GIB, 10 * GIB, GIB) == 3 * GIB

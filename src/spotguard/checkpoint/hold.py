@@ -20,6 +20,9 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from spotguard.sizing import MEMINFO
+from spotguard.sizing import meminfo as read_meminfo
+
 log = logging.getLogger(__name__)
 
 GiB = 1 << 30
@@ -54,29 +57,14 @@ class Hold:
 NO_HOLD = Hold()
 
 
-def _meminfo(path: Path) -> tuple[int, int]:
-    """(MemTotal, MemAvailable) in bytes; (0, 0) when unreadable."""
-    total = avail = 0
-    try:
-        for line in path.read_text().splitlines():
-            key, _, rest = line.partition(":")
-            if key in ("MemTotal", "MemAvailable"):
-                value = int(rest.split()[0]) * 1024
-                total, avail = (value, avail) if key == "MemTotal" else (total, value)
-    except (OSError, ValueError, IndexError):
-        return 0, 0
-    return total, avail
-
-
-def spare(meminfo: Path = Path("/proc/meminfo")) -> int:
+def spare(meminfo: Path = MEMINFO) -> int:
     """Bytes the host can spare now: ``MemAvailable`` less the reserve."""
-    total, avail = _meminfo(meminfo)
-    return max(0, avail - max(_RESERVE_MIN, total // 20))
+    info = read_meminfo(meminfo)
+    reserve = max(_RESERVE_MIN, info.get("MemTotal", 0) // 20)
+    return max(0, info.get("MemAvailable", 0) - reserve)
 
 
-def hold_for(
-    setting_mb: int, cpu_bytes: int, gpu_bytes: int, *, meminfo: Path = Path("/proc/meminfo")
-) -> Hold:
+def hold_for(setting_mb: int, cpu_bytes: int, gpu_bytes: int, *, meminfo: Path = MEMINFO) -> Hold:
     """The hold for a leave-running image of a job with ``cpu_bytes`` resident and
     ``gpu_bytes`` of GPU memory (0: not known), as ceilings: where the host can spare the
     whole image (``setting_mb`` -1, or ``setting_mb`` MiB allow it), the room it can spare;

@@ -40,6 +40,8 @@ from typing import Protocol
 
 from spotguard.checkpoint import gpupages
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.sizing import MEMINFO
+from spotguard.sizing import meminfo as read_meminfo
 
 log = logging.getLogger(__name__)
 
@@ -302,18 +304,11 @@ async def prefaulting(
                 log.info("GPU staging prefaulted", extra=pf.stats.to_json())
 
 
-def budget(gpu_bytes: int, meminfo: Path = Path("/proc/meminfo")) -> int:
+def budget(gpu_bytes: int, meminfo: Path = MEMINFO) -> int:
     """Bytes the reads may make: what the driver will stage (the processes' GPU memory, with
     a quarter and 512 MiB to spare; unknown when 0), and never more than the host's
     available memory less 1 GiB."""
-    avail = 0
-    try:
-        for line in meminfo.read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                avail = int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        avail = 0
-    cap = max(0, avail - (1 << 30))
+    cap = max(0, read_meminfo(meminfo).get("MemAvailable", 0) - (1 << 30))
     return min(cap, gpu_bytes + gpu_bytes // 4 + (512 << 20)) if gpu_bytes > 0 else cap
 
 

@@ -281,6 +281,7 @@ class StreamTarget:
         """A file of the image whose chunk buffers ``fill`` writes straight into; its chunks
         are hashed, compressed and stored in the writer's pipeline like CRIU's files."""
         from spotguard.checkpoint.gpupages import check_part_name
+        from spotguard.checkpoint.hold import spare
 
         if self._writer is None or self._sink is None:
             raise StreamError("StreamTarget used before start()")
@@ -291,7 +292,7 @@ class StreamTarget:
         grant = min(self._pages_hold, size)
         self._pages_hold -= grant  # taken before the wait: parts are put at once
         if grant > 0:
-            room = await asyncio.to_thread(_spare) // 2
+            room = await asyncio.to_thread(spare) // 2
             self._pages_hold += max(0, grant - room)
             grant = min(grant, room)
         if grant > 0:
@@ -374,12 +375,6 @@ class StreamTarget:
                 await writer.__aexit__(type(exc) if exc else None, exc, None)
         if self._work is not None:
             shutil.rmtree(self._work, ignore_errors=True)
-
-
-def _spare() -> int:
-    from spotguard.checkpoint.hold import spare
-
-    return spare()
 
 
 def pipe_bytes(settings: ImageSettings) -> int:
