@@ -55,6 +55,10 @@ async def start_agent(
     tmp = log.parent / "agent-tmp"  # the agent's own temp dir: its work directories
     tmp.mkdir(exist_ok=True)
     env = {**os.environ, **sim.env(), "SPOTGUARD_LOG_FORMAT": "json", "TMPDIR": str(tmp)}
+    # The kill must land while CRIU holds the tree. A leave-running image held in memory
+    # (resume_buffer_mb, by default) frees the job after its copy-out, a few tenths of a
+    # second here, which a loaded machine's poll can miss; 0 keeps it frozen for the upload.
+    env["SPOTGUARD_RESUME_BUFFER_MB"] = "0"
     with log.open("ab") as err:
         return await asyncio.create_subprocess_exec(
             str(exe), "agent", "--job", "train", "--store", store, "--cloud", "aws",
