@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_helpers import Host, job_argv, job_output_when_done
+from agent_helpers import JOB_ARGS, Host, job_argv, job_output_when_done
 
 from sgtest import sg_json
 
@@ -24,7 +24,10 @@ async def test_checkpoint_to_url_and_restore_from_latest(
     host: Host, tmp_path: Path, reference_output: str
 ) -> None:
     flags = ["--state-dir", str(host.state), "--shm-dir", str(host.shm), "--criu", host.criu]
-    started = await spotguard("run", "--name", "train", "--json", *flags[:2], "--", *job_argv())
+    # the reference job at 0.15 s a step (10.5 s; its output does not depend on the pace):
+    # at 0.05 s it ended before a loaded machine's `spotguard checkpoint` got to it
+    argv = job_argv(*JOB_ARGS[:2], "--step-seconds", "0.15", *JOB_ARGS[4:])
+    started = await spotguard("run", "--name", "train", "--json", *flags[:2], "--", *argv)
     store = f"file://{tmp_path}/store"
     pushed = await spotguard("checkpoint", "train", "--to", store, "--json", *flags)
     assert str(pushed["image_url"]).startswith(f"{store}/train/images/")
