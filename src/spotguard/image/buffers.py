@@ -182,14 +182,9 @@ class OwnedChunk:
     copies the bytes out before it closes the chunk (``process_vm_writev`` into a restored
     job): :meth:`close` gives the buffer back for the next chunk, whose read then costs no
     page faults. Never for a chunk whose pages are handed on by reference.
-
-    :meth:`mapped` makes one over a read-only map of the stored object itself (a raw frame
-    in a file store in memory, verified: :meth:`spotguard.store.base.BlockingStore.map_object`
-    says why nobody else can change it); its bytes are the :attr:`parts` of the map, the
-    frame's headers between them. Consumers read :attr:`parts`, never ``map`` whole.
     """
 
-    __slots__ = ("_lease", "map", "size", "spans")
+    __slots__ = ("_lease", "map", "size")
 
     def __init__(self, size: int) -> None:
         length = max(-(-size // mmap.PAGESIZE) * mmap.PAGESIZE, mmap.PAGESIZE)
@@ -199,7 +194,6 @@ class OwnedChunk:
                 self.map.madvise(mmap.MADV_HUGEPAGE)
         self.size = size
         self._lease: Lease | None = None
-        self.spans: list[tuple[int, int]] | None = None
 
     @classmethod
     def leased(cls, pool: BufferPool, buf: mmap.mmap, size: int) -> OwnedChunk:
@@ -208,28 +202,14 @@ class OwnedChunk:
             pool.release(buf)
             raise ValueError(f"a {size}-byte chunk does not fit a {len(buf)}-byte buffer")
         chunk = cls.__new__(cls)
-        chunk.map, chunk.size, chunk.spans = buf, size, None
+        chunk.map, chunk.size = buf, size
         chunk._lease = Lease(pool, buf, None)
         return chunk
 
-    @classmethod
-    def mapped(cls, frame: mmap.mmap, spans: list[tuple[int, int]]) -> OwnedChunk:
-        """A chunk whose bytes are the ``(offset, length)`` spans of ``frame``, a read-only
-        map of a stored object (unmapped by :meth:`close`)."""
-        chunk = cls.__new__(cls)
-        chunk.map, chunk.size, chunk.spans = frame, sum(n for _o, n in spans), spans
-        chunk._lease = None
-        return chunk
-
-    @property
-    def parts(self) -> list[tuple[int, int]]:
-        """Where the chunk's bytes lie in :attr:`map`, as ``(offset, length)``, in order."""
-        return self.spans if self.spans is not None else [(0, self.size)]
-
     @property
     def fresh(self) -> bool:
-        """The map is new (untouched pages read zero), not a reused buffer or a stored one."""
-        return self._lease is None and self.spans is None
+        """The map is new (untouched pages read zero), not a reused buffer."""
+        return self._lease is None
 
     def __len__(self) -> int:
         return self.size

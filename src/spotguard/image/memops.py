@@ -50,39 +50,6 @@ def address(buf: memoryview) -> Iterator[int | None]:
         del holder
 
 
-class _PyBuffer(ctypes.Structure):
-    # CPython's Py_buffer (the stable buffer protocol's struct)
-    _fields_ = [
-        ("buf", ctypes.c_void_p),
-        ("obj", ctypes.c_void_p),
-        ("len", ctypes.c_ssize_t),
-        ("itemsize", ctypes.c_ssize_t),
-        ("readonly", ctypes.c_int),
-        ("ndim", ctypes.c_int),
-        ("format", ctypes.c_char_p),
-        ("shape", ctypes.c_void_p),
-        ("strides", ctypes.c_void_p),
-        ("suboffsets", ctypes.c_void_p),
-        ("internal", ctypes.c_void_p),
-    ]
-
-
-@contextmanager
-def read_address(obj: object) -> Iterator[int]:
-    """The address of the first byte of ``obj``'s contiguous buffer, read-only ones included
-    (a read-only ``mmap`` of a stored object), exported while the block runs: the owner
-    cannot be closed meanwhile. ``ctypes``' ``from_buffer`` takes writable buffers only, so
-    this asks the buffer protocol itself (``PyObject_GetBuffer``, flags ``PyBUF_SIMPLE``)."""
-    view = _PyBuffer()
-    api = ctypes.pythonapi
-    if api.PyObject_GetBuffer(ctypes.py_object(obj), ctypes.byref(view), 0) != 0:
-        raise BufferError("no contiguous buffer")  # not reached: ctypes raises the error set
-    try:
-        yield int(view.buf or 0)
-    finally:
-        api.PyBuffer_Release(ctypes.byref(view))
-
-
 def copy(dst: memoryview, src: memoryview) -> None:
     """``dst[:len(src)] = src``, without the GIL where both buffers allow it."""
     n = len(src)

@@ -11,17 +11,9 @@ of buffers store the chunk from the plaintext with no copy at all.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import hmac
-import mmap
-from concurrent.futures import Executor
 from typing import Any
 
-from spotguard.errors import ImageCorrupt, ObjectNotFound
 from spotguard.image import memops
-from spotguard.image.buffers import OwnedChunk
-from spotguard.store.base import BlockingStore
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
 RAW_BLOCK = 128 << 10  # the largest zstd block
@@ -162,74 +154,3 @@ class RawReadPlan:
         for p in self.parts:
             p.release()
         self.parts = []
-
-
-def _hash_mapped(frame: mmap.mmap, size: int, codec: Any) -> tuple[list[tuple[int, int]], str]:
-    """The blocks of the raw frame in ``frame`` as ``(offset, length)`` and the address of
-    their bytes; no blocks when the map is not exactly the writer's raw layout."""
-    with memoryview(frame) as view:
-        spans = raw_frame_spans(view, size)
-        if spans is None:
-            return [], ""
-        hasher = codec.hasher()
-        for _off, pos, n in spans:
-            hasher.update(view[pos : pos + n])
-        return [(pos, n) for _off, pos, n in spans], str(hasher.hexdigest())
-
-
-async def map_verified(
-    store: BlockingStore, key: str, size: int, digest: str, codec: Any, pool: Executor | None
-) -> OwnedChunk | None:
-    """A raw chunk of ``size`` bytes as the store's own read-only map of its object, hashed in
-    place (in ``pool``) against ``digest``: its pages go to CRIU's pipe by reference, with
-    no copy into a buffer and no fresh memory for one. None where the store does not map
-    the object (:meth:`~spotguard.store.base.BlockingStore.map_object` says when) or it is
-    not the writer's raw layout: the caller reads it the general way. :class:`ImageCorrupt`
-    when it is missing or its bytes are not the ones the manifest names."""
-    try:
-        frame = await store.map_object(key)
-    except ObjectNotFound as exc:
-        raise ImageCorrupt(f"chunk {digest} is missing from the store", chunk=digest) from exc
-    if frame is None:
-        return None
-    ok = False
-    try:
-        loop = asyncio.get_running_loop()
-        spans, got = await loop.run_in_executor(pool, _hash_mapped, frame, size, codec)
-        if spans and not hmac.compare_digest(got, digest):
-            raise ImageCorrupt(f"chunk {digest} fails its hash check", chunk=digest)
-        ok = bool(spans)
-        return OwnedChunk.mapped(frame, spans) if ok else None
-    finally:
-        if not ok:
-            with contextlib.suppress(BufferError):  # a cancelled hash may still hold a view
-                frame.close()
-
-
-async def read_raw_into(
-    store: BlockingStore, key: str, size: int, digest: str, out: mmap.mmap, codec: Any
-) -> int:
-    """A raw chunk from a store that reads into a list of buffers: its blocks read straight
-    into ``out`` (its headers aside), each megabyte hashed as soon as it is read. One copy
-    instead of three (read, copy out of the frame, hash). Returns the stored bytes read, or
-    0 when the object is not exactly the writer's raw layout (the caller reads it the
-    general way, which decodes any frame); :class:`ImageCorrupt` when it is missing or its
-    hash is not ``digest``."""
-    with memoryview(out) as whole:
-        plan = RawReadPlan(size, whole, codec)
-        try:
-            got = await store.get_parts(key, plan.parts, plan.after)
-        except ObjectNotFound as exc:
-            plan.release()
-            raise ImageCorrupt(f"chunk {digest} is missing from the store", chunk=digest) from exc
-        except BaseException:
-            plan.release()
-            raise
-        ok = got == plan.total and plan.layout_ok()
-        got_digest = plan.hexdigest() if ok else ""
-        plan.release()
-    if not ok:
-        return 0
-    if not hmac.compare_digest(got_digest, digest):
-        raise ImageCorrupt(f"chunk {digest} fails its hash check", chunk=digest)
-    return got

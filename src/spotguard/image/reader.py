@@ -14,6 +14,7 @@ stops with :class:`~spotguard.errors.ImageCorrupt` naming the chunk and the file
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
 from collections import deque
@@ -36,7 +37,7 @@ from spotguard.image.manifest import (
     fetch_manifest,
     max_stored_chunk,
 )
-from spotguard.image.rawframe import map_verified, read_raw_into
+from spotguard.image.rawframe import RawReadPlan
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.image.writer import store_for
@@ -323,11 +324,7 @@ class ImageReader:
         return self._stored
 
     async def _fetch_decode_owned(
-        self,
-        ref: ChunkRef,
-        priority: int = 0,
-        buffers: BufferPool | None = None,
-        mapped: bool = False,
+        self, ref: ChunkRef, priority: int = 0, buffers: BufferPool | None = None
     ) -> OwnedChunk:
         if buffers is None:
             out = OwnedChunk(ref.size)
@@ -344,21 +341,6 @@ class ImageReader:
         await self._slots.acquire(priority)
         self.stats.add_step("queue", t0)
         try:
-            store = self.store
-            if (
-                mapped
-                and ref.raw
-                and self.codec.cipher is None
-                and isinstance(store, BlockingStore)
-            ):
-                t0 = time.perf_counter()
-                key = chunk_key(self.ref.job, ref.digest)
-                chunk = await map_verified(store, key, ref.size, ref.digest, self.codec, self._pool)
-                if chunk is not None:
-                    self.stats.add_step("map", t0)
-                    self.stats.stored_bytes += len(chunk.map)
-                    out.close()
-                    return chunk
             return await self._read_owned(ref, out)
         except BaseException:
             out.abandon()
@@ -399,53 +381,59 @@ class ImageReader:
         return out
 
     async def _read_raw_in_place(self, ref: ChunkRef, out: OwnedChunk) -> bool:
-        """A raw chunk read straight into ``out`` (:func:`read_raw_into`); False when this
-        store or chunk cannot (the caller reads it the general way)."""
+        """A raw chunk from a store that reads into a list of buffers: its blocks read
+        straight into ``out`` (its headers aside), each megabyte hashed as soon as it is
+        read. One copy instead of three (read, copy out of the frame, hash). False when this
+        store or chunk cannot (encrypted, or the object is not exactly the writer's raw
+        layout): the caller reads it the general way, which decodes any frame."""
         store = self.store
         if self.codec.cipher is not None or not (
             isinstance(store, BlockingStore) and store.reads_parts
         ):
             return False
         t0 = time.perf_counter()
-        key = chunk_key(self.ref.job, ref.digest)
-        got = await read_raw_into(store, key, ref.size, ref.digest, out.map, self.codec)
+        with memoryview(out.map) as whole:
+            plan = RawReadPlan(ref.size, whole, self.codec)
+            try:
+                key = chunk_key(self.ref.job, ref.digest)
+                got = await store.get_parts(key, plan.parts, plan.after)
+            except ObjectNotFound as exc:
+                plan.release()
+                raise ImageCorrupt(
+                    f"chunk {ref.digest} is missing from the store", chunk=ref.digest
+                ) from exc
+            except BaseException:
+                plan.release()
+                raise
+            ok = got == plan.total and plan.layout_ok()
+            digest = plan.hexdigest() if ok else ""
+            plan.release()
         self.stats.add_step("read_raw", t0)
+        if not ok:
+            return False
+        if not hmac.compare_digest(digest, ref.digest):
+            raise ImageCorrupt(f"chunk {ref.digest} fails its hash check", chunk=ref.digest)
         self.stats.stored_bytes += got
-        return got > 0
+        return True
 
     async def _get_into_capped(self, ref: ChunkRef, buf: memoryview) -> memoryview:
         """The stored bytes of a chunk read into ``buf``, with the cap of :meth:`_get_stored`."""
         return await self._capped(ref, lambda key, limit: get_into(self.store, key, buf[:limit]))
 
     async def read_chunk_owned(
-        self,
-        ref: ChunkRef,
-        priority: int = 0,
-        buffers: BufferPool | None = None,
-        *,
-        mapped: bool = False,
+        self, ref: ChunkRef, priority: int = 0, buffers: BufferPool | None = None
     ) -> OwnedChunk:
         """Like :meth:`read_chunk`, into an :class:`OwnedChunk` the caller must close.
         ``priority``: lower goes first when reads queue (the chunk's index in its file).
         ``buffers``: read into a reused buffer of this pool (:meth:`OwnedChunk.leased`: for a
         caller that copies the bytes out before closing, never one that hands them on by
-        reference); its buffers must hold the image's chunk size. ``mapped``: a raw chunk
-        may come as the store's own map of it (:meth:`OwnedChunk.mapped`, read by its parts;
-        not with ``buffers``)."""
-        mapped = mapped and buffers is None
-        return await self._checked(
-            ref, lambda: self._fetch_decode_owned(ref, priority, buffers, mapped)
-        )
+        reference); its buffers must hold the image's chunk size."""
+        return await self._checked(ref, lambda: self._fetch_decode_owned(ref, priority, buffers))
 
-    def iter_file_owned(self, name: str, *, mapped: bool = False) -> AsyncIterator[OwnedChunk]:
+    def iter_file_owned(self, name: str) -> AsyncIterator[OwnedChunk]:
         """Like :meth:`iter_file`, each chunk in its own :class:`OwnedChunk` that the consumer
-        closes (it may hand the pages on by reference first: see ``OwnedChunk``); ``mapped``
-        as :meth:`read_chunk_owned`."""
-
-        def read(ref: ChunkRef, i: int) -> Coroutine[Any, Any, OwnedChunk]:
-            return self.read_chunk_owned(ref, i, mapped=mapped)
-
-        return self._windowed(name, read, OwnedChunk.close)
+        closes (it may hand the pages on by reference first: see ``OwnedChunk``)."""
+        return self._windowed(name, self.read_chunk_owned, OwnedChunk.close)
 
     async def verify(self, progress: ProgressFn | None = None) -> VerifyReport:
         """Fetch and check every distinct chunk; collects every failure (does not stop)."""

@@ -47,13 +47,6 @@ class ImageSettings(Settings):
         description="A streamed restore leaves all-zero chunks of private anonymous memory "
         "out of the pages CRIU writes (untouched, they read zero)",
     )
-    mapped_restore: bool = Field(
-        True,
-        description="A streamed restore from a file store in memory (tmpfs) hands CRIU the "
-        "store's own pages of each raw chunk, hashed through a read-only map, instead of "
-        "reading them into fresh buffers (only for files this user owns and nobody else may "
-        "write)",
-    )
     max_inflight_mb: int = Field(
         1024, ge=1, description="Memory bound for chunks in flight (MiB); writers wait beyond it"
     )

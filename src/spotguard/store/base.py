@@ -29,7 +29,6 @@ from __future__ import annotations
 import asyncio
 import builtins
 import logging
-import mmap
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -228,18 +227,6 @@ class BlockingStore(ABC):
             pos += len(part)
             after(i, i + 1)
         return len(data)
-
-    async def map_object(self, key: str) -> mmap.mmap | None:
-        """A read-only map of the object's bytes, or None where the store cannot give one it
-        vouches for (the caller reads the object instead). A store maps an object only where
-        nobody but this process's user can change its bytes while it is mapped, and where
-        reading it cannot fail midway (no disk under it): a restore hashes the map, then
-        hands its pages to CRIU by reference, and what it verified must be what CRIU reads.
-        :class:`ObjectNotFound` when absent."""
-        return await self._call("get", key, lambda: self._map_object(key))
-
-    def _map_object(self, key: str) -> mmap.mmap | None:
-        return None  # object stores: their bytes arrive over the network, into buffers
 
     async def stat(self, key: str) -> ObjectInfo | None:
         """Size and change time of ``key``, or None when absent."""

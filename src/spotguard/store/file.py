@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import ctypes
 import errno
-import mmap
 import os
-import stat
 import uuid
 from collections.abc import Callable, Sequence
 from datetime import UTC, datetime
@@ -60,28 +58,6 @@ def _start_writeback(fd: int) -> None:
     fn = _sync_file_range()
     if fn is not None:
         fn(fd, 0, 0, _SYNC_FILE_RANGE_WRITE)
-
-
-class _StatFs(ctypes.Structure):
-    # struct statfs begins with f_type (a word) on every Linux ABI; the rest is room
-    _fields_ = [("f_type", ctypes.c_long), ("rest", ctypes.c_byte * 248)]
-
-
-#: tmpfs and ramfs (linux/magic.h): a file there is memory, never read back from a disk
-_MEMORY_FS = {0x01021994, 0x858458F6}
-
-
-def in_memory(fd: int) -> bool:
-    """Whether the open file ``fd`` lives on tmpfs or ramfs (``fstatfs``; no Python call
-    gives a file system's type)."""
-    try:
-        fstatfs = ctypes.CDLL(None, use_errno=True).fstatfs
-    except AttributeError:
-        return False
-    buf = _StatFs()
-    if fstatfs(fd, ctypes.byref(buf)) != 0:
-        return False
-    return (buf.f_type & 0xFFFFFFFF) in _MEMORY_FS
 
 
 def _fsync_dir(path: Path) -> None:
@@ -245,28 +221,6 @@ class FileStore(BlockingStore):
                 pos += want
                 i = j
             return size
-
-    def _map_object(self, key: str) -> mmap.mmap | None:
-        """The object mapped read-only, when it is a regular file in memory (tmpfs, ramfs)
-        owned by this process's user and writable by nobody else: then only this user can
-        change its bytes, and a read of the map cannot fail (a file on a disk could raise
-        SIGBUS on a read error, and a page evicted after the hash would be read again from
-        the disk). Anything else: None (the caller reads it)."""
-        fd = os.open(self._path(key), os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            st = os.fstat(fd)
-            if (
-                not stat.S_ISREG(st.st_mode)
-                or st.st_size == 0
-                or st.st_uid != os.geteuid()
-                or st.st_mode & 0o022
-                or not in_memory(fd)
-            ):
-                return None
-            flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-            return mmap.mmap(fd, st.st_size, flags=flags, prot=mmap.PROT_READ)
-        finally:
-            os.close(fd)
 
     def _stat(self, key: str) -> ObjectInfo | None:
         try:

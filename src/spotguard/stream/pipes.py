@@ -20,11 +20,8 @@ import mmap
 import os
 import select
 import threading
-from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
-
-from spotguard.image import memops
 
 log = logging.getLogger(__name__)
 
@@ -239,53 +236,32 @@ def splice_all(fd: int, buf: mmap.mmap, size: int, stop: threading.Event) -> Non
     Waits (GIL released) while the pipe is full; raises BrokenPipeError once the reader has
     gone, :class:`Interrupted` once ``stop`` is set, :class:`SpliceUnsupported` if nothing
     could be spliced (the caller writes the rest)."""
-    splice_parts(fd, buf, [(0, size)], stop)
-
-
-_IOV_BATCH = 64  # iovecs per vmsplice call (a raw frame's blocks: 128 KiB each)
-
-
-def splice_parts(
-    fd: int, buf: mmap.mmap, parts: Sequence[tuple[int, int]], stop: threading.Event
-) -> None:
-    """:func:`splice_all` of the ``(offset, length)`` parts of ``buf``, in order: the blocks
-    of a stored raw frame mapped from the store, its headers left out."""
     fn = _vmsplice()
     if fn is None:
         raise SpliceUnsupported("no vmsplice in libc")
-    with memops.read_address(buf) as base:  # a read-only map of a stored object, too
-        _splice_segments(fn, fd, [(base + off, n) for off, n in parts if n], stop)
-
-
-def _splice_segments(
-    fn: ctypes._CFuncPtr,  # type: ignore[name-defined]
-    fd: int,
-    segs: list[tuple[int, int]],
-    stop: threading.Event,
-) -> None:
+    anchor = ctypes.c_char.from_buffer(buf)
+    try:
+        base = ctypes.addressof(anchor)
+    finally:
+        del anchor  # the address stays valid: the caller holds the map until we return
     poller = select.poll()
     poller.register(fd, select.POLLOUT)
     wait_ms = int(POLL_S * 1000)
-    i = done = 0  # the segment being spliced, and its bytes already in the pipe
-    while i < len(segs):
+    off = 0
+    while off < size:
         if stop.is_set():
             raise Interrupted
-        batch = segs[i : i + _IOV_BATCH]
-        iov = (_IoVec * len(batch))(*(_IoVec(a, n) for a, n in batch))
-        iov[0] = _IoVec(batch[0][0] + done, batch[0][1] - done)
-        n = fn(fd, iov, len(batch), _SPLICE_F_NONBLOCK)
+        iov = _IoVec(base + off, size - off)
+        n = fn(fd, ctypes.byref(iov), 1, _SPLICE_F_NONBLOCK)
         if n >= 0:
-            done += n
-            while i < len(segs) and done >= segs[i][1]:
-                done -= segs[i][1]
-                i += 1
+            off += n
             continue
         err = ctypes.get_errno()
         if err in (errno.EAGAIN, errno.EINTR):
             poller.poll(wait_ms)
         elif err == errno.EPIPE:
             raise BrokenPipeError(err, os.strerror(err))
-        elif err in (errno.EINVAL, errno.ENOSYS, errno.EPERM) and i == done == 0:
+        elif err in (errno.EINVAL, errno.ENOSYS, errno.EPERM) and off == 0:
             raise SpliceUnsupported(os.strerror(err))
         else:
             raise OSError(err, f"vmsplice: {os.strerror(err)}")

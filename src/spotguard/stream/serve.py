@@ -54,9 +54,6 @@ class ServeStats:
     files: dict[str, int] = field(default_factory=dict)
     missing: list[str] = field(default_factory=list)
     spliced: int = 0  # bytes that went into CRIU's pipes by reference (vmsplice), not copied
-    #: of them, bytes spliced from the store's own pages (a file store in memory): no copy
-    #: into a buffer first either
-    from_store: int = 0
     pipe_bytes: int = 0  # the smallest pipe CRIU got (the kernel may refuse the size asked)
     started: float = field(default_factory=time.time)
     finished: float | None = None
@@ -76,7 +73,6 @@ class ServeStats:
             "bytes": self.bytes,
             "missing": len(self.missing),
             "spliced": self.spliced,
-            "from_store": self.from_store,
             "pipe_bytes": self.pipe_bytes,
             "opens": self.opens,
             "open_seconds": round(self.open_seconds, 3),
@@ -245,7 +241,6 @@ class Serve(SocketService):
                     if splice and isinstance(data, OwnedChunk):
                         with self._lock:
                             self.stats.spliced += data.size
-                            self.stats.from_store += data.size if data.spans else 0
                     with contextlib.suppress(RuntimeError):
                         loop.call_soon_threadsafe(slots.release)
             except BaseException as e:  # noqa: BLE001 - handed to the loop below
@@ -314,14 +309,12 @@ def _put(fd: int, data: bytes | OwnedChunk, stop: threading.Event, *, splice: bo
     try:
         if splice:
             try:
-                pipes.splice_parts(fd, data.map, data.parts, stop)
+                pipes.splice_all(fd, data.map, data.size, stop)
                 return True
             except pipes.SpliceUnsupported as exc:
                 log.info("vmsplice refused (%s): writing pieces instead", exc)
-        with memoryview(data.map) as view:
-            for off, n in data.parts:
-                with view[off : off + n] as part:
-                    pipes.put_all(fd, part, stop)
+        with memoryview(data.map) as view, view[: data.size] as part:
+            pipes.put_all(fd, part, stop)
         return False
     finally:
         data.close()

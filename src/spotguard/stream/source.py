@@ -100,7 +100,6 @@ class StreamSource:
                 set(info.get("criu_files", [])),
                 info.get("renames", {}),
                 sparse=self.settings.sparse_restore,
-                mapped=self.settings.mapped_restore,
             )
             self._serve = Serve(
                 self.images_dir,

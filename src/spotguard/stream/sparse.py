@@ -337,8 +337,7 @@ class SparseFiles:
 class ReaderSource:
     """:class:`~spotguard.stream.serve.ServeSource` over an open ``ImageReader``; with
     ``sparse``, all-zero private memory is left out of the pages CRIU reads
-    (:mod:`spotguard.stream.sparse`); with ``mapped``, raw chunks of a store that maps its
-    objects come as its own pages (:meth:`ImageReader.read_chunk_owned`)."""
+    (:mod:`spotguard.stream.sparse`)."""
 
     def __init__(
         self,
@@ -347,10 +346,8 @@ class ReaderSource:
         renames: dict[str, str],
         *,
         sparse: bool = False,
-        mapped: bool = False,
     ):
         self.reader = reader
-        self.mapped = mapped
         self.criu_files = criu_files
         self.renames = renames
         self.sparse = SparseFiles(sorted(criu_files), self._read, self._chunks) if sparse else None
@@ -360,7 +357,7 @@ class ReaderSource:
 
     def iter_file(self, name: str) -> AsyncIterator[bytes | OwnedChunk]:
         if self.sparse is None:
-            return self.reader.iter_file_owned(self.renames.get(name, name), mapped=self.mapped)
+            return self.reader.iter_file_owned(self.renames.get(name, name))
         return self._sparse(self.sparse, name)
 
     async def _sparse(self, sp: SparseFiles, name: str) -> AsyncIterator[bytes | OwnedChunk]:
@@ -370,8 +367,7 @@ class ReaderSource:
             return
         dropped = await sp.dropped(name) or []
         off = 0
-        chunks = self.reader.iter_file_owned(self.renames.get(name, name), mapped=self.mapped)
-        async for chunk in chunks:
+        async for chunk in self.reader.iter_file_owned(self.renames.get(name, name)):
             lo, off = off, off + chunk.size
             parts = kept(dropped, lo, off) if dropped else [(lo, off)]
             if parts == [(lo, off)]:
