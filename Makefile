@@ -23,7 +23,7 @@ venv: $(STAMP)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q uv && $(BIN)/uv pip install -q --python $(BIN)/python -e '.[dev]' \
+	$(BIN)/python -m pip install -q uv && $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]' \
 	  || $(BIN)/python -m pip install -q -e '.[dev]'
 	rm -f $(VENV)/.installed-*; touch $@
 
@@ -57,16 +57,11 @@ chromium:
 demo: venv criu
 	$(BIN)/spotguard demo
 
-## The whole test suite (lint, types, tests). This is what CI runs. mypy (~45 s from a clean
-## clone) runs beside the parallel pass, which leaves part of the two cores idle; its verdict
-## is read once the pass is over, and either failing fails the target.
+## The whole test suite (lint, types, tests). This is what CI runs: scripts/test-passes says
+## in which passes (CRIU tests in parallel; the container tests beside those without CRIU;
+## the host-setting tests alone; mypy beside the first).
 test: venv criu chromium podman containerd docker registry lint
-	$(BIN)/mypy > $(VENV)/mypy.log 2>&1 & mypy=$$!; \
-	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "not gpu and not serial" $(XDIST) --durations=30 $(PYTEST_ARGS); \
-	rc=$$?; wait $$mypy; typed=$$?; cat $(VENV)/mypy.log; [ $$rc -eq 0 ] && [ $$typed -eq 0 ]
-	@# tests that change a host-wide setting (fs.pipe-max-size) run alone, after the rest;
-	@# exit 5 (none of them selected by PYTEST_ARGS) is not a failure here
-	SPOTGUARD_REQUIRE_CRIU=1 $(BIN)/pytest -m "serial and not gpu" $(PYTEST_ARGS) || [ $$? -eq 5 ]
+	PYTEST=$(BIN)/pytest MYPY=$(BIN)/mypy TEST_WORKERS=$(TEST_WORKERS) scripts/test-passes $(PYTEST_ARGS)
 
 ## The fast tier: no CRIU, no GPU (tests needing CRIU are marked criu by tests/conftest.py).
 unit: venv
