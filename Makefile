@@ -18,13 +18,20 @@ XDIST    = -n $(TEST_WORKERS) --dist loadgroup
 venv: $(STAMP)
 
 ## uv (from PyPI, into the venv) installs the rest: pip took ~2 minutes resolving and
-## unpacking checkov's tree on the 2-core CI machine, uv ~15 s, to the same versions. Where uv
-## cannot be had or fails, pip installs as before.
+## unpacking checkov's tree on the 2-core CI machine, uv ~20 s, to the same versions. Where uv
+## cannot be had or fails, pip installs as before. python-hcl2 and checkov's fork of it,
+## bc-python-hcl2, both install a package named `hcl2`, and the one written last wins: pip
+## writes the fork last (the suite's Terraform readers are written against it, `START_LINE`
+## included); uv writes packages at once, so the fork is written again, last.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q uv && $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]' \
+	$(BIN)/python -m pip install -q uv \
+	  && $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python -e '.[dev]' \
+	  && $(BIN)/uv pip install -q --compile-bytecode --python $(BIN)/python \
+	    --reinstall-package bc-python-hcl2 bc-python-hcl2 \
 	  || $(BIN)/python -m pip install -q -e '.[dev]'
+	$(BIN)/python -c 'import hcl2; hcl2.START_LINE'  # the fork's hcl2, as pip leaves it
 	rm -f $(VENV)/.installed-*; touch $@
 
 criu:
@@ -57,9 +64,9 @@ chromium:
 demo: venv criu
 	$(BIN)/spotguard demo
 
-## The whole test suite (lint, types, tests). This is what CI runs: scripts/test-passes says
-## in which passes (CRIU tests in parallel; the container tests beside those without CRIU;
-## the host-setting tests alone; mypy beside the first).
+## The whole test suite (lint, types, tests). This is what CI runs: scripts/test-passes runs
+## everything but the `serial` tests on TEST_WORKERS processes with mypy beside them, then the
+## `serial` tests alone.
 test: venv criu chromium podman containerd docker registry lint
 	PYTEST=$(BIN)/pytest MYPY=$(BIN)/mypy TEST_WORKERS=$(TEST_WORKERS) scripts/test-passes $(PYTEST_ARGS)
 

@@ -80,7 +80,7 @@ SERIAL_AREAS = ("container",)
 #: overlays, shm and network namespaces): a ``spotguard run`` job started meanwhile copies
 #: those mounts into its own namespace, and CRIU failed on them once they were gone
 #: ("doesn't have a proper root mount", "Can't stat mountpoint …/userdata/shm"). They are
-#: marked ``serial`` and ``mounts``: scripts/test-passes runs them beside no CRIU test.
+#: marked ``serial``: ``make test`` runs them alone, after the parallel pass.
 MOUNTING_AREAS = ("container",)
 
 #: Files that run ``spotguard doctor``'s self-test, whose tests check that no self-test
@@ -140,7 +140,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.slow)
         if rel.parts[0] in MOUNTING_AREAS:
             item.add_marker(pytest.mark.serial)
-            item.add_marker(pytest.mark.mounts)
         group = rel.parts[0] if rel.parts[0] in SERIAL_AREAS else str(rel)
         group = "selftest" if rel.as_posix() in SELFTEST_FILES else group
         item.add_marker(pytest.mark.xdist_group(group))

@@ -23,15 +23,21 @@ from agent_helpers import (
     wait_until,
 )
 
-from sgtest import line_count
+from sgtest import line_count, store_servers
 from spotguard import operations
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import MARKER
 from spotguard.checkpoint.jobs import start_job
 from spotguard.image import ImageSettings, latest_image, verify_image
+from spotguard.image.catalog import list_images
 from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
+
+_servers = store_servers()
+s3_bucket = _servers.s3_bucket  # type: ignore[attr-defined]
+fault_proxy = _servers.fault_proxy  # type: ignore[attr-defined]
+FaultProxy = _servers.FaultProxy  # type: ignore[attr-defined]
 
 # Enough memory that the dump takes a moment on two cores, so the kill lands inside it; a
 # minute of steps, so that the job still runs when the second agent checkpoints it however
@@ -49,16 +55,18 @@ async def sim() -> AsyncIterator[MetadataSim]:
 
 
 async def start_agent(
-    host: Host, sim: MetadataSim, sink: EventSink, store: str, log: Path
+    host: Host, sim: MetadataSim, sink: EventSink, store: str, log: Path, *, hold: bool = False
 ) -> asyncio.subprocess.Process:
     exe = Path(sys.executable).parent / "spotguard"
     tmp = log.parent / "agent-tmp"  # the agent's own temp dir: its work directories
     tmp.mkdir(exist_ok=True)
     env = {**os.environ, **sim.env(), "SPOTGUARD_LOG_FORMAT": "json", "TMPDIR": str(tmp)}
-    # The kill must land while CRIU holds the tree. A leave-running image held in memory
-    # (resume_buffer_mb, by default) frees the job after its copy-out, a few tenths of a
-    # second here, which a loaded machine's poll can miss; 0 keeps it frozen for the upload.
-    env["SPOTGUARD_RESUME_BUFFER_MB"] = "0"
+    if not hold:
+        # The kill must land while CRIU holds the tree. A leave-running image held in memory
+        # (resume_buffer_mb, by default) frees the job after its copy-out, a few tenths of a
+        # second here, which a loaded machine's poll can miss; 0 keeps it frozen for the
+        # upload.
+        env["SPOTGUARD_RESUME_BUFFER_MB"] = "0"
     with log.open("ab") as err:
         return await asyncio.create_subprocess_exec(
             str(exe), "agent", "--job", "train", "--store", store, "--cloud", "aws",
@@ -147,3 +155,67 @@ async def test_agent_killed_during_freeze_leaves_job_running_and_last_image_inta
             os.kill(restored.pid, signal.SIGKILL)
         reference.kill()
         await reference.wait()
+
+
+#: The held-window job: it only has to outlive three checkpoints, with less memory to move
+HELD = ("--steps", "2000", "--step-seconds", "0.03", "--mb", "64", "--seed", "5", "--gpu", "no")
+
+
+async def test_agent_killed_while_a_held_pause_uploads_leaves_the_job_running_and_no_image(
+    host: Host,
+    sink: EventSink,
+    sim: MetadataSim,
+    tmp_path: Path,
+    fault_proxy: FaultProxy,
+    s3_bucket: str,
+) -> None:
+    """The default leave-running checkpoint lets the job go on once its image is in host
+    memory, before the store has it. An agent killed in that window (its uploads hang) must
+    leave the job running, never frozen again, and no image of the killed checkpoint: a
+    restarted agent recovers (the marker says a checkpoint was cut short), its fresh
+    checkpoint becomes the latest image, and the one before it is intact."""
+    job = await start_job(job_argv(*HELD), "train", state_dir=host.state)
+    store = f"{s3_bucket}/images"
+    log = tmp_path / "agent.log"
+    agent = await start_agent(host, sim, sink, store, log, hold=True)
+    try:
+        await wait_until(lambda: "durable" in sink.kinds("train"), 60)
+        previous = next(e for e in sink.events if e["kind"] == "durable")["image_url"]
+
+        stuck = fault_proxy.add("PUT", "/chunks/", "hang", times=1_000_000)
+        sim.state.send("aws", "rebalance")
+        await wait_until(lambda: stuck.hits >= 1, 60)  # the new image's upload hangs ...
+        size = (job.dir / "stdout").stat().st_size
+        await wait_until(lambda: (job.dir / "stdout").stat().st_size > size, 30)  # ... job runs
+        assert proc_state(job.pid) in ("R", "S")
+        assert (job.dir / MARKER).exists(), "the checkpoint is not over until its image is"
+        assert sink.kinds("train").count("durable") == 1
+        os.killpg(agent.pid, signal.SIGKILL)
+        await agent.wait()
+        fault_proxy.faults.clear()
+        fault_proxy.released.set()  # the dead agent's hung requests end
+
+        agent = await start_agent(host, sim, sink, store, log, hold=True)
+        await wait_until(
+            lambda: any(
+                e["kind"] == "checkpoint_failed" and e.get("step") == "recover" for e in sink.events
+            ),
+            60,
+        )
+        await wait_until(lambda: sink.kinds("train").count("durable") >= 2, 60)
+        assert not (job.dir / MARKER).exists()
+        assert proc_state(job.pid) in ("R", "S")
+        size = (job.dir / "stdout").stat().st_size
+        await wait_until(lambda: (job.dir / "stdout").stat().st_size > size, 10)  # it runs
+        latest = next(e for e in reversed(sink.events) if e["kind"] == "durable")["image_url"]
+        assert await latest_image(store, "train", settings=ImageSettings()) == latest
+        # two complete images: the killed checkpoint's never got a manifest
+        images = await list_images(store, "train", settings=ImageSettings())
+        assert sorted(i.url for i in images if i.complete) == sorted([previous, latest])
+        assert len(images) == 3, [(i.image_id, i.complete) for i in images]  # + the cut one
+        assert (await verify_image(previous, settings=ImageSettings())).ok
+    finally:
+        if agent.returncode is None:
+            agent.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(agent.wait(), 60)
+        os.kill(job.pid, signal.SIGKILL)
