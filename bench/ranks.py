@@ -38,6 +38,7 @@ from typing import Any
 
 import psutil
 
+from bench.readers import Readers
 from bench.stacks import Stacks
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu, has_page_workers
@@ -112,9 +113,25 @@ async def one_run(
         shutil.rmtree(stores[0], ignore_errors=True)
 
         target = StreamTarget(f"file://{stores[1]}", work_root=work, settings=image)
-        t0, cpu0 = time.monotonic(), _cpu()
-        frozen = await engine.freeze(job, target, Mode.EXIT)
+        t0, cpu0, wall0 = time.monotonic(), _cpu(), time.time()
+        with (
+            Stacks(None, 0.02) if profile else contextlib.nullcontext() as fst,
+            Readers() if profile else contextlib.nullcontext() as rd,
+        ):
+            frozen = await engine.freeze(job, target, Mode.EXIT)
         row["durable_s"] = time.monotonic() - t0
+        # the image is committed in CRIU's post-dump step, before CRIU kills the ranks and
+        # ends (what durable_s also counts): when the manifest was written
+        done = [x for x in frozen.timeline.steps if x.name == "finish" and x.seconds]
+        if done:
+            row["committed_s"] = round(done[-1].start + (done[-1].seconds or 0) - wall0, 3)
+        if rd is not None:
+            row["readers"] = rd.summary()
+            print(f"capture readers, {ranks} ranks: {row['readers']}", file=sys.stderr, flush=True)
+            print(_events(logs / "criu-dump.log", _DUMP_EVENTS), file=sys.stderr, flush=True)
+        if fst is not None:
+            print(fst.roles(f"freeze of {ranks} ranks"), file=sys.stderr, flush=True)
+            print(fst.table(f"freeze of {ranks} ranks", top=30), file=sys.stderr, flush=True)
         row["profile"] = _profile(frozen.timeline.to_list(), cpu0, target, row["durable_s"])
         print(f"ranks {ranks} x {gib} GiB, page workers {workers}: {row['profile']}",
               file=sys.stderr, flush=True)  # fmt: skip
@@ -123,9 +140,10 @@ async def one_run(
             row["bytes"] = target.capture_stats.bytes
         t0, cpu0 = time.monotonic(), _cpu()
         source = StreamSource(target.url, settings=image, work_root=work)
-        with Stacks(None) if profile else contextlib.nullcontext() as st:
+        with Stacks(None, 0.02) if profile else contextlib.nullcontext() as st:
             restored = await engine.restore(source, state_dir=work / "state")
         if st is not None:
+            print(st.roles(f"restore of {ranks} ranks"), file=sys.stderr, flush=True)
             print(st.table(f"restore of {ranks} ranks", top=24), file=sys.stderr, flush=True)
             print(_restore_events(logs / "criu-restore.log"), file=sys.stderr, flush=True)
             if os.environ.get("SPOTGUARD_BENCH_KEEP_LOG"):
@@ -167,6 +185,7 @@ def _profile(
         w = target.writer_stats.to_json()
         out["writer_stage_s"] = w.get("step_seconds")
         out["chunks_raw"] = w.get("chunks_raw")
+        out["chunks"] = w.get("chunks")
     return out
 
 
@@ -176,15 +195,25 @@ _EVENTS = ("Forking task", "Prefaulting", "Prefaulted", "Opened stream page read
            "Running pre-resume")  # fmt: skip
 
 
+#: what CRIU's dump log (-v4) says about when each task's pages were drained and written
+_DUMP_EVENTS = ("Dumping task (pid", "Dumping pages (type", "in the background",
+                "Wrote pages of", "written in chunks", "Unfreezing", "Writing stats")  # fmt: skip
+
+
 def _restore_events(log: Path) -> str:
     """Timestamped lines of CRIU's restore log that show when each task started, read its
     memory and reached the next stage: whether the tasks read at once or one after another."""
+    return _events(log, _EVENTS)
+
+
+def _events(log: Path, events: tuple[str, ...]) -> str:
+    """The timestamped lines of a CRIU log that hold one of ``events``."""
     try:
         lines = log.read_text(errors="replace").splitlines()
     except OSError as exc:
-        return f"(no restore log: {exc})"
-    keep = [ln for ln in lines if any(e in ln for e in _EVENTS)]
-    return "CRIU restore events:\n" + "\n".join(keep[:120])
+        return f"(no log {log.name}: {exc})"
+    keep = [ln for ln in lines if any(e in ln for e in events)]
+    return f"CRIU events ({log.name}):\n" + "\n".join(keep[:120])
 
 
 def _restore_profile(

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import collections
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass, field
@@ -43,6 +44,14 @@ class _Thread:
     first: float = 0.0
     last: float = 0.0
     states: collections.Counter[str] = field(default_factory=collections.Counter)
+    frames: collections.Counter[str] = field(default_factory=collections.Counter)
+
+
+@dataclass
+class _Role:
+    threads: int = 0
+    cpu: float = 0.0
+    samples: int = 0
     frames: collections.Counter[str] = field(default_factory=collections.Counter)
 
 
@@ -114,6 +123,8 @@ class Stacks:
     def _sample(self) -> None:
         own = threading.get_native_id()
         now = time.perf_counter()
+        # this process's threads all have comm "python3": Python's own names say their role
+        names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
         for group, pid in self._pids():
             for task in Path(f"/proc/{pid}/task").glob("*"):
                 tid = int(task.name)
@@ -126,8 +137,12 @@ class Stacks:
                 t = self.threads.get(tid)
                 if t is None:
                     who = f"{comm}/{tid}" if tid == pid else f"{comm}/{pid}.{tid}"  # a thread
+                    if group == "spotguard" and tid in names:
+                        who = f"{names[tid]}/{tid}"
                     t = self.threads[tid] = _Thread(group, who, (ut, stt))
                     t.first = now
+                if group == "spotguard" and tid in names and t.name.startswith(comm):
+                    t.name = f"{names[tid]}/{tid}"  # named by Python after it was first seen
                 t.cpu1 = (ut, stt)
                 t.last = now
                 t.samples += 1
@@ -151,6 +166,32 @@ class Stacks:
         assert self._thread is not None
         self._thread.join()
         self.seconds = time.perf_counter() - self._t0
+
+    def roles(self, title: str) -> str:
+        """A markdown table per role (a thread's name without its numbers: every compress
+        thread, every pipe reader, CRIU's tasks together): threads, CPU seconds, the cores
+        they kept busy over the window, and their commonest states and waits."""
+        agg: dict[tuple[str, str], _Role] = {}
+        for t in self.threads.values():
+            role = re.sub(r"\d+", "N", t.name.rsplit("/", 1)[0])
+            a = agg.setdefault((t.group, role), _Role())
+            a.threads += 1
+            a.cpu += (t.cpu1[0] - t.cpu0[0] + t.cpu1[1] - t.cpu0[1]) / TICK
+            a.frames.update(t.frames)
+            a.frames["running"] += t.states["R"]
+            a.samples += t.samples
+        lines = [
+            f"{title} by role: {self.seconds:.2f} s",
+            "",
+            "| group | role | threads | cpu s | cores busy | states (share of samples) |",
+            "| --- | --- | --- | --- | --- | --- |",
+        ]
+        for (group, role), a in sorted(agg.items(), key=lambda kv: -kv[1].cpu):
+            n = max(1, a.samples)
+            waits = ", ".join(f"{k} {100 * v / n:.0f}%" for k, v in a.frames.most_common(4))
+            busy = a.cpu / max(self.seconds, 1e-9)
+            lines.append(f"| {group} | {role} | {a.threads} | {a.cpu:.2f} | {busy:.1f} | {waits} |")
+        return "\n".join(lines)
 
     def table(self, title: str, top: int = 14) -> str:
         """A markdown table: the ``top`` threads by CPU seconds over the window."""
