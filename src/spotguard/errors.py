@@ -32,6 +32,7 @@ errors cross machines as :class:`spotguard.contracts.WireError` carrying both.
     │   ├── StepTimeout         [r] a step ran past its time limit
     │   ├── StreamError         [r] streaming image files between CRIU and spotguard failed
     │   ├── ContainerError      [r] the container runtime (podman) failed; names the command
+    │   │   └── RuntimeCriuError [r] the runtime's CRIU refused ("criu failed"): CRIU's reason
     │   └── PreflightError          freeze or restore refused before touching anything
     │       ├── MismatchError       image and host differ (names both sides)
     │       ├── UnsafePath          a local directory is not private (another owner, a link)
@@ -254,6 +255,16 @@ class StreamError(CheckpointError):
 class ContainerError(CheckpointError):
     """The container runtime failed a step (``podman container checkpoint``, ``restore``, ...):
     the message names the command and carries the tail of what it said."""
+
+    retryable = True
+
+
+class RuntimeCriuError(ContainerError):
+    """The runtime ran CRIU and CRIU failed (runc's "criu failed: type NOTIFY errno 0"): the
+    message adds CRIU's own error lines where the runtime names its log. Such a checkpoint
+    is tried once more (:func:`spotguard.container.runtime.once_more_if_criu_failed`): the
+    job runs on after a failed dump, and a process briefly unseizable (in D state under
+    load) is seized on the next try."""
 
     retryable = True
 

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.container import runtime
 from spotguard.container.runtime import run_tool
-from spotguard.errors import ContainerError
+from spotguard.errors import ContainerError, RuntimeCriuError
 
 
 async def test_a_failure_naming_crius_log_logs_its_error_lines(
@@ -58,3 +59,92 @@ async def test_containerds_way_of_naming_crius_log_is_read_too(
     said = [r for r in caplog.records if r.getMessage() == "CRIU's log says"]
     assert said and "Dumping FAILED" in said[0].__dict__["error"]
     assert said[0].__dict__["path"] == str(dump_log)
+
+
+async def test_a_runtimes_criu_failure_says_what_crius_log_refused_in_its_one_line(
+    tmp_path: Path,
+) -> None:
+    """runc says only "criu failed: type NOTIFY errno 0"; the error a user sees carries CRIU's
+    reason too (the log is gone soon after), not the summary line that says nothing."""
+    dump_log = tmp_path / "criu-dump.log"
+    dump_log.write_text(
+        "(10.020) Error (compel/src/lib/infect.c:122): Unseizable non-zombie 4242 found, "
+        "state D, err 0/0\n"
+        "(10.021) Error (criu/cr-dump.c:1979): Dumping FAILED.\n"
+    )
+    tool = tmp_path / "fake-ctr"
+    tool.write_text(
+        "#!/bin/sh\n"
+        "echo 'ctr: runc did not terminate successfully: exit status 1:"
+        f" criu failed: type NOTIFY errno 0 path= {dump_log}: unknown' >&2\n"
+        "exit 1\n"
+    )
+    tool.chmod(0o755)
+    with pytest.raises(RuntimeCriuError) as failed:
+        await run_tool([str(tool)], env=None, limit=10, what="checkpointing x",
+                       label="ctr tasks checkpoint")  # fmt: skip
+    said = str(failed.value)
+    assert "\n" not in said and "type NOTIFY" in said
+    assert "CRIU's log: " in said and "Unseizable non-zombie 4242 found, state D" in said
+    assert "Dumping FAILED" not in said
+    assert isinstance(failed.value, ContainerError) and failed.value.retryable
+
+
+def _flaky(tmp_path: Path, first: str) -> tuple[Path, Path]:
+    """A runtime whose first run fails saying ``first`` on stderr, and whose later runs
+    succeed; each run leaves a line in the returned count file."""
+    count = tmp_path / "runs"
+    tool = tmp_path / "fake-runtime"
+    tool.write_text(
+        "#!/bin/sh\n"
+        f"echo run >> {count}\n"
+        f"if [ $(wc -l < {count}) -eq 1 ]; then echo '{first}' >&2; exit 1; fi\n"
+        "echo checkpointed\n"
+    )
+    tool.chmod(0o755)
+    return tool, count
+
+
+async def test_a_checkpoint_whose_criu_failed_is_tried_once_more(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setattr(runtime, "CRIU_RETRY_S", 0.01)
+    tool, count = _flaky(tmp_path, "criu failed: type NOTIFY errno 0")
+
+    async def checkpoint() -> str:
+        return await run_tool([str(tool)], env=None, limit=10, what="checkpointing x",
+                              label="docker checkpoint create")  # fmt: skip
+
+    with caplog.at_level(logging.WARNING):
+        out = await runtime.once_more_if_criu_failed(checkpoint, job="j")
+    assert out.strip() == "checkpointed"
+    assert count.read_text().count("run") == 2
+    [again] = [r for r in caplog.records if "once more" in r.getMessage()]
+    assert again.__dict__["job"] == "j" and "type NOTIFY" in again.__dict__["error"]
+
+
+async def test_other_runtime_failures_and_a_second_criu_failure_are_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(runtime, "CRIU_RETRY_S", 0.01)
+    tool, count = _flaky(tmp_path, "Error: no such container x")
+
+    async def checkpoint() -> str:
+        return await run_tool([str(tool)], env=None, limit=10, what="checkpointing x",
+                              label="podman container checkpoint")  # fmt: skip
+
+    with pytest.raises(ContainerError, match="no such container") as failed:
+        await runtime.once_more_if_criu_failed(checkpoint, job="j")
+    assert not isinstance(failed.value, RuntimeCriuError)
+    assert count.read_text().count("run") == 1  # not tried again
+
+    calls = 0
+
+    async def always() -> str:
+        nonlocal calls
+        calls += 1
+        raise RuntimeCriuError(f"checkpointing x: criu failed ({calls})")
+
+    with pytest.raises(RuntimeCriuError, match=r"\(2\)"):
+        await runtime.once_more_if_criu_failed(always, job="j")
+    assert calls == 2

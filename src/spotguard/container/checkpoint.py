@@ -43,6 +43,7 @@ from typing import Any
 from spotguard import safefs, workdirs
 from spotguard.container.gpu import for_container
 from spotguard.container.podman import Podman
+from spotguard.container.runtime import once_more_if_criu_failed
 from spotguard.container.spec import (
     ARCHIVE_NAME,
     ContainerConfig,
@@ -250,8 +251,10 @@ class Export:
         """``podman container checkpoint NAME --export PATH ARGS``."""
         argv = [self.ref.name, "--export", str(self.path), *args]
         what = f"checkpointing {self.ref}"
-        if not self.streamed:
-            await self.podman.checkpoint(*argv, what=what)
+        if not self.streamed:  # (streamed, podman's half-read FIFO is not tried again)
+            await once_more_if_criu_failed(
+                lambda: self.podman.checkpoint(*argv, what=what), job=self.ref.job
+            )
             return
         await asyncio.to_thread(os.mkfifo, self.path, 0o600)
         # the read end is open before podman starts: what podman writes is never lost, even

@@ -35,11 +35,17 @@ import subprocess
 import tarfile
 import time
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO, Any
 
 from spotguard.checkpoint.criufind import find_criu, version_of
-from spotguard.container.runtime import run_tool, tail, write_runtime_dir
+from spotguard.container.runtime import (
+    once_more_if_criu_failed,
+    run_tool,
+    tail,
+    write_runtime_dir,
+)
 from spotguard.container.settings import CONTAINERD_PREFIX, PREFIX, ContainerSettings
 from spotguard.container.spec import ContainerRef
 from spotguard.errors import ConfigError, ContainerError, ImageError
@@ -172,6 +178,15 @@ class Containerd:
         return await run_tool(
             argv, env=self.env(), limit=limit, what=what, label=f"ctr {' '.join(args[:2])}"
         )
+
+    async def checkpoint_task(self, ref: ContainerRef, *, leave_running: bool) -> str:
+        """``ctr tasks checkpoint [--exit] ID``; its output (the checkpoint image's name last).
+        Tried once more if runc's CRIU failed: the task ran on
+        (:func:`~spotguard.container.runtime.once_more_if_criu_failed`)."""
+        args = ["tasks", "checkpoint", *(() if leave_running else ("--exit",)), ref.name]
+        what = f"checkpointing {ref}"
+        run = partial(self.run, *args, namespace=ref.namespace, what=what)
+        return await once_more_if_criu_failed(run, job=ref.job)
 
     async def version(self) -> str:
         """The daemon's version (``ctr version``, its Server part)."""

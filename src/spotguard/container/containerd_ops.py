@@ -9,7 +9,7 @@ Checkpoint (each step timed in the result's timeline)::
       ─► GPU processes locked and checkpointed (:mod:`.gpu`)
       ─► ctr tasks checkpoint [--exit] (containerd pauses the task; runc dumps it with
          spotguard's CRIU; containerd diffs the writable layer — all while paused; exit
-         mode: CRIU ends the processes)
+         mode: CRIU ends the processes; once more if CRIU failed: the task ran on)
       ─► leave-running: the task goes on, its GPU processes restored and unlocked
       ─► the OCI layout built from the checkpoint's blobs
          (Containerd.export_layout) ─► image writer (chunks → BLAKE3 → zstd → store, signed
@@ -183,8 +183,7 @@ async def checkpoint_containerd(
         async with writer:  # first: a store that cannot take the image fails before the stop
             with tl.step("ctr checkpoint", mode=mode, streamed=False) as dump:
                 await gpu.freeze(tl)  # GPU memory into the processes' host memory first
-                args = ["tasks", "checkpoint", *(() if leave_running else ("--exit",)), ref.name]
-                out = await ctrd.run(*args, namespace=ref.namespace, what=f"checkpointing {ref}")
+                out = await ctrd.checkpoint_task(ref, leave_running=leave_running)
                 taken = out.strip().splitlines()[-1] if out.strip() else ""
             frozen_at = time.time()
             pause_s: float | None = None

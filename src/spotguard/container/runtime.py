@@ -24,13 +24,14 @@ import contextlib
 import logging
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Protocol, TypeVar, runtime_checkable
 
 from spotguard import safefs
-from spotguard.errors import ContainerError
+from spotguard.errors import ContainerError, RuntimeCriuError
 
+T = TypeVar("T")
 log = logging.getLogger(__name__)
 
 #: CRIU's configuration for every container spotguard checkpoints
@@ -115,11 +116,12 @@ def criu_errors(said: str) -> tuple[str, str] | None:
     return (m.group(1), " | ".join(errors)) if errors else None
 
 
-def _log_criu_errors(said: str) -> None:
-    """:func:`criu_errors`, logged."""
+def _log_criu_errors(said: str) -> tuple[str, str] | None:
+    """:func:`criu_errors`, logged; returned too."""
     found = criu_errors(said)
     if found is not None:
         log.warning("CRIU's log says", extra={"path": found[0], "error": found[1]})
+    return found
 
 
 async def run_tool(
@@ -149,6 +151,39 @@ async def run_tool(
         said = tail(err.decode(errors="replace")) or tail(out.decode(errors="replace"))
         log.warning(f"{label.split()[0]} failed",
                     extra={"argv": " ".join(argv), "status": proc.returncode})  # fmt: skip
-        _log_criu_errors(f"{out.decode(errors='replace')}\n{err.decode(errors='replace')}")
+        found = _log_criu_errors(f"{out.decode(errors='replace')}\n{err.decode(errors='replace')}")
+        if "criu failed" in said.lower() or found is not None:
+            why = f"; CRIU's log: {_reason(found[1])}" if found is not None else ""
+            raise RuntimeCriuError(f"{what}: {label} failed: {said}{why}")
         raise ContainerError(f"{what}: {label} failed: {said}")
     return out.decode(errors="replace")
+
+
+def _reason(errors: str) -> str:
+    """CRIU's error lines without the summary ones that say nothing ("Dumping FAILED."),
+    shortened for a one-line error."""
+    lines = [e.strip() for e in errors.split(" | ")]
+    kept = [e for e in lines if not e.rstrip(".").endswith("FAILED")] or lines
+    return " | ".join(kept)[-400:]
+
+
+#: how long a checkpoint whose CRIU failed waits before its one more try (seconds)
+CRIU_RETRY_S = 1.0
+
+
+async def once_more_if_criu_failed(call: Callable[[], Awaitable[T]], *, job: str) -> T:
+    """``call()`` (a runtime's checkpoint), once more if the runtime's CRIU failed.
+
+    A runtime's failed dump leaves the container running as it was, so trying again is safe;
+    what fails it once under load (a process in D state past CRIU's seize timeout, seen
+    right after a runtime restored a container in place) passes on the next try. Any other
+    failure, and a second CRIU failure, is raised as it is."""
+    try:
+        return await call()
+    except RuntimeCriuError as exc:
+        log.warning(
+            "the runtime's CRIU failed; checkpointing once more",
+            extra={"job": job, "error": str(exc)},
+        )
+    await asyncio.sleep(CRIU_RETRY_S)
+    return await call()
