@@ -151,8 +151,6 @@ class NoticeError(SpotguardError):
 class MetadataUnavailable(NoticeError):
     """The metadata service did not answer usefully (refused, timeout, 5xx). Transient."""
 
-    retryable = True
-
 
 class MetadataMalformed(NoticeError):
     """The metadata service answered with something the cloud does not document."""
@@ -175,13 +173,9 @@ class JobError(SpotguardError):
 class JobNotFound(JobError):
     """No process, job name or cgroup matches."""
 
-    retryable = False
-
 
 class ParkError(JobError):
     """Park or unpark was refused before anything was done; the job's state stays where it is."""
-
-    retryable = False
 
 
 class JobStateError(JobError):
@@ -249,8 +243,6 @@ class StepTimeout(CheckpointError):
 class StreamError(CheckpointError):
     """Streaming image files between CRIU and spotguard (``--stream``) failed."""
 
-    retryable = True
-
 
 class ContainerError(CheckpointError):
     """The container runtime failed a step (``podman container checkpoint``, ``restore``, ...):
@@ -260,13 +252,8 @@ class ContainerError(CheckpointError):
 
 
 class RuntimeCriuError(ContainerError):
-    """The runtime ran CRIU and CRIU failed (runc's "criu failed: type NOTIFY errno 0"): the
-    message adds CRIU's own error lines where the runtime names its log. Such a checkpoint
-    is tried once more (:func:`spotguard.container.runtime.once_more_if_criu_failed`): the
-    job runs on after a failed dump, and a process briefly unseizable (in D state under
-    load) is seized on the next try."""
-
-    retryable = True
+    """The runtime's CRIU failed (runc's "criu failed: type NOTIFY errno 0"); the message adds
+    CRIU's own error lines (:func:`spotguard.container.runtime.once_more_if_criu_failed`)."""
 
 
 class PreflightError(CheckpointError):
@@ -282,8 +269,6 @@ class UnsafePath(PreflightError):
 
 class MismatchError(PreflightError):
     """The image and this host differ in something restore depends on."""
-
-    retryable = False
 
     def __init__(self, what: str, image_side: object, host_side: object) -> None:
         super().__init__(f"{what} mismatch: image has {image_side!r}, this host has {host_side!r}")
