@@ -92,17 +92,26 @@ async def test_a_runtimes_criu_failure_says_what_crius_log_refused_in_its_one_li
 
 def _flaky(tmp_path: Path, first: str) -> tuple[Path, Path]:
     """A runtime whose first run fails saying ``first`` on stderr, and whose later runs
-    succeed; each run leaves a line in the returned count file."""
+    succeed printing their arguments; each run leaves its arguments in the returned count
+    file."""
     count = tmp_path / "runs"
     tool = tmp_path / "fake-runtime"
     tool.write_text(
         "#!/bin/sh\n"
-        f"echo run >> {count}\n"
+        f'echo "$*" >> {count}\n'
         f"if [ $(wc -l < {count}) -eq 1 ]; then echo '{first}' >&2; exit 1; fi\n"
-        "echo checkpointed\n"
+        'echo "$*"\n'
     )
     tool.chmod(0o755)
     return tool, count
+
+
+def _runs(count: Path) -> list[str]:
+    return count.read_text().splitlines()
+
+
+async def _checkpoint_with(tool: Path, label: str) -> str:
+    return await run_tool([str(tool)], env=None, limit=10, what="checkpointing x", label=label)
 
 
 async def test_a_checkpoint_whose_criu_failed_is_tried_once_more(
@@ -110,15 +119,12 @@ async def test_a_checkpoint_whose_criu_failed_is_tried_once_more(
 ) -> None:
     monkeypatch.setattr(runtime, "CRIU_RETRY_S", 0.01)
     tool, count = _flaky(tmp_path, "criu failed: type NOTIFY errno 0")
-
-    async def checkpoint() -> str:
-        return await run_tool([str(tool)], env=None, limit=10, what="checkpointing x",
-                              label="docker checkpoint create")  # fmt: skip
-
     with caplog.at_level(logging.WARNING):
-        out = await runtime.once_more_if_criu_failed(checkpoint, job="j")
-    assert out.strip() == "checkpointed"
-    assert count.read_text().count("run") == 2
+        out = await runtime.once_more_if_criu_failed(
+            lambda: _checkpoint_with(tool, "docker checkpoint create"), job="j"
+        )
+    assert out.strip() == ""  # the second run's (empty) arguments
+    assert len(_runs(count)) == 2
     [again] = [r for r in caplog.records if "once more" in r.getMessage()]
     assert again.__dict__["job"] == "j" and "type NOTIFY" in again.__dict__["error"]
 
@@ -128,15 +134,12 @@ async def test_other_runtime_failures_and_a_second_criu_failure_are_raised(
 ) -> None:
     monkeypatch.setattr(runtime, "CRIU_RETRY_S", 0.01)
     tool, count = _flaky(tmp_path, "Error: no such container x")
-
-    async def checkpoint() -> str:
-        return await run_tool([str(tool)], env=None, limit=10, what="checkpointing x",
-                              label="podman container checkpoint")  # fmt: skip
-
     with pytest.raises(ContainerError, match="no such container") as failed:
-        await runtime.once_more_if_criu_failed(checkpoint, job="j")
+        await runtime.once_more_if_criu_failed(
+            lambda: _checkpoint_with(tool, "podman container checkpoint"), job="j"
+        )
     assert not isinstance(failed.value, RuntimeCriuError)
-    assert count.read_text().count("run") == 1  # not tried again
+    assert len(_runs(count)) == 1  # not tried again
 
     calls = 0
 
@@ -148,3 +151,50 @@ async def test_other_runtime_failures_and_a_second_criu_failure_are_raised(
     with pytest.raises(RuntimeCriuError, match=r"\(2\)"):
         await runtime.once_more_if_criu_failed(always, job="j")
     assert calls == 2
+
+
+async def test_each_runtimes_checkpoint_is_tried_once_more_after_its_criu_failed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The wiring: containerd's ``ctr tasks checkpoint``, docker's ``checkpoint create`` (its
+    partial checkpoint from the failed try removed) and podman's leave-running export each run
+    the runtime twice when its CRIU failed the first time."""
+    from spotguard.container.checkpoint import Export
+    from spotguard.container.containerd import Containerd
+    from spotguard.container.docker import Docker
+    from spotguard.container.podman import Podman
+    from spotguard.container.spec import ContainerRef
+    from spotguard.image import ImageSettings
+    from spotguard.image.writer import ImageWriter
+
+    monkeypatch.setattr(runtime, "CRIU_RETRY_S", 0.01)
+    said = "criu failed: type NOTIFY errno 0"
+
+    ctr_dir = tmp_path / "ctr"
+    ctr_dir.mkdir()
+    tool, count = _flaky(ctr_dir, said)
+    ctrd = Containerd(str(tool), tmp_path / "sock", "/bin/true", "/bin/true", ctr_dir / "rt")
+    ref = ContainerRef.parse("containerd:ns/box")
+    out = await ctrd.checkpoint_task(ref, leave_running=False)
+    assert [r.split()[-3:] for r in _runs(count)] == [["checkpoint", "--exit", "box"]] * 2
+    assert out.split()[-1] == "box"
+
+    docker_dir = tmp_path / "docker"
+    (docker_dir / "into" / "cp").mkdir(parents=True)
+    (docker_dir / "into" / "cp" / "partial").write_text("left by a failed try")
+    tool, count = _flaky(docker_dir, said)
+    docker = Docker(
+        str(tool), "unix:///x.sock", "/bin/true", "/bin/true", runtime_dir=docker_dir / "rt"
+    )
+    await docker.checkpoint("box", "docker-box", docker_dir / "into", "cp")
+    assert len(_runs(count)) == 2 and "checkpoint create" in _runs(count)[1]
+    assert not (docker_dir / "into" / "cp").exists()  # the failed try's part removed
+
+    podman_dir = tmp_path / "podman"
+    podman_dir.mkdir()
+    tool, count = _flaky(podman_dir, said)
+    podman = Podman(str(tool), "/bin/true", "/bin/true", runtime_dir=podman_dir / "rt")
+    writer = ImageWriter(f"file://{tmp_path / 'store'}", "podman-box", settings=ImageSettings())
+    export = Export(podman, ContainerRef.parse("podman:box"), podman_dir, writer, streamed=False)
+    await export.run(["--leave-running"])
+    assert len(_runs(count)) == 2 and "checkpoint box --export" in _runs(count)[1]

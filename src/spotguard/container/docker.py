@@ -27,7 +27,12 @@ from pathlib import Path
 from typing import Any
 
 from spotguard.checkpoint.criufind import find_criu, version_of
-from spotguard.container.runtime import run_tool, tail, write_runtime_dir
+from spotguard.container.runtime import (
+    once_more_if_criu_failed,
+    run_tool,
+    tail,
+    write_runtime_dir,
+)
 from spotguard.container.settings import CONTAINERD_PREFIX, DOCKER_PREFIX, PREFIX, ContainerSettings
 from spotguard.errors import ConfigError, ContainerError
 
@@ -103,6 +108,21 @@ class Docker:
         return await run_tool(
             argv, env=None, limit=limit, what=what, label=f"docker {' '.join(args[:2])}"
         )
+
+    async def checkpoint(self, container: str, job: str, into: Path, name: str) -> None:
+        """``docker checkpoint create --checkpoint-dir INTO CONTAINER NAME``: the checkpoint
+        in ``INTO/NAME``. Tried once more if runc's CRIU failed (the container ran on: see
+        :func:`~spotguard.container.runtime.once_more_if_criu_failed`), a failed try's
+        partial checkpoint removed first."""
+
+        async def create() -> str:
+            await asyncio.to_thread(shutil.rmtree, into / name, True)
+            return await self.run(
+                "checkpoint", "create", "--checkpoint-dir", str(into), container, name,
+                what=f"checkpointing docker:{container}",
+            )  # fmt: skip
+
+        await once_more_if_criu_failed(create, job=job)
 
     async def inspect_object(self, kind: str, name: str) -> dict[str, Any] | None:
         """``docker KIND inspect NAME``; None when docker knows no such object."""

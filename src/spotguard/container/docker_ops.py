@@ -42,7 +42,6 @@ from spotguard.container.checkpoint import ContainerCheckpoint, work_dir
 from spotguard.container.docker import Docker
 from spotguard.container.gpu import for_container
 from spotguard.container.restore import ContainerRestore, RestoreIntent
-from spotguard.container.runtime import once_more_if_criu_failed
 from spotguard.container.spec import DOCKER_ARCHIVE, ContainerConfig, ContainerImage, ContainerRef
 from spotguard.container.start import NPROC, nofile_limit
 from spotguard.errors import (
@@ -174,16 +173,7 @@ async def checkpoint_docker(
             with tl.step("docker checkpoint", mode=mode, streamed=False) as dump:
                 await asyncio.to_thread(os.makedirs, images.parent, 0o700)
                 await gpu.freeze(tl)  # GPU memory into the processes' host memory first
-
-                async def create() -> str:
-                    # a failed try's partial checkpoint is not in the next one's way
-                    await asyncio.to_thread(shutil.rmtree, images.parent / CHECKPOINT, True)
-                    return await docker.run(
-                        "checkpoint", "create", "--checkpoint-dir", str(images.parent), ref.name,
-                        CHECKPOINT, what=f"checkpointing {ref}",
-                    )  # fmt: skip
-
-                await once_more_if_criu_failed(create, job=ref.job)
+                await docker.checkpoint(ref.name, ref.job, images.parent, CHECKPOINT)
                 await asyncio.to_thread(os.rename, images.parent / CHECKPOINT, images)
                 dumped = True
                 await _sh(
