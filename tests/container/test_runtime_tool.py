@@ -198,3 +198,55 @@ async def test_each_runtimes_checkpoint_is_tried_once_more_after_its_criu_failed
     export = Export(podman, ContainerRef.parse("podman:box"), podman_dir, writer, streamed=False)
     await export.run(["--leave-running"])
     assert len(_runs(count)) == 2 and "checkpoint box --export" in _runs(count)[1]
+
+
+def _exporting(tmp_path: Path, first: str, *, export_first: bool) -> tuple[Path, Path]:
+    """A podman whose runs write "archive" to the path after ``--export``, except its first
+    run, which fails saying ``first`` (after writing there too when ``export_first``)."""
+    count = tmp_path / "runs"
+    tool = tmp_path / "fake-podman"
+    first_export = 'echo archive > "$to"; ' if export_first else ""
+    tool.write_text(
+        "#!/bin/sh\n"
+        f'echo "$*" >> {count}\n'
+        'to=""; prev=""\n'
+        'for a in "$@"; do [ "$prev" = --export ] && to=$a; prev=$a; done\n'
+        f"if [ $(wc -l < {count}) -eq 1 ]; then {first_export}echo '{first}' >&2; exit 1; fi\n"
+        'echo archive > "$to"\n'
+    )
+    tool.chmod(0o755)
+    return tool, count
+
+
+@pytest.mark.parametrize("export_first", [False, True], ids=["criu-failed", "podman-exported"])
+async def test_a_streamed_podman_export_is_tried_again_only_if_podman_never_wrote_to_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, export_first: bool
+) -> None:
+    """Streamed, podman exports into a FIFO the image writer reads. CRIU dumps before podman
+    exports, so a CRIU failure with nothing read is tried once more and the second export is
+    what the image gets; had podman written to the FIFO, it is not tried again."""
+    from spotguard.container.checkpoint import Export
+    from spotguard.container.podman import Podman
+    from spotguard.container.spec import ContainerRef
+    from spotguard.image import ImageSettings
+    from spotguard.image.writer import ImageWriter
+
+    monkeypatch.setattr(runtime, "CRIU_RETRY_S", 0.01)
+    tool, count = _exporting(
+        tmp_path, "criu failed: type NOTIFY errno 0", export_first=export_first
+    )
+    podman = Podman(str(tool), "/bin/true", "/bin/true", runtime_dir=tmp_path / "rt")
+    work = tmp_path / "work"
+    work.mkdir()
+    writer = ImageWriter(f"file://{tmp_path / 'store'}", "podman-box", settings=ImageSettings())
+    async with writer:
+        export = Export(podman, ContainerRef.parse("podman:box"), work, writer, streamed=True)
+        if export_first:
+            with pytest.raises(ContainerError, match="type NOTIFY") as failed:
+                await export.run([])
+            assert not isinstance(failed.value, RuntimeCriuError)
+            assert len(_runs(count)) == 1
+            return
+        await export.run([])
+        assert await export.into_image() == len("archive\n")
+        assert len(_runs(count)) == 2

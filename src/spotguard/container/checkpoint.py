@@ -50,7 +50,7 @@ from spotguard.container.spec import (
     ContainerImage,
     ContainerRef,
 )
-from spotguard.errors import JobError, JobNotFound, SpotguardError
+from spotguard.errors import ContainerError, JobError, JobNotFound, RuntimeCriuError, SpotguardError
 from spotguard.image.settings import ImageSettings
 from spotguard.image.sink import FileSink
 from spotguard.image.stats import TransferStats
@@ -248,33 +248,43 @@ class Export:
         self._pump: asyncio.Task[int] | None = None
 
     async def run(self, args: list[str]) -> None:
-        """``podman container checkpoint NAME --export PATH ARGS``."""
+        """``podman container checkpoint NAME --export PATH ARGS``; once more if podman's CRIU
+        failed (:func:`once_more_if_criu_failed`: the container ran on; streamed, only when
+        podman never opened the FIFO — CRIU dumps before podman exports — so nothing was read)."""
         argv = [self.ref.name, "--export", str(self.path), *args]
         what = f"checkpointing {self.ref}"
-        if not self.streamed:  # (streamed, podman's half-read FIFO is not tried again)
-            await once_more_if_criu_failed(
-                lambda: self.podman.checkpoint(*argv, what=what), job=self.ref.job
-            )
+        if not self.streamed:
+
+            async def to_file() -> None:
+                await self.podman.checkpoint(*argv, what=what)
+
+            await once_more_if_criu_failed(to_file, job=self.ref.job)
             return
         await asyncio.to_thread(os.mkfifo, self.path, 0o600)
-        # the read end is open before podman starts: what podman writes is never lost, even
-        # if it finishes before the pump first reads
-        fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-        # as large as fs.pipe-max-size allows (never raised here): fewer wakeups both sides
-        with contextlib.suppress(OSError):
-            set_pipe_size(fd, self.writer.settings.pipe_mb << 20)
         sink = self.writer.file(ARCHIVE_NAME, mode=0o600)
-        stop = threading.Event()
-        self._pump = pump = asyncio.create_task(_pump(fd, sink, stop))
-        try:
-            await self.podman.checkpoint(*argv, what=what)
-        except BaseException as exc:
-            stop.set()  # a pump still waiting for podman to open the FIFO ends
-            await asyncio.wait({pump})
-            failed = None if pump.cancelled() else pump.exception()
-            if failed is not None:  # the store's error closed the pipe: that is the cause
-                raise failed from exc
-            raise
+
+        async def to_fifo() -> None:
+            # the read end is open before podman starts: what podman writes is never lost,
+            # even if it finishes before the pump first reads
+            fd = os.open(self.path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            # as large as fs.pipe-max-size allows (never raised here): fewer wakeups both sides
+            with contextlib.suppress(OSError):
+                set_pipe_size(fd, self.writer.settings.pipe_mb << 20)
+            stop = threading.Event()
+            self._pump = pump = asyncio.create_task(_pump(fd, sink, stop))
+            try:
+                await self.podman.checkpoint(*argv, what=what)
+            except BaseException as exc:
+                stop.set()  # a pump still waiting for podman to open the FIFO ends
+                await asyncio.wait({pump})
+                failed = None if pump.cancelled() else pump.exception()
+                if failed is not None:  # the store's error closed the pipe: that is the cause
+                    raise failed from exc
+                if isinstance(exc, RuntimeCriuError) and (sink.size or sink.closed):
+                    raise ContainerError(str(exc)) from exc  # podman exported: not again
+                raise
+
+        await once_more_if_criu_failed(to_fifo, job=self.ref.job)
 
     async def into_image(self) -> int:
         """The archive in the image (streamed: the rest of the pipe); its size."""
