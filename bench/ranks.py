@@ -119,12 +119,14 @@ async def one_run(
             Readers() if profile else contextlib.nullcontext() as rd,
         ):
             frozen = await engine.freeze(job, target, Mode.EXIT)
-        row["durable_s"] = time.monotonic() - t0
-        # the image is committed in CRIU's post-dump step, before CRIU kills the ranks and
-        # ends (what durable_s also counts): when the manifest was written
+        row["returned_s"] = time.monotonic() - t0
+        # Durable = the manifest written, in CRIU's post-dump step (as bench.stream counts
+        # it); the engine returns later, once CRIU has killed the ranks and ended (0.3-0.7 s,
+        # the freed memory): returned_s.
         done = [x for x in frozen.timeline.steps if x.name == "finish" and x.seconds]
-        if done:
-            row["committed_s"] = round(done[-1].start + (done[-1].seconds or 0) - wall0, 3)
+        committed = done[-1].start + (done[-1].seconds or 0) - wall0 if done else None
+        row["committed_s"] = None if committed is None else round(committed, 3)
+        row["durable_s"] = row["returned_s"] if committed is None else committed
         if rd is not None:
             row["readers"] = rd.summary()
             print(f"capture readers, {ranks} ranks: {row['readers']}", file=sys.stderr, flush=True)
