@@ -11,6 +11,10 @@ checkpoint speed work (H200, THP always) and of the node-scale work (issue 25):
 * 8 GiB model server: park ≤ 5 s; unpark (from memory) to its first answer ≤ 3 s
 * a job on N GPUs (one process per GPU, SIZE GiB each): freeze → durable ≤ 1.3x the same
   job on one GPU (``bench.stream --gpus N``, the multi-GPU work)
+* the N-rank stand-in (``bench.ranks``, parallel mode): N ranks' freeze → durable, restore
+  and leave-running pause ≤ 1.5x one rank's; beside the freeze and the restore, the floor of
+  the same work on this machine (``bench.floor``, most threads) where it was measured — a
+  limit below the floor cannot be met here however the work is ordered
 
 A target with no measurement is listed as ``not run``. Exit status 1 when any measured target
 fails. Run: ``python -m bench.targets OUT_DIR``.
@@ -25,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 Row = dict[str, Any]
+TARGET_RATIO = 1.5  # issue 25: N ranks at most 1.5x one rank
 
 
 def _rows(path: Path) -> list[Row]:
@@ -62,6 +67,33 @@ def _multi_gpu(stream: list[Row]) -> list[tuple[str, str, str, bool | None]]:
         back = multi["restore"] / one["restore"] if multi and one else None
         name = f"{n} x {size:g} GiB vs 1 x {size:g} GiB restore (issue 25: N ranks)"
         out.append(_check(name, back, 1.5, lambda got, lim: got <= lim, "x"))
+    return out
+
+
+def _node_scale(ranks: list[Row], floor: list[Row]) -> list[tuple[str, str, str, bool | None]]:
+    """N ranks against one rank of the same size (``bench.ranks``' parallel rows, the last
+    of each N), with the floor of N ranks' work where ``bench.floor`` measured it."""
+    par = [r for r in ranks if r.get("page_workers", 0) > 1]
+    out = []
+    for n, gib in sorted({(r["ranks"], r["gib"]) for r in par if r["ranks"] > 1}):
+        row = next(r for r in reversed(par) if (r["ranks"], r["gib"]) == (n, gib))
+        one = next((r for r in reversed(par) if (r["ranks"], r["gib"]) == (1, gib)), None)
+        fl = [f for f in floor if (f.get("ranks"), f.get("gib")) == (n, gib)]
+        best = max(fl, key=lambda f: int(f["threads"])) if fl else None
+        for fig, label, floor_key in (
+            ("durable_s", "freeze → durable", "freeze_s"),
+            ("restore_s", "restore", "restore_s"),
+            ("pause_s", "leave-running pause", None),
+        ):
+            got, base = row.get(fig), one and one.get(fig)
+            ratio = got / base if got and base else None
+            name = f"{n} ranks vs 1 rank x {gib:g} GiB, {label} (issue 25)"
+            checked = _check(name, ratio, TARGET_RATIO, lambda g, lim: g <= lim, "x")
+            if ratio is not None and best is not None and floor_key is not None and base:
+                limit_s, floor_s = TARGET_RATIO * base, float(best[floor_key])
+                note = f" ({got:.2f} s; the floor {floor_s:.2f} s, the limit {limit_s:.2f} s)"
+                checked = (checked[0], checked[1] + note, checked[2], checked[3])
+            out.append(checked)
     return out
 
 
@@ -115,7 +147,8 @@ def targets(out_dir: Path) -> list[tuple[str, str, str, bool | None]]:
     res.append(_check("8 GiB server park", p8 and p8["park_s"], 5, le, " s"))
     res.append(_check("8 GiB server unpark → first answer", p8 and p8["unpark_to_answer_s"], 3,
                       le, " s"))  # fmt: skip
-    return res + _multi_gpu(stream)
+    ranks, floor = _rows(out_dir / "ranks.jsonl"), _rows(out_dir / "floor.jsonl")
+    return res + _multi_gpu(stream) + _node_scale(ranks, floor)
 
 
 def main() -> int:
