@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import statistics
 import sys
 from pathlib import Path
 from typing import Any
@@ -237,6 +238,63 @@ def plot_pagecopy(md: str, out: Path) -> Path | None:
     return _save(fig, out, "pagecopy.png")
 
 
+def _nums(cell: str) -> list[float]:
+    """Every number in a cell of runs (``1.45 · 1.44 · 1.37``)."""
+    return [float(x) for x in re.findall(r"\d+(?:\.\d+)?", cell.replace("*", ""))]
+
+
+def plot_floor(md: str, out: Path) -> Path | None:
+    """The newest ``bench.floor`` table under Streaming and the ``bench.ranks`` runs recorded
+    after it (``N``, ``durable s``, ``restore s``): for the freeze and the restore, one rank and
+    the largest N as spotguard did them (bar: the median; line: the runs' range), the floor of
+    the largest N's work with the most threads, and the limit (1.5 x one rank's median)."""
+    found = tables(md, "Streaming")
+    at = [i for i, t in enumerate(found) if t and "freeze floor s" in t[0]]
+    after = (
+        [t for t in found[at[-1] + 1 :] if t and {"N", "durable s", "restore s"} <= set(t[0])]
+        if at
+        else []
+    )
+    if not at or not after:
+        print("skipped floor: no bench.floor table followed by a bench.ranks table under Streaming")
+        return None
+    floor, runs = found[at[-1]], [r for r in after[0] if (num(r["N"]) or 0) >= 1]
+    by_n = {int(num(r["N"]) or 0): r for r in runs if r["N"].strip().isdigit()}
+    if 1 not in by_n or len(by_n) < 2:
+        print("skipped floor: the bench.ranks table has no N=1 row and no larger N")
+        return None
+    n = max(by_n)
+    best = max((r for r in floor if num(r["ranks"]) == n), key=lambda r: num(r["threads"]) or 0)
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
+    for ax, (col, fcol, label) in zip(
+        axes,
+        [
+            ("durable s", "freeze floor s", "freeze → durable, s"),
+            ("restore s", "restore floor s", "restore, s"),
+        ],
+        strict=True,
+    ):
+        one, many = _nums(by_n[1][col]), _nums(by_n[n][col])
+        names = [
+            "spotguard, 1 rank",
+            f"spotguard, {n} ranks",
+            f"floor, {n} ranks ({best['threads']} threads)",
+        ]
+        mids = [statistics.median(one), statistics.median(many), num(best[fcol]) or 0.0]
+        ax.bar(range(3), mids, 0.6, color=["#4c72b0", "#4c72b0", "#999999"])
+        for x, vals in ((0, one), (1, many)):
+            ax.vlines(x, min(vals), max(vals), color="black", linewidth=1)
+        limit = 1.5 * statistics.median(one)
+        ax.axhline(limit, color="#c44e52", linestyle="--", linewidth=1)
+        ax.text(2.45, limit, f"limit 1.5 x 1 rank ({limit:.2f} s)", color="#c44e52", fontsize=7,
+                ha="right", va="bottom")  # fmt: skip
+        ax.set_xticks(range(3), names, fontsize=7)
+        ax.set_title(label, fontsize=9)
+    fig.suptitle(f"{n} ranks x 4 GiB: spotguard, the floor of the same work, and the limit",
+                 fontsize=10)  # fmt: skip
+    return _save(fig, out, "floor.png")
+
+
 def plot_demo(demo_json: Path, out: Path) -> Path | None:
     report = json.loads(demo_json.read_text())
     rows = [r for r in report.get("timeline", []) if r.get("at") is not None]
@@ -299,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         plot_streaming_gpu(md, args.out),
         plot_ranks(md, args.out),
         plot_pagecopy(md, args.out),
+        plot_floor(md, args.out),
         plot_prefault(md, args.out),
     ]
     if args.demo_json is not None:
