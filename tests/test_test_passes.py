@@ -49,3 +49,12 @@ def test_a_selection_of_nothing_fails() -> None:
     run = _passes("tests/test_foundation.py", "-k", "no_test_is_named_like_this")
     assert run.returncode == 1
     assert "FAILED: no pass ran a test" in run.stdout
+
+
+def test_a_failing_pass_is_reported_as_failed_tests_not_as_no_test(tmp_path: Path) -> None:
+    failing = tmp_path / "test_fails.py"
+    failing.write_text("def test_fails() -> None:\n    assert False\n")
+    run = _passes(str(failing), "-p", "no:cacheprovider", "--rootdir", str(REPO))
+    assert run.returncode == 1
+    assert "parallel pass (exit 1: tests failed)" in run.stdout
+    assert "no pass ran a test" not in run.stdout
