@@ -200,7 +200,8 @@ def main() -> None:
                         with args.json.open("a") as f:
                             f.write(json.dumps(row) + "\n")
             finally:
-                _kill(proc.pid)
+                for pid in [*pids, proc.pid]:  # the ranks too: the launcher only waits on them
+                    _kill(pid)
                 proc.wait()
     finally:
         shutil.rmtree(work, ignore_errors=True)
