@@ -80,6 +80,11 @@ async def start_agent(
         )  # fmt: skip
 
 
+def _parasites(root: int) -> list[int]:
+    """The job's processes that still map CRIU's parasite (its memfd)."""
+    return [p for p in proctree.tree(root) if "CRIUMFD" in Path(f"/proc/{p}/maps").read_text()]
+
+
 def _work_dirs(tmp_path: Path) -> list[str]:
     return sorted(p.name for p in (tmp_path / "agent-tmp").iterdir() if p.is_dir())
 
@@ -124,6 +129,7 @@ async def test_agent_killed_during_freeze_leaves_job_running_and_last_image_inta
         assert not (job.dir / MARKER).exists()
         assert not set(left) & set(_work_dirs(tmp_path)), "the killed agent's work dirs stay"
         assert proc_state(job.pid) in ("R", "S")
+        assert not _parasites(job.pid), "the killed agent's CRIU left its parasite in the job"
         size = (job.dir / "stdout").stat().st_size
         await wait_until(lambda: (job.dir / "stdout").stat().st_size > size, 10)  # it runs
         latest = next(e for e in reversed(sink.events) if e["kind"] == "durable")["image_url"]
@@ -205,6 +211,7 @@ async def test_agent_killed_while_a_held_pause_uploads_leaves_the_job_running_an
         await wait_until(lambda: sink.kinds("train").count("durable") >= 2, 60)
         assert not (job.dir / MARKER).exists()
         assert proc_state(job.pid) in ("R", "S")
+        assert not _parasites(job.pid), "the killed agent's CRIU left its parasite in the job"
         size = (job.dir / "stdout").stat().st_size
         await wait_until(lambda: (job.dir / "stdout").stat().st_size > size, 10)  # it runs
         latest = next(e for e in reversed(sink.events) if e["kind"] == "durable")["image_url"]

@@ -207,8 +207,9 @@ def test_a_process_killed_while_criu_waits_in_post_dump_leaves_no_action_script(
     criu_bin: str, tmp_path: Path
 ) -> None:
     """The process that runs CRIU (an agent, ``spotguard checkpoint``) is killed while CRIU's
-    post-dump action script waits for its answer: CRIU dies with it, and the script must not
-    wait on the answer's FIFO for ever (an orphaned ``/bin/sh …/action.sh`` per kill)."""
+    post-dump action script waits for its answer: the script sees its owner gone and ends
+    (CRIU resumes the tree and exits); it must not wait on the answer's FIFO for ever (an
+    orphaned ``/bin/sh …/action.sh`` per kill)."""
     (tmp_path / "img").mkdir()
     env = {**os.environ, "TMPDIR": str(tmp_path)}  # the hook's FIFOs and script under here
     runner = subprocess.Popen([sys.executable, "-c", KILLED_IN_POST_DUMP, criu_bin,
@@ -248,7 +249,7 @@ def test_crius_action_script_never_outlives_criu(tmp_path: Path) -> None:
     process that ran CRIU gone, or its hook already closed), exits once its parent — CRIU —
     has gone, instead of waiting in the FIFO's open for ever (seen in CI: two orphaned
     ``/bin/sh …/action.sh`` after the agent-kill tests)."""
-    from spotguard.checkpoint.criu import _ACTION_SCRIPT
+    from spotguard.checkpoint.criuhook import _ACTION_SCRIPT
 
     script = tmp_path / "action.sh"
     script.write_text(_ACTION_SCRIPT)

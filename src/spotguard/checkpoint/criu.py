@@ -33,9 +33,17 @@ A caller can run code while the tree is still frozen, after CRIU has written the
 before it resumes or kills the tree (``on_frozen``): CRIU's ``post-dump`` action script
 signals over a FIFO and waits for our answer (the engine snapshots the job's output files).
 
-CRIU is started with PR_SET_PDEATHSIG=SIGKILL: if the process driving it dies, CRIU dies too,
-and the tree it had seized is released by the kernel (ptrace detach) — never left half-dumped
-and then killed by a CRIU nobody watches.
+A dump's CRIU outlives the process that started it (its own session, no parent-death
+signal). CRIU runs code of its own inside every task it dumps (the parasite); killed there,
+the kernel lets the tasks go wherever they are: in the parasite (its mapping left in the job)
+or, while CRIU sets it up, at a breakpoint nobody traces (the job dies of SIGTRAP). Left
+alive, CRIU unwinds the dump itself when its owner is gone: a streamed image's reader is gone
+with the owner, so CRIU's next write fails and it cures and resumes every task; an image
+CRIU has written asks the owner in the post-dump hook — every dump has one — and the hook's
+script answers "no" once the owner is gone (checked by pid and start time), so the tree is
+resumed, never killed with no one to keep its image. A restarted agent waits for such a CRIU
+to let the job go before it brings the job back (:mod:`.recovery`). A restore's CRIU dies
+with its owner (PR_SET_PDEATHSIG): what it leaves is killed by recovery, the image intact.
 """
 
 from __future__ import annotations
@@ -74,6 +82,7 @@ from .criufind import (
     version_of,
     version_ok,
 )
+from .criuhook import FrozenHook, nothing
 
 __all__ = [
     "MIN_VERSION_TEXT",
@@ -97,86 +106,10 @@ _PR_SET_PDEATHSIG = 1
 _MOUNT_NS_DUMP = ["--external", "mnt[]"]
 _MOUNT_NS_RESTORE = ["--external", "mnt[]", "--root", "/"]
 
-#: runs under /bin/sh for every CRIU action; only post-dump talks to us. Opening a FIFO
-#: waits for its other end: with spotguard gone (killed, or its hook closed while CRIU ran
-#: on) nobody ever opens it, so a watcher ends the script once CRIU, its parent, is gone
-#: (an orphaned script per killed agent otherwise, waiting for ever)
-_ACTION_SCRIPT = """#!/bin/sh
-[ "$CRTOOLS_SCRIPT_ACTION" = "post-dump" ] || exit 0
-[ -n "$SPOTGUARD_HOOK_REQ" ] || exit 0
-criu=$PPID
-( while kill -0 "$criu" 2>/dev/null; do sleep 0.5; done; kill -9 "$$" 2>/dev/null ) &
-watcher=$!
-rc=1
-if echo frozen > "$SPOTGUARD_HOOK_REQ" && read -r reply < "$SPOTGUARD_HOOK_ACK"; then
-  [ "$reply" = ok ] && rc=0
-fi
-kill "$watcher" 2>/dev/null
-exit $rc
-"""
-
 
 def _die_with_parent() -> None:
     libc = ctypes.CDLL(None, use_errno=True)
     libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0)
-
-
-class _FrozenHook:
-    """The FIFO pair through which CRIU's post-dump action script waits for the engine."""
-
-    def __init__(self, callback: Callable[[], Awaitable[None]]) -> None:
-        self.callback = callback
-        self.dir = workdirs.make("spotguard-criu-")
-        self.script = self.dir / "action.sh"
-        self.script.write_text(_ACTION_SCRIPT)
-        self.script.chmod(0o700)
-        self.req = self.dir / "req"
-        self.ack = self.dir / "ack"
-        os.mkfifo(self.req, 0o600)
-        os.mkfifo(self.ack, 0o600)
-        # O_RDWR keeps a writer/reader of our own open: no EOF storms, no lost answer.
-        self.req_fd = os.open(self.req, os.O_RDWR | os.O_NONBLOCK)
-        self.ack_fd = os.open(self.ack, os.O_RDWR | os.O_NONBLOCK)
-        self.called = False
-        self.error: BaseException | None = None
-        self._task: asyncio.Task[None] | None = None
-
-    def env(self) -> dict[str, str]:
-        return {"SPOTGUARD_HOOK_REQ": str(self.req), "SPOTGUARD_HOOK_ACK": str(self.ack)}
-
-    def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._serve())
-
-    async def _serve(self) -> None:
-        loop = asyncio.get_running_loop()
-        ready = asyncio.Event()
-        loop.add_reader(self.req_fd, ready.set)
-        try:
-            await ready.wait()
-        finally:
-            loop.remove_reader(self.req_fd)
-        with contextlib.suppress(BlockingIOError):
-            os.read(self.req_fd, 64)
-        self.called = True
-        reply = b"ok\n"
-        try:
-            await self.callback()
-        except BaseException as exc:
-            self.error = exc
-            reply = b"fail\n"
-            raise
-        finally:
-            os.write(self.ack_fd, reply)
-
-    async def close(self) -> None:
-        if self._task is not None and not self._task.done():
-            self._task.cancel()
-        if self._task is not None:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        for fd in (self.req_fd, self.ack_fd):
-            os.close(fd)
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 class Criu:
@@ -330,7 +263,9 @@ class Criu:
         job's namespace (:mod:`.mounts`), given before CRIU's own detection.
 
         ``on_frozen`` runs after the image is written and before CRIU resumes or kills the
-        tree; if it raises, CRIU is told to fail and leaves the tree running.
+        tree; if it raises, CRIU is told to fail and leaves the tree running. Every dump has
+        the hook, with or without ``on_frozen``: it is how a CRIU that outlived its owner
+        learns that nobody keeps the image (module doc).
         """
         log_path = log_file or (self.log_dir or images_dir) / "criu-dump.log"
         args = ["dump", "-t", str(pid), "-D", str(images_dir), "-o", str(log_path)]
@@ -359,21 +294,19 @@ class Criu:
             args += [EXTERNAL_PAGES_FLAG, r]
         if mount_ns:
             args += [*external_mounts, *_MOUNT_NS_DUMP]
-        hook = _FrozenHook(on_frozen) if on_frozen else None
-        env = self._env(hook.env() if hook else None)
-        if hook:
-            args += ["--action-script", str(hook.script)]
-            hook.start()
+        hook = FrozenHook(on_frozen or nothing)
+        env = self._env(hook.env())
+        args += ["--action-script", str(hook.script)]
+        hook.start()
         try:
-            await self._run(args, log_path, "dump", time_limit, env)
+            await self._run(args, log_path, "dump", time_limit, env, outlive_us=True)
         except CriuError:
-            if hook and hook.error is not None:
+            if hook.error is not None:
                 raise hook.error from None
             raise
         finally:
-            if hook:
-                await hook.close()
-        if hook and not hook.called:
+            await hook.close()
+        if not hook.called:
             raise CriuError(
                 "criu dump finished without running the post-dump hook",
                 argv=[self.path, *args],
@@ -455,7 +388,12 @@ class Criu:
         what: str,
         time_limit: float | None,
         env: dict[str, str] | None,
+        *,
+        outlive_us: bool = False,
     ) -> None:
+        """Run CRIU and wait for it. ``outlive_us`` (a dump): CRIU in a session of its own
+        and no parent-death signal, so that it unwinds the dump itself if we die (module
+        doc); else it dies with us. Past the time limit, or cancelled, it is killed."""
         argv = [self.path, *args]
         log.debug("running criu", extra={"argv": argv})
         try:
@@ -465,7 +403,8 @@ class Criu:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
-                preexec_fn=_die_with_parent,
+                start_new_session=outlive_us,
+                preexec_fn=None if outlive_us else _die_with_parent,
             )
         except OSError as exc:
             raise CriuError(f"cannot run criu {what}: {exc}", argv=argv) from exc

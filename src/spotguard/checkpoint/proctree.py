@@ -154,6 +154,21 @@ def _state_and_tracer(pid: int, tid: str) -> tuple[str, int] | None:
     return state, tracer
 
 
+def tracers(pids: Iterable[int]) -> set[int]:
+    """The pids tracing any thread of ``pids`` (a CRIU while it holds them, a debugger)."""
+    found: set[int] = set()
+    for pid in pids:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except OSError:
+            continue
+        for tid in tids:
+            st = _state_and_tracer(pid, tid)
+            if st is not None and st[1]:
+                found.add(st[1])
+    return found
+
+
 def wait_seized(pids: Iterable[int], stop: threading.Event, interval: float = 0.002) -> bool:
     """Wait until every thread of every process in ``pids`` has been seen in a ptrace stop
     (CRIU's dump seizes and stops every task before it reads any memory) and is still traced;

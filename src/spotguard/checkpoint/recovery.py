@@ -3,9 +3,13 @@ process left (a restarted agent runs it at start-up; so do the next park and unp
 rule per ``op`` of the marker (:mod:`.marker`).
 
 * ``freeze``, ``suspend``, ``resume``: every GPU process restored and unlocked, the tree
-  continued (the engine's one bring-back). A suspend whose record (park's) exists had
-  completed: the job stays suspended and only the marker goes. A resume's record is removed
-  once the job runs (it is no longer parked).
+  continued (the engine's one bring-back) — once no ``criu dump`` holds the tree: a freeze's
+  CRIU outlives the process that ran it and unwinds the dump itself, curing and resuming the
+  tasks (:mod:`.criu`); brought back under it, the job would be continued while CRIU's
+  parasite is still inside it. One that holds the tree longer than a dump may take
+  (``criu_timeout``) is killed, rather than leave the job frozen for ever. A suspend whose
+  record (park's) exists had completed: the job stays suspended and only the marker goes. A
+  resume's record is removed once the job runs (it is no longer parked).
 * ``restore`` (a park's image by unpark, or any other restore: the agent's of an assignment,
   ``spotguard restore``): killed while CRIU restored the tree, what CRIU left
   — processes waiting in its restorer for ever — is killed: they started after the process
@@ -66,6 +70,7 @@ async def recover(eng: EngineParts, job: JobInfo) -> bool:
         tree = rec.tree
         if proctree.alive(job.pid):
             tree = sorted(set(tree) | set(proctree.tree(job.pid)))
+        await criu_let_go(job, tree, eng.settings.criu_timeout)
         await eng.bring_back(job, tree, rec.gpu_pids)  # NCCL too: suspend releases
         if rec.op is Op.RESUME and kept is not None:
             kept.unlink(missing_ok=True)  # the job runs: it is no longer suspended
@@ -107,6 +112,40 @@ async def _restore(eng: EngineParts, job: JobInfo, rec: MarkerRecord, kept: Path
         )
 
 
+def _dumping_criu(pid: int) -> bool:
+    """Whether ``pid`` is a ``criu dump`` (any binary named ``criu``: the wrapper runs it
+    through the prefix's loader, so its name is in its arguments, not in ``comm``)."""
+    try:
+        argv = psutil.Process(pid).cmdline()
+    except psutil.Error:
+        return False
+    return "dump" in argv and any(Path(a).name == "criu" for a in argv)
+
+
+async def criu_let_go(job: JobInfo, tree: list[int], limit: float) -> None:
+    """Wait until no ``criu dump`` traces a process of ``tree``; past ``limit`` seconds, kill
+    the ones that still do and wait for them to exit (the kernel then lets the tree go)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limit
+    waited = False
+    while holders := [p for p in proctree.tracers(tree) if _dumping_criu(p)]:
+        if not waited:
+            log.info(
+                "waiting for the CRIU of an interrupted freeze to let the job go",
+                extra={"job": job.name, "pid": holders[0]},
+            )
+            waited = True
+        if loop.time() > deadline:
+            log.error(
+                "killed a CRIU that held the job longer than a dump may take",
+                extra={"job": job.name, "pid": holders[0], "seconds": limit},
+            )
+            proctree.signal_all(holders, signal.SIGKILL)
+            await _gone(holders, HALF_RESTORED_EXIT_S)
+            return
+        await asyncio.sleep(0.05)
+
+
 #: seconds to wait for the killed remains of a restore to exit
 HALF_RESTORED_EXIT_S = 30.0
 
@@ -117,7 +156,7 @@ async def _gone(pids: list[int], limit: float) -> None:
     deadline = asyncio.get_running_loop().time() + limit
     while left := [p for p in pids if proctree.alive(p)]:
         if asyncio.get_running_loop().time() > deadline:
-            raise JobError(f"processes {left} of an interrupted restore did not exit when killed")
+            raise JobError(f"processes {left} of an interrupted operation did not exit when killed")
         await asyncio.sleep(0.05)
 
 
