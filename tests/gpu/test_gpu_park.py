@@ -10,7 +10,9 @@ the driver checkpointed the server's GPU state (the engine's faults seam holds i
 ``stop``) is brought back by what a restarted agent runs at start-up (``operations.recover``,
 the real driver); an ``unpark`` of it parked to disk SIGKILLed while CRIU restores (CRIU held
 at ``post-restore`` by an action script) is cleaned up by the next ``spotguard unpark``.
-Each step's time is printed (docs/benchmarks.md records them).
+An exit checkpoint SIGKILLed while CRIU holds the server frozen in its post-dump hook: CRIU,
+which outlives its owner, resumes the server rather than kill it, and the recovery brings its
+GPU state back. Each step's time is printed (docs/benchmarks.md records them).
 """
 
 from __future__ import annotations
@@ -227,6 +229,37 @@ RECOVER = textwrap.dedent(
 )
 
 
+CHECKPOINT_HELD = textwrap.dedent(
+    """
+    import asyncio, sys
+    from spotguard import operations
+    from spotguard.checkpoint.jobs import resolve_job
+    from spotguard.checkpoint.settings import CheckpointSettings
+    from spotguard.config import load
+    from spotguard.image import ImageSettings
+    from spotguard.modes import Mode
+
+    class HoldAt:
+        async def before(self, step):
+            if step == sys.argv[1]:
+                print("at", step, flush=True)
+                await asyncio.sleep(3600)
+
+    async def main():
+        cs = load(CheckpointSettings, {})
+        eng = operations.engine_for(cs)
+        eng.faults = HoldAt()
+        job = resolve_job("srv", state_dir=cs.state_dir)
+        await operations.checkpoint(
+            job, sys.argv[2], mode=Mode.EXIT, settings=cs,
+            image_settings=load(ImageSettings, {}), engine=eng,
+        )
+
+    asyncio.run(main())
+    """
+)
+
+
 def _server(sg: Sg) -> tuple[int, str]:
     port = _port()
     sg(
@@ -277,6 +310,47 @@ def test_a_park_in_place_killed_after_the_gpu_checkpoint_is_recovered(
     assert _get(port, "/infer?x=3") == before
     print(
         f"\nrecovered a park killed after the GPU checkpoint ({KILL_MB} MiB) in {recover_s:.2f} s"
+    )
+
+
+def test_a_checkpoint_killed_while_criu_holds_the_server_leaves_it_serving(
+    gpu_ready: None, sg: Sg, tmp_path: Path
+) -> None:
+    """An exit checkpoint of the GPU server SIGKILLed while CRIU holds the tree frozen (the
+    faults seam holds the engine in CRIU's post-dump hook, the image written): CRIU outlives
+    it, finds its owner gone, and resumes the server instead of killing it; the recovery a
+    restarted agent runs waits for CRIU to let go and brings the GPU state back. The server
+    answers the same, holds its GPU memory again, and parks and unparks afterwards."""
+    port, before = _server(sg)
+    pid = sg.pid("srv")
+    store = f"file://{tmp_path / 'store'}"
+    child = subprocess.Popen(
+        [sys.executable, "-c", CHECKPOINT_HELD, "capture_files", store],
+        env=sg.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    assert child.stdout is not None and child.stderr is not None
+    line = child.stdout.readline().strip()
+    if line != "at capture_files":
+        child.kill()
+        pytest.fail(f"the checkpoint never reached capture_files: {line!r} {child.stderr.read()!r}")
+    tree = proctree.tree(pid)
+    assert proctree.tracers(tree), "CRIU does not hold the server"
+    os.killpg(child.pid, signal.SIGKILL)
+    child.wait()
+    t0 = time.monotonic()
+    done = subprocess.run([sys.executable, "-c", RECOVER], env=sg.env, capture_output=True,
+                          text=True, timeout=300, check=False)  # fmt: skip
+    assert done.stdout.strip() == "True", done.stderr[-4000:]
+    recover_s = time.monotonic() - t0
+    assert proctree.alive(pid) and not proctree.tracers(proctree.tree(pid))
+    assert _get(port, "/infer?x=3") == before
+    assert gpu.used_bytes(proctree.tree(pid)) > KILL_MB * 2**20 * 0.9
+    sg("park", "srv", "--to", "memory")
+    sg("unpark", "srv")
+    assert _get(port, "/infer?x=3") == before
+    print(
+        f"\nrecovered a checkpoint killed in CRIU's post-dump ({KILL_MB} MiB) in {recover_s:.2f} s"
     )
 
 

@@ -26,7 +26,8 @@ Freeze (dump)::
 
 On ANY failure — an error, a timeout, cancellation — the job is brought back: every GPU process
 found checkpointed is restored, every locked one unlocked, every process sent SIGCONT; CRIU itself
-resumes a tree when a dump fails, and dies with us if we die (PR_SET_PDEATHSIG). An
+resumes a tree when a dump fails, and if we die it outlives us and unwinds the dump itself
+(:mod:`.criu`; :mod:`.criuhook`: the post-dump hook answers "no" once we are gone). An
 ``operation.json`` marker in the job directory (:mod:`.marker`) lives exactly as long as a freeze;
 :meth:`Engine.recover` uses it to bring a job back after the process running the freeze was killed.
 What a freeze and a restore return is in :mod:`.results`.
