@@ -9,8 +9,11 @@ spotguard's read copies them), compared with zero, and — if not zero — hashe
 written to a file on the store's tmpfs (a raw chunk). The restore floor reads each stored
 chunk back (``preadv`` into a reused buffer), hashes it and writes it into a fresh mapping of
 a stand-in process with ``process_vm_writev`` (faulting its pages in); zero chunks cost
-nothing (the sparse restore leaves them untouched). Every thread takes chunks from one
-queue, so any rank's chunk goes to any free thread: no per-rank chain, no stagger.
+nothing (the sparse restore leaves them untouched). The pause floor (a leave-running
+checkpoint: the job is frozen only until its memory is in host memory) reads every chunk,
+zero or not, into a buffer of its own that is held (allocated and touched before the clock:
+the least it can cost). Every thread takes chunks from one queue, so any rank's chunk goes to
+any free thread: no per-rank chain, no stagger.
 
 If even this floor for N ranks is above ``1.5 x`` spotguard's measured time for one rank,
 the target of issue 25 is beyond what this machine does for that work, whatever the
@@ -133,6 +136,19 @@ def _restore(targets: dict[int, tuple[int, int]]) -> Callable[[Chunk, memoryview
     return restore_one
 
 
+def _pause(items: list[Chunk], threads: int) -> float:
+    """The pause floor: every chunk copied into a held buffer of its own. Seconds."""
+    held = {id(c): bytearray(c.size) for c in items}  # touched (zero-filled) before the clock
+
+    def pause_one(c: Chunk, view: memoryview) -> None:
+        read_memory(c.pid, c.addr, memoryview(held[id(c)]))
+
+    try:
+        return _pool(threads, items, pause_one)
+    finally:
+        held.clear()
+
+
 def _start(ranks: int, gib: float, work: Path) -> tuple[subprocess.Popen[bytes], list[int]]:
     """The stand-in job (``bench/ranks_job.py``), once every rank has filled its memory."""
     out = work / "out"
@@ -147,10 +163,11 @@ def _start(ranks: int, gib: float, work: Path) -> tuple[subprocess.Popen[bytes],
     return proc, _ranks(proc.pid, ranks)
 
 
-def floors(items: list[Chunk], ranks: int, threads: int) -> tuple[float, float, int]:
-    """The freeze floor, then the restore floor, of the running stand-in's ``items`` with
-    ``threads`` threads: (seconds, seconds, bytes stored)."""
+def floors(items: list[Chunk], ranks: int, threads: int) -> tuple[float, float, float, int]:
+    """The pause floor, the freeze floor, then the restore floor of the running stand-in's
+    ``items`` with ``threads`` threads: (seconds, seconds, seconds, bytes stored)."""
     try:
+        pause_s = _pause(items, threads)
         freeze_s = _pool(threads, items, freeze_one)
         stored = sum(c.file.stat().st_size for c in items if c.file.exists())
         kids = [_child(sum(c.size for c in items if c.rank == r), False) for r in range(ranks)]
@@ -164,7 +181,7 @@ def floors(items: list[Chunk], ranks: int, threads: int) -> tuple[float, float, 
     finally:
         for c in items:
             c.file.unlink(missing_ok=True)
-    return freeze_s, restore_s, stored
+    return pause_s, freeze_s, restore_s, stored
 
 
 def main() -> None:
@@ -180,8 +197,8 @@ def main() -> None:
     print(f"# floor: ranks of {args.gib:g} GiB (half random, half zero), {os.cpu_count()} cpus, "
           f"store {args.dir}")  # fmt: skip
     print("| ranks | threads | GB of memory | GB stored | freeze floor s | GB/s "
-          "| restore floor s | GB/s |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "| restore floor s | GB/s | pause floor s | GB/s |")  # fmt: skip
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     try:
         for n in args.ranks:
             shutil.rmtree(work / "out", ignore_errors=True)
@@ -189,13 +206,14 @@ def main() -> None:
             try:
                 items = _chunks(pids, store)
                 for t in args.threads:
-                    fs, rs, stored = floors(items, n, t)
+                    ps, fs, rs, stored = floors(items, n, t)
                     row = {"ranks": n, "gib": args.gib, "threads": t, "freeze_s": round(fs, 3),
-                           "restore_s": round(rs, 3), "stored": stored}  # fmt: skip
+                           "restore_s": round(rs, 3), "pause_s": round(ps, 3),
+                           "stored": stored}  # fmt: skip
                     total = sum(c.size for c in items)
                     print(f"| {n} | {t} | {total / 1e9:.1f} | {stored / 1e9:.1f} | {fs:.2f} | "
-                          f"{total / fs / 1e9:.1f} | {rs:.2f} | {total / rs / 1e9:.1f} |",
-                          flush=True)  # fmt: skip
+                          f"{total / fs / 1e9:.1f} | {rs:.2f} | {total / rs / 1e9:.1f} | "
+                          f"{ps:.2f} | {total / ps / 1e9:.1f} |", flush=True)  # fmt: skip
                     if args.json:
                         with args.json.open("a") as f:
                             f.write(json.dumps(row) + "\n")
