@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -169,6 +170,7 @@ class Browser:
     def __init__(self, exe: str, profile: Path) -> None:
         self.exe, self.profile = exe, profile
         self.proc: subprocess.Popen[bytes] | None = None
+        self.tmp = tempfile.mkdtemp(prefix="sg-chromium-")
         self.session: aiohttp.ClientSession | None = None
         self.page: Page | None = None
 
@@ -189,6 +191,10 @@ class Browser:
             stdout=log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            # its temp dirs (org.chromium.Chromium.*) in one of ours, removed on exit: killed
+            # with SIGKILL below, it never removes them (/tmp kept two per UI test run); short,
+            # for the socket path inside it
+            env={**os.environ, "TMPDIR": self.tmp},
         )
         log.close()
         port_file = self.profile / "DevToolsActivePort"
@@ -226,3 +232,4 @@ class Browser:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait(timeout=10)
+        shutil.rmtree(self.tmp, ignore_errors=True)
