@@ -16,8 +16,9 @@ directory with CRIU's log at level 4, and the log is read:
 - ``per task``: CRIU's main thread from one rank's ``Dumping task`` line to the end of its own
   work (mean over the ranks);
 - ``before drain``: of it, the time from the rank's last pagemap line to the start of the
-  drain (``Page pipe:``): where the iovec array was copied into the parasite's arguments
-  (one iovec per private page before patch 0002 copied only those in use).
+  drain (``Page pipe:``, or ``Draining pages of ...`` where the drain runs in a writer,
+  patch 0006): where the iovec array was copied into the parasite's arguments (one iovec
+  per private page before patch 0002 copied only those in use).
 
     python -m bench.criu_tasks --criu /opt/spotguard/criu/debs/criu.patched --ranks 1 4
     python -m bench.criu_tasks --criu OLD NEW --ranks 1 4 8 --mib 1024 --reserve-gib 16
@@ -57,29 +58,42 @@ class TaskTimes:
 def task_times(log: str) -> list[TaskTimes]:
     """Each dumped task's main-thread span, from a CRIU dump log at level 4: from its
     ``Dumping task`` line to its ``Dumping task cwd`` line (the end of its own work; what
-    follows the last task is the writers' and the post-dump hook's)."""
-    out: list[TaskTimes] = []
-    pid, start, end, last_pagemap, gap, pages = 0, 0.0, 0.0, 0.0, 0.0, 0
+    follows the last task is the writers' and the post-dump hook's). Where several tasks'
+    drains run at once (patch 0006) the main thread leaves a task at its drain and comes
+    back to it at ``Finishing the dump of task``: its span is then the sum of both parts."""
+    start: dict[int, float] = {}
+    seconds: dict[int, float] = {}
+    pages: dict[int, int] = {}
+    pagemap: dict[int, float] = {}
+    gap: dict[int, float] = {}
+    cur, since = 0, 0.0  # the task the main thread works on, since when
+
+    def leave(t: float) -> None:
+        if cur:
+            seconds[cur] = seconds.get(cur, 0.0) + t - since
+
     for line in log.splitlines():
         m = _TS.match(line)
         if not m:
             continue
         t = float(m.group(1))
-        if "Dumping task (pid: " in line:
-            if pid:
-                out.append(TaskTimes(pid, (end or t) - start, gap, pages))
-            pid, start, end, gap, pages = int(line.split("pid: ")[1].split()[0]), t, 0.0, 0.0, 0
+        if "Dumping task (pid: " in line or "Finishing the dump of task " in line:
+            leave(t)
+            cur, since = int(re.findall(r"\d+", line.split(") ", 1)[1])[0]), t
+            start.setdefault(cur, t)
         elif "Dumping task cwd" in line:
-            end = t
-        elif "Private vmas " in line:
-            pages = int(line.rsplit("/", 1)[1].split()[0])
-        elif "Pagemap generated" in line:
-            last_pagemap = t
-        elif "page-pipe: Page pipe:" in line and last_pagemap:
-            gap = t - last_pagemap
-    if pid and end:
-        out.append(TaskTimes(pid, end - start, gap, pages))
-    return out
+            leave(t)
+            cur = 0
+        elif "Private vmas " in line and cur:
+            pages[cur] = int(line.rsplit("/", 1)[1].split()[0])
+        elif "Pagemap generated" in line and cur:
+            pagemap[cur] = t
+        elif "page-pipe: Page pipe:" in line or "in the background" in line:
+            pid = int(d[0]) if (d := re.findall(r"of (\d+) in the background", line)) else cur
+            if pid in pagemap and pid not in gap:  # the drain's start, where it is logged first
+                gap[pid] = t - pagemap[pid]
+    return [TaskTimes(pid, seconds[pid], gap.get(pid, 0.0), pages.get(pid, 0))
+            for pid in sorted(start, key=start.__getitem__) if pid in seconds]  # fmt: skip
 
 
 async def one_run(criu: str, ranks: int, mib: int, reserve_gib: float, maps: int,

@@ -33,6 +33,9 @@ PAGE_WORKERS_FLAG = "--page-workers"
 #: private mappings needs more pipes than CRIU may open, and is written in chunks, serially
 PAGE_PIPE_MAX = 64 << 20
 EXTERNAL_PAGES_FLAG = "--external-pages"
+#: how ``criu --help`` describes ``--page-workers`` where the parasites of several tasks drain
+#: their pages at once (patch 0006); before it, each task's drain held up the next task
+PARALLEL_DRAIN_HELP = "drain and write the pages of up to N tasks"
 #: (realpath, mtime) -> that criu binary's --help
 _HELP_PROBED: dict[tuple[str, float], str] = {}
 _TOLD: set[str] = set()
@@ -88,6 +91,14 @@ def has_external_pages(path: str) -> bool:
     """Whether the criu at ``path`` has ``--external-pages`` (spotguard's patch 0004: the
     GPU memory the driver staged is then moved by spotguard, :mod:`.gpupages`)."""
     return EXTERNAL_PAGES_FLAG in (_help_text(path) or "")
+
+
+def has_parallel_drain(path: str) -> bool:
+    """Whether the criu at ``path`` drains several tasks' pages at once under
+    ``--page-workers`` (spotguard's patch 0006; its ``--help`` says so). Only tests and
+    benchmarks ask: the option and its use are the same either way."""
+    text = " ".join((_help_text(path) or "").split())  # the help text wraps lines
+    return PARALLEL_DRAIN_HELP in text
 
 
 def default_page_workers() -> int:
