@@ -105,10 +105,21 @@ async def one_run(
     stores = [store_root / f"sg-ranks-{uuid.uuid4().hex[:8]}" for _ in range(2)]
     try:
         await _wait(lambda: len(list(out.glob("rank-*.sum"))) == ranks, "the ranks", 1200)
-        resumed = await engine.freeze(
-            job, StreamTarget(f"file://{stores[0]}", work_root=work, settings=image), Mode.RESUME
-        )
+        paused = StreamTarget(f"file://{stores[0]}", work_root=work, settings=image)
+        with Readers() if profile else contextlib.nullcontext() as prd:
+            resumed = await engine.freeze(job, paused, Mode.RESUME)
         row["pause_s"] = resumed.timeline.seconds("criu_dump")
+        # where the pause goes: each step from the freeze's start (s), the capture's readers
+        t_start = resumed.timeline.steps[0].start if resumed.timeline.steps else 0.0
+        row["pause_steps"] = [
+            (x.name, round(x.start - t_start, 3), x.seconds and round(x.seconds, 3))
+            for x in resumed.timeline.steps
+        ]
+        if paused.capture_stats is not None:
+            row["pause_capture"] = paused.capture_stats.to_json()
+        if prd is not None:
+            row["pause_readers"] = prd.summary()
+            print(_events(logs / "criu-dump.log", _DUMP_EVENTS), file=sys.stderr, flush=True)
         row["identical_after_pause"] = await _verify(out, ranks, 1)
         shutil.rmtree(stores[0], ignore_errors=True)
 
