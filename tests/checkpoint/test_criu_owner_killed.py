@@ -17,6 +17,7 @@ one that holds it longer than a dump may take).
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
@@ -25,6 +26,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 from ckpt_helpers import DEMO, progresses, wait_for
@@ -35,6 +37,8 @@ from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.checkpoint.marker import MARKER
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.errors import StepTimeout
+from spotguard.stream.capture import Capture
 
 pytestmark = pytest.mark.criu
 
@@ -120,6 +124,51 @@ async def test_an_owner_killed_while_criu_waits_in_the_post_dump_hook_resumes_th
     try:
         await _job_let_go(job, images)
         assert not _criu_mapped(proctree.tree(job.pid))
+    finally:
+        _kill_job(job)
+
+
+def _owner_prog() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("dump_owner", OWNER)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+async def _give_up(criu: Criu, job: JobInfo, images: Path, limit: float | None) -> None:
+    """A streamed dump whose capture stalls on the pages: past ``limit`` seconds, or (None)
+    cancelled once CRIU holds the job; leaving the capture aborts its stream."""
+    owner = _owner_prog()
+    async with Capture(images, owner._StallPages(images), **owner.SMALL):
+        dump = asyncio.ensure_future(
+            criu.dump(job.pid, images, leave_running=False, stream=True, time_limit=limit)
+        )
+        if limit is None:
+            await wait_for(lambda: (images / "stalled").exists(), "the dump to stall", 60)
+            assert proctree.tracers(proctree.tree(job.pid)), "CRIU does not hold the job"
+            dump.cancel()
+        await dump
+
+
+@pytest.mark.parametrize("how", ["cancelled", "past-its-time"])
+async def test_a_dump_given_up_with_criu_in_the_job_leaves_the_job_clean(
+    criu_bin: str, tmp_path: Path, how: str
+) -> None:
+    """A dump given up by its caller (cancelled, or past its time limit) while CRIU's
+    parasite is inside the job: CRIU is not killed there but left to unwind the dump — its
+    stream is aborted as the caller leaves — so the job runs on with nothing of CRIU in it."""
+    job = await start_job(JOB, "given-up", state_dir=tmp_path / "state")
+    await progresses(job.dir / "stdout", 30)
+    images = tmp_path / "img"
+    images.mkdir()
+    limit = 3.0 if how == "past-its-time" else None
+    try:
+        with pytest.raises(asyncio.CancelledError if limit is None else StepTimeout):
+            await _give_up(Criu(criu_bin, page_workers=0), job, images, limit)
+        await _job_let_go(job, images)
+        assert not _criu_mapped(proctree.tree(job.pid)), "CRIU's parasite is left in the job"
+        assert "Dumping FAILED" in (images / "criu-dump.log").read_text(errors="replace")
     finally:
         _kill_job(job)
 

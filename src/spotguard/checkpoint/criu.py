@@ -42,7 +42,10 @@ with the owner, so CRIU's next write fails and it cures and resumes every task; 
 CRIU has written asks the owner in the post-dump hook — every dump has one — and the hook's
 script answers "no" once the owner is gone (checked by pid and start time), so the tree is
 resumed, never killed with no one to keep its image. A restarted agent waits for such a CRIU
-to let the job go before it brings the job back (:mod:`.recovery`). A restore's CRIU dies
+to let the job go before it brings the job back (:mod:`.recovery`). A dump given up by its
+caller (cancelled, or past its time limit) is not killed either: the hook answers no and the
+caller aborts the stream, and the engine waits for CRIU to let the tree go before bringing
+the job back (killing it only past :data:`~.engine.CRIU_UNWIND_S`). A restore's CRIU dies
 with its owner (PR_SET_PDEATHSIG): what it leaves is killed by recovery, the image intact.
 """
 
@@ -393,7 +396,11 @@ class Criu:
     ) -> None:
         """Run CRIU and wait for it. ``outlive_us`` (a dump): CRIU in a session of its own
         and no parent-death signal, so that it unwinds the dump itself if we die (module
-        doc); else it dies with us. Past the time limit, or cancelled, it is killed."""
+        doc); else it dies with us. Past the time limit, or cancelled, a restore's CRIU is
+        killed; a dump's is left to unwind the dump (killed, its parasite may be left inside a
+        task): the caller's failure makes it fail — the post-dump hook answers no, the stream
+        is aborted — and the engine waits for it to let the tree go
+        (:func:`.recovery.criu_let_go`), killing it only past that wait."""
         argv = [self.path, *args]
         log.debug("running criu", extra={"argv": argv})
         try:
@@ -412,13 +419,15 @@ class Criu:
         try:
             out, _ = await asyncio.wait_for(proc.communicate(), limit)
         except (TimeoutError, asyncio.CancelledError) as exc:
-            with contextlib.suppress(ProcessLookupError):
-                proc.kill()
-            await asyncio.shield(proc.wait())
+            if not outlive_us:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await asyncio.shield(proc.wait())
             if isinstance(exc, asyncio.CancelledError):
                 raise
+            stopped = "left to unwind" if outlive_us else "stopped"
             raise StepTimeout(
-                f"criu {what} ran past {limit:.0f} s and was stopped\n{log_tail(log_path)}"
+                f"criu {what} ran past {limit:.0f} s and was {stopped}\n{log_tail(log_path)}"
             ) from exc
         if proc.returncode != 0:
             tail = log_tail(log_path) or out.decode(errors="replace")[-4000:]

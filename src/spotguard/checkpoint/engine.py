@@ -25,7 +25,8 @@ Freeze (dump)::
   kill it — a failure up to that point leaves the job running.
 
 On ANY failure — an error, a timeout, cancellation — the job is brought back: every GPU process
-found checkpointed is restored, every locked one unlocked, every process sent SIGCONT; CRIU itself
+found checkpointed is restored, every locked one unlocked, every process sent SIGCONT — once a
+CRIU still dumping (cancelled, past its time) has unwound and let the tree go; CRIU itself
 resumes a tree when a dump fails, and if we die it outlives us and unwinds the dump itself
 (:mod:`.criu`; :mod:`.criuhook`: the post-dump hook answers "no" once we are gone). An
 ``operation.json`` marker in the job directory (:mod:`.marker`) lives exactly as long as a freeze;
@@ -99,6 +100,10 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
+
+#: seconds a dump's CRIU, left to unwind (cancelled, past its time), has to let the tree go
+#: before the engine kills it and brings the job back
+CRIU_UNWIND_S = 30.0
 
 FREEZE_STEPS = (
     "scan",
@@ -336,9 +341,17 @@ class Engine:
                 await finish()
         except BaseException as exc:
             awake = [p for p in tree if p not in held]
-            await asyncio.shield(self.bring_back(job, awake, active, reopen_nccl=nccl_touched))
-            if started:
+            if started:  # first: a CRIU still dumping (cancelled, past its time) fails on it
                 await asyncio.shield(target.abort())
+            # a CRIU left to unwind the dump lets the tree go itself (killed, it could leave
+            # its parasite in a task): brought back only after it has
+            try:
+                await asyncio.shield(recovery.criu_let_go(job, list(tree), CRIU_UNWIND_S))
+            except JobError as gone:  # a killed CRIU that never exited: bring back anyway
+                log.error(
+                    "criu did not let the job go", extra={"job": job.name, "error": str(gone)}
+                )
+            await asyncio.shield(self.bring_back(job, awake, active, reopen_nccl=nccl_touched))
             marker.clear()
             log.warning(
                 "freeze failed; job resumed",

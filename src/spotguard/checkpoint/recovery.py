@@ -123,15 +123,16 @@ def _dumping_criu(pid: int) -> bool:
 
 
 async def criu_let_go(job: JobInfo, tree: list[int], limit: float) -> None:
-    """Wait until no ``criu dump`` traces a process of ``tree``; past ``limit`` seconds, kill
-    the ones that still do and wait for them to exit (the kernel then lets the tree go)."""
+    """Wait until no ``criu dump`` traces a process of ``tree`` (one left by a killed agent,
+    or one the engine left to unwind a cancelled dump); past ``limit`` seconds, kill the ones
+    that still do and wait for them to exit (the kernel then lets the tree go)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
     waited = False
     while holders := [p for p in proctree.tracers(tree) if _dumping_criu(p)]:
         if not waited:
             log.info(
-                "waiting for the CRIU of an interrupted freeze to let the job go",
+                "waiting for a criu dump to let the job go",
                 extra={"job": job.name, "pid": holders[0]},
             )
             waited = True

@@ -5,8 +5,8 @@ the tree once the image is written and the post-dump hook said yes) with one pro
 time (no page workers, so the parasite stays in the task while its pages are written), and
 stalls where WHERE says, writing ``IMAGES/stalled`` once it is there:
 
-- ``pages``: a streamed dump whose capture never takes the pages of the first task: CRIU
-  blocks on a full pipe with its parasite inside that task;
+- ``pages``: a streamed dump whose capture (holding 2 MiB) never takes the pages of the
+  first task: CRIU blocks on a full pipe with its parasite inside that task;
 - ``hook``: a dump to the directory whose post-dump hook (``on_frozen``) never returns: the
   image is written and CRIU waits for the owner's answer with the tree frozen.
 
@@ -22,6 +22,10 @@ from pathlib import Path
 from spotguard.checkpoint.criu import Criu
 from spotguard.stream.capture import Capture, FileOut
 from spotguard.stream.local import DirSink
+
+#: a capture that holds little: CRIU blocks on the stalled pages, its parasite in the task
+#: (with the default 256 MiB the capture would take the whole image and CRIU would go on)
+SMALL = {"piece_bytes": 1 << 20, "buffer_bytes": 2 << 20, "pipe_bytes": 1 << 20}
 
 
 class _Stalled:
@@ -54,7 +58,7 @@ class _StallPages:
 async def main(pid: int, images: Path, where: str, criu_bin: str) -> None:
     criu = Criu(criu_bin, page_workers=0, log_level=4)
     if where == "pages":
-        async with Capture(images, _StallPages(images)):
+        async with Capture(images, _StallPages(images), **SMALL):
             await criu.dump(pid, images, leave_running=False, stream=True)
         return
 
