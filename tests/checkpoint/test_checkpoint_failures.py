@@ -113,6 +113,42 @@ async def test_cancellation_while_frozen_resumes_the_job(
     await assert_running_and_unlocked(job.pid, job.dir / "stdout", gpu)
 
 
+class _SlowAbort(DirectoryTarget):
+    """A target whose abort takes a second (a store slow to answer), and says when it starts."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.aborting = asyncio.Event()
+
+    async def abort(self) -> None:
+        self.aborting.set()
+        await asyncio.sleep(1)
+        await super().abort()
+
+
+async def test_a_second_cancellation_while_the_freeze_is_undone_still_unlocks_the_job(
+    settings: CheckpointSettings, criu_bin: str, launch: Launch, tmp_path: Path
+) -> None:
+    """A caller that cancels again (a second Ctrl-C, a supervisor's timeout) while a
+    cancelled freeze is being undone must not stop the undoing half-way: the GPU is unlocked
+    and the tree continued all the same."""
+    job = await launch(LONG, "twice")
+    await wait_for(lambda: len(lines(job.dir / "stdout")) > 2, "first steps")
+    gpu = RecordingGpu()
+    faults = FailAt("capture_files", hang=True)
+    engine = Engine(Criu(criu_bin), gpu, settings=settings, faults=faults)
+    target = _SlowAbort(tmp_path / "img")
+    task = asyncio.create_task(engine.freeze(job, target, Mode.EXIT))
+    await asyncio.wait_for(faults.reached.wait(), 30)
+    task.cancel()
+    await asyncio.wait_for(target.aborting.wait(), 30)  # in the failure path: cancelled again
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await wait_for(lambda: gpu.stuck() == {}, "the GPU to be unlocked", 30)
+    await assert_running_and_unlocked(job.pid, job.dir / "stdout", gpu)
+
+
 async def test_criu_timeout_is_a_step_timeout_and_resumes_the_job(
     state_dir: Path, criu_bin: str, launch: Launch, tmp_path: Path
 ) -> None:

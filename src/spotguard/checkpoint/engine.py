@@ -105,6 +105,9 @@ log = logging.getLogger(__name__)
 #: before the engine kills it and brings the job back
 CRIU_UNWIND_S = 30.0
 
+#: failed freezes being undone (a task is kept alive only by a strong reference)
+_UNDOING: set[asyncio.Future[None]] = set()
+
 FREEZE_STEPS = (
     "scan",
     "nccl_release",
@@ -341,17 +344,13 @@ class Engine:
                 await finish()
         except BaseException as exc:
             awake = [p for p in tree if p not in held]
-            if started:  # first: a CRIU still dumping (cancelled, past its time) fails on it
-                await asyncio.shield(target.abort())
-            # a CRIU left to unwind the dump lets the tree go itself (killed, it could leave
-            # its parasite in a task): brought back only after it has
-            try:
-                await asyncio.shield(recovery.criu_let_go(job, list(tree), CRIU_UNWIND_S))
-            except JobError as gone:  # a killed CRIU that never exited: bring back anyway
-                log.error(
-                    "criu did not let the job go", extra={"job": job.name, "error": str(gone)}
-                )
-            await asyncio.shield(self.bring_back(job, awake, active, reopen_nccl=nccl_touched))
+            # one shielded task: a second cancellation cannot skip the bring-back
+            undo = asyncio.ensure_future(
+                self._undo_freeze(job, tree, awake, active, nccl_touched, target, started)
+            )
+            _UNDOING.add(undo)  # held: it goes on after a second cancellation of ours
+            undo.add_done_callback(_UNDOING.discard)
+            await asyncio.shield(undo)
             marker.clear()
             log.warning(
                 "freeze failed; job resumed",
@@ -368,6 +367,29 @@ class Engine:
                    "pause_s": round(result.pause_seconds, 3), "staging": plan.mode},
         )  # fmt: skip
         return result
+
+    async def _undo_freeze(
+        self,
+        job: JobInfo,
+        tree: Sequence[int],
+        awake: Sequence[int],
+        active: Sequence[int],
+        nccl_touched: bool,
+        target: DumpTarget,
+        started: bool,
+    ) -> None:
+        """A failed freeze's undoing. The target's abort closes CRIU's stream first, so a CRIU
+        still dumping (cancelled, past its time) fails and unwinds; it lets the tree go
+        itself (killed, it could leave its parasite in a task), so the job is brought back
+        only after it has — without waiting for the rest of the abort."""
+        aborting = asyncio.ensure_future(target.abort()) if started else None
+        try:
+            await recovery.criu_let_go(job, list(tree), CRIU_UNWIND_S)
+        except JobError as gone:  # a killed CRIU that never exited: bring back anyway
+            log.error("criu did not let the job go", extra={"job": job.name, "error": str(gone)})
+        await self.bring_back(job, awake, active, reopen_nccl=nccl_touched)
+        if aborting is not None:
+            await aborting
 
     async def bring_back(
         self,
