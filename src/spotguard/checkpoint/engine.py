@@ -213,7 +213,17 @@ class Engine:
             started = True
             # leave-running: the job goes on once its image is copied out, not stored
             keep = mode is Mode.RESUME and target.stream
-            hold = hold_for(s.resume_buffer_mb, cpu_bytes, gpu_bytes) if keep else NO_HOLD
+            hold = (
+                hold_for(
+                    s.resume_buffer_mb,
+                    cpu_bytes,
+                    gpu_bytes,
+                    pack_later=s.pack_after_resume,
+                    prefault=s.prefault_hold,
+                )
+                if keep
+                else NO_HOLD
+            )
             plan = await target.start(job.name, need, hold)
             tl.mark(
                 "staging", mode=plan.mode, path=plan.path, reason=plan.reason,

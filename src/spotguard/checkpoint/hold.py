@@ -17,7 +17,7 @@ nothing: the job ends at the dump, and holding its image would only delay durabi
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from spotguard.sizing import MEMINFO
@@ -39,10 +39,16 @@ class Hold:
     dump wait for the store: ``files`` of CRIU's image files (the capture's pieces) and
     ``pages`` of the GPU memory copied beside CRIU (the writer's buffers, filled by the copy;
     up to ``pages`` more of those may wait filled for a slot, so the memory this can take is
-    at most ``files + 2 * pages``)."""
+    at most ``files + 2 * pages``). ``pack_later``: the chunks held wait raw, neither
+    hashed, compressed nor stored, until the job runs again (``[checkpoint]
+    pack_after_resume``): the frozen job's cores copy it out instead."""
 
     files: int = 0
     pages: int = 0
+    pack_later: bool = False
+    #: bytes of the held pieces faulted in before the freeze, while the job still runs
+    #: (``[checkpoint] prefault_hold``): about the job's resident memory, within ``files``
+    prefault: int = 0
 
     @property
     def total(self) -> int:
@@ -64,14 +70,23 @@ def spare(meminfo: Path = MEMINFO) -> int:
     return max(0, info.get("MemAvailable", 0) - reserve)
 
 
-def hold_for(setting_mb: int, cpu_bytes: int, gpu_bytes: int, *, meminfo: Path = MEMINFO) -> Hold:
+def hold_for(
+    setting_mb: int,
+    cpu_bytes: int,
+    gpu_bytes: int,
+    *,
+    pack_later: bool = False,
+    prefault: bool = False,
+    meminfo: Path = MEMINFO,
+) -> Hold:
     """The hold for a leave-running image of a job with ``cpu_bytes`` resident and
     ``gpu_bytes`` of GPU memory (0: not known), as ceilings: where the host can spare the
     whole image (``setting_mb`` -1, or ``setting_mb`` MiB allow it), the room it can spare;
     else as much as fits, split between CRIU's files and the GPU memory in proportion;
     nothing for ``setting_mb`` 0. Memory is taken only as the image flows. ``pages`` is granted
     part by part as the staged memory's size becomes known, each grant checked against
-    :func:`spare` again then (the staging exists by that time)."""
+    :func:`spare` again then (the staging exists by that time). ``pack_later`` and
+    ``prefault`` (then the job's resident memory, within the grant): see :class:`Hold`."""
     if setting_mb == 0:
         return NO_HOLD
     room = max(0, spare(meminfo) - gpu_bytes)  # the driver stages gpu_bytes first
@@ -87,13 +102,22 @@ def hold_for(setting_mb: int, cpu_bytes: int, gpu_bytes: int, *, meminfo: Path =
         # The rest of the room to CRIU's files too: what they come to is known only as they
         # flow (a CUDA process dumps more than its resident memory at the scan), and pieces
         # are made only as bytes arrive, so a ceiling costs nothing unused.
-        return Hold(room - 2 * pages, pages)
+        got = Hold(room - 2 * pages, pages, pack_later)
+        return _with_prefault(got, cpu_bytes) if prefault else got
     # Not all of it: the same share of each, so neither side waits alone.
     share = room / want.memory
-    got = Hold(int(files * share), int(pages * share))
+    got = Hold(int(files * share), int(pages * share), pack_later)
+    if prefault:
+        got = _with_prefault(got, cpu_bytes)
     log.info(
         "a leave-running checkpoint keeps part of its image in memory; the job waits for the "
         "rest to be stored",
         extra={"hold_bytes": got.total, "need_bytes": want.total},
     )
     return got
+
+
+def _with_prefault(hold: Hold, cpu_bytes: int) -> Hold:
+    """``hold`` with its CRIU part faulted in up to the job's resident memory (what CRIU's
+    files come to, about: the pages it dumps)."""
+    return replace(hold, prefault=min(hold.files, cpu_bytes))

@@ -189,6 +189,25 @@ class CheckpointSettings(Settings):
             "memory the driver stages and a reserve), 0: the job waits for the store"
         ),
     )
+    pack_after_resume: bool = Field(
+        default=True,
+        description=(
+            "A leave-running checkpoint keeps the part of its image held in host memory raw "
+            "while the job is frozen and hashes, compresses and stores it once the job runs "
+            "again: the cores copy the image out instead, and the job's pause is shorter; "
+            "false: the chunks are processed as they come, also while the job is frozen"
+        ),
+    )
+    prefault_hold: bool = Field(
+        default=True,
+        description=(
+            "A leave-running checkpoint to a store faults in the host memory it keeps the "
+            "job's image in (about the job's resident memory) before the freeze, while the "
+            "job still runs: the frozen job then does not wait for the kernel to zero fresh "
+            "pages; costs that memory (within the hold) and the time to fault it in, before "
+            "the freeze; false: pieces are made as the image flows, while the job is frozen"
+        ),
+    )
     max_file_bytes: int = Field(
         default=1024 * 1024 * 1024,
         ge=0,

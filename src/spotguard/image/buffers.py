@@ -20,7 +20,7 @@ import heapq
 import itertools
 import mmap
 from collections import deque
-from typing import Protocol
+from typing import Literal, Protocol
 
 _HUGEPAGE = 2 << 20
 
@@ -125,6 +125,62 @@ class BufferPool:
             self._allocated -= 1
             with contextlib.suppress(BufferError):  # a view still alive: GC frees it later
                 buf.close()
+
+
+#: which buffers a deferred chunk holds: a piece of its producer's own pool (the stream
+#: capture's, handed over whole) or one of the writer's input buffers (filled by a producer)
+Held = Literal["owned", "input"]
+
+
+class Deferral:
+    """Chunks of a leave-running image kept raw — not hashed, compressed or stored — until
+    the job runs again (:meth:`open`), so that while it is frozen the machine's cores go to
+    copying it out of CRIU's pipes and the GPU staging rather than to the chunk pipeline.
+
+    Why bounded by credits: a deferred chunk holds its buffer and an in-flight slot until the
+    gate opens. Only as many chunks wait as the hold added room for (:meth:`grant`, from
+    ``ImageWriter.hold``), counted apart for the two pools their buffers come from; any other
+    chunk goes through at once, so the producers never run out of buffers while chunks wait,
+    and an image larger than the hold streams as before. Event-loop only.
+    """
+
+    def __init__(self) -> None:
+        self.owned = 0
+        self.input = 0
+        self.chunks = 0  # chunks that waited
+        self._open = asyncio.Event()
+        self._open.set()
+
+    @property
+    def closed(self) -> bool:
+        return not self._open.is_set()
+
+    def grant(self, owned: int, input_: int) -> None:
+        """Room for ``owned`` more chunks of a producer's pool and ``input_`` more of the
+        writer's input buffers to wait."""
+        self.owned += max(0, owned)
+        self.input += max(0, input_)
+
+    def close(self) -> None:
+        """From now on chunks with room wait (the job is about to be frozen)."""
+        self._open.clear()
+
+    def open(self) -> None:
+        """The job runs again: every waiting chunk goes on, and no other waits."""
+        self._open.set()
+
+    def take(self, held: Held | None) -> asyncio.Event | None:
+        """The gate a new chunk holding ``held`` buffers waits at, or None to go on now."""
+        if held is None or self._open.is_set():
+            return None
+        if held == "owned" and self.owned > 0:
+            self.owned -= 1
+        elif held == "input" and self.input > 0:
+            self.input -= 1
+        else:
+            return None
+        self.chunks += 1
+        return self._open
 
 
 class Reusable(Protocol):

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from spotguard.errors import ImageError
-from spotguard.image.buffers import Lease
+from spotguard.image.buffers import Held, Lease
 from spotguard.image.manifest import ChunkRef, FileEntry
 
 
@@ -56,10 +56,15 @@ class ChunkPipeline(Protocol):
         """A pooled buffer for one chunk's plaintext (waits while too many are out)."""
 
     async def submit_chunk(
-        self, sink: FileSink, plain: bytes | memoryview, owner: ChunkOwner | None = None
+        self,
+        sink: FileSink,
+        plain: bytes | memoryview,
+        owner: ChunkOwner | None = None,
+        held: Held | None = None,
     ) -> None:
         """Hand one chunk of ``sink`` to the pipeline (waits for an in-flight slot); the
-        chunk's task is appended to ``sink.refs``."""
+        chunk's task is appended to ``sink.refs``. ``held``: the pool ``owner`` is of, where
+        the chunk may wait raw while a held image's job is frozen (``Deferral``)."""
 
 
 class FileSink:
@@ -135,7 +140,7 @@ class FileSink:
         if self._small or self._lease is not None or not SMALL_CHUNK <= n <= self._w.chunk_size:
             return False
         self.size += n
-        await self._w.submit_chunk(self, data, owner)
+        await self._w.submit_chunk(self, data, owner, "owned")
         return True
 
     async def _flush(self) -> None:
@@ -204,7 +209,7 @@ class FileSink:
                 lease.release()
                 raise
             self.size += n
-            await self._w.submit_chunk(self, lease.view[:n], lease)
+            await self._w.submit_chunk(self, lease.view[:n], lease, "input")
         await self.close()
 
     def drop(self) -> None:

@@ -28,6 +28,7 @@ class TransferStats:
     chunks: int = 0
     chunks_skipped: int = 0
     chunks_raw: int = 0  # stored as raw frames: a sample showed they do not compress
+    chunks_deferred: int = 0  # kept raw while a held image's job was frozen (Deferral)
     retries: int = 0
     # seconds spent per step of the chunk pipeline, summed over chunks (a sum above the
     # transfer's own seconds means that step ran for several chunks at once): where the
@@ -67,6 +68,7 @@ class TransferStats:
             "chunks": self.chunks,
             "chunks_skipped": self.chunks_skipped,
             "chunks_raw": self.chunks_raw,
+            "chunks_deferred": self.chunks_deferred,
             "retries": self.retries,
             "seconds": round(self.seconds, 3),
             "mb_s": round(self.rate / MIB, 1),

@@ -35,7 +35,7 @@ from typing import Any, TypeVar
 
 from spotguard.errors import ImageCorrupt, ImageError, ObjectNotFound, SpotguardError
 from spotguard.image import commit
-from spotguard.image.buffers import BufferPool, Lease
+from spotguard.image.buffers import BufferPool, Deferral, Held, Lease
 from spotguard.image.codec import ChunkCodec, Cipher, compress_bound
 from spotguard.image.history import next_sequence
 from spotguard.image.keys import ImageKeys
@@ -141,6 +141,8 @@ class ImageWriter:
         self._sequence: asyncio.Task[int] | None = None
         self._manifest: Manifest | None = None
         self._entered = False
+        #: chunks of a held leave-running image kept raw until the job resumes (``hold``)
+        self.deferral = Deferral()
 
     @property
     def url(self) -> str:
@@ -256,6 +258,7 @@ class ImageWriter:
             self._input_slots.release()
         self.max_inflight += more
         self.input_limit += more_in
+        self.deferral.grant(more - more_in, more_in)
         # The plaintext buffers handed out grow with the hold, so the pool does too, and its
         # share for compressed output stays what it was (see __init__): a held chunk waits for
         # one with its plaintext, already counted, rather than taking fresh memory for a copy.
@@ -282,9 +285,14 @@ class ImageWriter:
         return await asyncio.get_running_loop().run_in_executor(self._pool, fn, *args)
 
     async def submit_chunk(
-        self, sink: FileSink, plain: bytes | memoryview, lease: ChunkOwner | None = None
+        self,
+        sink: FileSink,
+        plain: bytes | memoryview,
+        lease: ChunkOwner | None = None,
+        held: Held | None = None,
     ) -> None:
-        """Start one chunk of ``sink`` through the pipeline; waits for an in-flight slot."""
+        """Start one chunk of ``sink`` through the pipeline; waits for an in-flight slot.
+        ``held``: which pool ``lease`` is of, where the chunk may wait raw (:attr:`deferral`)."""
         t0 = time.perf_counter()
         try:
             await self._sem.acquire()
@@ -298,7 +306,8 @@ class ImageWriter:
             if lease is not None:
                 lease.release()
             raise self._error
-        task = asyncio.create_task(self._process(plain, lease, sink.raw_saving))
+        gate = self.deferral.take(held)
+        task = asyncio.create_task(self._process(plain, lease, sink.raw_saving, gate))
         self._tasks.add(task)
         sink.refs.append(task)
         task.add_done_callback(lambda t: self._done(t, lease))
@@ -314,9 +323,17 @@ class ImageWriter:
             self._error = task.exception()
 
     async def _process(
-        self, plain: bytes | memoryview, lease: ChunkOwner | None, raw_saving: float | None = None
+        self,
+        plain: bytes | memoryview,
+        lease: ChunkOwner | None,
+        raw_saving: float | None = None,
+        gate: asyncio.Event | None = None,
     ) -> ChunkRef:
         size = len(plain)
+        if gate is not None:
+            t0 = time.perf_counter()
+            await gate.wait()
+            self.stats.add_step("deferred", t0)
         t0 = time.perf_counter()
         addr: str = await self._cpu(self.codec.address_of, plain)
         self.stats.add_step("hash", t0)
@@ -432,6 +449,7 @@ class ImageWriter:
         st.bytes += size
         st.chunks += 1
         st.chunks_raw += raw
+        st.chunks_deferred = self.deferral.chunks
         st.stored_bytes += stored
         if skipped is not None:
             st.bytes_skipped += size

@@ -241,8 +241,14 @@ class StreamTarget:
             pipe_bytes=pipe_bytes(self.settings),
         )
         writer.hold(hold.files, 0)
+        if hold.pack_later and hold.total > 0:
+            writer.deferral.close()  # opened by finish: the job runs again by then
         self._pages_hold = hold.pages  # granted part by part, as the GPU memory's size is known
         await self._capture.start()
+        if hold.prefault > 0:  # the job still runs: fault in its image's room now
+            t = time.time()
+            made = await self._capture.prefault(hold.prefault, os.cpu_count() or 1)
+            _step(self.timeline_steps, self.timeline, "hold_prefault", t, time.time(), bytes=made)
         inflight = writer.max_inflight * writer.chunk_size
         self.plan = StagingPlan(
             "stream",
@@ -319,6 +325,7 @@ class StreamTarget:
     async def _finish(self, meta: ImageMeta) -> None:
         assert self._capture is not None and self._writer is not None and self._sink is not None
         frozen_at = datetime.now(UTC).isoformat()
+        self._writer.deferral.open()
         try:
             stats = await self._capture.settle()
             self.capture_stats = stats
@@ -355,7 +362,9 @@ class StreamTarget:
             "image durable",
             extra={"image": url, "seconds": round(done - self._t0, 3),
                    "bytes": stats.bytes, "peak_buffered": stats.peak_buffered,
-                   "pipe_bytes": stats.pipe_bytes},
+                   "pipe_bytes": stats.pipe_bytes,
+                   "chunks_deferred": self.writer_stats.chunks_deferred if self.writer_stats
+                   else 0},
         )  # fmt: skip
         await self._close(None)
 

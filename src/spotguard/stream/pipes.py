@@ -23,6 +23,8 @@ import threading
 from functools import cache
 from pathlib import Path
 
+from spotguard.image.memops import populate
+
 log = logging.getLogger(__name__)
 
 #: the largest pipe a process without CAP_SYS_RESOURCE may ask for (the kernel's default: 1 MiB)
@@ -138,6 +140,11 @@ class PiecePool:
         self._closed = False
         self._cond = threading.Condition()
 
+    @property
+    def made(self) -> int:
+        """Buffers that exist now (free or out)."""
+        return self._made
+
     def take(self) -> mmap.mmap:
         """A free buffer (waits for one); raises :class:`Interrupted` once closed."""
         with self._cond:
@@ -150,11 +157,35 @@ class PiecePool:
             if self._free:
                 return self._free.pop()
             self._made += 1
+        return self._make()
+
+    def _make(self) -> mmap.mmap:
         buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
         if self.size >= 2 << 20 and hasattr(mmap, "MADV_HUGEPAGE"):
             with contextlib.suppress(OSError):
                 buf.madvise(mmap.MADV_HUGEPAGE)
         return buf
+
+    def prefault(self, n: int, stop: threading.Event | None = None) -> int:
+        """Make up to ``n`` more buffers now, their pages faulted in (``memops.populate``),
+        free for :meth:`take`: a leave-running dump's held pieces made while the job still
+        runs, so the frozen job does not wait for the kernel to zero fresh pages. Stops at
+        ``count`` buffers, once closed, or when ``stop`` is set; returns how many it made."""
+        made = 0
+        while made < n and not (stop is not None and stop.is_set()):
+            with self._cond:
+                if self._closed or self._made >= self.count:
+                    break
+                self._made += 1
+            buf = self._make()
+            populate(buf)
+            made += 1
+            with self._cond:
+                if self._closed:
+                    break
+                self._free.append(buf)
+                self._cond.notify()
+        return made
 
     def release(self, buf: mmap.mmap) -> None:
         """Give back a buffer for reuse."""
