@@ -103,8 +103,11 @@ async def run(a: argparse.Namespace) -> int:
                     row["identical"] = await _verify(out, a.ranks, gen)
                     same = same and row["identical"]
                     rows[name].append(row)
-                    print(json.dumps({"variant": name, "ranks": a.ranks, "gib": a.gib, **row}),
-                          flush=True)  # fmt: skip
+                    record = {"variant": name, "ranks": a.ranks, "gib": a.gib, **row}
+                    print(json.dumps(record), flush=True)
+                    if a.json:
+                        with a.json.open("a") as f:
+                            f.write(json.dumps({"bench": "pause", **record}) + "\n")
         finally:
             _kill(job.pid)
     print(table(rows, a.ranks, a.gib, crit.page_workers))
@@ -142,6 +145,7 @@ def main() -> int:
     p.add_argument("--store", type=Path, default=Path("/dev/shm"), help="store parent dir")
     p.add_argument("--criu", default=None, help="criu binary (default: as spotguard finds it)")
     p.add_argument("--workers", type=int, default=0, help="--page-workers N (0: the CPUs)")
+    p.add_argument("--json", type=Path, help="append one JSON line per pause")
     p.add_argument(
         "--variants",
         nargs="+",
