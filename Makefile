@@ -9,8 +9,11 @@ PYTEST_ARGS ?=
 ## Three on the 2-core CI machine: most of a CRIU test's time is waiting on real processes
 ## (parallel pass 7:34 against 10:45 with two). Earlier three-process runs failed tests whose
 ## work directories another test's agent, in a PID namespace of its own, swept as a killed
-## operation's (fixed: spotguard.workdirs judges only its own namespace).
-TEST_WORKERS ?= 3
+## operation's (fixed: spotguard.workdirs judges only its own namespace). Four since
+## 2026-11-28: the same pass took 12:43 against 13:47 with three on a slower day of the same
+## machine (CPU 163 %: the tests still wait more than they compute), and CI had gone past
+## 20 minutes with three.
+TEST_WORKERS ?= 4
 XDIST    = -n $(TEST_WORKERS) --dist loadgroup
 
 .PHONY: demo test prereqs lint typecheck unit gpu-test bench criu chromium podman containerd docker registry venv clean
