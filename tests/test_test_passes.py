@@ -58,3 +58,15 @@ def test_a_failing_pass_is_reported_as_failed_tests_not_as_no_test(tmp_path: Pat
     assert run.returncode == 1
     assert "parallel pass (exit 1: tests failed)" in run.stdout
     assert "no pass ran a test" not in run.stdout
+
+
+def test_the_serial_pass_start_is_signalled_for_work_beside_it(tmp_path: Path) -> None:
+    """CI starts the dependency floors' tests beside the serial pass when this file appears:
+    not before (PREPARE_SERIAL, beside the parallel pass, finds none), and even when the serial
+    pass selects nothing."""
+    started = tmp_path / "serial-started"
+    run = _passes(
+        ONE_TEST, PREPARE_SERIAL=f"test ! -e {started}", SPOTGUARD_SERIAL_STARTED=str(started)
+    )
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-2000:]
+    assert started.exists()
