@@ -151,10 +151,6 @@ class Deferral:
         self._open = asyncio.Event()
         self._open.set()
 
-    @property
-    def closed(self) -> bool:
-        return not self._open.is_set()
-
     def grant(self, owned: int, input_: int) -> None:
         """Room for ``owned`` more chunks of a producer's pool and ``input_`` more of the
         writer's input buffers to wait."""
