@@ -76,10 +76,12 @@ async def run(a: argparse.Namespace) -> int:
         mib = int(a.gib * 1024)
         argv = [sys.executable, str(JOB), "launcher", "--ranks", str(a.ranks), "--mib", str(mib)]
         job = await start_job([*argv, "--out", str(out)], f"pause-{a.ranks}", state_dir=work)
-        crit = Criu(a.criu, page_workers=a.workers or None)
+        named: list[str | None] = list(a.criu or [None])
+        crius = {(Path(c).name if c and len(named) > 1 else ""): c for c in named}
+        crits = {label: Criu(c, page_workers=a.workers or None) for label, c in crius.items()}
         image = ImageSettings()
         engines = {
-            name: Engine(
+            f"{name} · {label}" if label else name: Engine(
                 crit,
                 settings=CheckpointSettings(
                     state_dir=work / "state",
@@ -90,6 +92,7 @@ async def run(a: argparse.Namespace) -> int:
             )
             for name, (later, prefault) in VARIANTS.items()
             if name in a.variants
+            for label, crit in crits.items()
         }
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
         gen, same = 0, True
@@ -110,7 +113,7 @@ async def run(a: argparse.Namespace) -> int:
                             f.write(json.dumps({"bench": "pause", **record}) + "\n")
         finally:
             _kill(job.pid)
-    print(table(rows, a.ranks, a.gib, crit.page_workers))
+    print(table(rows, a.ranks, a.gib, next(iter(crits.values())).page_workers))
     return 0 if same else 1
 
 
@@ -143,7 +146,13 @@ def main() -> int:
     p.add_argument("--ranks", type=int, default=2, help="N")
     p.add_argument("--repeat", type=int, default=3, help="pauses per mode")
     p.add_argument("--store", type=Path, default=Path("/dev/shm"), help="store parent dir")
-    p.add_argument("--criu", default=None, help="criu binary (default: as spotguard finds it)")
+    p.add_argument(
+        "--criu",
+        nargs="+",
+        default=None,
+        help="criu binary (default: as spotguard finds it); several: each variant with each, "
+        "interleaved, named by the file's name",
+    )
     p.add_argument("--workers", type=int, default=0, help="--page-workers N (0: the CPUs)")
     p.add_argument("--json", type=Path, help="append one JSON line per pause")
     p.add_argument(

@@ -47,8 +47,8 @@ _END = re.compile(_TS + r"Wrote pages of (\d+)$")
 _DRAIN_START = re.compile(_TS + r"Draining pages of (\d+) in the background")
 _DRAIN_END = re.compile(_TS + r"Drained pages of (\d+)$")
 
-#: patch 0006 is built on request only (docs/ARCHITECTURE.md, "Several tasks drained at once")
-NO_DRAIN = "drains one task at a time (patch 0006, packaging/criu-patches/next/, not built)"
+#: patch 0006 is one of the patches scripts/install-criu builds: a CRIU without it is stale
+NO_DRAIN = "drains one task at a time (no patch 0006): run scripts/install-criu"
 
 
 @pytest.fixture
@@ -238,7 +238,7 @@ async def test_ranks_pages_drained_at_once(
     into the page pipe before it goes on with the next task: a rank was still draining when
     the next rank's drain started. The image restores byte-identical."""
     if not has_parallel_drain(parallel_criu.path):
-        pytest.skip(f"{parallel_criu.path}: {NO_DRAIN}")
+        pytest.fail(f"{parallel_criu.path}: {NO_DRAIN}")
     script = tmp_path / "sized.py"
     script.write_text(SIZED)
     out = tmp_path / "out"
@@ -329,7 +329,7 @@ async def test_a_dump_failing_midway_cures_every_drained_task_and_leaves_the_job
     mapped, each one running on. CRIU is run directly: the engine would refuse the job
     (it holds a descriptor CRIU cannot dump), so the job runs in the host's namespaces."""
     if not has_parallel_drain(parallel_criu.path):
-        pytest.skip(f"{parallel_criu.path}: {NO_DRAIN}")
+        pytest.fail(f"{parallel_criu.path}: {NO_DRAIN}")
     n = 3
     script = tmp_path / "failing.py"
     script.write_text(FAILING)

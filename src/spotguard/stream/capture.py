@@ -161,17 +161,19 @@ class Capture(SocketService):
         self._task = asyncio.create_task(self._serve(listener), name="stream-capture")
 
     async def prefault(self, nbytes: int, threads: int) -> int:
-        """Make the pieces for ``nbytes`` of the image now, their pages faulted in by
-        ``threads`` threads at once (:meth:`pipes.PiecePool.prefault`), before CRIU starts:
-        a leave-running dump's hold made while the job still runs, so the frozen job does not
-        wait for the kernel to zero them. Returns the bytes made; an abort stops it."""
+        """Make the pieces for ``nbytes`` of the image now, before CRIU starts — every map
+        first, then their pages faulted in by ``threads`` threads at once
+        (:meth:`pipes.PiecePool.reserve`, :meth:`~pipes.PiecePool.fill`): a leave-running
+        dump's hold made while the job still runs, so the frozen job does not wait for the
+        kernel to zero them. Returns the bytes faulted in; an abort stops it."""
         assert self._pool is not None, "start() first"
         pool, stop = self._pool, self._stop
-        n = -(-max(0, nbytes) // pool.size)
-        threads = max(1, min(threads, n))
-        per, extra = divmod(n, threads)
+        bufs = await asyncio.to_thread(pool.reserve, -(-max(0, nbytes) // pool.size))
+        if not bufs:
+            return 0
+        threads = max(1, min(threads, len(bufs)))
         made = await asyncio.gather(
-            *(asyncio.to_thread(pool.prefault, per + (i < extra), stop) for i in range(threads))
+            *(asyncio.to_thread(pool.fill, bufs[i::threads], stop) for i in range(threads))
         )
         return sum(made) * pool.size
 
