@@ -243,12 +243,18 @@ def _nums(cell: str) -> list[float]:
     return [float(x) for x in re.findall(r"\d+(?:\.\d+)?", cell.replace("*", ""))]
 
 
+#: where the node-scale tables are recorded (the floor and the runs after it), in the
+#: document's order
+FLOOR_SECTIONS = ("Streaming", "Real jobs on a GPU (`scripts/gpu-tests none`)")
+
+
 def plot_floor(md: str, out: Path) -> Path | None:
-    """The newest ``bench.floor`` table under Streaming and the ``bench.ranks`` runs recorded
-    after it (``N``, ``durable s``, ``restore s``): for the freeze and the restore, one rank and
-    the largest N as spotguard did them (bar: the median; line: the runs' range), the floor of
-    the largest N's work with the most threads, and the limit (1.5 x one rank's median)."""
-    found = tables(md, "Streaming")
+    """The newest ``bench.floor`` table (the last one in :data:`FLOOR_SECTIONS`) and the
+    ``bench.ranks`` runs recorded after it (``N``, ``durable s``, ``restore s``, and ``pause s``
+    where both have the pause): for each, one rank and the largest N as spotguard did them
+    (bar: the median; line: the runs' range), the floor of the largest N's work with the most
+    threads, and the limit (1.5 x one rank's median)."""
+    found = [t for section in FLOOR_SECTIONS for t in tables(md, section)]
     at = [i for i, t in enumerate(found) if t and "freeze floor s" in t[0]]
     after = (
         [t for t in found[at[-1] + 1 :] if t and {"N", "durable s", "restore s"} <= set(t[0])]
@@ -256,7 +262,7 @@ def plot_floor(md: str, out: Path) -> Path | None:
         else []
     )
     if not at or not after:
-        print("skipped floor: no bench.floor table followed by a bench.ranks table under Streaming")
+        print("skipped floor: no bench.floor table followed by a bench.ranks table")
         return None
     floor, runs = found[at[-1]], [r for r in after[0] if (num(r["N"]) or 0) >= 1]
     by_n = {int(num(r["N"]) or 0): r for r in runs if r["N"].strip().isdigit()}
@@ -265,15 +271,14 @@ def plot_floor(md: str, out: Path) -> Path | None:
         return None
     n = max(by_n)
     best = max((r for r in floor if num(r["ranks"]) == n), key=lambda r: num(r["threads"]) or 0)
-    fig, axes = plt.subplots(1, 2, figsize=(9, 3.4))
-    for ax, (col, fcol, label) in zip(
-        axes,
-        [
-            ("durable s", "freeze floor s", "freeze → durable, s"),
-            ("restore s", "restore floor s", "restore, s"),
-        ],
-        strict=True,
-    ):
+    panels = [
+        ("durable s", "freeze floor s", "freeze → durable, s"),
+        ("restore s", "restore floor s", "restore, s"),
+        ("pause s", "pause floor s", "leave-running pause, s"),
+    ]
+    panels = [p for p in panels if p[0] in by_n[1] and p[1] in best]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 3.4))
+    for ax, (col, fcol, label) in zip(axes, panels, strict=True):
         one, many = _nums(by_n[1][col]), _nums(by_n[n][col])
         names = [
             "spotguard, 1 rank",

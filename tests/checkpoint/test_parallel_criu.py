@@ -11,9 +11,12 @@ parasite was still draining its pages when the next rank's drain started.
 from __future__ import annotations
 
 import asyncio
+import os
 import re
 import signal
 import sys
+import threading
+import time
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -360,6 +363,83 @@ async def test_a_dump_failing_midway_cures_every_drained_task_and_leaves_the_job
             lambda: all(a > b for a, b in zip(_beats(out, n), before, strict=True)),
             "every child to run on",
             30,
+        )
+    finally:
+        await _kill(*proctree.tree(job.pid))
+
+
+def _kill_on_drain(log: Path, victims: set[int], done: threading.Event) -> list[int]:
+    """Follow CRIU's log as it is written and SIGKILL the first of ``victims`` whose drain
+    starts (``Draining pages of PID in the background``); the pids killed."""
+    killed: list[int] = []
+    while not log.exists() and not done.is_set():
+        time.sleep(0.001)
+    if done.is_set():
+        return killed
+    with log.open(errors="replace") as f:
+        part = ""
+        while not done.is_set() and not killed:
+            chunk = f.read()
+            if not chunk:
+                time.sleep(0.0005)
+                continue
+            part += chunk
+            *lines, part = part.split("\n")
+            for line in lines:
+                m = _DRAIN_START.match(line)
+                if m and int(m.group(2)) in victims:
+                    os.kill(int(m.group(2)), signal.SIGKILL)
+                    killed.append(int(m.group(2)))
+                    break
+    return killed
+
+
+async def test_a_rank_killed_while_its_pages_drain_fails_the_dump_and_frees_the_rest(
+    parallel_criu: Criu, tmp_path: Path
+) -> None:
+    """Patch 0006 hands a task's drain to its page writer and puts CRIU's SIGCHLD handler (its
+    parasite-crash check) back: the writer itself must notice its task die while the
+    parasite drains. A rank SIGKILLed as its drain starts fails the dump in bounded time, and
+    every other process of the tree is resumed — not stopped, not traced, no parasite
+    mapped — and runs on. CRIU is run directly, the job in the host's namespaces (the pids in
+    CRIU's log are then the ones to kill)."""
+    if not has_parallel_drain(parallel_criu.path):
+        pytest.fail(f"{parallel_criu.path}: {NO_DRAIN}")
+    script = tmp_path / "sized.py"
+    script.write_text(SIZED)
+    out = tmp_path / "out"
+    out.mkdir()
+    sizes = ("2048", "32", "32")
+    argv = [sys.executable, str(script), str(out), *sizes]
+    job = await start_job(argv, "killed-drain", state_dir=tmp_path / "state", pid_namespace=False)
+    try:
+        await wait_for(lambda: all((out / f"sum-{i}").exists() for i in range(3)), "sums", 120)
+        pids = proctree.tree(job.pid)
+        big = max(pids[1:], key=lambda p: proctree.rss_bytes([p]))
+        (tmp_path / "img").mkdir()
+        done = threading.Event()
+        log = tmp_path / "logs" / "criu-dump.log"
+        watcher = asyncio.create_task(asyncio.to_thread(_kill_on_drain, log, {big}, done))
+        try:
+            with pytest.raises(CriuError):
+                await asyncio.wait_for(
+                    parallel_criu.dump(job.pid, tmp_path / "img", leave_running=True), 120
+                )
+        finally:
+            done.set()
+            killed = await watcher
+        assert killed == [big], "the rank's drain was never seen starting"
+        text = log.read_text(errors="replace")
+        assert f"Drained pages of {big}" not in text, "killed only after its drain ended"
+        assert "Can't cure" not in text, text[-2000:]
+        rest = [p for p in proctree.tree(job.pid) if p != big]
+        assert len(rest) == len(pids) - 1, (pids, rest)
+        states = _states(rest)
+        assert all(set(st) <= set("RSD") for st in states.values()), states
+        assert not proctree.tracers(rest)
+        (out / "verify-1").touch()
+        await wait_for(
+            lambda: all((out / f"sum-{i}-1").exists() for i in (1, 2)), "the rest to run on", 60
         )
     finally:
         await _kill(*proctree.tree(job.pid))
