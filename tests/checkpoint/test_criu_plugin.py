@@ -291,6 +291,27 @@ async def test_doctor_checks_the_version_and_reports_the_plugin(
     assert "sudo spotguard install-criu" in checks["criu plugin"].fix
 
 
+async def test_doctor_names_the_patches_a_criu_lacks(criu_bin: str, tmp_path: Path) -> None:
+    """A CRIU installed before a patch was added (or Debian's own) still dumps, one process
+    after another: the doctor says which of spotguard's patches it lacks and how to get
+    them, without failing the host."""
+    checks = {c.name: c for c in await run_checks(criu_bin, self_test=False)}
+    assert checks["criu patches"].ok, checks["criu patches"]
+    stale = tmp_path / "stale" / "bin" / "criu"  # page workers and external pages, no 0006
+    stale.parent.mkdir(parents=True)
+    stale.write_text(
+        '#!/bin/sh\n[ "$1" = --version ] && echo "Version: 4.2.1" && exit 0\n'
+        'echo "  --page-workers N  write the pages of up to N tasks at once"\n'
+        'echo "  --external-pages PID:START-END  leave a range to the caller"\n'
+    )
+    stale.chmod(0o755)
+    patches = {c.name: c for c in await run_checks(str(stale), self_test=False)}["criu patches"]
+    assert not patches.ok and not patches.required
+    assert "several tasks' pages drained at once" in patches.found, patches.found
+    assert "--page-workers" not in patches.found.split("lacks")[-1], patches.found
+    assert "sudo spotguard install-criu" in patches.fix
+
+
 def test_the_preflight_lets_through_mappings_the_plugin_dumps() -> None:
     maps = ("/usr/lib/libc.so.6", "/dev/loop3", "/dev/nvidia0")
     refused = scan.ProcFacts(pid=9, name="worker", maps=maps)

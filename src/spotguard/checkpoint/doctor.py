@@ -14,6 +14,7 @@ from spotguard.errors import PreflightError
 
 from . import cuda, placing, stagefault
 from .criu import MIN_VERSION_TEXT, PLUGIN_NAME, Criu, version_ok
+from .criufind import has_external_pages, has_page_workers, has_parallel_drain
 from .selftest import run_selftest
 
 
@@ -64,6 +65,7 @@ async def _criu_checks(path: str | None) -> list[Check]:
             required=False,
         ),
     ]
+    out.append(await asyncio.to_thread(_patches_check, criu.path))
     passed, text = await criu.check()
     last = text.strip().splitlines()[-1] if text.strip() else ""
     out.append(
@@ -75,6 +77,31 @@ async def _criu_checks(path: str | None) -> list[Check]:
         )
     )
     return out
+
+
+#: what each of spotguard's CRIU patches gives, by how its ``--help`` shows it
+#: (packaging/criu-patches, docs/ARCHITECTURE.md "CRIU patches")
+_PATCHES = (
+    ("--page-workers (a job's processes dumped and restored at once)", has_page_workers),
+    ("--external-pages (GPU memory copied beside CRIU)", has_external_pages),
+    ("several tasks' pages drained at once", has_parallel_drain),
+)
+
+
+def _patches_check(path: str) -> Check:
+    """Which of spotguard's patches the CRIU at ``path`` has. Not required: a CRIU without
+    them dumps and restores the same images, one process after another."""
+    lacks = [name for name, has in _PATCHES if not has(path)]
+    return Check(
+        "criu patches",
+        not lacks,
+        "spotguard's patches built in" if not lacks else f"{path} lacks: {'; '.join(lacks)}",
+        ""
+        if not lacks
+        else "run: sudo spotguard install-criu (it builds CRIU with the patches of this release; "
+        "without them an N-process job is dumped and restored N times slower)",
+        required=False,
+    )
 
 
 async def _selftest_check(criu_path: str | None) -> Check:
