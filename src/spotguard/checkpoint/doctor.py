@@ -98,8 +98,8 @@ def _patches_check(path: str) -> Check:
         "spotguard's patches built in" if not lacks else f"{path} lacks: {'; '.join(lacks)}",
         ""
         if not lacks
-        else "run: sudo spotguard install-criu (it builds CRIU with the patches of this release; "
-        "without them an N-process job is dumped and restored N times slower)",
+        else "run: sudo spotguard install-criu (it rebuilds CRIU with this release's patches: "
+        "without them checkpoints work, slower for jobs of several large processes or GPUs)",
         required=False,
     )
 
