@@ -13,6 +13,8 @@ runs on and no image is left.
 from __future__ import annotations
 
 import asyncio
+import errno
+import mmap
 import threading
 from pathlib import Path
 from typing import Any
@@ -80,8 +82,6 @@ def _engine(criu_bin: str, faults: Any, **settings: Any) -> Engine:
 
 
 def test_populate_faults_a_buffer_in_at_once() -> None:
-    import mmap
-
     buf = mmap.mmap(-1, 64 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     before = psutil.Process().memory_info().rss
     assert populate(buf)
@@ -126,6 +126,30 @@ def test_reserved_maps_are_all_made_before_any_is_faulted_in() -> None:
     assert pool.made == 5 and {id(b) for b in taken} == {id(b) for b in bufs}
     pool.close()
     assert pool.reserve(1) == []
+
+
+def test_a_reserve_that_runs_out_of_maps_leaves_the_rest_to_be_made_on_demand(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A prefault is an optimisation: a map refused (ENOMEM) ends it early, and the pieces it
+    did not make are not counted as made — else :meth:`PiecePool.take` would wait forever
+    for pieces that do not exist."""
+    pool = PiecePool(4 << 20, 4)
+    real, calls = pool._make, [0]
+
+    def refused_after_two() -> mmap.mmap:
+        calls[0] += 1
+        if calls[0] > 2:
+            raise OSError(errno.ENOMEM, "Cannot allocate memory")
+        return real()
+
+    monkeypatch.setattr(pool, "_make", refused_after_two)
+    bufs = pool.reserve(4)
+    assert len(bufs) == 2 and pool.made == 2
+    assert pool.fill(bufs) == 2
+    monkeypatch.setattr(pool, "_make", real)
+    taken = [pool.take() for _ in range(4)]  # the two refused are made on demand
+    assert pool.made == 4 and len({id(b) for b in taken}) == 4
 
 
 @pytest.mark.parametrize("later", [True, False], ids=["after-resume", "while-frozen"])

@@ -175,7 +175,15 @@ class PiecePool:
         with self._cond:
             k = 0 if self._closed else max(0, min(n, self.count - self._made))
             self._made += k
-        return [self._make() for _ in range(k)]
+        made: list[mmap.mmap] = []
+        try:
+            for _ in range(k):
+                made.append(self._make())
+        except OSError:  # no room for more maps: fewer pieces made ahead, the rest on demand
+            with self._cond:
+                self._made -= k - len(made)
+                self._cond.notify_all()
+        return made
 
     def fill(self, bufs: list[mmap.mmap], stop: threading.Event | None = None) -> int:
         """Fault in the pages of ``bufs`` (from :meth:`reserve`; ``memops.populate``) and
