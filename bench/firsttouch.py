@@ -14,40 +14,23 @@ from __future__ import annotations
 import argparse
 import ctypes
 import mmap
-import os
-import threading
 import time
 from pathlib import Path
 
-MADV_POPULATE_WRITE = 23
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-_libc.madvise.restype = ctypes.c_int
+from spotguard.madvise import populate_split
 
 
 def _round(size: int, threads: int) -> float:
     m = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     holder = ctypes.c_char.from_buffer(m)
     base = ctypes.addressof(holder)
-    step = -(-size // threads) // (2 << 20) * (2 << 20) or size
-    errors: list[int] = []
-
-    def one(lo: int) -> None:
-        n = min(step, size - lo)
-        if n > 0 and _libc.madvise(base + lo, n, MADV_POPULATE_WRITE) != 0:
-            errors.append(ctypes.get_errno())
-
-    ts = [threading.Thread(target=one, args=(lo,)) for lo in range(0, size, step)]
     t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    took = time.perf_counter() - t0
-    del holder
-    m.close()
-    if errors:
-        raise OSError(errors[0], f"MADV_POPULATE_WRITE: {os.strerror(errors[0])}")
+    try:
+        populate_split(base, size, threads)
+    finally:
+        took = time.perf_counter() - t0
+        del holder
+        m.close()
     return took
 
 

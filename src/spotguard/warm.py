@@ -32,7 +32,6 @@ import mmap
 import os
 import signal
 import sys
-import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
@@ -43,11 +42,11 @@ from spotguard import safefs
 from spotguard.checkpoint.marker import writer_alive
 from spotguard.checkpoint.procfacts import start_time
 from spotguard.errors import ConfigError, SpotguardError
+from spotguard.madvise import populate_split
 from spotguard.sizing import meminfo
 
 log = logging.getLogger(__name__)
 
-MADV_POPULATE_WRITE = 23  # Linux 5.14; not in Python's mmap module
 PIECE = 1 << 30
 HUGE = 2 << 20
 GPU_NODE = Path("/dev/nvidiactl")
@@ -97,25 +96,6 @@ def plan(want: int | None, available: int, keep: int) -> int:
     return n // HUGE * HUGE
 
 
-def _populate(base: int, size: int, threads: int) -> None:
-    libc = ctypes.CDLL(None, use_errno=True)
-    libc.madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-    step = -(-size // threads) // (2 << 20) * (2 << 20) or size
-    errors: list[int] = []
-
-    def one(lo: int) -> None:
-        if libc.madvise(base + lo, min(step, size - lo), MADV_POPULATE_WRITE) != 0:
-            errors.append(ctypes.get_errno())
-
-    ts = [threading.Thread(target=one, args=(lo,)) for lo in range(0, size, step)]
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    if errors:
-        raise OSError(errors[0], f"MADV_POPULATE_WRITE: {os.strerror(errors[0])}")
-
-
 def touch(
     total: int,
     threads: int,
@@ -140,7 +120,7 @@ def touch(
             held.append(m)
             anchor = ctypes.c_char.from_buffer(m)
             try:
-                _populate(ctypes.addressof(anchor), size, threads)
+                populate_split(ctypes.addressof(anchor), size, threads)
             finally:
                 del anchor
             done += size

@@ -21,6 +21,8 @@ import mmap
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+from spotguard import madvise
+
 #: The all-zero test compares this many bytes at a time, so a buffer with data in its first
 #: block is told apart after one short compare.
 ZERO_STEP = 1 << 20
@@ -109,14 +111,6 @@ def is_zero(buf: memoryview) -> bool:
         return True
 
 
-#: madvise(2) advice that faults in and zeroes every page of a range for writing (Linux
-#: 5.14); not in Python's mmap module
-MADV_POPULATE_WRITE = 23
-_madvise = _libc.madvise
-_madvise.restype = ctypes.c_int
-_madvise.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-
-
 def populate(buf: mmap.mmap) -> bool:
     """Fault in every page of the anonymous map ``buf`` for writing now, in one call (GIL
     released): its first write later costs only the write. False where the kernel lacks
@@ -125,6 +119,6 @@ def populate(buf: mmap.mmap) -> bool:
     view = memoryview(buf)
     try:
         with address(view) as a:
-            return a is not None and _madvise(a, len(view), MADV_POPULATE_WRITE) == 0
+            return a is not None and madvise.populate(a, len(view)) == 0
     finally:
         view.release()
