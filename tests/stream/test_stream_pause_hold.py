@@ -30,7 +30,8 @@ from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.errors import CheckpointError
 from spotguard.image import ImageSettings
 from spotguard.image.memops import populate
-from spotguard.stream import StreamSource, StreamTarget
+from spotguard.stream import StreamSource, StreamTarget, pipes
+from spotguard.stream.capture import Capture
 from spotguard.stream.pipes import Interrupted, PiecePool
 
 pytestmark = pytest.mark.criu
@@ -107,10 +108,38 @@ def test_prefaulted_pieces_are_the_ones_taken_and_the_bound_holds() -> None:
         pool.take()
 
 
-def test_reserved_maps_are_all_made_before_any_is_faulted_in() -> None:
-    """The maps of a hold are made first, then faulted in: a map made while another thread
-    populates waits for that populate (the address-space lock), which kept a 16-core
-    prefault at a quarter of the machine's rate."""
+async def test_the_capture_makes_every_map_of_the_hold_before_it_faults_any_in(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A map made while another thread populates waits for that populate (the address-space
+    lock), which kept a 16-core prefault at a quarter of the machine's rate: the capture makes
+    all of the hold's maps, then faults them in on several threads."""
+    events: list[str] = []
+    make, fault = PiecePool._make, pipes.populate
+
+    def made(pool: PiecePool) -> mmap.mmap:
+        events.append("map")
+        return make(pool)
+
+    def faulted(buf: mmap.mmap) -> bool:
+        events.append("populate")
+        return fault(buf)
+
+    monkeypatch.setattr(PiecePool, "_make", made)
+    monkeypatch.setattr(pipes, "populate", faulted)
+    unused: Any = None  # nothing is captured: the prefault comes before CRIU
+    capture = Capture(tmp_path / "img", unused, piece_bytes=4 << 20, buffer_bytes=32 << 20)
+    await capture.start()
+    try:
+        assert await capture.prefault(24 << 20, threads=3) == 24 << 20
+    finally:
+        await capture.abort()
+    assert events == ["map"] * 6 + ["populate"] * 6, events
+
+
+def test_reserve_makes_maps_only_and_fill_faults_them_in() -> None:
+    """The two halves of the prefault: :meth:`PiecePool.reserve` maps within the pool's bound
+    and faults nothing in; :meth:`PiecePool.fill` faults in and frees exactly those pieces."""
     pool = PiecePool(4 << 20, 5)
     before = psutil.Process().memory_info().rss
     bufs = pool.reserve(4)
