@@ -40,7 +40,7 @@ async def test_a_checkpoint_plans_the_ranks_at_once_with_a_parallel_criu(
     criu_bin: str, tmp_path: Path
 ) -> None:
     if not has_page_workers(criu_bin):
-        pytest.skip(f"{criu_bin} has no --page-workers (scripts/install-criu builds it)")
+        pytest.fail(f"{criu_bin} has no --page-workers: run scripts/install-criu (it builds it)")
     state = tmp_path / "state"
     settings = CheckpointSettings(state_dir=state, criu=criu_bin, shm_dir=tmp_path / "shm")
     job = await start_job([sys.executable, "-c", RANKS], "ranks", state_dir=state)
