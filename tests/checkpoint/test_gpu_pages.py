@@ -360,10 +360,10 @@ async def test_with_gpu_pages_criu_the_pages_go_through_criu_as_before(
 
 # --- no CRIU ------------------------------------------------------------------------------
 def test_the_staged_ranges_are_the_new_writable_memory_only() -> None:
-    assert gpupages._minus([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
-    assert gpupages._minus([(0, 100)], [(0, 100)]) == []
-    assert gpupages._minus([(0, 100)], [(200, 300)]) == [(0, 100)]
-    assert gpupages._merged([(10, 20), (0, 10), (30, 40)]) == [(0, 20), (30, 40)]
+    assert gpupages.minus([(0, 100)], [(10, 20), (50, 60)]) == [(0, 10), (20, 50), (60, 100)]
+    assert gpupages.minus([(0, 100)], [(0, 100)]) == []
+    assert gpupages.minus([(0, 100)], [(200, 300)]) == [(0, 100)]
+    assert gpupages.merged([(10, 20), (0, 10), (30, 40)]) == [(0, 20), (30, 40)]
     r = gpupages.Range(7, 0x10000000, 0x10000000 + 200 * MIB)
     gp = gpupages.split(r, 3, 4, 64 * MIB)
     assert [p.size for p in gp.parts] == [64 * MIB, 64 * MIB, 64 * MIB, 8 * MIB]

@@ -16,10 +16,11 @@ Freeze (dump)::
 * GPU lock and checkpoint run for every GPU process at once; the driver must release the GPU
   before CRIU freezes the tree (it does its work through a thread of the job itself).
 * ``criu_dump`` freezes and dumps the tree; ``gpu_pages`` copies the GPU memory the driver
-  staged, which CRIU leaves out, from the moment CRIU has stopped the GPU processes
-  (:func:`.proctree.wait_seized`) while it dumps the rest (:mod:`.gpupages`; restore writes
-  it back after ``criu_restore``, the tree still stopped); ``capture_files`` snapshots the
-  output files while the tree is frozen (:mod:`.files`).
+  staged and ``cpu_pages`` the job's own large private memory, both of which CRIU leaves
+  out, from the moment CRIU has stopped their processes (:func:`.proctree.wait_seized`)
+  while it dumps the rest (:mod:`.beside`, :mod:`.gpupages`, :mod:`.cpupages`; restore
+  writes them back after ``criu_restore``, the tree still stopped); ``capture_files``
+  snapshots the output files while the tree is frozen (:mod:`.files`).
 * ``resume`` (leave-running) brings the GPU state back and unlocks; in ``exit`` mode the
   image is completed (``finish``) while the tree is still frozen, and only then does CRIU
   kill it — a failure up to that point leaves the job running.
@@ -41,7 +42,8 @@ recovery. A park's restore (``record=``) holds the marker too, its commit the la
 :meth:`Engine.recover` does per operation: :mod:`.recovery`.
 
 Restore: ``source`` (download/verify) ─► ``preflight`` ─► ``put_files`` ─► ``criu_restore`` ─►
-``gpu_pages`` ─► ``gpu_restore`` (UUID remap) ─► ``gpu_unlock`` ─► ``nccl_rebuild`` ─► finish.
+``cpu_pages`` ─► ``gpu_pages`` ─► ``gpu_restore`` (UUID remap) ─► ``gpu_unlock`` ─►
+``nccl_rebuild`` ─► finish.
 
 Every step is timed in a :class:`~spotguard.timeline.Timeline` (in the result and the image's
 metadata); tests inject failures through :class:`Faults`, consulted before each step.
@@ -59,10 +61,10 @@ from pathlib import Path
 
 from spotguard.errors import CheckpointError, JobError, SpotguardError
 from spotguard.facts import GpuInventory, HostFacts
-from spotguard.image.settings import DEFAULT_CHUNK_SIZE as CHUNK
 from spotguard.timeline import Timeline
 
 from . import (
+    beside,
     files,
     gpupages,
     mounts,
@@ -115,6 +117,7 @@ FREEZE_STEPS = (
     "gpu_checkpoint",
     "criu_dump",
     "gpu_pages",
+    "cpu_pages",
     "capture_files",
     "gpu_restore",
     "gpu_unlock",
@@ -126,6 +129,7 @@ RESTORE_STEPS = (
     "preflight",
     "put_files",
     "criu_restore",
+    "cpu_pages",
     "gpu_pages",
     "gpu_restore",
     "gpu_unlock",
@@ -248,6 +252,8 @@ class Engine:
                     pf = await stagefault.checkpoint(self.gpu, active, s, gpu_bytes)
                     gc.detail.update(pf.to_json())
                 staged = gpupages.staged_ranges(before)
+            own_cpu, own = await beside.own_memory(self.criu, s, tree, staged)
+            what = beside.Beside(staged, own, gpu=bool(before), cpu=own_cpu)
             host = HostFacts.probe(criu_version)
             meta = ImageMeta(
                 job=job.to_json(),
@@ -272,23 +278,13 @@ class Engine:
                     await target.finish(meta)
 
             frozen, failed = threading.Event(), threading.Event()
-
-            async def copy_gpu_pages() -> None:
-                # the GPU memory CRIU leaves out, copied once nothing can change it: from the
-                # moment CRIU has stopped the processes, while it dumps the rest of the tree
-                pids = sorted({r.pid for r in staged})
-                early = await asyncio.to_thread(proctree.wait_seized, pids, frozen)
-                if failed.is_set():
-                    return
-                with tl.step("gpu_pages", ranges=len(staged), while_criu_dumps=early) as gs:
-                    await self.faults.before("gpu_pages")
-                    meta.gpu_pages = await gpupages.save(
-                        target, staged, ns_of, chunk=CHUNK, workers=s.gpu_page_workers or None,
-                        stop=failed,
-                    )  # fmt: skip
-                    gs.detail["bytes"] = sum(r.size for r in staged)
-
-            copying = asyncio.ensure_future(copy_gpu_pages()) if before else None
+            copying = (
+                asyncio.ensure_future(
+                    beside.copy(what, target, meta, ns_of, s, tl, self.faults, frozen, failed)
+                )
+                if what.any
+                else None
+            )
 
             async def on_frozen() -> None:
                 # CRIU has written the image; the tree is still frozen.
@@ -329,7 +325,7 @@ class Engine:
                         mount_ns=meta.mount_ns,
                         ghost_limit=s.ghost_limit,
                         external_mounts=survey.dump_args() if survey is not None else (),
-                        external_pages=[r.criu_arg() for r in staged],
+                        external_pages=what.criu_args(),
                     )
                     if not target.stream:
                         ds.detail["bytes"] = dir_bytes(images_dir)

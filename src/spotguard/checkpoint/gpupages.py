@@ -54,7 +54,10 @@ MAX_WORKERS = 8
 #: bytes moved by one process_vm_readv/writev call
 _STEP = 64 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE")
-_PART_NAME = re.compile(r"gpupages-[0-9]+-[0-9a-f]+-[0-9]+")
+_PART_NAME = re.compile(r"(gpu|cpu)pages-[0-9]+-[0-9a-f]+-[0-9]+")
+#: the prefix of the parts of the GPU memory the driver staged (the job's own memory carried
+#: beside CRIU: :data:`.cpupages.PREFIX`)
+PREFIX = "gpupages"
 
 #: fill(offset, view): put the part's bytes at ``offset`` into ``view`` (runs in a thread)
 PageFill = Callable[[int, memoryview], None]
@@ -95,11 +98,13 @@ class Place(Protocol):
 
 @dataclass(frozen=True)
 class Range:
-    """``[start, end)`` of host process ``pid``'s memory."""
+    """``[start, end)`` of host process ``pid``'s memory; ``prefix`` names its parts: the
+    GPU memory the driver staged (:data:`PREFIX`) or the job's own (:mod:`.cpupages`)."""
 
     pid: int
     start: int
     end: int
+    prefix: str = PREFIX
 
     @property
     def size(self) -> int:
@@ -133,10 +138,16 @@ class GpuPages:
             "parts": [{"name": p.name, "offset": p.offset, "size": p.size} for p in self.parts],
         }
 
+    @property
+    def prefix(self) -> str:
+        """What the range holds, by its parts' names: :data:`PREFIX` (GPU memory the driver
+        staged) or :data:`.cpupages.PREFIX` (the job's own memory)."""
+        return self.parts[0].name.split("-", 1)[0]
+
     @classmethod
-    def from_json(cls, d: object) -> GpuPages:
+    def from_json(cls, d: object, prefix: str = PREFIX) -> GpuPages:
         """Parse and check one entry: page-aligned, parts that tile the range exactly and
-        carry the names this module gives (``ValueError`` otherwise)."""
+        carry the names this module gives, with ``prefix`` (``ValueError`` otherwise)."""
         if not isinstance(d, dict):
             raise ValueError(f"gpu_pages: {d!r} is not an object")
         ns_pid, start, end = d.get("ns_pid"), d.get("start"), d.get("end")
@@ -155,8 +166,12 @@ class GpuPages:
             if not isinstance(p, dict):
                 raise ValueError(f"gpu_pages: part {p!r} is not an object")
             name, off, size = p.get("name"), p.get("offset"), p.get("size")
-            if not isinstance(name, str) or not _PART_NAME.fullmatch(name):
-                raise ValueError(f"gpu_pages: part name {name!r}")
+            if (
+                not isinstance(name, str)
+                or not _PART_NAME.fullmatch(name)
+                or not name.startswith(prefix + "-")
+            ):
+                raise ValueError(f"{prefix}: part name {name!r}")
             if off != at or isinstance(size, bool) or not isinstance(size, int) or size <= 0:
                 raise ValueError(f"gpu_pages: part {name} does not follow the one before")
             parts.append(Part(name, at, size))
@@ -169,7 +184,7 @@ class GpuPages:
 def check_part_name(name: str) -> str:
     """``name`` if it is a part's name (a plain file name this module gives), else ImageError."""
     if not _PART_NAME.fullmatch(name):
-        raise ImageError(f"{name!r} is not a part of carried GPU memory")
+        raise ImageError(f"{name!r} is not a part of memory carried beside CRIU")
     return name
 
 
@@ -196,10 +211,10 @@ def writable_anon(pid: int) -> list[tuple[int, int]]:
 
 def new_since(pid: int, old: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """The writable anonymous ranges ``pid`` has now outside ``old`` (merged, sorted)."""
-    return _minus(_merged(writable_anon(pid)), _merged(old))
+    return minus(merged(writable_anon(pid)), merged(old))
 
 
-def _minus(ranges: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def minus(ranges: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tuple[int, int]]:
     """``ranges`` without any address in ``cut`` (both sorted, each without overlaps)."""
     out: list[tuple[int, int]] = []
     for lo, hi in ranges:
@@ -215,7 +230,7 @@ def _minus(ranges: list[tuple[int, int]], cut: list[tuple[int, int]]) -> list[tu
     return out
 
 
-def _merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
+def merged(ranges: list[tuple[int, int]]) -> list[tuple[int, int]]:
     out: list[tuple[int, int]] = []
     for lo, hi in sorted(ranges):
         if out and lo <= out[-1][1]:
@@ -273,7 +288,7 @@ def split(r: Range, ns_pid: int, workers: int, chunk: int) -> GpuPages:
     per = -(-chunks // n) * chunk
     parts = []
     for i, off in enumerate(range(0, r.size, per)):
-        name = f"gpupages-{ns_pid}-{r.start:x}-{i}"
+        name = f"{r.prefix}-{ns_pid}-{r.start:x}-{i}"
         parts.append(Part(name, off, min(per, r.size - off)))
     return GpuPages(ns_pid, r.start, r.end, tuple(parts))
 
@@ -357,16 +372,16 @@ async def save(
     async def one(r: Range, part: Part) -> None:
         def fill(off: int, view: memoryview) -> None:
             if stop is not None and stop.is_set():
-                raise CheckpointError("the copy of the staged GPU memory stopped: the dump failed")
+                raise CheckpointError("the copy of memory beside CRIU stopped: the dump failed")
             read_memory(r.pid, r.start + part.offset + off, view)
 
         async with gate:
             await target.put_pages(part.name, part.size, fill)
 
     work = [one(r, part) for r, gp in plan for part in gp.parts]
-    await _all(work, "copying the GPU memory staged in host memory")
+    await run_all(work, "copying memory beside CRIU")
     total = sum(r.size for r in ranges)
-    log.info("staged GPU memory copied", extra={"ranges": len(ranges), "bytes": total})
+    log.info("memory copied beside CRIU", extra={"ranges": len(ranges), "bytes": total})
     return [gp for _, gp in plan]
 
 
@@ -387,7 +402,7 @@ async def load(
     gate = asyncio.Semaphore(k)
     for gp in pages:
         if gp.ns_pid not in host_pid:
-            raise ImageError(f"the image carries GPU memory of pid {gp.ns_pid}, not restored")
+            raise ImageError(f"the image carries memory of pid {gp.ns_pid}, not restored")
     if places is not None:
         return await _load_in_order(source, pages, places, k)
 
@@ -401,7 +416,7 @@ async def load(
         async with gate:
             await source.get_pages(part.name, part.size, put)
 
-    await _all(
+    await run_all(
         [one(gp, part) for gp in pages for part in gp.parts], "writing the staged GPU memory back"
     )
     return sum(gp.end - gp.start for gp in pages)
@@ -413,7 +428,7 @@ def _inside(part: Part, off: int, n: int) -> None:
         raise ImageError(f"{part.name}: {n} bytes at {off} outside the part")
 
 
-async def _all(work: Sequence[Coroutine[Any, Any, None]], how: str) -> None:
+async def run_all(work: Sequence[Coroutine[Any, Any, None]], how: str) -> None:
     """Run ``work`` at once; the first failure raised as one typed error (a bad chunk, a
     call into the process that failed), the rest cancelled."""
     try:
@@ -450,5 +465,5 @@ async def _load_in_order(
 
                 await source.get_pages(part.name, part.size, put, zero=zero, in_flight=in_flight)
 
-    await _all([one_process(p, rs) for p, rs in by_pid.items()], "placing the staged GPU memory")
+    await run_all([one_process(p, rs) for p, rs in by_pid.items()], "placing the staged GPU memory")
     return sum(gp.end - gp.start for gp in pages)

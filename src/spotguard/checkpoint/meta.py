@@ -20,14 +20,18 @@ from spotguard.facts import GpuInventory, HostFacts
 from spotguard.modes import Mode
 from spotguard.names import check_job_name
 
+from .cpupages import PREFIX as CPU_PREFIX
 from .files import CapturedFile
-from .gpupages import GpuPages
+from .gpupages import PREFIX, GpuPages
 from .mounts import JobMount
 
 META_NAME = "spotguard-image.json"
 #: 2: carried files record open_for_writing, uid and gid; 3: host mounts; 4: GPU memory
-#: carried beside CRIU (``gpu_pages``)
-META_SCHEMA = 4
+#: carried beside CRIU (``gpu_pages``); 5: the job's own memory carried beside CRIU
+#: (``cpu_pages``; an image without it is still written as 4, so older spotguards read it)
+META_SCHEMA = 5
+#: the schema an image without ``cpu_pages`` is written as
+_SCHEMA_WITHOUT_CPU_PAGES = 4
 MAX_META_BYTES = 64 << 20
 
 
@@ -57,11 +61,16 @@ class ImageMeta:
     #: the GPU memory the driver staged, copied by spotguard beside CRIU's files
     #: (:mod:`.gpupages`); empty in older images and where CRIU moved it
     gpu_pages: list[GpuPages] = field(default_factory=list)
+    #: the job's own large private memory, copied by spotguard beside CRIU's files
+    #: (:mod:`.cpupages`); empty in older images and where CRIU moved it
+    cpu_pages: list[GpuPages] = field(default_factory=list)
     schema: int = META_SCHEMA
 
     def to_json(self) -> dict[str, Any]:
+        # an older spotguard must refuse an image whose memory it would leave out
+        schema = self.schema if self.cpu_pages else min(self.schema, _SCHEMA_WITHOUT_CPU_PAGES)
         return {
-            "schema": self.schema,
+            "schema": schema,
             "job": self.job,
             "mode": self.mode,
             "criu_version": self.criu_version,
@@ -77,6 +86,7 @@ class ImageMeta:
             "mounts": [m.to_json() for m in self.mounts],
             "listen_ports": self.listen_ports,
             "gpu_pages": [g.to_json() for g in self.gpu_pages],
+            "cpu_pages": [g.to_json() for g in self.cpu_pages],
         }
 
     @classmethod
@@ -91,6 +101,9 @@ class ImageMeta:
             check_job_name(job["name"])
         except ValueError as exc:
             raise ImageError(f"image metadata: {exc}") from exc
+        gpu_pages = _carried(d.get("gpu_pages", []), d.get("gpu_processes", []), PREFIX)
+        cpu_pages = _carried(d.get("cpu_pages", []), d.get("pids", []), CPU_PREFIX)
+        _apart(gpu_pages, cpu_pages)
         return cls(
             job=d["job"],
             mode=Mode(d["mode"]),
@@ -106,7 +119,8 @@ class ImageMeta:
             mount_ns=bool(d.get("mount_ns", False)),
             mounts=[JobMount.from_json(m) for m in d.get("mounts", [])],
             listen_ports=[_port(p) for p in d.get("listen_ports", [])],
-            gpu_pages=_gpu_pages(d.get("gpu_pages", []), d.get("gpu_processes", [])),
+            gpu_pages=gpu_pages,
+            cpu_pages=cpu_pages,
             schema=_schema(d.get("schema", META_SCHEMA)),
         )
 
@@ -150,26 +164,39 @@ def _schema(value: object) -> int:
     return value
 
 
-def _gpu_pages(raw: object, gpu_processes: object) -> list[GpuPages]:
-    """The carried GPU memory ranges: each of a GPU process, none overlapping another."""
+def _carried(raw: object, owners_raw: object, prefix: str) -> list[GpuPages]:
+    """The ranges carried beside CRIU of one kind (``prefix``: the GPU memory staged, of a
+    GPU process; the job's own, of a process of the tree), none overlapping another of its
+    process, every part named once."""
+    what = "gpu_pages" if prefix == PREFIX else "cpu_pages"
     if not isinstance(raw, list) or len(raw) > 1024:
-        raise ValueError("gpu_pages: not a list")
-    pages = [GpuPages.from_json(g) for g in raw]
-    owners = set(gpu_processes) if isinstance(gpu_processes, list) else set()
+        raise ValueError(f"{what}: not a list")
+    pages = [GpuPages.from_json(g, prefix) for g in raw]
+    owners = set(owners_raw) if isinstance(owners_raw, list) else set()
     seen: dict[int, list[tuple[int, int]]] = {}
     names: set[str] = set()
     for g in pages:
         if g.ns_pid not in owners:
-            raise ValueError(f"gpu_pages: pid {g.ns_pid} held no GPU state")
+            held = "held no GPU state" if prefix == PREFIX else "is not a process of the image"
+            raise ValueError(f"{what}: pid {g.ns_pid} {held}")
         for lo, hi in seen.get(g.ns_pid, []):
             if g.start < hi and lo < g.end:
-                raise ValueError(f"gpu_pages: ranges of pid {g.ns_pid} overlap")
+                raise ValueError(f"{what}: ranges of pid {g.ns_pid} overlap")
         seen.setdefault(g.ns_pid, []).append((g.start, g.end))
         for p in g.parts:
             if p.name in names:
-                raise ValueError(f"gpu_pages: part {p.name} named twice")
+                raise ValueError(f"{what}: part {p.name} named twice")
             names.add(p.name)
     return pages
+
+
+def _apart(gpu: list[GpuPages], cpu: list[GpuPages]) -> None:
+    """No range of the job's own memory overlaps one of the GPU memory staged: restore
+    writes both back, and one must not write over the other."""
+    for c in cpu:
+        for g in gpu:
+            if g.ns_pid == c.ns_pid and g.start < c.end and c.start < g.end:
+                raise ValueError(f"cpu_pages: a range of pid {c.ns_pid} overlaps its gpu_pages")
 
 
 def _port(value: object) -> int:

@@ -58,7 +58,7 @@ async def criu_restore(
                     external_mounts=plan.args,
                     # memory carried beside CRIU is not back yet: nothing of the job may
                     # run before it is (a thread of it could read or run on it)
-                    leave_stopped=bool(meta.gpu_pages),
+                    leave_stopped=bool(meta.gpu_pages or meta.cpu_pages),
                 )
         except CriuError as exc:
             held = _pid_still_held(exc) and meta.root_ns_pid != 1

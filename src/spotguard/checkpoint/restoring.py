@@ -36,6 +36,7 @@ from . import files, gpupages, ncclctl, placing, proctree, recovery, restart, su
 from .criu import Criu
 from .jobs import JobInfo, link_job_dir
 from .marker import FreezeMarker, Op
+from .meta import ImageMeta
 from .preflight import preflight, wait_pids_free
 from .results import RestoreResult
 from .settings import CheckpointSettings
@@ -124,10 +125,10 @@ async def restore(
                 f"restored tree lacks GPU processes {meta.gpu_processes} (found {by_ns})"
             )
         tree = [*by_ns.values()]
+        beside = bool(meta.gpu_pages or meta.cpu_pages)  # CRIU left the tree stopped
         if marker is not None:  # restored stopped: until its memory is back, undone if cut
-            marker.update(
-                gpu_pids=gpu_pids, tree=tree, job_pid=pid, pages_pending=bool(meta.gpu_pages)
-            )
+            marker.update(gpu_pids=gpu_pids, tree=tree, job_pid=pid, pages_pending=beside)
+        await _own_memory(eng, source, meta, by_ns, tl, marker, gpu_pids)
         if meta.gpu_pages:  # the GPU memory the driver staged, back before it reads it
             with tl.step("gpu_pages", ranges=len(meta.gpu_pages)) as gs:
                 await eng.faults.before("gpu_pages")
@@ -145,7 +146,7 @@ async def restore(
                     )
                     _memory_back(marker, gpu_pids, tree)
         # the driver needs them running; CRIU left them all stopped where memory came beside it
-        suspend.continue_stopped(tree, every=bool(meta.gpu_pages))
+        suspend.continue_stopped(tree, every=beside)
         if gpu_pids:
             with tl.step("gpu_restore", pids=gpu_pids, remap=remap or {}) as gr:
                 await eng.faults.before("gpu_restore")
@@ -267,6 +268,27 @@ async def _claim(
     marker = FreezeMarker(job)
     marker.take(Op.RESTORE, record=record, images=images)
     return marker
+
+
+async def _own_memory(
+    eng: RestoreParts,
+    source: RestoreSource,
+    meta: ImageMeta,
+    by_ns: dict[int, int],
+    tl: Timeline,
+    marker: FreezeMarker | None,
+    gpu_pids: list[int],
+) -> None:
+    """The job's own memory carried beside CRIU (:mod:`.cpupages`) written back, the tree
+    still stopped: none of it runs before its memory is whole."""
+    if not meta.cpu_pages:
+        return
+    with tl.step("cpu_pages", ranges=len(meta.cpu_pages)) as cs:
+        await eng.faults.before("cpu_pages")
+        workers = eng.settings.gpu_page_workers or None
+        cs.detail["bytes"] = await gpupages.load(source, meta.cpu_pages, by_ns, workers=workers)
+    if not meta.gpu_pages:
+        _memory_back(marker, gpu_pids, list(by_ns.values()))
 
 
 def _memory_back(marker: FreezeMarker | None, gpu_pids: list[int], tree: list[int]) -> None:

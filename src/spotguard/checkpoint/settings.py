@@ -141,6 +141,20 @@ class CheckpointSettings(Settings):
             "pipe per process"
         ),
     )
+    cpu_pages: Literal["spotguard", "criu"] = Field(
+        default="spotguard",
+        description=(
+            "Who moves the job's own large private memory (mappings of at least "
+            "cpu_pages_min_mib that no other process shares): spotguard, several threads at "
+            "once beside CRIU from the moment the tree is frozen (needs spotguard's CRIU; "
+            "else CRIU), or CRIU, one pipe per process"
+        ),
+    )
+    cpu_pages_min_mib: int = Field(
+        default=256,
+        ge=1,
+        description="The smallest private mapping spotguard moves itself (cpu_pages)",
+    )
     gpu_page_workers: int = Field(
         default=0,
         ge=0,

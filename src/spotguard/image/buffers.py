@@ -188,6 +188,13 @@ class Reusable(Protocol):
     def discard(self, buf: mmap.mmap) -> None: ...
 
 
+class Taking(Reusable, Protocol):
+    """A thread-safe pool that also hands buffers out, blocking while none is free (the
+    stream capture's ``PiecePool``)."""
+
+    def take(self) -> mmap.mmap: ...
+
+
 class Lease:
     """One pooled buffer held by one chunk; given back exactly once.
 

@@ -14,7 +14,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from spotguard.errors import ImageError
-from spotguard.image.buffers import Held, Lease
+from spotguard.image.buffers import Held, Lease, Taking
 from spotguard.image.manifest import ChunkRef, FileEntry
 
 
@@ -210,6 +210,33 @@ class FileSink:
                 raise
             self.size += n
             await self._w.submit_chunk(self, lease.view[:n], lease, "input")
+        await self.close()
+
+    async def produce_owned(
+        self, size: int, fill: Callable[[int, memoryview], None], pool: Taking
+    ) -> None:
+        """:meth:`produce` into buffers of a producer's own pool of chunk-sized buffers
+        (``pool.take()`` blocks, so it runs in a thread): the stream capture's pieces,
+        faulted in before a leave-running freeze (``prefault_hold``), so the copy into them
+        waits for no fresh page, and held as the capture's are (``owned``)."""
+        if self.size or self._small or self._lease is not None:
+            raise ImageError(f"file {self.name!r}: produce() on a file already written to")
+        cs = self._w.chunk_size
+        for off in range(0, size, cs):
+            n = min(cs, size - off)
+            lease = Lease(pool, await asyncio.to_thread(pool.take), None)
+            try:
+                await asyncio.to_thread(fill, off, lease.view[:n])
+                self._raise_if_closed()
+                self._w.raise_if_failed()
+            except asyncio.CancelledError:
+                lease.discard()  # its thread may still be filling the buffer
+                raise
+            except BaseException:
+                lease.release()
+                raise
+            self.size += n
+            await self._w.submit_chunk(self, lease.view[:n], lease, "owned")
         await self.close()
 
     def drop(self) -> None:

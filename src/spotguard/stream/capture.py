@@ -160,6 +160,12 @@ class Capture(SocketService):
         self._settled = None
         self._task = asyncio.create_task(self._serve(listener), name="stream-capture")
 
+    @property
+    def pieces(self) -> pipes.PiecePool | None:
+        """The pool CRIU's pipes are read into (None before :meth:`start`): a producer of
+        other memory of the image may fill its pieces too (:meth:`FileSink.produce_owned`)."""
+        return self._pool
+
     async def prefault(self, nbytes: int, threads: int) -> int:
         """Make the pieces for ``nbytes`` of the image now, before CRIU starts — every map
         first, then their pages faulted in by ``threads`` threads at once

@@ -286,12 +286,20 @@ class StreamTarget:
     async def put_pages(self, name: str, size: int, fill: PageFill) -> None:
         """A file of the image whose chunk buffers ``fill`` writes straight into; its chunks
         are hashed, compressed and stored in the writer's pipeline like CRIU's files."""
+        from spotguard.checkpoint.cpupages import PREFIX as CPU_PREFIX
         from spotguard.checkpoint.gpupages import check_part_name
         from spotguard.checkpoint.hold import spare
 
         if self._writer is None or self._sink is None:
             raise StreamError("StreamTarget used before start()")
         sink = self._writer.file(check_part_name(name), mode=0o600)
+        pieces = self._capture.pieces if self._capture is not None else None
+        whole = pieces is not None and pieces.size == self._writer.chunk_size
+        if name.startswith(CPU_PREFIX + "-") and pieces is not None and whole:
+            # the job's own memory: into the pieces CRIU's pipes are read into, held and
+            # faulted in as theirs are (its share of the hold is CRIU's, ``files``)
+            await sink.produce_owned(size, fill, pieces)
+            return
         sink.raw_saving = self.settings.gpu_raw_saving
         # A leave-running dump: this part is copied without waiting for the store, within
         # what the host can spare now that the staging exists (held twice at most).

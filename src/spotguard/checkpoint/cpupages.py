@@ -1,0 +1,157 @@
+"""A job's large private memory, copied by spotguard beside CRIU, in parallel.
+
+CRIU moves each process's pages through one pipe read by one thread: on the node a training
+job rents, every rank's gigabytes of host memory leave at one pipe's pace (~4 GB/s), one rank
+after another as CRIU reaches it (docs/benchmarks.md, "The pause on the H200"). The GPU
+memory the driver stages is already moved beside CRIU (:mod:`.gpupages`); this module does
+the same for the job's own large private anonymous mappings, through the same machinery
+(``--external-pages``, ``process_vm_readv`` by several threads from the moment CRIU has
+seized the tree, parts named ``cpupages-NSPID-START-K``, written back before the restored
+tree runs).
+
+Which ranges, and why they stay exact:
+
+* **chosen before CRIU starts** (:func:`candidates`, the job still running): writable private
+  anonymous mappings of at least ``min_bytes`` whose pages no other process maps — memory a
+  forked worker shares copy-on-write is left to CRIU, whose restore keeps it shared (copied
+  by us it would be restored twice, once per process). A mapping ``smaps`` says shares pages
+  (``Shared_*``) keeps the parts no other process of the tree maps at the same addresses (a
+  fork shares at the same addresses; the kernel merges a fresh mapping into the one beside
+  it, so a job's own memory often sits in one mapping with what a worker shares);
+* **made exact once frozen** (:func:`frozen`): the job may map, unmap and protect memory until
+  CRIU seizes it, so after the seize each chosen range is cut to the mappings it then holds.
+  A hole (unmapped since) is left out — nothing there to move; a shared mapping in it is
+  CRIU's (it dumps shared memory apart from the task's private pages, which is all
+  ``--external-pages`` leaves out); a private mapping that is no longer readable and writable
+  (``mprotect`` since) could not be copied and written back the same way, so the freeze fails
+  there, retryably, and the job runs on (:class:`RangeChanged`).
+
+A range copied after the seize holds exactly what the frozen job had; a page it never touched
+reads as zero and is not written back (the restored mapping reads zero already).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Sequence
+
+from spotguard.errors import CheckpointError
+
+from .gpupages import Range, merged, minus
+
+log = logging.getLogger(__name__)
+
+#: a private mapping smaller than this stays with CRIU: the parts, files and ranges of many
+#: small mappings would cost more than one pipe moving them
+MIN_RANGE_BYTES = 256 << 20
+#: the prefix of the parts' names (:func:`.gpupages.split`)
+PREFIX = "cpupages"
+#: the most ranges named to CRIU (each is an argument; the largest first)
+MAX_RANGES = 256
+#: the most pieces those may fall into once frozen (an image records at most 1024 ranges)
+MAX_PIECES = 1024
+
+
+class RangeChanged(CheckpointError):
+    """A range chosen before the freeze holds a private mapping that cannot be moved beside
+    CRIU once frozen (protected since). Retryable: the job runs on, the next freeze chooses
+    again."""
+
+
+# --- /proc ----------------------------------------------------------------------------------
+def _vmas(pid: int, with_sharing: bool) -> list[tuple[int, int, str, bool, int]]:
+    """(start, end, perms, anonymous, bytes mapped by other processes too) of every mapping
+    of ``pid``; the last is read from ``smaps`` where ``with_sharing`` (else 0)."""
+    out: list[tuple[int, int, str, bool, int]] = []
+    path = f"/proc/{pid}/smaps" if with_sharing else f"/proc/{pid}/maps"
+    with open(path, encoding="ascii", errors="replace") as f:
+        for line in f:
+            head = line.split(maxsplit=5)
+            if not head:
+                continue
+            if "-" in head[0] and len(head) >= 5:
+                a, _, b = head[0].partition("-")
+                anon = len(head) < 6 or head[5].strip().startswith("[anon:")
+                out.append((int(a, 16), int(b, 16), head[1], anon and head[4] == "0", 0))
+            elif head[0] in ("Shared_Clean:", "Shared_Dirty:") and out and len(head) >= 2:
+                start, end, perms, anon_, shared = out[-1]
+                out[-1] = (start, end, perms, anon_, shared + int(head[1]) * 1024)
+    return out
+
+
+# --- which ranges ---------------------------------------------------------------------------
+def candidates(
+    pids: Iterable[int],
+    skip: Sequence[Range] = (),
+    *,
+    min_bytes: int = MIN_RANGE_BYTES,
+    limit: int = MAX_RANGES,
+) -> list[Range]:
+    """The ranges of ``pids`` spotguard copies itself: writable private anonymous mappings
+    of at least ``min_bytes`` that share no page with another process, outside ``skip`` (the
+    GPU memory staged, moved by :mod:`.gpupages`); the largest ``limit``. A process gone or
+    unreadable contributes none (CRIU moves its memory as ever)."""
+    cut: dict[int, list[Range]] = {}
+    for r in skip:
+        cut.setdefault(r.pid, []).append(r)
+    maps: dict[int, list[tuple[int, int, str, bool, int]]] = {}
+    for pid in pids:
+        try:
+            maps[pid] = _vmas(pid, with_sharing=True)
+        except (OSError, ValueError, IndexError):
+            continue
+    found: list[Range] = []
+    for pid, vmas in maps.items():
+        for lo, hi, perms, anon, shared in vmas:
+            if not anon or perms != "rw-p" or hi - lo < min_bytes:
+                continue
+            if any(r.start < hi and lo < r.end for r in cut.get(pid, [])):
+                continue
+            pieces = [(lo, hi)]
+            if shared:  # pages another process maps too: what a forked one shares is at
+                # the same addresses in it, so the rest of the mapping is this one's own
+                others = [(a, b) for q, vs in maps.items() if q != pid for a, b, *_ in vs]
+                pieces = minus(pieces, merged([(a, b) for a, b in others if a < hi and lo < b]))
+            found += [Range(pid, a, b, PREFIX) for a, b in pieces if b - a >= min_bytes]
+    found.sort(key=lambda r: r.size, reverse=True)
+    return sorted(found[:limit], key=lambda r: (r.pid, r.start))
+
+
+def frozen(ranges: Sequence[Range]) -> list[Range]:
+    """``ranges`` cut to the private mappings they hold now that the tree is frozen: holes
+    and shared mappings left out, adjacent pieces joined. Raises :class:`RangeChanged` where
+    a private mapping in a range is not readable and writable any more, and
+    :class:`CheckpointError` where a process's mappings cannot be read."""
+    out: list[Range] = []
+    by_pid: dict[int, list[Range]] = {}
+    for r in ranges:
+        by_pid.setdefault(r.pid, []).append(r)
+    for pid, rs in by_pid.items():
+        try:
+            vmas = _vmas(pid, with_sharing=False)
+        except (OSError, ValueError, IndexError) as exc:
+            raise CheckpointError(f"the mappings of frozen pid {pid}: {exc}") from exc
+        for r in rs:
+            pieces: list[tuple[int, int]] = []
+            for lo, hi, perms, _anon, _ in vmas:
+                lo, hi = max(lo, r.start), min(hi, r.end)
+                if lo >= hi or perms[3:4] == "s":
+                    continue
+                if perms[:2] != "rw":
+                    raise RangeChanged(
+                        f"pid {pid}: memory at {lo:#x}-{hi:#x} was protected ({perms}) between "
+                        "the choice of what spotguard copies and the freeze; the job runs on"
+                    )
+                if pieces and pieces[-1][1] == lo:
+                    pieces[-1] = (pieces[-1][0], hi)
+                else:
+                    pieces.append((lo, hi))
+            out += [Range(pid, lo, hi, PREFIX) for lo, hi in pieces]
+    if len(out) > MAX_PIECES:
+        raise RangeChanged(f"the memory chosen to copy beside CRIU fell into {len(out)} pieces")
+    if sum(r.size for r in out) != sum(r.size for r in ranges):
+        log.info(
+            "memory chosen to copy beside CRIU changed before the freeze",
+            extra={"ranges": len(out), "bytes": sum(r.size for r in out)},
+        )
+    return out
