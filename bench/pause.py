@@ -80,19 +80,26 @@ async def run(a: argparse.Namespace) -> int:
         crius = {(Path(c).name if c and len(named) > 1 else ""): c for c in named}
         crits = {label: Criu(c, page_workers=a.workers or None) for label, c in crius.items()}
         image = ImageSettings()
+        several = len(a.cpu_pages) > 1
+
+        def key(name: str, label: str, who: str) -> str:
+            return " · ".join(x for x in (name, label, f"cpu_pages {who}" if several else "") if x)
+
         engines = {
-            f"{name} · {label}" if label else name: Engine(
+            key(name, label, who): Engine(
                 crit,
                 settings=CheckpointSettings(
                     state_dir=work / "state",
                     criu_timeout=900,
                     pack_after_resume=later,
                     prefault_hold=prefault,
+                    cpu_pages=who,
                 ),
             )
             for name, (later, prefault) in VARIANTS.items()
             if name in a.variants
             for label, crit in crits.items()
+            for who in a.cpu_pages
         }
         rows: dict[str, list[dict[str, Any]]] = {name: [] for name in engines}
         gen, same = 0, True
@@ -154,6 +161,13 @@ def main() -> int:
         "interleaved, named by the file's name",
     )
     p.add_argument("--workers", type=int, default=0, help="--page-workers N (0: the CPUs)")
+    p.add_argument(
+        "--cpu-pages",
+        nargs="+",
+        choices=["spotguard", "criu"],
+        default=["spotguard"],
+        help="who moves the ranks' memory ([checkpoint] cpu_pages); several: interleaved",
+    )
     p.add_argument("--json", type=Path, help="append one JSON line per pause")
     p.add_argument(
         "--variants",

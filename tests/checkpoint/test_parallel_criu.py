@@ -42,6 +42,13 @@ WORKERS = RANKS + 2  # no rank waits for a free writer: all may overlap
 
 
 @pytest.fixture
+def settings(settings: CheckpointSettings) -> CheckpointSettings:
+    """CRIU moves every page here (``cpu_pages = "criu"``): these tests are of its own
+    parallel paths, which the job's large mappings would otherwise bypass."""
+    return settings.model_copy(update={"cpu_pages": "criu"})
+
+
+@pytest.fixture
 def parallel_criu(criu_bin: str, tmp_path: Path) -> Criu:
     return patched_criu(criu_bin, tmp_path, WORKERS)
 

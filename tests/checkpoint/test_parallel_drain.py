@@ -35,6 +35,13 @@ NO_DRAIN = "drains one task at a time (no patch 0006): run scripts/install-criu"
 
 
 @pytest.fixture
+def settings(settings: CheckpointSettings) -> CheckpointSettings:
+    """CRIU moves every page here (``cpu_pages = "criu"``): these tests are of its own
+    parallel paths, which the job's large mappings would otherwise bypass."""
+    return settings.model_copy(update={"cpu_pages": "criu"})
+
+
+@pytest.fixture
 def parallel_criu(criu_bin: str, tmp_path: Path) -> Criu:
     return patched_criu(criu_bin, tmp_path, workers=5)  # every task of the job at once
 

@@ -78,6 +78,8 @@ async def copy(
     first: CRIU is done, or gone), recording it in ``meta``; nothing once ``failed``."""
     pids = sorted({r.pid for r in (*what.staged, *what.own)})
     early = await asyncio.to_thread(proctree.wait_seized, pids, frozen)
+    if not early:  # a process gone before CRIU seized it: the rest are frozen only by then
+        await asyncio.to_thread(frozen.wait)
     if failed.is_set():
         return
     workers = s.gpu_page_workers or None

@@ -119,7 +119,7 @@ def candidates(
 
 def frozen(ranges: Sequence[Range]) -> list[Range]:
     """``ranges`` cut to the private mappings they hold now that the tree is frozen: holes
-    and shared mappings left out, adjacent pieces joined. Raises :class:`RangeChanged` where
+    and shared mappings left out, adjacent pieces joined, a process gone left out. Raises :class:`RangeChanged` where
     a private mapping in a range is not readable and writable any more, and
     :class:`CheckpointError` where a process's mappings cannot be read."""
     out: list[Range] = []
@@ -129,6 +129,8 @@ def frozen(ranges: Sequence[Range]) -> list[Range]:
     for pid, rs in by_pid.items():
         try:
             vmas = _vmas(pid, with_sharing=False)
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # gone before CRIU seized it: not in the image, nothing to carry
         except (OSError, ValueError, IndexError) as exc:
             raise CheckpointError(f"the mappings of frozen pid {pid}: {exc}") from exc
         for r in rs:
