@@ -70,7 +70,9 @@ for off in range(0, shared_n, 1 << 20):
 sbase = address(shared)
 
 def shared_ok():
-    return all(ctypes.string_at(sbase + o, 1 << 20) == noise(o, 1) for o in range(0, shared_n, 1 << 20))
+    return all(
+        ctypes.string_at(sbase + o, 1 << 20) == noise(o, 1) for o in range(0, shared_n, 1 << 20)
+    )
 
 child = os.fork()
 if child == 0:
@@ -338,9 +340,7 @@ async def test_candidates_leave_out_small_shared_and_staged_ranges(
         tree = proctree.tree(job.pid)
         parent = _parent(job)
         found = await asyncio.to_thread(cpupages.candidates, tree, min_bytes=64 * MIB)
-        assert [(r.pid, r.start, r.end, r.prefix) for r in found] == [
-            (parent, lo, hi, "cpupages")
-        ]
+        assert [(r.pid, r.start, r.end, r.prefix) for r in found] == [(parent, lo, hi, "cpupages")]
         staged = [Range(parent, lo + MIB, lo + 2 * MIB)]
         assert cpupages.candidates(tree, staged, min_bytes=64 * MIB) == []
         assert cpupages.candidates(tree, min_bytes=(OWN_MIB + 1) * MIB) == []

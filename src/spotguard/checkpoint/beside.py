@@ -83,6 +83,7 @@ async def copy(
     if failed.is_set():
         return
     workers = s.gpu_page_workers or None
+    own_workers = s.cpu_page_workers or cpupages.default_workers()
 
     async def gpu() -> None:
         with tl.step("gpu_pages", ranges=len(what.staged), while_criu_dumps=early) as gs:
@@ -97,7 +98,7 @@ async def copy(
             await faults.before("cpu_pages")
             exact = await asyncio.to_thread(cpupages.frozen, what.own)
             meta.cpu_pages = await gpupages.save(
-                target, exact, ns_of, chunk=CHUNK, workers=workers, stop=failed
+                target, exact, ns_of, chunk=CHUNK, workers=own_workers, stop=failed
             )
             cs.detail.update(ranges=len(exact), bytes=sum(r.size for r in exact))
 

@@ -33,6 +33,7 @@ reads as zero and is not written back (the restored mapping reads zero already).
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Iterable, Sequence
 
 from spotguard.errors import CheckpointError
@@ -46,6 +47,8 @@ log = logging.getLogger(__name__)
 MIN_RANGE_BYTES = 256 << 20
 #: the prefix of the parts' names (:func:`.gpupages.split`)
 PREFIX = "cpupages"
+#: the most parts copied at once by default (``[checkpoint] cpu_page_workers``)
+MAX_WORKERS = 16
 #: the most ranges named to CRIU (each is an argument; the largest first)
 MAX_RANGES = 256
 #: the most pieces those may fall into once frozen (an image records at most 1024 ranges)
@@ -56,6 +59,12 @@ class RangeChanged(CheckpointError):
     """A range chosen before the freeze holds a private mapping that cannot be moved beside
     CRIU once frozen (protected since). Retryable: the job runs on, the next freeze chooses
     again."""
+
+
+def default_workers() -> int:
+    """Parts copied at once: one per core, at most :data:`MAX_WORKERS` (the job is frozen,
+    so the cores are the copy's; more threads than cores only take turns)."""
+    return max(2, min(MAX_WORKERS, os.cpu_count() or 2))
 
 
 # --- /proc ----------------------------------------------------------------------------------
@@ -119,9 +128,9 @@ def candidates(
 
 def frozen(ranges: Sequence[Range]) -> list[Range]:
     """``ranges`` cut to the private mappings they hold now that the tree is frozen: holes
-    and shared mappings left out, adjacent pieces joined, a process gone left out. Raises :class:`RangeChanged` where
-    a private mapping in a range is not readable and writable any more, and
-    :class:`CheckpointError` where a process's mappings cannot be read."""
+    and shared mappings left out, adjacent pieces joined, a process gone left out. Raises
+    :class:`RangeChanged` where a private mapping in a range is not readable and writable
+    any more, and :class:`CheckpointError` where a process's mappings cannot be read."""
     out: list[Range] = []
     by_pid: dict[int, list[Range]] = {}
     for r in ranges:

@@ -32,7 +32,7 @@ from spotguard.names import check_job_name
 from spotguard.statedir import StateDir
 from spotguard.timeline import Timeline
 
-from . import files, gpupages, ncclctl, placing, proctree, recovery, restart, suspend
+from . import cpupages, files, gpupages, ncclctl, placing, proctree, recovery, restart, suspend
 from .criu import Criu
 from .jobs import JobInfo, link_job_dir
 from .marker import FreezeMarker, Op
@@ -285,7 +285,7 @@ async def _own_memory(
         return
     with tl.step("cpu_pages", ranges=len(meta.cpu_pages)) as cs:
         await eng.faults.before("cpu_pages")
-        workers = eng.settings.gpu_page_workers or None
+        workers = eng.settings.cpu_page_workers or cpupages.default_workers()
         cs.detail["bytes"] = await gpupages.load(source, meta.cpu_pages, by_ns, workers=workers)
     if not meta.gpu_pages:
         _memory_back(marker, gpu_pids, list(by_ns.values()))
