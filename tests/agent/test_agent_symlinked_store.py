@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import shutil
 import signal
 from pathlib import Path
 
@@ -29,6 +30,20 @@ from spotguard.image import ImageSettings, list_images
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(180)]
 
 LONG_JOB = job_argv("--steps", "4000", "--step-seconds", "0.05", "--mb", "4", "--gpu", "no")
+
+
+def _put_back(away: Path, real: Path) -> None:
+    """Move the store's directory back under its name. The pusher retries meanwhile, in its
+    own threads: between the test's removal of the stand-in file and this rename it may make
+    the directory again (one run failed so, "Directory not empty"), so what it made there is
+    cleared and the rename tried again."""
+    for _ in range(100):
+        try:
+            away.rename(real)
+            return
+        except OSError:
+            shutil.rmtree(real, ignore_errors=True)
+    raise AssertionError(f"{real} kept being made again")
 
 
 def _linked_store(tmp_path: Path, where: str) -> tuple[str, Path]:
@@ -90,7 +105,7 @@ async def test_a_store_directory_taken_away_and_put_back_gets_the_kept_image(
             assert not proctree.alive(job.pid)  # stopped: its image is kept on the host
             await wait_until(lambda: any(p["attempts"] >= 3 for p in agent.pusher.status()), 30)
             real.unlink()
-            away.rename(real)  # put back
+            _put_back(away, real)
             await wait_until(lambda: "exited" in sink.kinds("train"), 30)
             assert agent.pusher.status() == []
             assert agent.workers["train"].state == "exited"

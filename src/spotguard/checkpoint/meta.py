@@ -68,7 +68,7 @@ class ImageMeta:
 
     def to_json(self) -> dict[str, Any]:
         # an older spotguard must refuse an image whose memory it would leave out
-        schema = self.schema if self.cpu_pages else min(self.schema, _SCHEMA_WITHOUT_CPU_PAGES)
+        schema = META_SCHEMA if self.cpu_pages else min(self.schema, _SCHEMA_WITHOUT_CPU_PAGES)
         return {
             "schema": schema,
             "job": self.job,
