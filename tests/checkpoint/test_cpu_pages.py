@@ -346,3 +346,55 @@ async def test_candidates_leave_out_small_shared_and_staged_ranges(
         assert cpupages.candidates(tree, min_bytes=(OWN_MIB + 1) * MIB) == []
     finally:
         _kill(job.pid)
+
+
+#: A parent with a 64 MiB range of its own and a child forked after it, which either keeps
+#: the range (shared copy-on-write: argv "keep") or maps a fresh one at the same address and
+#: fills it ("fresh": the two overlap, and share nothing).
+OVERLAP = """
+import ctypes, mmap, os, sys, time
+out, how, n = sys.argv[1], sys.argv[2], 64 << 20
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mmap.restype = ctypes.c_void_p
+libc.mmap.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                      ctypes.c_long)
+m = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+m.write(os.urandom(n))
+c = ctypes.c_char.from_buffer(m)
+base = ctypes.addressof(c)
+del c
+if os.fork() == 0:
+    if how == "fresh":
+        fixed = 0x10  # MAP_FIXED
+        got = libc.mmap(base, n, 3, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | fixed, -1, 0)
+        assert got == base
+        ctypes.memset(base, 7, n)
+    open(os.path.join(out, "child"), "w").write("%x %x" % (base, base + n))
+    while True:
+        time.sleep(0.1)
+while True:
+    time.sleep(0.1)
+"""
+
+
+@pytest.mark.parametrize("how", ["keep", "fresh"])
+async def test_a_range_another_process_overlaps_is_kept_only_if_it_shares_nothing(
+    tmp_path: Path, out: Path, how: str
+) -> None:
+    """A forked child that keeps its parent's range shares its pages: neither process's copy
+    is chosen. One that mapped a fresh range at the same address shares nothing: both
+    ranges are chosen whole, though they overlap in address."""
+    script = tmp_path / "overlap.py"
+    script.write_text(OVERLAP)
+    job = await start_job(
+        [sys.executable, str(script), str(out), how], f"overlap-{how}", state_dir=tmp_path / "st"
+    )
+    try:
+        await until(lambda: (out / "child").exists(), "the child", 60)
+        lo, hi = (int(x, 16) for x in (out / "child").read_text().split())
+        tree = proctree.tree(job.pid)
+        found = await asyncio.to_thread(cpupages.candidates, tree, min_bytes=64 * MIB)
+        got = sorted((r.start, r.end) for r in found)
+        assert got == ([] if how == "keep" else [(lo, hi), (lo, hi)])
+    finally:
+        _kill(job.pid)

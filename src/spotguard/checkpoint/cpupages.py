@@ -14,10 +14,11 @@ Which ranges, and why they stay exact:
 * **chosen before CRIU starts** (:func:`candidates`, the job still running): writable private
   anonymous mappings of at least ``min_bytes`` whose pages no other process maps — memory a
   forked worker shares copy-on-write is left to CRIU, whose restore keeps it shared (copied
-  by us it would be restored twice, once per process). A mapping ``smaps`` says shares pages
-  (``Shared_*``) keeps the parts no other process of the tree maps at the same addresses (a
-  fork shares at the same addresses; the kernel merges a fresh mapping into the one beside
-  it, so a job's own memory often sits in one mapping with what a worker shares);
+  by us it would be restored twice, once per process). A fork shares at the same addresses,
+  so a mapping no other process of the tree overlaps is the process's own; one that is
+  overlapped is looked up in ``smaps``, and if it shares pages (``Shared_*``) only the parts
+  no other process maps are kept (the kernel merges a fresh mapping into the one beside it,
+  so a job's own memory often sits in one mapping with what a worker shares);
 * **made exact once frozen** (:func:`frozen`): the job may map, unmap and protect memory until
   CRIU seizes it, so after the seize each chosen range is cut to the mappings it then holds.
   A hole (unmapped since) is left out — nothing there to move; a shared mapping in it is
@@ -88,6 +89,15 @@ def _vmas(pid: int, with_sharing: bool) -> list[tuple[int, int, str, bool, int]]
     return out
 
 
+def _sharing(pid: int) -> dict[tuple[int, int], int]:
+    """Bytes of each mapping of ``pid`` that another process maps too (``smaps``); empty
+    where it cannot be read (every mapping then counts as sharing)."""
+    try:
+        return {(lo, hi): shared for lo, hi, _, _, shared in _vmas(pid, with_sharing=True)}
+    except (OSError, ValueError, IndexError):
+        return {}
+
+
 # --- which ranges ---------------------------------------------------------------------------
 def candidates(
     pids: Iterable[int],
@@ -106,21 +116,28 @@ def candidates(
     maps: dict[int, list[tuple[int, int, str, bool, int]]] = {}
     for pid in pids:
         try:
-            maps[pid] = _vmas(pid, with_sharing=True)
+            maps[pid] = _vmas(pid, with_sharing=False)
         except (OSError, ValueError, IndexError):
             continue
     found: list[Range] = []
     for pid, vmas in maps.items():
-        for lo, hi, perms, anon, shared in vmas:
+        shared: dict[tuple[int, int], int] | None = None  # read once, where needed
+        for lo, hi, perms, anon, _ in vmas:
             if not anon or perms != "rw-p" or hi - lo < min_bytes:
                 continue
             if any(r.start < hi and lo < r.end for r in cut.get(pid, [])):
                 continue
+            # a fork shares its parent's memory at the same addresses: where no other process
+            # of the tree maps any, none shares a page of it (no smaps walk: on a GPU process
+            # it would walk the staged GPU memory too, ~30 ms per GiB of small pages)
+            others = [(a, b) for q, vs in maps.items() if q != pid for a, b, *_ in vs]
+            overlap = merged([(a, b) for a, b in others if a < hi and lo < b])
             pieces = [(lo, hi)]
-            if shared:  # pages another process maps too: what a forked one shares is at
-                # the same addresses in it, so the rest of the mapping is this one's own
-                others = [(a, b) for q, vs in maps.items() if q != pid for a, b, *_ in vs]
-                pieces = minus(pieces, merged([(a, b) for a, b in others if a < hi and lo < b]))
+            if overlap:
+                if shared is None:
+                    shared = _sharing(pid)
+                if shared.get((lo, hi), 1):  # shares pages: only what no other maps is its own
+                    pieces = minus(pieces, overlap)
             found += [Range(pid, a, b, PREFIX) for a, b in pieces if b - a >= min_bytes]
     found.sort(key=lambda r: r.size, reverse=True)
     return sorted(found[:limit], key=lambda r: (r.pid, r.start))
