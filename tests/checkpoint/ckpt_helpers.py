@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
+import psutil
+
 from sgtest import until
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.jobs import JobInfo, exit_status
+from spotguard.timeline import Step, Timeline
 
 Launch = Callable[..., Awaitable[JobInfo]]
 
@@ -46,3 +50,19 @@ async def progresses(path: Path, limit: float = 10.0) -> None:
     """Fail unless the file gains lines (the job is running, not frozen)."""
     before = len(lines(path))
     await wait_for(lambda: len(lines(path)) > before, f"{path} to grow", limit)
+
+
+def step_named(tl: Timeline, name: str) -> Step:
+    """The one step ``name`` of a timeline."""
+    [st] = [st for st in tl.steps if st.name == name]
+    return st
+
+
+def kill_tree(pid: int | None) -> None:
+    """SIGKILL ``pid`` and its descendants, whatever is left of them."""
+    if pid is None:
+        return
+    with contextlib.suppress(psutil.Error):
+        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
+            with contextlib.suppress(psutil.Error):
+                p.kill()

@@ -10,7 +10,7 @@ import pytest
 from ckpt_helpers import Launch
 
 from spotguard.checkpoint import proctree
-from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.criu import Criu, has_external_pages
 from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo, list_jobs, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -26,6 +26,15 @@ def settings(state_dir: Path, tmp_path: Path, criu_bin: str) -> CheckpointSettin
     return CheckpointSettings(
         state_dir=state_dir, criu=criu_bin, shm_dir=tmp_path / "shm", criu_timeout=60
     )
+
+
+@pytest.fixture
+def patched(criu_bin: str) -> str:
+    """``criu_bin``, which must have spotguard's ``--external-pages`` (patch 0004): a CRIU
+    without it fails the test (a stale or unpatched install)."""
+    if not has_external_pages(criu_bin):
+        pytest.fail(f"{criu_bin} has no --external-pages: run scripts/install-criu")
+    return criu_bin
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ moment spotguard chooses the ranges and the moment CRIU seizes the tree."""
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import signal
 import sys
@@ -18,10 +17,11 @@ from pathlib import Path
 
 import psutil
 import pytest
+from ckpt_helpers import kill_tree, step_named
 
 from sgtest import until
 from spotguard.checkpoint import cpupages, proctree
-from spotguard.checkpoint.criu import Criu, has_external_pages
+from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.gpupages import Range
 from spotguard.checkpoint.jobs import JobInfo, start_job
@@ -30,7 +30,6 @@ from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import CheckpointError
 from spotguard.image import ImageSettings
 from spotguard.stream import StreamSource, StreamTarget
-from spotguard.timeline import Step, Timeline
 
 MIB = 1 << 20
 OWN_MIB = 96  # the parent's own range (the tests move ranges of 64 MiB and more)
@@ -130,13 +129,6 @@ while True:
 
 
 @pytest.fixture
-def patched(criu_bin: str) -> str:
-    if not has_external_pages(criu_bin):
-        pytest.fail(f"{criu_bin} has no --external-pages: run scripts/install-criu")
-    return criu_bin
-
-
-@pytest.fixture
 def out(tmp_path: Path) -> Path:
     d = tmp_path / "out"
     d.mkdir()
@@ -181,20 +173,6 @@ def _parent(job: JobInfo) -> int:
     return pid
 
 
-def _step(tl: Timeline, name: str) -> Step:
-    [st] = [st for st in tl.steps if st.name == name]
-    return st
-
-
-def _kill(pid: int | None) -> None:
-    if pid is None:
-        return
-    with contextlib.suppress(psutil.Error):
-        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-
-
 def _criu_pages(images: Path) -> int:
     return sum(p.stat().st_size for p in images.glob("pages-*.img"))
 
@@ -216,15 +194,15 @@ async def test_own_memory_moves_beside_criu_and_a_shared_range_stays_with_it(
         assert carried.ns_pid == ns_pid
         assert all(p.name.startswith("cpupages-") for p in carried.parts)
         assert frozen.meta.gpu_pages == []
-        assert _step(frozen.timeline, "cpu_pages").detail["bytes"] == OWN_MIB * MIB
+        assert step_named(frozen.timeline, "cpu_pages").detail["bytes"] == OWN_MIB * MIB
         # CRIU wrote the shared range (twice: parent and child) but not the parent's own
         pages = _criu_pages(tmp_path / "img")
         assert SHARED_MIB * MIB <= pages < (SHARED_MIB + OWN_MIB // 2) * MIB * 2
         restored = await engine.restore(DirectorySource(tmp_path / "img"))
-        assert _step(restored.timeline, "cpu_pages").detail["bytes"] == OWN_MIB * MIB
+        assert step_named(restored.timeline, "cpu_pages").detail["bytes"] == OWN_MIB * MIB
         await _checked(restored.pid, out)
     finally:
-        _kill(restored.pid if restored else job.pid)
+        kill_tree(restored.pid if restored else job.pid)
 
 
 async def test_a_paused_job_streams_its_own_memory_from_the_held_pieces_and_restores(
@@ -248,14 +226,14 @@ async def test_a_paused_job_streams_its_own_memory_from_the_held_pieces_and_rest
         # through CRIU's pipes: the shared range twice and the interpreters, none of the own
         # range (whose written three quarters would add 72 MiB)
         assert target.capture_stats.bytes < (2 * SHARED_MIB + 40) * MIB
-        _kill(job.pid)
+        kill_tree(job.pid)
         await until(lambda: not psutil.pid_exists(job.pid), "the job gone")
         assert target.url is not None
         source = StreamSource(target.url, work_root=tmp_path / "w", settings=settings)
         restored = await engine.restore(source, state_dir=tmp_path / "state")
         await _checked(restored.pid, out)
     finally:
-        _kill(restored.pid if restored else job.pid)
+        kill_tree(restored.pid if restored else job.pid)
 
 
 class ChangeBeforeDump:
@@ -286,11 +264,11 @@ async def test_a_range_unmapped_in_part_before_the_freeze_is_cut_to_what_is_left
         frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
         got = [(c.start, c.end) for c in frozen.meta.cpu_pages]
         assert got == [(lo, lo + HOLE[0] * MIB), (lo + HOLE[1] * MIB, hi)]
-        assert _step(frozen.timeline, "cpu_pages").detail["chosen"] == 1
+        assert step_named(frozen.timeline, "cpu_pages").detail["chosen"] == 1
         restored = await engine.restore(DirectorySource(tmp_path / "img"))
         await _checked(restored.pid, out)
     finally:
-        _kill(restored.pid if restored else job.pid)
+        kill_tree(restored.pid if restored else job.pid)
 
 
 async def test_a_range_protected_before_the_freeze_fails_it_and_the_job_runs_on(
@@ -311,7 +289,7 @@ async def test_a_range_protected_before_the_freeze_fails_it_and_the_job_runs_on(
             assert psutil.Process(pid).status() != psutil.STATUS_STOPPED
         await _checked(job.pid, out)
     finally:
-        _kill(job.pid)
+        kill_tree(job.pid)
 
 
 async def test_criu_moves_it_all_when_told_to(patched: str, tmp_path: Path, out: Path) -> None:
@@ -327,7 +305,7 @@ async def test_criu_moves_it_all_when_told_to(patched: str, tmp_path: Path, out:
         restored = await engine.restore(DirectorySource(tmp_path / "img"))
         await _checked(restored.pid, out)
     finally:
-        _kill(restored.pid if restored else job.pid)
+        kill_tree(restored.pid if restored else job.pid)
 
 
 async def test_candidates_leave_out_small_shared_and_staged_ranges(
@@ -345,7 +323,7 @@ async def test_candidates_leave_out_small_shared_and_staged_ranges(
         assert cpupages.candidates(tree, staged, min_bytes=64 * MIB) == []
         assert cpupages.candidates(tree, min_bytes=(OWN_MIB + 1) * MIB) == []
     finally:
-        _kill(job.pid)
+        kill_tree(job.pid)
 
 
 #: A parent with a 64 MiB range of its own and a child forked after it, which either keeps
@@ -397,4 +375,4 @@ async def test_a_range_another_process_overlaps_is_kept_only_if_it_shares_nothin
         got = sorted((r.start, r.end) for r in found)
         assert got == ([] if how == "keep" else [(lo, hi), (lo, hi)])
     finally:
-        _kill(job.pid)
+        kill_tree(job.pid)

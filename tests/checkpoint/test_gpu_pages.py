@@ -9,7 +9,6 @@ range must come back exact through CRIU's restore, having never been in CRIU's p
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import os
 import sys
 import time
@@ -18,10 +17,11 @@ from typing import Any
 
 import psutil
 import pytest
+from ckpt_helpers import kill_tree, step_named
 
 from sgtest import StagingGpu, until
 from spotguard.checkpoint import gpupages, suspend
-from spotguard.checkpoint.criu import Criu, has_external_pages
+from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.checkpoint.meta import ImageMeta
@@ -31,7 +31,6 @@ from spotguard.errors import GpuError, ImageError, SpotguardError
 from spotguard.image import ImageSettings
 from spotguard.image.reader import ImageReader
 from spotguard.stream import StreamSource, StreamTarget
-from spotguard.timeline import Step, Timeline
 
 MIB = 1 << 20
 #: the staged range: a quarter left zero (never written), a quarter stamped per page (packs),
@@ -86,13 +85,6 @@ def here(tmp_path: Path) -> Path:
     return d
 
 
-@pytest.fixture
-def patched(criu_bin: str) -> str:
-    if not has_external_pages(criu_bin):
-        pytest.fail(f"{criu_bin} has no --external-pages: run scripts/install-criu")
-    return criu_bin
-
-
 async def _start(tmp_path: Path, here: Path, name: str) -> JobInfo:
     script = tmp_path / "staging_job.py"
     script.write_text(JOB)
@@ -109,20 +101,6 @@ def _count(job: JobInfo) -> int:
 
 def _numbers(job: JobInfo) -> list[int]:
     return [int(x) for x in (job.dir / "stdout").read_text().split()]
-
-
-def _step(tl: Timeline, name: str) -> Step:
-    [st] = [st for st in tl.steps if st.name == name]
-    return st
-
-
-def _kill(pid: int | None) -> None:
-    if pid is None:
-        return
-    with contextlib.suppress(psutil.Error):
-        for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
 
 
 def _settings(tmp_path: Path, criu: str, **kw: object) -> CheckpointSettings:
@@ -175,7 +153,7 @@ async def test_staged_memory_streams_beside_criu_and_comes_back_exact(
     [carried] = frozen.meta.gpu_pages
     assert (carried.start, carried.end) == (lo, hi)
     assert len(carried.parts) == gpupages.default_workers()
-    assert _step(frozen.timeline, "gpu_pages").detail["bytes"] == STAGED_MIB * MIB
+    assert step_named(frozen.timeline, "gpu_pages").detail["bytes"] == STAGED_MIB * MIB
     # CRIU wrote none of the range: its pages images hold only the interpreter's memory
     assert target.capture_stats is not None
     assert target.capture_stats.bytes < STAGED_MIB * MIB // 2
@@ -193,15 +171,15 @@ async def test_staged_memory_streams_beside_criu_and_comes_back_exact(
     try:
         source = StreamSource(target.url, work_root=tmp_path / "w", settings=settings)
         restored = await engine.restore(source, state_dir=tmp_path / "state")
-        assert _step(restored.timeline, "gpu_pages").detail["overlap"] is overlap
-        where = _step(restored.timeline, "gpu_restore" if overlap else "gpu_pages")
+        assert step_named(restored.timeline, "gpu_pages").detail["overlap"] is overlap
+        where = step_named(restored.timeline, "gpu_restore" if overlap else "gpu_pages")
         assert where.detail["bytes"] == STAGED_MIB * MIB
         if overlap:  # the zero quarter mapped, never fetched; the rest moved into place
             assert where.detail["zero_bytes"] >= STAGED_MIB * MIB // 4
         assert gpu.checks() == ["ok"]  # every byte as staged, read while being placed
         await _continues(job, stopped_at)
     finally:
-        _kill(restored.pid if restored else None)
+        kill_tree(restored.pid if restored else None)
 
 
 async def test_a_tree_criu_left_stopped_runs_again_whatever_proc_shows_at_that_instant(
@@ -227,7 +205,7 @@ async def test_a_tree_criu_left_stopped_runs_again_whatever_proc_shows_at_that_i
         assert gpu.checks() == ["ok"]
         await _continues(job, stopped_at)
     finally:
-        _kill(restored.pid if restored else None)
+        kill_tree(restored.pid if restored else None)
 
 
 async def test_a_leave_running_pause_and_a_staged_image_in_a_directory(
@@ -242,7 +220,7 @@ async def test_a_leave_running_pause_and_a_staged_image_in_a_directory(
     for part in carried.parts:
         assert (tmp_path / "img" / part.name).stat().st_size == part.size
     await until(lambda: _count(job) > 10, "the job running on")
-    _kill(job.pid)
+    kill_tree(job.pid)
     await until(lambda: not psutil.pid_exists(job.pid), "the job gone")
     (here / "checked").unlink()
     stopped_at = _count(job)
@@ -253,7 +231,7 @@ async def test_a_leave_running_pause_and_a_staged_image_in_a_directory(
         # its output as it was at the pause (carried in the image), then counting on from there
         await _continues(job, stopped_at)
     finally:
-        _kill(restored.pid if restored else None)
+        kill_tree(restored.pid if restored else None)
 
 
 async def test_a_tampered_chunk_of_staged_memory_fails_the_restore_and_leaves_nothing(
@@ -355,7 +333,7 @@ async def test_with_gpu_pages_criu_the_pages_go_through_criu_as_before(
         assert gpu.checks() == ["ok"]
         await _continues(job, stopped_at)
     finally:
-        _kill(restored.pid if restored else None)
+        kill_tree(restored.pid if restored else None)
 
 
 # --- no CRIU ------------------------------------------------------------------------------

@@ -381,7 +381,8 @@ async def save(
     work = [one(r, part) for r, gp in plan for part in gp.parts]
     await run_all(work, "copying memory beside CRIU")
     total = sum(r.size for r in ranges)
-    log.info("memory copied beside CRIU", extra={"ranges": len(ranges), "bytes": total})
+    if ranges:
+        log.info("memory copied beside CRIU", extra={"ranges": len(ranges), "bytes": total})
     return [gp for _, gp in plan]
 
 

@@ -10,7 +10,7 @@ stores, codecs or manifests; :mod:`spotguard.image.writer` owns the pipeline it 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from spotguard.errors import ImageError
@@ -192,25 +192,7 @@ class FileSink:
         chunk buffer (in a worker thread; no other copy), then close the file. For bytes a
         producer copies in itself, such as another process's memory (:mod:`spotguard.
         checkpoint.gpupages`)."""
-        if self.size or self._small or self._lease is not None:
-            raise ImageError(f"file {self.name!r}: produce() on a file already written to")
-        cs = self._w.chunk_size
-        for off in range(0, size, cs):
-            n = min(cs, size - off)
-            lease = await self._w.acquire_input()
-            try:
-                await asyncio.to_thread(fill, off, lease.view[:n])
-                self._raise_if_closed()
-                self._w.raise_if_failed()
-            except asyncio.CancelledError:
-                lease.discard()  # its thread may still be filling the buffer
-                raise
-            except BaseException:
-                lease.release()
-                raise
-            self.size += n
-            await self._w.submit_chunk(self, lease.view[:n], lease, "input")
-        await self.close()
+        await self._produce(size, fill, self._w.acquire_input, "input")
 
     async def produce_owned(
         self, size: int, fill: Callable[[int, memoryview], None], pool: Taking
@@ -219,12 +201,25 @@ class FileSink:
         (``pool.take()`` blocks, so it runs in a thread): the stream capture's pieces,
         faulted in before a leave-running freeze (``prefault_hold``), so the copy into them
         waits for no fresh page, and held as the capture's are (``owned``)."""
+
+        async def take() -> Lease:
+            return Lease(pool, await asyncio.to_thread(pool.take), None)
+
+        await self._produce(size, fill, take, "owned")
+
+    async def _produce(
+        self,
+        size: int,
+        fill: Callable[[int, memoryview], None],
+        lease_one: Callable[[], Awaitable[Lease]],
+        held: Held,
+    ) -> None:
         if self.size or self._small or self._lease is not None:
             raise ImageError(f"file {self.name!r}: produce() on a file already written to")
         cs = self._w.chunk_size
         for off in range(0, size, cs):
             n = min(cs, size - off)
-            lease = Lease(pool, await asyncio.to_thread(pool.take), None)
+            lease = await lease_one()
             try:
                 await asyncio.to_thread(fill, off, lease.view[:n])
                 self._raise_if_closed()
@@ -236,7 +231,7 @@ class FileSink:
                 lease.release()
                 raise
             self.size += n
-            await self._w.submit_chunk(self, lease.view[:n], lease, "owned")
+            await self._w.submit_chunk(self, lease.view[:n], lease, held)
         await self.close()
 
     def drop(self) -> None:
