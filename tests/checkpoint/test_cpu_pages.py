@@ -27,8 +27,9 @@ from spotguard.checkpoint.gpupages import Range
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
-from spotguard.errors import CheckpointError
+from spotguard.errors import CheckpointError, SpotguardError
 from spotguard.image import ImageSettings
+from spotguard.image.reader import ImageReader
 from spotguard.stream import StreamSource, StreamTarget
 
 MIB = 1 << 20
@@ -234,6 +235,43 @@ async def test_a_paused_job_streams_its_own_memory_from_the_held_pieces_and_rest
         await _checked(restored.pid, out)
     finally:
         kill_tree(restored.pid if restored else job.pid)
+
+
+async def test_a_tampered_chunk_of_the_carried_memory_fails_the_restore_and_leaves_nothing(
+    patched: str, tmp_path: Path, out: Path
+) -> None:
+    """One stored chunk of a carried part changed in the store: the restore fails on that
+    chunk's check (one typed error) before the tree runs, and no restored process is left."""
+    job, _ = await _start(tmp_path, out, "cpupages-tamper")
+    engine = Engine(Criu(patched), settings=_settings(tmp_path, patched))
+    settings = ImageSettings()
+    store = tmp_path / "store"
+    target = StreamTarget(f"file://{store}", work_root=tmp_path / "w", settings=settings)
+    try:
+        frozen = await engine.freeze(job, target, Mode.EXIT)
+    finally:
+        kill_tree(job.pid)
+    assert target.url is not None
+    part = frozen.meta.cpu_pages[0].parts[-1]
+    async with ImageReader(target.url, settings=settings) as reader:
+        ref = reader.manifest.file(part.name).chunks[-1]  # the random half: stored raw
+    [stored] = [p for p in store.rglob(f"*{ref.digest}*") if p.is_file()]
+    data = bytearray(stored.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    stored.chmod(0o600)
+    stored.write_bytes(bytes(data))
+    (out / "checked").unlink(missing_ok=True)
+    with pytest.raises(SpotguardError, match=r"(?i)corrupt|damaged|digest|verif"):
+        await engine.restore(
+            StreamSource(target.url, work_root=tmp_path / "w", settings=settings),
+            state_dir=tmp_path / "state",
+        )
+    await asyncio.sleep(0.2)
+    assert not any(
+        str(tmp_path / "own_job.py") in " ".join(p.info["cmdline"] or [])
+        for p in psutil.process_iter(["cmdline"])
+    ), "a restored process was left behind"
+    assert not (out / "checked").exists()
 
 
 class ChangeBeforeDump:

@@ -33,9 +33,12 @@ from spotguard.image import ImageSettings, list_images
 
 pytestmark = [pytest.mark.criu, pytest.mark.timeout(180)]
 
+#: a step every 0.1 s: once the state dir is full the job's output lines fill the last page
+#: of its stdout file (~70 lines) and then its write fails and it ends; at 0.02 s a step that
+#: left 1.4 s, which a loaded CI machine once spent before the freeze (the job was gone)
 LONG = [
     *(sys.executable, "-m", "spotguard.demo.job", "--gpu", "no", "--mb", "24"),
-    *("--steps", "100000", "--step-seconds", "0.02"),
+    *("--steps", "100000", "--step-seconds", "0.1"),
 ]
 IMG = ImageSettings(chunk_size=1 << 20, workers=1, max_inflight_mb=8)
 
