@@ -270,3 +270,68 @@ async def test_a_store_without_reads_parts_fills_the_parts_the_general_way(tmp_p
     assert bytes(out) == plain
     plan.release()
     await store.aclose()
+
+
+@pytest.mark.parametrize("n", [0, 1, 128 << 10, (128 << 10) + 1, 3 * CHUNK + 7])
+@pytest.mark.parametrize("group", [1, 2, 3, 16, 1024])
+def test_a_raw_read_in_groups_of_any_size_hashes_and_checks_the_whole_frame(
+    n: int, group: int
+) -> None:
+    """However a store cuts the parts into reads (a group may end between a block's header
+    and its bytes), the plan hashes every byte once, in order, and checks every header."""
+    from spotguard.image.rawframe import RawReadPlan
+
+    codec = ChunkCodec(1)
+    plain = os.urandom(n)
+    frame = bytes(raw_frame_into(plain, memoryview(bytearray(raw_frame_size(n)))))
+    out = bytearray(n)
+    plan = RawReadPlan(n, memoryview(out), codec)
+    assert sum(len(p) for p in plan.parts) == plan.total == len(frame)
+    pos = 0
+    for i in range(0, len(plan.parts), group):
+        j = min(len(plan.parts), i + group)
+        for p in plan.parts[i:j]:
+            p[:] = frame[pos : pos + len(p)]
+            pos += len(p)
+        plan.after(i, j)
+    assert plan.layout_ok() and bytes(out) == plain
+    assert plan.hexdigest() == codec.address(plain)
+    plan.release()
+
+
+async def test_short_reads_and_writes_of_a_raw_chunk_resume_where_they_stopped(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A file system may move fewer bytes than asked (a signal, a full pipe of a FUSE
+    mount): the store's writev and preadv loops pick up mid-buffer, and the result is the
+    same frame, the same plaintext, the same hash."""
+    from spotguard.image.rawframe import RawReadPlan
+    from spotguard.store import file as filestore
+
+    real_writev, real_preadv = os.writev, os.preadv
+
+    def short_writev(fd: int, bufs: list[memoryview]) -> int:
+        return real_writev(fd, [memoryview(bufs[0])[: max(1, len(bufs[0]) // 3)]])
+
+    def short_preadv(fd: int, bufs: list[memoryview], off: int) -> int:
+        first = memoryview(bufs[0])
+        return real_preadv(fd, [first[: max(1, len(first) // 2)]], off)
+
+    codec = ChunkCodec(1)
+    n = 2 * CHUNK + 4099
+    plain = os.urandom(n)
+    store = filestore.FileStore(tmp_path)
+    monkeypatch.setattr(filestore.os, "writev", short_writev)
+    await store.put_parts("raw", raw_frame_parts(plain))
+    monkeypatch.setattr(filestore.os, "writev", real_writev)
+    assert (tmp_path / "raw").read_bytes() == bytes(
+        raw_frame_into(plain, memoryview(bytearray(raw_frame_size(n))))
+    )
+    monkeypatch.setattr(filestore.os, "preadv", short_preadv)
+    out = bytearray(n)
+    plan = RawReadPlan(n, memoryview(out), codec)
+    assert await store.get_parts("raw", plan.parts, plan.after) == plan.total
+    assert plan.layout_ok() and bytes(out) == plain
+    assert plan.hexdigest() == codec.address(plain)
+    plan.release()
+    await store.aclose()

@@ -382,7 +382,7 @@ class ImageReader:
 
     async def _read_raw_in_place(self, ref: ChunkRef, out: OwnedChunk) -> bool:
         """A raw chunk from a store that reads into a list of buffers: its blocks read
-        straight into ``out`` (its headers aside), each megabyte hashed as soon as it is
+        straight into ``out`` (its headers aside), each group of blocks hashed as soon as it is
         read. One copy instead of three (read, copy out of the frame, hash). False when this
         store or chunk cannot (encrypted, or the object is not exactly the writer's raw
         layout): the caller reads it the general way, which decodes any frame."""
