@@ -414,3 +414,73 @@ async def test_a_range_another_process_overlaps_is_kept_only_if_it_shares_nothin
         assert got == ([] if how == "keep" else [(lo, hi), (lo, hi)])
     finally:
         kill_tree(job.pid)
+
+
+GONE_JOB = """
+import mmap, os, random, signal, sys, time
+out, n = sys.argv[1], int(sys.argv[2]) << 20
+signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # a child that ends is reaped at once
+child = os.fork()
+if child == 0:
+    own = mmap.mmap(-1, n, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    own[:] = random.Random(1).randbytes(n)
+    open(os.path.join(out, "child"), "w").write("ready")
+    while True:
+        time.sleep(0.05)
+mine = random.Random(2).randbytes(4 << 20)
+def check(sig, frame):
+    tmp = os.path.join(out, "checked.tmp")
+    open(tmp, "w").write("ok" if mine == random.Random(2).randbytes(4 << 20) else "BAD")
+    os.replace(tmp, os.path.join(out, "checked"))
+signal.signal(signal.SIGUSR1, check)
+i = 0
+while True:
+    print(i, flush=True)
+    i += 1
+    time.sleep(0.05)
+"""
+
+
+class KillBeforeDump:
+    """Faults: just before CRIU starts (the ranges are chosen), ``pid`` is killed and gone."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    async def before(self, step: str) -> None:
+        if step != "criu_dump":
+            return
+        os.kill(self.pid, signal.SIGKILL)
+        await until(lambda: not psutil.pid_exists(self.pid), "the child gone", 30)
+
+
+async def test_a_process_gone_after_its_range_was_chosen_leaves_it_out_of_the_image(
+    patched: str, tmp_path: Path, out: Path
+) -> None:
+    """A process of the job with a range of its own ends between the choice of the ranges and
+    CRIU's seize: the image is the tree as CRIU found it, carrying nothing of the gone
+    process, and the job restores and runs."""
+    script = tmp_path / "gone_job.py"
+    script.write_text(GONE_JOB)
+    job = await start_job(
+        [sys.executable, str(script), str(out), "96"], "cpupages-gone", state_dir=tmp_path / "state"
+    )
+    await until(lambda: (out / "child").exists(), "the child's memory", 60)
+    [child] = [c.pid for c in psutil.Process(_parent(job)).children()]  # a host pid
+    engine = Engine(
+        Criu(patched), settings=_settings(tmp_path, patched), faults=KillBeforeDump(child)
+    )
+    restored = None
+    try:
+        frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+        assert frozen.meta.cpu_pages == []
+        assert step_named(frozen.timeline, "cpu_pages").detail["chosen"] == 1
+        restored = await engine.restore(DirectorySource(tmp_path / "img"))
+        root = restored.pid
+        await until(lambda: len(proctree.tree(root)) >= 2, "the restored job", 30)
+        [parent] = [c.pid for c in psutil.Process(root).children()]
+        os.kill(parent, signal.SIGUSR1)
+        await until(lambda: (out / "checked").exists(), "the check", 60)
+        assert (out / "checked").read_text() == "ok"
+    finally:
+        kill_tree(restored.pid if restored else job.pid)
