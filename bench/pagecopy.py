@@ -72,7 +72,11 @@ def _run(threads: int, chunks: int, work: Callable[[int, memoryview], None]) -> 
                 return
             work(i, view)
 
-    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    return run_threads([threading.Thread(target=worker) for _ in range(threads)])
+
+
+def run_threads(ts: list[threading.Thread]) -> float:
+    """Seconds from starting all of ``ts`` until the last has ended."""
     t0 = time.perf_counter()
     for t in ts:
         t.start()

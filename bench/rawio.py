@@ -21,10 +21,10 @@ import mmap
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.pagecopy import run_threads
 from spotguard.image.codec import ChunkCodec
 from spotguard.image.rawframe import RawReadPlan, raw_frame_parts
 from spotguard.store import file as filestore
@@ -37,16 +37,12 @@ def _timed(threads: int, rounds: int, work: Callable[[int], None]) -> float:
     """Seconds for ``threads`` threads to each run ``work(index)`` ``rounds`` times."""
     for i in range(threads):  # once first: files made, pages faulted, caches warm
         work(i)
-    ts = [
-        threading.Thread(target=lambda i=i: [work(i) for _ in range(rounds)])
-        for i in range(threads)
-    ]
-    t0 = time.perf_counter()
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    return time.perf_counter() - t0
+
+    def repeat(i: int) -> None:
+        for _ in range(rounds):
+            work(i)
+
+    return run_threads([threading.Thread(target=repeat, args=(i,)) for i in range(threads)])
 
 
 def main() -> None:
