@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import contextlib
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import TypedDict
 
 import psutil
 
 from sgtest import until
-from spotguard.checkpoint import proctree
-from spotguard.checkpoint.jobs import JobInfo, exit_status
+from spotguard.checkpoint import mounts, proctree
+from spotguard.checkpoint.jobs import JobInfo, exit_status, own_mount_ns
 from spotguard.timeline import Step, Timeline
 
 Launch = Callable[..., Awaitable[JobInfo]]
@@ -66,3 +67,18 @@ def kill_tree(pid: int | None) -> None:
         for p in [psutil.Process(pid), *psutil.Process(pid).children(recursive=True)]:
             with contextlib.suppress(psutil.Error):
                 p.kill()
+
+
+def mount_args(pid: int) -> MountArgs:
+    """What the engine gives ``Criu.dump`` for the mounts of ``pid``'s tree: a job started by
+    :func:`start_job` has a mount namespace of its own, a copy of the host's, and a dump that
+    does not name the host's mounts as external tars every tmpfs in it — ``/dev/shm``
+    included, which the tests running beside it change ("file changed as we read it")."""
+    if not own_mount_ns(pid):
+        return {"mount_ns": False, "external_mounts": ()}
+    return {"mount_ns": True, "external_mounts": mounts.survey(pid).dump_args()}
+
+
+class MountArgs(TypedDict):
+    mount_ns: bool
+    external_mounts: Sequence[str]

@@ -29,7 +29,7 @@ from pathlib import Path
 from types import ModuleType
 
 import pytest
-from ckpt_helpers import DEMO, progresses, wait_for
+from ckpt_helpers import DEMO, mount_args, progresses, wait_for
 
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu
@@ -108,7 +108,7 @@ async def test_an_owner_killed_while_criu_writes_pages_leaves_the_job_clean(
         assert "Dumping FAILED" in log, "CRIU did not unwind the dump itself"
         again = tmp_path / "again"
         again.mkdir()
-        await Criu(criu_bin).dump(job.pid, again, leave_running=True)
+        await Criu(criu_bin).dump(job.pid, again, leave_running=True, **mount_args(job.pid))
         await progresses(job.dir / "stdout", 30)
     finally:
         _kill_job(job)
@@ -142,7 +142,14 @@ async def _give_up(criu: Criu, job: JobInfo, images: Path, limit: float | None) 
     owner = _owner_prog()
     async with Capture(images, owner._StallPages(images), **owner.SMALL):
         dump = asyncio.ensure_future(
-            criu.dump(job.pid, images, leave_running=False, stream=True, time_limit=limit)
+            criu.dump(
+                job.pid,
+                images,
+                leave_running=False,
+                stream=True,
+                time_limit=limit,
+                **mount_args(job.pid),
+            )
         )
         if limit is None:
             await wait_for(lambda: (images / "stalled").exists(), "the dump to stall", 60)

@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
-from ckpt_helpers import wait_for
+from ckpt_helpers import mount_args, wait_for
 from pageworkers import DRAIN_END, DRAIN_START, kill, patched_criu, spans
 
 from spotguard.checkpoint import proctree
@@ -198,7 +198,9 @@ async def test_a_dump_failing_midway_cures_every_drained_task_and_leaves_the_job
             pytest.skip("no userfaultfd here: nothing CRIU refuses to dump")
         (tmp_path / "img").mkdir()
         with pytest.raises(CriuError):
-            await parallel_criu.dump(job.pid, tmp_path / "img", leave_running=False)
+            await parallel_criu.dump(
+                job.pid, tmp_path / "img", leave_running=False, **mount_args(job.pid)
+            )
         text = (tmp_path / "logs" / "criu-dump.log").read_text(errors="replace")
         assert "anon_inode:[userfaultfd]" in text, text[-2000:]
         assert "Can't cure" not in text, text[-2000:]
@@ -284,8 +286,9 @@ async def _kill_a_draining_rank(criu: Criu, script: Path, tmp: Path) -> bool:
         done = threading.Event()
         watcher = asyncio.create_task(asyncio.to_thread(_kill_on_drain, log, {big}, done))
         try:
+            dump = criu.dump(job.pid, tmp / "img", leave_running=True, **mount_args(job.pid))
             with pytest.raises(CriuError):
-                await asyncio.wait_for(criu.dump(job.pid, tmp / "img", leave_running=True), 120)
+                await asyncio.wait_for(dump, 120)
         finally:
             done.set()
             killed = await watcher

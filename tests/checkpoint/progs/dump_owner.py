@@ -19,7 +19,9 @@ import asyncio
 import sys
 from pathlib import Path
 
+from spotguard.checkpoint import mounts
 from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.jobs import own_mount_ns
 from spotguard.stream.capture import Capture, FileOut
 from spotguard.stream.local import DirSink
 
@@ -57,16 +59,24 @@ class _StallPages:
 
 async def main(pid: int, images: Path, where: str, criu_bin: str) -> None:
     criu = Criu(criu_bin, page_workers=0, log_level=4)
+    # the job's mount namespace as the engine names it: its copies of the host's mounts are
+    # external (else CRIU tars every tmpfs in it, /dev/shm included, which other tests change)
+    ns = own_mount_ns(pid)
+    ext = mounts.survey(pid).dump_args() if ns else ()
     if where == "pages":
         async with Capture(images, _StallPages(images), **SMALL):
-            await criu.dump(pid, images, leave_running=False, stream=True)
+            await criu.dump(
+                pid, images, leave_running=False, stream=True, mount_ns=ns, external_mounts=ext
+            )
         return
 
     async def hang() -> None:
         (images / "stalled").touch()
         await asyncio.Event().wait()
 
-    await criu.dump(pid, images, leave_running=False, on_frozen=hang)
+    await criu.dump(
+        pid, images, leave_running=False, on_frozen=hang, mount_ns=ns, external_mounts=ext
+    )
 
 
 if __name__ == "__main__":
