@@ -90,6 +90,8 @@ def test_a_parked_container_makes_no_progress_and_unparks_where_it_stopped(
                 wait_for(lambda: _agent_job(vm1, port)["state"] != "protecting", "the agent", 10)
                 assert _agent_job(vm1, port)["state"] == "parked", f"parked to {to}"
             if to == store:  # reported to the controller as parked, with its image
+                # the agent's reporter logs the event as it sends it, after the park's answer
+                wait_for(lambda: "event=parked" in agent_log.read_text(), "the park report", 10)
                 said = agent_log.read_text()
                 reported = re.findall(r"event=parked job=(\S+) \S+ image=(\S+)", said)
                 assert reported == [("podman-nb", parked["image_url"])], said[-3000:]
