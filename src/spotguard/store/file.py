@@ -35,7 +35,7 @@ _IOV_MAX = os.sysconf("SC_IOV_MAX") if hasattr(os, "sysconf") else 1024
 #: parts per ``preadv`` of :meth:`FileStore.get_parts` (at most ``IOV_MAX``), each group
 #: handed to the caller's ``after`` (which hashes it) once read: a raw chunk's headers and
 #: 64 blocks, 8 MiB. Every group costs Python under the one GIL, and a restore reads with one
-#: thread per core: on a 16-core GPU host 16 threads read raw chunks at 10.3 GB/s in groups
+#: thread per core: on a 16-core GPU host 16 threads read raw chunks at 15.6 GB/s in groups
 #: of 16 (1 MiB), 20.2 GB/s in groups of 128, 19.8 in groups of 1024; 8 threads did best
 #: with 128 too (docs/benchmarks.md, "Raw chunks through the file store")
 _PARTS_GROUP = min(128, _IOV_MAX)
@@ -109,7 +109,7 @@ def _write_all(fd: int, parts: Sequence[Data]) -> None:
 def _in_bytes(p: Data) -> bool:
     """Whether ``len(p)`` counts bytes (so ``writev``'s count can be matched against it)."""
     return type(p) in (bytes, bytearray) or (
-        type(p) is memoryview and p.format == "B" and p.contiguous
+        type(p) is memoryview and p.format == "B" and p.ndim == 1 and p.contiguous
     )
 
 
