@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
+import psutil
 import pytest
 from ckpt_helpers import DEMO, mount_args, progresses, wait_for
 
@@ -223,10 +224,12 @@ def _marker_of_a_killed_agent(job: JobInfo) -> None:
     )  # fmt: skip
 
 
-def _hold(job: JobInfo, seconds: float, tmp_path: Path) -> subprocess.Popen[bytes]:
+def _hold(
+    job: JobInfo, seconds: float, tmp_path: Path, script: str = _HOLDER
+) -> subprocess.Popen[bytes]:
     ready = tmp_path / "held"
     argv = ["/usr/sbin/criu", "dump", "-t", str(job.pid), str(seconds), str(ready)]
-    holder = subprocess.Popen([sys.executable, "-c", _HOLDER, *argv])
+    holder = subprocess.Popen([sys.executable, "-c", script, *argv])
     deadline = time.monotonic() + 30
     while not ready.exists():
         assert holder.poll() is None, "the holder could not trace the job"
@@ -254,6 +257,47 @@ async def test_recovery_waits_for_a_criu_still_holding_the_job(
         # it let go by itself, or recovery killed it once it held the job past criu_timeout
         assert holder.wait(10) == (0 if hold < 4 else -signal.SIGKILL)
         assert not (job.dir / MARKER).exists()
+        await progresses(out, 10)
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait()
+
+
+# A holder that, its hold over, reads as a process in the last instants of its exit: no
+# command line (an exiting process's memory goes before its tracees are let go), still
+# tracing the job for a while. A loaded machine showed that window as a flake of the test
+# above; here its own argument bytes are zeroed to hold it open for a second and a half.
+_BLANKING_HOLDER = _HOLDER.replace(
+    "time.sleep(hold)  # then exits: the kernel lets the job go",
+    """time.sleep(hold)
+stat = open("/proc/self/stat").read().rsplit(")", 1)[1].split()
+arg_start, arg_end = int(stat[45]), int(stat[46])  # fields 48 and 49
+ctypes.memset(arg_start, 0, arg_end - arg_start)
+open(ready + ".blank", "w").close()
+time.sleep(1.5)  # then exits: the kernel lets the job go""",
+)
+
+
+async def test_recovery_waits_for_a_criu_whose_command_line_is_gone(
+    stopped_job: tuple[JobInfo, Path], criu_bin: str, tmp_path: Path
+) -> None:
+    """A CRIU in the last instants of its exit has no command line left yet still traces the
+    job: recovery must not take it for a stranger and bring the job back under it."""
+    job, out = stopped_job
+    _marker_of_a_killed_agent(job)
+    holder = _hold(job, 0, tmp_path, _BLANKING_HOLDER)
+    try:
+        await wait_for(lambda: (tmp_path / "held.blank").exists(), "the holder's blank", 30)
+        assert not "".join(psutil.Process(holder.pid).cmdline())
+        assert proctree.tracers([job.pid]), "the blanked holder no longer traces the job"
+        settings = CheckpointSettings(
+            state_dir=tmp_path / "state", shm_dir=tmp_path / "shm", criu=criu_bin,
+            criu_timeout=30,
+        )  # fmt: skip
+        assert await Engine(Criu(criu_bin), settings=settings).recover(job)
+        assert not proctree.tracers([job.pid]), "recovery returned while CRIU still held the job"
+        assert holder.wait(10) == 0
         await progresses(out, 10)
     finally:
         if holder.poll() is None:

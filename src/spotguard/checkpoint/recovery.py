@@ -114,22 +114,30 @@ async def _restore(eng: EngineParts, job: JobInfo, rec: MarkerRecord, kept: Path
 
 def _dumping_criu(pid: int) -> bool:
     """Whether ``pid`` is a ``criu dump`` (any binary named ``criu``: the wrapper runs it
-    through the prefix's loader, so its name is in its arguments, not in ``comm``)."""
+    through the prefix's loader, so its name is in its arguments, not in ``comm``) — or a
+    process whose command line has gone: one in the last instants of its exit (its memory
+    goes before the kernel lets its tracees go), which a CRIU finishing its unwind is. Either
+    holds the tree until it stops tracing it; a zombie has already let go."""
     try:
         argv = psutil.Process(pid).cmdline()
     except psutil.Error:
         return False
+    if not "".join(argv):
+        return True
     return "dump" in argv and any(Path(a).name == "criu" for a in argv)
 
 
 async def criu_let_go(job: JobInfo, tree: list[int], limit: float) -> None:
     """Wait until no ``criu dump`` traces a process of ``tree`` (one left by a killed agent,
     or one the engine left to unwind a cancelled dump); past ``limit`` seconds, kill the ones
-    that still do and wait for them to exit (the kernel then lets the tree go)."""
+    that still do and wait for them to exit (the kernel then lets the tree go). A tracer once
+    seen as a CRIU stays one while it traces the tree, whatever its command line reads then."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
     waited = False
-    while holders := [p for p in proctree.tracers(tree) if _dumping_criu(p)]:
+    seen: set[int] = set()
+    while holders := [p for p in proctree.tracers(tree) if p in seen or _dumping_criu(p)]:
+        seen.update(holders)
         if not waited:
             log.info(
                 "waiting for a criu dump to let the job go",
