@@ -13,6 +13,7 @@ from spotguard.contracts import chunk_key, manifest_key
 from spotguard.errors import ImageCorrupt
 from spotguard.image import ImageSettings, generate_key, memops, pull_image, push_dir, verify_image
 from spotguard.image.codec import ChunkCodec
+from spotguard.image.manifest import ChunkRef
 from spotguard.image.rawframe import (
     raw_frame_into,
     raw_frame_parts,
@@ -335,3 +336,87 @@ async def test_short_reads_and_writes_of_a_raw_chunk_resume_where_they_stopped(
     assert plan.hexdigest() == codec.address(plain)
     plan.release()
     await store.aclose()
+
+
+async def _image_of_each_kind(
+    tmp_path: Path, job: str
+) -> tuple[str, ImageSettings, bytes, list[ChunkRef]]:
+    """An image of one file whose chunks are raw, zero, compressed and raw (short)."""
+    src = tmp_path / "src"
+    src.mkdir()
+    data = os.urandom(CHUNK) + bytes(CHUNK) + bf16_like(CHUNK) + os.urandom(600_000)
+    (src / "pages-1.img").write_bytes(data)
+    s = ImageSettings(chunk_size=CHUNK, workers=2)
+    res = await push_dir(src, (tmp_path / "store").as_uri(), job, settings=s)
+    chunks = res.manifest.file("pages-1.img").chunks
+    assert [c.raw for c in chunks] == [True, False, False, True]
+    return res.image_url, s, data, list(chunks)
+
+
+async def test_then_gets_every_chunks_verified_bytes_in_the_thread_that_read_them(
+    tmp_path: Path,
+) -> None:
+    """``read_chunk_owned(then=…)`` hands each chunk's verified bytes to ``then`` in a worker
+    thread — the store's own for a raw chunk (read, hashed and used without a hop through
+    the loop), the decoder's for a compressed one — into reused buffers too."""
+    import threading
+
+    from spotguard.image import ImageReader
+    from spotguard.image.buffers import BufferPool
+
+    url, s, data, chunks = await _image_of_each_kind(tmp_path, "then")
+    loop_thread = threading.current_thread().name
+    seen: dict[int, tuple[bytes, str]] = {}
+
+    def then(i: int, view: memoryview) -> None:
+        seen[i] = (bytes(view), threading.current_thread().name)
+
+    pool = BufferPool(CHUNK, 2)
+    async with ImageReader(url, settings=s) as r:
+        for fresh in (True, False):  # a fresh map, then a reused (dirty) buffer
+            seen.clear()
+            for i, ref in enumerate(chunks):
+                chunk = await r.read_chunk_owned(
+                    ref, i, None if fresh else pool, then=lambda v, i=i: then(i, v)
+                )
+                chunk.close()
+            assert b"".join(seen[i][0] for i in range(len(chunks))) == data
+            names = [seen[i][1] for i in range(len(chunks))]
+            assert loop_thread not in names
+            assert names[0].startswith("store-io") and names[3].startswith("store-io")
+            assert names[2].startswith("image-cpu")
+    pool.close()
+
+
+async def test_then_never_sees_a_tampered_chunk_and_its_own_errors_are_its_own(
+    tmp_path: Path,
+) -> None:
+    """A raw chunk that fails its hash is never handed to ``then`` (ImageCorrupt after the
+    refetch); an error ``then`` raises (a process gone) comes out as it is — not as a
+    store error, and not retried."""
+    from spotguard.errors import StoreError
+    from spotguard.image import ImageReader
+
+    url, s, _data, chunks = await _image_of_each_kind(tmp_path, "tamper")
+    calls: list[int] = []
+
+    def gone(view: memoryview) -> None:
+        calls.append(len(view))
+        raise OSError(3, "process_vm_writev of pid 1: No such process")
+
+    async with ImageReader(url, settings=s) as r:
+        for ref in (chunks[0], chunks[2]):  # raw, compressed
+            calls.clear()
+            with pytest.raises(OSError, match="No such process") as err:
+                await r.read_chunk_owned(ref, then=gone)
+            assert not isinstance(err.value, StoreError)
+            assert calls == [ref.size]
+    path = tmp_path / "store" / chunk_key("tamper", chunks[0].digest)
+    blob = bytearray(path.read_bytes())
+    blob[len(blob) // 2] ^= 1
+    path.write_bytes(bytes(blob))
+    async with ImageReader(url, settings=s) as r:
+        calls.clear()
+        with pytest.raises(ImageCorrupt, match="hash check"):
+            await r.read_chunk_owned(chunks[0], then=lambda v: calls.append(len(v)))
+        assert calls == []

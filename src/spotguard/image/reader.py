@@ -14,7 +14,6 @@ stops with :class:`~spotguard.errors.ImageCorrupt` naming the chunk and the file
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import time
 from collections import deque
@@ -25,10 +24,11 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from spotguard.errors import ImageCorrupt, ImageError, ImageNotFound, ObjectNotFound
-from spotguard.image import memops
+from spotguard.image import inplace
 from spotguard.image.buffers import BufferPool, Lease, OwnedChunk, PrioritySlots
 from spotguard.image.codec import ChunkCodec, Cipher, check_cipher
 from spotguard.image.history import refuse_rollback, resolve
+from spotguard.image.inplace import Then
 from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import (
     ChunkRef,
@@ -37,7 +37,6 @@ from spotguard.image.manifest import (
     fetch_manifest,
     max_stored_chunk,
 )
-from spotguard.image.rawframe import RawReadPlan
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.image.writer import store_for
@@ -324,7 +323,11 @@ class ImageReader:
         return self._stored
 
     async def _fetch_decode_owned(
-        self, ref: ChunkRef, priority: int = 0, buffers: BufferPool | None = None
+        self,
+        ref: ChunkRef,
+        priority: int = 0,
+        buffers: BufferPool | None = None,
+        then: Then | None = None,
     ) -> OwnedChunk:
         if buffers is None:
             out = OwnedChunk(ref.size)
@@ -332,8 +335,12 @@ class ImageReader:
             out = OwnedChunk.leased(buffers, await buffers.acquire(), ref.size)
         if ref.digest == self.codec.zero_address(ref.size):
             # All zero (the authenticated address says so): a fresh map already is.
-            if not out.fresh:
-                await asyncio.to_thread(_zero, out)
+            if not out.fresh or then is not None:
+                try:
+                    await asyncio.to_thread(inplace.zero, out, then)
+                except BaseException:
+                    out.abandon()
+                    raise
             return out
         if self._slots is None:
             self._slots = PrioritySlots(max(2, self.workers))
@@ -341,15 +348,15 @@ class ImageReader:
         await self._slots.acquire(priority)
         self.stats.add_step("queue", t0)
         try:
-            return await self._read_owned(ref, out)
+            return await self._read_owned(ref, out, then)
         except BaseException:
             out.abandon()
             raise
         finally:
             self._slots.release()
 
-    async def _read_owned(self, ref: ChunkRef, out: OwnedChunk) -> OwnedChunk:
-        if ref.raw and await self._read_raw_in_place(ref, out):
+    async def _read_owned(self, ref: ChunkRef, out: OwnedChunk, then: Then | None) -> OwnedChunk:
+        if ref.raw and await self._read_raw_in_place(ref, out, then):
             return out
         pool = self._stored_buffers()
         t0 = time.perf_counter()
@@ -364,10 +371,12 @@ class ImageReader:
                 stored = memoryview(await self._get_stored(ref))
             self.stats.add_step("fetch", t0)
             t0 = time.perf_counter()
-            await asyncio.get_running_loop().run_in_executor(
-                self._pool, _decode_owned, self.codec, stored, ref, out
+            then_s = await asyncio.get_running_loop().run_in_executor(
+                self._pool, inplace.decode, self.codec, stored, ref, out, then
             )
-            self.stats.add_step("decode", t0)
+            self.stats.add_seconds("decode", time.perf_counter() - t0 - then_s)
+            if then is not None:
+                self.stats.add_seconds("put", then_s)
             self.stats.stored_bytes += len(stored)
             stored.release()
         except BaseException as exc:
@@ -380,55 +389,58 @@ class ImageReader:
                 lease.discard()
         return out
 
-    async def _read_raw_in_place(self, ref: ChunkRef, out: OwnedChunk) -> bool:
+    async def _read_raw_in_place(self, ref: ChunkRef, out: OwnedChunk, then: Then | None) -> bool:
         """A raw chunk from a store that reads into a list of buffers: its blocks read
-        straight into ``out`` (its headers aside), each group of blocks hashed as soon as it is
-        read. One copy instead of three (read, copy out of the frame, hash). False when this
-        store or chunk cannot (encrypted, or the object is not exactly the writer's raw
-        layout): the caller reads it the general way, which decodes any frame."""
+        straight into ``out`` (its headers aside), hashed as they land, and ``then`` applied
+        to the verified bytes in the same thread (:mod:`.inplace`). One copy instead of three
+        (read, copy out of the frame, hash). False when this store or chunk cannot (encrypted,
+        or the object is not exactly the writer's raw layout): the caller reads it the general
+        way, which decodes any frame."""
         store = self.store
         if self.codec.cipher is not None or not (
             isinstance(store, BlockingStore) and store.reads_parts
         ):
             return False
         t0 = time.perf_counter()
+        key = chunk_key(self.ref.job, ref.digest)
         with memoryview(out.map) as whole:
-            plan = RawReadPlan(ref.size, whole, self.codec)
             try:
-                key = chunk_key(self.ref.job, ref.digest)
-                got = await store.get_parts(key, plan.parts, plan.after)
+                res = await inplace.read_raw(store, key, ref, whole, self.codec, then)
             except ObjectNotFound as exc:
-                plan.release()
                 raise ImageCorrupt(
                     f"chunk {ref.digest} is missing from the store", chunk=ref.digest
                 ) from exc
-            except BaseException:
-                plan.release()
-                raise
-            ok = got == plan.total and plan.layout_ok()
-            digest = plan.hexdigest() if ok else ""
-            plan.release()
-        self.stats.add_step("read_raw", t0)
-        if not ok:
-            return False
-        if not hmac.compare_digest(digest, ref.digest):
-            raise ImageCorrupt(f"chunk {ref.digest} fails its hash check", chunk=ref.digest)
-        self.stats.stored_bytes += got
-        return True
+        self.stats.add_seconds("read_raw", time.perf_counter() - t0 - res.then_s)
+        if then is not None:
+            self.stats.add_seconds("put", res.then_s)
+        if res.raw:
+            self.stats.stored_bytes += res.stored
+        return res.raw
 
     async def _get_into_capped(self, ref: ChunkRef, buf: memoryview) -> memoryview:
         """The stored bytes of a chunk read into ``buf``, with the cap of :meth:`_get_stored`."""
         return await self._capped(ref, lambda key, limit: get_into(self.store, key, buf[:limit]))
 
     async def read_chunk_owned(
-        self, ref: ChunkRef, priority: int = 0, buffers: BufferPool | None = None
+        self,
+        ref: ChunkRef,
+        priority: int = 0,
+        buffers: BufferPool | None = None,
+        *,
+        then: Then | None = None,
     ) -> OwnedChunk:
         """Like :meth:`read_chunk`, into an :class:`OwnedChunk` the caller must close.
         ``priority``: lower goes first when reads queue (the chunk's index in its file).
         ``buffers``: read into a reused buffer of this pool (:meth:`OwnedChunk.leased`: for a
         caller that copies the bytes out before closing, never one that hands them on by
-        reference); its buffers must hold the image's chunk size."""
-        return await self._checked(ref, lambda: self._fetch_decode_owned(ref, priority, buffers))
+        reference); its buffers must hold the image's chunk size. ``then``: called with the
+        verified bytes (a view of exactly the chunk's size) before this returns, in the
+        worker thread that read or decoded them (:mod:`.inplace`: no hop back through the
+        event loop); its errors are raised as they are, and after a failed check it is
+        called only for the bytes that pass the refetch."""
+        return await self._checked(
+            ref, lambda: self._fetch_decode_owned(ref, priority, buffers, then)
+        )
 
     def iter_file_owned(self, name: str) -> AsyncIterator[OwnedChunk]:
         """Like :meth:`iter_file`, each chunk in its own :class:`OwnedChunk` that the consumer
@@ -458,16 +470,6 @@ class ImageReader:
 
         await asyncio.gather(*(one(r) for r in refs))
         return report
-
-
-def _zero(out: OwnedChunk) -> None:
-    """Zero a reused buffer's first ``out.size`` bytes."""
-    with memoryview(out.map) as view:
-        memops.zero(view[: out.size])
-
-
-def _decode_owned(codec: ChunkCodec, stored: memoryview, ref: ChunkRef, out: OwnedChunk) -> None:
-    codec.decode_into(stored, ref.digest, ref.size, out.map).release()
 
 
 def chunk_plan(manifest: Manifest) -> dict[str, list[tuple[str, int, ChunkRef]]]:

@@ -55,7 +55,11 @@ class TransferStats:
 
     def add_step(self, step: str, since: float) -> None:
         """Count the seconds from ``since`` (``time.perf_counter()``) into ``step``."""
-        self.step_seconds[step] = self.step_seconds.get(step, 0.0) + time.perf_counter() - since
+        self.add_seconds(step, time.perf_counter() - since)
+
+    def add_seconds(self, step: str, seconds: float) -> None:
+        """Count ``seconds`` into ``step``."""
+        self.step_seconds[step] = self.step_seconds.get(step, 0.0) + seconds
 
     def to_json(self) -> dict[str, Any]:
         return {

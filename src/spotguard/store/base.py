@@ -50,6 +50,9 @@ Data = bytes | bytearray | memoryview
 PartsRead = Callable[[int, int], None]
 """Told ``(i, j)`` by :meth:`BlockingStore.get_parts` once ``parts[i:j]`` are filled."""
 
+PartsDone = Callable[[int], None]
+"""Told the object's size by :meth:`BlockingStore.get_parts` once its read is over."""
+
 
 @dataclass(frozen=True)
 class ObjectInfo:
@@ -206,14 +209,31 @@ class BlockingStore(ABC):
         :class:`ObjectNotFound` when absent."""
         return await self._call("get", key, lambda: self._get_into(key, buf))
 
-    async def get_parts(self, key: str, parts: Sequence[memoryview], after: PartsRead) -> int:
+    async def get_parts(
+        self,
+        key: str,
+        parts: Sequence[memoryview],
+        after: PartsRead,
+        done: PartsDone | None = None,
+    ) -> int:
         """Read an object of exactly ``sum(len(p) for p in parts)`` bytes into ``parts`` in
         order, calling ``after(i, j)`` (in the store's thread) as soon as ``parts[i:j]`` are
-        filled — a caller hashes what was just read while it is in cache. Returns the object's
+        filled — a caller hashes what was just read while it is in cache — and ``done(size)``
+        in that same thread once the read is over: a caller checks the bytes and uses them
+        there, with no hop through the event loop to another thread (a restore's write-back:
+        :meth:`~spotguard.image.reader.ImageReader.read_chunk_owned`). ``done`` must not
+        raise (its errors would read as the store's, and be retried). Returns the object's
         size: any other size than the parts' total means they were not (all) filled.
         Stores with ``reads_parts`` read straight into the parts; the others read the object
         whole first. :class:`ObjectNotFound` when absent."""
-        return await self._call("get", key, lambda: self._get_parts(key, parts, after))
+
+        def read() -> int:
+            size = self._get_parts(key, parts, after)
+            if done is not None:
+                done(size)
+            return size
+
+        return await self._call("get", key, read)
 
     def _get_parts(self, key: str, parts: Sequence[memoryview], after: PartsRead) -> int:
         """The general way (a store without ``reads_parts``): the whole object, then copied

@@ -17,6 +17,7 @@ fetched nor written: the restored mapping already reads zero.
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 from typing import TYPE_CHECKING
 
@@ -49,9 +50,10 @@ async def write_pages(
     in_flight: int | None = None,
 ) -> None:
     """Hand every non-zero chunk of file ``name`` (exactly ``size`` bytes) to ``put(offset,
-    view)`` in a worker thread, each verified against its authenticated address first, and
-    the all-zero ones (by their authenticated address) to ``zeros(offset, length)`` where
-    given; ``in_flight`` chunks at once (default :data:`PUTS_PER_PART`), started in order."""
+    view)`` in the worker thread that read it, each verified against its authenticated
+    address first, and the all-zero ones (by their authenticated address) to ``zeros(offset,
+    length)`` where given; ``in_flight`` chunks at once (default :data:`PUTS_PER_PART`),
+    started in order."""
     refs = reader.manifest.file(name).chunks
     if sum(r.size for r in refs) != size:
         raise ImageError(f"{reader.url}: {name} does not hold the {size} bytes it should")
@@ -60,13 +62,11 @@ async def write_pages(
 
     async def one(index: int, off: int) -> None:
         try:
-            ref = refs[index]
-            chunk = await reader.read_chunk_owned(ref, index, buffers)
-            try:
-                with memoryview(chunk.map) as view:
-                    await asyncio.to_thread(put, off, view[: chunk.size])
-            finally:
-                chunk.close()
+            # put in the thread that read and verified the chunk (see ImageReader's ``then``)
+            chunk = await reader.read_chunk_owned(
+                refs[index], index, buffers, then=functools.partial(put, off)
+            )
+            chunk.close()
         finally:
             gate.release()
 
