@@ -178,6 +178,25 @@ def test_memops_copy_and_zero_test_without_the_gil() -> None:
     dst.close()  # no export left behind
 
 
+def test_the_zero_test_sees_a_byte_in_any_of_its_strides() -> None:
+    """A short first compare, long ones after: a set byte anywhere — either side of every
+    stride's edge, the last byte — makes a buffer not zero."""
+    import mmap
+
+    n = 2 * memops.ZERO_STRIDE + memops.ZERO_STEP + 3
+    buf = mmap.mmap(-1, n)
+    edges = [memops.ZERO_STEP + k * memops.ZERO_STRIDE for k in range(3)]
+    with memoryview(buf) as v:
+        assert memops.is_zero(v) and memops.is_zero(v[5:])
+        for at in (0, n - 1, *(e + d for e in edges for d in (-1, 0, 1) if e + d < n)):
+            v[at] = 1
+            assert not memops.is_zero(v), at
+            assert at == n - 1 or memops.is_zero(v[at + 1 :])
+            assert at == 0 or memops.is_zero(v[:at])
+            v[at] = 0
+    buf.close()
+
+
 async def test_owned_reads_use_the_raw_reader_and_skip_zero_chunks(tmp_path: Path) -> None:
     from spotguard.image import ImageReader
 
@@ -420,3 +439,34 @@ async def test_then_never_sees_a_tampered_chunk_and_its_own_errors_are_its_own(
         with pytest.raises(ImageCorrupt, match="hash check"):
             await r.read_chunk_owned(chunks[0], then=lambda v: calls.append(len(v)))
         assert calls == []
+
+
+async def test_put_parts_made_in_the_stores_thread_and_a_read_run_there(tmp_path: Path) -> None:
+    """``put_parts`` takes a call that makes the buffers in the store's thread (a raw
+    chunk's ~1,000 views are not made in the event loop); ``run_get`` runs a read through
+    ``read_parts`` there, with the store's error mapping (a missing object: ObjectNotFound)."""
+    import threading
+
+    from spotguard.errors import ObjectNotFound
+    from spotguard.store.file import FileStore
+
+    store = FileStore((tmp_path / "s").as_uri())
+    made_in: list[str] = []
+
+    def parts() -> list[bytes]:
+        made_in.append(threading.current_thread().name)
+        return [b"ab", b"", b"cde"]
+
+    await store.put_parts("k", parts)
+    assert await store.get("k") == b"abcde"
+    assert made_in and made_in[0].startswith("store-io")
+    buf = bytearray(5)
+
+    def read() -> tuple[int, str]:
+        got = store.read_parts("k", [memoryview(buf)[:2], memoryview(buf)[2:]], lambda i, j: None)
+        return got, threading.current_thread().name
+
+    got, where = await store.run_get("k", read)
+    assert (got, bytes(buf)) == (5, b"abcde") and where.startswith("store-io")
+    with pytest.raises(ObjectNotFound):
+        await store.run_get("gone", lambda: store.read_parts("gone", [memoryview(buf)], print))

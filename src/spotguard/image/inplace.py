@@ -56,33 +56,33 @@ async def read_raw(
     then: Then | None = None,
 ) -> RawRead:
     """Read the raw chunk ``ref`` at ``key`` into ``out`` (at least ``ref.size`` bytes),
-    check its layout and hash and, when both hold, call ``then`` with the verified bytes, all
-    in the store's thread. :class:`ImageCorrupt` when the hash does not match; a result with
-    ``raw`` False when the object is not the writer's raw layout (the caller decodes it);
-    ``then``'s error raised as it is."""
-    plan = RawReadPlan(ref.size, out, codec)
-    res = RawRead()
+    check its layout and hash and, when both hold, call ``then`` with the verified bytes —
+    the plan of the read made, the read, the checks and ``then`` all in the store's thread
+    (the plan's ~1,000 views, made in the event loop, held it). :class:`ImageCorrupt` when
+    the hash does not match; a result with ``raw`` False when the object is not the writer's
+    raw layout (the caller decodes it); ``then``'s error raised as it is."""
 
-    def done(size: int) -> None:  # in the store's thread; never raises (see get_parts)
-        res.stored = size
-        res.raw = size == plan.total and plan.layout_ok()
-        if not res.raw:
-            return
-        res.matched = hmac.compare_digest(plan.hexdigest(), ref.digest)
-        if not res.matched or then is None:
-            return
-        t0 = time.perf_counter()
+    def work() -> RawRead:  # in the store's thread; raises only the store's own errors
+        res = RawRead()
+        plan = RawReadPlan(ref.size, out, codec)
         try:
-            with out[: ref.size] as view:
-                then(view)
-        except BaseException as exc:  # noqa: BLE001 - carried out of the thread, raised below
-            res.error = exc
-        res.then_s = time.perf_counter() - t0
+            res.stored = store.read_parts(key, plan.parts, plan.after)
+            res.raw = res.stored == plan.total and plan.layout_ok()
+            if res.raw:
+                res.matched = hmac.compare_digest(plan.hexdigest(), ref.digest)
+        finally:
+            plan.release()
+        if res.matched and then is not None:
+            t0 = time.perf_counter()
+            try:
+                with out[: ref.size] as view:
+                    then(view)
+            except BaseException as exc:  # noqa: BLE001 - carried out of the thread, raised below
+                res.error = exc
+            res.then_s = time.perf_counter() - t0
+        return res
 
-    try:
-        await store.get_parts(key, plan.parts, plan.after, done)
-    finally:
-        plan.release()
+    res = await store.run_get(key, work)
     if res.error is not None:
         raise res.error
     if res.raw and not res.matched:

@@ -50,8 +50,9 @@ Data = bytes | bytearray | memoryview
 PartsRead = Callable[[int, int], None]
 """Told ``(i, j)`` by :meth:`BlockingStore.get_parts` once ``parts[i:j]`` are filled."""
 
-PartsDone = Callable[[int], None]
-"""Told the object's size by :meth:`BlockingStore.get_parts` once its read is over."""
+Parts = Sequence[Data] | Callable[[], Sequence[Data]]
+"""What :meth:`BlockingStore.put_parts` writes: the buffers, or a call that makes them in the
+store's thread (a raw chunk's ~1,000 views: made in the event loop they held it and the GIL)."""
 
 
 @dataclass(frozen=True)
@@ -187,10 +188,15 @@ class BlockingStore(ABC):
         """Write ``data`` at ``key`` atomically (``if_absent``: only if nothing is there)."""
         await self._call("put", key, lambda: self._put(key, data, if_absent))
 
-    async def put_parts(self, key: str, parts: Sequence[Data], *, if_absent: bool = False) -> None:
-        """Like :meth:`put` of the concatenation of ``parts``. Stores that can write a list of
-        buffers at once say so with ``writes_parts``; the others join them here (a copy)."""
-        await self._call("put", key, lambda: self._put_parts(key, parts, if_absent))
+    async def put_parts(self, key: str, parts: Parts, *, if_absent: bool = False) -> None:
+        """Like :meth:`put` of the concatenation of ``parts`` (or of what ``parts()`` returns,
+        called in the store's thread). Stores that can write a list of buffers at once say so
+        with ``writes_parts``; the others join them here (a copy)."""
+
+        def put() -> None:
+            self._put_parts(key, parts() if callable(parts) else parts, if_absent)
+
+        await self._call("put", key, put)
 
     async def get(self, key: str) -> bytes:
         """The object's bytes; :class:`ObjectNotFound` when absent."""
@@ -209,31 +215,26 @@ class BlockingStore(ABC):
         :class:`ObjectNotFound` when absent."""
         return await self._call("get", key, lambda: self._get_into(key, buf))
 
-    async def get_parts(
-        self,
-        key: str,
-        parts: Sequence[memoryview],
-        after: PartsRead,
-        done: PartsDone | None = None,
-    ) -> int:
+    async def get_parts(self, key: str, parts: Sequence[memoryview], after: PartsRead) -> int:
         """Read an object of exactly ``sum(len(p) for p in parts)`` bytes into ``parts`` in
         order, calling ``after(i, j)`` (in the store's thread) as soon as ``parts[i:j]`` are
-        filled — a caller hashes what was just read while it is in cache — and ``done(size)``
-        in that same thread once the read is over: a caller checks the bytes and uses them
-        there, with no hop through the event loop to another thread (a restore's write-back:
-        :meth:`~spotguard.image.reader.ImageReader.read_chunk_owned`). ``done`` must not
-        raise (its errors would read as the store's, and be retried). Returns the object's
+        filled — a caller hashes what was just read while it is in cache. Returns the object's
         size: any other size than the parts' total means they were not (all) filled.
         Stores with ``reads_parts`` read straight into the parts; the others read the object
         whole first. :class:`ObjectNotFound` when absent."""
+        return await self._call("get", key, lambda: self._get_parts(key, parts, after))
 
-        def read() -> int:
-            size = self._get_parts(key, parts, after)
-            if done is not None:
-                done(size)
-            return size
+    async def run_get(self, key: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` — a read of ``key`` through :meth:`read_parts` and what the caller does
+        with the bytes right after — in the store's thread, with the store's error mapping
+        and retries (``fn`` runs again after a transient failure, so it must start over
+        cleanly): a restore reads, checks and writes back each chunk in the one thread
+        (:mod:`spotguard.image.inplace`), with no hop through the event loop between."""
+        return await self._call("get", key, fn)
 
-        return await self._call("get", key, read)
+    def read_parts(self, key: str, parts: Sequence[memoryview], after: PartsRead) -> int:
+        """:meth:`get_parts`, blocking: for a ``fn`` given to :meth:`run_get`."""
+        return self._get_parts(key, parts, after)
 
     def _get_parts(self, key: str, parts: Sequence[memoryview], after: PartsRead) -> int:
         """The general way (a store without ``reads_parts``): the whole object, then copied
