@@ -49,6 +49,10 @@ def test_sample_decides_per_chunk() -> None:
     half = os.urandom(CHUNK // 2) + bytes(CHUNK // 2)  # half zero pages: worth compressing
     assert not codec.incompressible(half)
     assert not ChunkCodec(1, raw_saving=0.0).incompressible(os.urandom(CHUNK))
+    # the writer's one call: the address and the sample's verdict together
+    for data in (os.urandom(CHUNK), bytes(CHUNK), bf16_like(CHUNK), half):
+        addr, raw = codec.address_and_raw(bytearray(data))
+        assert (addr, raw) == (codec.address(data), codec.incompressible(data))
 
 
 async def test_incompressible_chunks_stored_raw_and_read_back(tmp_path: Path) -> None:

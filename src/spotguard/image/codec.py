@@ -305,6 +305,17 @@ class ChunkCodec:
         )
         return 1 - packed / (SAMPLES * SAMPLE_BYTES) < threshold
 
+    def address_and_raw(
+        self, plain: bytes | memoryview, raw_saving: float | None = None
+    ) -> tuple[str, bool]:
+        """:meth:`address_of` and :meth:`incompressible` in one call: one trip to a worker
+        thread per chunk instead of two (each waits for the event loop between). A chunk of
+        zeros is never raw."""
+        addr = self.address_of(plain)
+        if addr == self.zero_address(len(plain)):
+            return addr, False
+        return addr, self.incompressible(plain, raw_saving)
+
     def pack(
         self,
         plain: bytes | memoryview,

@@ -53,6 +53,20 @@ class TransferStats:
         s = self.seconds
         return self.stored_bytes / s if s > 0 else 0.0
 
+    def count_chunk(
+        self, size: int, stored: int, *, skipped: int | None = None, raw: bool = False
+    ) -> None:
+        """One chunk of ``size`` plaintext bytes written as ``stored`` bytes (a raw frame
+        where ``raw``), or found stored already as ``skipped`` bytes."""
+        self.bytes += size
+        self.chunks += 1
+        self.chunks_raw += raw
+        self.stored_bytes += stored
+        if skipped is not None:
+            self.bytes_skipped += size
+            self.stored_bytes_skipped += skipped
+            self.chunks_skipped += 1
+
     def add_step(self, step: str, since: float) -> None:
         """Count the seconds from ``since`` (``time.perf_counter()``) into ``step``."""
         self.add_seconds(step, time.perf_counter() - since)

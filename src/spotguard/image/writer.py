@@ -336,7 +336,11 @@ class ImageWriter:
             await gate.wait()
             self.stats.add_step("deferred", t0)
         t0 = time.perf_counter()
-        addr: str = await self._cpu(self.codec.address_of, plain)
+        raw: bool | None = None  # decided with the hash where the store writes parts
+        if self._writes_parts() and size >= SMALL_CHUNK:
+            addr, raw = await self._cpu(self.codec.address_and_raw, plain, raw_saving)
+        else:
+            addr = await self._cpu(self.codec.address_of, plain)
         self.stats.add_step("hash", t0)
         earlier = self._by_addr.get(addr)
         if earlier is not None:  # the same chunk twice in this image (zero pages, ...)
@@ -368,9 +372,13 @@ class ImageWriter:
             await self.store.put(key, blob)
             stored = len(blob)
         else:
-            stored, raw = await self._encode_put(key, plain, addr, lease, raw_saving)
+            stored, raw = await self._encode_put(key, plain, addr, lease, raw_saving, raw)
         self._count(size, stored, raw=raw)
         return ChunkRef(digest=addr, size=size, stored_size=stored, raw=raw)
+
+    def _writes_parts(self) -> bool:
+        """A raw chunk can go to the store from its plaintext (no cipher; ``writev``)."""
+        return self.codec.cipher is None and getattr(self.store, "writes_parts", False)
 
     async def _intact(self, key: str, addr: str, size: int) -> bool:
         """Whether the stored chunk at ``key`` decodes to ``size`` bytes with address
@@ -403,15 +411,17 @@ class ImageWriter:
         addr: str,
         lease: ChunkOwner | None,
         raw_saving: float | None = None,
+        raw: bool | None = None,
     ) -> tuple[int, bool]:
         """Compress (or frame raw) into a pooled buffer, free the plaintext, upload straight
-        from the buffer. Returns the stored size and whether the frame is raw."""
+        from the buffer. Returns the stored size and whether the frame is raw (``raw``: as
+        decided already, else by ``pack``)."""
         store = self.store
-        raw: bool | None = None  # pack decides
-        if self.codec.cipher is None and isinstance(store, BlockingStore) and store.writes_parts:
-            t0 = time.perf_counter()
-            raw = await self._cpu(self.codec.incompressible, plain, raw_saving)
-            self.stats.add_step("pack", t0)
+        if self._writes_parts() and isinstance(store, BlockingStore):
+            if raw is None:
+                t0 = time.perf_counter()
+                raw = await self._cpu(self.codec.incompressible, plain, raw_saving)
+                self.stats.add_step("pack", t0)
             if raw:  # stored from the plaintext itself, its headers between the blocks
                 t0 = time.perf_counter()
                 # the frame's ~1,000 views made in the store's thread, not the loop
@@ -447,19 +457,11 @@ class ImageWriter:
     def _count(
         self, size: int, stored: int, *, skipped: int | None = None, raw: bool = False
     ) -> None:
-        st = self.stats
-        st.bytes += size
-        st.chunks += 1
-        st.chunks_raw += raw
-        st.chunks_deferred = self.deferral.chunks
-        st.stored_bytes += stored
-        if skipped is not None:
-            st.bytes_skipped += size
-            st.stored_bytes_skipped += skipped
-            st.chunks_skipped += 1
-        st.retries = getattr(self.store, "retries", 0)
+        self.stats.count_chunk(size, stored, skipped=skipped, raw=raw)
+        self.stats.chunks_deferred = self.deferral.chunks
+        self.stats.retries = getattr(self.store, "retries", 0)
         if self.progress is not None:
-            self.progress(st)
+            self.progress(self.stats)
 
     # --- commit -------------------------------------------------------------------------
     async def commit(self, meta: dict[str, Any] | None = None) -> Manifest:
