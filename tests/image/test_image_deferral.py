@@ -119,3 +119,48 @@ async def test_a_write_abandoned_with_chunks_waiting_gives_every_buffer_back(
     assert pool.out == 0, "a waiting chunk kept its piece"
     assert _stored_chunks(store) == 0
     assert not list(store.rglob("manifest*")), "an abandoned image left a manifest"
+
+
+async def test_a_producers_chunks_are_addressed_in_its_thread_unless_they_wait(
+    tmp_path: Path,
+) -> None:
+    """Memory a producer copies in (``produce_owned``: a freeze's copy beside CRIU) has each
+    chunk's address found in the thread that copied it, with no trip to the pipeline's pool
+    — except while a held image's job is frozen: then nothing is hashed until the gate
+    opens, and the pipeline addresses those chunks itself."""
+    import threading
+
+    store = tmp_path / "store"
+    data = os.urandom(4 * CHUNK)
+    pool = PiecePool(CHUNK, 3 + 8)
+    where: list[str] = []
+
+    def fill(off: int, view: memoryview) -> None:
+        view[:] = data[off : off + len(view)]
+
+    async with ImageWriter(str(store), "early", settings=SETTINGS) as w:
+        real = w.address_now
+
+        def seen(plain: bytes | memoryview, raw_saving: float | None) -> object:
+            where.append(threading.current_thread().name)
+            return real(plain, raw_saving)
+
+        w.address_now = seen  # type: ignore[assignment,method-assign]
+        w.hold(8 * CHUNK, 0)
+        w.deferral.close()
+        await asyncio.wait_for(w.file("held.img").produce_owned(len(data), fill, pool), 20)
+        await asyncio.sleep(0.3)
+        assert where == [] and w.stats.bytes == 0, "hashed while the job was frozen"
+        w.deferral.open()
+        for _ in range(200):  # the held chunks go on: addressed by the pipeline
+            if len(where) == 4:
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.wait_for(w.file("open.img").produce_owned(len(data), fill, pool), 20)
+        m = await asyncio.wait_for(w.commit(), 20)
+    assert len(where) == 8
+    assert all(n.startswith("image-cpu") for n in where[:4])  # the held ones, by the pipeline
+    assert not any(n.startswith("image-cpu") for n in where[4:])  # the producer's own thread
+    assert m.file("held.img").chunks == m.file("open.img").chunks  # same bytes, same chunks
+    pulled = await pull_image(w.url, tmp_path / "dest", settings=SETTINGS)
+    assert (pulled.dest / "open.img").read_bytes() == data

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from spotguard.contracts import chunk_key
 from spotguard.errors import ImageError
 from spotguard.image import ImageSettings, ImageWriter, latest_image, pull_image
 from spotguard.image.codec import Cipher
@@ -28,9 +29,20 @@ def source(root: Path) -> Path:
     return root
 
 
-async def write_files(w: ImageWriter, src: Path) -> None:
+async def write_files(w: ImageWriter, src: Path, produced: bool = False) -> None:
+    """Each file of ``src`` into the image: read by the writer, or ``produced`` — copied in
+    chunk by chunk by a producer, which finds each chunk's address in its own thread (as
+    the memory a freeze copies beside CRIU is)."""
     for p in sorted(await asyncio.to_thread(lambda: list(src.iterdir()))):
-        await w.add_file(p, p.name)
+        if not produced:
+            await w.add_file(p, p.name)
+            continue
+        data = p.read_bytes()
+
+        def fill(off: int, view: memoryview, data: bytes = data) -> None:
+            view[:] = data[off : off + len(view)]
+
+        await w.file(p.name).produce(len(data), fill)
 
 
 async def crashed_writer(store: Path, src: Path, cipher: Cipher | None) -> None:
@@ -80,6 +92,40 @@ async def test_short_chunk_from_crashed_writer_is_written_again(
     pulled = await pull_image(w.url, tmp_path / "dest", settings=S, cipher=cipher)
     for name in ("pages-1.img", "core-1.img"):
         assert (pulled.dest / name).read_bytes() == (src / name).read_bytes()
+
+
+@pytest.mark.parametrize("produced", [False, True], ids=["read", "produced"])
+async def test_a_raw_chunk_looked_up_and_written_in_one_call_is_still_checked(
+    produced: bool, tmp_path: Path
+) -> None:
+    """Raw chunks (which do not compress) on a file store are looked up and, if absent,
+    written in one call in the store's thread; one found stored is still decoded before it
+    is trusted, and a short one written again — whether the writer read the file or a
+    producer copied it in and found the addresses in its own thread."""
+    big = ImageSettings(chunk_size=1 << 20, workers=2, max_inflight_mb=8)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(os.urandom(3 * (1 << 20) + 999))
+    store = tmp_path / "store"
+    async with ImageWriter(store.as_uri(), "job", settings=big) as w:
+        await write_files(w, src, produced)
+        first = await w.commit()
+    assert w.stats.chunks_raw == 3 and w.stats.chunks_skipped == 0
+    raw = [r for r in first.file("pages-1.img").chunks if r.raw]
+    victim = store / chunk_key("job", raw[1].digest)
+    os.truncate(victim, victim.stat().st_size // 2)
+    async with ImageWriter(store.as_uri(), "job", settings=big) as w:
+        await write_files(w, src, produced)
+        second = await w.commit()
+    assert w.stats.chunks_skipped == 3  # two raw and the short tail reused, the damaged not
+    assert victim.stat().st_size == raw[1].stored_size
+    again = second.file("pages-1.img").chunks
+    assert [(r.digest, r.stored_size) for r in again] == [
+        (r.digest, r.stored_size) for r in first.file("pages-1.img").chunks
+    ]
+    assert [r.raw for r in again[:3]] == [True] * 3
+    pulled = await pull_image(w.url, tmp_path / "dest", settings=big)
+    assert (pulled.dest / "pages-1.img").read_bytes() == (src / "pages-1.img").read_bytes()
 
 
 async def test_chunk_gone_before_sync_means_no_manifest(tmp_path: Path) -> None:

@@ -165,6 +165,10 @@ class Deferral:
         """The job runs again: every waiting chunk goes on, and no other waits."""
         self._open.set()
 
+    def is_open(self) -> bool:
+        """No chunk waits now (no held image's job is frozen)."""
+        return self._open.is_set()
+
     def take(self, held: Held | None) -> asyncio.Event | None:
         """The gate a new chunk holding ``held`` buffers waits at, or None to go on now."""
         if held is None or self._open.is_set():

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from spotguard.errors import ImageError
@@ -43,6 +44,16 @@ class ChunkOwner(Protocol):
     def discard(self) -> None: ...
 
 
+@dataclass(frozen=True)
+class Early:
+    """A chunk's address (and whether it is stored raw, where that is decided with it)
+    found in a worker thread, with the seconds it took."""
+
+    address: str
+    raw: bool | None
+    seconds: float
+
+
 class ChunkPipeline(Protocol):
     """What a :class:`FileSink` feeds: the chunk pipeline of an
     :class:`~spotguard.image.writer.ImageWriter` (hash, dedup, compress, upload)."""
@@ -61,10 +72,19 @@ class ChunkPipeline(Protocol):
         plain: bytes | memoryview,
         owner: ChunkOwner | None = None,
         held: Held | None = None,
+        early: Early | None = None,
     ) -> None:
         """Hand one chunk of ``sink`` to the pipeline (waits for an in-flight slot); the
         chunk's task is appended to ``sink.refs``. ``held``: the pool ``owner`` is of, where
-        the chunk may wait raw while a held image's job is frozen (``Deferral``)."""
+        the chunk may wait raw while a held image's job is frozen (``Deferral``); ``early``:
+        its address, found by the producer (:meth:`address_now`)."""
+
+    def hashes_now(self) -> bool:
+        """Whether a chunk submitted now goes straight on (none waits raw): its producer may
+        then find its address in its own thread."""
+
+    def address_now(self, plain: bytes | memoryview, raw_saving: float | None) -> Early:
+        """A chunk's address (blocking: in a worker thread)."""
 
 
 class FileSink:
@@ -220,8 +240,12 @@ class FileSink:
         for off in range(0, size, cs):
             n = min(cs, size - off)
             lease = await lease_one()
+            early: Early | None = None
             try:
-                await asyncio.to_thread(fill, off, lease.view[:n])
+                if self._w.hashes_now():  # addressed in the thread that filled it: no hop
+                    early = await asyncio.to_thread(self._fill_and_address, fill, off, lease, n)
+                else:  # a held image's job is frozen: its cores are the copy's
+                    await asyncio.to_thread(fill, off, lease.view[:n])
                 self._raise_if_closed()
                 self._w.raise_if_failed()
             except asyncio.CancelledError:
@@ -231,8 +255,15 @@ class FileSink:
                 lease.release()
                 raise
             self.size += n
-            await self._w.submit_chunk(self, lease.view[:n], lease, held)
+            await self._w.submit_chunk(self, lease.view[:n], lease, held, early)
         await self.close()
+
+    def _fill_and_address(
+        self, fill: Callable[[int, memoryview], None], off: int, lease: Lease, n: int
+    ) -> Early:
+        with lease.view[:n] as view:
+            fill(off, view)
+            return self._w.address_now(view, self.raw_saving)
 
     def drop(self) -> None:
         """The write is abandoned: give back a half-filled buffer."""

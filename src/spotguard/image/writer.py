@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -34,20 +33,20 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
-from spotguard.errors import ImageCorrupt, ImageError, ObjectNotFound, SpotguardError
+from spotguard.errors import ImageError, SpotguardError
 from spotguard.image import commit
 from spotguard.image.buffers import BufferPool, Deferral, Held, Lease
+from spotguard.image.chunkput import ChunkStorer
 from spotguard.image.codec import ChunkCodec, Cipher, compress_bound
 from spotguard.image.history import next_sequence
 from spotguard.image.keys import ImageKeys
 from spotguard.image.manifest import ChunkRef, Codec, FileEntry, ImageRef, Manifest
-from spotguard.image.rawframe import raw_frame_parts, raw_frame_size
+from spotguard.image.rawframe import raw_frame_size
 from spotguard.image.settings import ImageSettings
-from spotguard.image.sink import SMALL_CHUNK, ChunkOwner, ChunkPipeline, FileSink
+from spotguard.image.sink import SMALL_CHUNK, ChunkOwner, ChunkPipeline, Early, FileSink
 from spotguard.image.stats import ProgressFn, TransferStats
 from spotguard.names import check_job_name, chunk_key, new_image_id
-from spotguard.store import ImageStore, RetryPolicy, get_into, open_store
-from spotguard.store.base import BlockingStore
+from spotguard.store import ImageStore, RetryPolicy, open_store
 from spotguard.timeline import Timeline
 
 __all__ = ["SMALL_CHUNK", "ChunkOwner", "ChunkPipeline", "FileSink", "ImageWriter", "store_for"]
@@ -135,6 +134,9 @@ class ImageWriter:
             1, min(self.workers + 2, self.buffer_limit - max(1, self.buffer_limit // 4))
         )
         self.buffers = BufferPool(compress_bound(self.chunk_size), self.buffer_limit)
+        self._storer = ChunkStorer(
+            self.url, self.store, self.codec, self.buffers, self.stats, self._cpu
+        )
         self._input_slots = asyncio.Semaphore(self.input_limit)
         self._pool: ThreadPoolExecutor | None = None
         self._error: BaseException | None = None
@@ -291,9 +293,11 @@ class ImageWriter:
         plain: bytes | memoryview,
         lease: ChunkOwner | None = None,
         held: Held | None = None,
+        early: Early | None = None,
     ) -> None:
         """Start one chunk of ``sink`` through the pipeline; waits for an in-flight slot.
-        ``held``: which pool ``lease`` is of, where the chunk may wait raw (:attr:`deferral`)."""
+        ``held``: which pool ``lease`` is of, where the chunk may wait raw (:attr:`deferral`);
+        ``early``: its address, found by the producer (:meth:`address_now`)."""
         t0 = time.perf_counter()
         try:
             await self._sem.acquire()
@@ -308,7 +312,7 @@ class ImageWriter:
                 lease.release()
             raise self._error
         gate = self.deferral.take(held)
-        task = asyncio.create_task(self._process(plain, lease, sink.raw_saving, gate))
+        task = asyncio.create_task(self._process(plain, lease, sink.raw_saving, gate, early))
         self._tasks.add(task)
         sink.refs.append(task)
         task.add_done_callback(lambda t: self._done(t, lease))
@@ -329,19 +333,20 @@ class ImageWriter:
         lease: ChunkOwner | None,
         raw_saving: float | None = None,
         gate: asyncio.Event | None = None,
+        early: Early | None = None,
     ) -> ChunkRef:
         size = len(plain)
         if gate is not None:
             t0 = time.perf_counter()
             await gate.wait()
             self.stats.add_step("deferred", t0)
-        t0 = time.perf_counter()
-        raw: bool | None = None  # decided with the hash where the store writes parts
-        if self._writes_parts() and size >= SMALL_CHUNK:
-            addr, raw = await self._cpu(self.codec.address_and_raw, plain, raw_saving)
-        else:
-            addr = await self._cpu(self.codec.address_of, plain)
-        self.stats.add_step("hash", t0)
+        if early is None:
+            t0 = time.perf_counter()
+            early = await self._cpu(self.address_now, plain, raw_saving)
+            self.stats.add_step("hash", t0)
+        else:  # found by the producer's thread
+            self.stats.add_seconds("hash", early.seconds)
+        addr, raw = early.address, early.raw
         earlier = self._by_addr.get(addr)
         if earlier is not None:  # the same chunk twice in this image (zero pages, ...)
             if lease is not None:
@@ -353,11 +358,20 @@ class ImageWriter:
         assert me is not None
         self._by_addr[addr] = me
         key = chunk_key(self.job, addr)
+        put = self._storer
         if self.dedup:
-            t0 = time.perf_counter()
-            info = await self.store.stat(key)
-            self.stats.add_step("stat", t0)
-            if info is not None and self.verify_stored and not await self._intact(key, addr, size):
+            if raw and put.writes_parts():  # looked up and, if absent, written in one call
+                info = await put.stat_or_put_raw(key, plain)
+                if info is None:
+                    self._count(size, raw_frame_size(size), raw=True)
+                    return ChunkRef(
+                        digest=addr, size=size, stored_size=raw_frame_size(size), raw=True
+                    )
+            else:
+                t0 = time.perf_counter()
+                info = await self.store.stat(key)
+                self.stats.add_step("stat", t0)
+            if info is not None and self.verify_stored and not await put.intact(key, addr, size):
                 info = None  # damaged: written again below (an atomic replace)
             if info is not None:
                 if lease is not None:
@@ -372,87 +386,25 @@ class ImageWriter:
             await self.store.put(key, blob)
             stored = len(blob)
         else:
-            stored, raw = await self._encode_put(key, plain, addr, lease, raw_saving, raw)
+            stored, raw = await put.encode_put(key, plain, addr, lease, raw_saving, raw)
         self._count(size, stored, raw=raw)
         return ChunkRef(digest=addr, size=size, stored_size=stored, raw=raw)
 
-    def _writes_parts(self) -> bool:
-        """A raw chunk can go to the store from its plaintext (no cipher; ``writev``)."""
-        return self.codec.cipher is None and getattr(self.store, "writes_parts", False)
+    def hashes_now(self) -> bool:
+        """Whether a chunk submitted now goes straight on (no held image's job is frozen):
+        its producer may then find its address in its own thread (:meth:`address_now`)."""
+        return self.deferral.is_open()
 
-    async def _intact(self, key: str, addr: str, size: int) -> bool:
-        """Whether the stored chunk at ``key`` decodes to ``size`` bytes with address
-        ``addr`` (read into a pooled buffer; the decoded plaintext is dropped)."""
-        out = Lease(self.buffers, await self.buffers.acquire(), None)
-        reuse = True
-        try:
-            stored = await get_into(self.store, key, out.view)
-            await self._cpu(self.codec.decode, stored, addr, size)
-            return True
-        except (ImageCorrupt, ObjectNotFound) as exc:
-            log.warning(
-                "stored chunk is damaged or gone; writing it again",
-                extra={"image": self.url, "chunk": addr, "error": str(exc)},
-            )
-            return False
-        except asyncio.CancelledError:
-            reuse = False  # a thread may still be reading into or decoding from it
-            raise
-        finally:
-            if reuse:
-                out.release()
-            else:
-                out.discard()
-
-    async def _encode_put(
-        self,
-        key: str,
-        plain: bytes | memoryview,
-        addr: str,
-        lease: ChunkOwner | None,
-        raw_saving: float | None = None,
-        raw: bool | None = None,
-    ) -> tuple[int, bool]:
-        """Compress (or frame raw) into a pooled buffer, free the plaintext, upload straight
-        from the buffer. Returns the stored size and whether the frame is raw (``raw``: as
-        decided already, else by ``pack``)."""
-        store = self.store
-        if self._writes_parts() and isinstance(store, BlockingStore):
-            if raw is None:
-                t0 = time.perf_counter()
-                raw = await self._cpu(self.codec.incompressible, plain, raw_saving)
-                self.stats.add_step("pack", t0)
-            if raw:  # stored from the plaintext itself, its headers between the blocks
-                t0 = time.perf_counter()
-                # the frame's ~1,000 views made in the store's thread, not the loop
-                await store.put_parts(key, functools.partial(raw_frame_parts, plain))
-                self.stats.add_step("put", t0)
-                return raw_frame_size(len(plain)), True
+    def address_now(self, plain: bytes | memoryview, raw_saving: float | None) -> Early:
+        """A chunk's address, and where its store writes parts whether it is stored raw —
+        blocking, in a worker thread (the producer's, or the pipeline's)."""
         t0 = time.perf_counter()
-        out = Lease(self.buffers, await self.buffers.acquire(), None)
-        self.stats.add_step("buffer", t0)
-        reuse = True
-        try:
-            t0 = time.perf_counter()
-            data, raw = await self._cpu(self.codec.pack, plain, addr, out.view, raw, raw_saving)
-            self.stats.add_step("pack", t0)
-            if lease is not None:
-                lease.release()  # compressed: the plaintext buffer can take the next chunk
-            t0 = time.perf_counter()
-            await self.store.put(key, data)
-            self.stats.add_step("put", t0)
-            n = len(data)
-            if isinstance(data, memoryview):
-                data.release()
-            return n, raw
-        except asyncio.CancelledError:
-            reuse = False  # a thread may still be writing or sending it
-            raise
-        finally:
-            if reuse:
-                out.release()
-            else:
-                out.discard()
+        raw: bool | None = None
+        if self._storer.writes_parts() and len(plain) >= SMALL_CHUNK:
+            addr, raw = self.codec.address_and_raw(plain, raw_saving)
+        else:
+            addr = self.codec.address_of(plain)
+        return Early(addr, raw, time.perf_counter() - t0)
 
     def _count(
         self, size: int, stored: int, *, skipped: int | None = None, raw: bool = False

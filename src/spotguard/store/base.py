@@ -198,6 +198,20 @@ class BlockingStore(ABC):
 
         await self._call("put", key, put)
 
+    async def put_parts_unless_stored(self, key: str, parts: Parts) -> ObjectInfo | None:
+        """:meth:`stat`, then — only where nothing is stored at ``key`` — :meth:`put_parts`,
+        in one call in the store's thread: the object found (nothing written), or None once
+        written. A writer's dedup check and upload of one chunk without a trip through the
+        event loop between them."""
+
+        def stat_or_put() -> ObjectInfo | None:
+            info = self._stat(key)
+            if info is None:
+                self._put_parts(key, parts() if callable(parts) else parts, False)
+            return info
+
+        return await self._call("put", key, stat_or_put)
+
     async def get(self, key: str) -> bytes:
         """The object's bytes; :class:`ObjectNotFound` when absent."""
         return await self._call("get", key, lambda: self._get(key))
