@@ -454,7 +454,7 @@ async def test_put_parts_made_in_the_stores_thread_and_a_read_run_there(tmp_path
     from spotguard.errors import ObjectNotFound
     from spotguard.store.file import FileStore
 
-    store = FileStore((tmp_path / "s").as_uri())
+    store = FileStore(tmp_path / "s")
     made_in: list[str] = []
 
     def parts() -> list[bytes]:
