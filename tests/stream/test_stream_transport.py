@@ -127,6 +127,43 @@ def test_piece_pool_reuses_buffers_and_wakes_waiters_on_close() -> None:
     pool.release(b)
 
 
+_NO_ROOM = """
+import resource, sys, threading
+from spotguard.stream.pipes import PiecePool
+pool = PiecePool(256 << 20, 1)
+soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+mapped = int(open("/proc/self/statm").read().split()[0]) * 4096
+resource.setrlimit(resource.RLIMIT_AS, (mapped + (64 << 20), hard))  # no room for a piece
+try:
+    pool.take()
+    sys.exit("a piece was made with no room for it")
+except OSError:
+    pass
+finally:
+    resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+got = []
+t = threading.Thread(target=lambda: got.append(pool.take()), daemon=True)
+t.start()
+t.join(5)
+print("took" if got else "stuck", pool.out, pool.made)
+"""
+
+
+def test_a_piece_that_could_not_be_made_leaves_room_for_the_next() -> None:
+    """A piece whose map fails (no memory, an address-space limit) must not count as made:
+    the pool's bound would shrink for good, and once every piece had failed each later take
+    would wait for ever — a capture reader stuck with the job frozen. Real maps under a real
+    ``RLIMIT_AS``, in a process of its own."""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_ROOM], capture_output=True, text=True, timeout=60, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["took", "1", "1"]
+
+
 def test_spliced_chunks_reach_the_reader_intact_after_they_are_unmapped() -> None:
     """vmsplice puts a chunk's pages into the pipe by reference; the chunk is unmapped at once
     and fresh maps are written meanwhile, yet the reader gets every byte as it was."""

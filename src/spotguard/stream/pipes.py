@@ -157,7 +157,14 @@ class PiecePool:
             if self._free:
                 return self._free.pop()
             self._made += 1
-        return self._make()
+        try:
+            return self._make()
+        except BaseException:  # not made (no memory, an address-space limit): not counted
+            with self._cond:
+                self.out -= 1
+                self._made -= 1
+                self._cond.notify()
+            raise
 
     def _make(self) -> mmap.mmap:
         buf = mmap.mmap(-1, self.size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
