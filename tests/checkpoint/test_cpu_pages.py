@@ -27,7 +27,7 @@ from spotguard.checkpoint.gpupages import Range
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
-from spotguard.errors import CheckpointError, SpotguardError
+from spotguard.errors import SpotguardError
 from spotguard.image import ImageSettings
 from spotguard.image.reader import ImageReader
 from spotguard.stream import StreamSource, StreamTarget
@@ -309,25 +309,40 @@ async def test_a_range_unmapped_in_part_before_the_freeze_is_cut_to_what_is_left
         kill_tree(restored.pid if restored else job.pid)
 
 
-async def test_a_range_protected_before_the_freeze_fails_it_and_the_job_runs_on(
+def _perms_at(pid: int, addr: int) -> str:
+    """The protection of the mapping of ``pid`` that holds ``addr``."""
+    for line in Path(f"/proc/{pid}/maps").read_text().splitlines():
+        span, perms = line.split()[:2]
+        lo, hi = (int(x, 16) for x in span.split("-"))
+        if lo <= addr < hi:
+            return perms
+    raise AssertionError(f"{addr:#x} is not mapped in {pid}")
+
+
+async def test_a_range_protected_before_the_freeze_is_carried_and_restored_protected(
     patched: str, tmp_path: Path, out: Path
 ) -> None:
-    """Part of a chosen range made read-only before CRIU seized the job: it could not be
-    written back as it was read, so the freeze fails — retryably, with a clear message —
-    and the job is running, untraced, its memory intact."""
-    job, _ = await _start(tmp_path, out, "cpupages-protect")
+    """Part of a chosen range made read-only before CRIU seized the job (CRIU was already
+    told to leave the whole range to spotguard): the freeze carries it all the same — its
+    bytes read and written back through ``/proc/PID/mem`` where ``process_vm_*`` fault on
+    the protection — and the restored job has every byte, and that part read-only again.
+    (Before, such a freeze failed; a job that kept protecting memory inside its large
+    mappings could not be frozen at all.)"""
+    job, (lo, hi) = await _start(tmp_path, out, "cpupages-protect")
     faults = ChangeBeforeDump(job.pid, out, "protect")
     engine = Engine(Criu(patched), settings=_settings(tmp_path, patched), faults=faults)
+    restored = None
     try:
-        with pytest.raises(CheckpointError, match="was protected") as err:
-            await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
-        assert err.value.retryable
-        assert proctree.alive(job.pid)
-        for pid in proctree.tree(job.pid):
-            assert psutil.Process(pid).status() != psutil.STATUS_STOPPED
-        await _checked(job.pid, out)
+        frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img"), Mode.EXIT)
+        assert [(c.start, c.end) for c in frozen.meta.cpu_pages] == [(lo, hi)]
+        assert step_named(frozen.timeline, "cpu_pages").detail["bytes"] == OWN_MIB * MIB
+        restored = await engine.restore(DirectorySource(tmp_path / "img"))
+        parent = _parent(JobInfo(name="r", pid=restored.pid, dir=tmp_path))
+        assert _perms_at(parent, lo + PROTECTED[0] * MIB).startswith("r--")
+        assert _perms_at(parent, lo).startswith("rw-")
+        await _checked(restored.pid, out)
     finally:
-        kill_tree(job.pid)
+        kill_tree(restored.pid if restored else job.pid)
 
 
 async def test_criu_moves_it_all_when_told_to(patched: str, tmp_path: Path, out: Path) -> None:
@@ -484,3 +499,54 @@ async def test_a_process_gone_after_its_range_was_chosen_leaves_it_out_of_the_im
         assert (out / "checked").read_text() == "ok"
     finally:
         kill_tree(restored.pid if restored else job.pid)
+
+
+_GUARDED = """
+import ctypes, mmap, os, signal, sys, time
+out = sys.argv[1]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mprotect.argtypes = (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+m = mmap.mmap(-1, 4 << 20, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+m[:] = bytes(range(256)) * (4 << 12)
+c = ctypes.c_char.from_buffer(m)
+base = ctypes.addressof(c)
+del c
+libc.mprotect(base + (1 << 20), 2 << 20, 0)  # PROT_NONE
+
+def check(sig, frame):
+    libc.mprotect(base + (1 << 20), 2 << 20, mmap.PROT_READ | mmap.PROT_WRITE)
+    ok = m[:] == bytes(range(255, -1, -1)) * (4 << 12)
+    open(os.path.join(out, "checked"), "w").write("ok" if ok else "BAD")
+
+signal.signal(signal.SIGUSR1, check)
+open(os.path.join(out, "ready"), "w").write("%x" % base)
+while True:
+    time.sleep(0.05)
+"""
+
+
+async def test_memory_protected_even_against_reading_is_read_and_written_back(
+    tmp_path: Path, out: Path
+) -> None:
+    """The copy beside CRIU reads and writes a range whose middle the process made
+    inaccessible (``PROT_NONE``): ``process_vm_*`` fault there, ``/proc/PID/mem`` does not —
+    every byte read as the process has it, and written back where the process finds it."""
+    import subprocess
+
+    from spotguard.checkpoint.gpupages import read_memory, write_memory
+
+    proc = await asyncio.to_thread(subprocess.Popen, [sys.executable, "-c", _GUARDED, str(out)])
+    try:
+        await until(lambda: (out / "ready").exists(), "the guarded process", 30)
+        base = int((out / "ready").read_text(), 16)
+        buf = bytearray(4 << 20)
+        read_memory(proc.pid, base, memoryview(buf))
+        assert buf == bytes(range(256)) * (4 << 12)
+        buf[:] = bytes(range(255, -1, -1)) * (4 << 12)
+        write_memory(proc.pid, base, memoryview(buf))
+        os.kill(proc.pid, signal.SIGUSR1)
+        await until(lambda: (out / "checked").exists(), "the process's check", 30)
+        assert (out / "checked").read_text() == "ok"
+    finally:
+        proc.kill()
+        proc.wait()

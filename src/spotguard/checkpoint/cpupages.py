@@ -24,8 +24,10 @@ Which ranges, and why they stay exact:
   A hole (unmapped since) is left out — nothing there to move; a shared mapping in it is
   CRIU's (it dumps shared memory apart from the task's private pages, which is all
   ``--external-pages`` leaves out); a private mapping that is no longer readable and writable
-  (``mprotect`` since) could not be copied and written back the same way, so the freeze fails
-  there, retryably, and the job runs on (:class:`RangeChanged`).
+  (``mprotect`` since) is carried all the same: where ``process_vm_readv``/``writev`` fault on
+  its protection, its bytes go through ``/proc/PID/mem`` (:func:`.gpupages.read_memory`), and
+  CRIU restores the mapping with that protection. A job that keeps protecting memory inside
+  its large mappings is frozen, not refused.
 
 A range copied after the seize holds exactly what the frozen job had; a page it never touched
 reads as zero and is not written back (the restored mapping reads zero already).
@@ -57,9 +59,9 @@ MAX_PIECES = 1024
 
 
 class RangeChanged(CheckpointError):
-    """A range chosen before the freeze holds a private mapping that cannot be moved beside
-    CRIU once frozen (protected since). Retryable: the job runs on, the next freeze chooses
-    again."""
+    """The ranges chosen before the freeze fell into more pieces than an image records once
+    frozen (the job cut them up meanwhile). Retryable: the job runs on, the next freeze
+    chooses again."""
 
 
 def default_workers() -> int:
@@ -145,9 +147,10 @@ def candidates(
 
 def frozen(ranges: Sequence[Range]) -> list[Range]:
     """``ranges`` cut to the private mappings they hold now that the tree is frozen: holes
-    and shared mappings left out, adjacent pieces joined, a process gone left out. Raises
-    :class:`RangeChanged` where a private mapping in a range is not readable and writable
-    any more, and :class:`CheckpointError` where a process's mappings cannot be read."""
+    and shared mappings left out, adjacent pieces joined (a piece protected since is kept),
+    a process gone left out. Raises :class:`RangeChanged` where they fall into more pieces
+    than an image records, and :class:`CheckpointError` where a process's mappings cannot be
+    read."""
     out: list[Range] = []
     by_pid: dict[int, list[Range]] = {}
     for r in ranges:
@@ -165,10 +168,10 @@ def frozen(ranges: Sequence[Range]) -> list[Range]:
                 lo, hi = max(lo, r.start), min(hi, r.end)
                 if lo >= hi or perms[3:4] == "s":
                     continue
-                if perms[:2] != "rw":
-                    raise RangeChanged(
-                        f"pid {pid}: memory at {lo:#x}-{hi:#x} was protected ({perms}) between "
-                        "the choice of what spotguard copies and the freeze; the job runs on"
+                if perms[:2] != "rw":  # protected since: copied through /proc/PID/mem
+                    log.info(
+                        "memory chosen to copy beside CRIU was protected before the freeze",
+                        extra={"pid": pid, "start": hex(lo), "end": hex(hi), "perms": perms},
                     )
                 if pieces and pieces[-1][1] == lo:
                     pieces[-1] = (pieces[-1][0], hi)

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import asyncio
 import ctypes
+import errno
 import logging
 import os
 import re
@@ -314,7 +315,8 @@ for _fn in (_readv, _writev):
 
 
 def _move(call: Any, what: str, pid: int, addr: int, view: memoryview) -> None:
-    """Copy all of ``view`` from (readv) or to (writev) ``addr`` in ``pid``."""
+    """Copy all of ``view`` from (readv) or to (writev) ``addr`` in ``pid``; memory the
+    process protected (read-only, or no access) goes through ``/proc/PID/mem`` instead."""
     n = len(view)
     with memops.address(view) as base:
         if base is None:
@@ -327,8 +329,30 @@ def _move(call: Any, what: str, pid: int, addr: int, view: memoryview) -> None:
             got = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
             if got <= 0:
                 err = ctypes.get_errno()
+                if err == errno.EFAULT:  # protected where it is mapped: as a debugger does
+                    _through_mem(call is _writev, what, pid, addr + done, view[done:])
+                    return
                 raise OSError(err, f"{what} of pid {pid} at {addr + done:#x}: {os.strerror(err)}")
             done += got
+
+
+def _through_mem(write: bool, what: str, pid: int, addr: int, view: memoryview) -> None:
+    """Copy ``view`` from or to ``addr`` in ``pid`` through ``/proc/PID/mem``: the kernel
+    then reads and writes a private mapping whatever its protection (a job may protect part
+    of a range between the choice of what spotguard copies and the freeze; restored, the
+    mapping has that protection again, and its bytes go back the same way). Slower than
+    ``process_vm_*`` (one copy through the kernel's buffer), so only where those fault."""
+    fd = os.open(f"/proc/{pid}/mem", os.O_RDWR if write else os.O_RDONLY)
+    try:
+        done = 0
+        while done < len(view):
+            rest = view[done:]
+            got = os.pwrite(fd, rest, addr + done) if write else os.preadv(fd, [rest], addr + done)
+            if got <= 0:
+                raise OSError(errno.EFAULT, f"{what} of pid {pid} at {addr + done:#x}: not mapped")
+            done += got
+    finally:
+        os.close(fd)
 
 
 def read_memory(pid: int, addr: int, view: memoryview) -> None:
