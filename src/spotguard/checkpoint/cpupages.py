@@ -171,7 +171,7 @@ def frozen(ranges: Sequence[Range]) -> list[Range]:
                 if perms[:2] != "rw":  # protected since: copied through /proc/PID/mem
                     log.info(
                         "memory chosen to copy beside CRIU was protected before the freeze",
-                        extra={"pid": pid, "start": hex(lo), "end": hex(hi), "perms": perms},
+                        extra={"pid": pid, "ranges": f"{lo:#x}-{hi:#x}", "what": perms},
                     )
                 if pieces and pieces[-1][1] == lo:
                     pieces[-1] = (pieces[-1][0], hi)
