@@ -547,6 +547,9 @@ async def test_memory_protected_even_against_reading_is_read_and_written_back(
         os.kill(proc.pid, signal.SIGUSR1)
         await until(lambda: (out / "checked").exists(), "the process's check", 30)
         assert (out / "checked").read_text() == "ok"
+        # where nothing is mapped at all, still an error that names the process and address
+        with pytest.raises(OSError, match=f"of pid {proc.pid} at 0x1000"):
+            read_memory(proc.pid, 0x1000, memoryview(bytearray(4096)))
     finally:
         proc.kill()
         proc.wait()

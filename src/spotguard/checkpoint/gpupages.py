@@ -346,10 +346,13 @@ def _through_mem(write: bool, what: str, pid: int, addr: int, view: memoryview) 
     try:
         done = 0
         while done < len(view):
-            rest = view[done:]
-            got = os.pwrite(fd, rest, addr + done) if write else os.preadv(fd, [rest], addr + done)
+            rest, at = view[done:], addr + done
+            try:
+                got = os.pwrite(fd, rest, at) if write else os.preadv(fd, [rest], at)
+            except OSError as exc:  # EIO: not mapped there at all
+                raise OSError(exc.errno, f"{what} of pid {pid} at {at:#x}: {exc.strerror}") from exc
             if got <= 0:
-                raise OSError(errno.EFAULT, f"{what} of pid {pid} at {addr + done:#x}: not mapped")
+                raise OSError(errno.EFAULT, f"{what} of pid {pid} at {at:#x}: not mapped")
             done += got
     finally:
         os.close(fd)

@@ -360,7 +360,7 @@ class ImageWriter:
         key = chunk_key(self.job, addr)
         put = self._storer
         if self.dedup:
-            if raw and put.writes_parts():  # looked up and, if absent, written in one call
+            if raw:  # (decided only where the store writes parts) looked up, written, one call
                 info = await put.stat_or_put_raw(key, plain)
                 if info is None:
                     self._count(size, raw_frame_size(size), raw=True)
