@@ -115,7 +115,8 @@ def change(sig, frame):
         gone.append(tuple(hole))
     elif what == "protect":
         libc.mprotect(base + prot[0], prot[1] - prot[0], mmap.PROT_READ)
-    open(os.path.join(out, "changed"), "w").write(what)
+    open(os.path.join(out, "changed.tmp"), "w").write(what)
+    os.replace(os.path.join(out, "changed.tmp"), os.path.join(out, "changed"))
 
 signal.signal(signal.SIGUSR1, check)
 signal.signal(signal.SIGUSR2, change)
@@ -400,7 +401,8 @@ if os.fork() == 0:
         got = libc.mmap(base, n, 3, mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | fixed, -1, 0)
         assert got == base
         ctypes.memset(base, 7, n)
-    open(os.path.join(out, "child"), "w").write("%x %x" % (base, base + n))
+    open(os.path.join(out, "child.tmp"), "w").write("%x %x" % (base, base + n))
+    os.replace(os.path.join(out, "child.tmp"), os.path.join(out, "child"))
     while True:
         time.sleep(0.1)
 while True:
@@ -513,13 +515,19 @@ base = ctypes.addressof(c)
 del c
 libc.mprotect(base + (1 << 20), 2 << 20, 0)  # PROT_NONE
 
+def publish(name, text):
+    # written whole, then renamed: the test never reads a file still empty
+    with open(os.path.join(out, name + ".tmp"), "w") as f:
+        f.write(text)
+    os.rename(os.path.join(out, name + ".tmp"), os.path.join(out, name))
+
 def check(sig, frame):
     libc.mprotect(base + (1 << 20), 2 << 20, mmap.PROT_READ | mmap.PROT_WRITE)
     ok = m[:] == bytes(range(255, -1, -1)) * (4 << 12)
-    open(os.path.join(out, "checked"), "w").write("ok" if ok else "BAD")
+    publish("checked", "ok" if ok else "BAD")
 
 signal.signal(signal.SIGUSR1, check)
-open(os.path.join(out, "ready"), "w").write("%x" % base)
+publish("ready", "%x" % base)
 while True:
     time.sleep(0.05)
 """
