@@ -1,11 +1,13 @@
 """The store side of one chunk of an image being written: found stored already (and checked,
-on a file store), or stored — raw from its plaintext, or packed into a pooled buffer.
+on a file store), or stored — raw from its plaintext, or packed into a pooled buffer — and the
+claims that let each address of an image be stored by one chunk only.
 
 Why apart from :mod:`spotguard.image.writer`: the writer orders the pipeline (slots, the
-deferral, dedup within the image, the commit); this is what happens to one chunk once its
-address is known, and on a node's freeze it is where each chunk's trips through the event
-loop are counted: a raw chunk on a store that writes a list of buffers is looked up and, if
-absent, written in one call in the store's thread (:meth:`ChunkStorer.stat_or_put_raw`).
+deferral, the commit); this is what happens to one chunk once its address is known, and on a
+node's freeze it is where each chunk's trips through the event loop are counted: a raw chunk
+on a store that writes a list of buffers is looked up and, if absent, written by the very
+thread that copied it in or addressed it (:meth:`ChunkStorer.store_now`), the image's claim
+on its address taken there under a lock (:class:`Claims`), so it crosses the loop once.
 """
 
 from __future__ import annotations
@@ -14,18 +16,21 @@ import asyncio
 import contextlib
 import functools
 import logging
+import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from concurrent.futures import Future
 from typing import Any
 
-from spotguard.errors import ImageCorrupt, ObjectNotFound
+from spotguard.errors import ImageCorrupt, ImageError, ObjectNotFound
 from spotguard.image.buffers import BufferPool, Lease
 from spotguard.image.codec import ChunkCodec
+from spotguard.image.manifest import ChunkRef
 from spotguard.image.rawframe import raw_frame_parts, raw_frame_size
-from spotguard.image.sink import ChunkOwner
+from spotguard.image.sink import ChunkOwner, Early, Stored
 from spotguard.image.stats import TransferStats
 from spotguard.store import ImageStore, get_into
-from spotguard.store.base import BlockingStore, ObjectInfo
+from spotguard.store.base import BlockingStore
 
 log = logging.getLogger(__name__)
 
@@ -57,16 +62,15 @@ class ChunkStorer:
         store = self.store
         return self.codec.cipher is None and isinstance(store, BlockingStore) and store.writes_parts
 
-    async def stat_or_put_raw(self, key: str, plain: bytes | memoryview) -> ObjectInfo | None:
-        """What is stored at ``key`` (nothing written), or None once the raw frame of
-        ``plain`` is written there — in one call in the store's thread (a raw chunk on a
-        store that :meth:`writes_parts`)."""
+    def store_now(self, key: str, plain: bytes | memoryview) -> Stored:
+        """Look a raw chunk up at ``key`` and, where nothing is there, write its raw frame —
+        blocking, in the calling thread (the one that addressed it), with the store's
+        retries: what was found, or that it was written (a store that :meth:`writes_parts`)."""
         store = self.store
         assert isinstance(store, BlockingStore)
         t0 = time.perf_counter()
-        info = await store.put_parts_unless_stored(key, functools.partial(raw_frame_parts, plain))
-        self.stats.add_step("put" if info is None else "stat", t0)
-        return info
+        info = store.put_parts_unless_stored_now(key, functools.partial(raw_frame_parts, plain))
+        return Stored(None if info is None else info.size, time.perf_counter() - t0, len(plain))
 
     async def intact(self, key: str, addr: str, size: int) -> bool:
         """Whether the stored chunk at ``key`` decodes to ``size`` bytes with address
@@ -137,3 +141,58 @@ class ChunkStorer:
             out.release()
             raise
         out.release()
+
+
+class Claims:
+    """Each address of an image's chunks, claimed by the first chunk to reach it — in the
+    event loop or in a worker thread — whose :class:`ChunkRef` the later chunks of the same
+    address wait for (dedup within an image: zero pages, shared buffers).
+
+    Why a lock and a :class:`concurrent.futures.Future`, not a dict of tasks: a raw chunk is
+    claimed and stored by the thread that addressed it, before it has a task."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._refs: dict[str, Future[ChunkRef]] = {}
+
+    def claim(self, addr: str) -> Future[ChunkRef] | None:
+        """None when the caller is first to ``addr`` (it must :meth:`settle` it); else the
+        first one's ChunkRef, to come."""
+        with self._lock:
+            earlier = self._refs.get(addr)
+            if earlier is None:
+                self._refs[addr] = Future()
+            return earlier
+
+    def settle(self, addr: str, outcome: ChunkRef | BaseException) -> None:
+        """The claimant's outcome, for the chunks waiting on it (once; later calls do nothing)."""
+        with self._lock:
+            fut = self._refs[addr]
+            if fut.done():
+                return
+            if isinstance(outcome, BaseException):
+                fut.set_exception(outcome)
+            else:
+                fut.set_result(outcome)
+
+    def abandon(self, early: Early) -> None:
+        """A chunk its thread claimed and stored never reached the pipeline (its producer
+        was cancelled): the chunks waiting on its address get its ChunkRef where the thread
+        wrote it, else (found stored, never checked) fail rather than wait for ever."""
+        stored = early.stored
+        if stored is None:
+            return
+        addr = early.address
+        if stored.found is None:
+            n = stored.size
+            ref = ChunkRef(digest=addr, size=n, stored_size=raw_frame_size(n), raw=True)
+            self.settle(addr, ref)
+        else:
+            self.settle(addr, ImageError(f"chunk {addr} was abandoned before it was checked"))
+
+    def __iter__(self) -> Iterator[str]:
+        with self._lock:
+            return iter(list(self._refs))
+
+    def __len__(self) -> int:
+        return len(self._refs)

@@ -10,6 +10,7 @@ stores, codecs or manifests; :mod:`spotguard.image.writer` owns the pipeline it 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -45,13 +46,27 @@ class ChunkOwner(Protocol):
 
 
 @dataclass(frozen=True)
+class Stored:
+    """What the thread that addressed a chunk did with the store: ``found``, the size of the
+    object already at its key (nothing written; the pipeline checks it before trusting it),
+    or None: the chunk was written (its raw frame); ``seconds`` the store took."""
+
+    found: int | None
+    seconds: float
+    #: the chunk's plaintext bytes
+    size: int
+
+
+@dataclass(frozen=True)
 class Early:
     """A chunk's address (and whether it is stored raw, where that is decided with it)
-    found in a worker thread, with the seconds it took."""
+    found in a worker thread, with the seconds it took; ``stored``: where that thread also
+    looked it up and stored it (a raw chunk the image had not claimed yet), what it did."""
 
     address: str
     raw: bool | None
     seconds: float
+    stored: Stored | None = None
 
 
 class ChunkPipeline(Protocol):
@@ -84,7 +99,41 @@ class ChunkPipeline(Protocol):
         then find its address in its own thread."""
 
     def address_now(self, plain: bytes | memoryview, raw_saving: float | None) -> Early:
-        """A chunk's address (blocking: in a worker thread)."""
+        """A chunk's address (blocking: in a worker thread); a raw chunk may be stored there
+        too (:attr:`Early.stored`)."""
+
+    def abandon(self, early: Early) -> None:
+        """A chunk addressed by :meth:`address_now` that will never be submitted (thread-safe)."""
+
+
+class _Handoff:
+    """An :class:`Early` passed from the producer's thread to its coroutine. Where the
+    coroutine was cancelled meanwhile (the thread runs on and its result is lost), the chunk
+    its thread may have claimed and stored is abandoned (:meth:`ChunkPipeline.abandon`), so no
+    other chunk of its address waits for it."""
+
+    def __init__(self, pipeline: ChunkPipeline) -> None:
+        self._w = pipeline
+        self._lock = threading.Lock()
+        self._early: Early | None = None
+        self._dropped = False
+
+    def give(self, early: Early) -> Early:
+        """In the thread: hand ``early`` over (or abandon it, if it is no longer wanted)."""
+        with self._lock:
+            self._early = early
+            dropped = self._dropped
+        if dropped:
+            self._w.abandon(early)
+        return early
+
+    def drop(self) -> None:
+        """In the coroutine: the chunk will not be submitted."""
+        with self._lock:
+            self._dropped = True
+            early = self._early
+        if early is not None:
+            self._w.abandon(early)
 
 
 class FileSink:
@@ -241,29 +290,38 @@ class FileSink:
             n = min(cs, size - off)
             lease = await lease_one()
             early: Early | None = None
+            hand = _Handoff(self._w)
             try:
-                if self._w.hashes_now():  # addressed in the thread that filled it: no hop
-                    early = await asyncio.to_thread(self._fill_and_address, fill, off, lease, n)
+                if self._w.hashes_now():  # addressed (and stored) in the thread that filled it
+                    early = await asyncio.to_thread(
+                        self._fill_and_address, fill, off, lease.view[:n], hand
+                    )
                 else:  # a held image's job is frozen: its cores are the copy's
                     await asyncio.to_thread(fill, off, lease.view[:n])
                 self._raise_if_closed()
                 self._w.raise_if_failed()
             except asyncio.CancelledError:
                 lease.discard()  # its thread may still be filling the buffer
+                hand.drop()
                 raise
             except BaseException:
                 lease.release()
+                hand.drop()
                 raise
             self.size += n
             await self._w.submit_chunk(self, lease.view[:n], lease, held, early)
         await self.close()
 
     def _fill_and_address(
-        self, fill: Callable[[int, memoryview], None], off: int, lease: Lease, n: int
+        self,
+        fill: Callable[[int, memoryview], None],
+        off: int,
+        view: memoryview,
+        hand: _Handoff,
     ) -> Early:
-        with lease.view[:n] as view:
+        with view:
             fill(off, view)
-            return self._w.address_now(view, self.raw_saving)
+            return hand.give(self._w.address_now(view, self.raw_saving))
 
     def drop(self) -> None:
         """The write is abandoned: give back a half-filled buffer."""

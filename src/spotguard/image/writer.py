@@ -9,6 +9,9 @@ Pipeline, per chunk, with bounded memory::
 
 ``max_inflight`` chunks may be between "cut" and "stored"; the producer's ``write`` waits for a
 slot beyond that, so a fast source (CRIU's pipe, a tmpfs directory) cannot outrun the store.
+On a store that writes a list of buffers (the file store), a chunk stored raw is looked up and
+written by the thread that addressed it — the producer's own, where it copies memory in — so
+it crosses the event loop once (:mod:`spotguard.image.chunkput`).
 Nothing is visible until :meth:`ImageWriter.commit` writes the manifest, with if-absent
 semantics, after every chunk it refers to is durable: ``store.sync`` of all of them, in one
 batch (the file store fsyncs there rather than on every put). On a ``file://`` store a chunk
@@ -36,7 +39,7 @@ from typing import Any, TypeVar
 from spotguard.errors import ImageError, SpotguardError
 from spotguard.image import commit
 from spotguard.image.buffers import BufferPool, Deferral, Held, Lease
-from spotguard.image.chunkput import ChunkStorer
+from spotguard.image.chunkput import ChunkStorer, Claims
 from spotguard.image.codec import ChunkCodec, Cipher, compress_bound
 from spotguard.image.history import next_sequence
 from spotguard.image.keys import ImageKeys
@@ -124,7 +127,7 @@ class ImageWriter:
         self._files: list[FileSink] = []
         self._names: set[str] = set()
         self._tasks: set[asyncio.Task[ChunkRef]] = set()
-        self._by_addr: dict[str, asyncio.Task[ChunkRef]] = {}
+        self._claims = Claims()  # each address's first chunk (dedup within the image)
         self._preexisting: set[str] = set()
         self._sem = asyncio.Semaphore(self.max_inflight)
         # Pooled chunk buffers (see spotguard.image.buffers): at most `max_inflight` exist;
@@ -305,11 +308,15 @@ class ImageWriter:
         except BaseException:
             if lease is not None:
                 lease.release()
+            if early is not None:
+                self._claims.abandon(early)
             raise
         if self._error is not None:
             self._sem.release()
             if lease is not None:
                 lease.release()
+            if early is not None:
+                self._claims.abandon(early)
             raise self._error
         gate = self.deferral.take(held)
         task = asyncio.create_task(self._process(plain, lease, sink.raw_saving, gate, early))
@@ -346,41 +353,55 @@ class ImageWriter:
             self.stats.add_step("hash", t0)
         else:  # found by the producer's thread
             self.stats.add_seconds("hash", early.seconds)
-        addr, raw = early.address, early.raw
-        earlier = self._by_addr.get(addr)
-        if earlier is not None:  # the same chunk twice in this image (zero pages, ...)
-            if lease is not None:
-                lease.release()
-            ref = await asyncio.shield(earlier)
-            self._count(size, 0, skipped=ref.stored_size)
-            return ref
-        me = asyncio.current_task()
-        assert me is not None
-        self._by_addr[addr] = me
-        key = chunk_key(self.job, addr)
-        put = self._storer
-        if self.dedup:
-            if raw:  # (decided only where the store writes parts) looked up, written, one call
-                info = await put.stat_or_put_raw(key, plain)
-                if info is None:
-                    self._count(size, raw_frame_size(size), raw=True)
-                    return ChunkRef(
-                        digest=addr, size=size, stored_size=raw_frame_size(size), raw=True
-                    )
-            else:
-                t0 = time.perf_counter()
-                info = await self.store.stat(key)
-                self.stats.add_step("stat", t0)
-            if info is not None and self.verify_stored and not await put.intact(key, addr, size):
-                info = None  # damaged: written again below (an atomic replace)
-            if info is not None:
+        addr = early.address
+        if early.stored is None:  # (a chunk stored by its thread claimed its address there)
+            earlier = self._claims.claim(addr)
+            if earlier is not None:  # the same chunk twice in this image (zero pages, ...)
                 if lease is not None:
                     lease.release()
-                self._preexisting.add(addr)
-                self._count(size, 0, skipped=info.size)
-                # stored no smaller than the plaintext: a raw frame (or zstd's raw blocks)
-                raw = info.size >= size
-                return ChunkRef(digest=addr, size=size, stored_size=info.size, raw=raw)
+                ref = await asyncio.shield(asyncio.wrap_future(earlier))
+                self._count(size, 0, skipped=ref.stored_size)
+                return ref
+        try:
+            ref = await self._store(plain, lease, raw_saving, early)
+        except BaseException as exc:
+            self._claims.settle(addr, exc)
+            raise
+        self._claims.settle(addr, ref)
+        return ref
+
+    async def _store(
+        self,
+        plain: bytes | memoryview,
+        lease: ChunkOwner | None,
+        raw_saving: float | None,
+        early: Early,
+    ) -> ChunkRef:
+        """Store the chunk this image claimed the address of (or find it stored, checked)."""
+        size, addr, raw = len(plain), early.address, early.raw
+        key = chunk_key(self.job, addr)
+        put = self._storer
+        found: int | None = None
+        if early.stored is not None:  # looked up, and written if absent, by its own thread
+            found = early.stored.found
+            self.stats.add_seconds("put" if found is None else "stat", early.stored.seconds)
+            if found is None:
+                self._count(size, raw_frame_size(size), raw=True)
+                return ChunkRef(digest=addr, size=size, stored_size=raw_frame_size(size), raw=True)
+        elif self.dedup:
+            t0 = time.perf_counter()
+            info = await self.store.stat(key)
+            self.stats.add_step("stat", t0)
+            found = None if info is None else info.size
+        if found is not None and self.verify_stored and not await put.intact(key, addr, size):
+            found = None  # damaged: written again below (an atomic replace)
+        if found is not None:
+            if lease is not None:
+                lease.release()
+            self._preexisting.add(addr)
+            self._count(size, 0, skipped=found)
+            # stored no smaller than the plaintext: a raw frame (or zstd's raw blocks)
+            return ChunkRef(digest=addr, size=size, stored_size=found, raw=found >= size)
         if size < SMALL_CHUNK:
             blob, raw = await self._cpu(self.codec.pack, plain, addr, None, None, raw_saving)
             await self.store.put(key, blob)
@@ -397,14 +418,28 @@ class ImageWriter:
 
     def address_now(self, plain: bytes | memoryview, raw_saving: float | None) -> Early:
         """A chunk's address, and where its store writes parts whether it is stored raw —
-        blocking, in a worker thread (the producer's, or the pipeline's)."""
+        blocking, in a worker thread (the producer's, or the pipeline's). A raw chunk whose
+        address this image has not claimed yet is claimed and stored here too (looked up
+        first when dedup is on): no second trip through the event loop to a store thread."""
         t0 = time.perf_counter()
         raw: bool | None = None
         if self._storer.writes_parts() and len(plain) >= SMALL_CHUNK:
             addr, raw = self.codec.address_and_raw(plain, raw_saving)
         else:
             addr = self.codec.address_of(plain)
-        return Early(addr, raw, time.perf_counter() - t0)
+        seconds = time.perf_counter() - t0
+        if not (raw and self.dedup) or self._claims.claim(addr) is not None:
+            return Early(addr, raw, seconds)
+        try:
+            stored = self._storer.store_now(chunk_key(self.job, addr), plain)
+        except BaseException as exc:
+            self._claims.settle(addr, exc)
+            raise
+        return Early(addr, raw, seconds, stored)
+
+    def abandon(self, early: Early) -> None:
+        """A chunk addressed (and maybe claimed and stored) that will never be submitted."""
+        self._claims.abandon(early)
 
     def _count(
         self, size: int, stored: int, *, skipped: int | None = None, raw: bool = False
@@ -428,7 +463,7 @@ class ImageWriter:
             for r in results:
                 if isinstance(r, BaseException):
                     raise r
-            await commit.sync_chunks(self.store, self.ref, self._by_addr)
+            await commit.sync_chunks(self.store, self.ref, self._claims)
         with self.timeline.step("manifest"):
             io = self.settings.io_workers
             await commit.recheck_preexisting(self.store, self.ref, self._preexisting, io)

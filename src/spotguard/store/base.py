@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import builtins
+import functools
 import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
@@ -160,21 +161,19 @@ class BlockingStore(ABC):
         """The spotguard error for an SDK exception, or None to let it propagate."""
 
     # --- machinery ----------------------------------------------------------------------
-    async def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
-        """Run ``fn`` in the pool; map its errors; retry transient ones with backoff."""
-        loop = asyncio.get_running_loop()
-
-        async def once() -> T:
-            try:
-                return await loop.run_in_executor(self._pool, fn)
-            except StoreError:
+    def _mapped(self, key: str, fn: Callable[[], T]) -> T:
+        """``fn()`` with its SDK errors mapped to spotguard's (in whichever thread runs it)."""
+        try:
+            return fn()
+        except StoreError:
+            raise
+        except Exception as exc:
+            mapped = self._map_error(exc, key)
+            if mapped is None:
                 raise
-            except Exception as exc:
-                mapped = self._map_error(exc, key)
-                if mapped is None:
-                    raise
-                raise mapped from exc
+            raise mapped from exc
 
+    def _logged(self, what: str, key: str) -> Callable[[retries.Retry], None]:
         def logged(r: retries.Retry) -> None:
             self.retries += 1
             log.warning(
@@ -182,7 +181,29 @@ class BlockingStore(ABC):
                 extra={"op": what, "key": key, "attempt": r.attempt, "error": str(r.error)},
             )
 
-        return await retries.call(once, self.retry, StoreUnavailable, on_retry=logged)
+        return logged
+
+    async def _call(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        """Run ``fn`` in the pool; map its errors; retry transient ones with backoff."""
+        loop = asyncio.get_running_loop()
+
+        async def once() -> T:
+            return await loop.run_in_executor(self._pool, self._mapped, key, fn)
+
+        return await retries.call(
+            once, self.retry, StoreUnavailable, on_retry=self._logged(what, key)
+        )
+
+    def _call_here(self, what: str, key: str, fn: Callable[[], T]) -> T:
+        """:meth:`_call` in the caller's thread (blocking): the same error mapping, retries
+        and backoff, for a worker that has the data in hand (see
+        :meth:`put_parts_unless_stored_now`)."""
+        return retries.call_blocking(
+            lambda: self._mapped(key, fn),
+            self.retry,
+            StoreUnavailable,
+            on_retry=self._logged(what, key),
+        )
 
     async def put(self, key: str, data: Data, *, if_absent: bool = False) -> None:
         """Write ``data`` at ``key`` atomically (``if_absent``: only if nothing is there)."""
@@ -201,16 +222,20 @@ class BlockingStore(ABC):
     async def put_parts_unless_stored(self, key: str, parts: Parts) -> ObjectInfo | None:
         """:meth:`stat`, then — only where nothing is stored at ``key`` — :meth:`put_parts`,
         in one call in the store's thread: the object found (nothing written), or None once
-        written. A writer's dedup check and upload of one chunk without a trip through the
-        event loop between them."""
+        written."""
+        return await self._call("put", key, functools.partial(self._stat_or_put, key, parts))
 
-        def stat_or_put() -> ObjectInfo | None:
-            info = self._stat(key)
-            if info is None:
-                self._put_parts(key, parts() if callable(parts) else parts, False)
-            return info
+    def put_parts_unless_stored_now(self, key: str, parts: Parts) -> ObjectInfo | None:
+        """:meth:`put_parts_unless_stored`, blocking, in the caller's thread (with the
+        store's error mapping and retries): a writer's thread that has just copied in and
+        addressed a chunk looks it up and stores it with no trip through the event loop."""
+        return self._call_here("put", key, functools.partial(self._stat_or_put, key, parts))
 
-        return await self._call("put", key, stat_or_put)
+    def _stat_or_put(self, key: str, parts: Parts) -> ObjectInfo | None:
+        info = self._stat(key)
+        if info is None:
+            self._put_parts(key, parts() if callable(parts) else parts, False)
+        return info
 
     async def get(self, key: str) -> bytes:
         """The object's bytes; :class:`ObjectNotFound` when absent."""
