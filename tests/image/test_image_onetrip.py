@@ -178,3 +178,28 @@ async def test_a_chunk_stored_by_a_cancelled_producer_does_not_hold_up_its_twin(
     assert m.file("twin.img").chunks[0].raw and m.file("cancelled.img").size == 0
     pulled = await pull_image(w.url, tmp_path / "dest", settings=SETTINGS)
     assert (pulled.dest / "twin.img").read_bytes() == data
+
+
+async def test_a_later_image_finds_the_chunks_its_thread_looked_up_and_checks_them(
+    tmp_path: Path,
+) -> None:
+    """The same memory in a second image: each chunk found by its thread's lookup, nothing
+    written, counted as skipped — and each still decoded and checked before it is trusted
+    (one cut short on disk is written again)."""
+    store = WatchedStore(tmp_path / "store")
+    data = os.urandom(3 * CHUNK)
+    fills: list[str] = []
+    async with ImageWriter(store, "onetrip", settings=SETTINGS) as w1:
+        await _produce(w1, "pages.img", data, fills)
+        m1 = await asyncio.wait_for(w1.commit(), 30)
+    assert len(store.writes) == 3
+    cut = tmp_path / "store" / "onetrip" / "chunks"
+    victim = next(p for p in cut.rglob("*") if p.name == m1.file("pages.img").chunks[1].digest)
+    victim.write_bytes(victim.read_bytes()[:1000])  # cut short, as a power loss could leave it
+    async with ImageWriter(store, "onetrip", settings=SETTINGS) as w2:
+        await _produce(w2, "pages.img", data, fills)
+        await asyncio.wait_for(w2.commit(), 30)
+    assert len(store.writes) == 4  # only the damaged one written again
+    assert w2.stats.chunks_skipped == 2 and w2.stats.bytes_skipped == 2 * CHUNK
+    pulled = await pull_image(w2.url, tmp_path / "dest", settings=SETTINGS)
+    assert (pulled.dest / "pages.img").read_bytes() == data
