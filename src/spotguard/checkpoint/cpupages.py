@@ -25,12 +25,13 @@ Which ranges, and why they stay exact:
   CRIU's (it dumps shared memory apart from the task's private pages, which is all
   ``--external-pages`` leaves out); a private mapping that is no longer readable and writable
   (``mprotect`` since) is carried all the same: where ``process_vm_readv``/``writev`` fault on
-  its protection, its bytes go through ``/proc/PID/mem`` (:func:`.gpupages.read_memory`), and
+  its protection, its bytes go through ``/proc/PID/mem`` (:func:`.procmem.read_memory`), and
   CRIU restores the mapping with that protection. A job that keeps protecting memory inside
   its large mappings is frozen, not refused.
 
 A range copied after the seize holds exactly what the frozen job had; a page it never touched
-reads as zero and is not written back (the restored mapping reads zero already).
+reads as zero, and a 2 MiB block of such pages is not written back (the restored mapping reads
+zero already: the job's untouched memory stays untouched, :func:`.procmem.write_nonzero`).
 """
 
 from __future__ import annotations

@@ -15,8 +15,9 @@ through one pipe, one thread each way: a 40 GiB process dumped at ~3 GB/s and pa
   parallel like every file of the image);
 * **restore** — CRIU restores each range as a mapping with no pages yet; before the driver's
   restore reads it, the parts are fetched (every chunk verified against its authenticated
-  address) and written back with ``process_vm_writev`` by several threads. All-zero chunks
-  are not written: the fresh mapping already reads zero.
+  address) and written back with ``process_vm_writev`` by several threads. All-zero chunks,
+  and all-zero 2 MiB blocks inside the others, are not written: the fresh mapping already
+  reads zero (:func:`.procmem.write_nonzero`).
 
 Reading only while the tree is frozen makes the copy exact whoever mapped the range (a thread
 of the job mapping memory during the checkpoint included). The ranges, their parts and sizes
@@ -24,15 +25,12 @@ are in the image's metadata (:class:`GpuPages`, schema 4); an older image has no
 restores as before. Where CRIU lacks the option or ``[checkpoint] gpu_pages = "criu"``, CRIU
 moves the pages as it always did.
 
-Why ``process_vm_readv``/``writev`` through ``ctypes``: no maintained library wraps them, and
-the call releases the GIL, so the threads copy on separate cores.
+The bytes move through :mod:`.procmem` (``process_vm_readv``/``writev``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import errno
 import logging
 import os
 import re
@@ -42,7 +40,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from spotguard.errors import CheckpointError, ImageError, SpotguardError
-from spotguard.image import memops
+
+from .procmem import read_memory, touch, write_memory, write_nonzero
+
+__all__ = ["read_memory", "touch", "write_memory", "write_nonzero"]  # re-exported (see procmem)
 
 log = logging.getLogger(__name__)
 
@@ -52,8 +53,6 @@ MIN_RANGE_BYTES = 64 << 20
 #: path peak at about 8 threads and slow down beyond (bench/pagecopy.py, docs/benchmarks.md:
 #: 64 threads on a 64-core node moved a third of what 8 did)
 MAX_WORKERS = 8
-#: bytes moved by one process_vm_readv/writev call
-_STEP = 64 << 20
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 _PART_NAME = re.compile(r"(gpu|cpu)pages-[0-9]+-[0-9a-f]+-[0-9]+")
 #: the prefix of the parts of the GPU memory the driver staged (the job's own memory carried
@@ -294,92 +293,6 @@ def split(r: Range, ns_pid: int, workers: int, chunk: int) -> GpuPages:
     return GpuPages(ns_pid, r.start, r.end, tuple(parts))
 
 
-# --- moving the bytes ---------------------------------------------------------------------
-class _Iovec(ctypes.Structure):
-    _fields_ = [("base", ctypes.c_void_p), ("len", ctypes.c_size_t)]
-
-
-_libc = ctypes.CDLL(None, use_errno=True)
-_readv = _libc.process_vm_readv
-_writev = _libc.process_vm_writev
-for _fn in (_readv, _writev):
-    _fn.restype = ctypes.c_ssize_t
-    _fn.argtypes = (
-        ctypes.c_int,
-        ctypes.POINTER(_Iovec),
-        ctypes.c_ulong,
-        ctypes.POINTER(_Iovec),
-        ctypes.c_ulong,
-        ctypes.c_ulong,
-    )
-
-
-def _move(call: Any, what: str, pid: int, addr: int, view: memoryview) -> None:
-    """Copy all of ``view`` from (readv) or to (writev) ``addr`` in ``pid``; memory the
-    process protected (read-only, or no access) goes through ``/proc/PID/mem`` instead."""
-    n = len(view)
-    with memops.address(view) as base:
-        if base is None:
-            raise ValueError(f"{what}: a read-only or empty buffer")
-        done = 0
-        while done < n:
-            step = min(_STEP, n - done)
-            local = _Iovec(base + done, step)
-            remote = _Iovec(addr + done, step)
-            got = call(pid, ctypes.byref(local), 1, ctypes.byref(remote), 1, 0)
-            if got <= 0:
-                err = ctypes.get_errno()
-                if err == errno.EFAULT:  # protected where it is mapped: as a debugger does
-                    _through_mem(call is _writev, what, pid, addr + done, view[done:])
-                    return
-                raise OSError(err, f"{what} of pid {pid} at {addr + done:#x}: {os.strerror(err)}")
-            done += got
-
-
-def _through_mem(write: bool, what: str, pid: int, addr: int, view: memoryview) -> None:
-    """Copy ``view`` from or to ``addr`` in ``pid`` through ``/proc/PID/mem``: the kernel
-    then reads and writes a private mapping whatever its protection (a job may protect part
-    of a range between the choice of what spotguard copies and the freeze; restored, the
-    mapping has that protection again, and its bytes go back the same way). Slower than
-    ``process_vm_*`` (one copy through the kernel's buffer), so only where those fault."""
-    fd = os.open(f"/proc/{pid}/mem", os.O_RDWR if write else os.O_RDONLY)
-    try:
-        done = 0
-        while done < len(view):
-            rest, at = view[done:], addr + done
-            try:
-                got = os.pwrite(fd, rest, at) if write else os.preadv(fd, [rest], at)
-            except OSError as exc:  # EIO: not mapped there at all
-                raise OSError(exc.errno, f"{what} of pid {pid} at {at:#x}: {exc.strerror}") from exc
-            if got <= 0:
-                raise OSError(errno.EFAULT, f"{what} of pid {pid} at {at:#x}: not mapped")
-            done += got
-    finally:
-        os.close(fd)
-
-
-def read_memory(pid: int, addr: int, view: memoryview) -> None:
-    _move(_readv, "process_vm_readv", pid, addr, view)
-
-
-def write_memory(pid: int, addr: int, view: memoryview) -> None:
-    _move(_writev, "process_vm_writev", pid, addr, view)
-
-
-def touch(pid: int, addrs: Sequence[int]) -> int:
-    """Read one byte at each of ``addrs`` in ``pid`` (at most 1024): the pages fault in,
-    nothing is written (:mod:`.stagefault`). Return how many were read (the first address no
-    longer mapped ends the read)."""
-    n = len(addrs)
-    if not n:
-        return 0
-    buf = ctypes.create_string_buffer(n)
-    local = _Iovec(ctypes.addressof(buf), n)
-    remote = (_Iovec * n)(*[_Iovec(a, 1) for a in addrs])
-    got = _readv(pid, ctypes.byref(local), 1, remote, n, 0)
-    return max(0, int(got))
-
-
 async def save(
     target: PagesTarget,
     ranges: Sequence[Range],
@@ -439,7 +352,8 @@ async def load(
 
         def put(off: int, view: memoryview) -> None:
             _inside(part, off, len(view))
-            write_memory(pid, gp.start + part.offset + off, view)
+            # the restored mapping has no pages yet: blocks the job never touched stay so
+            write_nonzero(pid, gp.start + part.offset + off, view)
 
         async with gate:
             await source.get_pages(part.name, part.size, put)
