@@ -55,7 +55,7 @@ def test_a_read_only_buffer_is_never_skipped_unseen() -> None:
     """The zero test cannot look into a read-only buffer, so nothing of it is skipped: it
     goes to the write, which refuses it as :func:`write_memory` always did (the restore's
     buffers are its own, writable)."""
-    dest, base = _fresh(2 * B)
+    _keep, base = _fresh(2 * B)
     data = bytes(B)  # zeros, read-only
     with pytest.raises(ValueError, match="read-only"):
         write_nonzero(os.getpid(), base, memoryview(data))
