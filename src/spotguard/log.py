@@ -115,7 +115,10 @@ FIELDS: dict[str, str] = {
     "stored_bytes": "bytes stored (after compression and dedup)",
     "skipped_bytes": "bytes already in the store (dedup)",
     "need_bytes": "bytes a staging place needs",
-    "hold_bytes": "bytes of a leave-running image kept in host memory while the job goes on",
+    "hold_bytes": (
+        "the most bytes of a leave-running image it may keep in host memory while the job "
+        "goes on (what it held: peak_buffered)"
+    ),
     "peak_buffered": "most bytes held in memory at once",
     "pipe_bytes": "the size of the pipes a stream got from the kernel",
     "step_seconds": "seconds per step of the chunk pipeline, summed over its chunks",
