@@ -294,7 +294,7 @@ class FileSink:
             try:
                 if self._w.hashes_now():  # addressed (and stored) in the thread that filled it
                     early = await asyncio.to_thread(
-                        self._fill_and_address, fill, off, lease.view[:n], hand
+                        self._fill_and_address, fill, off, lease, n, hand
                     )
                 else:  # a held image's job is frozen: its cores are the copy's
                     await asyncio.to_thread(fill, off, lease.view[:n])
@@ -316,10 +316,11 @@ class FileSink:
         self,
         fill: Callable[[int, memoryview], None],
         off: int,
-        view: memoryview,
+        lease: Lease,
+        n: int,
         hand: _Handoff,
     ) -> Early:
-        with view:
+        with lease.view[:n] as view:  # made and released in the thread that uses it
             fill(off, view)
             return hand.give(self._w.address_now(view, self.raw_saving))
 
