@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from spotguard.image import ImageSettings, ImageWriter, pull_image
+from spotguard.image.manifest import Manifest
 from spotguard.retry import RetryPolicy
 from spotguard.store.base import Data
 from spotguard.store.file import FileStore
@@ -54,6 +55,14 @@ async def _produce(w: ImageWriter, name: str, data: bytes, fills: list[str]) -> 
     await asyncio.wait_for(w.file(name).produce(len(data), fill), 30)
 
 
+async def _image(store: FileStore, data: bytes, fills: list[str]) -> tuple[ImageWriter, Manifest]:
+    """One image of ``data`` produced as ``pages.img``, committed."""
+    async with ImageWriter(store, "onetrip", settings=SETTINGS) as w:
+        await _produce(w, "pages.img", data, fills)
+        m = await asyncio.wait_for(w.commit(), 30)
+    return w, m
+
+
 async def test_a_producers_raw_chunk_is_stored_in_the_thread_that_copied_it(
     tmp_path: Path,
 ) -> None:
@@ -62,9 +71,7 @@ async def test_a_producers_raw_chunk_is_stored_in_the_thread_that_copied_it(
     store = WatchedStore(tmp_path / "store")
     data = os.urandom(4 * CHUNK)
     fills: list[str] = []
-    async with ImageWriter(store, "onetrip", settings=SETTINGS) as w:
-        await _produce(w, "pages.img", data, fills)
-        m = await asyncio.wait_for(w.commit(), 30)
+    w, m = await _image(store, data, fills)
     assert len(store.writes) == 4
     assert all(c.raw for c in m.file("pages.img").chunks)
     writers = {t for _, t in store.writes}
@@ -97,10 +104,7 @@ async def test_a_transient_failure_in_the_producers_thread_is_retried_there(
     same thread; the image commits and reads back whole, the retry counted."""
     store = WatchedStore(tmp_path / "store", fail=1)
     data = os.urandom(2 * CHUNK)
-    fills: list[str] = []
-    async with ImageWriter(store, "onetrip", settings=SETTINGS) as w:
-        await _produce(w, "pages.img", data, fills)
-        await asyncio.wait_for(w.commit(), 30)
+    w, _ = await _image(store, data, [])
     assert store.retries == 1
     assert len(store.writes) == 3  # one failed, then two stored
     pulled = await pull_image(w.url, tmp_path / "dest", settings=SETTINGS)
@@ -188,17 +192,12 @@ async def test_a_later_image_finds_the_chunks_its_thread_looked_up_and_checks_th
     (one cut short on disk is written again)."""
     store = WatchedStore(tmp_path / "store")
     data = os.urandom(3 * CHUNK)
-    fills: list[str] = []
-    async with ImageWriter(store, "onetrip", settings=SETTINGS) as w1:
-        await _produce(w1, "pages.img", data, fills)
-        m1 = await asyncio.wait_for(w1.commit(), 30)
+    _, m1 = await _image(store, data, [])
     assert len(store.writes) == 3
     cut = tmp_path / "store" / "onetrip" / "chunks"
     victim = next(p for p in cut.rglob("*") if p.name == m1.file("pages.img").chunks[1].digest)
     victim.write_bytes(victim.read_bytes()[:1000])  # cut short, as a power loss could leave it
-    async with ImageWriter(store, "onetrip", settings=SETTINGS) as w2:
-        await _produce(w2, "pages.img", data, fills)
-        await asyncio.wait_for(w2.commit(), 30)
+    w2, _ = await _image(store, data, [])
     assert len(store.writes) == 4  # only the damaged one written again
     assert w2.stats.chunks_skipped == 2 and w2.stats.bytes_skipped == 2 * CHUNK
     pulled = await pull_image(w2.url, tmp_path / "dest", settings=SETTINGS)
