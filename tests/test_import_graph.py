@@ -115,3 +115,23 @@ def test_src_has_no_import_circle() -> None:
     assert new == [], "import circles in src/spotguard: " + "; ".join(" ↔ ".join(c) for c in new)
     gone = [c for c in KNOWN if c not in found]
     assert gone == [], f"no longer a circle, take it off KNOWN: {gone}"
+
+
+def test_the_checkpoint_command_loads_no_controller_models_nor_container_backends() -> None:
+    """What ``spotguard checkpoint`` imports before its freeze is the user's wait (issue 25,
+    item 5): the controller's ~50 wire models (``contracts``) and the container backends
+    (``dispatch`` and what it pulls in) are not needed for a process job, and once crept
+    back onto that path through a GPU group's messages and a container's spec."""
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, spotguard.commands.checkpoint, spotguard.operations.checkpoint\n"
+        "heavy = ['spotguard.contracts', 'spotguard.container.dispatch',"
+        " 'spotguard.container.containerd_ops', 'spotguard.container.docker_ops']\n"
+        "print(' '.join(m for m in heavy if m in sys.modules))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
+    )
+    assert out.stdout.strip() == "", f"imported on the checkpoint path: {out.stdout.strip()}"

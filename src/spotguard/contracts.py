@@ -45,6 +45,19 @@ from spotguard.names import image_prefix as image_prefix
 from spotguard.names import manifest_key as manifest_key
 from spotguard.names import new_image_id as new_image_id
 from spotguard.names import token_scope as token_scope
+from spotguard.wirebase import MAX_BYTES as MAX_BYTES
+from spotguard.wirebase import MAX_COUNT as MAX_COUNT
+from spotguard.wirebase import MAX_SECONDS as MAX_SECONDS
+from spotguard.wirebase import Bytes as Bytes
+from spotguard.wirebase import Count as Count
+from spotguard.wirebase import GpuDeviceInfo as GpuDeviceInfo
+from spotguard.wirebase import GpuInfo as GpuInfo
+from spotguard.wirebase import Seconds as Seconds
+from spotguard.wirebase import Timestamp as Timestamp
+from spotguard.wirebase import Wire as Wire
+
+# The base of every shape, the bounds of its numbers and the GPU inventory's shape live in
+# :mod:`spotguard.wirebase` (the checkpoint path uses them without this module's models).
 
 #: 2: per-kind event models (no ``detail``), typed errors, ``epoch``.
 SCHEMA = 2
@@ -73,25 +86,6 @@ class EventKind(StrEnum):
     RESTORE_FAILED = "restore_failed"
     JOB_FINISHED = "job_finished"  # the job itself exited (nothing more to protect)
     PARKED = "parked"  # the job was parked to a store: its process ended, its image is kept
-
-
-#: Bounds of the numbers on the wire, checked where a report is parsed (the controller's
-#: edge): no agent sends more, and a larger one (1e308, an integer SQLite cannot hold) is a
-#: 400, never a 500 nor a value stored in a job's record. inf and NaN are refused by
-#: :class:`Wire` itself.
-MAX_SECONDS = 1e9  # about 31 years: a duration, or a wall-clock time in seconds
-MAX_BYTES = 1 << 60  # 1 EiB
-MAX_COUNT = (1 << 31) - 1  # pids, attempts, epochs, GPU indices and counts, versions
-Seconds = Annotated[float, Field(ge=-MAX_SECONDS, le=MAX_SECONDS)]
-Timestamp = Annotated[float, Field(ge=0, le=100 * MAX_SECONDS)]
-Bytes = Annotated[int, Field(ge=0, le=MAX_BYTES)]
-Count = Annotated[int, Field(ge=0, le=MAX_COUNT)]
-
-
-class Wire(BaseModel):
-    """Base of every shape on the wire: unknown fields are refused, so are inf and NaN."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
 
 class InstanceInfo(Wire):
@@ -125,22 +119,6 @@ class NoticeInfo(Wire):
     def ends_vm(self) -> bool:
         """A preempt notice (spot terminate, GCP preemption, Azure Preempt, fleet warning)."""
         return self.kind == "preempt"
-
-
-class GpuDeviceInfo(Wire):
-    index: Count
-    uuid: str
-    model: str
-    memory_total: Bytes
-
-
-class GpuInfo(Wire):
-    """:class:`spotguard.facts.GpuInventory` on the wire."""
-
-    model: str | None = None
-    count: Count = 0
-    driver: str | None = None
-    devices: list[GpuDeviceInfo] = Field(default_factory=list)
 
 
 class HostInfo(Wire):

@@ -28,8 +28,8 @@ from typing import Annotated, Literal
 
 from pydantic import Field, StringConstraints
 
-from spotguard.contracts import Wire
 from spotguard.errors import ConfigError
+from spotguard.wirebase import Wire
 
 #: the job's environment variable naming its group (set by ``spotguard run --nccl-group``)
 GROUP_ENV = "SPOTGUARD_NCCL_GROUP"

@@ -10,20 +10,20 @@ import asyncio
 import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import click
 
 from spotguard.cli import config
 from spotguard.config import load
-from spotguard.container import dispatch
-from spotguard.container.backends import runtime_for
-from spotguard.container.dispatch import Backend
 from spotguard.container.settings import ContainerSettings
 from spotguard.container.spec import ContainerImage, ContainerRef, Runtime, is_container_image
 from spotguard.errors import ConfigError, ImageError
 from spotguard.image.reader import ImageReader
 from spotguard.image.settings import ImageSettings
+
+if TYPE_CHECKING:
+    from spotguard.container.dispatch import Backend
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -65,6 +65,8 @@ def split_run_flags(flags: dict[str, Any]) -> dict[str, Any]:
 
 def backend_for(ctx: click.Context, runtime: Runtime, criu: str | None) -> Backend:
     """The runtime backend of a job or image (``[container]`` settings)."""
+    from spotguard.container.backends import runtime_for  # the backends: when one is used
+
     settings = load(ContainerSettings, {}, config_file=config(ctx))
     return runtime_for(runtime, settings, criu=criu)
 
@@ -77,6 +79,8 @@ def run(
     as_json: bool,
 ) -> None:
     """``spotguard run --container podman:NAME -- IMAGE ARGS``."""
+    from spotguard.container import dispatch  # the backends, when one is used
+
     ref = ContainerRef.parse(mine["container"])
     image, *args = command
     backend = backend_for(ctx, ref.runtime, criu)
@@ -106,6 +110,7 @@ def checkpoint(
 ) -> None:
     """``spotguard checkpoint podman:NAME --to STORE_URL``."""
     from spotguard import operations
+    from spotguard.container import dispatch  # the backends, when one is used
 
     ref = ContainerRef.parse(job)
     if not operations.is_url(to):
@@ -151,6 +156,8 @@ def restore(
 ) -> bool:
     """Restore ``url`` as a container if it is a container image; False when it is not (the
     caller restores a process). ``--name`` is only for container images."""
+    from spotguard.container import dispatch  # the backends, when one is used
+
     settings = load(ImageSettings, {}, config_file=config(ctx))
     found = asyncio.run(_container_image(url, settings))
     if found is None:

@@ -45,10 +45,10 @@ from spotguard.container.containerd import Containerd
 from spotguard.container.docker import Docker
 from spotguard.container.podman import Podman
 from spotguard.container.spec import ContainerRef
-from spotguard.contracts import GpuInfo
 from spotguard.errors import GpuError, SpotguardError
 from spotguard.facts import GpuInventory
 from spotguard.timeline import Timeline
+from spotguard.wirebase import GpuInfo
 
 log = logging.getLogger(__name__)
 

@@ -19,10 +19,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from spotguard.contracts import GpuInfo
 from spotguard.errors import ImageError, JobError
 from spotguard.modes import Mode
 from spotguard.names import check_job_name
+from spotguard.wirebase import GpuInfo
 
 #: the one file of a container image: the runtime's checkpoint archive (uncompressed tar;
 #: the image's chunks are zstd frames)
