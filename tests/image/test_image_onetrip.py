@@ -104,9 +104,12 @@ async def test_a_transient_failure_in_the_producers_thread_is_retried_there(
     same thread; the image commits and reads back whole, the retry counted."""
     store = WatchedStore(tmp_path / "store", fail=1)
     data = os.urandom(2 * CHUNK)
-    w, _ = await _image(store, data, [])
+    fills: list[str] = []
+    w, _ = await _image(store, data, fills)
     assert store.retries == 1
     assert len(store.writes) == 3  # one failed, then two stored
+    writers = {t for _, t in store.writes}
+    assert writers <= set(fills), writers  # the retry too, in the producer's thread
     pulled = await pull_image(w.url, tmp_path / "dest", settings=SETTINGS)
     assert (pulled.dest / "pages.img").read_bytes() == data
 

@@ -193,6 +193,3 @@ class Claims:
     def __iter__(self) -> Iterator[str]:
         with self._lock:
             return iter(list(self._refs))
-
-    def __len__(self) -> int:
-        return len(self._refs)

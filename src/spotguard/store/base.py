@@ -219,16 +219,12 @@ class BlockingStore(ABC):
 
         await self._call("put", key, put)
 
-    async def put_parts_unless_stored(self, key: str, parts: Parts) -> ObjectInfo | None:
-        """:meth:`stat`, then — only where nothing is stored at ``key`` — :meth:`put_parts`,
-        in one call in the store's thread: the object found (nothing written), or None once
-        written."""
-        return await self._call("put", key, functools.partial(self._stat_or_put, key, parts))
-
     def put_parts_unless_stored_now(self, key: str, parts: Parts) -> ObjectInfo | None:
-        """:meth:`put_parts_unless_stored`, blocking, in the caller's thread (with the
-        store's error mapping and retries): a writer's thread that has just copied in and
-        addressed a chunk looks it up and stores it with no trip through the event loop."""
+        """:meth:`stat`, then — only where nothing is stored at ``key`` — :meth:`put_parts`,
+        blocking, in the caller's thread, with the store's error mapping and retries: the
+        object found (nothing written), or None once written. A writer's thread that has
+        just copied in and addressed a chunk looks it up and stores it with no trip through
+        the event loop."""
         return self._call_here("put", key, functools.partial(self._stat_or_put, key, parts))
 
     def _stat_or_put(self, key: str, parts: Parts) -> ObjectInfo | None:
