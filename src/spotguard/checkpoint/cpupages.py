@@ -153,6 +153,7 @@ def frozen(ranges: Sequence[Range]) -> list[Range]:
     than an image records, and :class:`CheckpointError` where a process's mappings cannot be
     read."""
     out: list[Range] = []
+    protected: list[str] = []  # said in one line: the job is frozen while this runs
     by_pid: dict[int, list[Range]] = {}
     for r in ranges:
         by_pid.setdefault(r.pid, []).append(r)
@@ -170,15 +171,17 @@ def frozen(ranges: Sequence[Range]) -> list[Range]:
                 if lo >= hi or perms[3:4] == "s":
                     continue
                 if perms[:2] != "rw":  # protected since: copied through /proc/PID/mem
-                    log.info(
-                        "memory chosen to copy beside CRIU was protected before the freeze",
-                        extra={"pid": pid, "ranges": f"{lo:#x}-{hi:#x}", "what": perms},
-                    )
+                    protected.append(f"pid {pid} {lo:#x}-{hi:#x} {perms}")
                 if pieces and pieces[-1][1] == lo:
                     pieces[-1] = (pieces[-1][0], hi)
                 else:
                     pieces.append((lo, hi))
             out += [Range(pid, lo, hi, PREFIX) for lo, hi in pieces]
+    if protected:
+        log.info(
+            "memory chosen to copy beside CRIU was protected before the freeze",
+            extra={"ranges": len(protected), "what": "; ".join(protected[:4])},
+        )
     if len(out) > MAX_PIECES:
         raise RangeChanged(f"the memory chosen to copy beside CRIU fell into {len(out)} pieces")
     if sum(r.size for r in out) != sum(r.size for r in ranges):
