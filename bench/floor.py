@@ -43,7 +43,8 @@ from blake3 import blake3
 
 from bench.pagecopy import _child
 from bench.ranks import JOB, _kill
-from spotguard.checkpoint.gpupages import read_memory, writable_anon, write_memory
+from spotguard.checkpoint.gpupages import writable_anon
+from spotguard.checkpoint.procmem import read_memory, write_memory
 from spotguard.image.memops import is_zero
 
 CHUNK = 64 << 20

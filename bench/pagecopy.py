@@ -30,7 +30,7 @@ from pathlib import Path
 
 from blake3 import blake3
 
-from spotguard.checkpoint.gpupages import read_memory, write_memory
+from spotguard.checkpoint.procmem import read_memory, write_memory
 
 CHUNK = 64 << 20
 PIECE = 1 << 20

@@ -541,7 +541,7 @@ async def test_memory_protected_even_against_reading_is_read_and_written_back(
     every byte read as the process has it, and written back where the process finds it."""
     import subprocess
 
-    from spotguard.checkpoint.gpupages import read_memory, write_memory
+    from spotguard.checkpoint.procmem import read_memory, write_memory
 
     proc = await asyncio.to_thread(subprocess.Popen, [sys.executable, "-c", _GUARDED, str(out)])
     try:

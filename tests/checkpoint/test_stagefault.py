@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.checkpoint import gpupages, stagefault
+from spotguard.checkpoint import gpupages, procmem, stagefault
 from spotguard.checkpoint.settings import CheckpointSettings
 
 THP = Path("/sys/kernel/mm/transparent_hugepage")
@@ -197,8 +197,8 @@ def test_the_zero_page_stays_off_until_the_last_overlapping_checkpoint_ends(
 def test_reading_a_range_that_is_gone_reads_nothing_and_raises_nothing() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
     try:
-        assert gpupages.touch(proc.pid, [0x1000, 0x2000]) == 0
-        assert gpupages.touch(proc.pid, []) == 0
+        assert procmem.touch(proc.pid, [0x1000, 0x2000]) == 0
+        assert procmem.touch(proc.pid, []) == 0
     finally:
         proc.kill()
         proc.wait()

@@ -41,9 +41,7 @@ from typing import Any, Protocol
 
 from spotguard.errors import CheckpointError, ImageError, SpotguardError
 
-from .procmem import read_memory, touch, write_memory, write_nonzero
-
-__all__ = ["read_memory", "touch", "write_memory", "write_nonzero"]  # re-exported (see procmem)
+from .procmem import read_memory, write_nonzero
 
 log = logging.getLogger(__name__)
 

@@ -48,7 +48,8 @@ from typing import Any, TypeVar
 from spotguard.errors import InjectError
 
 from . import inject
-from .gpupages import GpuPages, read_memory, write_memory
+from .gpupages import GpuPages
+from .procmem import read_memory, write_memory
 
 log = logging.getLogger(__name__)
 

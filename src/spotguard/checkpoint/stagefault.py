@@ -19,7 +19,7 @@ the last checkpoint that needed it is done), and transparent huge pages must be 
 driver's write finds present. Where either cannot be had, nothing is read (the reads would
 only map zero pages) and the checkpoint runs as before.
 
-Why ``process_vm_readv`` (:func:`~spotguard.checkpoint.gpupages.touch`): it is the one call that
+Why ``process_vm_readv`` (:func:`~spotguard.checkpoint.procmem.touch`): it is the one call that
 faults another process's pages without writing them (``process_madvise`` refuses
 ``MADV_POPULATE_*`` for another process), and it releases the GIL, so the threads fault on
 separate cores.
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from spotguard.checkpoint import gpupages
+from spotguard.checkpoint import gpupages, procmem
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.sizing import MEMINFO
 from spotguard.sizing import meminfo as read_meminfo
@@ -259,7 +259,7 @@ class Prefault:
         while (piece := self._next()) is not None:
             pid, lo, hi = piece
             addrs = list(range(lo, hi, HUGE))
-            done = gpupages.touch(pid, addrs)
+            done = procmem.touch(pid, addrs)
             with self.stats.lock:
                 self.stats.bytes += done * HUGE
 
