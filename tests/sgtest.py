@@ -235,8 +235,10 @@ class StagingGpu(RecordingGpu):
     more line in ``here/checked`` (the job read back every byte, as the driver's restore
     does)."""
 
-    def __init__(self, here: Path, script: str, *, checks: bool = True) -> None:
-        super().__init__(select=lambda pids: [p for p in pids if _runs(p, script)][:1])
+    def __init__(self, here: Path, script: str, *, checks: bool = True, memory: int = 0) -> None:
+        super().__init__(
+            select=lambda pids: [p for p in pids if _runs(p, script)][:1], memory=memory
+        )
         self.here = here
         self.with_checks = checks
 

@@ -162,6 +162,7 @@ FIELDS: dict[str, str] = {
     "images_deleted": "images deleted",
     "stale_markers_deleted": "stale writer markers deleted",
     "chunks_deferred": "chunks of a held leave-running image kept raw until the job resumed",
+    "buffers_made": "chunk buffers an image's writer made (fresh memory) over the image",
     "chunks_deleted": "chunks deleted",
     "bytes_freed": "bytes freed",
     "chunks_kept_young": "unreferenced chunks kept for being younger than the grace",

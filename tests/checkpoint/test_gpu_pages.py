@@ -110,11 +110,12 @@ def _settings(tmp_path: Path, criu: str, **kw: object) -> CheckpointSettings:
 
 
 async def _rig(
-    tmp_path: Path, here: Path, criu: str, name: str, **kw: object
+    tmp_path: Path, here: Path, criu: str, name: str, *, memory: int = 0, **kw: object
 ) -> tuple[JobInfo, StagingGpu, Engine]:
-    """The staging job started as ``name``, its stand-in driver and an engine over both."""
+    """The staging job started as ``name``, its stand-in driver (saying ``memory`` bytes of
+    GPU memory are in use: 0, not known) and an engine over both."""
     job = await _start(tmp_path, here, name)
-    gpu = StagingGpu(here, "staging_job.py")
+    gpu = StagingGpu(here, "staging_job.py", memory=memory)
     return job, gpu, Engine(Criu(criu), gpu, settings=_settings(tmp_path, criu, **kw))
 
 
@@ -229,6 +230,47 @@ async def test_a_leave_running_pause_and_a_staged_image_in_a_directory(
         restored = await engine.restore(DirectorySource(tmp_path / "img"))
         assert gpu.checks() == ["ok"]
         # its output as it was at the pause (carried in the image), then counting on from there
+        await _continues(job, stopped_at)
+    finally:
+        kill_tree(restored.pid if restored else None)
+
+
+async def test_a_held_pause_copies_the_staged_memory_into_room_faulted_in_before_the_freeze(
+    patched: str, tmp_path: Path, here: Path
+) -> None:
+    """A leave-running pause held in memory (``prefault_hold``, the default): the room the
+    GPU memory's copy is held in is made and faulted in with CRIU's, while the job still
+    runs, so the frozen job's staged memory is copied into pages that exist — not into
+    buffers the writer makes (and the kernel zeroes) while the job waits frozen."""
+    job, gpu, engine = await _rig(
+        tmp_path, here, patched, "gpupages-held", memory=STAGED_MIB * MIB,
+        restore_overlap_min_mib=0,
+    )  # fmt: skip
+    settings = ImageSettings()
+    target = _stream_target(tmp_path, settings)
+    frozen = await engine.freeze(job, target, Mode.RESUME)
+    assert gpu.checks() == ["ok"]
+    (pre,) = [s for s in target.timeline_steps if s.name == "hold_prefault"]
+    (dump,) = [s for s in frozen.timeline.steps if s.name == "criu_dump"]
+    assert pre.detail["bytes"] >= STAGED_MIB * MIB, pre.detail  # the job's and its GPU's
+    assert pre.start + (pre.seconds or 0) <= dump.start, "faulted in while the job was frozen"
+    stats = target.writer_stats
+    assert stats is not None
+    # the staged range is 48 chunks of 4 MiB, each copied into a buffer the writer made
+    # before; now the buffers it makes are for compressing (the stamped quarter's 12 chunks
+    # and CRIU's pages at most), never one per chunk of the range
+    assert stats.buffers_made < STAGED_MIB // 4 * 3 // 4, stats.to_json()
+    await until(lambda: _count(job) > 10, "the job running on")
+    kill_tree(job.pid)
+    await until(lambda: not psutil.pid_exists(job.pid), "the job gone")
+    (here / "checked").unlink()
+    stopped_at = _count(job)
+    restored = None
+    try:
+        assert target.url is not None
+        source = StreamSource(target.url, work_root=tmp_path / "w", settings=settings)
+        restored = await engine.restore(source, state_dir=tmp_path / "state")
+        assert gpu.checks() == ["ok"]
         await _continues(job, stopped_at)
     finally:
         kill_tree(restored.pid if restored else None)

@@ -76,3 +76,20 @@ def test_the_setting_is_read_from_the_environment(monkeypatch: pytest.MonkeyPatc
     monkeypatch.setenv("SPOTGUARD_RESUME_BUFFER_MB", "0")
     assert CheckpointSettings().resume_buffer_mb == 0
     assert CheckpointSettings.model_fields["resume_buffer_mb"].default == -1
+
+
+def test_the_prefault_covers_the_gpu_memory_only_where_its_size_is_known(tmp_path: Path) -> None:
+    """A held pause's room is faulted in before the freeze for the job's memory and, where
+    the GPU memory in use is known, for its copy too (within each share); a short host's
+    shares bound both."""
+    info = _meminfo(tmp_path, 128 * GiB, 120 * GiB)
+    hold = hold_for(-1, 8 * GiB, 20 * GiB, prefault=True, meminfo=info)
+    assert (hold.prefault, hold.prefault_pages) == (8 * GiB, 20 * GiB)
+    unknown = hold_for(-1, 8 * GiB, 0, prefault=True, meminfo=info)
+    assert (unknown.prefault, unknown.prefault_pages) == (8 * GiB, 0)
+    off = hold_for(-1, 8 * GiB, 20 * GiB, meminfo=info)
+    assert (off.prefault, off.prefault_pages) == (0, 0)
+    short = hold_for(
+        -1, 8 * GiB, 24 * GiB, prefault=True, meminfo=_meminfo(tmp_path, 128 * GiB, 40 * GiB)
+    )
+    assert short.prefault <= short.files and 0 < short.prefault_pages <= short.pages < 24 * GiB

@@ -120,19 +120,28 @@ async def test_an_exit_checkpoint_holds_nothing(
     assert staging["detail"]["hold_bytes"] == 0
 
 
-@pytest.mark.parametrize("held", [True, False], ids=["held", "not-held"])
+@pytest.mark.parametrize(
+    ("held", "prefaulted"),
+    [(True, False), (True, True), (False, False)],
+    ids=["held", "held-in-pieces-faulted-in-first", "not-held"],
+)
 async def test_gpu_memory_copied_beside_criu_is_held_while_the_store_is_stalled(
-    held: bool, tmp_path: Path
+    held: bool, prefaulted: bool, tmp_path: Path
 ) -> None:
-    """The GPU memory the driver staged goes into the writer's own buffers (``put_pages``):
-    with a hold it is all copied while the store takes nothing, without one the copy waits."""
+    """The GPU memory the driver staged goes into the writer's own buffers (``put_pages``),
+    or, with its size known and the hold faulted in first, into the capture's pieces made
+    before the freeze: with a hold it is all copied while the store takes nothing, without
+    one the copy waits."""
     gated = GatedStore(open_store(f"file://{tmp_path / 'store'}"), allow=0)
     target = StreamTarget(gated, work_root=tmp_path / "work", writer_options=SMALL,  # type: ignore[arg-type]
                           settings=ImageSettings())  # fmt: skip
     chunks = 12
-    hold = Hold(files=0, pages=chunks << 20) if held else NO_HOLD
+    pages = chunks << 20
+    hold = Hold(0, pages, prefault_pages=pages if prefaulted else 0) if held else NO_HOLD
     plan = await target.start("hold-pages", chunks << 20, hold)
     assert plan.hold_bytes == hold.total
+    made = [s.detail["bytes"] for s in target.timeline_steps if s.name == "hold_prefault"]
+    assert made == ([pages] if prefaulted else [])
     copied: list[int] = []
 
     def fill(offset: int, view: memoryview) -> None:

@@ -49,6 +49,10 @@ class Hold:
     #: bytes of the held pieces faulted in before the freeze, while the job still runs
     #: (``[checkpoint] prefault_hold``): about the job's resident memory, within ``files``
     prefault: int = 0
+    #: bytes more of them for the GPU memory's copy, where its size is known: about the GPU
+    #: memory in use, within ``pages``. When not 0 the GPU memory is copied into the same
+    #: pieces as CRIU's files (their pool holds ``pages`` more), not the writer's buffers
+    prefault_pages: int = 0
 
     @property
     def total(self) -> int:
@@ -103,12 +107,12 @@ def hold_for(
         # flow (a CUDA process dumps more than its resident memory at the scan), and pieces
         # are made only as bytes arrive, so a ceiling costs nothing unused.
         got = Hold(room - 2 * pages, pages, pack_later)
-        return _with_prefault(got, cpu_bytes) if prefault else got
+        return _with_prefault(got, cpu_bytes, gpu_bytes) if prefault else got
     # Not all of it: the same share of each, so neither side waits alone.
     share = room / want.memory
     got = Hold(int(files * share), int(pages * share), pack_later)
     if prefault:
-        got = _with_prefault(got, cpu_bytes)
+        got = _with_prefault(got, cpu_bytes, gpu_bytes)
     log.info(
         "a leave-running checkpoint keeps part of its image in memory; the job waits for the "
         "rest to be stored",
@@ -117,7 +121,13 @@ def hold_for(
     return got
 
 
-def _with_prefault(hold: Hold, cpu_bytes: int) -> Hold:
+def _with_prefault(hold: Hold, cpu_bytes: int, gpu_bytes: int) -> Hold:
     """``hold`` with its CRIU part faulted in up to the job's resident memory (what CRIU's
-    files come to, about: the pages it dumps)."""
-    return replace(hold, prefault=min(hold.files, cpu_bytes))
+    files come to, about: the pages it dumps), and its GPU part up to the GPU memory in use
+    (what the driver stages, about) where that is known: the copy out of the staging would
+    otherwise make fresh pages at the VM's rate while the job waits frozen."""
+    return replace(
+        hold,
+        prefault=min(hold.files, cpu_bytes),
+        prefault_pages=min(hold.pages, gpu_bytes) if gpu_bytes > 0 else 0,
+    )

@@ -226,7 +226,8 @@ class CheckpointSettings(Settings):
         default=True,
         description=(
             "A leave-running checkpoint to a store faults in the host memory it keeps the "
-            "job's image in (about the job's resident memory) before the freeze, while the "
+            "job's image in (about the job's resident memory and its GPU memory in use) "
+            "before the freeze, while the "
             "job still runs: the frozen job then does not wait for the kernel to zero fresh "
             "pages; costs that memory (within the hold) and the time to fault it in, before "
             "the freeze; false: pieces are made as the image flows, while the job is frozen"

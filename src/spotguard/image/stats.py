@@ -30,6 +30,9 @@ class TransferStats:
     chunks_raw: int = 0  # stored as raw frames: a sample showed they do not compress
     chunks_deferred: int = 0  # kept raw while a held image's job was frozen (Deferral)
     retries: int = 0
+    #: buffers the writer's pool made over the transfer (fresh memory, its pages faulted in
+    #: as first written): a held pause's copies go into room made before the freeze instead
+    buffers_made: int = 0
     # seconds spent per step of the chunk pipeline, summed over chunks (a sum above the
     # transfer's own seconds means that step ran for several chunks at once): where the
     # pipeline waits — for a slot, a buffer, the CPU work or the store
@@ -88,6 +91,7 @@ class TransferStats:
             "chunks_raw": self.chunks_raw,
             "chunks_deferred": self.chunks_deferred,
             "retries": self.retries,
+            "buffers_made": self.buffers_made,
             "seconds": round(self.seconds, 3),
             "mb_s": round(self.rate / MIB, 1),
             "wire_mb_s": round(self.wire_rate / MIB, 1),

@@ -447,6 +447,7 @@ class ImageWriter:
         self.stats.count_chunk(size, stored, skipped=skipped, raw=raw)
         self.stats.chunks_deferred = self.deferral.chunks
         self.stats.retries = getattr(self.store, "retries", 0)
+        self.stats.buffers_made = self.buffers.made
         if self.progress is not None:
             self.progress(self.stats)
 

@@ -173,6 +173,7 @@ class StreamTarget:
         self._sink: ImageSink | None = None
         self._capture: Capture | None = None
         self._pages_hold = 0
+        self._pages_in_pieces = False
         self._t0 = 0.0
 
     @property
@@ -233,11 +234,14 @@ class StreamTarget:
         # Pieces of one chunk each are handed to the writer as they are (no copy); enough of
         # them that every compressing thread has one while the readers fill the next.
         piece = self.piece_bytes or writer.chunk_size
+        # the GPU memory's copy into the same pieces, made before the freeze (see Hold)
+        self._pages_in_pieces = hold.prefault_pages > 0 and piece == writer.chunk_size
+        room = hold.files + (hold.pages if self._pages_in_pieces else 0)
         self._capture = Capture(
             self.images_dir,
             self._sink,
             piece_bytes=piece,
-            buffer_bytes=max(self.buffer_bytes, (writer.input_limit + 2) * piece) + hold.files,
+            buffer_bytes=max(self.buffer_bytes, (writer.input_limit + 2) * piece) + room,
             pipe_bytes=pipe_bytes(self.settings),
         )
         writer.hold(hold.files, 0)
@@ -245,9 +249,10 @@ class StreamTarget:
             writer.deferral.close()  # opened by finish: the job runs again by then
         self._pages_hold = hold.pages  # granted part by part, as the GPU memory's size is known
         await self._capture.start()
-        if hold.prefault > 0:  # the job still runs: fault in its image's room now
+        ahead = hold.prefault + (hold.prefault_pages if self._pages_in_pieces else 0)
+        if ahead > 0:  # the job still runs: fault in its image's room now
             t = time.time()
-            made = await self._capture.prefault(hold.prefault, os.cpu_count() or 1)
+            made = await self._capture.prefault(ahead, os.cpu_count() or 1)
             _step(self.timeline_steps, self.timeline, "hold_prefault", t, time.time(), bytes=made)
         inflight = writer.max_inflight * writer.chunk_size
         self.plan = StagingPlan(
@@ -301,6 +306,14 @@ class StreamTarget:
             await sink.produce_owned(size, fill, pieces)
             return
         sink.raw_saving = self.settings.gpu_raw_saving
+        if self._pages_in_pieces and pieces is not None and whole:
+            # a held pause's GPU memory: into pieces made before the freeze (their pool has
+            # room for the whole hold, taken already: no second look at the host's memory)
+            grant = min(self._pages_hold, size)
+            self._pages_hold -= grant
+            self._writer.hold(grant, 0)
+            await sink.produce_owned(size, fill, pieces)
+            return
         # A leave-running dump: this part is copied without waiting for the store, within
         # what the host can spare now that the staging exists (held twice at most).
         grant = min(self._pages_hold, size)
