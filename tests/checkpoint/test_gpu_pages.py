@@ -26,7 +26,7 @@ from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, start_job
 from spotguard.checkpoint.meta import ImageMeta
 from spotguard.checkpoint.settings import CheckpointSettings
-from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget, RestoreSource
 from spotguard.errors import GpuError, ImageError, SpotguardError
 from spotguard.image import ImageSettings
 from spotguard.image.reader import ImageReader
@@ -133,6 +133,31 @@ async def _continues(job: JobInfo, before: int) -> None:
     assert nums == list(range(len(nums)))
 
 
+async def _killed_and_restored(
+    job: JobInfo,
+    gpu: StagingGpu,
+    engine: Engine,
+    source: RestoreSource,
+    here: Path,
+    state_dir: Path | None = None,
+) -> None:
+    """A paused job that ran on, killed and restored from ``source``: its staged range comes
+    back exact, its output is as it was at the pause (carried in the image), then counts on
+    from there."""
+    await until(lambda: _count(job) > 10, "the job running on")
+    kill_tree(job.pid)
+    await until(lambda: not psutil.pid_exists(job.pid), "the job gone")
+    (here / "checked").unlink()
+    stopped_at = _count(job)
+    restored = None
+    try:
+        restored = await engine.restore(source, state_dir=state_dir)
+        assert gpu.checks() == ["ok"]
+        await _continues(job, stopped_at)
+    finally:
+        kill_tree(restored.pid if restored else None)
+
+
 @pytest.mark.parametrize("overlap", [True, False], ids=["placed-under-the-restore", "before"])
 async def test_staged_memory_streams_beside_criu_and_comes_back_exact(
     patched: str, tmp_path: Path, here: Path, overlap: bool
@@ -220,19 +245,7 @@ async def test_a_leave_running_pause_and_a_staged_image_in_a_directory(
     [carried] = frozen.meta.gpu_pages
     for part in carried.parts:
         assert (tmp_path / "img" / part.name).stat().st_size == part.size
-    await until(lambda: _count(job) > 10, "the job running on")
-    kill_tree(job.pid)
-    await until(lambda: not psutil.pid_exists(job.pid), "the job gone")
-    (here / "checked").unlink()
-    stopped_at = _count(job)
-    restored = None
-    try:
-        restored = await engine.restore(DirectorySource(tmp_path / "img"))
-        assert gpu.checks() == ["ok"]
-        # its output as it was at the pause (carried in the image), then counting on from there
-        await _continues(job, stopped_at)
-    finally:
-        kill_tree(restored.pid if restored else None)
+    await _killed_and_restored(job, gpu, engine, DirectorySource(tmp_path / "img"), here)
 
 
 async def test_a_held_pause_copies_the_staged_memory_into_room_faulted_in_before_the_freeze(
@@ -260,20 +273,9 @@ async def test_a_held_pause_copies_the_staged_memory_into_room_faulted_in_before
     # before; now the buffers it makes are for compressing (the stamped quarter's 12 chunks
     # and CRIU's pages at most), never one per chunk of the range
     assert stats.buffers_made < STAGED_MIB // 4 * 3 // 4, stats.to_json()
-    await until(lambda: _count(job) > 10, "the job running on")
-    kill_tree(job.pid)
-    await until(lambda: not psutil.pid_exists(job.pid), "the job gone")
-    (here / "checked").unlink()
-    stopped_at = _count(job)
-    restored = None
-    try:
-        assert target.url is not None
-        source = StreamSource(target.url, work_root=tmp_path / "w", settings=settings)
-        restored = await engine.restore(source, state_dir=tmp_path / "state")
-        assert gpu.checks() == ["ok"]
-        await _continues(job, stopped_at)
-    finally:
-        kill_tree(restored.pid if restored else None)
+    assert target.url is not None
+    source = StreamSource(target.url, work_root=tmp_path / "w", settings=settings)
+    await _killed_and_restored(job, gpu, engine, source, here, state_dir=tmp_path / "state")
 
 
 async def test_a_tampered_chunk_of_staged_memory_fails_the_restore_and_leaves_nothing(
