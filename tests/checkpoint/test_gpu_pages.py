@@ -9,9 +9,11 @@ range must come back exact through CRIU's restore, having never been in CRIU's p
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,8 @@ from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget, Resto
 from spotguard.errors import GpuError, ImageError, SpotguardError
 from spotguard.image import ImageSettings
 from spotguard.image.reader import ImageReader
+from spotguard.store.base import Data
+from spotguard.store.file import FileStore
 from spotguard.stream import StreamSource, StreamTarget
 
 MIB = 1 << 20
@@ -276,6 +280,45 @@ async def test_a_held_pause_copies_the_staged_memory_into_room_faulted_in_before
     assert target.url is not None
     source = StreamSource(target.url, work_root=tmp_path / "w", settings=settings)
     await _killed_and_restored(job, gpu, engine, source, here, state_dir=tmp_path / "state")
+
+
+class FullStore(FileStore):
+    """A file store out of room for chunks of 1 MiB or more (the staged range's random
+    half, stored raw): every such write fails with ``ENOSPC``, which no retry mends."""
+
+    def _put_parts(self, key: str, parts: Sequence[Data], if_absent: bool) -> None:
+        if "/chunks/" in key and sum(len(memoryview(p)) for p in parts) >= MIB:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super()._put_parts(key, parts, if_absent)
+
+
+async def test_a_store_failing_under_a_held_pause_leaves_the_job_running_and_no_image(
+    patched: str, tmp_path: Path, here: Path
+) -> None:
+    """The GPU memory held in pieces made before the freeze, the store then refusing it:
+    the freeze fails with the store's typed error, the job runs on with its GPU state back
+    (the range read back whole, nothing left locked) and no image is committed."""
+    job, gpu, engine = await _rig(
+        tmp_path, here, patched, "gpupages-held-full", memory=STAGED_MIB * MIB
+    )
+    target = StreamTarget(
+        FullStore(tmp_path / "store"),  # type: ignore[arg-type]
+        work_root=tmp_path / "w",
+        writer_options={"chunk_size": 4 * MIB},
+        settings=ImageSettings(),
+    )
+    try:
+        with pytest.raises(SpotguardError, match="No space left"):
+            await asyncio.wait_for(engine.freeze(job, target, Mode.RESUME), 60)
+        assert gpu.checks() == ["ok"] and gpu.stuck() == {}
+        (pre,) = [s for s in target.timeline_steps if s.name == "hold_prefault"]
+        assert pre.detail["bytes"] >= STAGED_MIB * MIB  # the path under test was taken
+        at_fail = _count(job)
+        await until(lambda: _count(job) > at_fail + 5, "the job running on")
+    finally:
+        kill_tree(job.pid)
+    assert target.manifest is None
+    assert not list((tmp_path / "store").rglob("*manifest*")), "a failed freeze left an image"
 
 
 async def test_a_tampered_chunk_of_staged_memory_fails_the_restore_and_leaves_nothing(
