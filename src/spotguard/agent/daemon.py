@@ -396,9 +396,8 @@ class Agent:
         return self.controller_url, self.controller_token
 
     def engine(self) -> Engine:
-        """The one engine of this agent, its NCCL groups meeting at the controller; made at
-        first use, so a CRIU that cannot run fails that restore or checkpoint (reported to
-        the controller) rather than the agent's start."""
+        """The agent's one engine, its NCCL groups meeting at the controller; made at first
+        use: a CRIU that cannot run fails that restore or checkpoint, not the agent's start."""
         if self._engine is None:
             self._engine = operations.engine_for(self.checkpoint_settings)
             self._engine.nccl.peers = groups.peers_factory(lambda: self._controller)
@@ -414,6 +413,8 @@ class Agent:
             reporter=self.reporter, metrics=self.metrics, instance=self.instance.to_json(),
             periodic_interval=self.settings.periodic_interval, last_image_at=last, ident=ident,
             file_limits=scan.FileLimits(info.dir, cs.max_file_bytes, cs.ghost_limit),
+            gives_way=lambda d: operations.exit_fits(info, self.store, settings=cs, deadline=d,
+                planner_settings=self.planner_settings, engine=self.engine()),
         )  # fmt: skip
         self.workers[info.name] = worker
         return worker

@@ -4,7 +4,11 @@ A :class:`JobWorker` keeps the requests for its job (one per notice, plus the pe
 and runs the one that must start first, when it is due. While it waits, a newer notice with an
 earlier start takes the lead, and a cancelled notice is simply dropped. Once a checkpoint has
 started it runs to the end (the engine thaws the job on any failure); a notice arriving
-meanwhile waits for it, and the image it then takes is small thanks to dedup.
+meanwhile waits for it, and the image it then takes is small thanks to dedup — except that a
+leave-running checkpoint gives way to a notice's exit that the daemon's ``gives_way`` says is
+predicted to fit its deadline on its own (:mod:`.giveway`), so an interruption notice does
+not wait behind the upload of a periodic or rebalance image. A due exit always goes before a
+due periodic one.
 
 A failed checkpoint never ends the worker: the job stays protected — except an ``exit``
 whose upload failed after the job was stopped (the checkpoint raises
@@ -38,6 +42,7 @@ from spotguard.modes import Mode
 from spotguard.notices.base import Notice, NoticeKind
 from spotguard.operations import CheckpointResult, ImageKept
 
+from .giveway import GivesWay, GiveWay
 from .identity import Identity
 from .jobstate import ACTIVE, JobState, check_move
 from .metrics import AgentMetrics
@@ -96,8 +101,10 @@ class JobWorker:
         last_image_at: float | None = None,
         ident: Identity | None = None,
         file_limits: scan.FileLimits | None = None,
+        gives_way: GivesWay | None = None,
     ) -> None:
         self.name = name
+        self.giving = GiveWay(name, gives_way)  # None: a notice waits for the one under way
         self.pid = pid
         self.ident = ident  # the job's process: pid and start time (alive() compares it)
         self.file_limits = file_limits  # what a checkpoint carries of its files (early check)
@@ -156,6 +163,7 @@ class JobWorker:
             },
         )
         self._wake.set()
+        self.giving.consider(req, self.pending)
         return True
 
     def cancel(self, key: str) -> bool:
@@ -189,6 +197,10 @@ class JobWorker:
             )
         if not candidates:
             return None
+        now = datetime.now(UTC)
+        exits = [r for r in candidates if r.mode is Mode.EXIT and r.start_at <= now]
+        if exits:  # a due exit goes first: an image taken before it would be superseded at once
+            return min(exits, key=lambda r: r.start_at)
         return min(candidates, key=lambda r: (r.start_at, r.mode is not Mode.EXIT))
 
     # --- the loop -------------------------------------------------------------------------
@@ -207,7 +219,26 @@ class JobWorker:
                 continue
             assert req is not None
             self.pending.pop(req.key, None)
-            await self._execute(req)
+            await self._run_one(req)
+
+    async def _run_one(self, req: Request) -> None:
+        """Run ``req``'s checkpoint as a task of its own, so that a notice may cancel a
+        leave-running one (:class:`~.giveway.GiveWay`); the worker's own cancellation goes
+        through."""
+        task = asyncio.create_task(self._execute(req), name=f"checkpoint-{self.name}")
+        self.giving.running = (req, task)
+        try:
+            await task
+        except asyncio.CancelledError:
+            me = asyncio.current_task()
+            by = self.giving.gave_way_to
+            if by is None or (me is not None and me.cancelling()):
+                raise
+            for w in req.waiters:
+                if not w.done():
+                    w.set_result({"job": self.name, "gave_way_to": by})
+        finally:
+            self.giving.done()
 
     async def _early_check(self) -> None:
         """Tell the operator now, not at the notice, when the job holds something no

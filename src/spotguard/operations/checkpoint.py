@@ -169,6 +169,31 @@ def _left(deadline: datetime | None) -> float | None:
     return None if deadline is None else (deadline - datetime.now(UTC)).total_seconds()
 
 
+async def exit_fits(
+    job: JobInfo,
+    store_url: str,
+    *,
+    settings: CheckpointSettings,
+    planner_settings: PlannerSettings | None,
+    deadline: datetime,
+    engine: Engine | None = None,
+) -> bool:
+    """Whether an exit checkpoint of ``job`` started now is predicted durable before
+    ``deadline`` — as :func:`checkpoint` would plan its first path. True where the planner
+    cannot say (an exit then goes ahead too). What a leave-running checkpoint under way asks
+    before it gives way to a notice's exit (:mod:`spotguard.agent.worker`)."""
+    eng = engine or engine_for(settings)
+    chain = await choose_paths(settings.stream, eng)
+    planning = _Planning(
+        planner_settings or PlannerSettings.model_construct(), settings.state_dir, job, store_url
+    )
+    parallel = bool(await eng.criu.page_worker_args())
+    beside = await gpupages.carried_beside(eng.criu, settings.gpu_pages)
+    left = _left(deadline)
+    plan = await asyncio.to_thread(planning.plan, chain[0].streamed, left, parallel, beside)
+    return plan is None or plan.fits
+
+
 async def checkpoint(
     job: JobInfo,
     store_url: str,
