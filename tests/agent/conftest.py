@@ -5,11 +5,25 @@ from __future__ import annotations
 import shutil
 import subprocess
 import uuid
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 from agent_helpers import EventSink, Host, job_argv
+
+from sgtest import store_servers
+from spotguard.simulator import MetadataSim
+
+_stores = store_servers()
+s3_bucket = _stores.s3_bucket  # type: ignore[attr-defined]
+fault_proxy = _stores.fault_proxy  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+async def sim() -> AsyncIterator[MetadataSim]:
+    """The metadata emulator, for an agent started as a process (``sim.env()``)."""
+    async with MetadataSim() as s:
+        yield s
 
 
 @pytest.fixture

@@ -9,8 +9,10 @@ callable, recording what ran; the real freeze, cancelled in its upload by a real
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -29,11 +31,12 @@ from spotguard.notices.base import Cloud, Notice, NoticeKind
 
 
 class Runs:
-    """The worker's checkpoints: each records ``(mode, "start"|"end"|"cancelled")``; a
-    leave-running one lasts until ``release`` is set (an upload that takes long); every one
+    """The worker's checkpoints: each records ``(mode, "start"|"end"|"cancelled")``; one of
+    a mode in ``blocks`` lasts until ``release`` is set (an upload that takes long); every one
     ends with a non-retryable error (no image: what the worker does next is under test)."""
 
-    def __init__(self) -> None:
+    def __init__(self, blocks: tuple[Mode, ...] = (Mode.RESUME,)) -> None:
+        self.blocks = blocks
         self.log: list[tuple[str, str]] = []
         self.release = asyncio.Event()
         self.started = asyncio.Event()
@@ -42,7 +45,7 @@ class Runs:
         self.log.append((mode.value, "start"))
         self.started.set()
         try:
-            if mode is Mode.RESUME:
+            if mode in self.blocks:
                 await self.release.wait()
         except asyncio.CancelledError:
             self.log.append((mode.value, "cancelled"))
@@ -74,6 +77,20 @@ def _request(key: str, mode: Mode) -> tuple[Request, asyncio.Future[Any]]:
     return Request(key, mode, now, "test", notice=notice, waiters=[done]), done
 
 
+@contextlib.asynccontextmanager
+async def _running(w: JobWorker, runs: Runs, key: str, mode: Mode) -> AsyncIterator[Any]:
+    """``w`` running, its first checkpoint (``key``, ``mode``) started; yields its waiter."""
+    first, done = _request(key, mode)
+    w.submit(first)
+    loop = asyncio.create_task(w.run())
+    try:
+        await asyncio.wait_for(runs.started.wait(), 10)
+        yield done
+    finally:
+        loop.cancel()
+        await asyncio.gather(loop, return_exceptions=True)
+
+
 async def _until(cond: Any, what: str) -> None:
     for _ in range(500):
         if cond():
@@ -101,11 +118,7 @@ async def test_a_leave_running_checkpoint_gives_way_to_an_exit_only_when_the_exi
 ) -> None:
     runs = Runs()
     w = _worker(tmp_path, runs, answer)
-    rebalance, rebalance_done = _request("aws-rebalance", Mode.RESUME)
-    w.submit(rebalance)
-    loop = asyncio.create_task(w.run())
-    try:
-        await asyncio.wait_for(runs.started.wait(), 10)
+    async with _running(w, runs, "aws-rebalance", Mode.RESUME) as rebalance_done:
         exit_req, exit_done = _request("aws-preempt", Mode.EXIT)
         w.submit(exit_req)
         await _until(lambda: w.asked, "the worker asking")  # type: ignore[attr-defined]
@@ -120,37 +133,18 @@ async def test_a_leave_running_checkpoint_gives_way_to_an_exit_only_when_the_exi
             await _until(lambda: ("exit", "start") in runs.log, "the exit starting")
             assert runs.log[:3] == [("resume", "start"), ("resume", "end"), ("exit", "start")]
         assert "error" in await asyncio.wait_for(exit_done, 5)
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
 
 
 async def test_an_exit_under_way_never_gives_way_and_nothing_is_asked(tmp_path: Path) -> None:
-    runs = Runs()
+    runs = Runs(blocks=(Mode.EXIT,))
     w = _worker(tmp_path, runs, True)
-    gate = asyncio.Event()
-
-    async def slow_exit(mode: Mode, *a: Any) -> Any:
-        runs.log.append((mode.value, "start"))
-        runs.started.set()
-        await gate.wait()
-        raise CheckpointError("no image in this test")
-
-    w.checkpointer = slow_exit
-    first, first_done = _request("aws-maintenance", Mode.EXIT)
-    w.submit(first)
-    loop = asyncio.create_task(w.run())
-    try:
-        await asyncio.wait_for(runs.started.wait(), 10)
+    async with _running(w, runs, "aws-maintenance", Mode.EXIT) as first_done:
         second, _ = _request("aws-preempt", Mode.EXIT)
         w.submit(second)
         await asyncio.sleep(0.3)
         assert w.asked == [] and runs.log == [("exit", "start")]  # type: ignore[attr-defined]
-        gate.set()
+        runs.release.set()
         assert "error" in await asyncio.wait_for(first_done, 5)
-    finally:
-        loop.cancel()
-        await asyncio.gather(loop, return_exceptions=True)
 
 
 async def test_the_workers_own_cancellation_cancels_the_checkpoint_under_way(

@@ -10,7 +10,6 @@ import json
 import os
 import signal
 import sys
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -34,10 +33,7 @@ from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
 
-_servers = store_servers()
-s3_bucket = _servers.s3_bucket  # type: ignore[attr-defined]
-fault_proxy = _servers.fault_proxy  # type: ignore[attr-defined]
-FaultProxy = _servers.FaultProxy  # type: ignore[attr-defined]
+FaultProxy = store_servers().FaultProxy  # type: ignore[attr-defined]
 
 # Enough memory that the dump takes a moment on two cores, so the kill lands inside it; a
 # minute of steps, so that the job still runs when the second agent checkpoints it however
@@ -46,12 +42,6 @@ FaultProxy = _servers.FaultProxy  # type: ignore[attr-defined]
 # over its first MORE lines past the restore, then both are stopped.
 BIG = ("--steps", "2000", "--step-seconds", "0.03", "--mb", "384", "--seed", "3", "--gpu", "no")
 MORE = 40
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[MetadataSim]:
-    async with MetadataSim() as s:
-        yield s
 
 
 async def start_agent(

@@ -11,14 +11,12 @@ a proxy that holds every chunk upload of the rebalance image unanswered.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 from agent_helpers import EventSink, Host, job_argv, wait_until
-from test_agent_kill import start_agent
+from test_agent_kill import FaultProxy, start_agent
 
-from sgtest import store_servers
 from spotguard.checkpoint.jobs import start_job
 from spotguard.image import ImageSettings, verify_image
 from spotguard.image.catalog import list_images
@@ -26,18 +24,7 @@ from spotguard.simulator import MetadataSim
 
 pytestmark = pytest.mark.criu
 
-_servers = store_servers()
-s3_bucket = _servers.s3_bucket  # type: ignore[attr-defined]
-fault_proxy = _servers.fault_proxy  # type: ignore[attr-defined]
-FaultProxy = _servers.FaultProxy  # type: ignore[attr-defined]
-
 JOB = ("--steps", "2000", "--step-seconds", "0.03", "--mb", "64", "--seed", "7", "--gpu", "no")
-
-
-@pytest.fixture
-async def sim() -> AsyncIterator[MetadataSim]:
-    async with MetadataSim() as s:
-        yield s
 
 
 async def test_an_interruption_notice_does_not_wait_for_a_rebalance_image_still_uploading(
