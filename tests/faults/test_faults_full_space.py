@@ -13,7 +13,9 @@ job, real tmpfs mounts and a real ``file://`` store:
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -67,6 +69,22 @@ def _kill_jobs(state: Path) -> None:
     for k in list_jobs(state):
         if proctree.alive(k.pid):
             proctree.signal_all(proctree.tree(k.pid), signal.SIGKILL)
+
+
+def _room_to_grow(path: Path, nbytes: int) -> None:
+    """Pages for ``path`` to grow by ``nbytes`` that a full filesystem cannot take away
+    (``fallocate`` with ``FALLOC_FL_KEEP_SIZE``: its size unchanged). The job prints a line
+    every step into its output in the state dir: once that fills, its next line past the last
+    page it has fails with ENOSPC and the job dies — sometimes in the middle of the dump."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fallocate.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_longlong, ctypes.c_longlong]
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        if libc.fallocate(fd, 1, os.fstat(fd).st_size, nbytes) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"fallocate {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
 
 
 def _fill(where: Path) -> None:
@@ -163,6 +181,7 @@ async def test_a_state_dir_that_cannot_be_written_never_aborts_the_checkpoint(
             job, store, mode=Mode.RESUME, settings=settings, image_settings=IMG, stream=stream
         )
         if how == "full":
+            _room_to_grow(job.dir / "stdout", 1 << 20)  # its own lines still fit (see there)
             _fill(job.dir / "big-output")  # the job's own output fills the state dir
         else:
             _read_only(state)
