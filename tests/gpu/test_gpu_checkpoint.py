@@ -21,7 +21,7 @@ import pytest
 from sgtest import GatedStore, until
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu, has_external_pages
-from spotguard.checkpoint.cuda import CudaHook, driver_available, inventory
+from spotguard.checkpoint.cuda import CudaHook, GpuState, driver_available, inventory
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import exit_status, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
@@ -177,6 +177,60 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
         print(f"losses bit-identical to the reference over {len(ref)} lines")
     finally:
         for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
+            proctree.signal_all([pid], signal.SIGKILL)
+        await gated.inner.aclose()
+
+
+async def test_a_held_pause_given_up_while_it_uploads_leaves_the_job_training_on_its_gpu(
+    gpu_ready: None, criu_bin: str, tmp_path: Path
+) -> None:
+    """What an interruption notice does to a leave-running checkpoint still uploading
+    (:mod:`spotguard.agent.giveway`): the freeze is cancelled after the job trains again. The
+    job keeps training with its GPU state running, the stalled image gets no manifest, and an
+    exit image taken then restores to losses bit-identical to an uninterrupted run."""
+    done = await asyncio.to_thread(
+        subprocess.run, [*JOB, "--step-seconds", "0"], capture_output=True, text=True, env=ENV,
+        check=True,
+    )  # fmt: skip
+    ref = done.stdout.splitlines()
+    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
+    engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
+    job = await start_job(
+        [*JOB, "--step-seconds", "0.05"], "gpu-train-gave-way", state_dir=settings.state_dir,
+        env=ENV,
+    )  # fmt: skip
+    out = job.dir / "stdout"
+    gated = GatedStore(open_store(f"file://{tmp_path / 'stalled'}"))
+    restored = None
+    try:
+        await until(lambda: len(_lines(out)) > 10, "first training steps", limit=120)
+        target = StreamTarget(gated, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
+        pausing = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
+        await asyncio.wait_for(gated.blocked.wait(), 120)
+        n = len(_lines(out))
+        await until(lambda: len(_lines(out)) > n + 3, "training while the store stalls", 60)
+        pausing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(pausing, 60)
+        assert target.manifest is None
+        n = len(_lines(out))
+        await until(lambda: len(_lines(out)) > n + 3, "training after the give-up", 60)
+        gpids = await engine.gpu.gpu_pids(proctree.tree(job.pid))
+        states = [await engine.gpu.state(p) for p in gpids]
+        assert gpids and states == [GpuState.RUNNING] * len(gpids), states
+        img = tmp_path / "img"
+        frozen = await engine.freeze(job, DirectoryTarget(img), Mode.EXIT)
+        print(f"\nafter the give-up, exit freeze: {_steps(frozen.timeline.steps)}")
+        restored = await engine.restore(DirectorySource(img), state_dir=settings.state_dir)
+        await until(
+            lambda: exit_status(restored.job) is not None, "the restored job to finish", limit=120
+        )
+        assert exit_status(restored.job) == 0
+        assert _lines(out) == ref
+        print(f"losses bit-identical to the reference over {len(ref)} lines")
+    finally:
+        gated.gate.set()
+        for pid in {job.pid, *([restored.pid] if restored else [])}:
             proctree.signal_all([pid], signal.SIGKILL)
         await gated.inner.aclose()
 
