@@ -68,7 +68,11 @@ class GiveWay:
             or self.gave_way_to is not None
         ):
             return
-        task = asyncio.create_task(self._weigh(req, req.deadline, running, pending))
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:  # queued from outside the agent's loop: the notice waits
+            return
+        task = loop.create_task(self._weigh(req, req.deadline, running, pending))
         self._asking.add(task)
         task.add_done_callback(self._asking.discard)
 
