@@ -124,28 +124,49 @@ class _Planning:
         self.planner: Planner | None = None
         self.job = job
         self.store_url = store_url
+        # what the CRIU at hand does (:meth:`for_job`): dumps the job's processes at once
+        # (the planner spreads the image over them once it has measured the host's combined
+        # rate); copies the GPU memory beside CRIU, at its own rate
+        self.parallel = False
+        self.beside = False
         try:
             self.planner = Planner(settings, state_dir=state_dir)
         except (SpotguardError, OSError) as exc:
             log.warning("deadline planner unavailable", extra={"job": job.name, "error": str(exc)})
 
+    @classmethod
+    async def for_job(
+        cls,
+        eng: Engine,
+        settings: CheckpointSettings,
+        planner_settings: PlannerSettings | None,
+        job: JobInfo,
+        store_url: str,
+    ) -> _Planning:
+        """The planning of ``job``'s checkpoints with ``eng``'s CRIU: what
+        :func:`checkpoint` plans by and :func:`exit_fits` asks."""
+        planning = cls(
+            planner_settings or PlannerSettings.model_construct(), settings.state_dir, job,
+            store_url,
+        )  # fmt: skip
+        planning.parallel = bool(await eng.criu.page_worker_args())  # patched CRIU: at once
+        planning.beside = await gpupages.carried_beside(eng.criu, settings.gpu_pages)
+        return planning
+
     @property
     def margin_s(self) -> float:
         return self.planner.settings.margin_s if self.planner is not None else 0.0
 
-    def plan(
-        self, streamed: bool, left_s: float | None, parallel: bool = False, beside: bool = False
-    ) -> Plan | None:
-        """``parallel``: the CRIU at hand dumps the job's processes at once (the planner
-        spreads the image over them once it has measured the host's combined rate).
-        ``beside``: the GPU memory is copied beside CRIU, at its own rate."""
+    def plan(self, streamed: bool, left_s: float | None) -> Plan | None:
+        """The plan of a path (``streamed`` or staged) with ``left_s`` seconds to the
+        deadline (None: none); None where the planner cannot say."""
         if self.planner is None:
             return None
         try:
             est = estimate(self.job.pid)
             return self.planner.plan(
                 est, deadline_s=left_s, store_url=self.store_url, stream=streamed,
-                pid=self.job.pid, parallel=parallel, beside=beside,
+                pid=self.job.pid, parallel=self.parallel, beside=self.beside,
             )  # fmt: skip
         except (SpotguardError, OSError) as exc:
             log.warning("deadline planner failed", extra={"job": self.job.name, "error": str(exc)})
@@ -184,13 +205,8 @@ async def exit_fits(
     before it gives way to a notice's exit (:mod:`spotguard.agent.worker`)."""
     eng = engine or engine_for(settings)
     chain = await choose_paths(settings.stream, eng)
-    planning = _Planning(
-        planner_settings or PlannerSettings.model_construct(), settings.state_dir, job, store_url
-    )
-    parallel = bool(await eng.criu.page_worker_args())
-    beside = await gpupages.carried_beside(eng.criu, settings.gpu_pages)
-    left = _left(deadline)
-    plan = await asyncio.to_thread(planning.plan, chain[0].streamed, left, parallel, beside)
+    planning = await _Planning.for_job(eng, settings, planner_settings, job, store_url)
+    plan = await asyncio.to_thread(planning.plan, chain[0].streamed, _left(deadline))
     return plan is None or plan.fits
 
 
@@ -222,17 +238,13 @@ async def checkpoint(
     """
     eng = engine or engine_for(settings)
     chain = await choose_paths(stream or settings.stream, eng)
-    planning = _Planning(
-        planner_settings or PlannerSettings.model_construct(), settings.state_dir, job, store_url
-    )
+    planning = await _Planning.for_job(eng, settings, planner_settings, job, store_url)
     inst = instance or InstanceFacts()
     base: dict[str, Any] = {"instance": inst.to_json(), **(meta or {})}
-    parallel = bool(await eng.criu.page_worker_args())  # patched CRIU: ranks at once
-    beside = await gpupages.carried_beside(eng.criu, settings.gpu_pages)
     for i, path in enumerate(chain):
         more = i + 1 < len(chain)
         left = _left(deadline)
-        plan = planning.plan(path.streamed, left, parallel, beside)
+        plan = planning.plan(path.streamed, left)
         if plan is not None and plan.mode == "keep-periodic":
             raise CheckpointError(
                 f"{job.name}: an image cannot be durable before the deadline ({plan.reason})"

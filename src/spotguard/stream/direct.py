@@ -306,7 +306,7 @@ class StreamTarget:
             await sink.produce_owned(size, fill, pieces)
             return
         sink.raw_saving = self.settings.gpu_raw_saving
-        if self._pages_in_pieces and pieces is not None and whole:
+        if self._pages_in_pieces and pieces is not None:  # (their size: a chunk's)
             # a held pause's GPU memory: into pieces made before the freeze (their pool has
             # room for the whole hold, taken already: no second look at the host's memory)
             grant = min(self._pages_hold, size)
