@@ -23,7 +23,7 @@ from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu, has_external_pages
 from spotguard.checkpoint.cuda import CudaHook, GpuState, driver_available, inventory
 from spotguard.checkpoint.engine import Engine, Mode
-from spotguard.checkpoint.jobs import exit_status, start_job
+from spotguard.checkpoint.jobs import JobInfo, exit_status, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.image import ImageSettings
@@ -104,18 +104,39 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
             print(f"GPU memory carried beside CRIU: {staged >> 20} MiB")
         print(f"exit-mode freeze: {_steps(frozen.timeline.steps)}")
         print(f"restore: {_steps(restored.timeline.steps)}")
-        await until(
-            lambda: exit_status(restored.job) is not None, "the restored job to finish", limit=120
-        )
-        assert exit_status(restored.job) == 0
-        assert _lines(out) == ref
-        print(f"losses bit-identical to the reference over {len(ref)} lines")
+        await _finishes_as_the_reference(restored.job, out, ref)
     except BaseException:
         print("job stderr:", err.read_text()[-3000:] if err.exists() else "(none)")
         raise
     finally:
         for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
             proctree.signal_all([pid], signal.SIGKILL)
+
+
+async def _finishes_as_the_reference(job: JobInfo, out: Path, ref: list[str]) -> None:
+    """The restored trainer ``job`` runs to its end, cleanly, its output ``out`` the
+    uninterrupted run's line for line (losses bit-identical)."""
+    await until(lambda: exit_status(job) is not None, "the restored job to finish", limit=120)
+    assert exit_status(job) == 0
+    assert _lines(out) == ref
+    print(f"losses bit-identical to the reference over {len(ref)} lines")
+
+
+async def _reference_and_training(
+    criu_bin: str, tmp_path: Path, name: str
+) -> tuple[list[str], CheckpointSettings, Engine, JobInfo]:
+    """The trainer's output run straight through (the reference), then the same trainer
+    started as ``name`` (a step every 50 ms) with an engine over the GPU driver."""
+    done = await asyncio.to_thread(
+        subprocess.run, [*JOB, "--step-seconds", "0"], capture_output=True, text=True, env=ENV,
+        check=True,
+    )  # fmt: skip
+    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
+    engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
+    job = await start_job(
+        [*JOB, "--step-seconds", "0.05"], name, state_dir=settings.state_dir, env=ENV
+    )
+    return done.stdout.splitlines(), settings, engine, job
 
 
 async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
@@ -125,16 +146,7 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
     driver staged, CRIU's files) into host memory and lets the job train on; the store takes
     it after. The store here holds every chunk after the second until the job has trained
     on; the image then restores to losses bit-identical to an uninterrupted run."""
-    done = await asyncio.to_thread(
-        subprocess.run, [*JOB, "--step-seconds", "0"], capture_output=True, text=True, env=ENV,
-        check=True,
-    )  # fmt: skip
-    ref = done.stdout.splitlines()
-    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
-    engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
-    job = await start_job(
-        [*JOB, "--step-seconds", "0.05"], "gpu-train-hold", state_dir=settings.state_dir, env=ENV
-    )
+    ref, settings, engine, job = await _reference_and_training(criu_bin, tmp_path, "gpu-train-hold")
     out = job.dir / "stdout"
     gated = GatedStore(open_store(f"file://{tmp_path / 'store'}"))
     try:
@@ -169,12 +181,7 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
         shutil.rmtree(job.dir)
         source = StreamSource(target.url, settings=ImageSettings(), work_root=tmp_path / "w2")
         restored = await engine.restore(source, state_dir=settings.state_dir)
-        await until(
-            lambda: exit_status(restored.job) is not None, "the restored job to finish", limit=120
-        )
-        assert exit_status(restored.job) == 0
-        assert _lines(out) == ref
-        print(f"losses bit-identical to the reference over {len(ref)} lines")
+        await _finishes_as_the_reference(restored.job, out, ref)
     finally:
         for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
             proctree.signal_all([pid], signal.SIGKILL)
@@ -188,17 +195,9 @@ async def test_a_held_pause_given_up_while_it_uploads_leaves_the_job_training_on
     (:mod:`spotguard.agent.giveway`): the freeze is cancelled after the job trains again. The
     job keeps training with its GPU state running, the stalled image gets no manifest, and an
     exit image taken then restores to losses bit-identical to an uninterrupted run."""
-    done = await asyncio.to_thread(
-        subprocess.run, [*JOB, "--step-seconds", "0"], capture_output=True, text=True, env=ENV,
-        check=True,
-    )  # fmt: skip
-    ref = done.stdout.splitlines()
-    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
-    engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
-    job = await start_job(
-        [*JOB, "--step-seconds", "0.05"], "gpu-train-gave-way", state_dir=settings.state_dir,
-        env=ENV,
-    )  # fmt: skip
+    ref, settings, engine, job = await _reference_and_training(
+        criu_bin, tmp_path, "gpu-train-gave-way"
+    )
     out = job.dir / "stdout"
     gated = GatedStore(open_store(f"file://{tmp_path / 'stalled'}"))
     restored = None
@@ -222,12 +221,7 @@ async def test_a_held_pause_given_up_while_it_uploads_leaves_the_job_training_on
         frozen = await engine.freeze(job, DirectoryTarget(img), Mode.EXIT)
         print(f"\nafter the give-up, exit freeze: {_steps(frozen.timeline.steps)}")
         restored = await engine.restore(DirectorySource(img), state_dir=settings.state_dir)
-        await until(
-            lambda: exit_status(restored.job) is not None, "the restored job to finish", limit=120
-        )
-        assert exit_status(restored.job) == 0
-        assert _lines(out) == ref
-        print(f"losses bit-identical to the reference over {len(ref)} lines")
+        await _finishes_as_the_reference(restored.job, out, ref)
     finally:
         gated.gate.set()
         for pid in {job.pid, *([restored.pid] if restored else [])}:
