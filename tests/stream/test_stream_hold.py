@@ -155,6 +155,10 @@ async def test_gpu_memory_copied_beside_criu_is_held_while_the_store_is_stalled(
         if held:
             await asyncio.wait_for(put, 10)  # every chunk copied, none stored yet
             assert len(copied) == chunks
+            # into the capture's pieces made before (prefaulted), else the writer's buffers (a
+            # piece goes back once its chunk is packed: not one per chunk at once)
+            assert target._capture is not None and target._capture.pieces is not None
+            assert (target._capture.pieces.peak > 0) is prefaulted
         else:
             assert not put.done() and len(copied) < chunks
     finally:
