@@ -37,7 +37,7 @@ import pytest
 
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.testing import RecordingGpu
-from spotguard.errors import GpuError
+from spotguard.errors import GpuError, StoreUnavailable
 from spotguard.store.base import ImageStore, ObjectInfo
 
 
@@ -344,3 +344,15 @@ class GatedStore:
 
     async def list(self, prefix: str) -> list[ObjectInfo]:
         return await self.inner.list(prefix)
+
+
+class FailingStore(GatedStore):
+    """A file store that refuses every chunk upload after ``allow`` (the store goes away
+    mid-stream)."""
+
+    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
+        if "/chunks/" in key:
+            if self.allow <= 0:
+                raise StoreUnavailable(f"{key}: the store went away")
+            self.allow -= 1
+        await self.inner.put(key, data, if_absent=if_absent)

@@ -9,80 +9,49 @@ deleted, as on a new machine) must print byte-identical lines to an uninterrupte
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from trainer_rig import (
+    finishes_as_the_reference,
+    gpu_ready,
+    lines,
+    reference_and_training,
+    steps_text,
+    trains_on_its_gpu,
+)
 
 from sgtest import GatedStore, until
 from spotguard.checkpoint import proctree
-from spotguard.checkpoint.criu import Criu, has_external_pages
-from spotguard.checkpoint.cuda import CudaHook, GpuState, driver_available, inventory
-from spotguard.checkpoint.engine import Engine, Mode
-from spotguard.checkpoint.jobs import JobInfo, exit_status, start_job
-from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.criu import has_external_pages
+from spotguard.checkpoint.cuda import CudaHook, inventory
+from spotguard.checkpoint.engine import Mode
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.image import ImageSettings
 from spotguard.store import open_store
 from spotguard.stream import StreamSource, StreamTarget
-from spotguard.timeline import Step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.criu]
-
-ENV = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
-JOB = [sys.executable, "-m", "spotguard.demo.job", "--gpu", "yes", "--mb", "512", "--steps", "80"]
-
-
-@pytest.fixture(scope="module")
-def gpu_ready() -> None:
-    if not driver_available() or not inventory().count:
-        pytest.skip("needs an NVIDIA GPU with the driver checkpoint API (driver r570+)")
-
-
-def _steps(steps: list[Step]) -> str:
-    return ", ".join(
-        f"{s.name} {s.seconds or 0:.3f}" + (" [placed]" if s.detail.get("overlap") else "")
-        for s in steps
-    )
-
-
-def _lines(p: Path) -> list[str]:
-    return p.read_text().splitlines() if p.exists() else []
+__all__ = ["gpu_ready"]  # a fixture, used by name
 
 
 async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_restore(
     gpu_ready: None, criu_bin: str, tmp_path: Path
 ) -> None:
-    done = await asyncio.to_thread(
-        subprocess.run,
-        [*JOB, "--step-seconds", "0"],
-        capture_output=True,
-        text=True,
-        env=ENV,
-        check=True,
-    )
-    ref = done.stdout.splitlines()
-    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
-    engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
-    job = await start_job(
-        [*JOB, "--step-seconds", "0.05"],
-        "gpu-train",
-        state_dir=settings.state_dir,
-        env=ENV,
-    )  # its own PID and mount namespaces: CUDA initialises there (private /proc)
+    # the job in its own PID and mount namespaces: CUDA initialises there (private /proc)
+    ref, _, engine, job = await reference_and_training(criu_bin, tmp_path, "gpu-train")
     out = job.dir / "stdout"
     err = job.dir / "stderr"
     try:
-        await until(lambda: len(_lines(out)) > 10, "first training steps", limit=120)
+        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
         paused = await engine.freeze(job, DirectoryTarget(tmp_path / "img-resume"), Mode.RESUME)
         assert paused.gpu_pids, "the job's GPU process was not found"
-        n = len(_lines(out))
+        n = len(lines(out))
         await until(
-            lambda: len(_lines(out)) > n + 5, "training to continue after the pause", limit=120
+            lambda: len(lines(out)) > n + 5, "training to continue after the pause", limit=120
         )
         print(
             f"\nleave-running pause: {paused.pause_seconds:.3f} s "
@@ -91,7 +60,7 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
 
         frozen = await engine.freeze(job, DirectoryTarget(tmp_path / "img-exit"), Mode.EXIT)
         await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=120)
-        assert len(_lines(out)) < len(ref), "the job finished before the checkpoint"
+        assert len(lines(out)) < len(ref), "the job finished before the checkpoint"
         shutil.rmtree(job.dir)
         restored = await engine.restore(DirectorySource(frozen.images_dir))
         assert restored.gpu_pids
@@ -102,41 +71,15 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
             assert any(s.name == "gpu_pages" for s in restored.timeline.steps)
             staged = sum(g.end - g.start for g in frozen.meta.gpu_pages)
             print(f"GPU memory carried beside CRIU: {staged >> 20} MiB")
-        print(f"exit-mode freeze: {_steps(frozen.timeline.steps)}")
-        print(f"restore: {_steps(restored.timeline.steps)}")
-        await _finishes_as_the_reference(restored.job, out, ref)
+        print(f"exit-mode freeze: {steps_text(frozen.timeline.steps)}")
+        print(f"restore: {steps_text(restored.timeline.steps)}")
+        await finishes_as_the_reference(restored.job, out, ref)
     except BaseException:
         print("job stderr:", err.read_text()[-3000:] if err.exists() else "(none)")
         raise
     finally:
         for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
             proctree.signal_all([pid], signal.SIGKILL)
-
-
-async def _finishes_as_the_reference(job: JobInfo, out: Path, ref: list[str]) -> None:
-    """The restored trainer ``job`` runs to its end, cleanly, its output ``out`` the
-    uninterrupted run's line for line (losses bit-identical)."""
-    await until(lambda: exit_status(job) is not None, "the restored job to finish", limit=120)
-    assert exit_status(job) == 0
-    assert _lines(out) == ref
-    print(f"losses bit-identical to the reference over {len(ref)} lines")
-
-
-async def _reference_and_training(
-    criu_bin: str, tmp_path: Path, name: str
-) -> tuple[list[str], CheckpointSettings, Engine, JobInfo]:
-    """The trainer's output run straight through (the reference), then the same trainer
-    started as ``name`` (a step every 50 ms) with an engine over the GPU driver."""
-    done = await asyncio.to_thread(
-        subprocess.run, [*JOB, "--step-seconds", "0"], capture_output=True, text=True, env=ENV,
-        check=True,
-    )  # fmt: skip
-    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
-    engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
-    job = await start_job(
-        [*JOB, "--step-seconds", "0.05"], name, state_dir=settings.state_dir, env=ENV
-    )
-    return done.stdout.splitlines(), settings, engine, job
 
 
 async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
@@ -146,18 +89,18 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
     driver staged, CRIU's files) into host memory and lets the job train on; the store takes
     it after. The store here holds every chunk after the second until the job has trained
     on; the image then restores to losses bit-identical to an uninterrupted run."""
-    ref, settings, engine, job = await _reference_and_training(criu_bin, tmp_path, "gpu-train-hold")
+    ref, settings, engine, job = await reference_and_training(criu_bin, tmp_path, "gpu-train-hold")
     out = job.dir / "stdout"
     gated = GatedStore(open_store(f"file://{tmp_path / 'store'}"))
     try:
-        await until(lambda: len(_lines(out)) > 10, "first training steps", limit=120)
+        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
         target = StreamTarget(gated, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
         pausing = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
         try:
             await asyncio.wait_for(gated.blocked.wait(), 120)
-            n = len(_lines(out))
+            n = len(lines(out))
             try:
-                await until(lambda: len(_lines(out)) > n + 5, "training while the store stalls", 60)
+                await until(lambda: len(lines(out)) > n + 5, "training while the store stalls", 60)
             except BaseException:
                 w, c = target._writer, target._capture
                 print("plan", target.plan, "pages hold left", target._pages_hold)
@@ -173,7 +116,7 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
         (staging,) = [s for s in paused.timeline.steps if s.name == "staging"]
         print(
             f"\nstreamed pause: {paused.pause_seconds:.3f} s, "
-            f"{staging.detail['hold_bytes'] >> 20} MiB held ({_steps(paused.timeline.steps)})"
+            f"{staging.detail['hold_bytes'] >> 20} MiB held ({steps_text(paused.timeline.steps)})"
         )
         assert target.url is not None
         proctree.signal_all([job.pid], signal.SIGKILL)
@@ -181,7 +124,7 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
         shutil.rmtree(job.dir)
         source = StreamSource(target.url, settings=ImageSettings(), work_root=tmp_path / "w2")
         restored = await engine.restore(source, state_dir=settings.state_dir)
-        await _finishes_as_the_reference(restored.job, out, ref)
+        await finishes_as_the_reference(restored.job, out, ref)
     finally:
         for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
             proctree.signal_all([pid], signal.SIGKILL)
@@ -195,33 +138,29 @@ async def test_a_held_pause_given_up_while_it_uploads_leaves_the_job_training_on
     (:mod:`spotguard.agent.giveway`): the freeze is cancelled after the job trains again. The
     job keeps training with its GPU state running, the stalled image gets no manifest, and an
     exit image taken then restores to losses bit-identical to an uninterrupted run."""
-    ref, settings, engine, job = await _reference_and_training(
+    ref, settings, engine, job = await reference_and_training(
         criu_bin, tmp_path, "gpu-train-gave-way"
     )
     out = job.dir / "stdout"
     gated = GatedStore(open_store(f"file://{tmp_path / 'stalled'}"))
     restored = None
     try:
-        await until(lambda: len(_lines(out)) > 10, "first training steps", limit=120)
+        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
         target = StreamTarget(gated, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
         pausing = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
         await asyncio.wait_for(gated.blocked.wait(), 120)
-        n = len(_lines(out))
-        await until(lambda: len(_lines(out)) > n + 3, "training while the store stalls", 60)
+        n = len(lines(out))
+        await until(lambda: len(lines(out)) > n + 3, "training while the store stalls", 60)
         pausing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(pausing, 60)
         assert target.manifest is None
-        n = len(_lines(out))
-        await until(lambda: len(_lines(out)) > n + 3, "training after the give-up", 60)
-        gpids = await engine.gpu.gpu_pids(proctree.tree(job.pid))
-        states = [await engine.gpu.state(p) for p in gpids]
-        assert gpids and states == [GpuState.RUNNING] * len(gpids), states
+        await trains_on_its_gpu(engine, job, "training after the give-up")
         img = tmp_path / "img"
         frozen = await engine.freeze(job, DirectoryTarget(img), Mode.EXIT)
-        print(f"\nafter the give-up, exit freeze: {_steps(frozen.timeline.steps)}")
+        print(f"\nafter the give-up, exit freeze: {steps_text(frozen.timeline.steps)}")
         restored = await engine.restore(DirectorySource(img), state_dir=settings.state_dir)
-        await _finishes_as_the_reference(restored.job, out, ref)
+        await finishes_as_the_reference(restored.job, out, ref)
     finally:
         gated.gate.set()
         for pid in {job.pid, *([restored.pid] if restored else [])}:

@@ -18,7 +18,7 @@ import psutil
 import pytest
 from stream_helpers import MIB, kill_tree, start_stream_job, wait_done, wait_lines
 
-from sgtest import GatedStore
+from sgtest import FailingStore, GatedStore
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import start_job
@@ -165,18 +165,6 @@ async def test_killed_mid_stream_leaves_job_running_and_no_image(
         async with ImageReader(image_url, settings=ImageSettings()):
             pass
     await gated.inner.aclose()
-
-
-class FailingStore(GatedStore):
-    """A file store that refuses every chunk upload after ``allow`` (the store goes away
-    mid-stream)."""
-
-    async def put(self, key: str, data: bytes, *, if_absent: bool = False) -> None:
-        if "/chunks/" in key:
-            if self.allow <= 0:
-                raise StoreUnavailable(f"{key}: the store went away")
-            self.allow -= 1
-        await self.inner.put(key, data, if_absent=if_absent)
 
 
 async def test_exit_mode_upload_failing_mid_stream_never_kills_the_job(
