@@ -4,16 +4,24 @@ The demo job trains a small regression on the GPU with deterministic algorithms 
 every step's loss and a running checksum of the exact values. A job that is paused
 (leave-running), then checkpointed, killed and restored from its image (job directory
 deleted, as on a new machine) must print byte-identical lines to an uninterrupted run.
+
+Faults with the GPU in the middle: the store going away while an exit checkpoint streams
+(the job trains on, on its GPU, and loses nothing), and a chunk of the GPU memory altered in
+the store (the restore refused, typed and naming the chunk, leaving no process and no GPU
+memory held; the image restores exactly once the chunk is back). Their CPU side is tested
+without a GPU (tests/stream/test_stream_engine.py, tests/checkpoint/test_gpu_pages.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import shutil
 import signal
 import sys
 from pathlib import Path
 
+import psutil
 import pytest
 from trainer_rig import (
     finishes_as_the_reference,
@@ -24,13 +32,18 @@ from trainer_rig import (
     trains_on_its_gpu,
 )
 
-from sgtest import GatedStore, until
+from sgtest import FailingStore, GatedStore, flip_a_byte, until
+from spotguard import nvml
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import has_external_pages
 from spotguard.checkpoint.cuda import CudaHook, inventory
 from spotguard.checkpoint.engine import Mode
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
+from spotguard.errors import CheckpointError, ImageCorrupt, StoreUnavailable
 from spotguard.image import ImageSettings
+from spotguard.image.catalog import latest_image
+from spotguard.image.reader import ImageReader
+from spotguard.names import chunk_key
 from spotguard.store import open_store
 from spotguard.stream import StreamSource, StreamTarget
 
@@ -215,3 +228,97 @@ def test_inventory_names_the_gpus(gpu_ready: None) -> None:
     inv = inventory()
     assert inv.count >= 1 and inv.model and inv.driver_major and inv.driver_major >= 570
     assert all(d.uuid.startswith("GPU-") and d.memory_total > 0 for d in inv.devices)
+
+
+async def test_an_exit_checkpoint_whose_store_goes_away_leaves_the_job_training_on_its_gpu(
+    gpu_ready: None, criu_bin: str, tmp_path: Path
+) -> None:
+    """The store refuses every chunk after the second while an exit checkpoint of the trainer
+    streams (the GPU memory the driver staged is among the chunks, so the job is frozen and
+    its GPU checkpointed when it fails). The checkpoint fails, typed; no image is left; the
+    job trains on with its GPU state running; an exit image taken after restores to losses
+    bit-identical to an uninterrupted run."""
+    ref, settings, engine, job = await reference_and_training(criu_bin, tmp_path, "gpu-store-gone")
+    out = job.dir / "stdout"
+    store_url = f"file://{tmp_path / 'store'}"
+    failing = FailingStore(open_store(store_url), allow=2)
+    restored = None
+    try:
+        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
+        target = StreamTarget(failing, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
+        with pytest.raises((CheckpointError, StoreUnavailable)) as failed:
+            await asyncio.wait_for(engine.freeze(job, target, Mode.EXIT), 180)
+        print(f"\nthe exit checkpoint failed: {type(failed.value).__name__}: {failed.value}")
+        assert target.manifest is None
+        assert await latest_image(store_url, job.name, settings=ImageSettings()) is None
+        await trains_on_its_gpu(engine, job, "training after the failed checkpoint")
+        img = tmp_path / "img"
+        frozen = await engine.freeze(job, DirectoryTarget(img), Mode.EXIT)
+        print(f"the exit freeze after it: {steps_text(frozen.timeline.steps)}")
+        await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=120)
+        restored = await engine.restore(DirectorySource(img), state_dir=settings.state_dir)
+        await finishes_as_the_reference(restored.job, out, ref)
+    finally:
+        for pid in {job.pid, *([restored.pid] if restored else [])}:
+            proctree.signal_all([pid], signal.SIGKILL)
+        await failing.inner.aclose()
+
+
+def _trainers(*, on_gpu: bool) -> list[int]:
+    """Host PIDs of live demo trainers; with ``on_gpu``, of those holding GPU memory (NVML)."""
+    pids = [p.pid for p in nvml.processes() or []] if on_gpu else psutil.pids()
+    found = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            if proctree.alive(pid) and "spotguard.demo.job" in " ".join(
+                psutil.Process(pid).cmdline()
+            ):
+                found.append(pid)
+    return found
+
+
+async def test_an_altered_chunk_of_gpu_memory_is_refused_and_leaves_nothing_on_the_gpu(
+    gpu_ready: None, criu_bin: str, tmp_path: Path
+) -> None:
+    """One stored chunk of the GPU memory in the trainer's image altered (a bit flipped): the
+    restore fails with ``ImageCorrupt`` naming it, no process of the job is left, and no
+    trainer holds GPU memory. The chunk put back, the same image restores and the trainer
+    ends bit-identical to an uninterrupted run."""
+    ref, settings, engine, job = await reference_and_training(criu_bin, tmp_path, "gpu-altered")
+    out = job.dir / "stdout"
+    store = tmp_path / "store"
+    restored = None
+    try:
+        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
+        target = StreamTarget(
+            open_store(store.as_uri()), work_root=tmp_path / "work", settings=ImageSettings()
+        )
+        frozen = await engine.freeze(job, target, Mode.EXIT)
+        await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=120)
+        assert target.url is not None and frozen.meta.gpu_pages, "no GPU memory in the image"
+        names = {p.name for g in frozen.meta.gpu_pages for p in g.parts}
+        async with ImageReader(target.url, settings=ImageSettings()) as reader:
+            refs = [c for f in reader.manifest.files if f.name in names for c in f.chunks]
+        victim = max(refs, key=lambda c: c.stored_size)  # data, not a zero chunk
+        path = store / chunk_key(job.name, victim.digest)
+        good = path.read_bytes()
+        path.chmod(0o600)
+        flip_a_byte(path)
+        shutil.rmtree(job.dir)  # as on a new machine
+        with pytest.raises(ImageCorrupt, match=victim.digest):
+            await engine.restore(
+                StreamSource(target.url, work_root=tmp_path / "w1", settings=ImageSettings()),
+                state_dir=settings.state_dir,
+            )
+        await until(lambda: not _trainers(on_gpu=True), "no trainer on the GPU", limit=30)
+        assert not _trainers(on_gpu=False), "a restored process of the job was left"
+        path.write_bytes(good)
+        restored = await engine.restore(
+            StreamSource(target.url, work_root=tmp_path / "w2", settings=ImageSettings()),
+            state_dir=settings.state_dir,
+        )
+        print(f"\nrestored once the chunk was put back: {steps_text(restored.timeline.steps)}")
+        await finishes_as_the_reference(restored.job, out, ref)
+    finally:
+        for pid in {job.pid, *([restored.pid] if restored else [])}:
+            proctree.signal_all([pid], signal.SIGKILL)

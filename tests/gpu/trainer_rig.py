@@ -1,6 +1,6 @@
-"""The demo trainer on the GPU, as the GPU checkpoint tests drive it (test_gpu_checkpoint.py,
-test_gpu_faults.py): its uninterrupted output (the reference), the same trainer started as a
-job, and the checks that a restored trainer ends exactly as the reference did.
+"""The demo trainer on the GPU, as test_gpu_checkpoint.py drives it: its uninterrupted output
+(the reference), the same trainer started as a job, and the checks that a restored trainer
+ends exactly as the reference did.
 
 The demo job trains a small regression on the GPU with deterministic algorithms and prints
 every step's loss and a running checksum of the exact values, so a trainer that went through
