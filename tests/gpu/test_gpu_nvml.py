@@ -69,6 +69,8 @@ def test_process_memory_seen_by_callers(holder: int) -> None:
     assert gpu.used_bytes([holder]) >= HOLD
     assert sum(gpu.use_by_device([holder]).values()) == gpu.used_bytes([holder])
     assert sizing.gpu_bytes_by_pid({holder})[holder] == gpu.used_bytes([holder])
+    est = sizing.estimate(holder)  # the planner's: NVML asked, the job has a GPU open
+    assert est.gpu_bytes == gpu.used_bytes([holder]) and est.source == "nvml+psutil"
     free, total = gpu.free_bytes(), gpu.total_bytes()
     assert free is not None and total is not None and free < total
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,6 +88,23 @@ def test_thp_status_reads_sysfs_and_smaps(tmp_path: Path) -> None:
 def test_estimate_of_this_process_counts_its_memory() -> None:
     est = estimate(os.getpid())
     assert est.cpu_bytes > 10 << 20 and est.gpu_bytes == 0
+
+
+def test_the_estimate_of_a_job_with_no_gpu_device_open_does_not_ask_nvml() -> None:
+    """``spotguard checkpoint`` estimates the job before it freezes it: a job none of whose
+    processes has an NVIDIA device open holds no GPU memory, and NVML's bindings (~70 ms to
+    import, before any GPU is asked about) are left unloaded on its path."""
+    code = (
+        "import os, sys\n"
+        "from spotguard import nvml\n"
+        "from spotguard.planner import estimate\n"
+        "nvml.processes = lambda: sys.exit('NVML asked about a job with no GPU device open')\n"
+        "est = estimate(os.getpid())\n"
+        "print(est.gpu_bytes, 'pynvml' in sys.modules)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split() == ["0", "False"]
 
 
 def test_ranks_checkpoint_at_once_once_the_host_rate_is_measured(tmp_path: Path) -> None:
