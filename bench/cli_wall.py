@@ -5,7 +5,7 @@ What a user waits for is the command's wall time; what the checkpoint needs is f
 cost: interpreter start, imports, settings, job lookup, preflight, printing. This benchmark
 starts one CPU job of SIZE MiB with ``spotguard run``, checkpoints it ``--runs`` times with
 ``--leave-running`` to a ``file://`` store and prints, per run, the wall time, freeze→durable
-and the difference; then the import time of the command alone (``python -X importtime``).
+and the difference (and how much of it comes before the freeze); then the import time of the command alone (``python -X importtime``).
 
 ``--src DIR`` runs the command from another checkout's ``src`` (same interpreter), so two
 revisions can be compared on one machine in one sitting::
@@ -55,16 +55,17 @@ def _sg(src: Path, state: Path, *args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def _one(src: Path, state: Path, store: str) -> tuple[float, float]:
-    """(wall seconds, freeze→durable seconds) of one leave-running checkpoint."""
-    t0 = time.perf_counter()
+def _one(src: Path, state: Path, store: str) -> tuple[float, float, float]:
+    """(wall seconds, freeze→durable seconds, seconds before the freeze) of one
+    leave-running checkpoint."""
+    t0, at0 = time.perf_counter(), time.time()
     out = _sg(src, state, "checkpoint", "bench", "--leave-running", "--to", store, "--json")
     wall = time.perf_counter() - t0
     if out.returncode != 0:
         raise SystemExit(f"checkpoint failed: {out.stderr.strip()[-400:]}")
     res = json.loads(out.stdout)
     start = float(res["frozen_at"]) - float(res["freeze_seconds"])  # Unix times
-    return wall, float(res["durable_at"]) - start
+    return wall, float(res["durable_at"]) - start, start - at0
 
 
 def _import_seconds(src: Path, state: Path) -> float:
@@ -98,7 +99,9 @@ def bench(src: Path, size: int, runs: int) -> dict[str, object]:
         try:
             time.sleep(1.0 + size / 1000)
             _one(src, state, store)  # warm the page cache and the store's chunks
-            walls, spans = zip(*(_one(src, state, store) for _ in range(runs)), strict=True)
+            walls, spans, befores = zip(
+                *(_one(src, state, store) for _ in range(runs)), strict=True
+            )
         finally:
             subprocess.run(["pkill", "-9", "-f", f"{tmp}/state"], check=False)
             _sg(src, state, "checkpoint", "bench", "--to", store)  # stops the job (exit mode)
@@ -108,6 +111,7 @@ def bench(src: Path, size: int, runs: int) -> dict[str, object]:
         "wall": statistics.median(walls),
         "span": statistics.median(spans),
         "outside": statistics.median(w - s for w, s in zip(walls, spans, strict=True)),
+        "before": statistics.median(befores),
         "imports": imports,
     }
 
@@ -121,12 +125,12 @@ def main() -> None:
     srcs = a.src or [Path(__file__).resolve().parent.parent / "src"]
     rows = [bench(s.resolve(), a.size, a.runs) for s in srcs]
     print(f"spotguard checkpoint --leave-running, {a.size} MiB job, median of {a.runs} runs")
-    print("| src | wall s | freeze→durable s | outside s | imports s |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| src | wall s | freeze→durable s | outside s | of it before the freeze s | imports s |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for r in rows:
         print(
             f"| {r['src']} | {r['wall']:.2f} | {r['span']:.2f} | {r['outside']:.2f} "
-            f"| {r['imports']:.2f} |"
+            f"| {r['before']:.2f} | {r['imports']:.2f} |"
         )
 
 
