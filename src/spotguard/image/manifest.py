@@ -27,6 +27,7 @@ from pydantic import (
 
 from spotguard.errors import ConfigError, ImageError
 from spotguard.names import check_job_name, image_prefix, manifest_key
+from spotguard.store import check_url
 from spotguard.store.base import ImageStore, get_capped
 
 #: Bounds on what is read from a store before it is parsed. A genuine manifest takes about 154
@@ -341,7 +342,10 @@ class ImageRef:
     @classmethod
     def parse(cls, url: str) -> ImageRef:
         """Split ``{store}/{job}/images/{image_id}`` (a trailing ``/manifest.json`` is fine).
-        ``image_id`` may be ``latest``, resolved later by :func:`spotguard.image.resolve`."""
+        ``image_id`` may be ``latest``, resolved later by :func:`spotguard.image.resolve`.
+        The store part is checked as :func:`~spotguard.store.check_url` does (a known scheme,
+        a bucket), so a mistyped URL is not read as a directory named after it."""
+        check_url(url)
         u = url.rstrip("/")
         if u.endswith("/manifest.json"):
             u = u[: -len("/manifest.json")]

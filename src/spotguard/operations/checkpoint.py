@@ -38,7 +38,7 @@ from spotguard.errors import CheckpointError, PreflightError, SpotguardError
 from spotguard.facts import InstanceFacts
 from spotguard.image import ImageSettings
 from spotguard.planner import Plan, Planner, PlannerSettings, estimate
-from spotguard.store import URL_SCHEMES
+from spotguard.store import check_url, looks_like_url
 
 from .kept import KeptImages
 from .paths import Attempt, CheckpointPath, OnFrozen, StagedPath, StreamedPath, falls_back
@@ -50,8 +50,10 @@ StreamChoice = Literal["auto", "on", "off"]
 
 
 def is_url(where: str) -> bool:
-    """True for a store URL (``s3://``, ``gs://``, ``file://``); False for a plain path."""
-    return where.startswith(URL_SCHEMES)
+    """True for a destination written as a URL (``s3://``, ``gs://``, ``file://``, or any
+    other ``scheme://``: refused by :func:`checkpoint` before the job is touched); False for a
+    plain path."""
+    return looks_like_url(where)
 
 
 def engine_for(settings: CheckpointSettings) -> Engine:
@@ -236,6 +238,7 @@ async def checkpoint(
     guarantee) and no manifest is written for a failed upload (the writer's). An exit whose
     staged image could not be pushed raises :class:`~spotguard.operations.paths.ImageKept`.
     """
+    check_url(store_url)  # bad input is refused before anything is done to the job
     eng = engine or engine_for(settings)
     chain = await choose_paths(stream or settings.stream, eng)
     planning = await _Planning.for_job(eng, settings, planner_settings, job, store_url)

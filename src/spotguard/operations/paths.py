@@ -20,7 +20,8 @@ image stays kept, :class:`ImageKept` naming the refusal, and is never pushed).
 The fallback rule (:data:`FALLBACK`, applied by :func:`falls_back`) is declared, not inferred:
 the staged path runs after the streamed one when
 
-1. ``prepare`` failed — the store refused the image before the job was touched; or
+1. ``prepare`` failed — the store refused the image before the job was touched (not for a
+   :class:`ConfigError`: bad input fails every path alike); or
 2. ``run`` failed with an upload error (:class:`StoreError`, :class:`ImageError`,
    :class:`StreamError` — the last also when the stream was not durable within its time) in
    ``exit`` mode. The engine raised, and its contract is that a failed freeze leaves the job
@@ -57,6 +58,7 @@ from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.checkpoint.staging import DirectoryTarget, StagingPlan
 from spotguard.errors import (
     CheckpointError,
+    ConfigError,
     CriuError,
     ImageError,
     SpotguardError,
@@ -89,7 +91,11 @@ FALLBACK: tuple[tuple[str, tuple[type[BaseException], ...], frozenset[Mode]], ..
 
 
 def falls_back(step: str, exc: BaseException, mode: Mode) -> bool:
-    """Whether the next path of the chain may run after ``exc`` in ``step`` (see FALLBACK)."""
+    """Whether the next path of the chain may run after ``exc`` in ``step`` (see FALLBACK).
+    Never after a :class:`ConfigError`: bad input (a store URL with no bucket, an extra not
+    installed) fails every path alike, the next one after it has stopped the job."""
+    if isinstance(exc, ConfigError):
+        return False
     return any(
         step == s and isinstance(exc, errors) and mode in modes for s, errors, modes in FALLBACK
     )
