@@ -5,7 +5,8 @@ What a user waits for is the command's wall time; what the checkpoint needs is f
 cost: interpreter start, imports, settings, job lookup, preflight, printing. This benchmark
 starts one CPU job of SIZE MiB with ``spotguard run``, checkpoints it ``--runs`` times with
 ``--leave-running`` to a ``file://`` store and prints, per run, the wall time, freeze→durable
-and the difference (and how much of it comes before the freeze); then the import time of the command alone (``python -X importtime``).
+and the difference (and how much of it comes before the freeze); then the import time of
+the command alone (``python -X importtime``).
 
 ``--src DIR`` runs the command from another checkout's ``src`` (same interpreter), so two
 revisions can be compared on one machine in one sitting::

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 from pathlib import Path
 
 import pytest
@@ -111,3 +112,45 @@ async def test_cli_run_checkpoint_restore_and_doctor(
     checks = {c["name"]: c for c in json.loads(doc.stdout)}
     assert checks["criu"]["ok"] and "4." in checks["criu"]["found"]
     assert doc.returncode == 0
+
+
+async def test_run_and_checkpoint_refuse_what_cannot_work_before_the_job_is_touched(
+    criu_bin: str, state_dir: Path, tmp_path: Path
+) -> None:
+    """Bad input is one typed line (exit 2) before anything happens: ``run`` of a command
+    that does not exist (it said "started" and the job died at its exec with 127), and
+    ``checkpoint --to`` a file or a directory that cannot be made (an unexpected
+    NotADirectoryError, or the job frozen before the error). The job runs on untouched."""
+    env = {**os.environ, "SPOTGUARD_STATE_DIR": str(state_dir), "SPOTGUARD_CRIU": criu_bin}
+    a_file = tmp_path / "a-file"
+    a_file.write_text("not a directory\n")
+    for cmd, says in [
+        ([str(tmp_path / "no-such-cmd")], "no such file"),
+        (["no-such-cmd-anywhere"], "no such command on the job's PATH"),
+        ([str(a_file)], "not an executable file"),
+    ]:
+        bad = sg_env("run", "--name", "never", "--", *cmd, env=env)
+        assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+        [said] = bad.stderr.strip().splitlines()
+        assert said.startswith(f"spotguard: error: cannot run {cmd[0]!r}: {says}"), said
+        assert not (state_dir / "jobs" / "never").exists()
+
+    out = sg_env("run", "--json", "--name", "runs-on", "--", *DEMO, "--steps", "10000",
+                 "--step-seconds", "0.05", env=env)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    job = resolve_job("runs-on", state_dir=state_dir)
+    try:
+        await wait_for(lambda: len(lines(job.dir / "stdout")) > 3, "first steps")
+        for to, says in [
+            (a_file, f"{a_file} is not a directory"),
+            (Path("/proc/no-such-dir"), "cannot make /proc/no-such-dir for the image"),
+        ]:
+            bad = sg_env("checkpoint", "runs-on", "--to", str(to), env=env)
+            assert bad.returncode == 2 and "Traceback" not in bad.stderr, bad.stderr
+            last = bad.stderr.strip().splitlines()[-1]
+            assert last.startswith("spotguard: error:") and says in last, bad.stderr
+        assert a_file.read_text() == "not a directory\n"
+        n = len(lines(job.dir / "stdout"))
+        await wait_for(lambda: len(lines(job.dir / "stdout")) > n + 3, "steps after the refusals")
+    finally:
+        proctree.signal_all([job.pid], signal.SIGKILL)

@@ -110,6 +110,17 @@ def _default_name(argv: list[str]) -> str:
 NO_PROTECT = "no-protect"
 
 
+def _check_runnable(cmd: str, path: str, workdir: str) -> None:
+    """Refuse a command that cannot be run — before the job exists: the job's init would
+    only find out by its ``exec`` failing, after ``spotguard run`` had said it started."""
+    where = Path(workdir, cmd) if "/" in cmd else None
+    if where is None and shutil.which(cmd, path=path) is None:
+        raise ConfigError(f"cannot run {cmd!r}: no such command on the job's PATH ({path})")
+    if where is not None and not (where.is_file() and os.access(where, os.X_OK)):
+        why = "not an executable file" if where.exists() else "no such file"
+        raise ConfigError(f"cannot run {cmd!r}: {why}")
+
+
 async def start_job(
     argv: list[str],
     name: str | None = None,
@@ -142,6 +153,9 @@ async def start_job(
         name = check_job_name(name) if name else _default_name(argv)
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
+    workdir = str(Path(cwd) if cwd else Path.cwd())
+    base = os.environ if env is None else env
+    _check_runnable(argv[0], base.get("PATH", os.defpath), workdir)
     jdir = jobs_dir(state_dir) / name
     # the state dir, jobs/ and the job's directory: root's, 0700 (safefs), so no other user
     # reads the job's output or swaps a file root writes there
@@ -159,8 +173,6 @@ async def start_job(
         if "/" in fname or fname in ("", ".", "..", JOB_FILE):  # a caller's constant
             raise ValueError(f"not a file of a job's directory: {fname!r}")
         safefs.write_file(jdir / fname, data, mode=0o600)
-    workdir = str(Path(cwd) if cwd else Path.cwd())
-    base = os.environ if env is None else env
     if nccl_shim is not None:
         ncclctl.prepare_restore(name)  # the control directory, empty, root only
         job_env = nccl.release_env(base, nccl_shim, ncclctl.control_dir(name))

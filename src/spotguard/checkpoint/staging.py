@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import psutil
 
 from spotguard import safefs
-from spotguard.errors import CheckpointError, ImageError
+from spotguard.errors import CheckpointError, ConfigError, ImageError
 from spotguard.image import memops
 
 from . import seal
@@ -216,10 +216,15 @@ class DirectoryTarget:
         only the directory keeps other users from reading the job's memory or swapping it."""
         if self._given is not None:
             d = self._given
+            if d.exists() and not d.is_dir():
+                raise ConfigError(f"{d} is not a directory: give a directory for the image")
             if (d / META_NAME).exists():
                 raise CheckpointError(f"{d} already holds an image; choose an empty directory")
             self._created = not d.exists()
-            safefs.ensure_private_dir(d)
+            try:
+                safefs.ensure_private_dir(d)
+            except OSError as exc:  # bad input (a path under /proc, a read-only mount)
+                raise ConfigError(f"cannot make {d} for the image: {exc.strerror}") from exc
             self.plan = StagingPlan("dir", str(d), need_bytes, _free_bytes(d), "given directory")
         else:
             plan = plan_staging(
@@ -263,7 +268,7 @@ class DirectoryTarget:
         await asyncio.to_thread(seal.seal, self.images_dir, self.key or seal.HostKey.default())
 
     async def abort(self) -> None:
-        if self._dir is None:
+        if self._dir is None or self.plan is None:  # start() never got to a directory
             return
         if self._created:
             shutil.rmtree(self._dir, ignore_errors=True)

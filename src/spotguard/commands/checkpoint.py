@@ -139,12 +139,6 @@ def run(
     if nccl_group is not None:
         env[GROUP_ENV] = check_group_name(nccl_group)
     shim = s.nccl_shim if s.nccl == "release" and s.nccl_shim.is_file() else None
-    if s.nccl == "release" and shim is None:
-        click.echo(
-            f"spotguard run: no NCCL shim at {s.nccl_shim} (scripts/install-nccl-shim): NCCL's "
-            "fast transports are turned off for this job (--nccl restrict)",
-            err=True,
-        )
     files: dict[str, bytes] = {}
     if claim is not None:  # in the job's directory before anything can see the job
         from spotguard.park.priority import CLAIM_FILE, claim_bytes
@@ -162,6 +156,12 @@ def run(
             files=files,
         )
     )
+    if s.nccl == "release" and shim is None:  # said once the job runs (not for bad input)
+        click.echo(
+            f"spotguard run: no NCCL shim at {s.nccl_shim} (scripts/install-nccl-shim): NCCL's "
+            "fast transports are turned off for this job (--nccl restrict)",
+            err=True,
+        )
     agent = _local_agent(ctx, s.state_dir)
     protection = discovery.protector(agent, opted=no_protect)
     if as_json:
