@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from spotguard.errors import ImageCorrupt, StoreUnavailable
+from spotguard.errors import ConfigError, ImageCorrupt, StoreUnavailable
 from spotguard.image import (
     ImageReader,
     ImageSettings,
@@ -136,3 +136,16 @@ async def test_writer_killed_mid_upload_previous_image_still_restores(
     swept = await gc(s3_bucket, "counter", 1, grace_s=0, settings=S, trust_store=True)
     assert swept.stale_markers_deleted == 1 and swept.chunks_deleted > 0
     assert [i.complete for i in await list_images(s3_bucket, "counter", settings=S)] == [True]
+
+
+async def test_a_pull_into_a_place_that_cannot_be_written_is_refused_typed(
+    tmp_path: Path,
+) -> None:
+    """``images pull URL DEST`` where DEST cannot be made (under /proc) or sits under a file:
+    a ConfigError naming the place — the command's one line — not an unexpected OSError."""
+    store = f"file://{tmp_path / 'store'}"
+    res = await push_dir(random_dir(tmp_path / "src", 2 * CHUNK), store, "job", settings=S)
+    (tmp_path / "a-file").write_text("x")
+    for dest in (Path("/proc/no-such-dir"), tmp_path / "a-file" / "under"):
+        with pytest.raises(ConfigError, match=f"cannot write the image into {dest}"):
+            await pull_image(res.image_url, dest, settings=S)

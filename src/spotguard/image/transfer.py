@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotguard.errors import ImageError, SpotguardError
+from spotguard.errors import ConfigError, ImageError, SpotguardError
 from spotguard.image.buffers import BufferPool, Lease
 from spotguard.image.codec import Cipher, compress_bound
 from spotguard.image.manifest import ChunkRef, Manifest
@@ -168,7 +168,12 @@ async def pull_image(
             with tl.step("pull", image=reader.url, files=m.totals.files, bytes=m.totals.bytes):
                 for f in m.files:
                     p = dest / f.name
-                    _mkdirs(p.parent, made)
+                    try:
+                        _mkdirs(p.parent, made)
+                    except OSError as exc:  # under /proc, under a file, read-only: bad input
+                        raise ConfigError(
+                            f"cannot write the image into {dest}: {exc.strerror} ({exc.filename})"
+                        ) from exc
                     if p.exists():
                         raise ImageError(f"restore target {p} already exists; use an empty dir")
                     fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
