@@ -181,6 +181,45 @@ async def test_a_held_pause_given_up_while_it_uploads_leaves_the_job_training_on
         await gated.inner.aclose()
 
 
+async def test_a_pause_given_up_while_the_job_is_frozen_leaves_it_training_on_its_gpu(
+    gpu_ready: None, criu_bin: str, tmp_path: Path
+) -> None:
+    """A leave-running pause that holds nothing in memory (``resume_buffer_mb = 0``) keeps
+    the job frozen — its GPU checkpointed, CRIU dumping — until the store takes the image; the
+    store stalls and the pause is cancelled there (what a notice's exit does to a pause
+    under way, :mod:`spotguard.agent.giveway`, or an agent stopping). The job must come back
+    on its GPU and train on; an exit image taken then restores bit-identically."""
+    ref, settings, engine, job = await reference_and_training(
+        criu_bin, tmp_path, "gpu-frozen-given-up", resume_buffer_mb=0
+    )
+    out = job.dir / "stdout"
+    gated = GatedStore(open_store(f"file://{tmp_path / 'stalled'}"))
+    restored = None
+    try:
+        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
+        target = StreamTarget(gated, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
+        pausing = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
+        await asyncio.wait_for(gated.blocked.wait(), 120)
+        n = len(lines(out))
+        await asyncio.sleep(1.0)
+        assert len(lines(out)) == n, "the job trained while its pause waited for the store"
+        pausing.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await asyncio.wait_for(pausing, 120)
+        assert target.manifest is None
+        await trains_on_its_gpu(engine, job, "training after the frozen pause was given up")
+        img = tmp_path / "img"
+        frozen = await engine.freeze(job, DirectoryTarget(img), Mode.EXIT)
+        print(f"\nafter the give-up, exit freeze: {steps_text(frozen.timeline.steps)}")
+        restored = await engine.restore(DirectorySource(img), state_dir=settings.state_dir)
+        await finishes_as_the_reference(restored.job, out, ref)
+    finally:
+        gated.gate.set()
+        for pid in {job.pid, *([restored.pid] if restored else [])}:
+            proctree.signal_all([pid], signal.SIGKILL)
+        await gated.inner.aclose()
+
+
 async def test_gpu_processes_are_found_by_the_driver_and_the_remap_path_runs(
     gpu_ready: None, tmp_path: Path
 ) -> None:

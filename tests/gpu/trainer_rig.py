@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -48,15 +49,16 @@ def lines(p: Path) -> list[str]:
 
 
 async def reference_and_training(
-    criu_bin: str, tmp_path: Path, name: str
+    criu_bin: str, tmp_path: Path, name: str, **settings_: Any
 ) -> tuple[list[str], CheckpointSettings, Engine, JobInfo]:
     """The trainer's output run straight through (the reference), then the same trainer
-    started as ``name`` (a step every 50 ms) with an engine over the GPU driver."""
+    started as ``name`` (a step every 50 ms) with an engine over the GPU driver (its
+    ``[checkpoint]`` settings changed by ``settings_``)."""
     done = await asyncio.to_thread(
         subprocess.run, [*JOB, "--step-seconds", "0"], capture_output=True, text=True, env=ENV,
         check=True,
     )  # fmt: skip
-    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin)
+    settings = CheckpointSettings(state_dir=tmp_path / "state", criu=criu_bin, **settings_)
     engine = Engine(Criu(criu_bin), CudaHook(), settings=settings)
     job = await start_job(
         [*JOB, "--step-seconds", "0.05"], name, state_dir=settings.state_dir, env=ENV
