@@ -21,7 +21,7 @@ import psutil
 import pytest
 from ckpt_helpers import kill_tree, step_named
 
-from sgtest import StagingGpu, until
+from sgtest import GatedStore, StagingGpu, until
 from spotguard.checkpoint import gpupages, suspend
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine, Mode
@@ -45,6 +45,7 @@ JOB = """
 import ctypes, mmap, os, random, signal, sys, time
 here, n = sys.argv[1], int(sys.argv[2]) << 20
 held = {}
+own = os.urandom(int(sys.argv[3]) << 20) if len(sys.argv) > 3 else b""  # CRIU's to dump
 
 def stamp(off):
     return b"%016x" % (off * 2654435761 % (1 << 64))
@@ -89,10 +90,10 @@ def here(tmp_path: Path) -> Path:
     return d
 
 
-async def _start(tmp_path: Path, here: Path, name: str) -> JobInfo:
+async def _start(tmp_path: Path, here: Path, name: str, own_mib: int = 0) -> JobInfo:
     script = tmp_path / "staging_job.py"
     script.write_text(JOB)
-    argv = [sys.executable, str(script), str(here), str(STAGED_MIB)]
+    argv = [sys.executable, str(script), str(here), str(STAGED_MIB), str(own_mib)]
     job = await start_job(argv, name, state_dir=tmp_path / "state")
     await until(lambda: _count(job) > 3, "the job's first lines")
     return job
@@ -114,11 +115,19 @@ def _settings(tmp_path: Path, criu: str, **kw: object) -> CheckpointSettings:
 
 
 async def _rig(
-    tmp_path: Path, here: Path, criu: str, name: str, *, memory: int = 0, **kw: object
+    tmp_path: Path,
+    here: Path,
+    criu: str,
+    name: str,
+    *,
+    memory: int = 0,
+    own_mib: int = 0,
+    **kw: object,
 ) -> tuple[JobInfo, StagingGpu, Engine]:
-    """The staging job started as ``name``, its stand-in driver (saying ``memory`` bytes of
-    GPU memory are in use: 0, not known) and an engine over both."""
-    job = await _start(tmp_path, here, name)
+    """The staging job started as ``name`` (with ``own_mib`` MiB of random memory of its
+    own), its stand-in driver (saying ``memory`` bytes of GPU memory are in use: 0, not
+    known) and an engine over both."""
+    job = await _start(tmp_path, here, name, own_mib)
     gpu = StagingGpu(here, "staging_job.py", memory=memory)
     return job, gpu, Engine(Criu(criu), gpu, settings=_settings(tmp_path, criu, **kw))
 
@@ -280,6 +289,46 @@ async def test_a_held_pause_copies_the_staged_memory_into_room_faulted_in_before
     assert target.url is not None
     source = StreamSource(target.url, work_root=tmp_path / "w", settings=settings)
     await _killed_and_restored(job, gpu, engine, source, here, state_dir=tmp_path / "state")
+
+
+@pytest.mark.parametrize("mode", [Mode.EXIT, Mode.RESUME])
+async def test_a_freeze_given_up_while_the_store_stalls_brings_the_job_back_at_once(
+    patched: str, tmp_path: Path, here: Path, mode: Mode
+) -> None:
+    """The store stalls while the staged GPU memory is copied (nothing held: the copy waits
+    for the store, ``resume_buffer_mb = 0``), and the freeze is given up there — a deadline,
+    or a notice's exit taking the place of a pause. The job must run again, its GPU state
+    back, within seconds — not once the store answers (the engine waited for the copy,
+    which waited for the store: measured on an H200, the trainer stayed frozen until then)."""
+    # 96 MiB of its own memory through CRIU's pipe: CRIU is still dumping (blocked on its
+    # pipe, the store stalled) while the staged memory is copied, as a GPU job's CRIU is
+    job, gpu, engine = await _rig(
+        tmp_path, here, patched, f"gpupages-stall-{mode}", own_mib=600, resume_buffer_mb=0,
+        cpu_pages="criu",
+    )  # fmt: skip
+    gated = GatedStore(FileStore(tmp_path / "store"))
+    target = StreamTarget(
+        gated,  # type: ignore[arg-type]
+        work_root=tmp_path / "w",
+        writer_options={"chunk_size": 4 * MIB},
+        settings=ImageSettings(max_inflight_mb=16),
+    )
+    freezing = asyncio.create_task(engine.freeze(job, target, mode))
+    try:
+        await asyncio.wait_for(gated.blocked.wait(), 60)
+        await asyncio.sleep(0.5)
+        freezing.cancel()
+        done, _ = await asyncio.wait({freezing}, timeout=30)
+        assert done, "the freeze given up still waits for the store"
+        assert freezing.cancelled() or isinstance(freezing.exception(), SpotguardError)
+        assert gpu.checks() == ["ok"] and gpu.stuck() == {}
+        at = _count(job)
+        await until(lambda: _count(job) > at + 5, "the job running on")
+        assert target.manifest is None
+    finally:
+        gated.gate.set()
+        await asyncio.wait({freezing}, timeout=60)
+        kill_tree(job.pid)
 
 
 class FullStore(FileStore):

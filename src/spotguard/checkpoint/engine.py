@@ -335,6 +335,8 @@ class Engine:
             finally:
                 if copying is not None:
                     frozen.set()
+                    if failed.is_set():  # it may wait for a store nothing drains any more
+                        copying.cancel()
                     await asyncio.gather(copying, return_exceptions=True)
             if mode is Mode.RESUME:
                 if active:
