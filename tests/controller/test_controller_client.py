@@ -90,6 +90,10 @@ async def test_each_failure_is_a_typed_error(api_factory: Factory, tmp_path: Pat
     with pytest.raises(ControllerError, match="unreachable") as down:
         await closed.directive("train")
     assert down.value.retryable
+    # said as a person would read it: the URL and the cause, not the exception's repr
+    assert str(down.value) == (
+        "the spotguard controller at http://127.0.0.1:9 is unreachable (connection refused)"
+    )
 
 
 def test_an_answer_with_a_field_this_side_does_not_know_is_still_read() -> None:

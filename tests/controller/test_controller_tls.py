@@ -91,8 +91,10 @@ async def test_controller_serves_https_with_a_certificate(tmp_path: Path) -> Non
         client = ControllerClient(srv.url, TOKEN, ca_file=cert)
         assert (await client.get("/v1/jobs")) == {"jobs": []}
         untrusted = ControllerClient(srv.url, TOKEN)  # the system CAs do not know it
-        with pytest.raises(ControllerError, match="unreachable"):
+        with pytest.raises(ControllerError, match="unreachable") as untrusted_err:
             await untrusted.get("/v1/jobs")
+        assert "its TLS certificate is not trusted" in str(untrusted_err.value)
+        assert "ConnectionKey" not in str(untrusted_err.value)
         plain = srv.url.replace("https://", "http://")
         async with aiohttp.ClientSession() as http:
             with pytest.raises(aiohttp.ClientError):

@@ -334,7 +334,9 @@ class ControllerClient:
                 status = r.status
                 wait = r.headers.get("Retry-After", "")
         except (aiohttp.ClientError, TimeoutError, OSError) as exc:
-            raise ControllerError(f"controller at {self.url} unreachable: {exc!r}") from exc
+            raise ControllerError(
+                f"the spotguard controller at {self.url} is unreachable ({_why(exc)})"
+            ) from exc
         finally:
             if own:
                 await session.close()
@@ -343,3 +345,18 @@ class ControllerClient:
         except ValueError:
             decoded = None
         return Reply(status, decoded, text, int(wait) if wait.isdigit() else 0)
+
+
+def _why(exc: BaseException) -> str:
+    """Why a request got no answer, as a person reads it (aiohttp's repr names its
+    connection key and nested errors)."""
+    if isinstance(exc, aiohttp.ClientConnectorCertificateError):
+        return f"its TLS certificate is not trusted: {exc.certificate_error}"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        err = exc.os_error
+        if isinstance(err, ConnectionRefusedError):
+            return "connection refused"
+        return err.strerror or str(err) or type(err).__name__
+    if isinstance(exc, TimeoutError | aiohttp.ServerTimeoutError):
+        return "no answer in time"
+    return str(exc) or type(exc).__name__
