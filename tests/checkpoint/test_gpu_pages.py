@@ -455,6 +455,70 @@ async def test_a_driver_restore_that_fails_stops_the_placing_and_says_why(
     ), "a restored process was left behind"
 
 
+class StalledSource(StreamSource):
+    """A store that stops answering once the staged memory is asked for: every part waits
+    for ``gate``."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gate = asyncio.Event()
+        self.asked = asyncio.Event()
+
+    async def get_pages(
+        self,
+        name: str,
+        size: int,
+        put: gpupages.PagePut,
+        *,
+        zero: gpupages.PageZero | None = None,
+        in_flight: int | None = None,
+    ) -> None:
+        self.asked.set()
+        await self.gate.wait()
+        await super().get_pages(name, size, put, zero=zero, in_flight=in_flight)
+
+
+@pytest.mark.parametrize("overlap", [True, False], ids=["placed-under-the-restore", "before"])
+async def test_a_restore_given_up_while_the_store_stalls_ends_at_once_and_leaves_nothing(
+    patched: str, tmp_path: Path, here: Path, overlap: bool
+) -> None:
+    """The store stalls while the staged memory is fetched (with the driver's restore
+    already reading it, where placed) and the restore is given up — the agent stopping, a
+    deadline. It ends within seconds, no restored process is left waiting on pages that
+    will never come, and the same image restores once the store answers."""
+    job, gpu, engine = await _rig(
+        tmp_path, here, patched, f"gpupages-restore-stall-{int(overlap)}",
+        restore_overlap_min_mib=0 if overlap else 1 << 20,
+    )  # fmt: skip
+    settings = ImageSettings()
+    target = _stream_target(tmp_path, settings)
+    await engine.freeze(job, target, Mode.EXIT)
+    await until(lambda: not psutil.pid_exists(job.pid), "the job gone")
+    assert target.url is not None
+    source = StalledSource(target.url, work_root=tmp_path / "w", settings=settings)
+    restoring = asyncio.create_task(engine.restore(source, state_dir=tmp_path / "state"))
+    try:
+        await asyncio.wait_for(source.asked.wait(), 60)
+        await asyncio.sleep(0.5)
+        restoring.cancel()
+        done, _ = await asyncio.wait({restoring}, timeout=30)
+        assert done, "the restore given up still waits for the store"
+        await asyncio.sleep(0.3)
+        assert not any(
+            str(tmp_path / "staging_job.py") in " ".join(p.info["cmdline"] or [])
+            for p in psutil.process_iter(["cmdline"])
+        ), "a restored process was left behind"
+    finally:
+        source.gate.set()
+        await asyncio.wait({restoring}, timeout=60)
+    again = StreamSource(target.url, work_root=tmp_path / "w2", settings=settings)
+    restored = await engine.restore(again, state_dir=tmp_path / "state")
+    try:
+        assert gpu.checks()[-1:] == ["ok"]
+    finally:
+        kill_tree(restored.pid)
+
+
 async def test_with_gpu_pages_criu_the_pages_go_through_criu_as_before(
     patched: str, tmp_path: Path, here: Path
 ) -> None:

@@ -208,8 +208,9 @@ async def _overlapped(
     """The driver's restore while the staged memory is placed under it (:mod:`.placing`).
     When either side fails the other cannot end usefully — a driver waiting on a page that
     will never come returns only when its process dies, a write-back into processes whose
-    restore failed would run to its end — so the GPU processes are killed at once, both are
-    let finish, and the first failure is raised."""
+    restore failed would run to its end — so the GPU processes are killed at once, the
+    write-back is cancelled (it may wait for a store that stalled), the driver let finish, and
+    the first failure is raised."""
     t0 = time.perf_counter()
     load = asyncio.ensure_future(
         gpupages.load(source, pages, by_ns, workers=s.gpu_page_workers or None, places=places)
@@ -230,6 +231,7 @@ async def _overlapped(
             for ns_pid in places:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(by_ns[ns_pid], signal.SIGKILL)
+            load.cancel()  # it may wait for a store that never answers again
             await asyncio.gather(load, driver, return_exceptions=True)
         await asyncio.to_thread(_close_all, places)
     stats = [p.stats for p in places.values()]
