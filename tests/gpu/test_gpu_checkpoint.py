@@ -20,6 +20,7 @@ import shutil
 import signal
 import sys
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -218,6 +219,61 @@ async def test_a_pause_given_up_while_the_job_is_frozen_leaves_it_training_on_it
         for pid in {job.pid, *([restored.pid] if restored else [])}:
             proctree.signal_all([pid], signal.SIGKILL)
         await gated.inner.aclose()
+
+
+class _StalledSource(StreamSource):
+    """A store that stops answering once the staged GPU memory is asked for."""
+
+    def __init__(self, *args: Any, **kw: Any) -> None:
+        super().__init__(*args, **kw)
+        self.gate, self.asked = asyncio.Event(), asyncio.Event()
+
+    async def get_pages(self, *args: Any, **kw: Any) -> None:
+        self.asked.set()
+        await self.gate.wait()
+        await super().get_pages(*args, **kw)
+
+
+async def test_a_restore_given_up_while_the_store_stalls_leaves_nothing_on_the_gpu(
+    gpu_ready: None, criu_bin: str, tmp_path: Path
+) -> None:
+    """The trainer's restore, its staged GPU memory placed under the driver's restore, given
+    up while the store stalls (the agent stopping, a deadline): the driver's restore waits on
+    pages that will never come until its process dies, so the restore kills it and ends —
+    within a minute, with no trainer holding GPU memory — and the image restores once the
+    store answers, to losses bit-identical to an uninterrupted run."""
+    ref, settings, engine, job = await reference_and_training(
+        criu_bin, tmp_path, "gpu-restore-stalled", restore_overlap_min_mib=0
+    )
+    out = job.dir / "stdout"
+    store = tmp_path / "store"
+    restored = None
+    try:
+        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
+        target = StreamTarget(
+            open_store(store.as_uri()), work_root=tmp_path / "work", settings=ImageSettings()
+        )
+        await engine.freeze(job, target, Mode.EXIT)
+        await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=120)
+        assert target.url is not None
+        shutil.rmtree(job.dir)
+        stalled = _StalledSource(target.url, work_root=tmp_path / "w1", settings=ImageSettings())
+        restoring = asyncio.create_task(engine.restore(stalled, state_dir=settings.state_dir))
+        await asyncio.wait_for(stalled.asked.wait(), 120)
+        await asyncio.sleep(1.0)
+        restoring.cancel()
+        done, _ = await asyncio.wait({restoring}, timeout=60)
+        stalled.gate.set()
+        assert done, "the restore given up still waits for the store"
+        await until(lambda: not _trainers(on_gpu=True), "no trainer on the GPU", limit=30)
+        assert not _trainers(on_gpu=False), "a restored process of the job was left"
+        again = StreamSource(target.url, work_root=tmp_path / "w2", settings=ImageSettings())
+        restored = await engine.restore(again, state_dir=settings.state_dir)
+        print(f"\nrestored once the store answered: {steps_text(restored.timeline.steps)}")
+        await finishes_as_the_reference(restored.job, out, ref)
+    finally:
+        for pid in {job.pid, *([restored.pid] if restored else [])}:
+            proctree.signal_all([pid], signal.SIGKILL)
 
 
 async def test_gpu_processes_are_found_by_the_driver_and_the_remap_path_runs(
