@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -15,12 +16,14 @@ from spotguard.errors import ConfigError, ImageCorrupt, StoreUnavailable
 from spotguard.image import (
     ImageReader,
     ImageSettings,
+    ImageWriter,
     gc,
     latest_image,
     list_images,
     pull_image,
     push_dir,
 )
+from spotguard.store.file import FileStore
 
 CHUNK = 256 << 10
 S = ImageSettings(chunk_size=CHUNK, workers=2, max_inflight_mb=4, retries=4)
@@ -149,3 +152,32 @@ async def test_a_pull_into_a_place_that_cannot_be_written_is_refused_typed(
     for dest in (Path("/proc/no-such-dir"), tmp_path / "a-file" / "under"):
         with pytest.raises(ConfigError, match=f"cannot write the image into {dest}"):
             await pull_image(res.image_url, dest, settings=S)
+
+
+class _HungDeletes(FileStore):
+    """A file store whose deletes hang (a store that stopped answering mid-way)."""
+
+    async def delete(self, key: str) -> None:
+        await asyncio.Event().wait()
+
+
+async def test_an_abandoned_write_does_not_wait_for_a_hung_store_to_drop_its_marker(
+    tmp_path: Path,
+) -> None:
+    """A write given up (a pause given way to a notice's exit, a deadline) removes its
+    writing marker on the way out; with the store hung, that removal must not hold the
+    caller — the exit waits for the pause to end — beyond a few seconds: gc removes a stale
+    marker after its grace period."""
+    store = _HungDeletes(tmp_path / "store")
+
+    async def given_up() -> None:
+        async with ImageWriter(store, "job", settings=S) as w:  # type: ignore[arg-type]
+            f = w.file("pages-1.img")
+            await f.write(os.urandom(2 * CHUNK))
+            raise RuntimeError("given up")
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="given up"):
+        await asyncio.wait_for(given_up(), 60)
+    assert time.monotonic() - started < 15
+    await store.aclose()

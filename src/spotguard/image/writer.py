@@ -59,6 +59,8 @@ log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 MARKER_REFRESH_S = 300.0
+#: how long an abandoned write tries to remove its writing marker before leaving it to gc
+ABANDON_CLEANUP_S = 5.0
 
 
 def store_for(url: str, settings: ImageSettings) -> ImageStore:
@@ -192,9 +194,12 @@ class ImageWriter:
             "image write abandoned: no manifest written",
             extra={"image": self.url, "error": str(exc) if exc else "not committed"},
         )
-        # If this fails, gc removes the stale marker after the grace period.
-        with contextlib.suppress(SpotguardError):
-            await asyncio.shield(commit.remove_writing_marker(self.store, self.ref))
+        # Bounded: the caller may be a pause given up for a notice's exit, which waits for
+        # it; a marker left (the store hung, or this failed) gc removes after its grace period.
+        with contextlib.suppress(SpotguardError, TimeoutError):
+            await asyncio.wait_for(
+                commit.remove_writing_marker(self.store, self.ref), ABANDON_CLEANUP_S
+            )
 
     async def _shutdown(self) -> None:
         for task in (self._heartbeat, self._sequence):
