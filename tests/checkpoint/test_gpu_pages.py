@@ -291,6 +291,14 @@ async def test_a_held_pause_copies_the_staged_memory_into_room_faulted_in_before
     await _killed_and_restored(job, gpu, engine, source, here, state_dir=tmp_path / "state")
 
 
+async def _given_up(task: asyncio.Task[Any], what: str) -> None:
+    """Half a second into the stall, ``task`` cancelled: it must end within 30 s."""
+    await asyncio.sleep(0.5)
+    task.cancel()
+    done, _ = await asyncio.wait({task}, timeout=30)
+    assert done, f"the {what} given up still waits for the store"
+
+
 @pytest.mark.parametrize("mode", [Mode.EXIT, Mode.RESUME])
 async def test_a_freeze_given_up_while_the_store_stalls_brings_the_job_back_at_once(
     patched: str, tmp_path: Path, here: Path, mode: Mode
@@ -316,10 +324,7 @@ async def test_a_freeze_given_up_while_the_store_stalls_brings_the_job_back_at_o
     freezing = asyncio.create_task(engine.freeze(job, target, mode))
     try:
         await asyncio.wait_for(gated.blocked.wait(), 60)
-        await asyncio.sleep(0.5)
-        freezing.cancel()
-        done, _ = await asyncio.wait({freezing}, timeout=30)
-        assert done, "the freeze given up still waits for the store"
+        await _given_up(freezing, "freeze")
         assert freezing.cancelled() or isinstance(freezing.exception(), SpotguardError)
         assert gpu.checks() == ["ok"] and gpu.stuck() == {}
         at = _count(job)
@@ -464,18 +469,10 @@ class StalledSource(StreamSource):
         self.gate = asyncio.Event()
         self.asked = asyncio.Event()
 
-    async def get_pages(
-        self,
-        name: str,
-        size: int,
-        put: gpupages.PagePut,
-        *,
-        zero: gpupages.PageZero | None = None,
-        in_flight: int | None = None,
-    ) -> None:
+    async def get_pages(self, *args: Any, **kw: Any) -> None:
         self.asked.set()
         await self.gate.wait()
-        await super().get_pages(name, size, put, zero=zero, in_flight=in_flight)
+        await super().get_pages(*args, **kw)
 
 
 @pytest.mark.parametrize("overlap", [True, False], ids=["placed-under-the-restore", "before"])
@@ -499,10 +496,7 @@ async def test_a_restore_given_up_while_the_store_stalls_ends_at_once_and_leaves
     restoring = asyncio.create_task(engine.restore(source, state_dir=tmp_path / "state"))
     try:
         await asyncio.wait_for(source.asked.wait(), 60)
-        await asyncio.sleep(0.5)
-        restoring.cancel()
-        done, _ = await asyncio.wait({restoring}, timeout=30)
-        assert done, "the restore given up still waits for the store"
+        await _given_up(restoring, "restore")
         await asyncio.sleep(0.3)
         assert not any(
             str(tmp_path / "staging_job.py") in " ".join(p.info["cmdline"] or [])

@@ -25,12 +25,12 @@ from typing import Any
 import psutil
 import pytest
 from trainer_rig import (
+    exits_and_restores_as_the_reference,
     finishes_as_the_reference,
     gpu_ready,
     lines,
     reference_and_training,
     steps_text,
-    trains_on_its_gpu,
 )
 
 from sgtest import FailingStore, GatedStore, flip_a_byte, until
@@ -38,7 +38,9 @@ from spotguard import nvml
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import has_external_pages
 from spotguard.checkpoint.cuda import CudaHook, inventory
-from spotguard.checkpoint.engine import Mode
+from spotguard.checkpoint.engine import Engine, Mode
+from spotguard.checkpoint.jobs import JobInfo
+from spotguard.checkpoint.results import FreezeResult
 from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.errors import CheckpointError, ImageCorrupt, StoreUnavailable
 from spotguard.image import ImageSettings
@@ -145,80 +147,55 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
         await gated.inner.aclose()
 
 
-async def test_a_held_pause_given_up_while_it_uploads_leaves_the_job_training_on_its_gpu(
-    gpu_ready: None, criu_bin: str, tmp_path: Path
+@pytest.mark.parametrize("frozen", [False, True], ids=["while-it-uploads", "while-frozen"])
+async def test_a_pause_given_up_leaves_the_job_training_on_its_gpu(
+    gpu_ready: None, criu_bin: str, tmp_path: Path, frozen: bool
 ) -> None:
-    """What an interruption notice does to a leave-running checkpoint still uploading
-    (:mod:`spotguard.agent.giveway`): the freeze is cancelled after the job trains again. The
-    job keeps training with its GPU state running, the stalled image gets no manifest, and an
-    exit image taken then restores to losses bit-identical to an uninterrupted run."""
+    """What an interruption notice does to a leave-running checkpoint under way
+    (:mod:`spotguard.agent.giveway`), or an agent stopping: the pause is cancelled while its
+    store stalls — held in memory (the default), after the job trains again; or holding
+    nothing (``resume_buffer_mb = 0``), while the job is still frozen, its GPU checkpointed,
+    waiting for the store. Either way the job trains on with its GPU state running, the
+    stalled image gets no manifest, and an exit image taken then restores to losses
+    bit-identical to an uninterrupted run."""
     ref, settings, engine, job = await reference_and_training(
-        criu_bin, tmp_path, "gpu-train-gave-way"
+        criu_bin, tmp_path, "gpu-gave-way", **({"resume_buffer_mb": 0} if frozen else {})
     )
     out = job.dir / "stdout"
     gated = GatedStore(open_store(f"file://{tmp_path / 'stalled'}"))
-    restored = None
     try:
         await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
         target = StreamTarget(gated, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
         pausing = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
         await asyncio.wait_for(gated.blocked.wait(), 120)
         n = len(lines(out))
-        await until(lambda: len(lines(out)) > n + 3, "training while the store stalls", 60)
-        pausing.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(pausing, 60)
-        assert target.manifest is None
-        await trains_on_its_gpu(engine, job, "training after the give-up")
-        img = tmp_path / "img"
-        frozen = await engine.freeze(job, DirectoryTarget(img), Mode.EXIT)
-        print(f"\nafter the give-up, exit freeze: {steps_text(frozen.timeline.steps)}")
-        restored = await engine.restore(DirectorySource(img), state_dir=settings.state_dir)
-        await finishes_as_the_reference(restored.job, out, ref)
-    finally:
-        gated.gate.set()
-        for pid in {job.pid, *([restored.pid] if restored else [])}:
-            proctree.signal_all([pid], signal.SIGKILL)
-        await gated.inner.aclose()
-
-
-async def test_a_pause_given_up_while_the_job_is_frozen_leaves_it_training_on_its_gpu(
-    gpu_ready: None, criu_bin: str, tmp_path: Path
-) -> None:
-    """A leave-running pause that holds nothing in memory (``resume_buffer_mb = 0``) keeps
-    the job frozen — its GPU checkpointed, CRIU dumping — until the store takes the image; the
-    store stalls and the pause is cancelled there (what a notice's exit does to a pause
-    under way, :mod:`spotguard.agent.giveway`, or an agent stopping). The job must come back
-    on its GPU and train on; an exit image taken then restores bit-identically."""
-    ref, settings, engine, job = await reference_and_training(
-        criu_bin, tmp_path, "gpu-frozen-given-up", resume_buffer_mb=0
-    )
-    out = job.dir / "stdout"
-    gated = GatedStore(open_store(f"file://{tmp_path / 'stalled'}"))
-    restored = None
-    try:
-        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
-        target = StreamTarget(gated, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
-        pausing = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
-        await asyncio.wait_for(gated.blocked.wait(), 120)
-        n = len(lines(out))
-        await asyncio.sleep(1.0)
-        assert len(lines(out)) == n, "the job trained while its pause waited for the store"
+        if frozen:
+            await asyncio.sleep(1.0)
+            assert len(lines(out)) == n, "the job trained while its pause waited for the store"
+        else:
+            await until(lambda: len(lines(out)) > n + 3, "training while the store stalls", 60)
         pausing.cancel()
         with pytest.raises(asyncio.CancelledError):
             await asyncio.wait_for(pausing, 120)
         assert target.manifest is None
-        await trains_on_its_gpu(engine, job, "training after the frozen pause was given up")
-        img = tmp_path / "img"
-        frozen = await engine.freeze(job, DirectoryTarget(img), Mode.EXIT)
-        print(f"\nafter the give-up, exit freeze: {steps_text(frozen.timeline.steps)}")
-        restored = await engine.restore(DirectorySource(img), state_dir=settings.state_dir)
-        await finishes_as_the_reference(restored.job, out, ref)
+        await exits_and_restores_as_the_reference(engine, job, settings, tmp_path / "img", ref)
     finally:
         gated.gate.set()
-        for pid in {job.pid, *([restored.pid] if restored else [])}:
-            proctree.signal_all([pid], signal.SIGKILL)
+        proctree.signal_all([job.pid], signal.SIGKILL)
         await gated.inner.aclose()
+
+
+async def _exit_image_in_a_store(
+    engine: Engine, job: JobInfo, tmp_path: Path
+) -> tuple[StreamTarget, FreezeResult]:
+    """The trainer, some steps in, frozen (exit) into the file store ``tmp_path/store``."""
+    out = job.dir / "stdout"
+    await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
+    store = open_store((tmp_path / "store").as_uri())
+    target = StreamTarget(store, work_root=tmp_path / "work", settings=ImageSettings())
+    frozen = await engine.freeze(job, target, Mode.EXIT)
+    await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=120)
+    return target, frozen
 
 
 class _StalledSource(StreamSource):
@@ -246,15 +223,9 @@ async def test_a_restore_given_up_while_the_store_stalls_leaves_nothing_on_the_g
         criu_bin, tmp_path, "gpu-restore-stalled", restore_overlap_min_mib=0
     )
     out = job.dir / "stdout"
-    store = tmp_path / "store"
     restored = None
     try:
-        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
-        target = StreamTarget(
-            open_store(store.as_uri()), work_root=tmp_path / "work", settings=ImageSettings()
-        )
-        await engine.freeze(job, target, Mode.EXIT)
-        await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=120)
+        target, _ = await _exit_image_in_a_store(engine, job, tmp_path)
         assert target.url is not None
         shutil.rmtree(job.dir)
         stalled = _StalledSource(target.url, work_root=tmp_path / "w1", settings=ImageSettings())
@@ -337,7 +308,6 @@ async def test_an_exit_checkpoint_whose_store_goes_away_leaves_the_job_training_
     out = job.dir / "stdout"
     store_url = f"file://{tmp_path / 'store'}"
     failing = FailingStore(open_store(store_url), allow=2)
-    restored = None
     try:
         await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
         target = StreamTarget(failing, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
@@ -346,16 +316,9 @@ async def test_an_exit_checkpoint_whose_store_goes_away_leaves_the_job_training_
         print(f"\nthe exit checkpoint failed: {type(failed.value).__name__}: {failed.value}")
         assert target.manifest is None
         assert await latest_image(store_url, job.name, settings=ImageSettings()) is None
-        await trains_on_its_gpu(engine, job, "training after the failed checkpoint")
-        img = tmp_path / "img"
-        frozen = await engine.freeze(job, DirectoryTarget(img), Mode.EXIT)
-        print(f"the exit freeze after it: {steps_text(frozen.timeline.steps)}")
-        await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=120)
-        restored = await engine.restore(DirectorySource(img), state_dir=settings.state_dir)
-        await finishes_as_the_reference(restored.job, out, ref)
+        await exits_and_restores_as_the_reference(engine, job, settings, tmp_path / "img", ref)
     finally:
-        for pid in {job.pid, *([restored.pid] if restored else [])}:
-            proctree.signal_all([pid], signal.SIGKILL)
+        proctree.signal_all([job.pid], signal.SIGKILL)
         await failing.inner.aclose()
 
 
@@ -384,12 +347,7 @@ async def test_an_altered_chunk_of_gpu_memory_is_refused_and_leaves_nothing_on_t
     store = tmp_path / "store"
     restored = None
     try:
-        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
-        target = StreamTarget(
-            open_store(store.as_uri()), work_root=tmp_path / "work", settings=ImageSettings()
-        )
-        frozen = await engine.freeze(job, target, Mode.EXIT)
-        await until(lambda: not proctree.alive(job.pid), "the job to stop", limit=120)
+        target, frozen = await _exit_image_in_a_store(engine, job, tmp_path)
         assert target.url is not None and frozen.meta.gpu_pages, "no GPU memory in the image"
         names = {p.name for g in frozen.meta.gpu_pages for p in g.parts}
         async with ImageReader(target.url, settings=ImageSettings()) as reader:

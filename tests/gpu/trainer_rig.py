@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -22,9 +23,10 @@ from sgtest import until
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.cuda import CudaHook, GpuState, driver_available, inventory
-from spotguard.checkpoint.engine import Engine
+from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import JobInfo, exit_status, start_job
 from spotguard.checkpoint.settings import CheckpointSettings
+from spotguard.checkpoint.staging import DirectorySource, DirectoryTarget
 from spotguard.timeline import Step
 
 ENV = {**os.environ, "CUBLAS_WORKSPACE_CONFIG": ":4096:8", "PYTHONUNBUFFERED": "1"}
@@ -84,3 +86,18 @@ async def trains_on_its_gpu(engine: Engine, job: JobInfo, why: str) -> None:
     gpids = await engine.gpu.gpu_pids(proctree.tree(job.pid))
     states = [await engine.gpu.state(p) for p in gpids]
     assert gpids and states == [GpuState.RUNNING] * len(gpids), states
+
+
+async def exits_and_restores_as_the_reference(
+    engine: Engine, job: JobInfo, settings: CheckpointSettings, img: Path, ref: list[str]
+) -> None:
+    """After a checkpoint that went wrong: the trainer ``job`` trains on, on its GPU; an exit
+    image of it into ``img`` restores, and the restored trainer ends as the reference."""
+    await trains_on_its_gpu(engine, job, "training after the checkpoint that went wrong")
+    frozen = await engine.freeze(job, DirectoryTarget(img), Mode.EXIT)
+    print(f"\nthe exit freeze after it: {steps_text(frozen.timeline.steps)}")
+    restored = await engine.restore(DirectorySource(img), state_dir=settings.state_dir)
+    try:
+        await finishes_as_the_reference(restored.job, job.dir / "stdout", ref)
+    finally:
+        proctree.signal_all([restored.pid], signal.SIGKILL)
