@@ -9,9 +9,7 @@ The deadline planner (:mod:`spotguard.planner`) predicts from these.
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -173,17 +171,6 @@ def gpu_bytes_of(pids: set[int]) -> int:
     return sum(gpu_bytes_by_pid(pids).values())
 
 
-def _nvidia_open(pid: int) -> bool:
-    """True if ``pid`` has an NVIDIA device open: every CUDA process holds ``/dev/nvidiactl``
-    and its GPUs' device files, so a process without one holds no GPU memory."""
-    with contextlib.suppress(OSError):
-        for fd in os.scandir(f"/proc/{pid}/fd"):
-            with contextlib.suppress(OSError):
-                if os.readlink(fd.path).startswith("/dev/nvidia"):
-                    return True
-    return False
-
-
 def _rss_by_pid(pids: set[int]) -> dict[int, int]:
     import psutil
 
@@ -211,9 +198,12 @@ def estimate(pid: int) -> Estimate:
         pids = {pid, *(c.pid for c in root.children(recursive=True))}
     except psutil.Error:
         pids = {pid}
-    # NVML only for a job on a GPU: its bindings take ~70 ms to import, and this estimate
-    # runs before every freeze `spotguard checkpoint` makes
-    gpu = gpu_bytes_by_pid(pids) if any(_nvidia_open(p) for p in pids) else {}
+    from spotguard.checkpoint.proctree import uses_device
+
+    # NVML only for a job on a GPU (every CUDA process holds /dev/nvidiactl and its GPUs'
+    # device files open): its bindings take ~70 ms to import, and this estimate runs before
+    # every freeze `spotguard checkpoint` makes
+    gpu = gpu_bytes_by_pid(pids) if any(uses_device(p, "/dev/nvidia") for p in pids) else {}
     rss = _rss_by_pid(pids)
     # a process counts as one of the job's "ranks" when it holds GPU memory or at least
     # 1/16 of the largest process's memory (launchers and idle helpers do not)
