@@ -17,11 +17,12 @@ the record goes only when the manifest is durable. It is pushed only as this hos
 an image altered in between fails like an upload (the job runs on, or in ``exit`` mode the
 image stays kept, :class:`ImageKept` naming the refusal, and is never pushed).
 
-The fallback rule (:data:`FALLBACK`, applied by :func:`falls_back`) is declared, not inferred:
+The fallback rule (:data:`FALLBACK` and :data:`NEVER_FALLS_BACK`, applied by
+:func:`falls_back`) is declared, not inferred:
 the staged path runs after the streamed one when
 
-1. ``prepare`` failed — the store refused the image before the job was touched (not for a
-   :class:`ConfigError`: bad input fails every path alike); or
+1. ``prepare`` failed — the store refused the image before the job was touched (never for a
+   :class:`ConfigError`, :data:`NEVER_FALLS_BACK`: bad input fails every path alike); or
 2. ``run`` failed with an upload error (:class:`StoreError`, :class:`ImageError`,
    :class:`StreamError` — the last also when the stream was not durable within its time) in
    ``exit`` mode. The engine raised, and its contract is that a failed freeze leaves the job
@@ -88,15 +89,16 @@ FALLBACK: tuple[tuple[str, tuple[type[BaseException], ...], frozenset[Mode]], ..
     ("prepare", (Exception,), frozenset(Mode)),
     ("run", UPLOAD_ERRORS, frozenset({Mode.EXIT})),
 )
+#: ... and the errors after which no path runs, whatever FALLBACK says: bad input (a store
+#: URL with no bucket, an extra not installed) fails every path alike, the next one only
+#: after it has stopped the job
+NEVER_FALLS_BACK: tuple[type[BaseException], ...] = (ConfigError,)
 
 
 def falls_back(step: str, exc: BaseException, mode: Mode) -> bool:
-    """Whether the next path of the chain may run after ``exc`` in ``step`` (see FALLBACK).
-    Never after a :class:`ConfigError`: bad input (a store URL with no bucket, an extra not
-    installed) fails every path alike, the next one after it has stopped the job."""
-    if isinstance(exc, ConfigError):
-        return False
-    return any(
+    """Whether the next path of the chain may run after ``exc`` in ``step`` (see FALLBACK
+    and NEVER_FALLS_BACK)."""
+    return not isinstance(exc, NEVER_FALLS_BACK) and any(
         step == s and isinstance(exc, errors) and mode in modes for s, errors, modes in FALLBACK
     )
 
