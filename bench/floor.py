@@ -121,6 +121,67 @@ def freeze_one(c: Chunk, view: memoryview) -> None:
         os.close(fd)
 
 
+def _freeze_blocked(block: int) -> Callable[[Chunk, memoryview], None]:
+    """The freeze of one chunk a cache-sized block at a time: each block copied out of the
+    rank into the thread's small buffer, hashed into the chunk's hasher and, unless all zero,
+    written at its offset while it is still in cache — one pass over each byte from RAM
+    where the whole-chunk freeze makes three (copy, hash, write). A chunk all zero leaves no
+    file; zero blocks of a stored chunk are holes."""
+
+    def freeze_one_blocked(c: Chunk, view: memoryview) -> None:
+        h = blake3()
+        fd = -1
+        try:
+            for off in range(0, c.size, block):
+                v = view[: min(block, c.size - off)]
+                read_memory(c.pid, c.addr + off, v)
+                h.update(v)
+                if is_zero(v):
+                    continue
+                if fd < 0:
+                    fd = os.open(c.file, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                os.pwrite(fd, v, off)
+            if fd >= 0:
+                os.ftruncate(fd, c.size)
+                h.digest()
+        finally:
+            if fd >= 0:
+                os.close(fd)
+
+    return freeze_one_blocked
+
+
+def _restore_blocked(
+    targets: dict[int, tuple[int, int]], block: int
+) -> Callable[[Chunk, memoryview], None]:
+    """The restore of one chunk a block at a time, verified before any byte is written: one
+    pass reads and hashes every block, the next reads each again and writes it into the
+    process — the buffer stays in cache, so each byte crosses RAM twice as it is read and
+    once as it is written, where the whole-chunk restore copies it into a 64 MiB buffer too."""
+
+    def restore_one_blocked(c: Chunk, view: memoryview) -> None:
+        if not c.file.exists():
+            return
+        fd = os.open(c.file, os.O_RDONLY)
+        try:
+            h = blake3()
+            for off in range(0, c.size, block):
+                v = view[: min(block, c.size - off)]
+                os.preadv(fd, [v], off)
+                h.update(v)
+            h.digest()
+            pid, base = targets[c.rank]
+            for off in range(0, c.size, block):
+                v = view[: min(block, c.size - off)]
+                os.preadv(fd, [v], off)
+                if not is_zero(v):
+                    write_memory(pid, base + c.offset + off, v)
+        finally:
+            os.close(fd)
+
+    return restore_one_blocked
+
+
 def _restore(targets: dict[int, tuple[int, int]]) -> Callable[[Chunk, memoryview], None]:
     def restore_one(c: Chunk, view: memoryview) -> None:
         if not c.file.exists():  # a zero chunk: never stored, never written back
@@ -164,17 +225,21 @@ def _start(ranks: int, gib: float, work: Path) -> tuple[subprocess.Popen[bytes],
     return proc, _ranks(proc.pid, ranks)
 
 
-def floors(items: list[Chunk], ranks: int, threads: int) -> tuple[float, float, float, int]:
+def floors(
+    items: list[Chunk], ranks: int, threads: int, block: int = 0
+) -> tuple[float, float, float, int]:
     """The pause floor, the freeze floor, then the restore floor of the running stand-in's
-    ``items`` with ``threads`` threads: (seconds, seconds, seconds, bytes stored)."""
+    ``items`` with ``threads`` threads, whole chunks or ``block`` bytes at a time:
+    (seconds, seconds, seconds, bytes stored)."""
     try:
         pause_s = _pause(items, threads)
-        freeze_s = _pool(threads, items, freeze_one)
+        freeze_s = _pool(threads, items, _freeze_blocked(block) if block else freeze_one)
         stored = sum(c.file.stat().st_size for c in items if c.file.exists())
         kids = [_child(sum(c.size for c in items if c.rank == r), False) for r in range(ranks)]
         try:
             targets = {r: (kid.pid, addr) for r, (kid, addr) in enumerate(kids)}
-            restore_s = _pool(threads, items, _restore(targets))
+            restore = _restore_blocked(targets, block) if block else _restore(targets)
+            restore_s = _pool(threads, items, restore)
         finally:
             for kid, _ in kids:
                 kid.kill()
@@ -191,28 +256,37 @@ def main() -> None:
     ap.add_argument("--ranks", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 8, 16])
     ap.add_argument("--dir", default="/dev/shm", help="the store's file system")
+    ap.add_argument(
+        "--block-kib",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="work a chunk this many KiB at a time (0: the whole chunk at once)",
+    )
     ap.add_argument("--json", type=Path, help="append one JSON line per row")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sg-floor-"))
     store = Path(tempfile.mkdtemp(prefix="sg-floor-store-", dir=args.dir))
     print(f"# floor: ranks of {args.gib:g} GiB (half random, half zero), {os.cpu_count()} cpus, "
           f"store {args.dir}")  # fmt: skip
-    print("| ranks | threads | GB of memory | GB stored | freeze floor s | GB/s "
+    print("| ranks | threads | block KiB | GB of memory | GB stored | freeze floor s | GB/s "
           "| restore floor s | GB/s | pause floor s | GB/s |")  # fmt: skip
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     try:
         for n in args.ranks:
             shutil.rmtree(work / "out", ignore_errors=True)
             proc, pids = _start(n, args.gib, work)  # one job per N, every thread count on it
             try:
                 items = _chunks(pids, store)
-                for t in args.threads:
-                    ps, fs, rs, stored = floors(items, n, t)
-                    row = {"ranks": n, "gib": args.gib, "threads": t, "freeze_s": round(fs, 3),
+                for t, kib in [(t, k) for t in args.threads for k in args.block_kib]:
+                    ps, fs, rs, stored = floors(items, n, t, kib << 10)
+                    row = {"ranks": n, "gib": args.gib, "threads": t, "block_kib": kib,
+                           "freeze_s": round(fs, 3),
                            "restore_s": round(rs, 3), "pause_s": round(ps, 3),
                            "stored": stored}  # fmt: skip
                     total = sum(c.size for c in items)
-                    print(f"| {n} | {t} | {total / 1e9:.1f} | {stored / 1e9:.1f} | {fs:.2f} | "
+                    print(f"| {n} | {t} | {kib or 'chunk'} | {total / 1e9:.1f} | "
+                          f"{stored / 1e9:.1f} | {fs:.2f} | "
                           f"{total / fs / 1e9:.1f} | {rs:.2f} | {total / rs / 1e9:.1f} | "
                           f"{ps:.2f} | {total / ps / 1e9:.1f} |", flush=True)  # fmt: skip
                     if args.json:
