@@ -13,6 +13,7 @@ import pytest
 from conftest import Built
 from sgtest import sg, wait_for
 from spotguard.checkpoint import proctree
+from spotguard.checkpoint.cuda import NVIDIA_CTL
 from spotguard.checkpoint.nccl import CHECKPOINTABLE
 from spotguard.checkpoint.ncclctl import ENV_CTL
 from spotguard.checkpoint.procfacts import comm, read_environ
@@ -23,10 +24,12 @@ pytestmark = pytest.mark.criu  # spotguard run needs root
 RESTRICTED = {key: value for key, (value, _why) in CHECKPOINTABLE.items()}
 
 
-def _run(state: Path, name: str, *flags: str) -> tuple[dict[str, str], str]:
+def _run(
+    state: Path, name: str, *flags: str, config: Path | None = None
+) -> tuple[dict[str, str], str]:
     """Start ``sleep`` through ``spotguard run``: its environment and run's stderr."""
     res = sg("run", "--json", "--state-dir", str(state), "--name", name, *flags, "--",
-             "sleep", "60", timeout=60)  # fmt: skip
+             "sleep", "60", config=config, timeout=60)  # fmt: skip
     assert res.returncode == 0 and "Traceback" not in res.stderr, res.stderr
     pid = int(json.loads(res.stdout.splitlines()[-1])["pid"])
     try:
@@ -59,6 +62,19 @@ def test_run_restricts_nccl_when_asked_and_when_the_shim_is_missing(
         f"spotguard run: no NCCL shim at {missing} (scripts/install-nccl-shim): NCCL's fast "
         "transports are turned off for this job (--nccl restrict)"
     ]
+
+
+@pytest.mark.skipif(Path(NVIDIA_CTL).exists(), reason="this host has an NVIDIA GPU")
+def test_run_on_a_host_without_gpus_says_nothing_of_nccl(tmp_path: Path) -> None:
+    """On a host with no NVIDIA GPU a job cannot use NCCL: the shim's absence is not news
+    there unless ``--nccl``/``--nccl-shim`` were given (the test above); set in the config
+    file, it stays unsaid. The job is started as restricted as ever."""
+    missing = tmp_path / "none" / "libspotguard_nccl.so"
+    config = tmp_path / "spotguard.toml"
+    config.write_text(f'[checkpoint]\nnccl_shim = "{missing}"\n')
+    env, err = _run(tmp_path / "state", "cpu", config=config)
+    assert "NCCL" not in err, err
+    assert {k: env.get(k) for k in RESTRICTED} == RESTRICTED
 
 
 def test_run_names_the_group_and_leaves_the_interface_to_the_job(

@@ -18,6 +18,7 @@ import pytest
 from park_helpers import JOBS, Sg, free_port, ok_json
 
 from spotguard.checkpoint import proctree
+from spotguard.checkpoint.cuda import NVIDIA_CTL
 from spotguard.checkpoint.criu import Criu
 from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo, list_jobs, resolve_job
@@ -129,6 +130,22 @@ async def test_job_being_checkpointed_is_never_parked(
         await policy.tick()
         await asyncio.sleep(0.2)
     assert record.load(state_dir, "idle") is None and sent == []
+
+
+@pytest.mark.skipif(Path(NVIDIA_CTL).exists(), reason="this host has an NVIDIA GPU")
+def test_room_asked_on_a_host_without_gpus_is_said_plainly(sg: Sg) -> None:
+    """``run --gpu-memory`` where no GPU is known (no GPU NVML sees, no ``[park]
+    gpu_capacity_mib``): the job starts, nothing is parked, and the one line says why — not
+    that the memory did not fit "even after parking every lower-priority job"."""
+    ok_json(sg("run", "--name", "low", "--priority", "1", "--json", "--", sys.executable,
+               JOBS, "sleeper"))  # fmt: skip
+    res = sg("run", "--name", "big", "--priority", "5", "--gpu-memory", "40G", "--json",
+             "--", sys.executable, JOBS, "sleeper")  # fmt: skip
+    assert ok_json(res)["parked"] == []
+    said = [line for line in res.stderr.splitlines() if "GPU" in line]
+    assert len(said) == 1, res.stderr
+    assert "no GPU memory known on this node" in said[0] and "gpu_capacity_mib" in said[0]
+    assert "Traceback" not in res.stderr
 
 
 async def test_priority_parks_the_lowest_and_brings_it_back(

@@ -13,6 +13,7 @@ import click
 
 from spotguard import operations
 from spotguard.agent import discovery
+from spotguard.checkpoint.cuda import NVIDIA_CTL
 from spotguard.checkpoint.engine import Engine, Mode
 from spotguard.checkpoint.jobs import resolve_job, start_job
 from spotguard.checkpoint.scan import job_environment
@@ -156,7 +157,10 @@ def run(
             files=files,
         )
     )
-    if s.nccl == "release" and shim is None:  # said once the job runs (not for bad input)
+    asked = flags.get("nccl") is not None or flags.get("nccl_shim") is not None
+    # said once the job runs (not for bad input), and only where NCCL can matter: on a host
+    # with an NVIDIA GPU, or when the command line asked for the shim
+    if s.nccl == "release" and shim is None and (asked or Path(NVIDIA_CTL).exists()):
         click.echo(
             f"spotguard run: no NCCL shim at {s.nccl_shim} (scripts/install-nccl-shim): NCCL's "
             "fast transports are turned off for this job (--nccl restrict)",

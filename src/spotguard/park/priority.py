@@ -81,6 +81,13 @@ async def make_room(
     Jobs of equal or higher priority are never parked; when parking every lower one is not
     enough, nothing is parked at all (no job is stopped for nothing).
     """
+    if need.gpu_bytes and not capacity:
+        log.warning(
+            "no GPU memory known on this node (no GPU that NVML sees, no [park] "
+            "gpu_capacity_mib): nothing parked to make room",
+            extra={"job": for_job, "need_bytes": need.gpu_bytes},
+        )
+        return []
     held = {j.name: held_bytes(j) for j in running}
     free = capacity - sum(held.values())
     if need.gpu_bytes <= free:
@@ -98,7 +105,7 @@ async def make_room(
     if free < need.gpu_bytes:
         log.warning(
             "not enough GPU memory even after parking every lower-priority job",
-            extra={"job": for_job, "need_bytes": need.gpu_bytes, "free_bytes": free},
+            extra={"job": for_job, "need_bytes": need.gpu_bytes, "free_bytes": max(0, free)},
         )
         return []
     parked = []
