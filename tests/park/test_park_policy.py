@@ -18,8 +18,8 @@ import pytest
 from park_helpers import JOBS, Sg, free_port, ok_json
 
 from spotguard.checkpoint import proctree
-from spotguard.checkpoint.cuda import NVIDIA_CTL
 from spotguard.checkpoint.criu import Criu
+from spotguard.checkpoint.cuda import NVIDIA_CTL
 from spotguard.checkpoint.engine import Engine
 from spotguard.checkpoint.jobs import JobInfo, list_jobs, resolve_job
 from spotguard.checkpoint.settings import CheckpointSettings
