@@ -19,6 +19,8 @@ import contextlib
 import shutil
 import signal
 import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -98,6 +100,38 @@ async def test_training_job_losses_bit_identical_after_pause_checkpoint_kill_res
             proctree.signal_all([pid], signal.SIGKILL)
 
 
+@dataclass
+class _Pausing:
+    """A leave-running checkpoint of a training job under way into a store that holds the
+    image back (``gated``): its ``target``, its ``task``, and how many lines the job had
+    printed when the store first stalled (``lines_then``)."""
+
+    gated: GatedStore
+    target: StreamTarget
+    task: asyncio.Task[FreezeResult]
+    lines_then: int
+
+
+@contextlib.asynccontextmanager
+async def _paused_into_a_stalled_store(
+    engine: Engine, job: JobInfo, store: Path, work: Path
+) -> AsyncIterator[_Pausing]:
+    """Once the job has trained a few steps, pause it into a file store at ``store`` that
+    stalls at its first chunk; yields once it has stalled. The store is let go and closed
+    on the way out."""
+    out = job.dir / "stdout"
+    gated = GatedStore(open_store(f"file://{store}"))
+    try:
+        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
+        target = StreamTarget(gated, work_root=work, settings=ImageSettings())  # type: ignore[arg-type]
+        task = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
+        await asyncio.wait_for(gated.blocked.wait(), 120)
+        yield _Pausing(gated, target, task, len(lines(out)))
+    finally:
+        gated.gate.set()
+        await gated.inner.aclose()
+
+
 async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
     gpu_ready: None, criu_bin: str, tmp_path: Path
 ) -> None:
@@ -107,14 +141,11 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
     on; the image then restores to losses bit-identical to an uninterrupted run."""
     ref, settings, engine, job = await reference_and_training(criu_bin, tmp_path, "gpu-train-hold")
     out = job.dir / "stdout"
-    gated = GatedStore(open_store(f"file://{tmp_path / 'store'}"))
     try:
-        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
-        target = StreamTarget(gated, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
-        pausing = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
-        try:
-            await asyncio.wait_for(gated.blocked.wait(), 120)
-            n = len(lines(out))
+        async with _paused_into_a_stalled_store(
+            engine, job, tmp_path / "store", tmp_path / "work"
+        ) as p:
+            target, n = p.target, p.lines_then
             try:
                 await until(lambda: len(lines(out)) > n + 5, "training while the store stalls", 60)
             except BaseException:
@@ -125,10 +156,9 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
                 if c is not None:
                     print("captured", c.stats.files)
                 raise
-            assert not pausing.done(), "durable with two chunks stored"
-        finally:
-            gated.gate.set()
-        paused = await asyncio.wait_for(pausing, 300)
+            assert not p.task.done(), "durable with two chunks stored"
+            p.gated.gate.set()
+            paused = await asyncio.wait_for(p.task, 300)
         (staging,) = [s for s in paused.timeline.steps if s.name == "staging"]
         print(
             f"\nstreamed pause: {paused.pause_seconds:.3f} s, "
@@ -144,7 +174,6 @@ async def test_a_streamed_pause_lets_training_go_on_while_the_store_is_stalled(
     finally:
         for pid in {job.pid, *([restored.pid] if "restored" in locals() else [])}:
             proctree.signal_all([pid], signal.SIGKILL)
-        await gated.inner.aclose()
 
 
 @pytest.mark.parametrize("frozen", [False, True], ids=["while-it-uploads", "while-frozen"])
@@ -162,27 +191,23 @@ async def test_a_pause_given_up_leaves_the_job_training_on_its_gpu(
         criu_bin, tmp_path, "gpu-gave-way", **({"resume_buffer_mb": 0} if frozen else {})
     )
     out = job.dir / "stdout"
-    gated = GatedStore(open_store(f"file://{tmp_path / 'stalled'}"))
     try:
-        await until(lambda: len(lines(out)) > 10, "first training steps", limit=120)
-        target = StreamTarget(gated, work_root=tmp_path / "work", settings=ImageSettings())  # type: ignore[arg-type]
-        pausing = asyncio.create_task(engine.freeze(job, target, Mode.RESUME))
-        await asyncio.wait_for(gated.blocked.wait(), 120)
-        n = len(lines(out))
-        if frozen:
-            await asyncio.sleep(1.0)
-            assert len(lines(out)) == n, "the job trained while its pause waited for the store"
-        else:
-            await until(lambda: len(lines(out)) > n + 3, "training while the store stalls", 60)
-        pausing.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await asyncio.wait_for(pausing, 120)
-        assert target.manifest is None
-        await exits_and_restores_as_the_reference(engine, job, settings, tmp_path / "img", ref)
+        async with _paused_into_a_stalled_store(
+            engine, job, tmp_path / "stalled", tmp_path / "work"
+        ) as p:
+            n = p.lines_then
+            if frozen:
+                await asyncio.sleep(1.0)
+                assert len(lines(out)) == n, "the job trained while its pause waited for the store"
+            else:
+                await until(lambda: len(lines(out)) > n + 3, "training while the store stalls", 60)
+            p.task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await asyncio.wait_for(p.task, 120)
+            assert p.target.manifest is None
+            await exits_and_restores_as_the_reference(engine, job, settings, tmp_path / "img", ref)
     finally:
-        gated.gate.set()
         proctree.signal_all([job.pid], signal.SIGKILL)
-        await gated.inner.aclose()
 
 
 async def _exit_image_in_a_store(
