@@ -52,6 +52,7 @@ FIELDS: dict[str, str] = {
     "step": "the step of an operation (detect, protect, notice, freeze, upload, ...)",
     "job": "a protected job's name",
     "pid": "a process id",
+    "pids": "process ids (of one job)",
     "container": "a container job's container (podman:NAME)",
     "notice": "a notice's id",
     "kind": "a notice's or event's kind (preempt, rebalance, maintenance, drain, ...)",

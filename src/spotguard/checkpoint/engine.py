@@ -423,6 +423,12 @@ class Engine:
             except (SpotguardError, OSError) as exc:
                 log.error("could not bring GPU state back", extra={"pid": pid, "error": str(exc)})
         live = [p for p in tree if proctree.alive(p)]
+        if len(live) < len(tree):  # killed while held (from outside, or at a breakpoint a
+            # killed CRIU left in it): what comes back is not the whole job, and must say so
+            log.error(
+                "processes of the job are gone: not brought back",
+                extra={"job": job.name, "pids": [p for p in tree if p not in live]},
+            )
         proctree.signal_all(live, signal.SIGCONT)
         if reopen_nccl and live:
             await self.nccl.bring_back(job.name, live)
