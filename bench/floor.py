@@ -225,12 +225,57 @@ def _start(ranks: int, gib: float, work: Path) -> tuple[subprocess.Popen[bytes],
     return proc, _ranks(proc.pid, ranks)
 
 
+#: the small source the destination-only passes copy from (stays in cache: only the
+#: destination's cost is measured)
+SOURCE = 4 << 20
+
+
+def _parts(items: list[Chunk], ranks: int, threads: int) -> tuple[float, float]:
+    """What the freeze and the restore must do to their destination alone, with the source
+    in cache: every stored chunk's bytes written to a fresh file on the store's file system
+    (the freeze's tmpfs pages made and filled), and written into a fresh mapping of a
+    waiting process (the restore's pages faulted in and filled). Lower bounds of those rows
+    that no orchestration or fusion of the other passes can go under. (seconds, seconds)"""
+    stored = [c for c in items if c.file.exists()]
+    src = memoryview(bytearray(os.urandom(SOURCE)))
+
+    def write_one(c: Chunk, _view: memoryview) -> None:
+        fd = os.open(c.file.with_suffix(".w"), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            for off in range(0, c.size, SOURCE):
+                os.write(fd, src[: min(SOURCE, c.size - off)])
+        finally:
+            os.close(fd)
+
+    try:
+        write_s = _pool(threads, stored, write_one)
+    finally:
+        for c in stored:
+            c.file.with_suffix(".w").unlink(missing_ok=True)
+    kids = [_child(sum(c.size for c in items if c.rank == r), False) for r in range(ranks)]
+    try:
+        targets = {r: (kid.pid, addr) for r, (kid, addr) in enumerate(kids)}
+
+        def page_in_one(c: Chunk, _view: memoryview) -> None:
+            pid, base = targets[c.rank]
+            for off in range(0, c.size, SOURCE):
+                write_memory(pid, base + c.offset + off, src[: min(SOURCE, c.size - off)])
+
+        page_in_s = _pool(threads, stored, page_in_one)
+    finally:
+        for kid, _ in kids:
+            kid.kill()
+            kid.wait()
+    return write_s, page_in_s
+
+
 def floors(
-    items: list[Chunk], ranks: int, threads: int, block: int = 0
+    items: list[Chunk], ranks: int, threads: int, block: int = 0, parts: list[float] | None = None
 ) -> tuple[float, float, float, int]:
     """The pause floor, the freeze floor, then the restore floor of the running stand-in's
     ``items`` with ``threads`` threads, whole chunks or ``block`` bytes at a time:
-    (seconds, seconds, seconds, bytes stored)."""
+    (seconds, seconds, seconds, bytes stored). ``parts``: a list the destination-only
+    seconds of :func:`_parts` are appended to (measured after the restore)."""
     try:
         pause_s = _pause(items, threads)
         freeze_s = _pool(threads, items, _freeze_blocked(block) if block else freeze_one)
@@ -244,6 +289,8 @@ def floors(
             for kid, _ in kids:
                 kid.kill()
                 kid.wait()
+        if parts is not None:
+            parts.extend(_parts(items, ranks, threads))
     finally:
         for c in items:
             c.file.unlink(missing_ok=True)
@@ -263,6 +310,12 @@ def main() -> None:
         default=[0],
         help="work a chunk this many KiB at a time (0: the whole chunk at once)",
     )
+    ap.add_argument(
+        "--parts",
+        action="store_true",
+        help="also time the destination alone: the stored bytes written to fresh files, and "
+        "into a fresh process (source in cache)",
+    )
     ap.add_argument("--json", type=Path, help="append one JSON line per row")
     args = ap.parse_args()
     work = Path(tempfile.mkdtemp(prefix="sg-floor-"))
@@ -279,7 +332,8 @@ def main() -> None:
             try:
                 items = _chunks(pids, store)
                 for t, kib in [(t, k) for t in args.threads for k in args.block_kib]:
-                    ps, fs, rs, stored = floors(items, n, t, kib << 10)
+                    got: list[float] = []
+                    ps, fs, rs, stored = floors(items, n, t, kib << 10, got if args.parts else None)
                     row = {"ranks": n, "gib": args.gib, "threads": t, "block_kib": kib,
                            "freeze_s": round(fs, 3),
                            "restore_s": round(rs, 3), "pause_s": round(ps, 3),
@@ -289,6 +343,12 @@ def main() -> None:
                           f"{stored / 1e9:.1f} | {fs:.2f} | "
                           f"{total / fs / 1e9:.1f} | {rs:.2f} | {total / rs / 1e9:.1f} | "
                           f"{ps:.2f} | {total / ps / 1e9:.1f} |", flush=True)  # fmt: skip
+                    if got:
+                        print(f"|   | destination alone: {stored / 1e9:.1f} GB written to fresh "
+                              f"files {got[0]:.2f} s ({stored / got[0] / 1e9:.1f} GB/s), into a "
+                              f"fresh process {got[1]:.2f} s ({stored / got[1] / 1e9:.1f} GB/s) |",
+                              flush=True)  # fmt: skip
+                        row.update(write_only_s=round(got[0], 3), page_in_only_s=round(got[1], 3))
                     if args.json:
                         with args.json.open("a") as f:
                             f.write(json.dumps(row) + "\n")
