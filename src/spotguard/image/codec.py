@@ -388,6 +388,10 @@ class ChunkCodec:
         """
         frame = self._open(stored, address)
         try:
+            # zstd allocates what the frame header declares, whatever max_output_size says: a
+            # frame declaring a terabyte (a few bytes in a store) would be a MemoryError, a
+            # gigabyte of zeros seconds and a gigabyte of memory, before the hash could refuse it
+            _check_declared(frame, address, size)
             plain = _decompressor().decompress(frame, max_output_size=size)
         except zstandard.ZstdError as exc:
             raise ImageCorrupt(
@@ -409,11 +413,7 @@ class ChunkCodec:
         if spans is not None:
             return self._copy_raw(memoryview(frame).cast("B"), spans, view[:size], address)
         try:
-            declared = zstandard.frame_content_size(frame)
-            if declared not in (-1, size):
-                raise ImageCorrupt(
-                    f"chunk {address} has {declared} bytes, manifest says {size}", chunk=address
-                )
+            _check_declared(frame, address, size)
             with _decompressor().stream_reader(
                 frame, read_size=max(len(frame), 1), read_across_frames=False, closefd=False
             ) as zr:
@@ -438,6 +438,17 @@ class ChunkCodec:
             )
         self._verify(plain, address, size)
         return plain
+
+
+def _check_declared(frame: bytes | memoryview, address: str, size: int) -> None:
+    """:class:`ImageCorrupt` when the frame's header declares another content size than the
+    manifest's ``size`` (undeclared is fine: decoding is then bounded by ``size``). Raises
+    ``zstandard.ZstdError`` for a header that is not zstd's."""
+    declared = zstandard.frame_content_size(frame)
+    if declared not in (-1, size):
+        raise ImageCorrupt(
+            f"chunk {address} has {declared} bytes, manifest says {size}", chunk=address
+        )
 
 
 def check_cipher(encrypted_key_id: str | None, cipher: Cipher | None, image: str) -> None:

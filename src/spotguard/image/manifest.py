@@ -45,6 +45,13 @@ MAX_ARRAYS = MAX_FILES + MAX_META_OBJECTS + 16
 MAX_VALUES = 1 << 19  # commas: a chunk reference has 4 members, a file 4, meta the rest
 MAX_DEPTH = 64
 MAX_CHUNK_BYTES = 1 << 30
+#: Bounds on a file's name (UTF-8 bytes): what a restore can create under any destination
+#: (NAME_MAX per part; well within PATH_MAX with the destination in front), in few enough
+#: directories that removing what a failed pull made never recurses deeply. CRIU's names are
+#: about 20 bytes.
+MAX_NAME_BYTES = 1024
+MAX_NAME_PART_BYTES = 255
+MAX_NAME_PARTS = 32
 
 FORMAT = "spotguard-image/2"
 READABLE = ("spotguard-image/1", FORMAT)  # /1: no sequence, no auth, no raw frames
@@ -79,6 +86,25 @@ class FileEntry(BaseModel):
         parts = v.split("/")
         if not v or v.startswith("/") or any(p in ("", ".", "..") for p in parts):
             raise ValueError(f"file name {v!r} must be a relative path without . or ..")
+        # What a restore creates: no NUL, text the file system takes (UTF-8, so no lone
+        # surrogate), within the bounds above (else open() raises ValueError or OSError).
+        try:
+            encoded = v.encode()
+        except UnicodeEncodeError:
+            encoded = b"\0"
+        if b"\0" in encoded:
+            raise ValueError(f"file name {v[:64]!r} holds NUL or text that is not Unicode")
+        longest = max(len(p.encode()) for p in parts)
+        if (
+            len(encoded) > MAX_NAME_BYTES
+            or longest > MAX_NAME_PART_BYTES
+            or len(parts) > MAX_NAME_PARTS
+        ):
+            raise ValueError(
+                f"file name {v[:64]!r}… ({len(encoded)} bytes, {len(parts)} parts, the longest "
+                f"{longest} bytes) is longer than {MAX_NAME_BYTES} bytes, {MAX_NAME_PARTS} parts "
+                f"or {MAX_NAME_PART_BYTES} bytes a part"
+            )
         return v
 
 
@@ -89,7 +115,7 @@ class Codec(BaseModel):
 
     name: Literal["zstd"] = "zstd"
     level: int = 1
-    chunk_size: int
+    chunk_size: int = Field(gt=0, le=MAX_CHUNK_BYTES)  # sizes a reader's buffers
     hash: Literal["blake3"] = "blake3"
 
 
@@ -158,6 +184,30 @@ class Manifest(BaseModel):
                 f"(at most {MAX_FILES} and {MAX_CHUNKS}: a larger chunk_size makes fewer)"
             )
 
+    def check_files(self, where: str) -> None:
+        """:class:`ImageError` when the files cannot be restored as described: a file whose
+        chunks do not add up to its size (a restore would leave zeros or more bytes than the
+        manifest says), or a name given twice or both to a file and to a directory of
+        another. The writer never makes one; a store attacker may."""
+        names: set[str] = set()
+        dirs: set[str] = set()
+        for f in self.files:
+            held = sum(c.size for c in f.chunks)
+            if held != f.size:
+                raise ImageError(
+                    f"manifest of {where}: file {f.name!r} has {f.size} bytes, its chunks {held}"
+                )
+            if f.name in names:
+                raise ImageError(f"manifest of {where} names file {f.name!r} twice")
+            names.add(f.name)
+            parts = f.name.split("/")
+            dirs.update("/".join(parts[:i]) for i in range(1, len(parts)))
+        clash = names & dirs
+        if clash:
+            raise ImageError(
+                f"manifest of {where}: {sorted(clash)[0]!r} is both a file and a directory"
+            )
+
     def file(self, name: str) -> FileEntry:
         for f in self.files:
             if f.name == name:
@@ -173,6 +223,7 @@ class Manifest(BaseModel):
         :data:`MAX_MANIFEST_BYTES` or the shape limits): never an image that cannot be read."""
         where = f"image {self.job}/{self.image_id} (as written)"
         self.check_bounds(where)
+        self.check_files(where)
         data = json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=False).encode()
         check_shape(data, where)
         return data
@@ -201,6 +252,13 @@ class Manifest(BaseModel):
             raw = json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError) as exc:
             raise ImageError(f"manifest of {where} is not JSON: {str(exc)[:200]}") from exc
+        if _SURROGATE.search(data):  # an escape of one; checked whole only then (it costs)
+            try:
+                json.dumps(raw, ensure_ascii=False).encode()
+            except UnicodeEncodeError as exc:  # authentication and files would meet it later
+                raise ImageError(
+                    f"manifest of {where} holds text that is not Unicode (a lone surrogate)"
+                ) from exc
         fmt = raw.get("format") if isinstance(raw, dict) else None
         if fmt not in READABLE:
             raise ImageError(
@@ -214,9 +272,11 @@ class Manifest(BaseModel):
                 f"manifest of {where} is malformed: {' '.join(first[:3])[:300]}"
             ) from exc
         m.check_bounds(where)
+        m.check_files(where)
         return m, raw
 
 
+_SURROGATE = re.compile(rb"\\u[dD][89a-fA-F]")
 _STRING = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 _NOT_BRACKET = bytes(b for b in range(256) if b not in b"[]{}")
 _STEP = {0x5B: 1, 0x7B: 1, 0x5D: -1, 0x7D: -1}

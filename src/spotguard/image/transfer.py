@@ -21,7 +21,7 @@ from typing import Any
 from spotguard.errors import ConfigError, ImageError, SpotguardError
 from spotguard.image.buffers import BufferPool, Lease
 from spotguard.image.codec import Cipher, compress_bound
-from spotguard.image.manifest import ChunkRef, Manifest
+from spotguard.image.manifest import ChunkRef, FileEntry, Manifest
 from spotguard.image.reader import ImageReader, chunk_plan
 from spotguard.image.settings import ImageSettings
 from spotguard.image.stats import ProgressFn, TransferStats
@@ -167,19 +167,7 @@ async def pull_image(
         try:
             with tl.step("pull", image=reader.url, files=m.totals.files, bytes=m.totals.bytes):
                 for f in m.files:
-                    p = dest / f.name
-                    try:
-                        _mkdirs(p.parent, made)
-                    except OSError as exc:  # under /proc, under a file, read-only: bad input
-                        raise ConfigError(
-                            f"cannot write the image into {dest}: {exc.strerror} ({exc.filename})"
-                        ) from exc
-                    if p.exists():
-                        raise ImageError(f"restore target {p} already exists; use an empty dir")
-                    fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                    created.append(p)
-                    fds[f.name] = fd
-                    os.ftruncate(fd, f.size)
+                    fds[f.name] = _create(dest, f, made, created)
                 await _fetch_all(reader, fds, progress)
                 for f in m.files:
                     os.fsync(fds[f.name])
@@ -198,6 +186,30 @@ async def pull_image(
         result = PullResult(reader.url, dest, m, reader.stats, reader.refetches, tl)
     log.info("image pulled", extra={"image": result.image_url, **result.stats.to_json()})
     return result
+
+
+def _create(dest: Path, f: FileEntry, made: list[Path], created: list[Path]) -> int:
+    """Create file ``f`` under ``dest`` (with its directories, recorded in ``made``) at its
+    size; its descriptor. The manifest's names and sizes were checked when it was read
+    (:meth:`Manifest.check_files`), so an ``OSError`` here is the destination's: under
+    /proc, read-only, full, or a path too long with ``dest`` in front."""
+    p = dest / f.name
+    try:
+        _mkdirs(p.parent, made)
+        if p.exists():
+            raise ImageError(f"restore target {p} already exists; use an empty dir")
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    except OSError as exc:
+        raise ConfigError(
+            f"cannot write the image into {dest}: {exc.strerror} ({exc.filename})"
+        ) from exc
+    created.append(p)
+    try:
+        os.ftruncate(fd, f.size)
+    except OSError as exc:
+        os.close(fd)
+        raise ConfigError(f"cannot write the image into {dest}: {exc.strerror} ({p})") from exc
+    return fd
 
 
 def _mkdirs(d: Path, made: list[Path]) -> None:
