@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 from difflib import get_close_matches
 from pathlib import Path
 from typing import Any, ClassVar, TypeVar
+from urllib.parse import urlsplit
 
 import annotated_types
 import click
@@ -110,6 +111,17 @@ class Settings(BaseSettings):
             raise ValueError(f"{value!r} is out of range (at most {limit:g})")
         return value
 
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_empty_path(cls, value: Any, info: ValidationInfo) -> Any:
+        """Refuse ``''`` for a path setting: it would mean the working directory, silently
+        (``--state-dir ''`` made ``./jobs`` wherever the command ran, and tightened its mode)."""
+        field = cls.model_fields.get(info.field_name or "")
+        path = field is not None and field.annotation is Path
+        if path and isinstance(value, str) and not value.strip():
+            raise ValueError("empty: give a path (an empty one means the working directory)")
+        return value
+
     @classmethod
     def settings_customise_sources(
         cls,
@@ -162,6 +174,27 @@ def read_file(path: Path | None) -> dict[str, Any]:
         ) from exc
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"config file {path} is not valid TOML: {exc}") from exc
+    except UnicodeDecodeError as exc:  # TOML is UTF-8: a binary file, or the wrong file
+        raise ConfigError(f"config file {path} is not valid TOML: {not_text(exc)}") from exc
+
+
+def check_http_url(url: str, what: str) -> str:
+    """``url`` if it is ``http(s)://HOST[:PORT]...`` with a port in range, else a
+    :class:`ConfigError` naming ``what`` (not "unreachable" with the request's URL, later)."""
+    try:
+        parts = urlsplit(url)
+        host = parts.hostname if parts.port != 0 else None  # .port: ValueError if bad
+    except ValueError:  # a port not a number, or past 65535
+        parts, host = urlsplit(""), None
+    if parts.scheme not in ("http", "https") or not host:
+        raise ConfigError(f"{what} {url!r} is not an http(s) URL: use http(s)://HOST[:PORT]")
+    return url
+
+
+def not_text(exc: UnicodeDecodeError) -> str:
+    """Why a file meant to be text is not, as one short phrase (the codec's own message
+    names its internals: "'utf-8' codec can't decode ... invalid start byte")."""
+    return f"it is not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at {exc.start})"
 
 
 def known_sections() -> dict[str, set[str]]:
@@ -276,8 +309,8 @@ def _click_type(annotation: Any) -> tuple[Any, bool, bool]:
         return None, True, False
     if annotation in (int, float, str):
         return annotation, False, False
-    if annotation is Path:
-        return click.Path(path_type=Path), False, False
+    if annotation is Path:  # a str: the field's validators see what was typed ('' included)
+        return click.Path(), False, False
     return str, False, False
 
 

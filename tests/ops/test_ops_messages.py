@@ -70,7 +70,7 @@ def test_images_list_of_a_missing_file_store_is_an_error(tmp_path: Path) -> None
 def test_run_as_non_root_is_one_line(tmp_path: Path) -> None:
     tmp_path.chmod(0o777)
     r = as_nobody("run", "--name", "x", "--", "sleep", "1", cwd=tmp_path)
-    assert r.returncode == 1
+    assert r.returncode == 2  # docs/operations.md, "Exit codes": run without root is usage
     assert one_line(r.stderr) == (
         "spotguard: error: spotguard run needs root (the job's PID namespace and CRIU "
         "require it): run it with sudo\n"

@@ -28,6 +28,7 @@ from spotguard import safefs
 from spotguard.checkpoint import proctree
 from spotguard.checkpoint.engine import RestoreResult
 from spotguard.checkpoint.jobs import JOB_FILE, JobInfo, resolve_job
+from spotguard.config import not_text
 from spotguard.contracts import (
     Assignment,
     GpuInfo,
@@ -63,6 +64,8 @@ def read_assignment(path: Path) -> Assignment | None:
         return None
     except OSError as exc:
         raise ConfigError(f"assignment {path} cannot be read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"assignment {path}: {not_text(exc)}") from exc
     try:
         return Assignment.from_user_data(text)
     except (ValidationError, ValueError) as exc:

@@ -18,13 +18,15 @@ from urllib.parse import urlsplit
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from spotguard.config import Settings
+from spotguard.config import Settings, not_text
 from spotguard.container.spec import ContainerRef, is_container_job
 from spotguard.contracts import ASSIGNMENT_PATH
 from spotguard.errors import ConfigError, JobError
+from spotguard.names import check_job_name
 from spotguard.notices.base import NoticeKind
 from spotguard.warm import parse_setting
 
+from .jobspec import by_name
 from .policy import Action, Policy
 
 DEFAULT_LISTEN = "127.0.0.1:9901"
@@ -193,6 +195,8 @@ class AgentSettings(Settings):
                     ContainerRef.parse(job.strip())  # docker:/containerd: or a bad name
                 except JobError as exc:
                     raise ValueError(str(exc)) from exc
+            elif isinstance(job, str) and by_name(job):
+                check_job_name(job.strip())  # else the agent waits forever for "../x"
         return v
 
     @field_validator("controller_url")
@@ -255,8 +259,8 @@ def check_controller_url(url: str, *, insecure: bool = False) -> str:
     network hands the bearer token (and every event) to whoever can watch the traffic."""
     try:
         parts = urlsplit(url)
-        host = parts.hostname
-    except ValueError:
+        host = parts.hostname if parts.port != 0 else None  # .port: ValueError if bad
+    except ValueError:  # a port not a number, or past 65535
         host = None
         parts = urlsplit("")
     if parts.scheme not in ("http", "https") or not host:
@@ -285,6 +289,8 @@ def read_secret(value: str | None, path: Path | None, name: str) -> str | None:
         text = path.read_text().strip()
     except OSError as exc:
         raise ConfigError(f"{name}_file {path} cannot be read: {exc.strerror}") from exc
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{name}_file {path}: {not_text(exc)}") from exc
     return text or None
 
 

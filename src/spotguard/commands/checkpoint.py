@@ -24,7 +24,7 @@ from spotguard.commands.common import ADVANCED, checkpoint_options
 from spotguard.config import load, options
 from spotguard.container import cli as container_cli
 from spotguard.container.spec import is_container_job
-from spotguard.errors import JobError, SpotguardError
+from spotguard.errors import ConfigError, SpotguardError
 from spotguard.groupwire import GROUP_ENV, check_group_name
 from spotguard.image.settings import ImageSettings
 from spotguard.planner import PlannerSettings
@@ -124,8 +124,8 @@ def run(
     if mine["container"] is not None:
         container_cli.run(ctx, mine, command, _settings(ctx, flags).criu, as_json)
         return
-    if os.geteuid() != 0:
-        raise JobError(
+    if os.geteuid() != 0:  # usage, as for `install` (exit 2: docs/operations.md)
+        raise ConfigError(
             "spotguard run needs root (the job's PID namespace and CRIU require it): "
             "run it with sudo"
         )

@@ -12,6 +12,7 @@ import click
 from spotguard.checkpoint.settings import CheckpointSettings
 from spotguard.cli import verbose_option
 from spotguard.config import options
+from spotguard.names import check_job_name
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -35,6 +36,18 @@ def checkpoint_options(*, exclude: tuple[str, ...] = ()) -> Callable[[F], F]:
         return verbose_option(opts(fn))
 
     return decorate
+
+
+def job_name(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """Callback of an option naming a job: a name no job can have (``../x``, ``Train``) is a
+    usage error before anything is opened, not a failure of the work (exit 1) or a bug's
+    ``ValueError`` later."""
+    if value is None:
+        return None
+    try:
+        return check_job_name(value)
+    except ValueError as exc:
+        raise click.BadParameter(str(exc), ctx=ctx, param=param) from exc
 
 
 def no_inline_token(flag: str) -> Callable[[F], F]:

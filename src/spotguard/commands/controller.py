@@ -11,7 +11,7 @@ from typing import Any
 import click
 
 from spotguard.cli import config
-from spotguard.commands.common import no_inline_token
+from spotguard.commands.common import job_name, no_inline_token
 from spotguard.config import load, options
 from spotguard.contracts import EventAnswer
 from spotguard.controller.client import ControllerClient
@@ -42,6 +42,7 @@ log = logging.getLogger(__name__)
     "issue_token",
     default=None,
     metavar="JOB",
+    callback=job_name,
     help="Print a VM token for JOB (its first instance: --epoch 0) and exit.",
 )
 @click.option("--epoch", "epoch", type=click.IntRange(min=0), default=0, help="With --issue-token.")

@@ -20,12 +20,12 @@ import json
 import os
 from pathlib import Path
 from typing import Any
-from urllib.parse import unquote, urlparse
 
 import click
 
 from spotguard import cli, config
 from spotguard.cli import verbose_option
+from spotguard.commands.common import job_name
 from spotguard.errors import ImageCorrupt, StoreError
 from spotguard.image import (
     ImageSettings,
@@ -38,6 +38,7 @@ from spotguard.image import (
 from spotguard.image.reader import ImageReader
 from spotguard.names import check_job_name
 from spotguard.progress import fmt_bytes, fmt_image_size, fmt_rate, transfer_bar
+from spotguard.store import check_url
 
 _TRANSFER_FIELDS = ("encryption_key", "signing_key")  # secrets never come from flags
 _GC_EXCLUDE = tuple(n for n in ImageSettings.model_fields if n not in ("gc_grace_s",))
@@ -73,16 +74,24 @@ def _progress(label: str, quiet: bool) -> Any:
 
 
 def _existing(store_url: str) -> None:
-    """A ``file://`` store (or plain path) that does not exist is an error, not "no images"."""
-    parsed = urlparse(store_url)
-    if parsed.scheme.lower() not in ("", "file"):
+    """A ``file://`` store (or plain path) that does not exist is an error, not "no images";
+    a malformed URL is refused as the store would refuse it (``file://host/dir``: not /dir)."""
+    scheme, where, _ = check_url(store_url)
+    if scheme != "file":
         return
-    path = Path(unquote(parsed.path) if parsed.scheme else store_url)
+    path = Path(where)
     if not path.is_dir():
         raise StoreError(
             f"store {store_url}: no directory {path} (check the URL; a file store is "
             "file:///absolute/dir or a path)"
         )
+
+
+def _not_empty(ctx: click.Context, param: click.Parameter, value: str) -> str:
+    """A directory argument that is not ``''`` (which would be the working directory)."""
+    if not value.strip():
+        raise click.BadParameter("is empty: give a directory", ctx=ctx, param=param)
+    return value
 
 
 async def _totals(image_url: str, settings: ImageSettings) -> tuple[int, int]:
@@ -257,7 +266,7 @@ def _chunks_kept(result: Any, settings: ImageSettings) -> str:
 @verbose_option
 @click.argument("directory", type=click.Path(file_okay=False))
 @click.argument("store_url")
-@click.option("--job", required=True, help="Job name the image belongs to.")
+@click.option("--job", required=True, callback=job_name, help="Job name the image belongs to.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 @config.options(ImageSettings, exclude=(*_TRANSFER_FIELDS, "gc_grace_s"))
 def push_cmd(directory: str, store_url: str, job: str, as_json: bool, **flags: Any) -> None:
@@ -281,7 +290,7 @@ def push_cmd(directory: str, store_url: str, job: str, as_json: bool, **flags: A
 @images.command("pull")
 @verbose_option
 @click.argument("image_url")
-@click.argument("dest_dir", type=click.Path(file_okay=False))
+@click.argument("dest_dir", type=click.Path(file_okay=False), callback=_not_empty)
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
 @config.options(ImageSettings, exclude=(*_TRANSFER_FIELDS, "gc_grace_s"))
 def pull_cmd(image_url: str, dest_dir: str, as_json: bool, **flags: Any) -> None:

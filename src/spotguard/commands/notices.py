@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 import click
 
 from spotguard.cli import config
-from spotguard.config import load, options
+from spotguard.config import load, not_text, options
 from spotguard.errors import ConfigError
 from spotguard.notices.base import Notice
 from spotguard.notices.settings import NoticeSettings
@@ -264,6 +264,8 @@ def _user_data(value: str | None) -> str | None:
         return Path(value[1:]).read_text()
     except OSError as exc:
         raise ConfigError(f"cannot read user-data file {value[1:]}: {exc}") from exc
+    except UnicodeDecodeError as exc:  # the emulator serves user-data as text
+        raise ConfigError(f"user-data file {value[1:]}: {not_text(exc)}") from exc
 
 
 @click.command("metadata-sim")

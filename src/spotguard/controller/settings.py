@@ -10,10 +10,11 @@ import ipaddress
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar, Literal
 
-from pydantic import Field
+from pydantic import Field, field_validator
 
-from spotguard.config import Settings
+from spotguard.config import Settings, check_http_url, not_text
 from spotguard.errors import ConfigError
+from spotguard.store import check_url
 
 if TYPE_CHECKING:
     import ssl
@@ -140,6 +141,30 @@ class ControllerSettings(Settings):
         30.0, gt=0, description="Days after which an agent event is deleted from the state"
     )
 
+    @field_validator("advertise_url")
+    @classmethod
+    def _advertise_url(cls, v: str | None) -> str | None:
+        """What every relaunched VM is told to report to: refused at start, not by each VM."""
+        if v is None:
+            return None
+        try:
+            return check_http_url(v, "advertise_url")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
+    @field_validator("default_store")
+    @classmethod
+    def _default_store(cls, v: str | None) -> str | None:
+        """Where jobs that name no store are restored from: checked as a store URL now (scheme,
+        bucket), not when a relaunched VM first tries to open it."""
+        if v is None:
+            return None
+        try:
+            check_url(v)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        return v
+
     def token(self) -> str:
         """The bearer token; a controller without one refuses to start."""
         if self.controller_token:
@@ -149,6 +174,10 @@ class ControllerSettings(Settings):
                 tok = self.controller_token_file.read_text().strip()
             except OSError as exc:
                 raise ConfigError(f"token file {self.controller_token_file}: {exc}") from exc
+            except UnicodeDecodeError as exc:
+                raise ConfigError(
+                    f"token file {self.controller_token_file}: {not_text(exc)}"
+                ) from exc
             if tok:
                 return tok
         raise ConfigError(
@@ -277,6 +306,15 @@ class ClientSettings(Settings):
         None, description="PEM CA bundle that signed the controller's certificate"
     )
 
+    @field_validator("controller_url")
+    @classmethod
+    def _controller_url(cls, v: str) -> str:
+        """Refused here, not met later as "unreachable (garbage/v1/jobs)"."""
+        try:
+            return check_http_url(v, "controller URL")
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+
     def bearer(self) -> str | None:
         """The admin token, inline or from its file."""
         if self.controller_token:
@@ -287,3 +325,5 @@ class ClientSettings(Settings):
             return self.controller_token_file.read_text().strip() or None
         except OSError as exc:
             raise ConfigError(f"token file {self.controller_token_file}: {exc}") from exc
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"token file {self.controller_token_file}: {not_text(exc)}") from exc

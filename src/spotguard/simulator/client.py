@@ -16,6 +16,7 @@ from typing import Any
 
 import aiohttp
 
+from spotguard.config import check_http_url
 from spotguard.errors import SimulatorError
 
 SIM_URL_ENV = "SPOTGUARD_SIM_URL"
@@ -26,7 +27,8 @@ class SimClient:
     """Async client of one emulator; ``url`` defaults to ``$SPOTGUARD_SIM_URL``."""
 
     def __init__(self, url: str | None = None, *, timeout: float = 5.0) -> None:
-        self.url = (url or os.environ.get(SIM_URL_ENV) or DEFAULT_URL).rstrip("/")
+        url = url or os.environ.get(SIM_URL_ENV) or DEFAULT_URL
+        self.url = check_http_url(url, "metadata-sim URL").rstrip("/")
         self.timeout = timeout
         self._session: aiohttp.ClientSession | None = None
 

@@ -39,6 +39,9 @@ __all__ = [
 URL_SCHEMES = ("s3://", "gs://", "file://")
 #: ``scheme:/``: written as a URL (``s3:/bucket``, one slash short, is a URL mistyped, not a path)
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+#: What a bucket name may hold at most (botocore's own check, which GCS names also meet): a
+#: URL outside it is refused here, not by the SDK as several lines of regexes at exit 1
+_BUCKET = re.compile(r"^[A-Za-z0-9._-]{1,255}$")
 
 
 def open_store(
@@ -89,7 +92,8 @@ def check_url(url: str) -> tuple[str, str, str]:
     what callers ask before they touch a job, so bad input is refused first.
 
     Raises :class:`~spotguard.errors.ConfigError` for an unknown scheme, an ``s3``/``gs``
-    URL without a bucket, or a ``file`` URL naming a host or no directory.
+    URL without a bucket or with one no store can have, or a ``file`` URL naming a host or
+    no directory.
     """
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
@@ -106,6 +110,11 @@ def check_url(url: str) -> tuple[str, str, str]:
     if scheme in ("s3", "gs"):
         if not parsed.netloc:
             raise ConfigError(f"store URL {url!r} names no bucket")
+        if not _BUCKET.match(parsed.netloc):
+            raise ConfigError(
+                f"store URL {url[:300]!r} names an invalid bucket: use letters, digits, '.', "
+                "'-' and '_' (at most 255)"
+            )
         return scheme, parsed.netloc, parsed.path.strip("/")
     raise ConfigError(
         f"unsupported store URL {url!r}: use s3://bucket/prefix, gs://bucket/prefix, "
