@@ -184,3 +184,10 @@ def test_the_controller_refuses_urls_it_would_hand_out(
     r = sg("controller", "--state-dir", str(tmp_path), "--init-state", flag, value, env=env,
            timeout=30)  # fmt: skip
     refused(r, says)
+
+
+def test_images_push_of_a_directory_that_does_not_exist(tmp_path: Path) -> None:
+    """Bad input like a file in its place (click's exit 2), not a failure of the push (1)."""
+    r = sg("images", "push", str(tmp_path / "none"), f"file://{tmp_path / 'store'}", "--job", "a")
+    refused(r, "DIRECTORY", "does not exist")
+    assert not (tmp_path / "store").exists()

@@ -264,7 +264,7 @@ def _chunks_kept(result: Any, settings: ImageSettings) -> str:
 
 @images.command("push")
 @verbose_option
-@click.argument("directory", type=click.Path(file_okay=False))
+@click.argument("directory", type=click.Path(file_okay=False, exists=True))
 @click.argument("store_url")
 @click.option("--job", required=True, callback=job_name, help="Job name the image belongs to.")
 @click.option("--json", "as_json", is_flag=True, help="Print JSON only.")
