@@ -42,6 +42,10 @@ def test_stores_and_paths_are_told_apart(url: str, parts: tuple[str, str, str]) 
         ("file://host/x", "must be file:///absolute/path"),
         ("file://", "names no directory"),
         ("", "names no directory"),
+        # no store takes a query or a fragment: read as given they were dropped in silence
+        ("file:///tmp/store?region=eu", "has a query or a fragment"),
+        ("s3://bucket/prefix?versionId=3", "has a query or a fragment"),
+        ("gs://bucket/p#frag", "has a query or a fragment"),
     ],
 )
 def test_what_names_no_store_is_refused_typed(url: str, says: str) -> None:

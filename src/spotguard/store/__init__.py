@@ -92,8 +92,8 @@ def check_url(url: str) -> tuple[str, str, str]:
     what callers ask before they touch a job, so bad input is refused first.
 
     Raises :class:`~spotguard.errors.ConfigError` for an unknown scheme, an ``s3``/``gs``
-    URL without a bucket or with one no store can have, or a ``file`` URL naming a host or
-    no directory.
+    URL without a bucket or with one no store can have, a ``file`` URL naming a host or no
+    directory, or a URL with a query or a fragment.
     """
     parsed = urlparse(url)
     scheme = parsed.scheme.lower()
@@ -101,6 +101,10 @@ def check_url(url: str) -> tuple[str, str, str]:
         if not url:
             raise ConfigError("store URL '' names no directory")
         return "file", url, ""  # a plain path
+    if parsed.query or parsed.fragment:  # no store takes one: dropped, it would go unseen
+        raise ConfigError(
+            f"store URL {url[:300]!r} has a query or a fragment (?… or #…), which no store takes"
+        )
     if scheme == "file":
         if parsed.netloc not in ("", "localhost"):
             raise ConfigError(f"file URL {url!r} must be file:///absolute/path")
