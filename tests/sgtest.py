@@ -356,3 +356,17 @@ class FailingStore(GatedStore):
                 raise StoreUnavailable(f"{key}: the store went away")
             self.allow -= 1
         await self.inner.put(key, data, if_absent=if_absent)
+
+
+def json_error_problem(status: int, body: bytes) -> str | None:
+    """What is wrong with a refusal's body (``status`` >= 400) as spotguard's HTTP servers
+    promise it — one JSON object whose ``error`` is one non-empty line — or None."""
+    try:
+        doc = json.loads(body)
+    except ValueError:
+        return f"{status}, a body that is not JSON: {body[:200]!r}"
+    if not isinstance(doc, dict) or not isinstance(doc.get("error"), str) or not doc["error"]:
+        return f"{status} without an error message: {body[:200]!r}"
+    if "\n" in doc["error"]:
+        return f"{status}: an error of more than one line: {doc['error'][:200]!r}"
+    return None

@@ -237,3 +237,31 @@ def setup(fmt: Literal["json", "text"] = "text", level: str = "info") -> None:
     root.setLevel(level.upper())
     for noisy in ("botocore", "boto3", "urllib3", "aiohttp.access", "google", "s3transfer"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class MalformedRequests(logging.Filter):
+    """aiohttp logs a request it cannot parse (a request line or header over 8190 bytes,
+    bytes that are not HTTP) at ERROR with a traceback, though it answered the peer 400 and
+    nothing here failed: any client can send one. Such a record becomes one warning line with
+    the ``peer`` and the ``error``; every other record passes unchanged."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        code = getattr(exc, "code", None)
+        if type(exc).__module__ != "aiohttp.http_exceptions" or not isinstance(code, int):
+            return True
+        if 400 <= code < 500:
+            record.peer = record.args[0] if isinstance(record.args, tuple) and record.args else None
+            record.error = " ".join(str(getattr(exc, "message", "") or type(exc).__name__).split())
+            record.msg, record.args = "malformed HTTP request refused", ()
+            record.exc_info, record.exc_text = None, None
+            record.levelno, record.levelname = logging.WARNING, "WARNING"
+        return True
+
+
+def quiet_malformed_requests() -> None:
+    """Install :class:`MalformedRequests` on aiohttp's server logger (once; the controller's
+    and the agent's HTTP servers call this when they build their application)."""
+    server = logging.getLogger("aiohttp.server")
+    if not any(isinstance(f, MalformedRequests) for f in server.filters):
+        server.addFilter(MalformedRequests())

@@ -31,8 +31,10 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from aiohttp import web
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from spotguard.errors import ConfigError, SpotguardError
+from spotguard.log import quiet_malformed_requests
 from spotguard.webui import add_routes as add_ui
 from spotguard.webui import is_ui_path
 
@@ -100,6 +102,7 @@ class AgentApi:
 
     async def start(self) -> None:
         """Bind and serve. Port 0 picks a free port; :attr:`address` tells which."""
+        quiet_malformed_requests()  # a request aiohttp cannot parse: a warning, no traceback
         self._runner = web.AppRunner(self.app(), access_log=None)
         await self._runner.setup()
         where = parse_listen(self.listen)
@@ -137,15 +140,22 @@ class AgentApi:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler: Any) -> web.StreamResponse:
-        if request.path in ("/healthz", "/metrics") or is_ui_path(request.path):
+        """The token on every route but health, metrics and the page; aiohttp's own refusals
+        (no route, a wrong method, a body over 1 MiB) as one JSON line like every other."""
+        try:
+            if not (request.path in ("/healthz", "/metrics") or is_ui_path(request.path)):
+                given = request.headers.get("Authorization", "")
+                expected = f"Bearer {self.token}"
+                if not hmac.compare_digest(given.encode(), expected.encode()):
+                    return web.json_response({"error": "missing or wrong token"}, status=401)
             result: web.StreamResponse = await handler(request)
             return result
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {self.token}"
-        if not hmac.compare_digest(given.encode(), expected.encode()):
-            return web.json_response({"error": "missing or wrong token"}, status=401)
-        result = await handler(request)
-        return result
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else None
+            error = " ".join((exc.text or exc.reason).split())
+            return web.json_response({"error": error}, status=exc.status, headers=allow)
 
     async def _healthz(self, request: web.Request) -> web.Response:
         return web.json_response({"ok": True})
@@ -161,33 +171,45 @@ class AgentApi:
         return web.Response(text=answer.model_dump_json(), content_type="application/json")
 
     async def _drain(self, request: web.Request) -> web.Response:
+        raw = await request.read()
         try:
-            body = await request.json() if request.can_read_body else {}
-        except json.JSONDecodeError:
-            return web.json_response({"error": "body must be JSON"}, status=400)
-        if not isinstance(body, dict):
-            return web.json_response({"error": "body must be a JSON object"}, status=400)
-        reason = str(body.get("reason") or "operator drain")
-        deadline = body.get("deadline_s")
-        bad = deadline is not None and (
-            isinstance(deadline, bool)
-            or not isinstance(deadline, int | float)
-            or not 0 < deadline <= DRAIN_DEADLINE_MAX
-        )
-        if bad:
-            msg = f"deadline_s must be a number of seconds in (0, {DRAIN_DEADLINE_MAX:g}]"
-            log.warning("drain refused", extra={"step": "api", "error": f"{msg}: {deadline!r}"})
-            return web.json_response({"error": f"{msg}, got {deadline!r}"}, status=400)
+            req = DrainRequest.model_validate_json(raw) if raw.strip() else DrainRequest()
+        except ValidationError as exc:
+            errors = exc.errors()
+            if bad := [e["input"] for e in errors if e["loc"][:1] == ("deadline_s",)]:
+                return _refused(_DEADLINE, bad[0])
+            return _refused("malformed drain request: " + "; ".join(
+                f"{'.'.join(str(x) for x in e['loc']) or 'body'}: {e['msg']}" for e in errors
+            ))  # fmt: skip
+        if req.deadline_s is not None and not 0 < req.deadline_s <= DRAIN_DEADLINE_MAX:
+            return _refused(_DEADLINE, req.deadline_s)
         try:
             result = await self.controls.drain(
-                reason,
-                wait=bool(body.get("wait", False)),
-                deadline_s=float(deadline) if deadline is not None else None,
+                req.reason or "operator drain", wait=req.wait, deadline_s=req.deadline_s
             )
         except SpotguardError as exc:  # a typed refusal is one JSON line, never a 500
-            log.warning("drain refused", extra={"step": "api", "error": str(exc)})
-            return web.json_response({"error": f"{type(exc).__name__}: {exc}"}, status=400)
-        return web.json_response(result, status=200 if body.get("wait") else 202, dumps=_dumps)
+            return _refused(f"{type(exc).__name__}: {exc}")
+        return web.json_response(result, status=200 if req.wait else 202, dumps=_dumps)
+
+
+class DrainRequest(BaseModel):
+    """Body of ``POST /drain`` (may be empty: the defaults). Strict, like the controller's
+    wire: ``"wait": "false"`` is refused, not taken as true; an unknown field is refused."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    reason: str | None = None  # None or "": "operator drain"
+    wait: bool = False
+    deadline_s: float | None = None  # checked against DRAIN_DEADLINE_MAX by the handler
+
+
+_DEADLINE = f"deadline_s must be a number of seconds in (0, {DRAIN_DEADLINE_MAX:g}]"
+
+
+def _refused(msg: str, *got: object) -> web.Response:
+    """A refused drain: one log line and a 400 with the error (``got``: the bad value)."""
+    error = f"{msg}, got {got[0]!r:.200}" if got else msg
+    log.warning("drain refused", extra={"step": "api", "error": error})
+    return web.json_response({"error": error}, status=400)
 
 
 def _dumps(obj: Any) -> str:

@@ -39,7 +39,8 @@ malformed body or bad request (unknown instance type, GPU mismatch), 404 unknown
 conflicting state or a non-owner's event, 413 an event over :data:`MAX_EVENT_BYTES`
 (``EventTooLarge``), 429 too many events or bytes from one token for one job
 (``EventRateLimited``, with ``Retry-After``), 503 state file unusable. The 413 and 429
-answers also carry the error's ``code``.
+answers also carry the error's ``code``. A wrong method (405, with ``Allow``) or any body over
+4 MiB (413) is JSON too; only a path no route serves gets aiohttp's text 404.
 
 The NCCL groups' routes (:mod:`spotguard.groupwire`; kept in memory by the controller's
 :class:`~spotguard.controller.rendezvous.Rendezvous`) answer 400 for a group or round name
@@ -250,6 +251,11 @@ async def auth_and_errors(request: web.Request, handler: Handler) -> web.StreamR
         return _error(409, f"{type(exc).__name__}: {exc}")
     except SpotguardError as exc:
         return _error(500, f"{type(exc).__name__}: {exc}")
+    except web.HTTPException as exc:  # aiohttp's own refusals: a wrong method, a body too large
+        if exc.status < 400 or exc.status == 404:
+            raise  # no route: aiohttp's text 404, which the client tells from the controller's
+        allow = {"Allow": exc.headers["Allow"]} if "Allow" in exc.headers else {}
+        return _error(exc.status, " ".join((exc.text or exc.reason).split()), **allow)
 
 
 def _summary(rec: JobRecord, asker_epoch: int | None = None) -> dict[str, Any]:
@@ -356,7 +362,7 @@ async def retry_job(request: web.Request) -> web.Response:
 
 async def directive(request: web.Request) -> web.Response:
     raw = request.query.get("epoch")
-    if raw is not None and not raw.isdigit():
+    if raw is not None and not (raw.isascii() and raw.isdigit()):  # not "²": int() refuses it
         return _error(400, f"epoch must be a number, got {raw!r}")
     out = await request.app[CONTROLLER_KEY].directive(
         request.match_info["job"], _caller(request), int(raw) if raw is not None else None

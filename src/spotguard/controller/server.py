@@ -21,6 +21,7 @@ from spotguard.controller.state import StateDB
 from spotguard.controller.strategies import get_strategy
 from spotguard.errors import ConfigError
 from spotguard.image.settings import ImageSettings
+from spotguard.log import quiet_malformed_requests
 from spotguard.notices.base import NoticeSource
 from spotguard.notify import Notifier
 from spotguard.providers.base import CloudProvider
@@ -71,6 +72,7 @@ class ControllerServer:
                 strategy=strategy,
                 sources=self._sources,
             )
+            quiet_malformed_requests()  # a request aiohttp cannot parse: a warning, no traceback
             self._runner = web.AppRunner(make_app(self.controller), access_log=None)
             await self._runner.setup()
             site = web.TCPSite(self._runner, host, port, ssl_context=tls)
