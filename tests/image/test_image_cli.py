@@ -109,3 +109,23 @@ def test_keygen_signed_push_and_refusals_as_one_line_errors(tmp_path: Path) -> N
     pulled = sg("images", "pull", url, str(tmp_path / "d2"), *trust)
     assert pulled.returncode == 1 and "does not match its manifest" in pulled.stderr
     assert not (tmp_path / "d2").exists() or not any((tmp_path / "d2").iterdir())
+
+
+def test_push_of_a_file_the_image_cannot_name_is_one_line(tmp_path: Path) -> None:
+    """A directory holding a name that is not UTF-8 (what another program may leave): the
+    push fails in one line naming it, not a validation error's several lines, and writes no
+    image."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(b"x" * 1000)
+    with open(os.path.join(os.fsencode(src), b"\xffname"), "wb") as f:
+        f.write(b"y")
+    store = tmp_path / "store"
+    r = sg("images", "push", str(src), str(store), "--job", "cli")
+    assert r.returncode == 1, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("spotguard: error: ") and "unexpected" not in last, r.stderr
+    assert "\\udcffname" in last and "not Unicode" in last, r.stderr
+    assert "validation error" not in r.stderr and "pydantic" not in r.stderr, r.stderr
+    listed = sg("images", "list", str(store), "--json")
+    assert listed.returncode != 0 or not any(i["complete"] for i in json.loads(listed.stdout))

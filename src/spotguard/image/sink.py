@@ -15,6 +15,8 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from pydantic import ValidationError
+
 from spotguard.errors import ImageError
 from spotguard.image.buffers import Held, Lease, Taking
 from spotguard.image.manifest import ChunkRef, FileEntry
@@ -144,7 +146,11 @@ class FileSink:
     """
 
     def __init__(self, pipeline: ChunkPipeline, name: str, mode: int) -> None:
-        FileEntry(name=name, size=0)  # validates the name early
+        try:  # the name checked now, as a reader will check it: one line, not pydantic's
+            FileEntry(name=name, size=0)
+        except ValidationError as exc:
+            why = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in exc.errors())
+            raise ImageError(f"the image cannot hold a file named {name!r}: {why}") from None
         self.name = name
         self.mode = mode & 0o777  # permission bits only (a reader refuses others)
         self.size = 0
