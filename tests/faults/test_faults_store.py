@@ -18,6 +18,7 @@ a "ranged get" is the same case as a get.
 
 from __future__ import annotations
 
+import os
 import subprocess
 import time
 from collections.abc import Awaitable, Callable, Iterator
@@ -26,7 +27,8 @@ from typing import Any
 
 import pytest
 
-from spotguard.errors import StoreError, StoreUnavailable
+from spotguard.errors import ImageError, StoreError, StoreUnavailable
+from spotguard.image import ImageSettings, pull_image, push_dir
 from spotguard.store import BlockingStore, RetryPolicy, open_store
 
 pytestmark = pytest.mark.timeout(60)
@@ -252,6 +254,23 @@ async def test_file_store_disk_full_is_a_clear_error_and_leaves_nothing(
         assert await store.stat("j/manifest.json") is None
         assert [i.key for i in await store.list("j/")] == ["j/first"]
     assert sorted(p.name for p in (small_disk / "j").iterdir()) == ["first"]  # no temp files
+
+
+async def test_a_pull_into_a_full_disk_is_one_typed_line_and_leaves_nothing(
+    tmpfs: Mount, tmp_path: Path
+) -> None:
+    """``images pull`` (restore's first step from a store to a directory) into a disk that
+    fills while the chunks are written: an ``ImageError`` naming the place and the cause —
+    not the ``OSError`` of the thread that wrote — and the files it made removed."""
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "pages-1.img").write_bytes(os.urandom(3 << 20))  # random: stored as it is
+    res = await push_dir(src, (tmp_path / "store").as_uri(), "job", settings=ImageSettings())
+    dest = tmpfs("small", "size=1m") / "image"
+    with pytest.raises(ImageError, match=f"cannot write the image into {dest}: No space") as err:
+        await pull_image(res.image_url, dest, settings=ImageSettings())
+    assert "\n" not in str(err.value)
+    assert not dest.exists() or list(dest.iterdir()) == []
 
 
 async def test_file_store_read_only_is_a_clear_error(tmpfs: Mount) -> None:

@@ -152,7 +152,8 @@ async def pull_image(
 
     On failure the files this call created are removed and the error propagates
     (:class:`~spotguard.errors.ImageNotFound`, :class:`~spotguard.errors.ImageCorrupt`,
-    :class:`~spotguard.errors.DecryptionError`, store errors).
+    :class:`~spotguard.errors.DecryptionError`, store errors; an :class:`ImageError` naming
+    ``dest`` when it fills or fails while the image is written into it).
     """
     s = settings
     dest = Path(dest_dir)
@@ -168,10 +169,13 @@ async def pull_image(
             with tl.step("pull", image=reader.url, files=m.totals.files, bytes=m.totals.bytes):
                 for f in m.files:
                     fds[f.name] = _create(dest, f, made, created)
-                await _fetch_all(reader, fds, progress)
+                await _fetch_all(reader, fds, progress, dest)
                 for f in m.files:
-                    os.fsync(fds[f.name])
-                    os.fchmod(fds[f.name], f.mode)
+                    try:
+                        os.fsync(fds[f.name])
+                        os.fchmod(fds[f.name], f.mode)
+                    except OSError as exc:
+                        raise _unwritable(dest, f.name, exc) from exc
             ok = True
         finally:
             for fd in fds.values():
@@ -223,16 +227,25 @@ def _mkdirs(d: Path, made: list[Path]) -> None:
         made.append(m)
 
 
+def _unwritable(dest: Path, name: str, exc: OSError) -> ImageError:
+    """The destination failed while the verified image was written into it (full, an I/O
+    error): one line naming the place and the cause, the pull undone by its caller."""
+    return ImageError(f"cannot write the image into {dest}: {exc.strerror} ({name})")
+
+
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
     done = 0
     while done < len(data):
         done += os.pwrite(fd, data[done:], offset + done)
 
 
-async def _fetch_all(reader: ImageReader, fds: dict[str, int], progress: ProgressFn | None) -> None:
+async def _fetch_all(
+    reader: ImageReader, fds: dict[str, int], progress: ProgressFn | None, dest: Path
+) -> None:
     """Every distinct chunk once: fetched into a pooled buffer, decoded and verified into
-    another, written in place at each offset that uses it. Stored-bytes buffers bound the
-    requests in flight; plaintext buffers bound the chunks between decode and write."""
+    another, written in place at each offset that uses it (a write that fails is the
+    destination's: :func:`_unwritable`). Stored-bytes buffers bound the requests in flight;
+    plaintext buffers bound the chunks between decode and write."""
     plan = chunk_plan(reader.manifest)
     refs = [t[0][2] for t in plan.values()]
     if not refs:
@@ -251,7 +264,10 @@ async def _fetch_all(reader: ImageReader, fds: dict[str, int], progress: Progres
             data = await reader.read_chunk_into(ref, stored, plain)
             stored.release()
             for i, (name, offset, _ref) in enumerate(targets):
-                await asyncio.to_thread(_pwrite_all, fds[name], data, offset)
+                try:
+                    await asyncio.to_thread(_pwrite_all, fds[name], data, offset)
+                except OSError as exc:
+                    raise _unwritable(dest, name, exc) from exc
                 if i:  # repeated chunk: written again, fetched once
                     reader.stats.bytes += ref.size
                     reader.stats.bytes_skipped += ref.size
