@@ -48,6 +48,7 @@ errors cross machines as :class:`spotguard.contracts.WireError` carrying both.
     │       ├── UntrustedSigner     signed by a key this host does not trust
     │       ├── ImageRollback       older sequence than a newer authenticated image of the job
     │       └── UnsafeCarriedFile   a carried file outside what the job owns (path, mode, link)
+    ├── DestinationError        [r] a directory on this host could not take what was written
     ├── StoreError              [r] object storage
     │   ├── StoreUnavailable    [r] unreachable, 5xx, throttled (transient: retry)
     │   ├── ObjectNotFound          no such key
@@ -303,6 +304,12 @@ class MissingMount(PreflightError):
     retryable = True
 
 
+class DestinationError(SpotguardError):
+    """A local directory could not take what was written (full, I/O): not the image's fault."""
+
+    retryable = True
+
+
 class ImageError(SpotguardError):
     """A checkpoint image is missing, malformed or fails verification."""
 
@@ -313,13 +320,9 @@ class ImageError(SpotguardError):
 class ImageNotFound(ImageError):
     """No complete image (no manifest) at that place."""
 
-    retryable = False
-
 
 class ImageCorrupt(ImageError):
     """A chunk failed verification; ``chunk`` names it."""
-
-    retryable = False
 
     def __init__(self, message: str, *, chunk: str | None = None) -> None:
         super().__init__(message)

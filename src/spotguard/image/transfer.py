@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from spotguard.errors import ConfigError, ImageError, SpotguardError
+from spotguard.errors import ConfigError, DestinationError, ImageError, SpotguardError
 from spotguard.image.buffers import BufferPool, Lease
 from spotguard.image.codec import Cipher, compress_bound
 from spotguard.image.manifest import ChunkRef, FileEntry, Manifest
@@ -152,8 +152,8 @@ async def pull_image(
 
     On failure the files this call created are removed and the error propagates
     (:class:`~spotguard.errors.ImageNotFound`, :class:`~spotguard.errors.ImageCorrupt`,
-    :class:`~spotguard.errors.DecryptionError`, store errors; an :class:`ImageError` naming
-    ``dest`` when it fills or fails while the image is written into it).
+    :class:`~spotguard.errors.DecryptionError`, store errors; a :class:`DestinationError`
+    naming ``dest`` when it fills or fails while the image is written into it).
     """
     s = settings
     dest = Path(dest_dir)
@@ -227,10 +227,11 @@ def _mkdirs(d: Path, made: list[Path]) -> None:
         made.append(m)
 
 
-def _unwritable(dest: Path, name: str, exc: OSError) -> ImageError:
+def _unwritable(dest: Path, name: str, exc: OSError) -> DestinationError:
     """The destination failed while the verified image was written into it (full, an I/O
-    error): one line naming the place and the cause, the pull undone by its caller."""
-    return ImageError(f"cannot write the image into {dest}: {exc.strerror} ({name})")
+    error): one line naming the place and the cause, the pull undone by its caller. Not an
+    :class:`ImageError`: the image is fine, and an older one would fail the same way."""
+    return DestinationError(f"cannot write the image into {dest}: {exc.strerror} ({name})")
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
