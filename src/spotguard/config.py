@@ -178,15 +178,21 @@ def read_file(path: Path | None) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not valid TOML: {not_text(exc)}") from exc
 
 
-def check_http_url(url: str, what: str) -> str:
-    """``url`` if it is ``http(s)://HOST[:PORT]...`` with a port in range, else a
-    :class:`ConfigError` naming ``what`` (not "unreachable" with the request's URL, later)."""
+def http_host(url: str) -> tuple[str, str] | None:
+    """``(scheme, host)`` of an ``http(s)://HOST[:PORT]...`` URL with a port in range, else
+    None (the one parse :func:`check_http_url` and the agent's controller check share)."""
     try:
         parts = urlsplit(url)
         host = parts.hostname if parts.port != 0 else None  # .port: ValueError if bad
     except ValueError:  # a port not a number, or past 65535
-        parts, host = urlsplit(""), None
-    if parts.scheme not in ("http", "https") or not host:
+        return None
+    return (parts.scheme, host) if parts.scheme in ("http", "https") and host else None
+
+
+def check_http_url(url: str, what: str) -> str:
+    """``url`` if :func:`http_host` takes it, else a :class:`ConfigError` naming ``what``
+    (not "unreachable" with the request's URL, later)."""
+    if http_host(url) is None:
         raise ConfigError(f"{what} {url!r} is not an http(s) URL: use http(s)://HOST[:PORT]")
     return url
 

@@ -13,12 +13,11 @@ import logging
 import os
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Literal, Self
-from urllib.parse import urlsplit
 
 from pydantic import Field, ValidationInfo, field_validator, model_validator
 from pydantic_settings import NoDecode
 
-from spotguard.config import Settings, not_text
+from spotguard.config import Settings, http_host, not_text
 from spotguard.container.spec import ContainerRef, is_container_job
 from spotguard.contracts import ASSIGNMENT_PATH
 from spotguard.errors import ConfigError, JobError
@@ -257,18 +256,14 @@ def check_controller_url(url: str, *, insecure: bool = False) -> str:
     host, plain http only to this host (a loopback address) unless ``insecure`` (the
     operator's explicit private-network opt-in, ``insecure_controller``). Plain http across a
     network hands the bearer token (and every event) to whoever can watch the traffic."""
-    try:
-        parts = urlsplit(url)
-        host = parts.hostname if parts.port != 0 else None  # .port: ValueError if bad
-    except ValueError:  # a port not a number, or past 65535
-        host = None
-        parts = urlsplit("")
-    if parts.scheme not in ("http", "https") or not host:
+    found = http_host(url)
+    if found is None:
         raise ConfigError(
             f"controller URL {url!r} is not an http(s) URL: use https://HOST[:PORT] "
             "(http:// only to a loopback address)"
         )
-    if parts.scheme == "http" and not _loopback(host) and not insecure:
+    scheme, host = found
+    if scheme == "http" and not _loopback(host) and not insecure:
         raise ConfigError(
             f"controller URL {url} is plain HTTP to {host}, not this host: the agent's token "
             "and events would cross the network in clear; use https:// (the controller's "
